@@ -1,0 +1,127 @@
+"""PyTorch expert math and helpers shared by the baselines (no harness imports).
+
+Legend: M routed rows on this rank, L local experts, H hidden, I expert ffn.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+FP8_MAX = 448.0  # float8_e4m3fn
+
+
+def device_capability(device: torch.device) -> tuple[int, int]:
+    if device.type != "cuda":
+        return (0, 0)
+    return torch.cuda.get_device_capability(device)
+
+
+def precision_unsupported(precision: str, device: torch.device) -> Optional[str]:
+    """Why this device cannot run a precision at all (None if it can)."""
+    cap = device_capability(device)
+    if precision == "mxfp8" and cap < (10, 0):
+        where = "the CPU" if device.type == "cpu" else f"SM{cap[0]}{cap[1]}"
+        return f"mxfp8 needs a Blackwell GPU (SM100+), this is {where}; use precision=fp8 (Hopper block-scaled e4m3)"
+    if precision == "fp8" and device.type == "cuda" and cap < (8, 9):
+        return f"fp8 needs compute capability 8.9+ (Ada/Hopper), this is SM{cap[0]}{cap[1]}; use precision=bf16"
+    return None
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: Optional[float] = None) -> torch.Tensor:
+    """silu(gate) * up; with ``limit`` the DeepSeek-V4 clamp (gate <= limit, |up| <= limit)."""
+    if limit is not None:
+        gate = gate.clamp(max=limit)
+        up = up.clamp(min=-limit, max=limit)
+    return F.silu(gate) * up
+
+
+def use_grouped_mm(x: torch.Tensor) -> bool:
+    return x.is_cuda and torch.cuda.get_device_capability(x.device) >= (9, 0) and hasattr(torch, "_grouped_mm")
+
+
+def grouped_linear(
+    x_MK: torch.Tensor, w_LNK: torch.Tensor, offs_L: torch.Tensor, counts: Sequence[int]
+) -> torch.Tensor:
+    """y[rows of group j] = x[rows of group j] @ w[j]^T. ``offs_L`` int32 cumulative row ends (device),
+    ``counts`` the same sizes on the host (used by the portable fallback)."""
+    if use_grouped_mm(x_MK):
+        return torch._grouped_mm(x_MK, w_LNK.transpose(-2, -1), offs=offs_L)
+    outs, start = [], 0
+    for j, n in enumerate(counts):
+        outs.append(x_MK[start : start + n] @ w_LNK[j].t())
+        start += n
+    return torch.cat(outs) if outs else x_MK.new_empty(0, w_LNK.shape[1])
+
+
+def expert_mlp(
+    x_MH: torch.Tensor,
+    w13_LIH: torch.Tensor,
+    w2_LHI: torch.Tensor,
+    offs_L: torch.Tensor,
+    counts: Sequence[int],
+    limit: Optional[float],
+) -> torch.Tensor:
+    """Grouped SwiGLU experts on rows already sorted by local expert. w13 holds gate rows then up rows."""
+    h13 = grouped_linear(x_MH, w13_LIH, offs_L, counts)
+    gate, up = h13.chunk(2, dim=-1)
+    return grouped_linear(swiglu(gate, up, limit), w2_LHI, offs_L, counts)
+
+
+def dense_mlp(x_TH: torch.Tensor, g_IH: torch.Tensor, u_IH: torch.Tensor, d_HI: torch.Tensor,
+              limit: Optional[float]) -> torch.Tensor:
+    return swiglu(x_TH @ g_IH.t(), x_TH @ u_IH.t(), limit) @ d_HI.t()
+
+
+# ---- fp8 block scaling (DeepSeek / TE Float8BlockScaling format) ------------------------------------------
+
+
+def quantize_blocks(x: torch.Tensor, block_rows: int, block_cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 data + fp32 scales, one scale per (block_rows x block_cols) tile of the last two dims."""
+    *lead, r, c = x.shape
+    xb = x.float().reshape(*lead, r // block_rows, block_rows, c // block_cols, block_cols)
+    amax = xb.abs().amax(dim=(-3, -1), keepdim=True).clamp_(min=1e-12)
+    scale = amax / FP8_MAX
+    q = (xb / scale).to(torch.float8_e4m3fn)
+    return q.reshape(x.shape), scale.squeeze(-1).squeeze(-2)
+
+
+def dequantize_blocks(q: torch.Tensor, scale: torch.Tensor, block_rows: int, block_cols: int) -> torch.Tensor:
+    *lead, r, c = q.shape
+    qb = q.float().reshape(*lead, r // block_rows, block_rows, c // block_cols, block_cols)
+    return (qb * scale.unsqueeze(-1).unsqueeze(-3)).reshape(q.shape)
+
+
+def fake_quant(x: torch.Tensor, block_rows: int, block_cols: int) -> torch.Tensor:
+    """Round-trip through block-scaled e4m3 with a straight-through gradient (value of the fp8 GEMM operand)."""
+    q, s = quantize_blocks(x.detach(), block_rows, block_cols)
+    dq = dequantize_blocks(q, s, block_rows, block_cols).to(x.dtype)
+    return x + (dq - x).detach()
+
+
+# ---- differentiable collectives -----------------------------------------------------------------------------
+
+
+class AllToAllSingle(torch.autograd.Function):
+    """all_to_all_single with host split sizes; backward sends the gradient back the same way."""
+
+    @staticmethod
+    def forward(ctx, x, out_splits: list[int], in_splits: list[int], group):  # type: ignore[override]
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        out = x.new_empty((sum(out_splits), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        out_splits, in_splits = ctx.splits
+        gin = grad.new_empty((sum(in_splits), *grad.shape[1:]))
+        dist.all_to_all_single(gin, grad.contiguous(), in_splits, out_splits, group=ctx.group)
+        return gin, None, None, None
+
+
+def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+    return AllToAllSingle.apply(x, out_splits, in_splits, group)

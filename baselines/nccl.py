@@ -1,0 +1,158 @@
+"""PyTorch + NCCL baseline, as published (mixture-of-kittens ``benchmarks/bench_nccl_torch.py``).
+
+Forward: per-expert counts exchanged with ``all_to_all_single``; one host sync for the split sizes; token rows
+sorted by expert and sent with ``all_to_all_single`` (one row per (token, k), no de-duplication); received rows
+regrouped by local expert; grouped SwiGLU GEMMs (gate+up fused into one [L, 2I, H] weight; ``torch._grouped_mm``
+on SM90+, a per-expert loop elsewhere); rows sent back; router-weighted sum in fp32 plus the shared expert.
+Backward is autograd through the same graph (the all-to-alls reverse).
+
+fp8: the harness format is block-scaled e4m3 (1x128 activations quantized after dispatch, 128x128 weights
+quantized once in ``setup``). This baseline emulates the fp8 GEMMs: operands round-trip through e4m3 and the
+GEMMs run in bf16 on the dequantized values (``scaling`` says so), so its fp8 numbers measure accuracy, not fp8
+GEMM speed. Known gap against the published script: the shared expert is not overlapped with the dispatch.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from baselines.common import (
+    all_to_all,
+    dense_mlp,
+    dequantize_blocks,
+    expert_mlp,
+    fake_quant,
+    precision_unsupported,
+    quantize_blocks,
+)
+
+
+class NcclBackend:
+    name = "nccl"
+    directions = ("fwd", "bwd", "fwd_bwd")
+
+    @classmethod
+    def unsupported_reason(cls, case: Any) -> Optional[str]:
+        why = precision_unsupported(case.precision, torch.device(case.device))
+        if why:
+            return why
+        if case.precision == "mxfp8":
+            return "the nccl baseline's mxfp8 path (TorchAO scaled_grouped_mm) is not implemented; use precision=bf16"
+        return None
+
+    def __init__(self, case: Any, group: Any) -> None:
+        self.case, self.group = case, group
+        self.rank = dist.get_rank(group)
+        self.ep = dist.get_world_size(group)
+        self._last: dict[str, Any] = {}
+
+    def setup(self, inputs: Any) -> None:
+        c = self.case
+        self.w13 = inputs.w13_LIH.detach().requires_grad_()
+        self.w2 = inputs.w2_LHI.detach().requires_grad_()
+        self.shared = None
+        if c.shared_expert:
+            self.shared = [inputs.ws_gate_IH.detach().requires_grad_(), inputs.ws_up_IH.detach().requires_grad_(),
+                           inputs.ws_down_HI.detach().requires_grad_()]
+        self._mlp = expert_mlp
+        self._dense = dense_mlp
+        if c.compile:
+            self._mlp = torch.compile(expert_mlp, mode=c.compile_mode, dynamic=False)
+            self._dense = torch.compile(dense_mlp, mode=c.compile_mode, dynamic=False)
+        if c.precision == "fp8":
+            wb = c.weight_block
+            # Prequantized weights (outside the timed region), used with a straight-through gradient.
+            q13, s13 = quantize_blocks(self.w13.detach(), wb, wb)
+            q2, s2 = quantize_blocks(self.w2.detach(), wb, wb)
+            self._w13_delta = (dequantize_blocks(q13, s13, wb, wb).to(torch.bfloat16) - self.w13.detach())
+            self._w2_delta = (dequantize_blocks(q2, s2, wb, wb).to(torch.bfloat16) - self.w2.detach())
+
+    def _weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.case.precision == "fp8":
+            return self.w13 + self._w13_delta, self.w2 + self._w2_delta
+        return self.w13, self.w2
+
+    def forward(self, x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, topk_w_TK: torch.Tensor) -> torch.Tensor:
+        c, ep, L, g = self.case, self.ep, self.case.local_experts, self.group
+        T, K = topk_idx_TK.shape
+        flat = topk_idx_TK.reshape(-1)
+        counts_E = torch.bincount(flat, minlength=c.num_experts)
+        recv_counts = torch.empty_like(counts_E)  # [src, local expert] flattened
+        dist.all_to_all_single(recv_counts, counts_E, group=g)
+        both = torch.stack([counts_E, recv_counts]).cpu()  # the one host sync, for the split sizes
+        in_splits = both[0].view(ep, L).sum(1).tolist()
+        out_splits = both[1].view(ep, L).sum(1).tolist()
+        recv_EP_L = both[1].view(ep, L)
+
+        order = torch.argsort(flat, stable=True)  # (t, k) slots grouped by destination rank, then expert
+        x_sorted = x_TH.index_select(0, order // K)
+        x_recv = all_to_all(x_sorted, out_splits, in_splits, g)  # rows ordered (src rank, local expert)
+
+        n_recv = sum(out_splits)
+        local_ids = torch.arange(L, device=x_TH.device).repeat(ep)
+        expert_of_row = torch.repeat_interleave(local_ids, recv_counts, output_size=n_recv)
+        perm = torch.argsort(expert_of_row, stable=True)  # -> ordered (local expert, src rank)
+        x_e = x_recv.index_select(0, perm)
+        counts_L = recv_EP_L.sum(0)
+        offs = torch.cumsum(counts_L, 0).to(device=x_TH.device, dtype=torch.int32)
+        if c.precision == "fp8":
+            x_e = fake_quant(x_e, 1, c.act_block)
+        w13, w2 = self._weights()
+        y_e = self._mlp(x_e, w13, w2, offs, counts_L.tolist(), c.swiglu_limit)
+
+        y_recv = y_e.index_select(0, torch.argsort(perm))
+        y_sorted = all_to_all(y_recv, in_splits, out_splits, g)
+        y_slots = y_sorted.index_select(0, torch.argsort(order))  # back to (t, k) order
+        out = (y_slots.view(T, K, -1).float() * topk_w_TK.unsqueeze(-1)).sum(1)
+        if self.shared is not None:
+            out = out + self._dense(x_TH, *self.shared, c.swiglu_limit).float()
+        self._last = {"x_sorted": x_sorted.detach(), "y_recv": y_recv.detach(),
+                      "in_splits": in_splits, "out_splits": out_splits}
+        return out.to(torch.bfloat16)
+
+    def zero_grad(self) -> None:
+        for p in [self.w13, self.w2, *(self.shared or [])]:
+            p.grad = None
+
+    def weight_grads(self) -> dict[str, Optional[torch.Tensor]]:
+        I = self.case.ffn
+        g13 = self.w13.grad
+        out = {"w_gate": None if g13 is None else g13[:, :I], "w_up": None if g13 is None else g13[:, I:],
+               "w_down": self.w2.grad}
+        names = ("ws_gate", "ws_up", "ws_down")
+        out.update({n: (p.grad if self.shared else None) for n, p in zip(names, self.shared or [None] * 3)})
+        return out
+
+    def traffic(self) -> dict[str, Any]:
+        """Rows sent per destination rank in dispatch (combine returns the same rows). bf16 on the wire."""
+        row_bytes = self.case.hidden * 2
+        return {"dispatch_rows_to": self._last["in_splits"], "combine_rows_to": self._last["out_splits"],
+                "dispatch_row_bytes": row_bytes, "combine_row_bytes": row_bytes}
+
+    def phases(self) -> dict[str, Callable[[], Any]]:
+        """Communication-only closures on the last forward's rows (layout and host sync excluded)."""
+        last, g = self._last, self.group
+        x_sorted, y_recv = last["x_sorted"], last["y_recv"]
+        ins, outs = last["in_splits"], last["out_splits"]
+        recv_buf = x_sorted.new_empty((sum(outs), x_sorted.shape[1]))
+        back_buf = y_recv.new_empty((sum(ins), y_recv.shape[1]))
+        return {
+            "dispatch": lambda: dist.all_to_all_single(recv_buf, x_sorted, outs, ins, group=g),
+            "combine": lambda: dist.all_to_all_single(back_buf, y_recv, ins, outs, group=g),
+        }
+
+    def info(self) -> dict[str, Any]:
+        c = self.case
+        scaling = "none"
+        if c.precision == "fp8":
+            scaling = f"block 1x{c.act_block}/{c.weight_block}x{c.weight_block} emulated (bf16 GEMM on e4m3 values)"
+        gemm = "torch._grouped_mm" if c.device == "cuda" and torch.cuda.get_device_capability() >= (9, 0) \
+            else "per-expert loop"
+        return {"scaling": scaling, "compiled": c.compile, "compile_mode": c.compile_mode if c.compile else "",
+                "notes": f"grouped GEMM: {gemm}; shared expert not overlapped with dispatch"}
+
+    def teardown(self) -> None:
+        self._last = {}

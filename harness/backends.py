@@ -1,0 +1,70 @@
+"""The one backend interface, and the registry from backend key to implementation.
+
+Backends live in ``baselines/`` and ``kernels/`` and never import the harness: they fit :class:`Backend`
+structurally and are imported lazily from this table, so a backend whose library is missing costs nothing until it
+is asked for (and then becomes an ``unsupported`` row).
+
+Lifecycle, per sweep point (every rank runs the same calls):
+
+1. ``cls.unsupported_reason(case)`` -> None, or "why; how to fix" (missing package, GPU too old, topology).
+2. ``b = cls(case, group)``; ``b.setup(inputs)``: buffers, weight layouts, JIT, compilation. Untimed.
+3. ``out = b.forward(x, topk_idx, topk_w)``: one layer forward. ``x`` [T,H] bf16 and ``topk_w`` [T,K] fp32 are
+   leaves owned by the harness; for backward the harness calls ``out.backward(grad_out)`` and reads ``x.grad``,
+   ``topk_w.grad`` and ``b.weight_grads()`` (gate/up [L,I,H], down [L,H,I], shared gate/up [I,H], down [H,I]).
+4. ``b.zero_grad()`` between iterations; ``b.traffic()`` and ``b.phases()`` for byte counts and per-phase
+   bandwidth; ``b.info()`` for extra row columns (``scaling``, ``compiled``, ``comm_sms``, ``notes``, ...).
+5. ``b.teardown()``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, Callable, ClassVar, Optional, Protocol
+
+import torch
+
+BACKENDS: dict[str, str] = {
+    "reference": "harness.reference:ReferenceBackend",
+    "nccl": "baselines.nccl:NcclBackend",
+}
+
+WEIGHT_GRAD_NAMES = ("w_gate", "w_up", "w_down", "ws_gate", "ws_up", "ws_down")
+
+
+class Backend(Protocol):
+    name: ClassVar[str]
+    directions: ClassVar[tuple[str, ...]]  # which of fwd / bwd / fwd_bwd it implements
+
+    @classmethod
+    def unsupported_reason(cls, case: Any) -> Optional[str]: ...
+
+    def __init__(self, case: Any, group: Any) -> None: ...
+
+    def setup(self, inputs: Any) -> None: ...
+
+    def forward(self, x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, topk_w_TK: torch.Tensor) -> torch.Tensor: ...
+
+    def zero_grad(self) -> None: ...
+
+    def weight_grads(self) -> dict[str, Optional[torch.Tensor]]: ...
+
+    def traffic(self) -> dict[str, Any]: ...
+
+    def phases(self) -> dict[str, Callable[[], Any]]: ...
+
+    def info(self) -> dict[str, Any]: ...
+
+    def teardown(self) -> None: ...
+
+
+class BackendImportError(RuntimeError):
+    pass
+
+
+def load_backend(name: str) -> type:
+    """Import the class behind a backend key (a KeyError for unknown keys is a config error raised earlier)."""
+    module, _, attr = BACKENDS[name].partition(":")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except ImportError as e:  # an adapter module whose optional dependency is absent at import time
+        raise BackendImportError(f"{name}: {e}") from e

@@ -1,0 +1,58 @@
+"""Run a backend once on the shared inputs and compare it with the reference (output and all 8 gradients)."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from harness.backends import WEIGHT_GRAD_NAMES
+
+TENSOR_NAMES = ("out", "d_x", "d_topk_w", *(f"d_{n}" for n in WEIGHT_GRAD_NAMES))
+
+
+def leaves(inputs: Any, need_grads: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return (inputs.x_TH.detach().requires_grad_(need_grads), inputs.topk_w_TK.detach().requires_grad_(need_grads))
+
+
+def run_once(backend: Any, inputs: Any, need_grads: bool) -> dict[str, Optional[torch.Tensor]]:
+    """Output and (when asked) the 8 gradients, in the harness layout."""
+    backend.zero_grad()
+    x, w = leaves(inputs, need_grads)
+    out = backend.forward(x, inputs.topk_idx_TK, w)
+    res: dict[str, Optional[torch.Tensor]] = {"out": out.detach()}
+    if need_grads:
+        out.backward(inputs.grad_out_TH)
+        res["d_x"], res["d_topk_w"] = x.grad, w.grad
+        res.update({f"d_{k}": v for k, v in backend.weight_grads().items()})
+        backend.zero_grad()
+    return res
+
+
+def compare(got: dict[str, Optional[torch.Tensor]], ref: dict[str, Optional[torch.Tensor]], group) -> dict[str, Any]:
+    """Worst abs-max error and worst relative L1 error over every tensor the reference has and over all ranks.
+
+    A tensor the reference produced but the backend did not is reported as missing (an infinite error)."""
+    worst_abs, worst_rel, worst_name, missing = 0.0, 0.0, "", []
+    for name in TENSOR_NAMES:
+        r = ref.get(name)
+        if r is None:
+            continue
+        g = got.get(name)
+        if g is None or g.shape != r.shape:
+            missing.append(name)
+            continue
+        diff = (g.float() - r.float()).abs()
+        a = float(diff.max()) if diff.numel() else 0.0
+        rel = float(diff.sum() / r.float().abs().sum().clamp(min=1e-30)) if diff.numel() else 0.0
+        if not (a == a and rel == rel):  # NaN never passes
+            a, rel = float("inf"), float("inf")
+        if rel > worst_rel or not worst_name:
+            worst_name = name  # the tensor with the worst relative error
+        worst_abs, worst_rel = max(worst_abs, a), max(worst_rel, rel)
+    flag = torch.tensor([worst_abs, worst_rel, float(len(missing))], dtype=torch.float64)
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return {"max_abs_err": float(flag[0]), "rel_err": float(flag[1]), "worst_tensor": worst_name,
+            "missing": missing, "any_missing": bool(flag[2] > 0)}

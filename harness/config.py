@@ -1,0 +1,329 @@
+"""Typed configuration for one mokbench sweep point.
+
+Every Hydra group (``shape``, ``workload``, ``precision``, ``timing``) has a dataclass schema registered in the
+ConfigStore as ``<group>/base_<group>``; the YAML files under ``configs/<group>/`` extend it. ``backend`` and
+``direction`` groups set the ``backends`` / ``directions`` lists, so one process can run several backends and
+directions on identical inputs (``backends=[nccl,deepep]``) while multirun sweeps either axis.
+
+Checks that can be made from the configuration alone live in :func:`validate` and raise :class:`ConfigError`
+with a message that says what to change; the CLI turns it into one line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+CONFIG_DIR = REPO_ROOT / "configs"
+
+PRECISIONS = ("bf16", "fp8", "mxfp8")
+DIRECTIONS = ("fwd", "bwd", "fwd_bwd")
+ROUTINGS = ("uniform", "zipf", "hot_experts", "hot_rank")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+class ConfigError(ValueError):
+    """A configuration that can never run. The message names the fix."""
+
+
+@dataclass(kw_only=True)
+class ShapeConfig:
+    """One MoE layer shape. ``num_experts`` is the global routed expert count."""
+
+    name: str = MISSING
+    num_experts: int = MISSING
+    hidden: int = MISSING
+    ffn: int = MISSING
+    topk: int = MISSING
+    shared_expert: bool = True
+    swiglu_limit: Optional[float] = None
+    # Keep hidden/ffn/topk but place this many experts on each GPU (num_experts becomes local_experts * ep_size).
+    local_experts: Optional[int] = None
+    # Experts per GPU in the published EP=64 run (informational; recorded in rows).
+    published_local_experts: Optional[int] = None
+
+
+@dataclass(kw_only=True)
+class WorkloadConfig:
+    name: str = "uniform"
+    tokens_per_gpu: int = 2048
+    seed: int = 1234
+    routing: str = "uniform"  # uniform | zipf | hot_experts | hot_rank
+    zipf_exponent: float = 1.0
+    hot_fraction: float = 0.125  # hot_experts: fraction of experts that are hot
+    hot_ratio: float = 4.0  # hot_experts / hot_rank: load weight of a hot expert relative to a cold one
+    hot_rank: int = 0  # hot_rank: the rank whose experts are hot
+
+
+@dataclass(kw_only=True)
+class PrecisionConfig:
+    name: str = "bf16"  # bf16 | fp8 (Hopper e4m3, 1x128 / 128x128 block scales) | mxfp8 (Blackwell, 1x32 e8m0)
+    act_block: int = 128  # activation scale block (1 x act_block)
+    weight_block: int = 128  # weight scale block (weight_block x weight_block)
+    atol: float = 0.5  # abs-max tolerance against the bf16 reference
+    rtol: float = 0.01  # relative-L1 tolerance against the bf16 reference
+
+
+@dataclass(kw_only=True)
+class TimingConfig:
+    name: str = "quick"
+    num_warmup: int = 2
+    num_iters: int = 5
+    l2_flush: bool = False
+    align: str = "barrier"  # barrier: aligning collective before each iteration | none
+    phase_iters: int = 20  # iterations for per-phase (dispatch / combine) bandwidth timing; 0 disables
+
+
+@dataclass(kw_only=True)
+class BenchConfig:
+    shape: ShapeConfig = MISSING
+    workload: WorkloadConfig = MISSING
+    precision: PrecisionConfig = MISSING
+    timing: TimingConfig = MISSING
+    backends: list[str] = field(default_factory=lambda: ["nccl"])
+    directions: list[str] = field(default_factory=lambda: ["fwd", "bwd"])
+    device: str = "auto"  # auto | cpu | cuda
+    ep_size: Optional[int] = None  # None: all local GPUs (cuda) or 2 ranks (cpu); ignored under torchrun/Slurm
+    compile: Optional[bool] = None  # torch.compile the compute parts: None = on for cuda, off for cpu
+    compile_mode: str = "max-autotune-no-cudagraphs"
+    comm_sms: Optional[int] = None  # SMs for communication kernels, for backends that take it (None: its default)
+    check: bool = True  # correctness gate against the reference before timing
+    time_reference: bool = False  # the reference is not a contender; time it only when asked
+    run_id: Optional[str] = None  # rows of one run share it; None: generated per process tree
+    results_dir: str = "results/runs"
+    results_format: str = "csv"  # csv | parquet
+    calibrate: bool = False  # measure GEMM / HBM / interconnect rates and write calibration rows
+    print_table: bool = True
+
+
+def register_configs() -> None:
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    cs.store(name="base_config", node=BenchConfig)
+    cs.store(group="shape", name="base_shape", node=ShapeConfig)
+    cs.store(group="workload", name="base_workload", node=WorkloadConfig)
+    cs.store(group="precision", name="base_precision", node=PrecisionConfig)
+    cs.store(group="timing", name="base_timing", node=TimingConfig)
+
+
+def load_group_option(group: str, name: str) -> DictConfig:
+    """Load ``configs/<group>/<name>.yaml`` merged onto its schema (used to resolve ``auto`` choices)."""
+    schema = {
+        "shape": ShapeConfig,
+        "workload": WorkloadConfig,
+        "precision": PrecisionConfig,
+        "timing": TimingConfig,
+    }[group]
+    path = CONFIG_DIR / group / f"{name}.yaml"
+    if not path.exists():
+        options = sorted(p.stem for p in (CONFIG_DIR / group).glob("*.yaml") if p.stem != "auto")
+        raise ConfigError(f"unknown {group} '{name}'; choose one of: {', '.join(options)}")
+    raw = OmegaConf.load(path)
+    raw.pop("defaults", None)
+    return OmegaConf.merge(OmegaConf.structured(schema), raw)
+
+
+def to_container(cfg: Any) -> dict:
+    if isinstance(cfg, DictConfig):
+        return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
+    if dataclasses.is_dataclass(cfg):
+        return dataclasses.asdict(cfg)
+    return dict(cfg)
+
+
+@dataclass(frozen=True)
+class Case:
+    """A fully resolved sweep point, as every backend sees it (plain values, no OmegaConf)."""
+
+    shape: str
+    num_experts: int
+    local_experts: int
+    hidden: int
+    ffn: int
+    topk: int
+    shared_expert: bool
+    swiglu_limit: Optional[float]
+    experts_override: bool
+    published_local_experts: Optional[int]
+    tokens_per_gpu: int
+    seed: int
+    routing: str
+    zipf_exponent: float
+    hot_fraction: float
+    hot_ratio: float
+    hot_rank: int
+    precision: str
+    act_block: int
+    weight_block: int
+    atol: float
+    rtol: float
+    ep_size: int
+    device: str
+    compile: bool
+    compile_mode: str
+    comm_sms: Optional[int]
+
+    @property
+    def routing_label(self) -> str:
+        if self.routing == "uniform":
+            return "uniform"
+        if self.routing == "zipf":
+            return f"zipf(s={self.zipf_exponent:g})"
+        if self.routing == "hot_experts":
+            return f"hot_experts(f={self.hot_fraction:g},x{self.hot_ratio:g})"
+        return f"hot_rank(r={self.hot_rank},x{self.hot_ratio:g})"
+
+    def flops(self, direction: str) -> float:
+        """FLOPs per GPU by the published formula 6*(T + T*topk)*H*I (x2 bwd, x3 fwd_bwd)."""
+        t = self.tokens_per_gpu
+        rows = t * self.topk + (t if self.shared_expert else 0)
+        return 6.0 * rows * self.hidden * self.ffn * {"fwd": 1, "bwd": 2, "fwd_bwd": 3}[direction]
+
+
+def make_case(cfg: Any, *, ep_size: int, device: str) -> Case:
+    """Resolve a composed config into a :class:`Case` and validate it (raises :class:`ConfigError`)."""
+    c = to_container(cfg)
+    shape, wl, prec = c["shape"], c["workload"], c["precision"]
+    local = shape.get("local_experts")
+    num_experts = local * ep_size if local else shape["num_experts"]
+    compile_ = c.get("compile")
+    if compile_ is None:
+        compile_ = device == "cuda"
+    case = Case(
+        shape=shape["name"] + (f"@{local}epg" if local else ""),
+        num_experts=num_experts,
+        local_experts=num_experts // ep_size if ep_size > 0 else 0,
+        hidden=shape["hidden"],
+        ffn=shape["ffn"],
+        topk=shape["topk"],
+        shared_expert=bool(shape["shared_expert"]),
+        swiglu_limit=shape.get("swiglu_limit"),
+        experts_override=bool(local),
+        published_local_experts=shape.get("published_local_experts"),
+        tokens_per_gpu=wl["tokens_per_gpu"],
+        seed=wl["seed"],
+        routing=wl["routing"],
+        zipf_exponent=wl["zipf_exponent"],
+        hot_fraction=wl["hot_fraction"],
+        hot_ratio=wl["hot_ratio"],
+        hot_rank=wl["hot_rank"],
+        precision=prec["name"],
+        act_block=prec["act_block"],
+        weight_block=prec["weight_block"],
+        atol=prec["atol"],
+        rtol=prec["rtol"],
+        ep_size=ep_size,
+        device=device,
+        compile=bool(compile_),
+        compile_mode=c.get("compile_mode", "default"),
+        comm_sms=c.get("comm_sms"),
+    )
+    validate_case(case)
+    return case
+
+
+def validate_case(case: Case) -> None:
+    def need(ok: bool, msg: str) -> None:
+        if not ok:
+            raise ConfigError(msg)
+
+    need(case.ep_size >= 1, f"ep_size must be >= 1 (got {case.ep_size})")
+    for name in ("hidden", "ffn", "topk", "num_experts", "tokens_per_gpu"):
+        need(getattr(case, name) >= 1, f"{name} must be >= 1 (got {getattr(case, name)})")
+    need(
+        case.num_experts % case.ep_size == 0,
+        f"shape '{case.shape}' has {case.num_experts} experts, not divisible by ep_size={case.ep_size}: "
+        f"use an ep_size that divides {case.num_experts}, or set shape.local_experts",
+    )
+    need(
+        case.topk <= case.num_experts,
+        f"topk={case.topk} exceeds num_experts={case.num_experts}: lower shape.topk",
+    )
+    need(case.precision in PRECISIONS, f"unknown precision '{case.precision}'; choose one of: {', '.join(PRECISIONS)}")
+    if case.precision == "fp8":
+        for name in ("hidden", "ffn"):
+            need(
+                getattr(case, name) % case.act_block == 0 and getattr(case, name) % case.weight_block == 0,
+                f"fp8 block scaling needs shape.{name} ({getattr(case, name)}) divisible by the scale blocks "
+                f"({case.act_block}, {case.weight_block}): pick another shape or precision=bf16",
+            )
+    if case.precision == "mxfp8":
+        for name in ("hidden", "ffn"):
+            need(
+                getattr(case, name) % 32 == 0,
+                f"mxfp8 needs shape.{name} ({getattr(case, name)}) divisible by 32: pick another shape or precision",
+            )
+    need(case.routing in ROUTINGS, f"unknown workload.routing '{case.routing}'; choose one of: {', '.join(ROUTINGS)}")
+    if case.routing == "hot_rank":
+        need(
+            0 <= case.hot_rank < case.ep_size,
+            f"workload.hot_rank={case.hot_rank} is not a rank of ep_size={case.ep_size}: use 0..{case.ep_size - 1}",
+        )
+    if case.routing in ("hot_experts", "hot_rank"):
+        need(case.hot_ratio > 0, f"workload.hot_ratio must be > 0 (got {case.hot_ratio})")
+    if case.routing == "hot_experts":
+        need(0 < case.hot_fraction <= 1, f"workload.hot_fraction must be in (0, 1] (got {case.hot_fraction})")
+    if case.routing == "zipf":
+        need(case.zipf_exponent >= 0, f"workload.zipf_exponent must be >= 0 (got {case.zipf_exponent})")
+    need(
+        case.swiglu_limit is None or case.swiglu_limit > 0,
+        f"shape.swiglu_limit must be positive or null (got {case.swiglu_limit})",
+    )
+    need(case.device in ("cpu", "cuda"), f"device must be cpu or cuda (got {case.device})")
+    if case.comm_sms is not None:
+        need(case.comm_sms > 0 and case.comm_sms % 2 == 0, f"comm_sms must be a positive even number (got {case.comm_sms})")
+
+
+def validate_run_options(c: dict) -> None:
+    """Checks on the run-level options (backends, directions, timing, device)."""
+    from harness.backends import BACKENDS
+
+    if not c.get("backends"):
+        raise ConfigError("no backend selected: set backend=<name> or backends=[a,b]")
+    for b in c["backends"]:
+        if b not in BACKENDS:
+            raise ConfigError(f"unknown backend '{b}'; choose from: {', '.join(BACKENDS)}")
+    if not c.get("directions"):
+        raise ConfigError("no direction selected: set direction=fwd|bwd|fwd_bwd or directions=[fwd,bwd]")
+    for d in c["directions"]:
+        if d not in DIRECTIONS:
+            raise ConfigError(f"unknown direction '{d}'; choose from: {', '.join(DIRECTIONS)}")
+    t = c["timing"]
+    if t["num_iters"] < 1 or t["num_warmup"] < 0:
+        raise ConfigError(f"timing needs num_iters >= 1 and num_warmup >= 0 (got {t['num_iters']}, {t['num_warmup']})")
+    if t["align"] not in ("barrier", "none"):
+        raise ConfigError(f"timing.align must be barrier or none (got {t['align']})")
+    if c["device"] not in DEVICES:
+        raise ConfigError(f"device must be one of {', '.join(DEVICES)} (got {c['device']})")
+    if c["results_format"] not in ("csv", "parquet"):
+        raise ConfigError(f"results_format must be csv or parquet (got {c['results_format']})")
+    if c.get("ep_size") is not None and c["ep_size"] < 1:
+        raise ConfigError(f"ep_size must be >= 1 (got {c['ep_size']})")
+
+
+# Fields that identify a measurement, not the run that made it (compare matches rows on this hash).
+_HASH_EXCLUDE = {"run_id", "results_dir", "results_format", "print_table", "timing", "check", "calibrate",
+                 "time_reference", "backends", "directions"}
+
+
+def config_hash(c: dict, case: Case) -> str:
+    kept = {k: v for k, v in c.items() if k not in _HASH_EXCLUDE}
+    kept["case"] = dataclasses.asdict(case)
+    blob = OmegaConf.to_yaml(OmegaConf.create(kept), sort_keys=True)
+    return hashlib.sha1(blob.encode()).hexdigest()[:12]
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def isclose(a: float, b: float) -> bool:
+    return math.isclose(a, b, rel_tol=1e-9)

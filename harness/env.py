@@ -1,0 +1,78 @@
+"""The environment a row was measured in: GPU, driver, versions, git SHA, Slurm job."""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata as md
+import platform
+import socket
+import subprocess
+from typing import Any, Optional
+
+import torch
+
+from harness.config import REPO_ROOT
+
+# row column -> distribution names to try (first found wins)
+OPTIONAL_PACKAGES = {
+    "deepep_version": ("deep_ep", "deep-ep"),
+    "transformer_engine_version": ("transformer_engine", "transformer-engine", "transformer_engine_torch"),
+    "megatron_core_version": ("megatron-core", "megatron_core"),
+    "mok_version": ("mok", "mixture-of-kittens"),
+    "triton_version": ("triton",),
+}
+
+
+def _git(*args: str) -> Optional[str]:
+    try:
+        out = subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def _version(names: tuple[str, ...]) -> Optional[str]:
+    for n in names:
+        try:
+            return md.version(n)
+        except md.PackageNotFoundError:
+            continue
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def collect(device: str) -> dict[str, Any]:
+    sha = _git("rev-parse", "HEAD")
+    dirty = _git("status", "--porcelain", "--untracked-files=no")
+    info: dict[str, Any] = {
+        "git_sha": sha or "unknown",
+        "git_dirty": None if dirty is None else bool(dirty),
+        "hostname": socket.gethostname(),
+        "python_version": platform.python_version(),
+        "torch_version": torch.__version__,
+        "cuda_version": torch.version.cuda,
+        "device": device,
+        "num_gpus": torch.cuda.device_count() if torch.cuda.is_available() else 0,
+    }
+    nccl = None
+    if torch.cuda.is_available():
+        try:
+            v = torch.cuda.nccl.version()
+            nccl = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+        except Exception:  # noqa: BLE001 - a torch built without NCCL
+            nccl = None
+    info["nccl_version"] = nccl
+    if device == "cuda":
+        info["gpu_name"] = torch.cuda.get_device_name()
+        try:
+            out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                 capture_output=True, text=True, timeout=20)
+            info["driver_version"] = out.stdout.strip().splitlines()[0] if out.returncode == 0 else None
+        except (OSError, subprocess.TimeoutExpired, IndexError):
+            info["driver_version"] = None
+    else:
+        info["gpu_name"] = "cpu"
+        info["driver_version"] = None
+    for col, names in OPTIONAL_PACKAGES.items():
+        info[col] = _version(names)
+    return info

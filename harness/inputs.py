@@ -1,0 +1,134 @@
+"""Identical layer inputs for every backend.
+
+Shape legend: T tokens on this rank, K top-k, H hidden, I expert ffn, E global experts, L local experts
+(E / EP). Rank r owns the contiguous global experts [r*L, (r+1)*L).
+
+* Tokens, routing and the output gradient are drawn on the CPU from a generator seeded with ``seed + rank`` (the
+  published per-rank seed), so they are identical on any device.
+* Routed weights are drawn per global expert id from a generator seeded by (seed, expert), so expert e has the
+  same weights at any EP size (on a given device type: CPU and CUDA generators differ).
+* gate/up are scaled by H^-0.5, down by I^-0.5, as published. gate and up are stored fused as ``w13`` [L, 2I, H]
+  (gate rows first) and exposed as views, so backends that fuse them need no copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from harness.config import Case
+
+_WEIGHT_SEED_STRIDE = 1_000_003
+
+
+@dataclass
+class LayerInputs:
+    x_TH: torch.Tensor  # bf16
+    topk_idx_TK: torch.Tensor  # int64, global expert ids
+    topk_w_TK: torch.Tensor  # fp32, softmax over the top-k logits
+    w13_LIH: torch.Tensor  # bf16 [L, 2I, H]: gate rows [:I], up rows [I:]
+    w2_LHI: torch.Tensor  # bf16 [L, H, I]
+    ws_gate_IH: Optional[torch.Tensor]  # shared expert (None when the shape has none)
+    ws_up_IH: Optional[torch.Tensor]
+    ws_down_HI: Optional[torch.Tensor]
+    grad_out_TH: torch.Tensor  # bf16, the upstream gradient used for backward
+
+    @property
+    def w_gate_LIH(self) -> torch.Tensor:
+        return self.w13_LIH[:, : self.w13_LIH.shape[1] // 2]
+
+    @property
+    def w_up_LIH(self) -> torch.Tensor:
+        return self.w13_LIH[:, self.w13_LIH.shape[1] // 2 :]
+
+
+def expert_popularity(case: Case) -> Optional[torch.Tensor]:
+    """Relative load weight per global expert for the imbalance models; None for the published uniform routing."""
+    e = case.num_experts
+    if case.routing == "uniform":
+        return None
+    g = torch.Generator().manual_seed(case.seed * 7919 + 17)  # global: the same order on every rank
+    order = torch.randperm(e, generator=g)
+    w = torch.ones(e, dtype=torch.float64)
+    if case.routing == "zipf":
+        ranks = torch.arange(1, e + 1, dtype=torch.float64)
+        w[order] = ranks.pow(-case.zipf_exponent)
+    elif case.routing == "hot_experts":
+        n_hot = max(1, round(case.hot_fraction * e))
+        w[order[:n_hot]] = case.hot_ratio
+    elif case.routing == "hot_rank":
+        lo = case.hot_rank * case.local_experts
+        w[lo : lo + case.local_experts] = case.hot_ratio
+    return w / w.sum()
+
+
+def make_routing(case: Case, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k expert ids [T, K] and router weights [T, K] (fp32) for one rank, on the CPU."""
+    g = torch.Generator().manual_seed(case.seed + rank)
+    t, e, k = case.tokens_per_gpu, case.num_experts, case.topk
+    logits = torch.randn(t, e, generator=g, dtype=torch.float32)
+    pop = expert_popularity(case)
+    if pop is None:
+        vals, idx = logits.topk(k, dim=-1)
+    else:
+        # Gumbel top-k: k experts per token sampled without replacement with probability ~ popularity.
+        u = torch.rand(t, e, generator=g, dtype=torch.float64).clamp_(1e-12, 1 - 1e-12)
+        scores = pop.log().unsqueeze(0) - torch.log(-torch.log(u))
+        idx = scores.topk(k, dim=-1).indices
+        vals = logits.gather(1, idx)
+    return idx.to(torch.int64), torch.softmax(vals, dim=-1)
+
+
+def _randn(shape, scale: float, seed: int, device: torch.device) -> torch.Tensor:
+    g = torch.Generator(device=device).manual_seed(seed)
+    return (torch.randn(shape, generator=g, device=device, dtype=torch.float32) * scale).to(torch.bfloat16)
+
+
+def make_inputs(case: Case, rank: int, device: torch.device) -> LayerInputs:
+    t, h, i, l = case.tokens_per_gpu, case.hidden, case.ffn, case.local_experts
+    g = torch.Generator().manual_seed(case.seed + rank)
+    x = torch.randn(t, h, generator=g, dtype=torch.float32).to(torch.bfloat16)
+    grad_out = torch.randn(t, h, generator=g, dtype=torch.float32).to(torch.bfloat16)
+    idx, w = make_routing(case, rank)
+
+    base = (case.seed + 1) * _WEIGHT_SEED_STRIDE
+    w13 = torch.empty(l, 2 * i, h, dtype=torch.bfloat16, device=device)
+    w2 = torch.empty(l, h, i, dtype=torch.bfloat16, device=device)
+    for j in range(l):
+        ge = rank * l + j  # global expert id
+        s = base + 4 * ge
+        w13[j, :i] = _randn((i, h), h**-0.5, s + 1, device)
+        w13[j, i:] = _randn((i, h), h**-0.5, s + 2, device)
+        w2[j] = _randn((h, i), i**-0.5, s + 3, device)
+    shared = (None, None, None)
+    if case.shared_expert:
+        s = base - 4
+        shared = (
+            _randn((i, h), h**-0.5, s + 1, device),
+            _randn((i, h), h**-0.5, s + 2, device),
+            _randn((h, i), i**-0.5, s + 3, device),
+        )
+    return LayerInputs(
+        x_TH=x.to(device),
+        topk_idx_TK=idx.to(device),
+        topk_w_TK=w.to(device),
+        w13_LIH=w13,
+        w2_LHI=w2,
+        ws_gate_IH=shared[0],
+        ws_up_IH=shared[1],
+        ws_down_HI=shared[2],
+        grad_out_TH=grad_out.to(device),
+    )
+
+
+def load_stats(topk_idx_all: torch.Tensor, case: Case) -> dict[str, float]:
+    """Routing balance over all ranks' top-k ids: max/mean routed rows per expert and per destination rank."""
+    counts = torch.bincount(topk_idx_all.flatten().cpu(), minlength=case.num_experts).double()
+    per_rank = counts.view(case.ep_size, case.local_experts).sum(1)
+    return {
+        "expert_load_max_over_mean": float(counts.max() / counts.mean()),
+        "rank_load_max_over_mean": float(per_rank.max() / per_rank.mean()),
+        "empty_experts": int((counts == 0).sum()),
+    }

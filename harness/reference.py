@@ -1,0 +1,119 @@
+"""The ground truth: the simplest correct distributed BF16 MoE layer.
+
+It shares no communication path with any backend: every rank all-gathers all tokens, top-k ids and router
+weights, runs its own experts with a plain per-expert loop (bf16 GEMMs, fp32 router-weighted accumulation), and
+the partial outputs are summed across ranks and scattered back (all-reduce, then each rank keeps its rows). Both
+collectives are differentiable, so autograd gives the output and all 8 gradients.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+
+def _swiglu(gate: torch.Tensor, up: torch.Tensor, limit: Optional[float]) -> torch.Tensor:
+    if limit is not None:
+        gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+    return F.silu(gate) * up
+
+
+class _AllGather(torch.autograd.Function):
+    """[T, ...] per rank -> [EP*T, ...]; backward sums every rank's gradient for this rank's rows."""
+
+    @staticmethod
+    def forward(ctx, x, group):  # type: ignore[override]
+        ctx.group = group
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        g = grad.float().contiguous()
+        dist.all_reduce(g, group=ctx.group)
+        rank, n = dist.get_rank(ctx.group), dist.get_world_size(ctx.group)
+        return g.chunk(n)[rank].to(grad.dtype), None
+
+
+class _SumScatter(torch.autograd.Function):
+    """[EP*T, ...] partial sums per rank -> this rank's [T, ...] rows of the sum; backward all-gathers."""
+
+    @staticmethod
+    def forward(ctx, x, group):  # type: ignore[override]
+        ctx.group = group
+        y = x.contiguous().clone()
+        dist.all_reduce(y, group=group)
+        return y.chunk(dist.get_world_size(group))[dist.get_rank(group)].clone()
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        parts = [torch.empty_like(grad) for _ in range(dist.get_world_size(ctx.group))]
+        dist.all_gather(parts, grad.contiguous(), group=ctx.group)
+        return torch.cat(parts), None
+
+
+class ReferenceBackend:
+    name = "reference"
+    directions = ("fwd", "bwd", "fwd_bwd")
+
+    @classmethod
+    def unsupported_reason(cls, case: Any) -> Optional[str]:
+        return None  # bf16 on any device: it is the ground truth for every precision
+
+    def __init__(self, case: Any, group: Any) -> None:
+        self.case, self.group = case, group
+        self.rank = dist.get_rank(group)
+
+    def setup(self, inputs: Any) -> None:
+        self.w13 = inputs.w13_LIH.detach().requires_grad_()
+        self.w2 = inputs.w2_LHI.detach().requires_grad_()
+        self.shared = None
+        if self.case.shared_expert:
+            self.shared = [t.detach().requires_grad_() for t in (inputs.ws_gate_IH, inputs.ws_up_IH, inputs.ws_down_HI)]
+
+    def forward(self, x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, topk_w_TK: torch.Tensor) -> torch.Tensor:
+        c, g = self.case, self.group
+        I, L = c.ffn, c.local_experts
+        x_all = _AllGather.apply(x_TH, g)
+        idx_all = _AllGather.apply(topk_idx_TK, g)
+        w_all = _AllGather.apply(topk_w_TK, g)
+        acc = x_all.new_zeros(x_all.shape, dtype=torch.float32)
+        for j in range(L):
+            tok, kk = torch.nonzero(idx_all == self.rank * L + j, as_tuple=True)
+            if tok.numel() == 0:
+                continue
+            xe = x_all[tok]
+            h = _swiglu(xe @ self.w13[j, :I].t(), xe @ self.w13[j, I:].t(), c.swiglu_limit)
+            ye = h @ self.w2[j].t()
+            acc = acc.index_add(0, tok, w_all[tok, kk].unsqueeze(-1) * ye.float())
+        out = _SumScatter.apply(acc, g)
+        if self.shared is not None:
+            sg, su, sd = self.shared
+            out = out + (_swiglu(x_TH @ sg.t(), x_TH @ su.t(), c.swiglu_limit) @ sd.t()).float()
+        return out.to(torch.bfloat16)
+
+    def zero_grad(self) -> None:
+        for p in [self.w13, self.w2, *(self.shared or [])]:
+            p.grad = None
+
+    def weight_grads(self) -> dict[str, Optional[torch.Tensor]]:
+        I, g13 = self.case.ffn, self.w13.grad
+        sh = [p.grad for p in self.shared] if self.shared else [None] * 3
+        return {"w_gate": None if g13 is None else g13[:, :I], "w_up": None if g13 is None else g13[:, I:],
+                "w_down": self.w2.grad, "ws_gate": sh[0], "ws_up": sh[1], "ws_down": sh[2]}
+
+    def traffic(self) -> dict[str, Any]:
+        return {}
+
+    def phases(self) -> dict[str, Callable[[], Any]]:
+        return {}
+
+    def info(self) -> dict[str, Any]:
+        return {"scaling": "none", "compiled": False, "notes": "ground truth: all-gather, per-expert loop, all-reduce"}
+
+    def teardown(self) -> None:
+        pass

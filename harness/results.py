@@ -1,0 +1,193 @@
+"""The results schema, atomic writes and the loader.
+
+One tidy row per (sweep point x backend x direction). Each job's rank 0 writes one file of its own under
+``<results_dir>/<run_id>/``; the file is rewritten atomically (temp file + rename) as rows arrive, so a crash
+never leaves a partial file, and no file of another job or run is ever touched. ``load`` merges every file it
+finds and keeps repeated runs apart by ``(run_id, row_id)``.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from pathlib import Path
+from typing import Any, Iterable, Union
+
+import pandas as pd
+
+STATUSES = ("ok", "unsupported", "mismatch", "error", "oom", "timeout", "cancelled")
+
+# column -> pandas dtype. The contract named in the harness-core issue, plus context columns.
+COLUMNS: dict[str, str] = {
+    "run_id": "string",
+    "row_id": "string",
+    "timestamp": "string",
+    "git_sha": "string",
+    "git_dirty": "boolean",
+    "config_hash": "string",
+    "backend": "string",
+    "shape": "string",
+    "num_experts": "Int64",
+    "local_experts": "Int64",
+    "experts_override": "boolean",
+    "published_local_experts": "Int64",
+    "hidden": "Int64",
+    "ffn": "Int64",
+    "topk": "Int64",
+    "shared_expert": "boolean",
+    "swiglu_limit": "float64",
+    "precision": "string",
+    "scaling": "string",
+    "direction": "string",
+    "compiled": "boolean",
+    "compile_mode": "string",
+    "comm_sms": "Int64",
+    "tokens_per_gpu": "Int64",
+    "ep_size": "Int64",
+    "num_nodes": "Int64",
+    "world_size": "Int64",
+    "routing": "string",
+    "seed": "Int64",
+    "expert_load_max_over_mean": "float64",
+    "rank_load_max_over_mean": "float64",
+    "empty_experts": "Int64",
+    "status": "string",
+    "error": "string",
+    "latency_ms": "float64",
+    "latency_p20_ms": "float64",
+    "latency_p80_ms": "float64",
+    "latency_min_ms": "float64",
+    "latency_max_ms": "float64",
+    "num_warmup": "Int64",
+    "num_iters": "Int64",
+    "timing_preset": "string",
+    "l2_flush": "boolean",
+    "align": "string",
+    "flops_per_gpu": "float64",
+    "tflops_per_gpu": "float64",
+    "tokens_per_s_per_gpu": "float64",
+    "dispatch_bytes": "Int64",
+    "dispatch_local_bytes": "Int64",
+    "combine_bytes": "Int64",
+    "combine_local_bytes": "Int64",
+    "dispatch_ms": "float64",
+    "combine_ms": "float64",
+    "dispatch_gb_s": "float64",
+    "combine_gb_s": "float64",
+    "raw_a2a_gb_s": "float64",
+    "roofline_ms": "float64",
+    "roofline_fraction": "float64",
+    "max_abs_err": "float64",
+    "rel_err": "float64",
+    "worst_tensor": "string",
+    "atol": "float64",
+    "rtol": "float64",
+    "notes": "string",
+    "device": "string",
+    "gpu_name": "string",
+    "num_gpus": "Int64",
+    "driver_version": "string",
+    "hostname": "string",
+    "slurm_job_id": "string",
+    "python_version": "string",
+    "torch_version": "string",
+    "cuda_version": "string",
+    "nccl_version": "string",
+    "triton_version": "string",
+    "deepep_version": "string",
+    "transformer_engine_version": "string",
+    "megatron_core_version": "string",
+    "mok_version": "string",
+}
+
+KEY = ("run_id", "row_id")
+
+
+def new_row_id() -> str:
+    return uuid.uuid4().hex[:12]
+
+
+def job_file(results_dir: Union[str, Path], run_id: str, config_hash: str, fmt: str = "csv") -> Path:
+    """A file name no other job can pick: time, config, host, pid and a random tag."""
+    stamp = pd.Timestamp.now(tz="UTC").strftime("%Y%m%dT%H%M%S")
+    name = f"{stamp}_{config_hash}_{socket.gethostname()}_{os.getpid()}_{uuid.uuid4().hex[:6]}.{fmt}"
+    return Path(results_dir) / run_id / name
+
+
+def to_frame(rows: Iterable[dict[str, Any]]) -> pd.DataFrame:
+    df = pd.DataFrame(list(rows))
+    for col, dtype in COLUMNS.items():
+        if col not in df:
+            df[col] = pd.NA
+        df[col] = _coerce(df[col], dtype)
+    extra = [c for c in df.columns if c not in COLUMNS]
+    return df[list(COLUMNS) + extra]
+
+
+def _coerce(s: pd.Series, dtype: str) -> pd.Series:
+    if dtype == "boolean":
+        return s.map(_to_bool, na_action=None).astype("boolean")
+    if dtype in ("Int64", "float64"):
+        return pd.to_numeric(s, errors="coerce").astype(dtype)
+    return s.astype("string")
+
+
+def _to_bool(v: Any) -> Any:
+    if isinstance(v, bool):
+        return v
+    return {"true": True, "false": False, "1": True, "0": False}.get(str(v).strip().lower(), pd.NA)
+
+
+def write_rows(path: Union[str, Path], rows: list[dict[str, Any]]) -> Path:
+    """Atomically (re)write this job's own file with all its rows so far."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    df = to_frame(rows)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:6]}.tmp")
+    if path.suffix == ".parquet":
+        df.to_parquet(tmp, index=False)
+    else:
+        df.to_csv(tmp, index=False)
+    os.replace(tmp, path)
+    return path
+
+
+def read_file(path: Union[str, Path]) -> pd.DataFrame:
+    path = Path(path)
+    df = pd.read_parquet(path) if path.suffix == ".parquet" else pd.read_csv(path, dtype=str, keep_default_na=False,
+                                                                              na_values=[""])
+    return to_frame(df.to_dict("records"))
+
+
+def load(*paths: Union[str, Path]) -> pd.DataFrame:
+    """Every row under the given files or folders (default: results/), as one DataFrame. Repeated runs are kept:
+    the key is (run_id, row_id)."""
+    if not paths:
+        paths = (Path(__file__).resolve().parent.parent / "results",)
+    files: list[Path] = []
+    for p in map(Path, paths):
+        if p.is_dir():
+            files += sorted(f for f in p.rglob("*") if f.suffix in (".csv", ".parquet") and not f.name.startswith(".")
+                            and _is_results_file(f))
+        elif p.exists():
+            files.append(p)
+        else:
+            raise FileNotFoundError(f"no results at {p}")
+    frames = [read_file(f) for f in files]
+    if not frames:
+        return to_frame([])
+    df = pd.concat(frames, ignore_index=True)
+    dup = df.duplicated(list(KEY), keep=False)
+    if dup.any():
+        raise ValueError(f"{int(dup.sum())} rows share a (run_id, row_id) key: a results file was copied twice")
+    return df
+
+
+def _is_results_file(f: Path) -> bool:
+    """Result files carry the schema's header; other tables under results/ (reports, published data) are skipped."""
+    if f.suffix == ".parquet":
+        return True
+    with open(f) as fh:
+        head = fh.readline()
+    return head.startswith("run_id,row_id,")

@@ -1,0 +1,444 @@
+"""Run one sweep point: every selected backend and direction on identical inputs, checked, timed, written.
+
+``run_benchmark`` is the entry point (the Hydra main and the tests call it). It validates the configuration before
+anything starts, then either joins the rank layout that torchrun or Slurm set up, or spawns the local ranks
+itself. Rank 0 writes the rows; a backend that fails becomes a row and the sweep goes on; a rank that dies leaves
+the launching process to write ``error`` rows for whatever was not reported.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from typing import Any, Callable, Optional
+
+import pandas as pd
+import torch
+import torch.distributed as dist
+
+from harness import env as envinfo
+from harness import results
+from harness.backends import BackendImportError, load_backend
+from harness.check import compare, leaves, run_once
+from harness.config import (
+    Case,
+    ConfigError,
+    config_hash,
+    load_group_option,
+    make_case,
+    to_container,
+    validate_run_options,
+)
+from harness.dist import RankEnv, free_port, from_environment, init
+from harness.inputs import load_stats, make_inputs
+from harness.timing import Timer
+
+SEVERITY = {s: i for i, s in enumerate(("ok", "unsupported", "mismatch", "timeout", "cancelled", "oom", "error"))}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# configuration resolution (in the launching process, before anything runs)
+
+
+def resolve(cfg: Any) -> dict:
+    """Plain dict of the config with the ``auto`` choices made for this machine, validated."""
+    c = to_container(cfg)
+    device = c.get("device", "auto")
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device=cuda but no CUDA GPU is visible: use device=cpu (gloo ranks) or run on a GPU node")
+    c["device"] = device
+    if c["shape"].get("name") == "auto":
+        c["shape"] = to_container(load_group_option("shape", "kimi_k2_7" if device == "cuda" else "tiny"))
+    if c["timing"].get("name") == "auto":
+        c["timing"] = to_container(load_group_option("timing", "published" if device == "cuda" else "quick"))
+    validate_run_options(c)
+    return c
+
+
+def world_size_for(c: dict, renv: Optional[RankEnv]) -> int:
+    if renv is not None:
+        return renv.world_size
+    if c["device"] == "cuda":
+        n = torch.cuda.device_count()
+        ws = c.get("ep_size") or n
+        if ws > n:
+            raise ConfigError(f"ep_size={ws} needs {ws} GPUs but this machine has {n}: set ep_size<={n}, or launch "
+                              f"across nodes with torchrun or Slurm")
+        return ws
+    return c.get("ep_size") or 2
+
+
+def new_run_id() -> str:
+    return pd.Timestamp.now(tz="UTC").strftime("%Y%m%dT%H%M%S") + "-" + os.urandom(3).hex()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# rows
+
+
+def base_row(case: Case, c: dict, renv: RankEnv, run_id: str, chash: str) -> dict[str, Any]:
+    t = c["timing"]
+    row = {
+        "run_id": run_id,
+        "config_hash": chash,
+        "shape": case.shape,
+        "num_experts": case.num_experts,
+        "local_experts": case.local_experts,
+        "experts_override": case.experts_override,
+        "published_local_experts": case.published_local_experts,
+        "hidden": case.hidden,
+        "ffn": case.ffn,
+        "topk": case.topk,
+        "shared_expert": case.shared_expert,
+        "swiglu_limit": case.swiglu_limit,
+        "precision": case.precision,
+        "tokens_per_gpu": case.tokens_per_gpu,
+        "ep_size": case.ep_size,
+        "num_nodes": renv.num_nodes,
+        "world_size": renv.world_size,
+        "routing": case.routing_label,
+        "seed": case.seed,
+        "timing_preset": t["name"],
+        "l2_flush": t["l2_flush"],
+        "align": t["align"],
+        "atol": case.atol,
+        "rtol": case.rtol,
+        "comm_sms": case.comm_sms,
+        "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+    }
+    row.update(envinfo.collect(case.device))
+    return row
+
+
+def make_row(base: dict, backend: str, direction: str, status: str, **kw: Any) -> dict[str, Any]:
+    row = dict(base, backend=backend, direction=direction, status=status, row_id=results.new_row_id(),
+               timestamp=pd.Timestamp.now(tz="UTC").isoformat())
+    row.update(kw)
+    return row
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the worker (every rank)
+
+
+class _Agree:
+    """Run a step on every rank, then agree on the worst outcome (a gloo group carries the verdict)."""
+
+    def __init__(self, ctrl) -> None:
+        self.ctrl = ctrl
+
+    def __call__(self, fn: Callable[[], Any]) -> tuple[str, str, Any]:
+        status, err, value = "ok", "", None
+        try:
+            value = fn()
+        except torch.cuda.OutOfMemoryError as e:
+            status, err = "oom", f"OutOfMemoryError: {str(e).splitlines()[0]}"
+        except Exception as e:  # noqa: BLE001 - any backend failure becomes a row
+            status, err = "error", f"{type(e).__name__}: {e}"
+            traceback.print_exc(file=sys.stderr)
+        if status != "ok" and torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        verdicts: list = [None] * dist.get_world_size(self.ctrl)
+        dist.all_gather_object(verdicts, (status, err), group=self.ctrl)
+        worst = max(verdicts, key=lambda v: SEVERITY[v[0]])
+        return worst[0], worst[1][:2000], value
+
+
+def worker(payload: dict, renv: RankEnv) -> None:
+    c, device = payload["cfg"], payload["device"]
+    dev = init(renv, device)
+    group = dist.group.WORLD
+    ctrl = dist.new_group(backend="gloo") if device == "cuda" else group
+    agree = _Agree(ctrl)
+    rank0 = renv.rank == 0
+    case = make_case(c, ep_size=renv.world_size, device=device)
+    base = base_row(case, c, renv, payload["run_id"], payload["config_hash"])
+    rows: list[dict] = []
+
+    def emit(row: dict) -> None:
+        if rank0:
+            rows.append(row)
+            results.write_rows(payload["path"], rows)
+
+    t = c["timing"]
+    timer = Timer(dev, group, align=t["align"], l2_flush=t["l2_flush"])
+    directions = list(c["directions"])
+    need_grads = any(d != "fwd" for d in directions)
+
+    status, err, inputs = agree(lambda: make_inputs(case, renv.rank, dev))
+    if status != "ok":
+        for b in c["backends"]:
+            for d in directions:
+                emit(make_row(base, b, d, status, error=f"input generation failed: {err}"))
+        return
+    idx_parts = [torch.empty_like(inputs.topk_idx_TK) for _ in range(renv.world_size)]
+    dist.all_gather(idx_parts, inputs.topk_idx_TK, group=group)
+    base.update(load_stats(torch.cat(idx_parts), case))
+
+    ref = None
+    if c["check"]:
+        from harness.reference import ReferenceBackend
+
+        def _ref():
+            b = ReferenceBackend(case, group)
+            b.setup(inputs)
+            out = run_once(b, inputs, need_grads)
+            b.teardown()
+            return out
+
+        status, err, ref = agree(_ref)
+        if status != "ok":
+            for b in c["backends"]:
+                for d in directions:
+                    emit(make_row(base, b, d, status, error=f"reference failed: {err}"))
+            return
+
+    progress = None
+    if rank0 and sys.stderr.isatty():
+        from tqdm import tqdm
+
+        progress = tqdm(total=len(c["backends"]) * len(directions), desc=case.shape, file=sys.stderr)
+    for name in c["backends"]:
+        for row in run_backend(name, case, c, inputs, ref, group, ctrl, agree, timer, base, directions, need_grads):
+            emit(row)
+            if progress:
+                progress.update(1)
+    if progress:
+        progress.close()
+    del inputs, ref
+    dist.barrier(group=ctrl)
+
+
+def run_backend(name, case, c, inputs, ref, group, ctrl, agree, timer, base, directions, need_grads):
+    """Yield one row per direction for one backend. Never raises for backend failures."""
+    t = c["timing"]
+
+    status, err, cls = agree(lambda: load_backend(name))
+    if status != "ok":
+        for d in directions:
+            yield make_row(base, name, d, "unsupported" if "BackendImportError" in err else status, error=err)
+        return
+    status, err, why = agree(lambda: cls.unsupported_reason(case))
+    if status == "ok" and why:
+        status, err = "unsupported", why
+    if status != "ok":
+        for d in directions:
+            yield make_row(base, name, d, status, error=err)
+        return
+
+    backend = None
+
+    def _setup():
+        nonlocal backend
+        backend = cls(case, group)
+        backend.setup(inputs)
+
+    status, err, _ = agree(_setup)
+    info: dict[str, Any] = {}
+    if status == "ok":
+        _, _, info = agree(backend.info)
+        info = info or {}
+    grads_supported = "bwd" in cls.directions
+    extra: dict[str, Any] = dict(info)
+
+    if status == "ok" and ref is not None:
+        def _check():
+            got = run_once(backend, inputs, need_grads and grads_supported)
+            want = ref if (need_grads and grads_supported) else {"out": ref["out"]}
+            return compare(got, want, ctrl)
+
+        status, err, verdict = agree(_check)
+        if status == "ok":
+            extra.update(max_abs_err=verdict["max_abs_err"], rel_err=verdict["rel_err"],
+                         worst_tensor=verdict["worst_tensor"])
+            if verdict["any_missing"] or verdict["max_abs_err"] > case.atol or verdict["rel_err"] > case.rtol:
+                status = "mismatch"
+                err = (f"worst abs-max {verdict['max_abs_err']:.4g} (tol {case.atol}), worst rel-L1 "
+                       f"{verdict['rel_err']:.4g} (tol {case.rtol}) on {verdict['worst_tensor'] or '-'}")
+                if verdict["any_missing"]:
+                    err += f"; tensors missing: {', '.join(verdict['missing']) or 'on another rank'}"
+    if status != "ok":
+        for d in directions:
+            yield make_row(base, name, d, status, error=err, **extra)
+        if backend is not None:
+            agree(backend.teardown)
+        return
+
+    if name == "reference" and not c["time_reference"]:
+        for d in directions:
+            yield make_row(base, name, d, "ok", notes="ground truth, not timed (set time_reference=true to time it)",
+                           **extra)
+        agree(backend.teardown)
+        return
+
+    # Byte counts and per-phase bandwidth (communication kernels alone, on the last forward's rows).
+    status, err, traffic = agree(lambda: _traffic(backend, case, group, timer, t))
+    if status == "ok":
+        extra.update(traffic)
+
+    for d in directions:
+        if d not in cls.directions:
+            yield make_row(base, name, d, "unsupported", error=f"{name} implements {', '.join(cls.directions)} only",
+                           **extra)
+            continue
+        status, err, stats = agree(lambda: _time_direction(backend, inputs, d, timer, t))
+        if status != "ok":
+            yield make_row(base, name, d, status, error=err, **extra)
+            continue
+        flops = case.flops(d)
+        lat_s = stats.median_ms / 1e3
+        yield make_row(
+            base, name, d, "ok",
+            latency_ms=stats.median_ms, latency_p20_ms=stats.p20_ms, latency_p80_ms=stats.p80_ms,
+            latency_min_ms=stats.min_ms, latency_max_ms=stats.max_ms, num_warmup=stats.num_warmup,
+            num_iters=stats.num_iters, flops_per_gpu=flops, tflops_per_gpu=flops / lat_s / 1e12,
+            tokens_per_s_per_gpu=case.tokens_per_gpu / lat_s, **extra,
+        )
+    agree(backend.teardown)
+
+
+def _time_direction(backend, inputs, direction: str, timer: Timer, t: dict):
+    # Leaves that require grad in every direction: the timed forward is a training forward (autograd records the
+    # graph), as in the published runs.
+    x, w = leaves(inputs, True)
+    if direction == "fwd":
+
+        def fn():
+            backend.forward(x, inputs.topk_idx_TK, w)
+
+        return timer.run(fn, num_warmup=t["num_warmup"], num_iters=t["num_iters"])
+    if direction == "bwd":
+        holder: list = []
+
+        def pre():
+            backend.zero_grad()
+            x.grad = w.grad = None
+            holder[:] = [backend.forward(x, inputs.topk_idx_TK, w)]
+
+        def fn():
+            holder[0].backward(inputs.grad_out_TH)
+
+        stats = timer.run(fn, num_warmup=t["num_warmup"], num_iters=t["num_iters"], pre=pre)
+        holder.clear()
+        backend.zero_grad()
+        return stats
+
+    def fwd_bwd():
+        backend.zero_grad()
+        x.grad = w.grad = None
+        backend.forward(x, inputs.topk_idx_TK, w).backward(inputs.grad_out_TH)
+
+    stats = timer.run(fwd_bwd, num_warmup=t["num_warmup"], num_iters=t["num_iters"])
+    backend.zero_grad()
+    return stats
+
+
+def _traffic(backend, case: Case, group, timer: Timer, t: dict) -> dict[str, Any]:
+    """Remote / local bytes per rank (mean over ranks) and each phase's bandwidth from its own time."""
+    tr = backend.traffic()
+    if not tr:
+        return {}
+    rank, n = dist.get_rank(group), dist.get_world_size(group)
+    out: dict[str, Any] = {}
+    sums = []
+    for phase in ("dispatch", "combine"):
+        rows_to = tr[f"{phase}_rows_to"]
+        rb = tr[f"{phase}_row_bytes"]
+        remote = sum(r for i, r in enumerate(rows_to) if i != rank) * rb
+        sums += [remote, rows_to[rank] * rb]
+    v = torch.tensor(sums, dtype=torch.float64, device=timer.device)
+    if n > 1:
+        dist.all_reduce(v, group=group)
+    v = (v / n).tolist()
+    out.update(dispatch_bytes=round(v[0]), dispatch_local_bytes=round(v[1]), combine_bytes=round(v[2]),
+               combine_local_bytes=round(v[3]))
+    iters = t.get("phase_iters", 0)
+    if iters > 0 and n > 1:
+        phases = backend.phases()
+        for phase in ("dispatch", "combine"):
+            if phase in phases:
+                s = timer.run(phases[phase], num_warmup=min(5, iters), num_iters=iters)
+                out[f"{phase}_ms"] = s.median_ms
+                out[f"{phase}_gb_s"] = out[f"{phase}_bytes"] / (s.median_ms / 1e3) / 1e9
+        out["raw_a2a_gb_s"] = raw_all_to_all_gb_s(tr["dispatch_rows_to"], tr["dispatch_row_bytes"], group, timer,
+                                                  iters)
+    return out
+
+
+def raw_all_to_all_gb_s(rows_to: list[int], row_bytes: int, group, timer: Timer, iters: int) -> float:
+    """A plain ``all_to_all_single`` loop over the same per-peer bytes as the dispatch, on fresh buffers:
+    remote bytes per rank (mean over ranks) per second of the median iteration."""
+    rank, n = dist.get_rank(group), dist.get_world_size(group)
+    send = torch.tensor(rows_to, dtype=torch.int64, device=timer.device) * row_bytes
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    send_l, recv_l = send.tolist(), recv.tolist()
+    src = torch.empty(sum(send_l), dtype=torch.uint8, device=timer.device).random_(0, 255)
+    dst = torch.empty(sum(recv_l), dtype=torch.uint8, device=timer.device)
+    s = timer.run(lambda: dist.all_to_all_single(dst, src, recv_l, send_l, group=group),
+                  num_warmup=min(5, iters), num_iters=iters)
+    remote = torch.tensor([float(sum(b for i, b in enumerate(send_l) if i != rank))], dtype=torch.float64,
+                          device=timer.device)
+    dist.all_reduce(remote, group=group)
+    return float(remote) / n / (s.median_ms / 1e3) / 1e9
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# launching
+
+
+def _spawn_entry(local_rank: int, payload: dict, renv: RankEnv) -> None:
+    env = RankEnv(local_rank, renv.world_size, local_rank, 1, renv.master_addr, renv.master_port, "spawn")
+    try:
+        worker(payload, env)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_benchmark(cfg: Any) -> pd.DataFrame:
+    """Validate, run every rank, and return this sweep point's rows (rank 0 and the launcher; others: empty)."""
+    c = resolve(cfg)
+    renv = from_environment()
+    ws = world_size_for(c, renv)
+    case = make_case(c, ep_size=ws, device=c["device"])  # raises ConfigError before anything starts
+    run_id = c.get("run_id") or os.environ.get("MOKBENCH_RUN_ID") or new_run_id()
+    chash = config_hash(c, case)
+    path = results.job_file(c["results_dir"], run_id, chash, c["results_format"])
+    payload = {"cfg": c, "device": c["device"], "run_id": run_id, "config_hash": chash, "path": str(path)}
+
+    failure: Optional[str] = None
+    if renv is not None:
+        worker(payload, renv)
+        if renv.rank != 0:
+            return results.to_frame([])
+    else:
+        import torch.multiprocessing as mp
+
+        spawn_env = RankEnv(0, ws, 0, 1, "127.0.0.1", free_port(), "spawn")
+        try:
+            mp.start_processes(_spawn_entry, args=(payload, spawn_env), nprocs=ws, join=True, start_method="spawn")
+        except Exception as e:  # noqa: BLE001 - a rank died: record what did not report
+            failure = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
+        renv = spawn_env
+    done = results.read_file(path) if path.exists() else results.to_frame([])
+    if failure or len(done) < len(c["backends"]) * len(c["directions"]):
+        done = _fill_missing(done, c, case, renv, run_id, chash, path, failure or "a rank exited early")
+    return done
+
+
+def _fill_missing(done: pd.DataFrame, c: dict, case: Case, renv: RankEnv, run_id: str, chash: str, path,
+                  why: str) -> pd.DataFrame:
+    have = set(zip(done["backend"], done["direction"])) if len(done) else set()
+    base = base_row(case, c, renv, run_id, chash)
+    rows = done.to_dict("records")
+    status = "timeout" if "timeout" in why.lower() or "timed out" in why.lower() else "error"
+    for b in c["backends"]:
+        for d in c["directions"]:
+            if (b, d) not in have:
+                rows.append(make_row(base, b, d, status, error=f"no row reported: {why}"))
+    results.write_rows(path, rows)
+    return results.read_file(path)

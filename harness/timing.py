@@ -1,0 +1,95 @@
+"""The one timing path (the published method).
+
+Per iteration: an optional untimed ``pre`` (the forward, when timing the backward alone), an optional L2 flush,
+an aligning collective on the device stream, then a start/end event pair around ``fn``. One synchronisation at
+the end. Each iteration's latency is the max over ranks; the reported figures are the median and p20/p80/min/max
+of those maxima. On the CPU a host clock replaces the events and a barrier aligns the ranks.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+L2_FLUSH_BYTES = 256 * 1024 * 1024
+
+
+@dataclass
+class Stats:
+    median_ms: float
+    p20_ms: float
+    p80_ms: float
+    min_ms: float
+    max_ms: float
+    num_warmup: int
+    num_iters: int
+
+    @classmethod
+    def from_samples(cls, samples_ms: torch.Tensor, num_warmup: int) -> "Stats":
+        s = samples_ms.double()
+        q = torch.quantile(s, torch.tensor([0.5, 0.2, 0.8], dtype=torch.float64))
+        return cls(float(q[0]), float(q[1]), float(q[2]), float(s.min()), float(s.max()), num_warmup, len(s))
+
+
+class Timer:
+    def __init__(self, device: torch.device, group, *, align: str = "barrier", l2_flush: bool = False) -> None:
+        self.device, self.group, self.align = device, group, align
+        self.cuda = device.type == "cuda"
+        self._flush_buf = torch.empty(L2_FLUSH_BYTES // 4, dtype=torch.int32, device=device) if l2_flush and self.cuda else None
+        self._align_buf = torch.zeros(1, device=device)
+
+    def _align(self) -> None:
+        if self.align == "none" or dist.get_world_size(self.group) == 1:
+            return
+        if self.cuda:
+            dist.all_reduce(self._align_buf, group=self.group)  # enqueued on the stream: aligns the devices
+        else:
+            dist.barrier(group=self.group)
+
+    def run(self, fn: Callable[[], object], *, num_warmup: int, num_iters: int,
+            pre: Optional[Callable[[], object]] = None) -> Stats:
+        for _ in range(num_warmup):
+            if pre is not None:
+                pre()
+            self._align()
+            fn()
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        local = self._cuda_samples(fn, num_iters, pre) if self.cuda else self._host_samples(fn, num_iters, pre)
+        n = dist.get_world_size(self.group)
+        if n > 1:
+            parts = [torch.empty_like(local) for _ in range(n)]
+            dist.all_gather(parts, local, group=self.group)
+            local = torch.stack(parts).amax(0)
+        return Stats.from_samples(local.cpu(), num_warmup)
+
+    def _cuda_samples(self, fn, num_iters, pre) -> torch.Tensor:
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(num_iters)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(num_iters)]
+        for i in range(num_iters):
+            if pre is not None:
+                pre()
+            if self._flush_buf is not None:
+                self._flush_buf.zero_()
+            self._align()
+            starts[i].record()
+            fn()
+            ends[i].record()
+        torch.cuda.synchronize(self.device)
+        return torch.tensor([s.elapsed_time(e) for s, e in zip(starts, ends)], dtype=torch.float64,
+                            device=self.device)
+
+    def _host_samples(self, fn, num_iters, pre) -> torch.Tensor:
+        out = []
+        for _ in range(num_iters):
+            if pre is not None:
+                pre()
+            self._align()
+            t0 = time.perf_counter()
+            fn()
+            out.append((time.perf_counter() - t0) * 1e3)
+        return torch.tensor(out, dtype=torch.float64)
