@@ -19,6 +19,7 @@ Lifecycle, per sweep point (every rank runs the same calls):
 from __future__ import annotations
 
 import importlib
+import os
 from typing import Any, Callable, ClassVar, Optional, Protocol
 
 import torch
@@ -27,6 +28,13 @@ BACKENDS: dict[str, str] = {
     "reference": "harness.reference:ReferenceBackend",
     "nccl": "baselines.nccl:NcclBackend",
 }
+
+# Out-of-tree backends: MOKBENCH_EXTRA_BACKENDS="name=package.module:Class,other=pkg.mod:Cls". Read at import, so
+# ranks spawned by the harness (which inherit the environment) see them too.
+for _item in filter(None, os.environ.get("MOKBENCH_EXTRA_BACKENDS", "").split(",")):
+    _key, _, _target = _item.partition("=")
+    if _key.strip() and ":" in _target:
+        BACKENDS[_key.strip()] = _target.strip()
 
 WEIGHT_GRAD_NAMES = ("w_gate", "w_up", "w_down", "ws_gate", "ws_up", "ws_down")
 

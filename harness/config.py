@@ -101,6 +101,7 @@ class BenchConfig:
     results_format: str = "csv"  # csv | parquet
     calibrate: bool = False  # measure GEMM / HBM / interconnect rates and write calibration rows
     print_table: bool = True
+    dist_timeout_s: int = 600  # a rank stuck in a collective this long fails; the launcher then writes its rows
 
 
 def register_configs() -> None:
@@ -310,7 +311,7 @@ def validate_run_options(c: dict) -> None:
 
 
 # Fields that identify a measurement, not the run that made it (compare matches rows on this hash).
-_HASH_EXCLUDE = {"run_id", "results_dir", "results_format", "print_table", "timing", "check", "calibrate",
+_HASH_EXCLUDE = {"run_id", "dist_timeout_s", "results_dir", "results_format", "print_table", "timing", "check", "calibrate",
                  "time_reference", "backends", "directions"}
 
 

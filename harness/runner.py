@@ -50,10 +50,12 @@ def resolve(cfg: Any) -> dict:
     if device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("device=cuda but no CUDA GPU is visible: use device=cpu (gloo ranks) or run on a GPU node")
     c["device"] = device
-    if c["shape"].get("name") == "auto":
-        c["shape"] = to_container(load_group_option("shape", "kimi_k2_7" if device == "cuda" else "tiny"))
-    if c["timing"].get("name") == "auto":
-        c["timing"] = to_container(load_group_option("timing", "published" if device == "cuda" else "quick"))
+    for group, on_gpu, on_cpu in (("shape", "kimi_k2_7", "tiny"), ("timing", "published", "quick")):
+        if c[group].get("name") == "auto":
+            chosen = to_container(load_group_option(group, on_gpu if device == "cuda" else on_cpu))
+            # keep what the command line set; fill what `auto` left open
+            c[group] = {k: (v if c[group].get(k, "???") in ("???", None) else c[group][k]) for k, v in chosen.items()}
+            c[group]["name"] = chosen["name"]
     validate_run_options(c)
     return c
 
@@ -149,7 +151,7 @@ class _Agree:
 
 def worker(payload: dict, renv: RankEnv) -> None:
     c, device = payload["cfg"], payload["device"]
-    dev = init(renv, device)
+    dev = init(renv, device, timeout_s=c["dist_timeout_s"])
     group = dist.group.WORLD
     ctrl = dist.new_group(backend="gloo") if device == "cuda" else group
     agree = _Agree(ctrl)
@@ -269,8 +271,8 @@ def run_backend(name, case, c, inputs, ref, group, ctrl, agree, timer, base, dir
 
     if name == "reference" and not c["time_reference"]:
         for d in directions:
-            yield make_row(base, name, d, "ok", notes="ground truth, not timed (set time_reference=true to time it)",
-                           **extra)
+            yield make_row(base, name, d, "ok", **{
+                **extra, "notes": "ground truth, not timed (set time_reference=true to time it)"})
         agree(backend.teardown)
         return
 

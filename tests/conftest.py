@@ -1,0 +1,44 @@
+"""Shared fixtures: Hydra composition of the real configs/ and a per-test results folder."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+
+ROOT = Path(__file__).resolve().parent.parent
+TESTS = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT))
+
+from harness.config import register_configs  # noqa: E402
+
+register_configs()
+
+# Ranks spawned by the harness import the fake backends from here.
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS), str(ROOT), os.environ.get("PYTHONPATH")]))
+
+HAS_GPU = torch.cuda.is_available()
+NUM_GPUS = torch.cuda.device_count() if HAS_GPU else 0
+
+
+def compose_cfg(*overrides: str):
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base=None):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+@pytest.fixture
+def results_dir(tmp_path: Path) -> Path:
+    return tmp_path / "results"
+
+
+def cpu_cfg(results_dir: Path, *overrides: str):
+    """The CPU default, small: tiny shape, 64 tokens per rank, a couple of timed iterations."""
+    return compose_cfg("device=cpu", "shape=tiny", "timing=quick", "workload.tokens_per_gpu=64",
+                       "timing.num_warmup=1", "timing.num_iters=2", "timing.phase_iters=2",
+                       f"results_dir={results_dir}", "print_table=false", *overrides)

@@ -1,0 +1,60 @@
+"""Deliberately broken backends, to prove that failures become rows and never crash the sweep."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from baselines.nccl import NcclBackend
+
+
+class WrongOutput(NcclBackend):
+    """Numerically wrong: the output is 10% too large (and so are the gradients)."""
+
+    name = "wrong"
+
+    def forward(self, x, idx, w):
+        return super().forward(x, idx, w) * 1.1
+
+
+class FailsSetup(NcclBackend):
+    name = "fails_setup"
+
+    def setup(self, inputs):
+        raise RuntimeError("boom in setup")
+
+
+class NotInstalled(NcclBackend):
+    name = "not_installed"
+
+    @classmethod
+    def unsupported_reason(cls, case):
+        return "package frobnicate is not installed; pip install frobnicate"
+
+
+class ForwardOnly(NcclBackend):
+    name = "fwd_only"
+    directions = ("fwd",)
+
+
+class DiesHard(NcclBackend):
+    """The process dies without a Python exception (like a segfault or an OOM kill)."""
+
+    name = "dies"
+
+    def forward(self, x, idx, w):
+        if dist.get_rank() == 0:
+            os._exit(17)
+        return super().forward(x, idx, w)
+
+
+class NanGrad(NcclBackend):
+    name = "nan_grad"
+
+    def weight_grads(self):
+        g = super().weight_grads()
+        if g["w_down"] is not None:
+            g["w_down"] = torch.full_like(g["w_down"], float("nan"))
+        return g

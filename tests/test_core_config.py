@@ -1,0 +1,108 @@
+"""Config composition, validation and the published formulas (no ranks started)."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import compose_cfg
+
+from harness.config import Case, ConfigError, make_case, to_container
+from harness.runner import resolve
+
+PUBLISHED = {  # mok-methodology.md section 1: experts, H, I, topk, local experts at EP64
+    "kimi_k2_7": (384, 7168, 2048, 8, 6),
+    "glm_5_2": (256, 6144, 2048, 8, 4),
+    "qwen3_5_397b": (512, 4096, 1024, 10, 8),
+    "deepseek_v4_pro": (384, 7168, 3072, 6, 6),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_published_shapes(name):
+    c = to_container(compose_cfg(f"shape={name}").shape)
+    e, h, i, k, epg = PUBLISHED[name]
+    assert (c["num_experts"], c["hidden"], c["ffn"], c["topk"]) == (e, h, i, k)
+    assert c["shared_expert"] is True and c["published_local_experts"] == epg
+
+
+def test_published_flops_per_forward():
+    # mok-methodology.md section 6: FLOP per GPU per forward at T=2048.
+    want = {"kimi_k2_7": 1.623e12, "glm_5_2": 1.392e12, "qwen3_5_397b": 0.567e12, "deepseek_v4_pro": 1.894e12}
+    for name, flops in want.items():
+        case = make_case(resolve(compose_cfg(f"shape={name}", "device=cpu")), ep_size=64, device="cpu")
+        assert case.flops("fwd") == pytest.approx(flops, rel=2e-3)
+        assert case.flops("bwd") == 2 * case.flops("fwd")
+        assert case.flops("fwd_bwd") == 3 * case.flops("fwd")
+
+
+def test_flops_without_shared_expert_drops_the_T_term():
+    c = resolve(compose_cfg("device=cpu", "shape=tiny", "shape.shared_expert=false"))
+    case = make_case(c, ep_size=2, device="cpu")
+    assert case.flops("fwd") == 6 * case.tokens_per_gpu * case.topk * case.hidden * case.ffn
+
+
+def test_cpu_default_resolves_to_tiny_and_quick():
+    c = resolve(compose_cfg("device=cpu"))
+    assert c["shape"]["name"] == "tiny" and c["timing"]["name"] == "quick"
+    assert c["backends"] == ["nccl"] and c["directions"] == ["fwd", "bwd"]
+
+
+def test_published_timing_preset():
+    t = to_container(compose_cfg("timing=published").timing)
+    assert (t["num_warmup"], t["num_iters"], t["l2_flush"], t["align"]) == (500, 100, False, "barrier")
+
+
+def test_local_experts_option_sets_experts_per_gpu():
+    c = resolve(compose_cfg("device=cpu", "shape=kimi_k2_7", "shape.local_experts=6"))
+    case = make_case(c, ep_size=2, device="cpu")
+    assert (case.num_experts, case.local_experts, case.experts_override) == (12, 6, True)
+    assert (case.hidden, case.ffn, case.topk) == (7168, 2048, 8)
+    assert case.shape == "kimi_k2_7@6epg"
+
+
+def test_backend_and_direction_groups():
+    c = to_container(compose_cfg("backend=reference", "direction=fwd_bwd"))
+    assert c["backends"] == ["reference"] and c["directions"] == ["fwd_bwd"]
+    c = to_container(compose_cfg("backends=[nccl,reference]", "directions=[bwd]"))
+    assert c["backends"] == ["nccl", "reference"] and c["directions"] == ["bwd"]
+
+
+BAD = [
+    (["backends=[nope]"], "unknown backend 'nope'"),
+    (["directions=[sideways]"], "unknown direction 'sideways'"),
+    (["precision.name=fp4"], "unknown precision 'fp4'"),
+    (["shape=tiny", "shape.num_experts=6"], "not divisible by ep_size=4"),
+    (["shape=tiny", "shape.topk=9"], "topk=9 exceeds num_experts=8"),
+    (["shape=tiny", "precision=fp8", "shape.hidden=200"], "divisible by the scale blocks"),
+    (["workload=hot_rank", "workload.hot_rank=7"], "hot_rank=7 is not a rank of ep_size=4"),
+    (["workload.routing=skewed"], "unknown workload.routing 'skewed'"),
+    (["workload.tokens_per_gpu=0"], "tokens_per_gpu must be >= 1"),
+    (["timing.num_iters=0"], "num_iters >= 1"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", BAD, ids=[m for _, m in BAD])
+def test_invalid_configs_name_the_fix(overrides, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        c = resolve(compose_cfg("device=cpu", "shape=tiny", *overrides))
+        make_case(c, ep_size=4, device="cpu")
+
+
+def test_cuda_requested_without_gpu_is_a_config_error():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU; the no-GPU message cannot be provoked")
+    with pytest.raises(ConfigError, match="no CUDA GPU is visible"):
+        resolve(compose_cfg("device=cuda"))
+
+
+def test_routing_labels():
+    base = dict(shape="s", num_experts=8, local_experts=4, hidden=256, ffn=128, topk=2, shared_expert=True,
+                swiglu_limit=None, experts_override=False, published_local_experts=None, tokens_per_gpu=8, seed=1,
+                zipf_exponent=1.2, hot_fraction=0.25, hot_ratio=3.0, hot_rank=1, precision="bf16", act_block=128,
+                weight_block=128, atol=0.5, rtol=0.01, ep_size=2, device="cpu", compile=False, compile_mode="",
+                comm_sms=None)
+    assert Case(routing="uniform", **base).routing_label == "uniform"
+    assert Case(routing="zipf", **base).routing_label == "zipf(s=1.2)"
+    assert Case(routing="hot_experts", **base).routing_label == "hot_experts(f=0.25,x3)"
+    assert Case(routing="hot_rank", **base).routing_label == "hot_rank(r=1,x3)"

@@ -1,0 +1,44 @@
+"""GPU runs of the harness (skipped without a CUDA GPU). Run on the H200 machines."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import HAS_GPU, NUM_GPUS, compose_cfg
+
+from harness.runner import run_benchmark
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAS_GPU, reason="no CUDA GPU on this machine")]
+
+
+def gpu_cfg(results_dir, *overrides):
+    return compose_cfg("device=cuda", "shape=tiny", "timing=quick", "workload.tokens_per_gpu=256",
+                       f"results_dir={results_dir}", "print_table=false", *overrides)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_nccl_matches_reference_on_gpu(results_dir, compiled):
+    ep = min(NUM_GPUS, 2)
+    df = run_benchmark(gpu_cfg(results_dir, f"ep_size={ep}", f"compile={str(compiled).lower()}",
+                               "directions=[fwd,bwd,fwd_bwd]"))
+    assert (df.status == "ok").all(), df[["direction", "status", "error"]].to_string()
+    assert (df.rel_err < 0.01).all() and (df.max_abs_err < 0.5).all()
+    assert (df.compiled == compiled).all() and df.gpu_name.str.contains("H|A|B|L").all()
+
+
+def test_fp8_runs_on_hopper(results_dir):
+    import torch
+
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 needs SM89+")
+    df = run_benchmark(gpu_cfg(results_dir, f"ep_size={min(NUM_GPUS, 2)}", "precision=fp8", "directions=[fwd]"))
+    assert (df.status == "ok").all(), df.error.tolist()
+
+
+@pytest.mark.multigpu
+@pytest.mark.skipif(NUM_GPUS < 2, reason="needs 2 GPUs")
+def test_published_shape_smoke(results_dir):
+    df = run_benchmark(compose_cfg("device=cuda", "shape=glm_5_2", "timing=quick", "ep_size=2", "compile=false",
+                                   f"results_dir={results_dir}", "print_table=false", "directions=[fwd]"))
+    r = df.iloc[0]
+    assert r.status == "ok", r.error
+    assert r.dispatch_gb_s > 50 and r.raw_a2a_gb_s > 50
