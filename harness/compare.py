@@ -1,0 +1,207 @@
+"""Regression check between two sets of results, for gating a kernel change in CI.
+
+    python -m harness.compare results/runs/BASE_RUN results/runs/NEW_RUN
+    python -m harness.compare base.csv new.csv --min-change 0.03 --history-dir /tmp/hist
+
+Rows are matched on (config_hash, backend, direction). A slowdown is a regression when the median latency grew by
+more than ``--min-change`` (default 5%) *and* by more than the noise the two runs show: the new run's p20 lies
+above the base run's p80 (the near edges of the two p20-p80 spreads do not overlap, scaled by ``--noise-factor``).
+A speedup past both thresholds is an improvement. A row that was ok and is not ok any more is a status change.
+
+Exit code: 0 when nothing regressed, 1 on a regression or a status change from ok, 2 when nothing could be compared
+(or on bad arguments). Repeated runs on one side are pooled: the median of the medians, the lowest p20 and the
+highest p80.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import pandas as pd
+
+from harness import results
+
+KEY = ("config_hash", "backend", "direction")
+CONTEXT = ("shape", "precision", "tokens_per_gpu", "ep_size", "routing", "gpu_name")
+VERDICT_ORDER = ("regression", "status change", "missing", "improvement", "fixed", "still failing", "unchanged",
+                 "new")
+FAILING = ("regression", "status change")
+
+
+def pool(df: pd.DataFrame) -> pd.DataFrame:
+    """One row per (config_hash, backend, direction): median latency over ok rows, lowest p20, highest p80, and a
+    status (``ok`` when any row is ok, else the most recent row's), with the context columns and a row count."""
+    out = []
+    for key, g in df.groupby(list(KEY), dropna=False, sort=False):
+        ok = g[(g["status"] == "ok") & g["latency_ms"].notna()]
+        last = g.sort_values("timestamp", na_position="first").iloc[-1]
+        rec: dict[str, Any] = dict(zip(KEY, key))
+        rec.update({c: last[c] for c in CONTEXT})
+        rec.update(
+            status="ok" if len(ok) else str(last["status"]),
+            error="" if len(ok) or pd.isna(last["error"]) else str(last["error"]).splitlines()[0][:120],
+            latency_ms=float(ok["latency_ms"].median()) if len(ok) else math.nan,
+            p20_ms=float(ok["latency_p20_ms"].min()) if ok["latency_p20_ms"].notna().any() else math.nan,
+            p80_ms=float(ok["latency_p80_ms"].max()) if ok["latency_p80_ms"].notna().any() else math.nan,
+            tflops_per_gpu=float(ok["tflops_per_gpu"].median()) if ok["tflops_per_gpu"].notna().any() else math.nan,
+            git_sha=str(last["git_sha"]) if not pd.isna(last["git_sha"]) else "",
+            num_rows=len(g),
+        )
+        out.append(rec)
+    return pd.DataFrame(out, columns=[*KEY, *CONTEXT, "status", "error", "latency_ms", "p20_ms", "p80_ms",
+                                      "tflops_per_gpu", "git_sha", "num_rows"])
+
+
+def compare(base: pd.DataFrame, new: pd.DataFrame, *, min_change: float = 0.05, noise_factor: float = 1.0
+            ) -> pd.DataFrame:
+    """The comparison table: one row per key in either side, with ``change`` (relative change of the median
+    latency, + = slower), ``noise`` (the relative gap the p20/p80 spreads allow) and a ``verdict``:
+    regression, status change (ok -> not ok), missing (in BASE only), improvement, fixed, still failing,
+    unchanged or new (in NEW only). Sorted with the failing verdicts first."""
+    if min_change < 0 or noise_factor < 0:
+        raise ValueError("min_change and noise_factor must be >= 0")
+    b, n = pool(base), pool(new)
+    cols = ["latency_ms", "p20_ms", "p80_ms", "tflops_per_gpu", "status", "error", "git_sha", "num_rows"]
+    m = b.merge(n, on=list(KEY), how="outer", suffixes=("_base", "_new"), indicator=True)
+    for c in CONTEXT:
+        m[c] = m[f"{c}_base"].combine_first(m[f"{c}_new"])
+    gb, gn = m["gpu_name_base"], m["gpu_name_new"]
+    m["env_differs"] = (gb.notna() & gn.notna() & (gb.astype(str) != gn.astype(str))).astype(bool)
+    recs = []
+    for r in m.to_dict("records"):
+        rec = {k: r[k] for k in (*KEY, *CONTEXT)}
+        rec.update({f"{c}_{side}": r.get(f"{c}_{side}") for c in cols for side in ("base", "new")})
+        rec["env_differs"] = bool(r["env_differs"])
+        rec.update(_judge(r, min_change, noise_factor))
+        recs.append(rec)
+    out = pd.DataFrame(recs)
+    if out.empty:
+        return out
+    rank = {v: i for i, v in enumerate(VERDICT_ORDER)}
+    out["_rank"] = out["verdict"].map(rank)
+    return out.sort_values(["_rank", "shape", "backend", "direction"], na_position="last").drop(
+        columns="_rank").reset_index(drop=True)
+
+
+def _judge(r: dict[str, Any], min_change: float, noise_factor: float) -> dict[str, Any]:
+    side = r["_merge"]
+    if side == "left_only":
+        return dict(change=math.nan, noise=math.nan, verdict="missing")
+    if side == "right_only":
+        return dict(change=math.nan, noise=math.nan, verdict="new")
+    sb, sn = r["status_base"], r["status_new"]
+    if sb == "ok" and sn != "ok":
+        return dict(change=math.nan, noise=math.nan, verdict="status change")
+    if sb != "ok" and sn == "ok":
+        return dict(change=math.nan, noise=math.nan, verdict="fixed")
+    if sb != "ok":
+        return dict(change=math.nan, noise=math.nan, verdict="still failing")
+    lb, ln = r["latency_ms_base"], r["latency_ms_new"]
+    change = ln / lb - 1.0
+    # the near edges of the two spreads: for a slowdown, base p80 above its median and new p20 below its median
+    if change >= 0:
+        gap = _edge(r["p80_ms_base"], lb, +1) + _edge(r["p20_ms_new"], ln, -1)
+    else:
+        gap = _edge(r["p20_ms_base"], lb, -1) + _edge(r["p80_ms_new"], ln, +1)
+    noise = noise_factor * gap / lb
+    past = abs(change) > min_change and abs(change) > noise
+    verdict = ("regression" if change > 0 else "improvement") if past else "unchanged"
+    return dict(change=change, noise=noise, verdict=verdict)
+
+
+def _edge(q: Any, median: float, sign: int) -> float:
+    """Distance from the median to a quantile on the given side (0 when the quantile is missing)."""
+    if q is None or pd.isna(q):
+        return 0.0
+    return max(0.0, sign * (float(q) - median))
+
+
+def failed(table: pd.DataFrame) -> bool:
+    """Whether the comparison should fail a CI gate: a regression or a status change from ok."""
+    return bool(len(table)) and bool(table["verdict"].isin(FAILING).any())
+
+
+def format_table(table: pd.DataFrame, *, show_all: bool = False) -> str:
+    """A fixed-width table for the terminal: every non-unchanged row (all rows with ``show_all``) and a summary."""
+    if table.empty:
+        return "nothing to compare"
+    shown = table if show_all else table[table["verdict"] != "unchanged"]
+    lines = []
+    if len(shown):
+        t = pd.DataFrame({
+            "verdict": shown["verdict"].str.upper().where(shown["verdict"].isin(FAILING), shown["verdict"]),
+            "config": shown["config_hash"].fillna(""),
+            "shape": shown["shape"].fillna(""),
+            "prec": shown["precision"].fillna(""),
+            "dir": shown["direction"].fillna(""),
+            "backend": shown["backend"].fillna(""),
+            "base ms": shown["latency_ms_base"].map(_ms),
+            "new ms": shown["latency_ms_new"].map(_ms),
+            "change": shown["change"].map(lambda v: "" if pd.isna(v) else f"{v:+.1%}"),
+            "noise": shown["noise"].map(lambda v: "" if pd.isna(v) else f"{v:.1%}"),
+            "base status": shown["status_base"].fillna("-"),
+            "new status": shown["status_new"].fillna("-"),
+        })
+        lines.append(t.to_string(index=False))
+        for r in shown.to_dict("records"):
+            if r["verdict"] == "status change" and r.get("error_new"):
+                lines.append(f"  {r['backend']}/{r['direction']} {r['config_hash']}: {r['error_new']}")
+        if shown["env_differs"].any():
+            lines.append("warning: some matched rows ran on different GPUs (gpu_name differs)")
+    counts = table["verdict"].value_counts()
+    summary = ", ".join(f"{counts[v]} {v}" for v in VERDICT_ORDER if v in counts)
+    lines.append(f"{len(table)} compared: {summary}")
+    lines.append("FAIL: regression or status change from ok" if failed(table) else "OK: no regression")
+    return "\n".join(lines)
+
+
+def _ms(v: Any) -> str:
+    return "" if pd.isna(v) else f"{v:.4g}"
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m harness.compare", description=__doc__.split("\n\n")[0])
+    ap.add_argument("base", help="BASE results: a file or a folder")
+    ap.add_argument("new", help="NEW results: a file or a folder")
+    ap.add_argument("--min-change", type=float, default=0.05,
+                    help="smallest relative latency change that can count (default 0.05 = 5%%)")
+    ap.add_argument("--noise-factor", type=float, default=1.0,
+                    help="scale on the p20/p80 noise band a change must exceed (default 1.0)")
+    ap.add_argument("--all", action="store_true", help="also list unchanged rows")
+    ap.add_argument("--csv", help="write the full comparison table to this CSV")
+    ap.add_argument("--history-dir", help="write a history chart (PNG + SVG) per regressed or changed config, "
+                                          "over the rows of both sides")
+    a = ap.parse_args(argv)
+    try:
+        base, new = results.load(a.base), results.load(a.new)
+        table = compare(base, new, min_change=a.min_change, noise_factor=a.noise_factor)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"harness.compare: {e}", file=sys.stderr)
+        return 2
+    print(format_table(table, show_all=a.all))
+    if a.csv:
+        Path(a.csv).parent.mkdir(parents=True, exist_ok=True)
+        table.to_csv(a.csv, index=False)
+    if a.history_dir and len(table):
+        from harness import plots
+
+        both = pd.concat([base, new], ignore_index=True).drop_duplicates(list(results.KEY))
+        hashes = table.loc[~table["verdict"].isin(("unchanged", "new", "missing")), "config_hash"].dropna().unique()
+        for h in hashes:
+            fig = plots.plot_history(both, str(h))
+            for p in plots.save(fig, Path(a.history_dir) / f"history_{plots.slug(str(h))}"):
+                print(p)
+    matched = table["verdict"].isin(("regression", "improvement", "unchanged", "status change", "fixed",
+                                     "still failing")).sum() if len(table) else 0
+    if matched == 0:
+        print("harness.compare: no rows matched on (config_hash, backend, direction)", file=sys.stderr)
+        return 2
+    return 1 if failed(table) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,493 @@
+"""Charts for reports (matplotlib, Agg canvas, PNG and SVG).
+
+Every function takes a results table (``harness.results.load`` or ``to_frame``) and returns a
+:class:`matplotlib.figure.Figure` drawn on an Agg canvas, without touching pyplot's global state; :func:`save` writes
+it. Rows that are not ok are drawn as a status label (bars) or a cross on the axis (lines), never dropped.
+
+* :func:`plot_panels`: the published figure's layout; panels = precision x direction, groups = shapes,
+  bars = systems, each fused kernel labelled with its speedup over the fastest baseline.
+* :func:`plot_sweep`: throughput vs ``tokens_per_gpu``, ``ep_size`` or ``routing`` (imbalance).
+* :func:`plot_roofline`: each system's latency against the layer's compute, HBM and link floors.
+* :func:`plot_history`: one config's throughput across git SHAs, in commit-time order.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import textwrap
+from pathlib import Path
+from typing import Any, Optional, Sequence, Union
+
+import numpy as np
+import pandas as pd
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from harness import report as R
+
+COLORS = {
+    "nccl": "#8c8c8c",
+    "deepep": "#1f77b4",
+    "deepep_te": "#9467bd",
+    "hybridep_megatron": "#2ca02c",
+    "hybridep": "#17becf",
+    "mok": "#d62728",
+    "mok_hopper": "#ff7f0e",
+}
+_FALLBACK = ["#8c564b", "#e377c2", "#bcbd22", "#7f7f7f"]
+SWEEP_AXES = ("tokens_per_gpu", "ep_size", "routing")
+AXIS_LABELS = {"tokens_per_gpu": "tokens per GPU", "ep_size": "EP size", "routing": "routing"}
+FLOOR_STYLE = {  # floor -> (label, color, linestyle)
+    "compute_ms": ("compute floor (GEMM rate)", "#1f3b73", ":"),
+    "memory_ms": ("HBM floor (weights + activations)", "#2b8a3e", "-."),
+    "link_ms": ("NVLink floor (remote bytes)", "#862e9c", "--"),
+    "roofline_ms": ("roofline (max of the floors)", "black", "-"),
+}
+
+
+def color(system: str) -> str:
+    if system in COLORS:
+        return COLORS[system]
+    return _FALLBACK[sum(map(ord, system)) % len(_FALLBACK)]
+
+
+def new_figure(width: float, height: float) -> Figure:
+    """A figure on an Agg canvas (no pyplot, no global backend switch) with constrained layout."""
+    fig = Figure(figsize=(width, height), layout="constrained", dpi=100)
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def save(fig: Figure, stem: Union[str, Path], formats: Sequence[str] = ("png", "svg"), dpi: int = 150) -> list[Path]:
+    """Write ``<stem>.<fmt>`` for each format; returns the paths."""
+    stem = Path(stem)
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for fmt in formats:
+        p = stem.with_suffix(f".{fmt}")
+        fig.savefig(p, dpi=dpi, format=fmt)
+        paths.append(p)
+    return paths
+
+
+def slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", str(text).lower()).strip("-")[:80]
+
+
+def _one_env(df: pd.DataFrame, env: Optional[dict[str, Any]], keys: Sequence[str] = (*R.ENV_KEYS, "routing")
+             ) -> tuple[pd.DataFrame, dict[str, Any]]:
+    """The rows of one environment: ``env`` if given, else the only one present (ValueError if several)."""
+    if env is None:
+        envs = df[list(keys)].drop_duplicates().to_dict("records")
+        if len(envs) != 1:
+            raise ValueError(f"{len(envs)} environments in the data; pick one with env= "
+                             f"(see harness.report.environments): {[R.env_label(e) for e in envs][:6]}")
+        env = envs[0]
+    return R.select_env(df, {k: env[k] for k in keys if k in env}), env
+
+
+def finish(fig: Figure, title: str, handles: Sequence[Any] = (), labels: Sequence[str] = (), *,
+           notes: Sequence[str] = (), ncol: int = 5, max_notes: int = 4) -> None:
+    """Title and legend in a band above the axes, the not-ok footnote in a band below; the constrained layout
+    keeps the axes between them (sizes in inches, so they hold at any figure size)."""
+    width, height = fig.get_size_inches()
+    legend_rows = math.ceil(len(labels) / ncol) if labels else 0
+    text = ""
+    if notes:
+        shown = list(notes[:max_notes]) + ([f"... and {len(notes) - max_notes} more"] if len(notes) > max_notes
+                                             else [])
+        text = textwrap.fill("Not ok (drawn as a status, no value): " + "; ".join(shown),
+                             width=max(40, int(width * 15)))
+    top_in = 0.45 + 0.3 * legend_rows
+    bottom_in = 0.08 + (0.16 * (text.count("\n") + 1) + 0.08 if text else 0)
+    fig.get_layout_engine().set(rect=(0, bottom_in / height, 1, 1 - (top_in + bottom_in) / height))  # l, b, w, h
+    fig.text(0.5, 1 - 0.08 / height, title, ha="center", va="top", fontsize=12.5)
+    if labels:
+        fig.legend(list(handles), list(labels), loc="upper center", bbox_to_anchor=(0.5, 1 - 0.4 / height),
+                   ncol=min(ncol, len(labels)), frameon=False, fontsize=9.5, handlelength=1.8, columnspacing=1.4)
+    if text:
+        fig.text(0.01, 0.06 / height, text, fontsize=8, color="#555555", ha="left", va="bottom")
+
+
+def _not_ok_note(r: dict[str, Any], *extra: str) -> str:
+    where = " ".join(x for x in (R.system_label(r["backend"]), *extra) if x)
+    return f"{where}: {r['status']}"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the published layout
+
+
+def plot_panels(df: pd.DataFrame, env: Optional[dict[str, Any]] = None, title: Optional[str] = None) -> Figure:
+    """Four-panel grouped bars (rows: precision, columns: direction) for one environment, like the published
+    figure; each fused kernel's bar carries its speedup over the fastest baseline of its group."""
+    df = df[~df["backend"].isin(R.NOT_CONTENDERS)]
+    df, env = _one_env(df, env)
+    agg = R.aggregate(df)
+    claims = R.claims_table(df).set_index(["precision", "direction", "shape"])
+    systems = R.systems_in(agg)
+    precisions = R._order(agg["precision"], R.PRECISION_ORDER)
+    directions = R._order(agg["direction"], R.DIRECTION_ORDER)
+    shapes = R._order(agg["shape"], R.SHAPE_ORDER)
+    fig = new_figure(6.4 * len(directions) + 0.6, 3.9 * len(precisions) + 1.0)
+    axes = fig.subplots(len(precisions), len(directions), squeeze=False)
+    width = 0.84 / max(len(systems), 1)
+    notes: list[str] = []
+    for i, prec in enumerate(precisions):
+        for j, direction in enumerate(directions):
+            ax = axes[i][j]
+            cell = agg[(agg["precision"] == prec) & (agg["direction"] == direction)]
+            top = float(cell["tflops_per_gpu"].max()) if cell["tflops_per_gpu"].notna().any() else 1.0
+            for k, s in enumerate(systems):
+                for g, shape in enumerate(shapes):
+                    rows = cell[(cell["backend"] == s) & (cell["shape"] == shape)].to_dict("records")
+                    if not rows:
+                        continue
+                    r = rows[0]
+                    x = g - 0.42 + width * (k + 0.5)
+                    if r["status"] == "ok" and not R._isna(r["tflops_per_gpu"]):
+                        ax.bar(x, r["tflops_per_gpu"], width * 0.92, color=color(s), zorder=2)
+                        sp = claims.get(f"speedup_{s}") if R.is_fused(s) else None
+                        v = sp.get((prec, direction, shape)) if sp is not None else None
+                        if v is not None and not R._isna(v):
+                            ax.text(x, r["tflops_per_gpu"] + top * 0.015, f"{v:.2f}×", ha="center", va="bottom",
+                                    fontsize=8.5, fontweight="bold", color="#222222", zorder=3)
+                    else:
+                        ax.bar(x, top * 0.04, width * 0.92, color="white", edgecolor=color(s), hatch="////",
+                               linewidth=0.8, zorder=2)
+                        ax.text(x, top * 0.06, r["status"], rotation=90, ha="center", va="bottom", fontsize=7.5,
+                                color="#444444", zorder=3)
+                        notes.append(_not_ok_note(r, R.shape_label(shape), R.panel_label(prec, direction)))
+            ax.set_title(R.panel_label(prec, direction), fontsize=12, fontweight="bold")
+            ax.set_xticks(range(len(shapes)), [R.shape_label(s) for s in shapes], fontsize=9.5)
+            ax.set_xlim(-0.55, len(shapes) - 0.45)
+            ax.set_ylim(0, top * 1.16)
+            ax.grid(axis="y", alpha=0.3, zorder=0)
+            ax.set_axisbelow(True)
+            if j == 0:
+                ax.set_ylabel("TFLOP/s per GPU")
+    finish(fig, title or f"Expert-parallel MoE layer throughput — {R.env_label(env)}",
+           [_patch(s) for s in systems], [R.system_label(s) for s in systems], notes=notes, ncol=len(systems))
+    return fig
+
+
+def _patch(system: str):
+    from matplotlib.patches import Patch
+
+    return Patch(facecolor=color(system), label=R.system_label(system))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# sweeps
+
+
+def sweep_axes_present(df: pd.DataFrame) -> list[str]:
+    """The sweep axes along which some (system, panel, shape, fixed rest) has more than one value."""
+    out = []
+    for x in SWEEP_AXES:
+        fixed = [k for k in (*R.ENV_KEYS, "routing") if k != x and not (x == "ep_size" and k == "num_nodes")]
+        n = df.groupby([*fixed, "precision", "direction", "shape", "backend"], dropna=False)[x].nunique()
+        if len(n) and n.max() > 1:
+            out.append(x)
+    return out
+
+
+def _routing_order(df: pd.DataFrame) -> list[str]:
+    """Routing labels from balanced to most imbalanced (by the measured expert load max/mean)."""
+    imb = df.groupby("routing", dropna=True)["expert_load_max_over_mean"].mean()
+    labels = list(df["routing"].dropna().unique())
+    return sorted(labels, key=lambda r: (r != "uniform", imb.get(r, math.inf) if not R._isna(imb.get(r)) else 0, r))
+
+
+def plot_sweep(df: pd.DataFrame, x: str, title: Optional[str] = None) -> Figure:
+    """Throughput (TFLOP/s per GPU) vs one sweep axis: ``tokens_per_gpu``, ``ep_size`` or ``routing``.
+
+    Subplots: one per (panel, shape) in which the axis varies; one line per system (and per remaining environment
+    where that varies too, e.g. two GPUs). Routing is ordered by measured expert imbalance."""
+    if x not in SWEEP_AXES:
+        raise ValueError(f"x must be one of {', '.join(SWEEP_AXES)} (got {x!r})")
+    df = df[~df["backend"].isin(R.NOT_CONTENDERS)]
+    fixed = [k for k in (*R.ENV_KEYS, "routing") if k != x and not (x == "ep_size" and k == "num_nodes")]
+    agg = R.aggregate(df)
+    # keep the lines that are a sweep along x (points of other sweeps have one value of x per line)
+    lines = agg.groupby([*fixed, "precision", "direction", "shape", "backend"], dropna=False)[x].transform("nunique")
+    agg = agg[lines > 1]
+    if agg.empty:
+        raise ValueError(f"nothing varies along {x} in these rows")
+    varying = [k for k in fixed if agg[k].nunique(dropna=False) > 1]
+    facets = list(agg[["precision", "direction", "shape"]].drop_duplicates().itertuples(index=False, name=None))
+    facets.sort(key=lambda k: (R.PRECISION_ORDER.index(k[0]) if k[0] in R.PRECISION_ORDER else 9,
+                               R.DIRECTION_ORDER.index(k[1]) if k[1] in R.DIRECTION_ORDER else 9,
+                               _shape_pos(k[2]), str(k[2])))
+    ncols = min(len(facets), 4)
+    nrows = math.ceil(len(facets) / ncols)
+    fig = new_figure(4.6 * ncols + 0.4, 3.6 * nrows + 1.1)
+    axes = fig.subplots(nrows, ncols, squeeze=False)
+    cats = _routing_order(df[df["routing"].isin(agg["routing"])]) if x == "routing" else None
+    notes: list[str] = []
+    legend: dict[str, Any] = {}
+    styles = ["-", "--", ":", "-."]
+    for n, (prec, direction, shape) in enumerate(facets):
+        ax = axes[n // ncols][n % ncols]
+        g = agg[(agg["precision"] == prec) & (agg["direction"] == direction) & (agg["shape"] == shape)]
+        contexts = g[varying].drop_duplicates().to_dict("records") if varying else [{}]
+        for ci, ctx in enumerate(contexts):
+            gc = R.select_env(g, ctx) if ctx else g
+            for s in R.systems_in(gc):
+                line = gc[gc["backend"] == s]
+                xs = line[x].map(cats.index) if cats else line[x].astype("float64")
+                line = line.assign(_x=xs.to_numpy()).sort_values("_x")
+                ok = line[(line["status"] == "ok") & line["tflops_per_gpu"].notna()]
+                label = R.system_label(s) + (" · " + ", ".join(_ctx(k, ctx[k]) for k in varying) if ctx else "")
+                (h,) = ax.plot(ok["_x"], ok["tflops_per_gpu"], marker="o", ms=4, color=color(s),
+                               linestyle=styles[ci % len(styles)], label=label)
+                legend.setdefault(label, h)
+                for r in line[line["status"] != "ok"].to_dict("records"):
+                    ax.plot(r["_x"], 0, marker="x", ms=7, mew=2, color=color(s), clip_on=False, zorder=4)
+                    notes.append(_not_ok_note(r, R.shape_label(shape), f"{x}={r[x]}"))
+        ax.set_title(f"{R.panel_label(prec, direction)} · {R.shape_label(shape)}", fontsize=10)
+        if cats:
+            ax.set_xticks(range(len(cats)), cats, rotation=25, ha="right", fontsize=8)
+            ax.set_xlim(-0.3, len(cats) - 0.7)
+        else:
+            ax.set_xscale("log", base=2)
+            vals = sorted(agg[x].dropna().unique())
+            ax.set_xticks([float(v) for v in vals], [str(int(v)) for v in vals], fontsize=8)
+            ax.minorticks_off()
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.set_xlabel(AXIS_LABELS[x] + (" (balanced → imbalanced)" if x == "routing" else ""), fontsize=9)
+        if n % ncols == 0:
+            ax.set_ylabel("TFLOP/s per GPU")
+    for n in range(len(facets), nrows * ncols):
+        axes[n // ncols][n % ncols].set_visible(False)
+    const = [k for k in fixed if k not in varying]
+    env_txt = ", ".join(_ctx(k, agg[k].iloc[0]) for k in const if not R._isna(agg[k].iloc[0]))
+    finish(fig, title or f"Throughput vs {AXIS_LABELS[x]}" + (f" — {env_txt}" if env_txt else ""),
+           list(legend.values()), list(legend.keys()), notes=notes, ncol=5)
+    return fig
+
+
+def _ctx(key: str, value: Any) -> str:
+    """A context value as a reader would say it: ``EP 8``, ``2048 tokens/GPU``, ``2 nodes``."""
+    if R._isna(value):
+        return f"{key} unknown"
+    if key == "ep_size":
+        return f"EP {int(value)}"
+    if key == "tokens_per_gpu":
+        return f"{int(value)} tokens/GPU"
+    if key == "num_nodes":
+        return f"{int(value)} node{'s' if int(value) != 1 else ''}"
+    return str(value)
+
+
+def _shape_pos(shape: str) -> int:
+    base = str(shape).partition("@")[0]
+    return R.SHAPE_ORDER.index(base) if base in R.SHAPE_ORDER else len(R.SHAPE_ORDER)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# roofline
+
+
+def has_floors(df: pd.DataFrame, calibration: Optional[pd.DataFrame] = None) -> bool:
+    """Whether the rows carry (or the calibration table gives) anything to draw floors from."""
+    from harness.roofline import CALIB_COLUMNS
+
+    if calibration is not None and len(calibration):
+        return True
+    cols = [c for c in (*CALIB_COLUMNS, "roofline_ms") if c in df]
+    return bool(cols) and bool(df[cols].notna().any().any())
+
+
+def plot_roofline(df: pd.DataFrame, calibration: Optional[pd.DataFrame] = None,
+                  env: Optional[dict[str, Any]] = None, title: Optional[str] = None) -> Figure:
+    """Each system's measured latency (bars) against the layer's floors (ticks across each bar): compute
+    (FLOPs / measured GEMM rate), HBM (weights + activations / measured HBM bandwidth), NVLink (remote bytes /
+    measured link bandwidth) and their max, the roofline. The label over a bar is roofline / latency."""
+    from harness.roofline import floors_frame
+
+    df = df[~df["backend"].isin(R.NOT_CONTENDERS)]
+    df, env = _one_env(df, env)
+    fl = floors_frame(df, calibration)
+    # a row may carry the harness' own roofline_ms without the rates
+    fl["floor_roofline_ms"] = fl["floor_roofline_ms"].fillna(fl["roofline_ms"])
+    ok = fl[(fl["status"] == "ok") & fl["latency_ms"].notna()]
+    cells = [*R.CELL_KEYS, "backend"]
+    med = ok.groupby(cells, dropna=False, sort=False)[
+        ["latency_ms", "floor_compute_ms", "floor_memory_ms", "floor_link_ms", "floor_roofline_ms"]].median()
+    med = med.reset_index()
+    agg = R.aggregate(df)
+    systems = R.systems_in(agg)
+    precisions = R._order(agg["precision"], R.PRECISION_ORDER)
+    directions = R._order(agg["direction"], R.DIRECTION_ORDER)
+    shapes = R._order(agg["shape"], R.SHAPE_ORDER)
+    fig = new_figure(6.4 * len(directions) + 0.6, 3.9 * len(precisions) + 1.2)
+    axes = fig.subplots(len(precisions), len(directions), squeeze=False)
+    width = 0.84 / max(len(systems), 1)
+    notes: list[str] = []
+    drawn: set[str] = set()
+    for i, prec in enumerate(precisions):
+        for j, direction in enumerate(directions):
+            ax = axes[i][j]
+            cell = med[(med["precision"] == prec) & (med["direction"] == direction)]
+            top = float(np.nanmax(cell[["latency_ms", "floor_roofline_ms"]].to_numpy(dtype="float64"))) \
+                if len(cell) else 1.0
+            top = top if math.isfinite(top) and top > 0 else 1.0
+            for k, s in enumerate(systems):
+                for g, shape in enumerate(shapes):
+                    x = g - 0.42 + width * (k + 0.5)
+                    rows = cell[(cell["backend"] == s) & (cell["shape"] == shape)].to_dict("records")
+                    if rows:
+                        r = rows[0]
+                        ax.bar(x, r["latency_ms"], width * 0.92, color=color(s), alpha=0.85, zorder=2)
+                        for col, (label, c, ls) in FLOOR_STYLE.items():
+                            v = r[f"floor_{col}"]
+                            if not R._isna(v):  # the roofline as a wide pale band, the floors on top of it
+                                roof = col == "roofline_ms"
+                                ax.hlines(v, x - width / 2, x + width / 2, colors=c, linestyles=ls,
+                                          linewidth=5 if roof else 1.8, alpha=0.45 if roof else 1,
+                                          zorder=3 if roof else 4)
+                                drawn.add(col)
+                        if not R._isna(r["floor_roofline_ms"]):
+                            ax.text(x, r["latency_ms"] + top * 0.015, f"{r['floor_roofline_ms'] / r['latency_ms']:.0%}",
+                                    ha="center", va="bottom", fontsize=7.5, zorder=4)
+                        continue
+                    bad = agg[(agg["precision"] == prec) & (agg["direction"] == direction) & (agg["backend"] == s)
+                              & (agg["shape"] == shape) & (agg["status"] != "ok")].to_dict("records")
+                    for r in bad:
+                        ax.text(x, top * 0.02, r["status"], rotation=90, ha="center", va="bottom", fontsize=7.5,
+                                color="#444444")
+                        notes.append(_not_ok_note(r, R.shape_label(shape), R.panel_label(prec, direction)))
+            ax.set_title(R.panel_label(prec, direction), fontsize=12, fontweight="bold")
+            ax.set_xticks(range(len(shapes)), [R.shape_label(s) for s in shapes], fontsize=9.5)
+            ax.set_xlim(-0.55, len(shapes) - 0.45)
+            ax.set_ylim(0, top * 1.14)
+            ax.grid(axis="y", alpha=0.3, zorder=0)
+            ax.set_axisbelow(True)
+            if j == 0:
+                ax.set_ylabel("latency (ms), lower is better")
+    from matplotlib.lines import Line2D
+
+    # two legend rows, systems above floors (the legend fills column by column)
+    floors = [(Line2D([], [], color=c, linestyle=ls, linewidth=5 if col == "roofline_ms" else 2,
+                      alpha=0.45 if col == "roofline_ms" else 1), label)
+              for col, (label, c, ls) in FLOOR_STYLE.items() if col in drawn]
+    ncol = max(len(systems), len(floors))
+    blank = (Line2D([], [], alpha=0), "")
+    top = [(_patch(s), R.system_label(s)) for s in systems] + [blank] * (ncol - len(systems))
+    bottom = floors + [blank] * (ncol - len(floors))
+    pairs = [p for c in range(ncol) for p in ((top[c], bottom[c]) if floors else (top[c],))]
+    handles, labels = [h for h, _ in pairs], [lab for _, lab in pairs]
+    default = f"Latency against the layer's floors — {R.env_label(env)} — label over a bar: roofline / latency"
+    if not drawn:
+        default += " (no calibration rates matched: floors not drawn)"
+    finish(fig, title or default, handles, labels, notes=notes, ncol=ncol)
+    return fig
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# history
+
+
+def plot_history(df: pd.DataFrame, config_hash: Optional[str] = None, title: Optional[str] = None) -> Figure:
+    """One config's throughput across git SHAs (ordered by the earliest timestamp of each SHA): one subplot per
+    direction, one line per backend, whiskers from the p20 / p80 latencies; not-ok runs are crosses on the axis."""
+    hashes = df["config_hash"].dropna().unique()
+    if config_hash is None:
+        if len(hashes) != 1:
+            raise ValueError(f"{len(hashes)} configs in the data; pick one with config_hash=")
+        config_hash = str(hashes[0])
+    d = df[(df["config_hash"] == config_hash).fillna(False) & ~df["backend"].isin(R.NOT_CONTENDERS)].copy()
+    if d.empty:
+        raise ValueError(f"no rows for config {config_hash}")
+    d["git_sha"] = d["git_sha"].fillna("unknown")
+    d["_t"] = pd.to_datetime(d["timestamp"], utc=True, errors="coerce", format="ISO8601")
+    order = d.groupby("git_sha")["_t"].min().sort_values(na_position="first").index.tolist()
+    dirty = d.groupby("git_sha")["git_dirty"].agg(lambda s: bool(s.fillna(False).any()))
+    ticks = [f"{sha[:8]}{'+' if dirty.get(sha) else ''}" for sha in order]
+    directions = R._order(d["direction"], R.DIRECTION_ORDER)
+    fig = new_figure(max(5.5, 1.0 + 0.9 * len(order)) * len(directions), 4.4)
+    axes = fig.subplots(1, len(directions), squeeze=False)[0]
+    notes: list[str] = []
+    handles: dict[str, Any] = {}
+    for ax, direction in zip(axes, directions):
+        dd = d[d["direction"] == direction]
+        for s in R.systems_in(dd) + [b for b in dd["backend"].unique() if b in R.NOT_CONTENDERS]:
+            rows = dd[dd["backend"] == s]
+            xs, ys, lo, hi = [], [], [], []
+            for sha in order:
+                r = rows[(rows["git_sha"] == sha)]
+                ok = r[(r["status"] == "ok") & r["tflops_per_gpu"].notna()]
+                if len(ok):
+                    y = float(ok["tflops_per_gpu"].median())
+                    lat = float(ok["latency_ms"].median())
+                    p20 = float(ok["latency_p20_ms"].min()) if ok["latency_p20_ms"].notna().any() else lat
+                    p80 = float(ok["latency_p80_ms"].max()) if ok["latency_p80_ms"].notna().any() else lat
+                    xs.append(order.index(sha))
+                    ys.append(y)
+                    lo.append(y - y * lat / p80)
+                    hi.append(y * lat / p20 - y)
+                elif len(r):  # a gap in the line, and a cross on the axis
+                    xs.append(order.index(sha))
+                    ys.append(math.nan)
+                    lo.append(0.0)
+                    hi.append(0.0)
+                    ax.plot(order.index(sha), 0, marker="x", ms=8, mew=2, color=color(s), clip_on=False, zorder=4)
+                    ax.annotate(str(r["status"].iloc[-1]), (order.index(sha), 0), textcoords="offset points",
+                                xytext=(0, 7), ha="center", fontsize=8, color=color(s))
+                    notes.append(f"{R.system_label(s)} {direction} at {sha[:8]}: {r['status'].iloc[-1]}")
+            h = ax.errorbar(xs, ys, yerr=[lo, hi], marker="o", ms=5, capsize=3, color=color(s),
+                            label=R.system_label(s))
+            handles.setdefault(R.system_label(s), h)
+        ax.set_xticks(range(len(order)), ticks, rotation=30, ha="right", fontsize=8.5)
+        ax.set_xlim(-0.5, len(order) - 0.5)
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.set_title(R.DIRECTION_LABELS.get(direction, direction), fontsize=11)
+        ax.set_xlabel("git SHA (oldest → newest; + = dirty tree)", fontsize=9)
+    axes[0].set_ylabel("TFLOP/s per GPU (p20–p80 whiskers)")
+    first = d.iloc[0]
+    what = (f"{R.shape_label(first['shape'])}, {R.PRECISION_LABELS.get(first['precision'], first['precision'])}, "
+            f"{R.env_label(first.to_dict())}")
+    finish(fig, title or f"History of config {config_hash}: {what}", list(handles.values()), list(handles.keys()),
+           notes=notes, ncol=6)
+    return fig
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# every chart a report can draw
+
+
+def report_charts(df: pd.DataFrame, out_dir: Union[str, Path], *, calibration: Optional[pd.DataFrame] = None,
+                  formats: Sequence[str] = ("png", "svg"), history: Sequence[str] = ()) -> dict[str, list[Path]]:
+    """Draw and save every chart the data supports: panels and roofline per environment, each sweep axis that
+    varies, and the history of each config in ``history``. Returns chart name -> written files."""
+    out = Path(out_dir)
+    written: dict[str, list[Path]] = {}
+    contenders = df[~df["backend"].isin(R.NOT_CONTENDERS)]
+    if contenders.empty:
+        return written
+    for env in R.environments(contenders):
+        name = f"panels_{slug(R.env_label(env))}"
+        written[name] = _save_close(plot_panels(contenders, env), out / name, formats)
+    for x in sweep_axes_present(contenders):
+        name = f"sweep_{x}"
+        written[name] = _save_close(plot_sweep(contenders, x), out / name, formats)
+    measured = contenders[~R.is_published(contenders)]
+    if len(measured) and has_floors(measured, calibration):
+        for env in R.environments(measured):
+            name = f"roofline_{slug(R.env_label(env))}"
+            written[name] = _save_close(plot_roofline(measured, calibration, env), out / name, formats)
+    for h in history:
+        name = f"history_{slug(h)}"
+        written[name] = _save_close(plot_history(df, h), out / name, formats)
+    return written
+
+
+def _save_close(fig: Figure, stem: Path, formats: Sequence[str]) -> list[Path]:
+    try:
+        return save(fig, stem, formats)
+    finally:
+        fig.clear()
