@@ -142,35 +142,29 @@ def load_calibration(path: Union[str, Path]) -> pd.DataFrame:
 
 
 def attach_calibration(df: pd.DataFrame, calibration: Optional[pd.DataFrame] = None) -> pd.DataFrame:
-    """A copy of ``df`` with the ``calib_*`` columns filled where a row lacks them: from the calibration table,
-    then from other rows of the same GPU and precision that carry rates. The most specific match wins (GPU and
-    precision over GPU only over a blank key); ties take the median."""
+    """A copy of ``df`` with the ``calib_*`` columns filled where a row lacks them: first from the calibration
+    table, then from other rows of the same GPU and precision that carry rates. Within a source the most specific
+    match wins (GPU and precision, then GPU, then a blank key); ties take the median."""
     out = df.copy()
-    sources = []
-    if calibration is not None and len(calibration):
-        sources.append(calibration)
     have = [c for c in CALIB_COLUMNS if c in out]
-    if have:
-        own = out.loc[out[have].notna().any(axis=1), ["gpu_name", "precision", *have]]
-        sources.append(own)
+    own = out.loc[out[have].notna().any(axis=1), ["gpu_name", "precision", *have]] if have else None
     for col in CALIB_COLUMNS:
         if col not in out:
             out[col] = float("nan")
         out[col] = pd.to_numeric(out[col], errors="coerce").astype("float64")
-    if not sources:
-        return out
-    table = pd.concat(sources, ignore_index=True)
-    for col in CALIB_COLUMNS:
-        if col not in table:
+    for source in (calibration, own):
+        if source is None or source.empty:
             continue
-        cand = table[table[col].notna()]
-        if cand.empty:
-            continue
-        missing = out[col].isna()
-        for idx in out.index[missing]:
-            val = _lookup(cand, col, out.at[idx, "gpu_name"], out.at[idx, "precision"])
-            if val is not None:
-                out.at[idx, col] = val
+        for col in CALIB_COLUMNS:
+            if col not in source:
+                continue
+            cand = source[source[col].notna()]
+            if cand.empty:
+                continue
+            for idx in out.index[out[col].isna()]:
+                val = _lookup(cand, col, out.at[idx, "gpu_name"], out.at[idx, "precision"])
+                if val is not None:
+                    out.at[idx, col] = val
     return out
 
 

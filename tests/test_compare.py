@@ -1,0 +1,216 @@
+"""Regression check between two result sets: thresholds, noise, status changes, exit codes."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import pandas as pd
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import synthetic_results as S  # noqa: E402
+
+from harness import compare as C  # noqa: E402
+from harness import results  # noqa: E402
+
+BASE_TIME = "2026-12-01T00:00:00+00:00"
+NEW_TIME = "2026-12-02T00:00:00+00:00"
+
+
+def base_rows(spread: float = 0.02) -> list[dict[str, Any]]:
+    return S.grid(["nccl", "mok_hopper"], shapes=("qwen3_5_397b", "glm_5_2"), run_id="base", git_sha="aaaa1111",
+                  timestamp=BASE_TIME, spread=spread)
+
+
+def derive(rows: list[dict[str, Any]], factor: Callable[[dict], float], *, run_id: str = "new",
+           edit: Optional[Callable[[dict], dict]] = None) -> list[dict[str, Any]]:
+    """The NEW run: every latency (median, p20, p80) times factor(row), TFLOP/s divided by it."""
+    out = []
+    for r in rows:
+        f = factor(r)
+        n = dict(r, run_id=run_id, row_id=r["row_id"] + run_id[:3], git_sha="bbbb2222", timestamp=NEW_TIME)
+        if n["status"] == "ok":
+            for c in ("latency_ms", "latency_p20_ms", "latency_p80_ms"):
+                n[c] = r[c] * f if r[c] is not None else None
+            n["tflops_per_gpu"] = r["tflops_per_gpu"] / f
+        out.append(edit(n) if edit else n)
+    return out
+
+
+def is_target(r: dict) -> bool:
+    return (r["backend"], r["shape"], r["direction"]) == ("mok_hopper", "qwen3_5_397b", "fwd")
+
+
+def run(base: list[dict], new: list[dict], **kw: Any) -> pd.DataFrame:
+    return C.compare(results.to_frame(base), results.to_frame(new), **kw)
+
+
+def verdicts(table: pd.DataFrame) -> dict[tuple[str, str, str], str]:
+    return {(r["backend"], r["shape"], r["direction"]): r["verdict"] for r in table.to_dict("records")}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# acceptance: a 10% slowdown is flagged, a 1% wobble is not
+
+
+def test_ten_percent_slowdown_is_flagged_and_one_percent_wobble_is_not():
+    base = base_rows()
+    table = run(base, derive(base, lambda r: 1.10 if is_target(r) else 1.01))
+    v = verdicts(table)
+    assert v[("mok_hopper", "qwen3_5_397b", "fwd")] == "regression"
+    assert [k for k, x in v.items() if x != "unchanged"] == [("mok_hopper", "qwen3_5_397b", "fwd")]
+    top = table.iloc[0]
+    assert top["verdict"] == "regression" and top["change"] == pytest.approx(0.10)
+    assert C.failed(table)
+    text = C.format_table(table)
+    assert "REGRESSION" in text and "+10.0%" in text and "FAIL" in text
+
+
+def test_one_percent_wobble_everywhere_passes():
+    base = base_rows()
+    table = run(base, derive(base, lambda r: 0.99 if r["direction"] == "fwd" else 1.01))
+    assert set(table["verdict"]) == {"unchanged"}
+    assert not C.failed(table)
+    assert "OK: no regression" in C.format_table(table)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# thresholds
+
+
+def test_change_inside_the_noise_is_not_a_regression():
+    base = base_rows(spread=0.08)  # p20/p80 at -8% / +8%: the spreads overlap unless the gap exceeds 16%
+    table = run(base, derive(base, lambda r: 1.10 if is_target(r) else 1.0))
+    row = table.set_index(["backend", "shape", "direction"]).loc[("mok_hopper", "qwen3_5_397b", "fwd")]
+    assert row["verdict"] == "unchanged" and row["noise"] > row["change"] > 0.05
+    table = run(base, derive(base, lambda r: 1.20 if is_target(r) else 1.0))
+    assert verdicts(table)[("mok_hopper", "qwen3_5_397b", "fwd")] == "regression"
+
+
+def test_min_change_option():
+    base = base_rows(spread=0.002)
+    new = derive(base, lambda r: 1.03 if is_target(r) else 1.0)
+    assert verdicts(run(base, new))[("mok_hopper", "qwen3_5_397b", "fwd")] == "unchanged"
+    assert verdicts(run(base, new, min_change=0.02))[("mok_hopper", "qwen3_5_397b", "fwd")] == "regression"
+    with pytest.raises(ValueError):
+        run(base, new, min_change=-1)
+
+
+def test_noise_is_ignored_where_spreads_are_missing():
+    base = base_rows()
+    for r in base:
+        r["latency_p20_ms"] = r["latency_p80_ms"] = None
+    new = derive(base, lambda r: 1.06 if is_target(r) else 1.0)
+    row = run(base, new).iloc[0]
+    assert row["verdict"] == "regression" and row["noise"] == 0
+
+
+def test_speedup_is_an_improvement_and_passes():
+    base = base_rows()
+    table = run(base, derive(base, lambda r: 0.8 if is_target(r) else 1.0))
+    assert verdicts(table)[("mok_hopper", "qwen3_5_397b", "fwd")] == "improvement"
+    assert not C.failed(table)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# statuses and row sets
+
+
+def test_status_change_from_ok_fails_the_gate():
+    base = base_rows()
+
+    def oom(r: dict) -> dict:
+        if (r["backend"], r["shape"], r["direction"]) == ("nccl", "glm_5_2", "bwd"):
+            return dict(r, status="oom", error="OutOfMemoryError: CUDA out of memory", latency_ms=None,
+                        latency_p20_ms=None, latency_p80_ms=None, tflops_per_gpu=None)
+        return r
+
+    table = run(base, derive(base, lambda r: 1.0, edit=oom))
+    assert verdicts(table)[("nccl", "glm_5_2", "bwd")] == "status change"
+    assert table.iloc[0]["verdict"] == "status change"
+    assert C.failed(table)
+    assert "OutOfMemoryError" in C.format_table(table)
+
+
+def test_fixed_still_failing_new_and_missing_do_not_fail():
+    base = base_rows()
+    base[0] = dict(base[0], status="error", error="boom", latency_ms=None, tflops_per_gpu=None)
+    base[1] = dict(base[1], status="unsupported", error="no DeepEP", latency_ms=None, tflops_per_gpu=None)
+    new = derive(base, lambda r: 1.0)
+    new[0] = dict(new[0], status="ok", latency_ms=5.0, latency_p20_ms=4.9, latency_p80_ms=5.1, tflops_per_gpu=100.0)
+    dropped = new.pop(2)
+    new.append(S.row("deepep", "qwen3_5_397b", run_id="new", git_sha="bbbb2222", timestamp=NEW_TIME))
+    table = run(base, new)
+    v = verdicts(table)
+    key = lambda r: (r["backend"], r["shape"], r["direction"])  # noqa: E731
+    assert v[key(base[0])] == "fixed"
+    assert v[key(base[1])] == "still failing"
+    assert v[key(dropped)] == "missing"
+    assert v[("deepep", "qwen3_5_397b", "fwd")] == "new"
+    assert not C.failed(table)
+
+
+def test_repeated_runs_are_pooled():
+    base = base_rows() + derive(base_rows(), lambda r: 1.02, run_id="base2")
+    new = derive(base_rows(), lambda r: 1.01, run_id="new")
+    table = run(base, new)
+    assert (table["num_rows_base"] == 2).all() and (table["num_rows_new"] == 1).all()
+    assert set(table["verdict"]) == {"unchanged"}
+
+
+def test_matching_is_on_config_hash_backend_direction():
+    base = base_rows()
+    new = derive(base, lambda r: 1.5, edit=lambda r: dict(r, config_hash="other" + r["config_hash"][5:]))
+    table = run(base, new)
+    assert set(table["verdict"]) == {"missing", "new"}
+
+
+def test_different_gpus_are_warned_about():
+    base = base_rows()
+    new = derive(base, lambda r: 1.2, edit=lambda r: dict(r, gpu_name="NVIDIA H100 80GB HBM3"))
+    table = run(base, new)
+    assert table["env_differs"].all()
+    assert "different GPUs" in C.format_table(table)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# CLI
+
+
+def _write(tmp_path: Path, name: str, rows: list[dict]) -> Path:
+    results.write_rows(tmp_path / name / "rows.csv", rows)
+    return tmp_path / name
+
+
+def test_cli_exit_codes(tmp_path, capsys):
+    base = base_rows()
+    b = _write(tmp_path, "base", base)
+    slow = _write(tmp_path, "slow", derive(base, lambda r: 1.10 if is_target(r) else 1.01))
+    wobble = _write(tmp_path, "wobble", derive(base, lambda r: 1.01, run_id="wob"))
+    assert C.main([str(b), str(slow), "--csv", str(tmp_path / "cmp.csv")]) == 1
+    out = capsys.readouterr().out
+    assert "REGRESSION" in out and "mok_hopper" in out
+    assert len(pd.read_csv(tmp_path / "cmp.csv")) == 8
+    assert C.main([str(b), str(wobble)]) == 0
+    assert "OK: no regression" in capsys.readouterr().out
+    assert C.main([str(b), str(wobble), "--min-change", "0.005", "--noise-factor", "0"]) == 1
+
+
+def test_cli_nothing_to_compare(tmp_path):
+    b = _write(tmp_path, "base", base_rows())
+    other = _write(tmp_path, "other", [S.row("deepep", "kimi_k2_7", run_id="x", ep_size=4)])
+    assert C.main([str(b), str(other)]) == 2
+    assert C.main([str(b), str(tmp_path / "does-not-exist")]) == 2
+
+
+def test_cli_history_chart(tmp_path):
+    base = base_rows()
+    b = _write(tmp_path, "base", base)
+    slow = _write(tmp_path, "slow", derive(base, lambda r: 1.10 if is_target(r) else 1.0))
+    assert C.main([str(b), str(slow), "--history-dir", str(tmp_path / "hist")]) == 1
+    pngs = list((tmp_path / "hist").glob("*.png"))
+    assert len(pngs) == 1 and pngs[0].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert list((tmp_path / "hist").glob("*.svg"))

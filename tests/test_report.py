@@ -1,0 +1,296 @@
+"""Claims table, published data and the roofline floors, on small synthetic tables."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import synthetic_results as S  # noqa: E402
+
+from harness import report as R  # noqa: E402
+from harness import results  # noqa: E402
+from harness.roofline import attach_calibration, layer_floors, layer_flops, load_calibration  # noqa: E402
+
+# best baseline per published cell, as read in mok-methodology.md section 10
+PUBLISHED_BEST = {
+    ("mxfp8", "fwd"): ["hybridep_megatron"] * 4,
+    ("mxfp8", "bwd"): ["hybridep_megatron"] * 4,
+    ("bf16", "fwd"): ["deepep", "hybridep_megatron", "deepep", "deepep"],
+    ("bf16", "bwd"): ["deepep", "hybridep_megatron", "deepep", "deepep"],
+}
+CLAIMED = {("mxfp8", "fwd"): 2.37, ("mxfp8", "bwd"): 1.78, ("bf16", "fwd"): 1.92, ("bf16", "bwd"): 1.58}
+
+
+@pytest.fixture(scope="module")
+def published() -> pd.DataFrame:
+    return R.load_published()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# published data
+
+
+def test_published_file_is_labelled_and_not_a_results_file(published):
+    assert len(published) == 5 * 4 * 4  # systems x shapes x panels
+    assert set(published["backend"]) == {"nccl", "deepep", "deepep_te", "hybridep_megatron", "mok"}
+    assert (published["gpu_name"] == "GB300 (published)").all()
+    assert published["run_id"].str.startswith("published:").all()
+    assert published["source"].str.contains("read off published figure").all()
+    assert (published["ep_size"] == 64).all() and (published["tokens_per_gpu"] == 2048).all()
+    assert R.is_published(published).all()
+    # the loader never mistakes it for measurements
+    assert len(results.load(R.PUBLISHED_DIR)) == 0
+
+
+def test_published_latency_is_implied_by_the_formula(published):
+    mok = published[published["backend"] == "mok"].set_index(["precision", "direction", "shape"])
+    # mok-methodology.md section 10: implied MoK latency
+    assert mok.loc[("mxfp8", "fwd", "qwen3_5_397b"), "latency_ms"] == pytest.approx(1.06, abs=0.01)
+    assert mok.loc[("bf16", "bwd", "deepseek_v4_pro"), "latency_ms"] == pytest.approx(3.42, abs=0.01)
+    assert mok.loc[("mxfp8", "fwd", "kimi_k2_7"), "flops_per_gpu"] == pytest.approx(1.623e12, rel=1e-3)
+
+
+def test_load_published_refuses_a_results_file(tmp_path):
+    p = results.write_rows(tmp_path / "r.csv", [S.row("nccl")])
+    with pytest.raises(ValueError):
+        R.load_published(p)
+
+
+def test_claims_file():
+    c = R.load_claims()
+    got = {(r["precision"], r["direction"]): r["claimed_max_speedup"] for r in c.to_dict("records")}
+    assert got == CLAIMED
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# acceptance: the published table reproduces the published maxima and names the best baseline per cell
+
+
+def test_report_reproduces_published_maxima_and_best_baselines(published):
+    claims = R.claims_table(published, published)
+    assert len(claims) == 16
+    for (prec, d), best in PUBLISHED_BEST.items():
+        cells = claims[(claims["precision"] == prec) & (claims["direction"] == d)].set_index("shape")
+        assert list(cells.loc[list(R.SHAPE_ORDER), "best_baseline"]) == best, (prec, d)
+    head = R.headline_table(claims, R.load_claims())
+    assert len(head) == 4
+    for r in head.to_dict("records"):
+        claim = CLAIMED[(r["precision"], r["direction"])]
+        assert r["max_speedup"] == pytest.approx(claim, abs=0.01)
+        assert r["at_shape"] == "qwen3_5_397b"
+        assert r["claimed_max_speedup"] == claim
+        assert "consistency check" in r["verdict"]
+    # BF16 backward of DeepSeek V4 Pro: MoK is not ahead (0.99x read, 0.98x from the readings)
+    ds = claims.set_index(["precision", "direction", "shape"]).loc[("bf16", "bwd", "deepseek_v4_pro")]
+    assert ds["speedup_mok"] == pytest.approx(0.99, abs=0.01)
+    assert ds["best_baseline"] == "deepep"
+
+
+def test_measured_run_in_published_environment_reproduces(published):
+    """A measured GB300 EP=64 table equal to the published one within read error reproduces every claim."""
+    rows = []
+    for r in published.to_dict("records"):
+        wobble = 1.0 + 0.004 * ((hash(r["row_id"]) % 3) - 1)
+        rows.append(S.row(r["backend"], r["shape"], r["precision"], r["direction"], tokens_per_gpu=2048,
+                          ep_size=64, tflops=r["tflops_per_gpu"] * wobble, env={"gpu_name": "NVIDIA GB300"}))
+    measured = results.to_frame(rows)
+    claims = R.claims_table(measured, published)
+    assert claims["env_matches_published"].all()
+    assert claims["ratio_mok"].between(0.99, 1.01).all()
+    head = R.headline_table(claims, R.load_claims())
+    assert (head["verdict"] == "reproduces").all()
+    assert head["measured_over_claim"].between(0.97, 1.03).all()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# missing systems, failed rows, mixed environments
+
+
+def test_failed_and_missing_systems_keep_their_status():
+    df = S.measured_h200()
+    claims = R.claims_table(df).set_index(["precision", "direction", "shape"])
+    assert "tflops_reference" not in claims and "reference" not in set(claims["best_baseline"])
+    q = claims.loc[("fp8", "fwd", "qwen3_5_397b")]
+    assert q["status_deepep_te"] == "oom" and math.isnan(q["tflops_deepep_te"])
+    assert q["status_hybridep_megatron"] == "missing"
+    assert q["baselines_ok"] == "2/4"
+    assert q["best_baseline"] == "deepep"
+    assert q["speedup_mok_hopper"] == pytest.approx(q["tflops_mok_hopper"] / q["tflops_deepep"])
+    g = claims.loc[("bf16", "bwd", "glm_5_2")]
+    assert g["status_mok_hopper"] == "mismatch" and math.isnan(g["speedup_mok_hopper"])
+    assert g["best_baseline"] == "hybridep_megatron"
+
+    bad = R.not_ok_rows(df)
+    assert sorted(bad["status"]) == ["mismatch", "oom", "oom"]
+    md = R.format_markdown(R.claims_table(df), R.headline_table(R.claims_table(df)), bad)
+    assert "| oom |" in md and "mismatch" in md and "d_w_down" in md and "—" in md
+
+
+def test_no_baseline_ok_gives_no_speedup():
+    df = results.to_frame([S.row("nccl", status="error"), S.row("mok_hopper")])
+    c = R.claims_table(df).iloc[0]
+    assert c["best_baseline"] == "" and c["baselines_ok"] == "0/1" and math.isnan(c["speedup_mok_hopper"])
+    assert "none ok" in R.format_markdown(R.claims_table(df), pd.DataFrame(), R.not_ok_rows(df))
+
+
+def test_speedups_stay_within_one_environment():
+    df = S.mixed_environments()
+    claims = R.claims_table(df)
+    assert len(claims) == 2
+    h100 = claims[claims["gpu_name"].str.contains("H100")].iloc[0]
+    h200 = claims[claims["gpu_name"] == "NVIDIA H200"].iloc[0]
+    assert h100["status_mok_hopper"] == "missing" and math.isnan(h100["speedup_mok_hopper"])
+    # H100's DeepEP is faster than H200's NCCL, but only H200's own baseline counts for the H200 kernel
+    assert h100["tflops_deepep"] > h200["tflops_nccl"]
+    assert h200["best_baseline"] == "nccl" and h200["baselines_ok"] == "1/1"
+    assert h200["speedup_mok_hopper"] == pytest.approx(h200["tflops_mok_hopper"] / h200["tflops_nccl"])
+
+
+def test_ratio_to_published_only_where_environment_matches(published):
+    def table(ep_size: int, routing: str = "uniform", gpu: str = "NVIDIA GB300") -> pd.Series:
+        rows = [S.row(b, "qwen3_5_397b", "mxfp8", "fwd", tokens_per_gpu=2048, ep_size=ep_size, routing=routing,
+                      tflops=t, env={"gpu_name": gpu})
+                for b, t in (("hybridep_megatron", 200.0), ("mok", 480.0))]
+        return R.claims_table(results.to_frame(rows), published).iloc[0]
+
+    same = table(64)
+    assert same["env_matches_published"] and same["ratio_mok"] == pytest.approx(480 / 533)
+    assert same["speedup_mok"] == pytest.approx(2.4) and same["published_speedup"] == pytest.approx(533 / 225)
+    for other in (table(32), table(64, routing="zipf(s=1)"), table(64, gpu="NVIDIA B200")):
+        assert not other["env_matches_published"]
+        assert math.isnan(other["ratio_mok"])
+        assert other["published_speedup"] == pytest.approx(533 / 225)  # still side by side
+    head = R.headline_table(R.claims_table(results.to_frame([S.row("mok", "qwen3_5_397b", "mxfp8", "fwd",
+                                                                    tokens_per_gpu=2048, ep_size=32)])),
+                            R.load_claims())
+    assert head.empty or (head["verdict"] != "reproduces").all()
+
+
+def test_same_gpu():
+    assert R.same_gpu("NVIDIA GB300", "GB300 (published)")
+    assert not R.same_gpu("NVIDIA GB200", "GB300 (published)")
+    assert not R.same_gpu("NVIDIA H200", "GB300 (published)")
+    assert not R.same_gpu(pd.NA, "GB300 (published)")
+
+
+def test_repeated_runs_take_the_median_and_any_ok_row():
+    rows = [S.row("nccl", tflops=t, run_id=f"r{i}") for i, t in enumerate((100.0, 110.0, 130.0))]
+    rows.append(S.row("nccl", status="timeout", run_id="r9", timestamp="2026-12-09T00:00:00+00:00"))
+    rows += [S.row("deepep", status="oom", run_id="r1"),
+             S.row("deepep", status="error", run_id="r2", timestamp="2026-12-05T00:00:00+00:00")]
+    agg = R.aggregate(results.to_frame(rows)).set_index("backend")
+    assert agg.loc["nccl", "tflops_per_gpu"] == pytest.approx(110.0)
+    assert agg.loc["nccl", "status"] == "ok" and agg.loc["nccl", "num_ok"] == 3
+    assert agg.loc["deepep", "status"] == "error"  # the most recent row's status
+
+
+def test_shape_labels():
+    assert R.shape_label("qwen3_5_397b") == "Qwen3.5-397B"
+    assert R.shape_label("kimi_k2_7@6epg") == "Kimi K2.7 @6epg"
+    assert R.panel_label("mxfp8", "bwd") == "MXFP8 backward"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# CLI and files
+
+
+def test_cli_writes_markdown_and_csv(tmp_path, capsys):
+    results.write_rows(tmp_path / "in" / "a.csv", S.measured_h200().to_dict("records"))
+    rc = R.main([str(tmp_path / "in"), "--out", str(tmp_path / "out"), "--no-charts"])
+    assert rc == 0
+    for name in ("claims.md", "claims.csv", "headline.csv", "not_ok.csv"):
+        assert (tmp_path / "out" / name).stat().st_size > 0
+    claims = pd.read_csv(tmp_path / "out" / "claims.csv")
+    assert len(claims) == 16 and "speedup_mok_hopper" in claims
+    assert len(pd.read_csv(tmp_path / "out" / "not_ok.csv")) == 3
+    md = (tmp_path / "out" / "claims.md").read_text()
+    assert "NVIDIA H200 · EP 8 · 4096 tokens/GPU" in md and "Rows not ok" in md
+    # report files under results/ are never read back as results
+    assert len(results.load(tmp_path / "out")) == 0
+    assert "Headline" in capsys.readouterr().out
+
+
+def test_cli_published_only_reproduces_claims(tmp_path):
+    rc = R.main(["--include-published", "--no-measured", "--out", str(tmp_path), "--no-charts"])
+    assert rc == 0
+    head = pd.read_csv(tmp_path / "headline.csv")
+    assert sorted(head["max_speedup"].round(2)) == [1.58, 1.78, 1.92, 2.37]
+    assert (head["data"] == "published").all()
+
+
+def test_cli_refuses_published_rows_among_results(tmp_path):
+    pub = R.load_published()
+    results.write_rows(tmp_path / "in" / "x.csv", pub.to_dict("records"))
+    assert R.main([str(tmp_path / "in"), "--out", str(tmp_path / "out"), "--no-charts"]) == 2
+
+
+def test_cli_with_no_rows(tmp_path):
+    (tmp_path / "empty").mkdir()
+    assert R.main([str(tmp_path / "empty"), "--out", str(tmp_path / "out"), "--no-charts"]) == 2
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# roofline floors
+
+
+def test_layer_floors_by_hand():
+    row = dict(tokens_per_gpu=2048, hidden=4096, ffn=1024, topk=10, local_experts=8, precision="bf16",
+               direction="fwd", dispatch_bytes=100e6, combine_bytes=200e6, latency_ms=1.0)
+    f = layer_floors(row, gemm_tflops=1000.0, hbm_gb_s=4000.0, link_gb_s=300.0)
+    flops = 6.0 * (2048 + 2048 * 10) * 4096 * 1024
+    weight = 3 * 8 * 4096 * 1024 * 2 + 3 * 4096 * 1024 * 2
+    act = 2048 * 4096 * 2 * (2 + 2 * 10)
+    assert f["flops"] == pytest.approx(flops)
+    assert f["weight_bytes"] == weight and f["activation_bytes"] == act and f["remote_bytes"] == 300e6
+    assert f["compute_ms"] == pytest.approx(flops / 1e15 * 1e3)
+    assert f["memory_ms"] == pytest.approx((weight + act) / 4e12 * 1e3)
+    assert f["link_ms"] == pytest.approx(1.0)
+    assert f["roofline_ms"] == pytest.approx(1.0) and f["bound"] == "link"
+    assert f["roofline_fraction"] == pytest.approx(1.0)
+
+    fp8 = layer_floors(dict(row, precision="fp8"), 1000.0, 4000.0, 300.0)
+    assert fp8["weight_bytes"] == 3 * 8 * 4096 * 1024 * 1 + 3 * 4096 * 1024 * 2  # shared expert stays bf16
+    bwd = layer_floors(dict(row, direction="bwd"), 1000.0, 4000.0, 300.0)
+    assert bwd["flops"] == pytest.approx(2 * flops) and bwd["remote_bytes"] == 300e6
+    fb = layer_floors(dict(row, direction="fwd_bwd", flops_per_gpu=123.0), 1000.0, 4000.0, 300.0)
+    assert fb["flops"] == 123.0 and fb["remote_bytes"] == 600e6  # the flops_per_gpu column wins
+
+
+def test_layer_floors_with_missing_inputs():
+    row = dict(tokens_per_gpu=2048, hidden=4096, ffn=1024, topk=10, num_experts=512, ep_size=64, precision="mxfp8",
+               direction="fwd", dispatch_bytes=pd.NA, combine_bytes=None)
+    f = layer_floors(row, gemm_tflops=2000.0, hbm_gb_s=float("nan"), link_gb_s=None)
+    assert f["remote_bytes"] is None and f["link_ms"] is None and f["memory_ms"] is None
+    assert f["weight_bytes"] == 3 * 8 * 4096 * 1024 + 3 * 4096 * 1024 * 2  # local experts from num_experts / ep
+    assert f["roofline_ms"] == f["compute_ms"] and f["bound"] == "compute"
+    assert f["roofline_fraction"] is None
+    assert layer_floors({}, 1.0, 1.0, 1.0)["roofline_ms"] is None
+    assert layer_flops(dict(row, shared_expert=False)) == pytest.approx(6.0 * 2048 * 10 * 4096 * 1024)
+
+
+def test_calibration_lookup(tmp_path):
+    p = tmp_path / "calib.csv"
+    p.write_text("gpu_name,precision,gemm_tflops,hbm_gb_s,link_gb_s\n"
+                 ",,100,1000,100\n"
+                 "NVIDIA H200,,,4000,350\n"
+                 "NVIDIA H200,fp8,1500,,\n"
+                 "NVIDIA H200,bf16,800,,\n")
+    cal = load_calibration(p)
+    df = results.to_frame([S.row("nccl", precision="fp8", env={"gpu_name": "NVIDIA H200"}),
+                           S.row("nccl", precision="bf16", env={"gpu_name": "NVIDIA H200"}),
+                           S.row("nccl", env={"gpu_name": "NVIDIA H100 80GB HBM3"}),
+                           S.row("deepep", env=dict(S.H200, calib_gemm_tflops=900.0))])
+    out = attach_calibration(df, cal)
+    assert list(out["calib_gemm_tflops"]) == [1500.0, 800.0, 100.0, 900.0]  # the row's own value wins
+    assert list(out["calib_hbm_gb_s"]) == [4000.0, 4000.0, 1000.0, 4300.0]
+    assert list(out["calib_link_gb_s"]) == [350.0, 350.0, 100.0, 360.0]
+    bad = tmp_path / "bad.csv"
+    bad.write_text("gpu_name,foo\nx,1\n")
+    with pytest.raises(ValueError):
+        load_calibration(bad)
