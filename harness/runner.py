@@ -180,6 +180,14 @@ def worker(payload: dict, renv: RankEnv) -> None:
     dist.all_gather(idx_parts, inputs.topk_idx_TK, group=group)
     base.update(load_stats(torch.cat(idx_parts), case))
 
+    if c["calibrate"]:
+        from harness.calibrate import measure
+
+        status, err, calib = agree(lambda: measure(dev, group, case.precision))
+        base.update(calib or {})
+        if status != "ok":
+            base["notes"] = f"calibration failed: {err}"
+
     ref = None
     if c["check"]:
         from harness.reference import ReferenceBackend
@@ -292,14 +300,26 @@ def run_backend(name, case, c, inputs, ref, group, ctrl, agree, timer, base, dir
             continue
         flops = case.flops(d)
         lat_s = stats.median_ms / 1e3
-        yield make_row(
+        row = make_row(
             base, name, d, "ok",
             latency_ms=stats.median_ms, latency_p20_ms=stats.p20_ms, latency_p80_ms=stats.p80_ms,
             latency_min_ms=stats.min_ms, latency_max_ms=stats.max_ms, num_warmup=stats.num_warmup,
             num_iters=stats.num_iters, flops_per_gpu=flops, tflops_per_gpu=flops / lat_s / 1e12,
             tokens_per_s_per_gpu=case.tokens_per_gpu / lat_s, **extra,
         )
+        yield _with_roofline(row)
     agree(backend.teardown)
+
+
+def _with_roofline(row: dict) -> dict:
+    """Fill roofline_ms / roofline_fraction from the calibrated rates, where this run measured them."""
+    if row.get("calib_gemm_tflops") is None:
+        return row
+    from harness.roofline import layer_floors
+
+    f = layer_floors(row, row.get("calib_gemm_tflops"), row.get("calib_hbm_gb_s"), row.get("calib_link_gb_s"))
+    row.update(roofline_ms=f["roofline_ms"], roofline_fraction=f["roofline_fraction"], roofline_bound=f["bound"])
+    return row
 
 
 def _time_direction(backend, inputs, direction: str, timer: Timer, t: dict):
