@@ -35,25 +35,29 @@ FAILING = ("regression", "status change")
 def pool(df: pd.DataFrame) -> pd.DataFrame:
     """One row per (config_hash, backend, direction): median latency over ok rows, lowest p20, highest p80, and a
     status (``ok`` when any row is ok, else the most recent row's), with the context columns and a row count."""
-    out = []
-    for key, g in df.groupby(list(KEY), dropna=False, sort=False):
-        ok = g[(g["status"] == "ok") & g["latency_ms"].notna()]
-        last = g.sort_values("timestamp", na_position="first").iloc[-1]
-        rec: dict[str, Any] = dict(zip(KEY, key))
-        rec.update({c: last[c] for c in CONTEXT})
-        rec.update(
-            status="ok" if len(ok) else str(last["status"]),
-            error="" if len(ok) or pd.isna(last["error"]) else str(last["error"]).splitlines()[0][:120],
-            latency_ms=float(ok["latency_ms"].median()) if len(ok) else math.nan,
-            p20_ms=float(ok["latency_p20_ms"].min()) if ok["latency_p20_ms"].notna().any() else math.nan,
-            p80_ms=float(ok["latency_p80_ms"].max()) if ok["latency_p80_ms"].notna().any() else math.nan,
-            tflops_per_gpu=float(ok["tflops_per_gpu"].median()) if ok["tflops_per_gpu"].notna().any() else math.nan,
-            git_sha=str(last["git_sha"]) if not pd.isna(last["git_sha"]) else "",
-            num_rows=len(g),
-        )
-        out.append(rec)
-    return pd.DataFrame(out, columns=[*KEY, *CONTEXT, "status", "error", "latency_ms", "p20_ms", "p80_ms",
-                                      "tflops_per_gpu", "git_sha", "num_rows"])
+    cols = [*KEY, *CONTEXT, "status", "error", "latency_ms", "p20_ms", "p80_ms", "tflops_per_gpu", "git_sha",
+            "num_rows"]
+    if df.empty:
+        return pd.DataFrame(columns=cols)
+    d = df.copy()
+    d["_g"] = d.groupby(list(KEY), dropna=False, sort=False).ngroup()
+    d["_ok"] = (d["status"] == "ok").fillna(False) & d["latency_ms"].notna()
+    last = d.sort_values(["_g", "timestamp"], na_position="first", kind="stable").drop_duplicates("_g", keep="last")
+    out = last.set_index("_g")
+    ok = d[d["_ok"]].groupby("_g").agg(latency_ms=("latency_ms", "median"), p20_ms=("latency_p20_ms", "min"),
+                                       p80_ms=("latency_p80_ms", "max"),
+                                       tflops_per_gpu=("tflops_per_gpu", "median"), num_ok=("_ok", "size"))
+    res = out[[*KEY, *CONTEXT]].join(ok)
+    has_ok = res["num_ok"].fillna(0) > 0
+    res["status"] = out["status"].astype(object).where(~has_ok, "ok").fillna("missing").astype(str)
+    err = out["error"].astype(object).fillna("").map(lambda e: str(e).strip().splitlines()[0][:120] if str(e).strip()
+                                                      else "")
+    res["error"] = err.where(~has_ok, "")
+    res["git_sha"] = out["git_sha"].astype(object).fillna("").astype(str)
+    res["num_rows"] = d.groupby("_g").size()
+    for c in ("latency_ms", "p20_ms", "p80_ms", "tflops_per_gpu"):
+        res[c] = res[c].astype("float64")
+    return res.sort_index().reset_index(drop=True)[cols]
 
 
 def compare(base: pd.DataFrame, new: pd.DataFrame, *, min_change: float = 0.05, noise_factor: float = 1.0

@@ -87,25 +87,36 @@ def _one_env(df: pd.DataFrame, env: Optional[dict[str, Any]], keys: Sequence[str
     return R.select_env(df, {k: env[k] for k in keys if k in env}), env
 
 
+Legend = tuple[Sequence[Any], Sequence[str]]
+
+
 def finish(fig: Figure, title: str, handles: Sequence[Any] = (), labels: Sequence[str] = (), *,
-           notes: Sequence[str] = (), ncol: int = 5, max_notes: int = 4) -> None:
-    """Title and legend in a band above the axes, the not-ok footnote in a band below; the constrained layout
-    keeps the axes between them (sizes in inches, so they hold at any figure size)."""
+           notes: Sequence[str] = (), ncol: int = 6, extra_legend: Optional[Legend] = None,
+           max_notes: int = 4) -> None:
+    """Title and legend(s) in a band above the axes, the not-ok footnote in a band below; the constrained layout
+    keeps the axes between them (sizes in inches, so they hold at any figure size). Legends get as many columns
+    as fit the figure's width (at most ``ncol``); ``extra_legend`` goes on its own rows under the first."""
     width, height = fig.get_size_inches()
-    legend_rows = math.ceil(len(labels) / ncol) if labels else 0
     text = ""
     if notes:
         shown = list(notes[:max_notes]) + ([f"... and {len(notes) - max_notes} more"] if len(notes) > max_notes
                                              else [])
         text = textwrap.fill("Not ok (drawn as a status, no value): " + "; ".join(shown),
                              width=max(40, int(width * 15)))
-    top_in = 0.45 + 0.3 * legend_rows
-    bottom_in = 0.08 + (0.16 * (text.count("\n") + 1) + 0.08 if text else 0)
-    fig.get_layout_engine().set(rect=(0, bottom_in / height, 1, 1 - (top_in + bottom_in) / height))  # l, b, w, h
+    title = textwrap.fill(title, width=max(30, int(width * 9.5)))
+    y_in = 0.4 + 0.22 * title.count("\n")  # top of the next band, inches from the top
     fig.text(0.5, 1 - 0.08 / height, title, ha="center", va="top", fontsize=12.5)
-    if labels:
-        fig.legend(list(handles), list(labels), loc="upper center", bbox_to_anchor=(0.5, 1 - 0.4 / height),
-                   ncol=min(ncol, len(labels)), frameon=False, fontsize=9.5, handlelength=1.8, columnspacing=1.4)
+    for hs, ls in ((handles, labels), extra_legend or ((), ())):
+        if not ls:
+            continue
+        widest = max(0.075 * len(lab) + 0.55 for lab in ls)  # inches per column at fontsize 9.5
+        cols = max(1, min(ncol, len(ls), int((width - 0.3) / widest)))
+        fig.legend(list(hs), list(ls), loc="upper center", bbox_to_anchor=(0.5, 1 - y_in / height), ncol=cols,
+                   frameon=False, fontsize=9.5, handlelength=1.8, columnspacing=1.4)
+        y_in += 0.3 * math.ceil(len(ls) / cols)
+    bottom_in = 0.08 + (0.16 * (text.count("\n") + 1) + 0.08 if text else 0)
+    top_in = y_in + 0.05
+    fig.get_layout_engine().set(rect=(0, bottom_in / height, 1, 1 - (top_in + bottom_in) / height))  # l, b, w, h
     if text:
         fig.text(0.01, 0.06 / height, text, fontsize=8, color="#555555", ha="left", va="bottom")
 
@@ -125,12 +136,13 @@ def plot_panels(df: pd.DataFrame, env: Optional[dict[str, Any]] = None, title: O
     df = df[~df["backend"].isin(R.NOT_CONTENDERS)]
     df, env = _one_env(df, env)
     agg = R.aggregate(df)
+    by_cell = {(r["precision"], r["direction"], r["shape"], r["backend"]): r for r in agg.to_dict("records")}
     claims = R.claims_table(df).set_index(["precision", "direction", "shape"])
     systems = R.systems_in(agg)
     precisions = R._order(agg["precision"], R.PRECISION_ORDER)
     directions = R._order(agg["direction"], R.DIRECTION_ORDER)
     shapes = R._order(agg["shape"], R.SHAPE_ORDER)
-    fig = new_figure(6.4 * len(directions) + 0.6, 3.9 * len(precisions) + 1.0)
+    fig = new_figure(_panels_width(len(directions), len(shapes)), 3.9 * len(precisions) + 1.0)
     axes = fig.subplots(len(precisions), len(directions), squeeze=False)
     width = 0.84 / max(len(systems), 1)
     notes: list[str] = []
@@ -141,10 +153,9 @@ def plot_panels(df: pd.DataFrame, env: Optional[dict[str, Any]] = None, title: O
             top = float(cell["tflops_per_gpu"].max()) if cell["tflops_per_gpu"].notna().any() else 1.0
             for k, s in enumerate(systems):
                 for g, shape in enumerate(shapes):
-                    rows = cell[(cell["backend"] == s) & (cell["shape"] == shape)].to_dict("records")
-                    if not rows:
+                    r = by_cell.get((prec, direction, shape, s))
+                    if r is None:
                         continue
-                    r = rows[0]
                     x = g - 0.42 + width * (k + 0.5)
                     if r["status"] == "ok" and not R._isna(r["tflops_per_gpu"]):
                         ax.bar(x, r["tflops_per_gpu"], width * 0.92, color=color(s), zorder=2)
@@ -170,6 +181,11 @@ def plot_panels(df: pd.DataFrame, env: Optional[dict[str, Any]] = None, title: O
     finish(fig, title or f"Expert-parallel MoE layer throughput — {R.env_label(env)}",
            [_patch(s) for s in systems], [R.system_label(s) for s in systems], notes=notes, ncol=len(systems))
     return fig
+
+
+def _panels_width(ncols: int, nshapes: int) -> float:
+    """Figure width (inches) for panels of grouped bars: 6.4 in per panel for the four published shapes."""
+    return max(9.0, ncols * max(3.2, 1.45 * nshapes + 0.6) + 0.6)
 
 
 def _patch(system: str):
@@ -319,11 +335,13 @@ def plot_roofline(df: pd.DataFrame, calibration: Optional[pd.DataFrame] = None,
         ["latency_ms", "floor_compute_ms", "floor_memory_ms", "floor_link_ms", "floor_roofline_ms"]].median()
     med = med.reset_index()
     agg = R.aggregate(df)
+    by_cell = {(r["precision"], r["direction"], r["shape"], r["backend"]): r for r in agg.to_dict("records")}
+    by_med = {(r["precision"], r["direction"], r["shape"], r["backend"]): r for r in med.to_dict("records")}
     systems = R.systems_in(agg)
     precisions = R._order(agg["precision"], R.PRECISION_ORDER)
     directions = R._order(agg["direction"], R.DIRECTION_ORDER)
     shapes = R._order(agg["shape"], R.SHAPE_ORDER)
-    fig = new_figure(6.4 * len(directions) + 0.6, 3.9 * len(precisions) + 1.2)
+    fig = new_figure(_panels_width(len(directions), len(shapes)), 3.9 * len(precisions) + 1.2)
     axes = fig.subplots(len(precisions), len(directions), squeeze=False)
     width = 0.84 / max(len(systems), 1)
     notes: list[str] = []
@@ -332,34 +350,37 @@ def plot_roofline(df: pd.DataFrame, calibration: Optional[pd.DataFrame] = None,
         for j, direction in enumerate(directions):
             ax = axes[i][j]
             cell = med[(med["precision"] == prec) & (med["direction"] == direction)]
-            top = float(np.nanmax(cell[["latency_ms", "floor_roofline_ms"]].to_numpy(dtype="float64"))) \
-                if len(cell) else 1.0
-            top = top if math.isfinite(top) and top > 0 else 1.0
+            ticks: dict[str, list[tuple[float, float, float]]] = {}
+            vals = cell[["latency_ms", "floor_roofline_ms"]].to_numpy(dtype="float64")
+            vals = vals[np.isfinite(vals)]
+            top = float(vals.max()) if vals.size and vals.max() > 0 else 1.0
             for k, s in enumerate(systems):
                 for g, shape in enumerate(shapes):
                     x = g - 0.42 + width * (k + 0.5)
-                    rows = cell[(cell["backend"] == s) & (cell["shape"] == shape)].to_dict("records")
-                    if rows:
-                        r = rows[0]
+                    r = by_med.get((prec, direction, shape, s))
+                    if r is not None:
                         ax.bar(x, r["latency_ms"], width * 0.92, color=color(s), alpha=0.85, zorder=2)
-                        for col, (label, c, ls) in FLOOR_STYLE.items():
+                        for col in FLOOR_STYLE:
                             v = r[f"floor_{col}"]
-                            if not R._isna(v):  # the roofline as a wide pale band, the floors on top of it
-                                roof = col == "roofline_ms"
-                                ax.hlines(v, x - width / 2, x + width / 2, colors=c, linestyles=ls,
-                                          linewidth=5 if roof else 1.8, alpha=0.45 if roof else 1,
-                                          zorder=3 if roof else 4)
-                                drawn.add(col)
+                            if not R._isna(v):
+                                ticks.setdefault(col, []).append((v, x - width / 2, x + width / 2))
                         if not R._isna(r["floor_roofline_ms"]):
-                            ax.text(x, r["latency_ms"] + top * 0.015, f"{r['floor_roofline_ms'] / r['latency_ms']:.0%}",
-                                    ha="center", va="bottom", fontsize=7.5, zorder=4)
+                            frac = r["floor_roofline_ms"] / r["latency_ms"]
+                            ax.text(x, r["latency_ms"] + top * 0.015, f"{frac:.0%}", ha="center", va="bottom",
+                                    fontsize=7.5, zorder=4)
                         continue
-                    bad = agg[(agg["precision"] == prec) & (agg["direction"] == direction) & (agg["backend"] == s)
-                              & (agg["shape"] == shape) & (agg["status"] != "ok")].to_dict("records")
-                    for r in bad:
+                    r = by_cell.get((prec, direction, shape, s))
+                    if r is not None and r["status"] != "ok":
                         ax.text(x, top * 0.02, r["status"], rotation=90, ha="center", va="bottom", fontsize=7.5,
                                 color="#444444")
                         notes.append(_not_ok_note(r, R.shape_label(shape), R.panel_label(prec, direction)))
+            for col, (label, c, ls) in FLOOR_STYLE.items():  # the roofline as a wide pale band, floors on top
+                if ticks.get(col):
+                    y, x0, x1 = zip(*ticks[col])
+                    roof = col == "roofline_ms"
+                    ax.hlines(y, x0, x1, colors=c, linestyles=ls, linewidth=5 if roof else 1.8,
+                              alpha=0.45 if roof else 1, zorder=3 if roof else 4)
+                    drawn.add(col)
             ax.set_title(R.panel_label(prec, direction), fontsize=12, fontweight="bold")
             ax.set_xticks(range(len(shapes)), [R.shape_label(s) for s in shapes], fontsize=9.5)
             ax.set_xlim(-0.55, len(shapes) - 0.45)
@@ -370,20 +391,15 @@ def plot_roofline(df: pd.DataFrame, calibration: Optional[pd.DataFrame] = None,
                 ax.set_ylabel("latency (ms), lower is better")
     from matplotlib.lines import Line2D
 
-    # two legend rows, systems above floors (the legend fills column by column)
-    floors = [(Line2D([], [], color=c, linestyle=ls, linewidth=5 if col == "roofline_ms" else 2,
-                      alpha=0.45 if col == "roofline_ms" else 1), label)
-              for col, (label, c, ls) in FLOOR_STYLE.items() if col in drawn]
-    ncol = max(len(systems), len(floors))
-    blank = (Line2D([], [], alpha=0), "")
-    top = [(_patch(s), R.system_label(s)) for s in systems] + [blank] * (ncol - len(systems))
-    bottom = floors + [blank] * (ncol - len(floors))
-    pairs = [p for c in range(ncol) for p in ((top[c], bottom[c]) if floors else (top[c],))]
-    handles, labels = [h for h, _ in pairs], [lab for _, lab in pairs]
+    floors = [Line2D([], [], color=c, linestyle=ls, linewidth=5 if col == "roofline_ms" else 2,
+                     alpha=0.45 if col == "roofline_ms" else 1) for col, (_, c, ls) in FLOOR_STYLE.items()
+              if col in drawn]
+    floor_labels = [label for col, (label, _, _) in FLOOR_STYLE.items() if col in drawn]
     default = f"Latency against the layer's floors — {R.env_label(env)} — label over a bar: roofline / latency"
     if not drawn:
         default += " (no calibration rates matched: floors not drawn)"
-    finish(fig, title or default, handles, labels, notes=notes, ncol=ncol)
+    finish(fig, title or default, [_patch(s) for s in systems], [R.system_label(s) for s in systems], notes=notes,
+           extra_legend=(floors, floor_labels))
     return fig
 
 
@@ -478,6 +494,8 @@ def report_charts(df: pd.DataFrame, out_dir: Union[str, Path], *, calibration: O
     measured = contenders[~R.is_published(contenders)]
     if len(measured) and has_floors(measured, calibration):
         for env in R.environments(measured):
+            if not has_floors(R.select_env(measured, env), calibration):
+                continue
             name = f"roofline_{slug(R.env_label(env))}"
             written[name] = _save_close(plot_roofline(measured, calibration, env), out / name, formats)
     for h in history:

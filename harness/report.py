@@ -194,22 +194,24 @@ def aggregate(df: pd.DataFrame) -> pd.DataFrame:
     """One row per cell and backend: the median TFLOP/s and latency over its ok rows (repeated runs), and a status:
     ``ok`` when any row is ok and timed, else the status of the most recent row, with its error."""
     cols = [*CELL_KEYS, "backend"]
-    out = []
-    for key, g in df.groupby(cols, dropna=False, sort=False):
-        ok = g[(g["status"] == "ok") & g["tflops_per_gpu"].notna()]
-        last = g.sort_values("timestamp", na_position="first").iloc[-1]
-        rec = dict(zip(cols, key))
-        rec.update(
-            tflops_per_gpu=float(ok["tflops_per_gpu"].median()) if len(ok) else math.nan,
-            latency_ms=float(ok["latency_ms"].median()) if len(ok) and ok["latency_ms"].notna().any() else math.nan,
-            status="ok" if len(ok) else str(last["status"]),
-            error="" if len(ok) or _isna(last["error"]) else str(last["error"]),
-            num_rows=len(g),
-            num_ok=len(ok),
-        )
-        out.append(rec)
-    agg = pd.DataFrame(out, columns=[*cols, "tflops_per_gpu", "latency_ms", "status", "error", "num_rows", "num_ok"])
-    return agg
+    d = df[[*cols, "tflops_per_gpu", "latency_ms", "status", "error", "timestamp"]].copy()
+    d["_g"] = d.groupby(cols, dropna=False, sort=False).ngroup()
+    d["_ok"] = (d["status"] == "ok").fillna(False) & d["tflops_per_gpu"].notna()
+    last = d.sort_values(["_g", "timestamp"], na_position="first", kind="stable").drop_duplicates("_g", keep="last")
+    out = last.set_index("_g")[cols].copy()
+    ok = d[d["_ok"]].groupby("_g").agg(tflops_per_gpu=("tflops_per_gpu", "median"),
+                                       latency_ms=("latency_ms", "median"), num_ok=("_ok", "size"))
+    out = out.join(ok)
+    out["num_ok"] = out["num_ok"].fillna(0).astype(int)
+    has_ok = out["num_ok"] > 0
+    lst = last.set_index("_g")
+    out["status"] = lst["status"].astype(object).where(~has_ok, "ok").fillna("missing").astype(str)
+    out["error"] = lst["error"].astype(object).where(~has_ok, "").fillna("").astype(str)
+    out["num_rows"] = d.groupby("_g").size()
+    out = out.sort_index().reset_index(drop=True)
+    for c in ("tflops_per_gpu", "latency_ms"):
+        out[c] = out[c].astype("float64")
+    return out[[*cols, "tflops_per_gpu", "latency_ms", "status", "error", "num_rows", "num_ok"]]
 
 
 def environments(df: pd.DataFrame) -> list[dict[str, Any]]:

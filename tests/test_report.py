@@ -230,6 +230,24 @@ def test_cli_refuses_published_rows_among_results(tmp_path):
     assert R.main([str(tmp_path / "in"), "--out", str(tmp_path / "out"), "--no-charts"]) == 2
 
 
+def test_cli_charts_calibration_and_history(tmp_path):
+    rows = [S.row(b, git_sha=sha, run_id=f"r{i}", timestamp=f"2026-12-0{i + 1}T00:00:00+00:00",
+                  env={"gpu_name": "NVIDIA H200"})
+            for i, sha in enumerate(("aaaa1111", "bbbb2222")) for b in ("nccl", "mok_hopper")]
+    results.write_rows(tmp_path / "in" / "a.csv", rows)
+    cal = tmp_path / "calib.csv"
+    cal.write_text("gpu_name,calib_gemm_tflops,calib_hbm_gb_s,calib_link_gb_s\nNVIDIA H200,800,4300,360\n")
+    rc = R.main([str(tmp_path / "in"), "--out", str(tmp_path / "out"), "--calibration", str(cal),
+                 "--formats", "png", "--history"])
+    assert rc == 0
+    pngs = sorted(p.name for p in (tmp_path / "out").glob("*.png"))
+    assert pngs == ["history_" + rows[0]["config_hash"] + ".png",
+                    "panels_nvidia-h200-ep-8-4096-tokens-gpu-1-node.png",
+                    "roofline_nvidia-h200-ep-8-4096-tokens-gpu-1-node.png"]
+    md = (tmp_path / "out" / "claims.md").read_text()
+    assert all(f"({p})" in md for p in pngs)
+
+
 def test_cli_with_no_rows(tmp_path):
     (tmp_path / "empty").mkdir()
     assert R.main([str(tmp_path / "empty"), "--out", str(tmp_path / "out"), "--no-charts"]) == 2

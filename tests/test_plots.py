@@ -1,0 +1,165 @@
+"""Charts (Agg, PNG + SVG) and the analysis notebook, executed headless."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import synthetic_results as S  # noqa: E402
+
+from harness import plots as P  # noqa: E402
+from harness import report as R  # noqa: E402
+from harness import results  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def texts(fig) -> list[str]:
+    return [t.get_text() for ax in fig.axes for t in ax.texts] + [t.get_text() for t in fig.texts]
+
+
+def legend_labels(fig) -> list[str]:
+    return [t.get_text() for leg in fig.legends for t in leg.get_texts()]
+
+
+def saved(fig, tmp_path: Path, name: str, formats: tuple[str, ...] = ("png",)) -> list[Path]:
+    """Save (PNG only unless asked: rendering dominates the test time) and check the files."""
+    paths = P.save(fig, tmp_path / name, formats)
+    assert [p.suffix for p in paths] == [f".{f}" for f in formats]
+    assert paths[0].read_bytes()[:8] == PNG
+    if "svg" in formats:
+        assert b"<svg" in paths[1].read_bytes()[:2000]
+    return paths
+
+
+def test_published_four_panel_chart(tmp_path):
+    fig = P.plot_panels(R.load_published())
+    assert isinstance(fig.canvas, FigureCanvasAgg)
+    assert [ax.get_title() for ax in fig.axes] == ["MXFP8 forward", "MXFP8 backward", "BF16 forward",
+                                                   "BF16 backward"]
+    labels = texts(fig)
+    for claim in ("2.37×", "1.78×", "1.92×", "1.58×"):
+        assert claim in labels
+    assert legend_labels(fig) == ["NCCL+PyTorch", "DeepEP+PyTorch", "DeepEP+TE", "HybridEP+Megatron", "MoK"]
+    assert sum(len(ax.patches) for ax in fig.axes) == 80  # 5 systems x 4 shapes x 4 panels
+    saved(fig, tmp_path, "published", ("png", "svg"))
+
+
+def test_panels_show_failed_rows_as_status(tmp_path):
+    fig = P.plot_panels(S.measured_h200())  # the reference rows are ignored, not an environment of their own
+    labels = texts(fig)
+    assert labels.count("oom") == 2 and labels.count("mismatch") == 1
+    assert any(t.startswith("Not ok") and "DeepEP+TE" in t for t in (x.get_text() for x in fig.texts))
+    assert "reference" not in " ".join(legend_labels(fig))
+    saved(fig, tmp_path, "h200")
+
+
+def test_panels_need_one_environment():
+    df = S.mixed_environments()
+    with pytest.raises(ValueError, match="environments"):
+        P.plot_panels(df)
+    env = R.environments(df)[0]
+    assert P.plot_panels(df, env).axes
+
+
+def test_sweeps(tmp_path):
+    df = S.sweeps_h200()
+    assert P.sweep_axes_present(df) == ["tokens_per_gpu", "ep_size", "routing"]
+    for x in P.SWEEP_AXES:
+        fig = P.plot_sweep(df, x)
+        assert len([ax for ax in fig.axes if ax.get_visible()]) == 2  # Kimi and Qwen, bf16 fwd
+        assert legend_labels(fig) == ["NCCL+PyTorch", "DeepEP+PyTorch", "MoK Hopper (ours)"]
+        saved(fig, tmp_path, f"sweep_{x}")
+    routing = P.plot_sweep(df, "routing")
+    assert [t.get_text() for t in routing.axes[0].get_xticklabels()] == ["uniform", "zipf(s=1)",
+                                                                         "hot_experts(f=0.125,x4)"]
+    tokens = P.plot_sweep(df, "tokens_per_gpu")
+    assert any("oom" in t.get_text() for t in tokens.texts)  # the 16384-token oom point is listed
+    with pytest.raises(ValueError):
+        P.plot_sweep(S.measured_h200(), "tokens_per_gpu")
+    with pytest.raises(ValueError):
+        P.plot_sweep(df, "hidden")
+
+
+def test_roofline_chart(tmp_path):
+    df = S.measured_h200()
+    assert P.has_floors(df)
+    fig = P.plot_roofline(df)
+    labels = legend_labels(fig)
+    for floor in ("compute floor", "HBM floor", "NVLink floor", "roofline"):
+        assert any(floor in lab for lab in labels), floor
+    percents = [t for t in texts(fig) if t.endswith("%")]
+    assert len(percents) == len(df[(df["status"] == "ok") & (df["backend"] != "reference")])
+    saved(fig, tmp_path, "roofline")
+    bare = df.drop(columns=["calib_gemm_tflops", "calib_hbm_gb_s", "calib_link_gb_s"])
+    assert not P.has_floors(bare)
+    cal = pd.DataFrame({"gpu_name": ["NVIDIA H200"], "precision": [pd.NA], "calib_gemm_tflops": [900.0],
+                        "calib_hbm_gb_s": [4000.0], "calib_link_gb_s": [350.0]})
+    assert P.has_floors(bare, cal)
+    assert any("NVLink floor" in lab for lab in legend_labels(P.plot_roofline(bare, cal)))
+
+
+def test_history_chart(tmp_path):
+    rows = []
+    for i, (sha, slow) in enumerate((("cccc3333", 1.0), ("aaaa1111", 1.1), ("bbbb2222", 1.0))):
+        t = f"2026-12-0{i + 1}T00:00:00+00:00"
+        for b in ("nccl", "mok_hopper"):
+            tf = S.tflops_for(b, "qwen3_5_397b", "bf16", "fwd") / (slow if b == "mok_hopper" else 1.0)
+            rows.append(S.row(b, tflops=tf, git_sha=sha, run_id=f"r{i}", timestamp=t))
+    rows.append(S.row("mok_hopper", direction="bwd", status="error", git_sha="bbbb2222", run_id="r2",
+                      timestamp="2026-12-03T00:00:00+00:00"))
+    df = results.to_frame(rows)
+    fig = P.plot_history(df)
+    ticks = [t.get_text() for t in fig.axes[0].get_xticklabels()]
+    assert ticks == ["cccc3333", "aaaa1111", "bbbb2222"]  # timestamp order, not alphabetical
+    assert "error" in texts(fig)
+    saved(fig, tmp_path, "history")
+    with pytest.raises(ValueError):
+        P.plot_history(pd.concat([df, results.to_frame([S.row("nccl", "glm_5_2")])]))
+
+
+def test_report_charts_names(tmp_path):
+    sweep = [S.row(b, tokens_per_gpu=t) for b in ("nccl", "mok_hopper") for t in (2048, 4096)]
+    published = R.load_published()
+    df = pd.concat([results.to_frame(sweep), published[published["precision"] == "bf16"]], ignore_index=True)
+    written = P.report_charts(df, tmp_path, formats=("png",), history=[sweep[0]["config_hash"]])
+    assert set(written) == {"panels_gb300-published-ep-64-2048-tokens-gpu",
+                            "panels_nvidia-h200-ep-8-2048-tokens-gpu-1-node",
+                            "panels_nvidia-h200-ep-8-4096-tokens-gpu-1-node",
+                            "sweep_tokens_per_gpu",
+                            "roofline_nvidia-h200-ep-8-2048-tokens-gpu-1-node",
+                            "roofline_nvidia-h200-ep-8-4096-tokens-gpu-1-node",  # none for the published data
+                            f"history_{sweep[0]['config_hash']}"}
+    assert all(p.exists() and p.suffix == ".png" for ps in written.values() for p in ps)
+
+
+def test_analysis_notebook_runs_headless(tmp_path, monkeypatch):
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    pytest.importorskip("ipykernel")
+    rows = pd.concat([S.mixed_environments(), results.to_frame([S.row("deepep_te", status="oom")])],
+                     ignore_index=True)
+    results.write_rows(tmp_path / "results" / "run" / "rows.csv", rows.to_dict("records"))
+    monkeypatch.setenv("MOKBENCH_RESULTS", str(tmp_path / "results"))
+    monkeypatch.setenv("MOKBENCH_NOTEBOOK_OUT", str(tmp_path / "charts"))
+    monkeypatch.setenv("MPLBACKEND", "Agg")
+    monkeypatch.setenv("MOKBENCH_NOTEBOOK_FORMATS", "png")
+    nb = nbformat.read(REPO / "notebooks" / "analysis.ipynb", as_version=4)
+    nbclient.NotebookClient(nb, timeout=120, kernel_name="python3",
+                            resources={"metadata": {"path": str(REPO / "notebooks")}}).execute()
+    errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
+    assert not errors
+    out = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+    assert f"{len(rows)} measured rows" in out
+    images = sum("image/png" in o.get("data", {}) for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+    charts = {p.name for p in (tmp_path / "charts").glob("*.png")}
+    assert images == len(charts) >= 5
+    assert "published_panels.png" in charts
+    assert any(n.startswith("roofline_nvidia-h200") for n in charts)
