@@ -1,0 +1,669 @@
+"""Sweeps on Slurm (or local submitit) through Hydra: launchers, pre-submission validation, dry run, failure rows.
+
+    python -m harness.run -m hydra/launcher=h200_8gpu hydra.launcher.partition=gpu \\
+        shape=kimi_k2_7,glm_5_2 precision=bf16,fp8 direction=fwd,bwd
+    python -m harness.run -m +experiment=gb300_published hydra.launcher.dry_run=true
+
+The launchers extend hydra-submitit-launcher's. One Slurm job per sweep point, with nodes x tasks_per_node tasks;
+every task runs the Hydra task function and joins the rank layout from the Slurm environment
+(:func:`harness.dist.from_environment`), so rank 0 of each job writes that job's rows. Presets ask for
+``gpus_per_node``, never ``gpus_per_task``: each task then sees every GPU of its node and picks ``cuda:local_rank``
+(DeepEP needs its peers' GPUs visible).
+
+In the launching process, before anything is submitted, every point is composed and validated exactly as a local
+run would validate it (:func:`harness.runner.resolve` and :func:`harness.config.make_case`, with the rank count
+of the job); one bad point rejects the sweep with the same message and exit code 2. ``hydra.launcher.dry_run=true``
+stops there and prints jobs, GPUs and GPU-hours. After the sweep, a job that ended without its rank 0 reporting
+(cancelled, timed out, failed, killed) gets its missing rows from here, with the status taken from Slurm
+accounting. Each point's folder in the sweep directory keeps ``mokbench.yaml`` (the validated config), Hydra's
+``.hydra/``, ``slurm_job.json`` (written by rank 0 when it starts) and links to the submitit logs; the sweep folder
+keeps ``jobs.csv``, one line per job with its final state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Optional, Sequence
+
+import pandas as pd
+from hydra.core.hydra_config import HydraConfig
+from hydra.core.singleton import Singleton
+from hydra.core.utils import JobReturn, JobStatus, filter_overrides, run_job, setup_globals
+from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf, LocalQueueConf, SlurmQueueConf
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
+
+from harness.config import ConfigError
+
+log = logging.getLogger(__name__)
+
+# Launcher options of ours (not submitit's): taken out before the rest goes to the submitit executor.
+_OWN_KEYS = ("dry_run", "nvlink_domain_nodes", "_target_")
+
+
+@dataclass
+class MokbenchSlurmConf(SlurmQueueConf):
+    """hydra-submitit-launcher's Slurm options plus mokbench's."""
+
+    _target_: str = "hydra_plugins.mokbench_launcher.SlurmLauncher"
+    # extra srun flags for every job step (submitit's srun_args)
+    srun_args: Optional[list[str]] = None
+    # validate every point and print jobs / GPUs / GPU-hours, then stop without submitting
+    dry_run: bool = False
+    # nodes in one NVLink domain (18 on GB300 NVL72): a job with more nodes gets a warning
+    nvlink_domain_nodes: Optional[int] = None
+
+
+@dataclass
+class MokbenchLocalConf(LocalQueueConf):
+    _target_: str = "hydra_plugins.mokbench_launcher.LocalLauncher"
+    dry_run: bool = False
+    nvlink_domain_nodes: Optional[int] = None
+
+
+def register_launcher_configs() -> None:
+    """``hydra/launcher=mokbench_slurm`` / ``mokbench_local``: the schemas the presets in configs/hydra/launcher
+    extend. Called when Hydra's plugin scan imports ``hydra_plugins.mokbench_launcher``."""
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    cs.store(group="hydra/launcher", name="mokbench_slurm", node=MokbenchSlurmConf, provider="mokbench")
+    cs.store(group="hydra/launcher", name="mokbench_local", node=MokbenchLocalConf, provider="mokbench")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# one sweep point, validated in the launching process
+
+
+@dataclass
+class Point:
+    num: int  # hydra.job.num
+    overrides: list[str]  # as given (plus device=..., when device was auto)
+    cfg: dict  # resolved like harness.runner.resolve does on the node
+    case: Any  # harness.config.Case
+    config_hash: str
+    run_id: str
+    launcher: dict  # this point's hydra.launcher options (without ours)
+    nodes: int
+    tasks_per_node: int
+    gpus_per_node: int
+    world_size: int
+    job_dir: Path
+
+    @property
+    def gpus(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def label(self) -> str:
+        return " ".join(filter_overrides(self.overrides)) or "(defaults)"
+
+
+@contextlib.contextmanager
+def _hydra_config(config: DictConfig) -> Iterator[None]:
+    """HydraConfig set to one point's config, as run_job sets it in the job (interpolations, run_id)."""
+    hc = HydraConfig.instance()
+    saved = hc.cfg
+    hc.set_config(config)
+    try:
+        yield
+    finally:
+        hc.cfg = saved
+
+
+@contextlib.contextmanager
+def _assume_cuda(on: bool) -> Iterator[None]:
+    """Validate a GPU job from a login node without GPUs: resolve() only asks whether CUDA is visible."""
+    import torch
+
+    if not on or torch.cuda.is_available():
+        yield
+        return
+    from unittest import mock
+
+    with mock.patch.object(torch.cuda, "is_available", return_value=True):
+        yield
+
+
+def _launcher_options(config: DictConfig) -> dict:
+    opts = OmegaConf.to_container(config.hydra.launcher, resolve=True)
+    assert isinstance(opts, dict)
+    return opts
+
+
+def plan_point(config: DictConfig, num: int, overrides: Sequence[str]) -> Point:
+    """Validate one composed sweep point (its full config, ``hydra`` node included) for the job it will run in.
+    Raises :class:`ConfigError` with the message a local run would give."""
+    from harness.config import config_hash, make_case
+    from harness.run import _run_id_for_sweep
+    from harness.runner import resolve
+
+    opts = _launcher_options(config)
+    nodes = int(opts.get("nodes") or 1)
+    tpn = int(opts.get("tasks_per_node") or 1)
+    gpn = int(opts.get("gpus_per_node") or 0)
+    world = nodes * tpn
+    overrides = list(overrides)
+
+    task_cfg = copy.deepcopy(config)
+    with read_write(task_cfg), open_dict(task_cfg):
+        del task_cfg["hydra"]
+        device = task_cfg.get("device", "auto")
+        if device == "auto":
+            # The node decides `auto` from what it sees; make it explicit so the job runs what was validated.
+            device = "cuda" if gpn > 0 else "cpu"
+            task_cfg.device = device
+            overrides = [o for o in overrides if not o.lstrip("+~").startswith("device=")] + [f"device={device}"]
+        with _hydra_config(config):
+            _run_id_for_sweep(task_cfg)
+            with _assume_cuda(device == "cuda"):
+                c = resolve(task_cfg)
+
+    if opts.get("gpus_per_task"):
+        raise ConfigError("hydra.launcher.gpus_per_task gives each task only its own GPU, but backends such as DeepEP "
+                          "need every GPU of the node visible to each task: set gpus_per_node and leave gpus_per_task "
+                          "unset")
+    if device == "cuda" and gpn < 1:
+        raise ConfigError("device=cuda but hydra.launcher.gpus_per_node is not set: set it to the GPUs per node (and "
+                          "tasks_per_node to the same number), or use device=cpu")
+    ep = c.get("ep_size")
+    if world > 1 and ep is not None and ep != world:
+        # One rank per task: ep_size picks the job's layout (so ep_size=8,16,32,64 sweeps the node count).
+        if ep % tpn == 0:
+            nodes = ep // tpn
+        elif ep < tpn:
+            nodes, tpn = 1, ep
+            gpn = ep if gpn else 0
+        else:
+            raise ConfigError(f"ep_size={ep} is not a multiple of hydra.launcher.tasks_per_node={tpn}: use a multiple "
+                              f"of {tpn} (one rank per task, nodes = ep_size / tasks_per_node)")
+        world = nodes * tpn
+        opts.update(nodes=nodes, tasks_per_node=tpn, gpus_per_node=gpn or opts.get("gpus_per_node"))
+    if world > 1:
+        if device == "cuda" and tpn != gpn:
+            raise ConfigError(f"hydra.launcher.tasks_per_node={tpn} but gpus_per_node={gpn}: mokbench runs one rank "
+                              f"per GPU, set hydra.launcher.tasks_per_node={gpn}")
+        ws = world
+    else:  # one task per job: it spawns its local ranks (harness.runner.world_size_for)
+        ws = ep or (gpn if device == "cuda" else 2)
+        if device == "cuda" and ws > gpn:
+            raise ConfigError(f"ep_size={ws} needs {ws} GPUs but a job gets {gpn} (hydra.launcher.gpus_per_node): "
+                              f"set ep_size<={gpn}, or launch across nodes (hydra.launcher.nodes, tasks_per_node)")
+    case = make_case(c, ep_size=ws, device=device)
+    sweep_dir = Path(str(config.hydra.sweep.dir))
+    return Point(num=num, overrides=overrides, cfg=c, case=case, config_hash=config_hash(c, case),
+                 run_id=c.get("run_id") or os.environ.get("MOKBENCH_RUN_ID") or "", launcher=opts, nodes=nodes,
+                 tasks_per_node=tpn, gpus_per_node=gpn, world_size=ws, job_dir=sweep_dir / str(num))
+
+
+def dry_run_report(points: Sequence[Point], executor: str = "slurm") -> str:
+    lines = [f"mokbench dry run: {len(points)} sweep points -> {len(points)} {executor} jobs"]
+    gpu_hours = cpu_hours = 0.0
+    gpus = 0
+    for p in points:
+        minutes = float(p.launcher.get("timeout_min") or 0)
+        gpus += p.gpus
+        gpu_hours += p.gpus * minutes / 60
+        cpus = p.world_size * int(p.launcher.get("cpus_per_task") or 1)
+        cpu_hours += cpus * minutes / 60
+        lines.append(f"  #{p.num:<3} {p.label}: {p.nodes} node(s) x {p.tasks_per_node} task(s), EP {p.world_size}, "
+                     f"{p.gpus} GPUs, {p.case.device}, time limit {minutes:g} min")
+    per_job = sorted({p.gpus for p in points})
+    span = f"{per_job[0]}" if len(per_job) == 1 else f"{per_job[0]}-{per_job[-1]}"
+    lines.append(f"total: {len(points)} jobs x {span} GPUs = {gpus} GPUs allocated, at most {gpu_hours:.1f} GPU-hours "
+                 f"(time limit x GPUs" + (f"; {cpu_hours:.1f} CPU-hours)" if gpus == 0 else ")"))
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# rows for jobs whose rank 0 did not report
+
+
+def slurm_status(state: str) -> str:
+    """Row status for a job's final Slurm (or submitit local) state."""
+    s = (state or "UNKNOWN").split()[0].upper()
+    if s.startswith("CANCELLED") or s in ("PREEMPTED", "REVOKED", "INTERRUPTED"):
+        return "cancelled"
+    if s in ("TIMEOUT", "DEADLINE"):
+        return "timeout"
+    return "error"  # FAILED, OUT_OF_MEMORY, NODE_FAIL, BOOT_FAIL, COMPLETED without rows, ...
+
+
+def reported_pairs(point: Point, slurm_job_id: Optional[str]) -> set[tuple[str, str]]:
+    """(backend, direction) pairs this point's job already wrote rows for."""
+    from harness import results
+
+    run_dir = Path(point.cfg["results_dir"]) / point.run_id
+    if not run_dir.is_dir():
+        return set()
+    df = results.load(run_dir)
+    if slurm_job_id:
+        df = df[df["slurm_job_id"] == str(slurm_job_id)]
+    else:
+        df = df[df["config_hash"] == point.config_hash]
+    return set(zip(df["backend"], df["direction"]))
+
+
+def write_status_rows(point: Point, status: str, error: str, slurm_job_id: Optional[str] = None,
+                      hostname: Optional[str] = None) -> Optional[Path]:
+    """Rows with ``status`` for every (backend, direction) of ``point`` its job did not report. Written by the
+    launching process into a file of its own under ``<results_dir>/<run_id>/``. Returns the file, or None."""
+    from harness import results
+    from harness.dist import RankEnv
+    from harness.runner import base_row, make_row
+
+    have = reported_pairs(point, slurm_job_id)
+    missing = [(b, d) for b in point.cfg["backends"] for d in point.cfg["directions"] if (b, d) not in have]
+    if not missing:
+        return None
+    renv = RankEnv(0, point.world_size, 0, point.nodes, "", 0, "slurm")
+    # The environment columns describe this (launching) machine; the GPU ones would be wrong, so they are replaced.
+    base = base_row(dataclasses.replace(point.case, device="cpu"), point.cfg, renv, point.run_id, point.config_hash)
+    base.update(device=point.case.device, gpu_name=None, driver_version=None, num_gpus=point.gpus_per_node,
+                hostname=hostname, slurm_job_id=slurm_job_id)
+    note = f"row written by the launching process on {socket.gethostname()}: the job's rank 0 did not report it"
+    rows = [make_row(base, b, d, status, error=error, notes=note) for b, d in missing]
+    path = results.job_file(point.cfg["results_dir"], point.run_id, point.config_hash, point.cfg["results_format"])
+    return results.write_rows(path, rows)
+
+
+_ACTIVE = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "REQUEUE_FED", "REQUEUE_HOLD", "RESIZING",
+           "SUSPENDED", "STOPPED", "SIGNALING", "STAGE_OUT", "RESV_DEL_HOLD", "SPECIAL_EXIT", "PREEMPTED")
+
+
+def _run(cmd: list[str]) -> str:
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=120).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+
+
+def slurm_states(job_ids: Sequence[str]) -> dict[str, str]:
+    """Current state of each job ("12", "12_3"): from the controller, which keeps ended jobs for MinJobAge, else from
+    accounting. A job neither knows is absent: a pending array task cancelled before Slurm split it off leaves no
+    record at all (seen with Slurm 22.05)."""
+    states: dict[str, str] = {}
+    arrays = sorted({j.split("_")[0] for j in job_ids})
+    if arrays:
+        for line in _run(["squeue", "-h", "-t", "all", "-r", "-j", ",".join(arrays), "-o", "%i|%T"]).splitlines():
+            jid, _, st = line.strip().partition("|")
+            states[jid] = st
+    missing = [j for j in job_ids if j not in states]
+    if missing:
+        states.update(sacct_states(missing))
+    return {j: states[j] for j in job_ids if j in states}
+
+
+def sacct_states(job_ids: Sequence[str]) -> dict[str, str]:
+    out = _run(["sacct", "-X", "-n", "-P", "-o", "JobID,State", "-j", ",".join(job_ids)])
+    return {f[0]: f[1] for f in (ln.split("|") for ln in out.splitlines()) if len(f) == 2}
+
+
+def sacct_info(job_id: str, wait_s: float = 20.0) -> dict[str, str]:
+    """The job's accounting record (JobID, JobIDRaw, State, NodeList, ExitCode), waiting up to ``wait_s`` for a
+    final state while slurmdbd catches up."""
+    deadline = time.time() + wait_s
+    info: dict[str, str] = {}
+    while True:
+        out = _run(["sacct", "-j", job_id, "-X", "-n", "-P", "-o", "JobID,JobIDRaw,State,NodeList,ExitCode"])
+        for line in out.splitlines():
+            f = line.split("|")
+            if len(f) == 5 and f[0] == job_id:
+                info = dict(zip(("JobID", "JobIDRaw", "State", "NodeList", "ExitCode"), f))
+        state = info.get("State", "").split(" ")[0]
+        if (state and state not in _ACTIVE) or time.time() > deadline:
+            return info
+        time.sleep(1.0)
+
+
+def _tail(path: Path, n: int = 6) -> str:
+    try:
+        lines = [ln for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return ""
+    return " | ".join(lines[-n:])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# in each task
+
+
+class _JobTimedOut(BaseException):
+    """submitit's 'not requeued: timed out' raised from its signal handler. A BaseException so that the runner's
+    per-step ``except Exception`` cannot swallow it and carry on until Slurm kills the job."""
+
+
+def _guard_timeout_signal() -> None:
+    try:
+        import submitit
+        from submitit.core.utils import UncompletedJobError
+
+        sig = submitit.JobEnvironment._usr_sig()
+    except Exception:  # noqa: BLE001 - not under submitit: nothing to guard
+        return
+    orig = signal.getsignal(sig)
+    if not callable(orig):
+        return
+
+    def handler(signum, frame):  # type: ignore[no-untyped-def]
+        try:
+            orig(signum, frame)
+        except UncompletedJobError as e:
+            raise _JobTimedOut(str(e)) from None
+
+    signal.signal(sig, handler)
+
+
+def _write_json(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+class MokbenchLauncherMixin:
+    """The launchers' behaviour, mixed in before hydra-submitit-launcher's BaseSubmititLauncher by the plugin
+    classes in ``hydra_plugins/mokbench_launcher`` (Hydra instantiates launchers only from ``hydra_plugins.*``)."""
+
+    _EXECUTOR: str
+    params: dict
+    config: Optional[DictConfig]
+    hydra_context: Any
+    task_function: Any
+
+    def __init__(self, **params: Any) -> None:
+        self.dry_run = bool(params.pop("dry_run", False))
+        self.nvlink_domain_nodes = params.pop("nvlink_domain_nodes", None)
+        super().__init__(**params)  # type: ignore[call-arg]
+
+    # -- in the job, on every task -------------------------------------------------------------------------------
+
+    def __call__(self, sweep_overrides: list[str], job_dir_key: str, job_num: int, job_id: str,
+                 singleton_state: dict) -> JobReturn:
+        import submitit
+        from submitit.core.utils import UncompletedJobError
+
+        assert self.hydra_context is not None and self.config is not None and self.task_function is not None
+        Singleton.set_state(singleton_state)
+        setup_globals()
+        sweep_config = self.hydra_context.config_loader.load_sweep_config(self.config, sweep_overrides)
+        env = submitit.JobEnvironment()
+        with open_dict(sweep_config.hydra.job) as job:
+            job.id = env.job_id
+            sweep_config.hydra.job.num = job_num
+        rank = env.global_rank
+        e = os.environ
+        print(f"mokbench task: job {e.get('SLURM_JOB_ID', env.job_id)} point #{job_num} rank {rank}/{env.num_tasks} "
+              f"local_rank {env.local_rank} on {socket.gethostname()} "
+              f"CUDA_VISIBLE_DEVICES={e.get('CUDA_VISIBLE_DEVICES', '<unset>')}", flush=True)
+        if rank == 0:
+            _write_json(Path(str(sweep_config.hydra.sweep.dir)) / str(job_num) / "slurm_job.json", {
+                "point": job_num,
+                "submitit_job_id": env.job_id,
+                "slurm_job_id": e.get("SLURM_JOB_ID"),
+                "array_job_id": e.get("SLURM_ARRAY_JOB_ID"),
+                "array_task_id": e.get("SLURM_ARRAY_TASK_ID"),
+                "nodelist": e.get("SLURM_JOB_NODELIST", socket.gethostname()),
+                "ntasks": env.num_tasks,
+                "restart_count": int(e.get("SLURM_RESTART_COUNT", "0")),
+                "cuda_visible_devices": e.get("CUDA_VISIBLE_DEVICES"),
+                "started": pd.Timestamp.now(tz="UTC").isoformat(),
+            })
+        else:  # rank 0 saves .hydra/ for the job; the others would only race it
+            with open_dict(sweep_config.hydra):
+                sweep_config.hydra.output_subdir = None
+        _guard_timeout_signal()
+        try:
+            return run_job(hydra_context=self.hydra_context, task_function=self.task_function, config=sweep_config,
+                           job_dir_key=job_dir_key, job_subdir_key="hydra.sweep.subdir")
+        except _JobTimedOut as exc:
+            raise UncompletedJobError(str(exc)) from None
+
+    # -- in the launching process -------------------------------------------------------------------------------
+
+    def _plan_all(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> list[Point]:
+        assert self.hydra_context is not None and self.config is not None
+        points, bad = [], []
+        for i, overrides in enumerate(job_overrides):
+            num = initial_job_idx + i
+            config = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
+            with open_dict(config.hydra.job):
+                config.hydra.job.num = num
+            try:
+                points.append(plan_point(config, num, overrides))
+            except ConfigError as e:
+                bad.append(f"sweep point #{num} ({' '.join(filter_overrides(overrides)) or 'defaults'}): {e}")
+        if bad:
+            for msg in bad:
+                print(f"mokbench: invalid configuration: {msg}", file=sys.stderr)
+            print(f"mokbench: {len(bad)} of {len(job_overrides)} sweep points are invalid; nothing was submitted",
+                  file=sys.stderr)
+            sys.exit(2)
+        return points
+
+    def _executor_params(self, point: Point) -> dict:
+        return {k: v for k, v in point.launcher.items() if k not in _OWN_KEYS}
+
+    def _make_executor(self, params: dict) -> Any:
+        import submitit
+
+        init = {"folder": params["submitit_folder"]}
+        if "max_num_timeout" in params:
+            init[f"{self._EXECUTOR}_max_num_timeout"] = params["max_num_timeout"]
+        executor = submitit.AutoExecutor(cluster=self._EXECUTOR, **init)
+        base = set(OmegaConf.structured(BaseQueueConf).keys())
+        executor.update_parameters(**{k if k in base else f"{self._EXECUTOR}_{k}": v for k, v in params.items()
+                                      if k not in ("submitit_folder", "max_num_timeout")})
+        return executor
+
+    def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
+        assert self.config is not None
+        points = self._plan_all(job_overrides, initial_job_idx)
+        for p in points:
+            if self.nvlink_domain_nodes and p.nodes > int(self.nvlink_domain_nodes):
+                log.warning(f"#{p.num}: {p.nodes} nodes span more than one {self.nvlink_domain_nodes}-node NVLink "
+                            f"domain")
+        if self.dry_run:
+            print(dry_run_report(points, self._EXECUTOR))
+            print("nothing submitted (hydra.launcher.dry_run=true)")
+            return []
+        if self._EXECUTOR == "slurm":
+            self._check_accounting()
+
+        sweep_dir = Path(str(self.config.hydra.sweep.dir))
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        for p in points:
+            _write_yaml(p.job_dir / "mokbench.yaml", {
+                "overrides": p.overrides, "run_id": p.run_id, "config_hash": p.config_hash,
+                "launcher": self._executor_params(p), "ep_size": p.world_size, "config": p.cfg,
+                "case": dataclasses.asdict(p.case)})
+
+        # One executor per distinct set of launcher options (hydra.launcher.* may be swept), one array each.
+        groups: dict[str, list[Point]] = {}
+        for p in points:
+            groups.setdefault(json.dumps(self._executor_params(p), sort_keys=True, default=str), []).append(p)
+        jobs: dict[int, Any] = {}
+        log.info(f"Submitit '{self._EXECUTOR}' sweep output dir : {sweep_dir}")
+        for key, group in groups.items():
+            executor = self._make_executor(json.loads(key))
+            args = [(p.overrides, "hydra.sweep.dir", p.num, f"job_id_for_{p.num}", Singleton.get_state())
+                    for p in group]
+            for p, job in zip(group, executor.map_array(self, *zip(*args))):
+                jobs[p.num] = job
+                log.info(f"\t#{p.num} : {p.label} -> job {job.job_id}")
+                _link_logs(p.job_dir, job)
+
+        ended = self._wait_all(points, jobs)
+        returns, summary = [], []
+        for p in points:
+            ret, row = self._collect(p, jobs[p.num], ended[p.num])
+            returns.append(ret)
+            summary.append(row)
+        _write_manifest(sweep_dir / "jobs.csv", summary)
+        _print_summary(points, summary)
+        return returns
+
+    def _check_accounting(self) -> None:
+        try:
+            out = subprocess.run(["sacct", "-n", "-X", "-j", "1"], capture_output=True, text=True, timeout=60)
+            ok = out.returncode == 0
+        except (OSError, subprocess.TimeoutExpired):
+            ok = False
+        if not ok:
+            log.warning("sacct does not answer: without Slurm accounting a job killed before it writes its result "
+                        "cannot be detected, and the sweep would wait for it forever")
+
+    def _wait_all(self, points: Sequence[Point], jobs: dict[int, Any]) -> dict[int, str]:
+        """Wait until every job has ended; return each one's scheduler state (``RESULTS`` when every task wrote its
+        result before the scheduler was asked). Polls the scheduler itself instead of submitit's watcher, which
+        waits forever for a job Slurm no longer knows."""
+        ended: dict[int, str] = {}
+        gone_since: dict[int, float] = {}
+        delay = 2.0
+        while len(ended) < len(points):
+            before = set(ended)
+            waiting = [p for p in points if p.num not in ended]
+            for p in waiting:
+                if all(_result_path(jobs[p.num], t).exists() for t in range(p.nodes * p.tasks_per_node)):
+                    ended[p.num] = "RESULTS"
+            waiting = [p for p in waiting if p.num not in ended]
+            if self._EXECUTOR == "slurm" and waiting:
+                states = slurm_states([jobs[p.num].job_id for p in waiting])
+                for p in waiting:
+                    st = states.get(jobs[p.num].job_id)
+                    if st is None:  # unknown to the controller and to accounting
+                        first = gone_since.setdefault(p.num, time.time())
+                        if time.time() - first > 30:
+                            ended[p.num] = "CANCELLED (removed from the queue before it ran)"
+                    elif st.split(" ")[0] not in _ACTIVE:
+                        ended[p.num] = st
+            else:
+                for p in waiting:
+                    if jobs[p.num].done():
+                        ended[p.num] = str(jobs[p.num].state)
+            for p in points:
+                if p.num in ended and p.num not in before:
+                    log.info(f"\t#{p.num} : job {jobs[p.num].job_id} ended ({ended[p.num]})")
+            if len(ended) < len(points):
+                time.sleep(delay)
+                delay = min(delay * 1.5, 30.0)
+        return ended
+
+    def _collect(self, p: Point, job: Any, ended: str) -> tuple[JobReturn, dict]:
+        """Rows for what the job's rank 0 did not report, with a status from the job's end. Never raises."""
+        from submitit.core.utils import pickle_load
+
+        marker = _read_json(p.job_dir / "slurm_job.json")
+        raw_id, nodes, state = marker.get("slurm_job_id"), marker.get("nodelist"), ended
+        if self._EXECUTOR == "slurm":
+            info = sacct_info(job.job_id, wait_s=20 if ended == "RESULTS" else 5)
+            state = info.get("State") or ("COMPLETED" if ended == "RESULTS" else ended)
+            if ended.startswith("CANCELLED") and not info:
+                state = ended
+            raw_id = raw_id or info.get("JobIDRaw") or None
+            nodes = nodes or info.get("NodeList") or None
+        result = _result_path(job, 0)
+        if not result.exists() and state.split(" ")[0] in ("COMPLETED", "FINISHED", "RESULTS"):
+            for _ in range(15):  # a shared filesystem can show the file late
+                if result.exists():
+                    break
+                time.sleep(1)
+        ret: Optional[JobReturn] = None
+        error, trace = "", ""
+        if result.exists():
+            try:
+                outcome, value = pickle_load(result)
+                if outcome == "success" and isinstance(value, JobReturn):
+                    ret = value
+                elif outcome == "error":
+                    trace = str(value)
+                    error = trace.strip().splitlines()[-1]
+            except Exception as e:  # noqa: BLE001 - unreadable result: the state decides
+                error = f"unreadable result {result}: {type(e).__name__}: {e}"
+        if ret is not None and ret.status == JobStatus.FAILED:
+            exc = ret._return_value
+            error = f"{type(exc).__name__}: {exc}"
+        if ret is not None and ret.status == JobStatus.COMPLETED:
+            status = "ok"
+        elif "timed-out" in trace:
+            status = "timeout"  # submitit's timeout signal reached rank 0 (job not requeued)
+        elif state.split(" ")[0] in ("COMPLETED", "FINISHED", "RESULTS"):
+            status = "error"
+        else:
+            status = slurm_status(state)
+        if not error and status != "ok":
+            error = f"{self._EXECUTOR} job {job.job_id} ended {state}"
+            tail = _tail(job.paths.stderr, 3)
+            if tail and status == "error":
+                error += f"; stderr: {tail}"
+        why = error or f"{self._EXECUTOR} job {job.job_id} ended {state}, but rank 0 wrote no row for it"
+        # Only the (backend, direction) pairs the job did not report get a row.
+        written = write_status_rows(p, "error" if status == "ok" else status, f"no row reported: {why}"[:2000],
+                                    raw_id or job.job_id, nodes)
+        if written is not None and status == "ok":
+            status = "error"
+        summary = {"num": p.num, "overrides": p.label, "job_id": job.job_id, "slurm_job_id": raw_id,
+                   "state": state, "status": status, "launcher_rows": str(written) if written else "",
+                   "error": error, "log": str(job.paths.stdout), "dir": str(p.job_dir)}
+        if ret is None or ret.status != JobStatus.COMPLETED:
+            # Failures are rows: hand Hydra a completed job so the sweep goes on.
+            ret = JobReturn(overrides=p.overrides, working_dir=os.getcwd(), task_name=str(self.config.hydra.job.name),
+                            status=JobStatus.COMPLETED, _return_value=None)
+        return ret, summary
+
+
+def _result_path(job: Any, task: int) -> Path:
+    from submitit.core.utils import JobPaths
+
+    return JobPaths(job.paths.folder, job.job_id, task).result_pickle
+
+
+def _write_yaml(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    OmegaConf.save(OmegaConf.create(data), path)
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _link_logs(job_dir: Path, job: Any) -> None:
+    """``<point>/log.out`` and ``log.err`` -> the job's submitit logs (rank 0)."""
+    job_dir.mkdir(parents=True, exist_ok=True)
+    for name, target in (("log.out", job.paths.stdout), ("log.err", job.paths.stderr)):
+        link = job_dir / name
+        with contextlib.suppress(OSError):
+            if link.is_symlink() or link.exists():
+                link.unlink()
+            link.symlink_to(os.path.relpath(target, job_dir))
+
+
+def _write_manifest(path: Path, summary: list[dict]) -> None:
+    df = pd.DataFrame(summary)
+    tmp = path.with_name(f".{path.name}.tmp")
+    df.to_csv(tmp, index=False)
+    os.replace(tmp, path)
+
+
+def _print_summary(points: Sequence[Point], summary: list[dict]) -> None:
+    counts = pd.Series([s["status"] for s in summary]).value_counts()
+    print(f"mokbench sweep: {len(summary)} jobs: " + ", ".join(f"{n} {s}" for s, n in counts.items()))
+    for s in summary:
+        if s["status"] != "ok":
+            print(f"  #{s['num']} {s['overrides']}: {s['status']}: {s['error']}")
+    dirs = sorted({str(Path(p.cfg["results_dir"]) / p.run_id) for p in points})
+    print("rows: " + ", ".join(dirs), flush=True)

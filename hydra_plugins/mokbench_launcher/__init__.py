@@ -1,0 +1,24 @@
+"""mokbench's Hydra launchers: hydra-submitit-launcher's, with validation, a dry run and failure rows.
+
+Hydra instantiates launchers only from the ``hydra_plugins`` namespace, so the classes live here; their behaviour
+is in :mod:`harness.slurm`. Hydra's plugin scan imports this module, which also registers the
+``hydra/launcher=mokbench_slurm`` / ``mokbench_local`` schemas that configs/hydra/launcher/* extend.
+"""
+
+from hydra_plugins.hydra_submitit_launcher.submitit_launcher import BaseSubmititLauncher
+
+from harness.slurm import MokbenchLauncherMixin, register_launcher_configs
+
+
+class SlurmLauncher(MokbenchLauncherMixin, BaseSubmititLauncher):
+    """Preemption: submitit calls the inherited ``checkpoint`` on its signal and requeues the job, which reruns the
+    point from the start (a benchmark has no state worth resuming)."""
+
+    _EXECUTOR = "slurm"
+
+
+class LocalLauncher(MokbenchLauncherMixin, BaseSubmititLauncher):
+    _EXECUTOR = "local"
+
+
+register_launcher_configs()
