@@ -90,7 +90,8 @@ def panel_label(precision: str, direction: str) -> str:
 
 
 def env_label(env: dict[str, Any]) -> str:
-    parts = [str(env.get("gpu_name", "?")), f"EP {_int(env.get('ep_size'))}",
+    gpu = env.get("gpu_name")
+    parts = ["unknown GPU" if _isna(gpu) else str(gpu), f"EP {_int(env.get('ep_size'))}",
              f"{_int(env.get('tokens_per_gpu'))} tokens/GPU"]
     if not _isna(env.get("num_nodes")):
         parts.append(f"{_int(env['num_nodes'])} node{'s' if _int(env['num_nodes']) != '1' else ''}")
@@ -250,7 +251,7 @@ def claims_table(df: pd.DataFrame, published: Optional[pd.DataFrame] = None) -> 
     rows = []
     for key, g in agg.groupby(list(CELL_KEYS), dropna=False, sort=False):
         rec: dict[str, Any] = dict(zip(CELL_KEYS, key))
-        rec["data"] = "published" if rec["gpu_name"] == PUBLISHED_ENV["gpu_name"] else "measured"
+        rec["data"] = "published" if str(rec["gpu_name"]) == PUBLISHED_ENV["gpu_name"] else "measured"
         by = {r["backend"]: r for r in g.to_dict("records")}
         for s in systems:
             r = by.get(s)
