@@ -100,14 +100,11 @@ class Point:
     gpus_per_node: int
     world_size: int
     job_dir: Path
+    label: str = ""  # the overrides that tell this point from the others of the sweep
 
     @property
     def gpus(self) -> int:
         return self.nodes * self.gpus_per_node
-
-    @property
-    def label(self) -> str:
-        return " ".join(filter_overrides(self.overrides)) or "(defaults)"
 
 
 @contextlib.contextmanager
@@ -435,6 +432,7 @@ class MokbenchLauncherMixin:
     def _plan_all(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> list[Point]:
         assert self.hydra_context is not None and self.config is not None
         points, bad = [], []
+        labels = _labels(job_overrides)
         for i, overrides in enumerate(job_overrides):
             num = initial_job_idx + i
             config = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
@@ -442,8 +440,9 @@ class MokbenchLauncherMixin:
                 config.hydra.job.num = num
             try:
                 points.append(plan_point(config, num, overrides))
+                points[-1].label = labels[i]
             except ConfigError as e:
-                bad.append(f"sweep point #{num} ({' '.join(filter_overrides(overrides)) or 'defaults'}): {e}")
+                bad.append(f"sweep point #{num} ({labels[i]}): {e}")
         if bad:
             for msg in bad:
                 print(f"mokbench: invalid configuration: {msg}", file=sys.stderr)
@@ -627,6 +626,13 @@ def _result_path(job: Any, task: int) -> Path:
     from submitit.core.utils import JobPaths
 
     return JobPaths(job.paths.folder, job.job_id, task).result_pickle
+
+
+def _labels(job_overrides: Sequence[Sequence[str]]) -> list[str]:
+    """Each point's overrides less those every point shares (and Hydra's own)."""
+    lists = [filter_overrides(list(o)) for o in job_overrides]
+    common = set.intersection(*(set(o) for o in lists)) if len(lists) > 1 else set()
+    return [" ".join(o for o in ov if o not in common) or "(defaults)" for ov in lists]
 
 
 def _write_yaml(path: Path, data: dict) -> None:
