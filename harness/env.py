@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import importlib.metadata as md
 import platform
 import socket
@@ -42,8 +43,12 @@ def _version(names: tuple[str, ...]) -> Optional[str]:
 
 @functools.lru_cache(maxsize=None)
 def collect(device: str) -> dict[str, Any]:
-    sha = _git("rev-parse", "HEAD")
-    dirty = _git("status", "--porcelain", "--untracked-files=no")
+    # A copy of the tree without .git (e.g. shipped to a GPU machine) names its commit in MOKBENCH_GIT_SHA.
+    # MOKBENCH_GIT_DIRTY: any non-empty text means the shipped tree differed from that commit.
+    if os.environ.get("MOKBENCH_GIT_SHA"):
+        sha, dirty = os.environ["MOKBENCH_GIT_SHA"], os.environ.get("MOKBENCH_GIT_DIRTY", "")
+    else:
+        sha, dirty = _git("rev-parse", "HEAD"), _git("status", "--porcelain", "--untracked-files=no")
     info: dict[str, Any] = {
         "git_sha": sha or "unknown",
         "git_dirty": None if dirty is None else bool(dirty),
