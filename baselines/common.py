@@ -43,6 +43,11 @@ def use_grouped_mm(x: torch.Tensor) -> bool:
     return x.is_cuda and torch.cuda.get_device_capability(x.device) >= (9, 0) and hasattr(torch, "_grouped_mm")
 
 
+def grouped_mm_name(device: str) -> str:
+    cuda = device == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
+    return "torch._grouped_mm" if cuda and hasattr(torch, "_grouped_mm") else "per-expert loop"
+
+
 def grouped_linear(
     x_MK: torch.Tensor, w_LNK: torch.Tensor, offs_L: torch.Tensor, counts: Sequence[int]
 ) -> torch.Tensor:
@@ -125,3 +130,70 @@ class AllToAllSingle(torch.autograd.Function):
 
 def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
     return AllToAllSingle.apply(x, out_splits, in_splits, group)
+
+
+# ---- expert parameters shared by the PyTorch-expert baselines ------------------------------------------------
+
+
+class ExpertParams:
+    """The routed and shared weights as autograd leaves (aliasing the harness inputs, no copy), the optional
+    torch.compile of the expert math, and fp8 weight prequantization (block-scaled e4m3, used with a
+    straight-through gradient; done once, outside the timed region)."""
+
+    def __init__(self, case, inputs) -> None:
+        self.case = case
+        self.w13 = inputs.w13_LIH.detach().requires_grad_()
+        self.w2 = inputs.w2_LHI.detach().requires_grad_()
+        self.shared = None
+        if case.shared_expert:
+            self.shared = [t.detach().requires_grad_() for t in (inputs.ws_gate_IH, inputs.ws_up_IH, inputs.ws_down_HI)]
+        self.mlp, self.dense = expert_mlp, dense_mlp
+        if case.compile:
+            self.mlp = torch.compile(expert_mlp, mode=case.compile_mode, dynamic=False)
+            self.dense = torch.compile(dense_mlp, mode=case.compile_mode, dynamic=False)
+        self._deltas = None
+        if case.precision == "fp8":
+            b = case.weight_block
+            self._deltas = []
+            for w in (self.w13, self.w2):
+                q, s = quantize_blocks(w.detach(), b, b)
+                self._deltas.append(dequantize_blocks(q, s, b, b).to(torch.bfloat16) - w.detach())
+
+    def routed(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """w13, w2 as the GEMMs see them (fp8: their e4m3 values)."""
+        if self._deltas is not None:
+            return self.w13 + self._deltas[0], self.w2 + self._deltas[1]
+        return self.w13, self.w2
+
+    def experts(self, x_MH: torch.Tensor, counts_L: torch.Tensor) -> torch.Tensor:
+        """Grouped SwiGLU experts on rows sorted by local expert; ``counts_L`` rows per expert (device)."""
+        c = self.case
+        offs = torch.cumsum(counts_L, 0).to(torch.int32)
+        counts = [] if use_grouped_mm(x_MH) else counts_L.tolist()
+        if c.precision == "fp8":
+            x_MH = fake_quant(x_MH, 1, c.act_block)
+        w13, w2 = self.routed()
+        return self.mlp(x_MH, w13, w2, offs, counts, c.swiglu_limit)
+
+    def add_shared(self, out_TH: torch.Tensor, x_TH: torch.Tensor) -> torch.Tensor:
+        """fp32 out + the bf16 shared expert of x, cast to bf16."""
+        if self.shared is not None:
+            out_TH = out_TH + self.dense(x_TH, *self.shared, self.case.swiglu_limit).float()
+        return out_TH.to(torch.bfloat16)
+
+    def zero_grad(self) -> None:
+        for p in [self.w13, self.w2, *(self.shared or [])]:
+            p.grad = None
+
+    def grads(self) -> dict[str, Optional[torch.Tensor]]:
+        I, g13 = self.case.ffn, self.w13.grad
+        sh = [p.grad for p in self.shared] if self.shared else [None] * 3
+        return {"w_gate": None if g13 is None else g13[:, :I], "w_up": None if g13 is None else g13[:, I:],
+                "w_down": self.w2.grad, "ws_gate": sh[0], "ws_up": sh[1], "ws_down": sh[2]}
+
+    def scaling(self, dispatch: str = "bf16") -> str:
+        c = self.case
+        if c.precision != "fp8":
+            return "none"
+        return (f"block 1x{c.act_block}/{c.weight_block}x{c.weight_block} emulated (bf16 GEMM on e4m3 values); "
+                f"dispatch {dispatch}")

@@ -19,15 +19,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from baselines.common import (
-    all_to_all,
-    dense_mlp,
-    dequantize_blocks,
-    expert_mlp,
-    fake_quant,
-    precision_unsupported,
-    quantize_blocks,
-)
+from baselines.common import ExpertParams, all_to_all, grouped_mm_name, precision_unsupported
 
 
 class NcclBackend:
@@ -50,30 +42,7 @@ class NcclBackend:
         self._last: dict[str, Any] = {}
 
     def setup(self, inputs: Any) -> None:
-        c = self.case
-        self.w13 = inputs.w13_LIH.detach().requires_grad_()
-        self.w2 = inputs.w2_LHI.detach().requires_grad_()
-        self.shared = None
-        if c.shared_expert:
-            self.shared = [inputs.ws_gate_IH.detach().requires_grad_(), inputs.ws_up_IH.detach().requires_grad_(),
-                           inputs.ws_down_HI.detach().requires_grad_()]
-        self._mlp = expert_mlp
-        self._dense = dense_mlp
-        if c.compile:
-            self._mlp = torch.compile(expert_mlp, mode=c.compile_mode, dynamic=False)
-            self._dense = torch.compile(dense_mlp, mode=c.compile_mode, dynamic=False)
-        if c.precision == "fp8":
-            wb = c.weight_block
-            # Prequantized weights (outside the timed region), used with a straight-through gradient.
-            q13, s13 = quantize_blocks(self.w13.detach(), wb, wb)
-            q2, s2 = quantize_blocks(self.w2.detach(), wb, wb)
-            self._w13_delta = (dequantize_blocks(q13, s13, wb, wb).to(torch.bfloat16) - self.w13.detach())
-            self._w2_delta = (dequantize_blocks(q2, s2, wb, wb).to(torch.bfloat16) - self.w2.detach())
-
-    def _weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.case.precision == "fp8":
-            return self.w13 + self._w13_delta, self.w2 + self._w2_delta
-        return self.w13, self.w2
+        self.params = ExpertParams(self.case, inputs)
 
     def forward(self, x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, topk_w_TK: torch.Tensor) -> torch.Tensor:
         c, ep, L, g = self.case, self.ep, self.case.local_experts, self.group
@@ -96,35 +65,21 @@ class NcclBackend:
         expert_of_row = torch.repeat_interleave(local_ids, recv_counts, output_size=n_recv)
         perm = torch.argsort(expert_of_row, stable=True)  # -> ordered (local expert, src rank)
         x_e = x_recv.index_select(0, perm)
-        counts_L = recv_EP_L.sum(0)
-        offs = torch.cumsum(counts_L, 0).to(device=x_TH.device, dtype=torch.int32)
-        if c.precision == "fp8":
-            x_e = fake_quant(x_e, 1, c.act_block)
-        w13, w2 = self._weights()
-        y_e = self._mlp(x_e, w13, w2, offs, counts_L.tolist(), c.swiglu_limit)
+        y_e = self.params.experts(x_e, recv_EP_L.sum(0).to(x_TH.device))
 
         y_recv = y_e.index_select(0, torch.argsort(perm))
         y_sorted = all_to_all(y_recv, in_splits, out_splits, g)
         y_slots = y_sorted.index_select(0, torch.argsort(order))  # back to (t, k) order
         out = (y_slots.view(T, K, -1).float() * topk_w_TK.unsqueeze(-1)).sum(1)
-        if self.shared is not None:
-            out = out + self._dense(x_TH, *self.shared, c.swiglu_limit).float()
         self._last = {"x_sorted": x_sorted.detach(), "y_recv": y_recv.detach(),
                       "in_splits": in_splits, "out_splits": out_splits}
-        return out.to(torch.bfloat16)
+        return self.params.add_shared(out, x_TH)
 
     def zero_grad(self) -> None:
-        for p in [self.w13, self.w2, *(self.shared or [])]:
-            p.grad = None
+        self.params.zero_grad()
 
     def weight_grads(self) -> dict[str, Optional[torch.Tensor]]:
-        I = self.case.ffn
-        g13 = self.w13.grad
-        out = {"w_gate": None if g13 is None else g13[:, :I], "w_up": None if g13 is None else g13[:, I:],
-               "w_down": self.w2.grad}
-        names = ("ws_gate", "ws_up", "ws_down")
-        out.update({n: (p.grad if self.shared else None) for n, p in zip(names, self.shared or [None] * 3)})
-        return out
+        return self.params.grads()
 
     def traffic(self) -> dict[str, Any]:
         """Rows sent per destination rank in dispatch (combine returns the same rows). bf16 on the wire."""
@@ -146,13 +101,9 @@ class NcclBackend:
 
     def info(self) -> dict[str, Any]:
         c = self.case
-        scaling = "none"
-        if c.precision == "fp8":
-            scaling = f"block 1x{c.act_block}/{c.weight_block}x{c.weight_block} emulated (bf16 GEMM on e4m3 values)"
-        gemm = "torch._grouped_mm" if c.device == "cuda" and torch.cuda.get_device_capability() >= (9, 0) \
-            else "per-expert loop"
+        scaling = self.params.scaling("bf16")
         return {"scaling": scaling, "compiled": c.compile, "compile_mode": c.compile_mode if c.compile else "",
-                "notes": f"grouped GEMM: {gemm}; shared expert not overlapped with dispatch"}
+                "notes": f"grouped GEMM: {grouped_mm_name(c.device)}; shared expert not overlapped with dispatch"}
 
     def teardown(self) -> None:
         self._last = {}

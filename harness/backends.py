@@ -27,6 +27,8 @@ import torch
 BACKENDS: dict[str, str] = {
     "reference": "harness.reference:ReferenceBackend",
     "nccl": "baselines.nccl:NcclBackend",
+    "deepep": "baselines.deepep:DeepEPBackend",
+    "hybridep": "baselines.hybridep:HybridEPBackend",
 }
 
 # Out-of-tree backends: MOKBENCH_EXTRA_BACKENDS="name=package.module:Class,other=pkg.mod:Cls". Read at import, so

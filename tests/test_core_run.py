@@ -162,3 +162,11 @@ def test_cli_unknown_shape_is_rejected_by_hydra_with_the_options(results_dir):
     p = _cli("shape=nope", tmp=results_dir)
     assert p.returncode != 0 and "kimi_k2_7" in p.stderr and "Traceback" not in p.stderr
     assert not results_dir.exists()
+
+
+def test_deepep_backends_are_unsupported_rows_with_the_install_hint_on_cpu(results_dir):
+    df = run_benchmark(cpu_cfg(results_dir, "ep_size=2", "backends=[deepep,hybridep,nccl]", "directions=[fwd]"))
+    for b in ("deepep", "hybridep"):
+        r = by(df, b, "fwd")
+        assert r.status == "unsupported" and "GPU" in r.error
+    assert by(df, "nccl", "fwd").status == "ok"
