@@ -4,7 +4,7 @@
 # charts. One run_id for all. Usage (repo root, GPU machine): bash scripts/h200_nccl_run.sh OUTDIR
 set -uo pipefail
 OUTDIR=${1:?output folder}
-source scripts/gpu_env.sh
+source scripts/gpu_env.sh "${WHEELS:-.whl}"
 export MOKBENCH_RUN_ID=${MOKBENCH_RUN_ID:-h200x2-nccl-$(date -u +%Y%m%dT%H%M%S)}
 RES=${RES:-/tmp/mokbench-results}
 C="compile=false timing=published timing.num_warmup=50 calibrate=true results_dir=$RES hydra.sweep.dir=/tmp/mokbench-sweep hydra.run.dir=/tmp/mokbench-run"
