@@ -324,6 +324,37 @@ def sacct_info(job_id: str, wait_s: float = 20.0) -> dict[str, str]:
         time.sleep(1.0)
 
 
+def wait_slurm(job_ids: dict[int, str], results_ready: Any = None, gone_grace_s: float = 30.0) -> dict[int, str]:
+    """Wait until every Slurm job has ended; return each one's end state, keyed like ``job_ids`` (``RESULTS`` when
+    ``results_ready(key)`` said so first). Polls squeue / sacct itself instead of submitit's watcher, which waits
+    forever for a job Slurm no longer knows (a pending array task cancelled before it was split off)."""
+    ended: dict[int, str] = {}
+    gone_since: dict[int, float] = {}
+    delay = 2.0
+    while len(ended) < len(job_ids):
+        before = set(ended)
+        if results_ready is not None:
+            for n in job_ids:
+                if n not in ended and results_ready(n):
+                    ended[n] = "RESULTS"
+        waiting = [n for n in job_ids if n not in ended]
+        states = slurm_states([job_ids[n] for n in waiting]) if waiting else {}
+        for n in waiting:
+            st = states.get(job_ids[n])
+            if st is None:  # unknown to the controller and to accounting
+                if time.time() - gone_since.setdefault(n, time.time()) > gone_grace_s:
+                    ended[n] = "CANCELLED (removed from the queue before it ran)"
+            elif st.split(" ")[0] not in _ACTIVE:
+                ended[n] = st
+        for n in job_ids:
+            if n in ended and n not in before:
+                log.info(f"\t#{n} : job {job_ids[n]} ended ({ended[n]})")
+        if len(ended) < len(job_ids):
+            time.sleep(delay)
+            delay = min(delay * 1.5, 30.0)
+    return ended
+
+
 def _tail(path: Path, n: int = 6) -> str:
     try:
         lines = [ln for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
@@ -473,20 +504,17 @@ class MokbenchLauncherMixin:
             if self.nvlink_domain_nodes and p.nodes > int(self.nvlink_domain_nodes):
                 log.warning(f"#{p.num}: {p.nodes} nodes span more than one {self.nvlink_domain_nodes}-node NVLink "
                             f"domain")
-        if self.dry_run:
-            print(dry_run_report(points, self._EXECUTOR))
-            print("nothing submitted (hydra.launcher.dry_run=true)")
-            return []
-        if self._EXECUTOR == "slurm":
-            self._check_accounting()
-
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
         sweep_dir.mkdir(parents=True, exist_ok=True)
         for p in points:
-            _write_yaml(p.job_dir / "mokbench.yaml", {
-                "overrides": p.overrides, "run_id": p.run_id, "config_hash": p.config_hash,
-                "launcher": self._executor_params(p), "ep_size": p.world_size, "config": p.cfg,
-                "case": dataclasses.asdict(p.case)})
+            write_point(p, self._executor_params(p))
+        if self.dry_run:
+            write_plan(sweep_dir, points, [self._executor_params(p) for p in points])
+            print(dry_run_report(points, self._EXECUTOR))
+            print(f"nothing submitted (hydra.launcher.dry_run=true); plan: {sweep_dir / 'plan.tsv'}")
+            return []
+        if self._EXECUTOR == "slurm":
+            self._check_accounting()
 
         # One executor per distinct set of launcher options (hydra.launcher.* may be swept), one array each.
         groups: dict[str, list[Point]] = {}
@@ -524,39 +552,23 @@ class MokbenchLauncherMixin:
                         "cannot be detected, and the sweep would wait for it forever")
 
     def _wait_all(self, points: Sequence[Point], jobs: dict[int, Any]) -> dict[int, str]:
-        """Wait until every job has ended; return each one's scheduler state (``RESULTS`` when every task wrote its
-        result before the scheduler was asked). Polls the scheduler itself instead of submitit's watcher, which
-        waits forever for a job Slurm no longer knows."""
+        """Wait until every job has ended; each one's end state (``RESULTS``: every task wrote its result)."""
+        by_num = {p.num: p for p in points}
+
+        def results_ready(num: int) -> bool:
+            p = by_num[num]
+            return all(_result_path(jobs[num], t).exists() for t in range(p.nodes * p.tasks_per_node))
+
+        if self._EXECUTOR == "slurm":
+            return wait_slurm({p.num: jobs[p.num].job_id for p in points}, results_ready)
         ended: dict[int, str] = {}
-        gone_since: dict[int, float] = {}
-        delay = 2.0
         while len(ended) < len(points):
-            before = set(ended)
-            waiting = [p for p in points if p.num not in ended]
-            for p in waiting:
-                if all(_result_path(jobs[p.num], t).exists() for t in range(p.nodes * p.tasks_per_node)):
-                    ended[p.num] = "RESULTS"
-            waiting = [p for p in waiting if p.num not in ended]
-            if self._EXECUTOR == "slurm" and waiting:
-                states = slurm_states([jobs[p.num].job_id for p in waiting])
-                for p in waiting:
-                    st = states.get(jobs[p.num].job_id)
-                    if st is None:  # unknown to the controller and to accounting
-                        first = gone_since.setdefault(p.num, time.time())
-                        if time.time() - first > 30:
-                            ended[p.num] = "CANCELLED (removed from the queue before it ran)"
-                    elif st.split(" ")[0] not in _ACTIVE:
-                        ended[p.num] = st
-            else:
-                for p in waiting:
-                    if jobs[p.num].done():
-                        ended[p.num] = str(jobs[p.num].state)
             for p in points:
-                if p.num in ended and p.num not in before:
+                if p.num not in ended and (results_ready(p.num) or jobs[p.num].done()):
+                    ended[p.num] = "RESULTS" if results_ready(p.num) else str(jobs[p.num].state)
                     log.info(f"\t#{p.num} : job {jobs[p.num].job_id} ended ({ended[p.num]})")
             if len(ended) < len(points):
-                time.sleep(delay)
-                delay = min(delay * 1.5, 30.0)
+                time.sleep(2.0)
         return ended
 
     def _collect(self, p: Point, job: Any, ended: str) -> tuple[JobReturn, dict]:
@@ -601,6 +613,10 @@ class MokbenchLauncherMixin:
             status = "error"
         else:
             status = slurm_status(state)
+        if status == "timeout":
+            error = (f"{self._EXECUTOR} job {job.job_id} reached its time limit (hydra.launcher.timeout_min="
+                     f"{p.launcher.get('timeout_min')}) and was not resubmitted (max_num_timeout="
+                     f"{p.launcher.get('max_num_timeout', 0)})")
         if not error and status != "ok":
             error = f"{self._EXECUTOR} job {job.job_id} ended {state}"
             tail = _tail(job.paths.stderr, 3)
@@ -608,8 +624,10 @@ class MokbenchLauncherMixin:
                 error += f"; stderr: {tail}"
         why = error or f"{self._EXECUTOR} job {job.job_id} ended {state}, but rank 0 wrote no row for it"
         # Only the (backend, direction) pairs the job did not report get a row.
-        written = write_status_rows(p, "error" if status == "ok" else status, f"no row reported: {why}"[:2000],
-                                    raw_id or job.job_id, nodes)
+        # Slurm rows carry the job id (rank 0's SLURM_JOB_ID), which also finds the job's own rows; local ones none.
+        sid = (raw_id or job.job_id) if self._EXECUTOR == "slurm" else None
+        written = write_status_rows(p, "error" if status == "ok" else status, f"no row reported: {why}"[:2000], sid,
+                                    nodes)
         if written is not None and status == "ok":
             status = "error"
         summary = {"num": p.num, "overrides": p.label, "job_id": job.job_id, "slurm_job_id": raw_id,
@@ -626,6 +644,88 @@ def _result_path(job: Any, task: int) -> Path:
     from submitit.core.utils import JobPaths
 
     return JobPaths(job.paths.folder, job.job_id, task).result_pickle
+
+
+def write_point(p: Point, launcher: dict) -> Path:
+    """``<sweep>/<num>/mokbench.yaml``: the point as validated (enough to rebuild it with :func:`load_point`)."""
+    path = p.job_dir / "mokbench.yaml"
+    _write_yaml(path, {"num": p.num, "overrides": p.overrides, "label": p.label, "run_id": p.run_id,
+                       "config_hash": p.config_hash, "nodes": p.nodes, "tasks_per_node": p.tasks_per_node,
+                       "gpus_per_node": p.gpus_per_node, "ep_size": p.world_size, "launcher": launcher,
+                       "config": p.cfg, "case": dataclasses.asdict(p.case)})
+    return path
+
+
+def load_point(job_dir: Path) -> Point:
+    from harness.config import Case
+
+    d = OmegaConf.to_container(OmegaConf.load(Path(job_dir) / "mokbench.yaml"), resolve=False)
+    assert isinstance(d, dict)
+    return Point(num=d["num"], overrides=d["overrides"], cfg=d["config"], case=Case(**d["case"]),
+                 config_hash=d["config_hash"], run_id=d["run_id"], launcher=d["launcher"], nodes=d["nodes"],
+                 tasks_per_node=d["tasks_per_node"], gpus_per_node=d["gpus_per_node"], world_size=d["ep_size"],
+                 job_dir=Path(job_dir), label=d.get("label", ""))
+
+
+PLAN_COLUMNS = ("num", "nodes", "tasks_per_node", "gpus_per_node", "cpus_per_task", "timeout_min", "partition",
+                "account", "qos", "sbatch_flags", "run_id", "overrides")
+
+
+def write_plan(sweep_dir: Path, points: Sequence[Point], launchers: Sequence[dict]) -> Path:
+    """``plan.tsv`` (one line per point: its resources and shell-quoted overrides, ``-`` for empty) and ``setup.sh``
+    (the preset's setup lines), for slurm/submit.sh, which submits the points with plain sbatch."""
+    import shlex
+
+    lines = ["\t".join(PLAN_COLUMNS)]
+    for p, opts in zip(points, launchers):
+        flags = []
+        for k, v in (opts.get("additional_parameters") or {}).items():
+            flags.append(f"--{k.replace('_', '-')}" if v is True else f"--{k.replace('_', '-')}={v}")
+        for k in ("constraint", "exclude", "comment", "mem_per_gpu", "mem_per_cpu"):
+            if opts.get(k):
+                flags.append(f"--{k.replace('_', '-')}={opts[k]}")
+        if opts.get("mem_gb"):
+            flags.append(f"--mem={opts['mem_gb']}G")
+        row = [p.num, p.nodes, p.tasks_per_node, p.gpus_per_node or "", opts.get("cpus_per_task") or "",
+               opts.get("timeout_min") or "", opts.get("partition") or "", opts.get("account") or "",
+               opts.get("qos") or "", " ".join(flags), p.run_id, shlex.join(p.overrides)]
+        lines.append("\t".join(str(v) if v not in ("", None) else "-" for v in row))  # "-": empty (bash's read
+        # would merge two tabs)
+    (sweep_dir / "plan.tsv").write_text("\n".join(lines) + "\n")
+    setup = (launchers[0].get("setup") or []) if launchers else []
+    (sweep_dir / "setup.sh").write_text("# setup lines of the launcher preset (sourced by slurm/mokbench.sbatch)\n"
+                                        + "".join(f"{ln}\n" for ln in setup))
+    return sweep_dir / "plan.tsv"
+
+
+def collect(sweep_dir: Path) -> int:
+    """For sweeps submitted with plain sbatch (slurm/submit.sh): wait for the jobs in ``sbatch_jobs.tsv``, then
+    write rows with their end status for whatever each job's rank 0 did not report, and ``jobs.csv``."""
+    sweep_dir = Path(sweep_dir)
+    listed = [ln.split("\t") for ln in (sweep_dir / "sbatch_jobs.tsv").read_text().splitlines() if ln.strip()]
+    job_ids = {int(num): jid for num, jid in listed}
+    points = {n: load_point(sweep_dir / str(n)) for n in job_ids}
+    ended = wait_slurm(job_ids)
+    summary = []
+    for n, jid in job_ids.items():
+        p = points[n]
+        info = sacct_info(jid, wait_s=10)
+        state = info.get("State") or ended[n]
+        status = "ok" if state.split(" ")[0] == "COMPLETED" else slurm_status(state)
+        why = f"slurm job {jid} ended {state}" + ("" if status != "ok" else ", but rank 0 wrote no row for it")
+        tail = _tail(p.job_dir / f"slurm-{jid}.out", 3) if status == "error" else ""
+        written = write_status_rows(p, "error" if status == "ok" else status,
+                                    f"no row reported: {why}" + (f"; log: {tail}" if tail else ""), jid,
+                                    info.get("NodeList") or None)
+        if written is not None and status == "ok":
+            status = "error"
+        summary.append({"num": n, "overrides": p.label, "job_id": jid, "slurm_job_id": jid, "state": state,
+                        "status": status, "launcher_rows": str(written) if written else "",
+                        "error": "" if status == "ok" else why, "log": str(p.job_dir / f"slurm-{jid}.out"),
+                        "dir": str(p.job_dir)})
+    _write_manifest(sweep_dir / "jobs.csv", summary)
+    _print_summary(list(points.values()), summary)
+    return 0
 
 
 def _labels(job_overrides: Sequence[Sequence[str]]) -> list[str]:
@@ -673,3 +773,20 @@ def _print_summary(points: Sequence[Point], summary: list[dict]) -> None:
             print(f"  #{s['num']} {s['overrides']}: {s['status']}: {s['error']}")
     dirs = sorted({str(Path(p.cfg["results_dir"]) / p.run_id) for p in points})
     print("rows: " + ", ".join(dirs), flush=True)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m harness.slurm", description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("collect", help="after slurm/submit.sh: wait for the sweep's jobs, then write rows for "
+                                       "what their rank 0 did not report")
+    c.add_argument("sweep_dir", type=Path)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    return collect(args.sweep_dir)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -185,6 +185,16 @@ def test_dry_run_ep_size_sets_the_node_count(tmp_path):
     assert "16 node(s) x 4 task(s), EP 64, 64 GPUs" in r.stdout
 
 
+def test_local_launcher_sweep(tmp_path):
+    """hydra/launcher=local: submitit on this machine, one job per point, each spawning its 2 gloo ranks."""
+    log = tmp_path / "sweep.log"
+    text = _finish(_start(_sweep(tmp_path, "", "direction=fwd", "workload.seed=7", launcher="local"), log), log, 300)
+    assert "1 jobs: 1 ok" in text, text[-3000:]
+    df = results.load(tmp_path / "results")
+    assert list(df["status"]) == ["ok"] and df["slurm_job_id"].isna().all()
+    assert (tmp_path / "sweep" / "0" / "mokbench.yaml").exists() and (tmp_path / "sweep" / "jobs.csv").exists()
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # a real Slurm cluster
 
@@ -282,3 +292,30 @@ def test_time_limit_becomes_timeout_rows(tmp_path):
     df = results.load(tmp_path / "results")
     assert len(df) == 2 and (df["status"] == "timeout").all(), df[["status", "error"]]
     assert df["slurm_job_id"].str.fullmatch(r"\d+").all()
+
+
+@needs_slurm
+def test_plain_sbatch_submit_and_collect(tmp_path):
+    """slurm/submit.sh (sites without submitit): same expansion and validation, one sbatch per point; `python -m
+    harness.slurm collect` waits and writes the rows of a job that never reported (here: cancelled while queued)."""
+    part = _partition()
+    env = dict(os.environ, MOKBENCH_SWEEP_DIR=str(tmp_path / "sweep"), PYTHON=sys.executable)
+    r = subprocess.run(["bash", "slurm/submit.sh", "slurm", f"hydra.launcher.partition={part}",
+                        "hydra.launcher.tasks_per_node=2", "hydra.launcher.gpus_per_node=null",
+                        "hydra.launcher.cpus_per_task=1", "hydra.launcher.timeout_min=5", "device=cpu",
+                        "workload.tokens_per_gpu=64", "direction=fwd", f"results_dir={tmp_path}/results",
+                        "workload.seed=1,2"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    jobs = dict(line.split("\t") for line in (tmp_path / "sweep" / "sbatch_jobs.tsv").read_text().splitlines())
+    assert sorted(jobs) == ["0", "1"]
+    assert _sh("scancel", jobs["1"]).returncode == 0  # the node takes one job at a time: #1 is still queued
+    c = subprocess.run([sys.executable, "-m", "harness.slurm", "collect", str(tmp_path / "sweep")], cwd=REPO,
+                       capture_output=True, text=True, timeout=300)
+    assert c.returncode == 0, c.stdout + c.stderr
+    assert "2 jobs: 1 ok, 1 cancelled" in c.stdout, c.stdout
+    df = results.load(tmp_path / "results")
+    got = {(row.slurm_job_id, row.status) for row in df.itertuples()}
+    assert got == {(jobs["0"], "ok"), (jobs["1"], "cancelled")}, df[["slurm_job_id", "status", "error"]]
+    assert (df["run_id"] == df["run_id"].iloc[0]).all()  # one run id for the sweep
+    assert (tmp_path / "sweep" / "0" / ".hydra" / "config.yaml").exists()
+    assert (tmp_path / "sweep" / "0" / f"slurm-{jobs['0']}.out").exists()
