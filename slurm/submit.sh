@@ -8,7 +8,7 @@
 #   python -m harness.slurm collect <sweep dir>   # waits for the jobs; rows for jobs that died before reporting
 #
 # Environment: MOKBENCH_SWEEP_DIR (default multirun/sbatch-<time>), SBATCH_EXTRA (more sbatch flags),
-# PYTHON (default python). Run from anywhere; jobs start in the repository root.
+# PYTHON (default python; the jobs use the same one). Run from anywhere; jobs start in the repository root.
 set -euo pipefail
 if [ $# -lt 1 ]; then
   sed -n '2,12p' "$0"
@@ -19,6 +19,7 @@ shift
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
 PY=${PYTHON:-python}
+PYBIN=$(command -v "$PY") # the jobs use this interpreter too
 sweep_dir=${MOKBENCH_SWEEP_DIR:-multirun/sbatch-$(date +%Y%m%d-%H%M%S)}
 case "$sweep_dir" in /*) ;; *) sweep_dir=$ROOT/$sweep_dir ;; esac
 
@@ -42,7 +43,7 @@ while IFS=$'\t' read -r num nodes tpn gpn cpt minutes partition account qos flag
   [ "$flags" != - ] && read -r -a more <<<"$flags" && args+=("${more[@]}")
   if [ -n "${SBATCH_EXTRA:-}" ]; then read -r -a more <<<"$SBATCH_EXTRA" && args+=("${more[@]}"); fi
   eval "point=($overrides)"
-  jid=$(MOKBENCH_SETUP="$sweep_dir/setup.sh" sbatch "${args[@]}" "$ROOT/slurm/mokbench.sbatch" \
+  jid=$(MOKBENCH_SETUP="$sweep_dir/setup.sh" MOKBENCH_PYTHON="$PYBIN" sbatch "${args[@]}" "$ROOT/slurm/mokbench.sbatch" \
     "${point[@]}" "run_id=$run_id" "hydra.run.dir=$sweep_dir/$num")
   jid=${jid%%;*}
   printf '%s\t%s\n' "$num" "$jid" >>"$jobs"
