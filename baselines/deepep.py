@@ -194,8 +194,6 @@ class DeepEPBackend:
         }
 
     def info(self) -> dict[str, Any]:
-        import deep_ep
-
         notes = [f"DeepEP V1 Buffer (hybrid-ep branch), {self.num_sms} comm SMs, no deterministic mode in V1",
                  f"grouped GEMM: {grouped_mm_name(self.case.device)}"]
         if self.coarse:
@@ -203,7 +201,7 @@ class DeepEPBackend:
                          "recovered from an all-gathered top-k table")
         return {"scaling": self.params.scaling("e4m3 1x128 (DeepEP fp8 dispatch)"), "compiled": self.case.compile,
                 "compile_mode": self.case.compile_mode if self.case.compile else "", "comm_sms": self.num_sms,
-                "notes": "; ".join(notes), "deepep_version": getattr(deep_ep, "__version__", None)}
+                "notes": "; ".join(notes)}
 
     def teardown(self) -> None:
         buf = getattr(self, "buffer", None)

@@ -413,6 +413,9 @@ def raw_all_to_all_gb_s(rows_to: list[int], row_bytes: int, group, timer: Timer,
 
 
 def _spawn_entry(local_rank: int, payload: dict, renv: RankEnv) -> None:
+    import faulthandler
+
+    faulthandler.enable()  # a crash inside a backend's native code still leaves a Python stack in the log
     env = RankEnv(local_rank, renv.world_size, local_rank, 1, renv.master_addr, renv.master_port, "spawn")
     try:
         worker(payload, env)
