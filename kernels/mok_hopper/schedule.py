@@ -1,0 +1,133 @@
+"""Device-side schedule: which (source rank, token, k) rows each local expert computes, padded to the GEMM tile.
+
+Legend: P ranks, T tokens per rank, K top-k, S = P*T*K routed slots over all ranks, L local experts, BM rows per
+GEMM tile, R capacity rows on this rank (a multiple of BM), M = R / BM tiles, C chunks.
+
+A slot is identified by its flat position ``p = (src * T + t) * K + k`` in the all-gathered top-k table
+``idx_PS`` [P, T*K]; that integer (the "row code") is what the dispatch and combine kernels decode:
+``src = p // (T*K)``, ``slot = p % (T*K)`` (the combine buffer row on the source rank), ``t = slot // K``.
+
+Order is fixed, so the schedule (and everything downstream) is deterministic: experts in ascending local id, each
+expert's rows in ascending ``p`` (source rank, then token, then k), each expert's segment padded with code -1 to a
+multiple of BM. A slot whose id is negative (a masked top-k entry) or names another rank's expert is skipped.
+
+:func:`build_schedule` uses only fixed-size torch ops (stable sort, cumsum, scatter, searchsorted), so it stays on
+the device with no host synchronisation. Rows that do not fit in R are dropped from the table and *counted* in
+``overflow_rows`` (a device scalar the caller checks outside the timed path). :func:`reference_schedule` is the
+plain-Python twin used by the tests.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+
+@dataclass
+class Schedule:
+    row_code_R1: torch.Tensor  # int32 [R+1]: slot code p, or -1 for padding and unused rows; row R is scratch
+    tile_expert_M: torch.Tensor  # int32 [M]: local expert of each tile; L for tiles past the end
+    chunk_tiles_C1: torch.Tensor  # int32 [C+1]: tile boundaries of the C launch chunks (balanced by tile count)
+    counts_L: torch.Tensor  # int32 [L]: routed rows per local expert (unpadded)
+    num_tiles: torch.Tensor  # int32 [1]: tiles in use (<= M)
+    overflow_rows: torch.Tensor  # int32 [1]: routed rows dropped because R was too small (0 when all fit)
+
+    @property
+    def row_code_R(self) -> torch.Tensor:
+        return self.row_code_R1[:-1]
+
+
+def capacity_rows(*, ep: int, tokens: int, topk: int, local_experts: int, block_m: int,
+                  capacity_multiplier: Optional[float] = 0.5) -> int:
+    """Rows to allocate on one rank: routed rows plus worst-case tile padding, rounded up to BM.
+
+    Routed rows follow MoK's rule ``T*K*max(2, ceil(EP*multiplier))``, capped at the true worst case ``EP*T*K``
+    (every token of every rank routed here), so EP <= 2 can never overflow. ``capacity_multiplier=None`` means
+    the worst case at any EP.
+    """
+    worst = ep * tokens * topk
+    routed = worst if capacity_multiplier is None else min(worst, tokens * topk * max(2, math.ceil(ep * capacity_multiplier)))
+    padding = min(local_experts, routed) * (block_m - 1)
+    return -(-(routed + padding) // block_m) * block_m
+
+
+def empty_schedule(*, capacity: int, block_m: int, local_experts: int, num_chunks: int,
+                   device: torch.device) -> Schedule:
+    """Buffers for :func:`build_schedule` (``out=``), allocated once outside the timed path."""
+    i32 = dict(dtype=torch.int32, device=device)
+    return Schedule(row_code_R1=torch.full((capacity + 1,), -1, **i32),
+                    tile_expert_M=torch.full((capacity // block_m,), local_experts, **i32),
+                    chunk_tiles_C1=torch.zeros(num_chunks + 1, **i32), counts_L=torch.zeros(local_experts, **i32),
+                    num_tiles=torch.zeros(1, **i32), overflow_rows=torch.zeros(1, **i32))
+
+
+def build_schedule(idx_PS: torch.Tensor, *, rank: int, local_experts: int, block_m: int, capacity: int,
+                   num_chunks: int = 1, out: Optional[Schedule] = None) -> Schedule:
+    """The schedule of rank ``rank`` from every rank's top-k ids (``idx_PS`` [P, T*K], any integer dtype).
+
+    Only device ops with static shapes; no host sync. ``out`` reuses the buffers of an earlier schedule."""
+    assert capacity % block_m == 0, "capacity must be a multiple of block_m"
+    dev = idx_PS.device
+    L, BM, R = local_experts, block_m, capacity
+    M = R // BM
+    flat_S = idx_PS.reshape(-1).to(torch.int64)
+    S = flat_S.numel()
+
+    le_S = flat_S - rank * L
+    local_S = (le_S >= 0) & (le_S < L)
+    key_S = torch.where(local_S, le_S, torch.full_like(le_S, L))  # L = "not mine"
+    counts_L1 = torch.zeros(L + 1, dtype=torch.int64, device=dev).scatter_add_(0, key_S, torch.ones_like(key_S))
+    counts_L = counts_L1[:L]
+    tiles_L = (counts_L + BM - 1) // BM
+    tile_end_L = torch.cumsum(tiles_L, 0)
+    seg_start_L1 = torch.cat([(tile_end_L - tiles_L) * BM, tile_end_L.new_full((1,), R)])  # row where expert starts
+    start_unpadded_L1 = torch.cumsum(counts_L1, 0) - counts_L1
+
+    sorted_key_S, order_S = torch.sort(key_S, stable=True)  # slots grouped by expert, ascending p inside
+    within_S = torch.arange(S, device=dev) - start_unpadded_L1[sorted_key_S]
+    dest_S = seg_start_L1[sorted_key_S] + within_S
+    mine_S = sorted_key_S < L
+    fits_S = mine_S & (dest_S < R)
+    dest_S = torch.where(fits_S, dest_S, torch.full_like(dest_S, R))  # R = dump row, discarded
+
+    sch = out if out is not None else empty_schedule(capacity=R, block_m=BM, local_experts=L, num_chunks=num_chunks,
+                                                     device=dev)
+    assert sch.chunk_tiles_C1.numel() == num_chunks + 1 and sch.row_code_R1.numel() == R + 1
+    codes_R1 = sch.row_code_R1
+    codes_R1.fill_(-1)
+    codes_R1.scatter_(0, dest_S, order_S.to(torch.int32))
+    codes_R1[R] = -1
+    # tile -> expert: the first expert whose tile range ends after the tile (L past the last used tile)
+    torch.searchsorted(tile_end_L, torch.arange(M, device=dev), right=True, out_int32=True,
+                       out=sch.tile_expert_M)
+    num_tiles = torch.clamp(tile_end_L[-1:], max=M) if L > 0 else torch.zeros(1, dtype=torch.int64, device=dev)
+    sch.num_tiles.copy_(num_tiles)
+    c = torch.arange(num_chunks + 1, device=dev)
+    sch.chunk_tiles_C1.copy_(num_tiles * c // num_chunks)
+    sch.counts_L.copy_(counts_L)
+    sch.overflow_rows.copy_((mine_S & ~fits_S).sum().reshape(1))
+    return sch
+
+
+def reference_schedule(idx_PS: torch.Tensor, *, rank: int, local_experts: int, block_m: int,
+                       capacity: int) -> tuple[list[int], list[int], int]:
+    """Plain-Python twin of :func:`build_schedule`: (row codes [R], tile experts [M], overflow rows)."""
+    flat = idx_PS.reshape(-1).tolist()
+    L, BM, R = local_experts, block_m, capacity
+    codes: list[int] = []
+    tiles: list[int] = []
+    for e in range(L):
+        mine = [p for p, g in enumerate(flat) if g == rank * L + e]
+        if not mine:
+            continue
+        n_tiles = -(-len(mine) // BM)
+        codes += mine + [-1] * (n_tiles * BM - len(mine))
+        tiles += [e] * n_tiles
+    routed = sum(1 for g in flat if rank * L <= g < (rank + 1) * L)
+    kept = sum(1 for c in codes[:R] if c >= 0)
+    codes = (codes + [-1] * R)[:R]
+    tiles = (tiles + [L] * (R // BM))[: R // BM]
+    return codes, tiles, routed - kept

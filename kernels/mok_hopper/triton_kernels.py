@@ -1,0 +1,414 @@
+"""Triton kernels of the MoK-style forward: stage, index gather, pull dispatch, grouped SwiGLU GEMM, down GEMM with
+router weight and push combine, fixed-order epilogue.
+
+Legend: P ranks, T tokens per rank, K top-k, H hidden, I expert ffn, L local experts, R capacity rows, BM/BN/BK
+GEMM tile, M = R / BM tiles. Row codes and tiles come from :mod:`kernels.mok_hopper.schedule`.
+
+Peer memory is reached through raw addresses: a small int64 tensor holds one base address per rank (the peers'
+symmetric-memory buffers, or ordinary tensors for EP=1 and the CPU interpreter) and kernels cast it with
+``tl.pointer_type``. No multicast anywhere.
+
+Every launcher takes device-side bounds (a chunk's first and last tile), so no launch needs a host sync; grids
+are fixed ("persistent" programs loop over the work they find).
+
+Under ``TRITON_INTERPRET=1`` (CPU tests) two interpreter gaps are worked around: bf16 ``tl.dot`` is done on fp32
+copies (``UPCAST``), and a numpy>=2.4 incompatibility in the interpreter's scalar ``__index__`` is patched.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+FP8_MAX = 448.0
+
+
+def _interpreter_compat() -> None:
+    """Two fixes to Triton 3.6's CPU interpreter, so that it computes what the GPU computes:
+
+    * scalars are converted with ``int(array)``, an error since numpy 2.4;
+    * fp32 -> bf16 and fp32 -> e4m3 conversions truncate (the GPU rounds to nearest even, as torch does).
+    """
+    import numpy as np
+    import triton.runtime.interpreter as ti
+
+    if getattr(ti, "_mok_patched", False) or not hasattr(ti, "_patch_lang_tensor") or not hasattr(ti, "_convert_float"):
+        return
+    orig_patch, orig_convert = ti._patch_lang_tensor, ti._convert_float
+
+    def patched(tensor, scope):  # type: ignore[no-untyped-def]
+        orig_patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
+
+    targets = {tl.bfloat16: (torch.bfloat16, torch.uint16), tl.float8e4nv: (torch.float8_e4m3fn, torch.uint8)}
+
+    def convert(data, src_ty, dst_ty, rounding_mode):  # type: ignore[no-untyped-def]
+        if src_ty == tl.float32 and dst_ty in targets:
+            to, bits = targets[dst_ty]
+            src = torch.from_numpy(np.ascontiguousarray(data).view(np.float32).copy())
+            return src.to(to).view(bits).numpy().reshape(np.shape(data))
+        return orig_convert(data, src_ty, dst_ty, rounding_mode)
+
+    ti._patch_lang_tensor = patched
+    ti._convert_float = convert
+    ti._mok_patched = True
+
+
+if INTERPRET:
+    _interpreter_compat()
+
+
+def num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# tile configuration
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Launch parameters. ``gemm_programs``/``pull_programs`` 0 = derived from the SM count."""
+
+    block_m: int = 128  # rows per tile; the schedule pads every expert to a multiple of it
+    up_n: int = 128  # gate and up columns per tile (two accumulators of block_m x up_n)
+    up_k: int = 64
+    up_stages: int = 3
+    up_warps: int = 8
+    down_n: int = 128
+    down_k: int = 64
+    down_stages: int = 4
+    down_warps: int = 8
+    pull_rows: int = 2  # rows per pull step
+    pull_cols: int = 1024  # columns per load in the pull (a power of two)
+    pull_warps: int = 4
+    comm_sms: int = 24  # SMs left to the pull kernel while GEMMs run (GEMM grid = SMs - comm_sms)
+    pull_programs: int = 0  # 0: 2 * comm_sms
+    gemm_programs: int = 0  # 0: SMs - comm_sms
+    num_chunks: int = 4  # pull / GEMM pipeline chunks
+
+    def for_fp8(self) -> "TileConfig":
+        """fp8 needs one weight scale per tile step: BK = 128 (act/weight block) and BN = 128."""
+        from dataclasses import replace
+
+        return replace(self, up_n=128, up_k=128, down_n=128, down_k=128)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# small helpers
+
+
+@triton.jit
+def _mma(a, b, acc, UPCAST: tl.constexpr):
+    """acc + a @ b (fp32 accumulate). UPCAST: the interpreter's bf16 dot is broken, multiply fp32 copies."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _mm(a, b, UPCAST: tl.constexpr):
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32))
+    return tl.dot(a, b)
+
+
+@triton.jit
+def _quant_e4m3(v, FP8_MAX_: tl.constexpr):
+    """Row-wise 1xN block quantisation of an fp32 block [R, N]: (e4m3 values, fp32 scale [R])."""
+    amax = tl.max(tl.abs(v), axis=1)
+    scale = tl.maximum(amax, 1e-12) / FP8_MAX_
+    q = v / scale[:, None]
+    q = tl.minimum(tl.maximum(q, -FP8_MAX_), FP8_MAX_)
+    return q.to(tl.float8e4nv), scale
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# stage: this rank's activations into its (symmetric) buffer; fp8 quantises on the way (1 x 128 blocks)
+
+
+@triton.jit
+def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, H, ROWS: tl.constexpr, BLOCK: tl.constexpr, FP8_MAX_: tl.constexpr):
+    rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+    b = tl.program_id(1)
+    cols = b * BLOCK + tl.arange(0, BLOCK)
+    v = tl.load(x_ptr + rows[:, None] * H + cols[None, :]).to(tl.float32)
+    q, s = _quant_e4m3(v, FP8_MAX_)
+    tl.store(q_ptr + rows[:, None] * H + cols[None, :], q)
+    tl.store(s_ptr + rows * (H // BLOCK) + b, s)
+
+
+def quantize_rows(x_TH: torch.Tensor, q_TH: torch.Tensor, s_TB: torch.Tensor, block: int = 128) -> None:
+    """e4m3 data and fp32 scales, one scale per 1 x ``block`` of each row (written into q_TH / s_TB)."""
+    T, H = x_TH.shape
+    rows = 1
+    for r in (8, 4, 2):
+        if T % r == 0:
+            rows = r
+            break
+    _quant_rows_kernel[(T // rows, H // block)](x_TH, q_TH, s_TB, H, ROWS=rows, BLOCK=block, FP8_MAX_=FP8_MAX,
+                                                 num_warps=4)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# index gather: every rank's top-k table (int32) from the peers' buffers
+
+
+@triton.jit
+def _gather_i32_kernel(ptr_table, out_ptr, N, BLOCK: tl.constexpr):
+    p = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < N
+    base = tl.load(ptr_table + p).to(tl.pointer_type(tl.int32))
+    v = tl.load(base + offs, mask=m)
+    tl.store(out_ptr + p.to(tl.int64) * N + offs, v, mask=m)
+
+
+def gather_peer_i32(ptr_table_P: torch.Tensor, out_PN: torch.Tensor) -> None:
+    P, N = out_PN.shape
+    block = 1024
+    _gather_i32_kernel[(P, triton.cdiv(N, block))](ptr_table_P, out_PN, N, BLOCK=block, num_warps=4)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# pull dispatch: the expert owner reads routed rows straight from the source ranks' buffers
+
+
+@triton.jit
+def _pull_rows_kernel(code_ptr, chunk_ptr, x_table, xs_table, w_table, x_out, xs_out, w_out,
+                      TK, K, H, HS,
+                      BM: tl.constexpr, BR: tl.constexpr, BH: tl.constexpr, HSP: tl.constexpr, FP8: tl.constexpr,
+                      PULL_W: tl.constexpr, NUM_PROGS: tl.constexpr):
+    r_lo = tl.load(chunk_ptr) * BM
+    r_hi = tl.load(chunk_ptr + 1) * BM
+    n_steps = tl.cdiv(r_hi - r_lo, BR)
+    for step in range(tl.program_id(0), n_steps, NUM_PROGS):
+        rows = r_lo + step * BR + tl.arange(0, BR)
+        rmask = rows < r_hi
+        rows64 = rows.to(tl.int64)
+        code = tl.load(code_ptr + rows, mask=rmask, other=-1)
+        valid = code >= 0
+        c = tl.where(valid, code, 0)
+        src = c // TK
+        slot = c % TK
+        tok = (slot // K).to(tl.int64)
+        base = tl.load(x_table + src, mask=valid, other=0)
+        if FP8:
+            xp = base.to(tl.pointer_type(tl.float8e4nv))
+        else:
+            xp = base.to(tl.pointer_type(tl.bfloat16))
+        for h0 in range(0, H, BH):
+            cols = h0 + tl.arange(0, BH)
+            v = tl.load(xp[:, None] + tok[:, None] * H + cols[None, :], mask=valid[:, None], other=0.0)
+            tl.store(x_out + rows64[:, None] * H + cols[None, :], v, mask=rmask[:, None])
+        if FP8:
+            sp = tl.load(xs_table + src, mask=valid, other=0).to(tl.pointer_type(tl.float32))
+            sc = tl.arange(0, HSP)
+            smask = sc[None, :] < HS
+            s = tl.load(sp[:, None] + tok[:, None] * HS + sc[None, :], mask=valid[:, None] & smask, other=0.0)
+            tl.store(xs_out + rows64[:, None] * HS + sc[None, :], s, mask=rmask[:, None] & smask)
+        if PULL_W:
+            wp = tl.load(w_table + src, mask=valid, other=0).to(tl.pointer_type(tl.float32))
+            wv = tl.load(wp + slot, mask=valid, other=0.0)
+            tl.store(w_out + rows, wv, mask=rmask)
+
+
+def pull_rows(code_R: torch.Tensor, chunk_2: torch.Tensor, x_table: torch.Tensor, xs_table: Optional[torch.Tensor],
+              w_table: Optional[torch.Tensor], x_out_RH: torch.Tensor, xs_out: Optional[torch.Tensor],
+              w_out_R: Optional[torch.Tensor], *, tokens: int, topk: int, block_m: int, cfg: TileConfig,
+              programs: int) -> None:
+    """Copy the rows of tiles [chunk_2[0], chunk_2[1]) from their source ranks; padding rows become zeros."""
+    H = x_out_RH.shape[1]
+    fp8 = x_out_RH.dtype == torch.float8_e4m3fn
+    bh = min(cfg.pull_cols, triton.next_power_of_2(H))
+    assert H % bh == 0, f"hidden {H} must be a multiple of the pull block {bh}"
+    hs = H // 128 if fp8 else 1
+    _pull_rows_kernel[(programs,)](
+        code_R, chunk_2, x_table, xs_table if fp8 else x_table, w_table if w_table is not None else x_table,
+        x_out_RH, xs_out if fp8 else x_out_RH, w_out_R if w_out_R is not None else x_out_RH,
+        tokens * topk, topk, H, hs,
+        BM=block_m, BR=cfg.pull_rows, BH=bh, HSP=triton.next_power_of_2(hs), FP8=fp8, PULL_W=w_table is not None,
+        NUM_PROGS=programs, num_warps=cfg.pull_warps)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# grouped gate/up GEMM + SwiGLU (+ fp8 quantisation of the hidden activations)
+
+
+@triton.jit
+def _up_swiglu_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, tile_expert_ptr, chunk_ptr,
+                      n_rows, H, I, limit,
+                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FP8: tl.constexpr,
+                      HAS_LIMIT: tl.constexpr, NUM_PROGS: tl.constexpr, UPCAST: tl.constexpr,
+                      STAGES: tl.constexpr, FP8_MAX_: tl.constexpr):
+    m_lo = tl.load(chunk_ptr)
+    m_hi = tl.load(chunk_ptr + 1)
+    n_n = I // BN
+    n_work = (m_hi - m_lo) * n_n
+    for wk in range(tl.program_id(0), n_work, NUM_PROGS):
+        m = m_lo + wk // n_n  # N fastest: concurrent programs share the A rows in L2
+        n = wk % n_n
+        e = tl.load(tile_expert_ptr + m).to(tl.int64)
+        rows = (m * BM + tl.arange(0, BM)).to(tl.int64)
+        rmask = rows < n_rows
+        cols = n * BN + tl.arange(0, BN)
+        kk = tl.arange(0, BK)
+        a_p = a_ptr + rows[:, None] * H + kk[None, :]
+        g_p = w_ptr + e * 2 * I * H + cols[None, :].to(tl.int64) * H + kk[:, None]  # [BK, BN] view of W^T
+        u_p = g_p + I * H
+        acc_g = tl.zeros((BM, BN), dtype=tl.float32)
+        acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+        for k0 in tl.range(0, H, BK, num_stages=STAGES):
+            a = tl.load(a_p + k0, mask=rmask[:, None], other=0.0)
+            bg = tl.load(g_p + k0)
+            bu = tl.load(u_p + k0)
+            if FP8:
+                kb = k0 // BK
+                sa = tl.load(as_ptr + rows * (H // BK) + kb, mask=rmask, other=0.0)
+                wsb = ws_ptr + e * (2 * I // BN) * (H // BK)
+                sg = tl.load(wsb + n * (H // BK) + kb)
+                su = tl.load(wsb + (n + I // BN) * (H // BK) + kb)
+                acc_g += _mm(a, bg, UPCAST) * (sa[:, None] * sg)
+                acc_u += _mm(a, bu, UPCAST) * (sa[:, None] * su)
+            else:
+                acc_g = _mma(a, bg, acc_g, UPCAST)
+                acc_u = _mma(a, bu, acc_u, UPCAST)
+        if HAS_LIMIT:
+            acc_g = tl.minimum(acc_g, limit)
+            acc_u = tl.minimum(tl.maximum(acc_u, -limit), limit)
+        hv = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+        h_off = rows[:, None] * I + cols[None, :]
+        if FP8:
+            q, s = _quant_e4m3(hv, FP8_MAX_)
+            tl.store(h_ptr + h_off, q, mask=rmask[:, None])
+            tl.store(hs_ptr + rows * (I // BN) + n, s, mask=rmask)
+        else:
+            tl.store(h_ptr + h_off, hv.to(tl.bfloat16), mask=rmask[:, None])
+
+
+def up_swiglu(a_RH: torch.Tensor, a_scale: Optional[torch.Tensor], w13_LIH: torch.Tensor,
+              w13_scale: Optional[torch.Tensor], h_RI: torch.Tensor, h_scale: Optional[torch.Tensor],
+              tile_expert_M: torch.Tensor, chunk_2: torch.Tensor, *, limit: Optional[float], cfg: TileConfig,
+              programs: int, n_rows: Optional[int] = None) -> None:
+    """h = SwiGLU(a @ gate^T, a @ up^T) for tiles [chunk_2[0], chunk_2[1]); a tile's expert from tile_expert_M."""
+    R, H = a_RH.shape
+    I = h_RI.shape[1]
+    fp8 = a_RH.dtype == torch.float8_e4m3fn
+    bn, bk = cfg.up_n, cfg.up_k
+    assert I % bn == 0 and H % bk == 0, f"ffn {I} / hidden {H} must be multiples of the tile ({bn}, {bk})"
+    if fp8:
+        assert bn == 128 and bk == 128, "fp8 tiles must match the 128 x 128 scale blocks"
+    _up_swiglu_kernel[(programs,)](
+        a_RH, a_scale if fp8 else a_RH, w13_LIH, w13_scale if fp8 else w13_LIH, h_RI, h_scale if fp8 else h_RI,
+        tile_expert_M, chunk_2, R if n_rows is None else n_rows, H, I, 0.0 if limit is None else float(limit),
+        BM=cfg.block_m, BN=bn, BK=bk, FP8=fp8, HAS_LIMIT=limit is not None, NUM_PROGS=programs, UPCAST=INTERPRET,
+        STAGES=cfg.up_stages, FP8_MAX_=FP8_MAX, num_warps=cfg.up_warps)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# grouped down GEMM + router weight + push combine (each row stored into its source rank's combine buffer)
+
+
+@triton.jit
+def _down_push_kernel(h_ptr, hs_ptr, w_ptr, ws_ptr, tile_expert_ptr, chunk_ptr, code_ptr, rw_ptr, out_table,
+                      n_rows, H, I, TK,
+                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FP8: tl.constexpr,
+                      APPLY_W: tl.constexpr, NUM_PROGS: tl.constexpr, UPCAST: tl.constexpr, STAGES: tl.constexpr):
+    m_lo = tl.load(chunk_ptr)
+    m_hi = tl.load(chunk_ptr + 1)
+    n_n = H // BN
+    n_work = (m_hi - m_lo) * n_n
+    for wk in range(tl.program_id(0), n_work, NUM_PROGS):
+        m = m_lo + wk // n_n
+        n = wk % n_n
+        e = tl.load(tile_expert_ptr + m).to(tl.int64)
+        rows32 = m * BM + tl.arange(0, BM)
+        rows = rows32.to(tl.int64)
+        rmask = rows < n_rows
+        cols = n * BN + tl.arange(0, BN)
+        kk = tl.arange(0, BK)
+        a_p = h_ptr + rows[:, None] * I + kk[None, :]
+        b_p = w_ptr + e * H * I + cols[None, :].to(tl.int64) * I + kk[:, None]  # [BK, BN] view of W2^T
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for k0 in tl.range(0, I, BK, num_stages=STAGES):
+            a = tl.load(a_p + k0, mask=rmask[:, None], other=0.0)
+            b = tl.load(b_p + k0)
+            if FP8:
+                kb = k0 // BK
+                sa = tl.load(hs_ptr + rows * (I // BK) + kb, mask=rmask, other=0.0)
+                sb = tl.load(ws_ptr + e * (H // BN) * (I // BK) + n * (I // BK) + kb)
+                acc += _mm(a, b, UPCAST) * (sa[:, None] * sb)
+            else:
+                acc = _mma(a, b, acc, UPCAST)
+        code = tl.load(code_ptr + rows32, mask=rmask, other=-1)
+        valid = code >= 0
+        c = tl.where(valid, code, 0)
+        if APPLY_W:
+            acc = acc * tl.load(rw_ptr + rows32, mask=valid, other=0.0)[:, None]
+        src = c // TK
+        slot = (c % TK).to(tl.int64)
+        dst = tl.load(out_table + src, mask=valid, other=0).to(tl.pointer_type(tl.bfloat16))
+        tl.store(dst[:, None] + slot[:, None] * H + cols[None, :], acc.to(tl.bfloat16), mask=valid[:, None])
+
+
+def down_push(h_RI: torch.Tensor, h_scale: Optional[torch.Tensor], w2_LHI: torch.Tensor,
+              w2_scale: Optional[torch.Tensor], tile_expert_M: torch.Tensor, chunk_2: torch.Tensor,
+              code_R: torch.Tensor, rw_R: Optional[torch.Tensor], out_table_P: torch.Tensor, *, slots_per_rank: int,
+              cfg: TileConfig, programs: int, n_rows: Optional[int] = None) -> None:
+    """y = h @ down^T (x router weight) stored as bf16 at row ``slot`` of the buffer of rank ``src``."""
+    R, I = h_RI.shape
+    H = w2_LHI.shape[1]
+    fp8 = h_RI.dtype == torch.float8_e4m3fn
+    bn, bk = cfg.down_n, cfg.down_k
+    assert H % bn == 0 and I % bk == 0, f"hidden {H} / ffn {I} must be multiples of the tile ({bn}, {bk})"
+    if fp8:
+        assert bn == 128 and bk == 128, "fp8 tiles must match the 128 x 128 scale blocks"
+    _down_push_kernel[(programs,)](
+        h_RI, h_scale if fp8 else h_RI, w2_LHI, w2_scale if fp8 else w2_LHI, tile_expert_M, chunk_2, code_R,
+        rw_R if rw_R is not None else h_RI, out_table_P, R if n_rows is None else n_rows, H, I, slots_per_rank,
+        BM=cfg.block_m, BN=bn, BK=bk, FP8=fp8, APPLY_W=rw_R is not None, NUM_PROGS=programs, UPCAST=INTERPRET,
+        STAGES=cfg.down_stages, num_warps=cfg.down_warps)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# fixed-order epilogue: out[t] = sum_k combine[t*K + k] (x w[t, k]) + shared[t], in fp32, k ascending
+
+
+@triton.jit
+def _epilogue_kernel(comb_ptr, idx_ptr, rw_ptr, shared_ptr, out_ptr, T, H, K,
+                     BT: tl.constexpr, BH: tl.constexpr, APPLY_W: tl.constexpr, HAS_SHARED: tl.constexpr):
+    t = (tl.program_id(0) * BT + tl.arange(0, BT)).to(tl.int64)
+    cols = tl.program_id(1) * BH + tl.arange(0, BH)
+    tmask = t < T
+    mask = tmask[:, None] & (cols[None, :] < H)
+    acc = tl.zeros((BT, BH), dtype=tl.float32)
+    for k in range(0, K):
+        live = tl.load(idx_ptr + t * K + k, mask=tmask, other=-1) >= 0  # masked top-k slots (id < 0) add nothing
+        v = tl.load(comb_ptr + (t[:, None] * K + k) * H + cols[None, :], mask=mask & live[:, None], other=0.0)
+        v = v.to(tl.float32)
+        if APPLY_W:
+            v = v * tl.load(rw_ptr + t * K + k, mask=tmask, other=0.0)[:, None]
+        acc += v
+    if HAS_SHARED:
+        acc += tl.load(shared_ptr + t[:, None] * H + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t[:, None] * H + cols[None, :], acc.to(tl.bfloat16), mask=mask)
+
+
+def combine_epilogue(comb_SH: torch.Tensor, idx_TK: torch.Tensor, rw_TK: Optional[torch.Tensor],
+                     shared_TH: Optional[torch.Tensor], out_TH: torch.Tensor) -> None:
+    """out[t] = sum_k comb[t*K + k] (x w[t, k]) + shared[t] in fp32, k ascending, then bf16."""
+    T, H = out_TH.shape
+    K = idx_TK.shape[1]
+    bh = min(1024, triton.next_power_of_2(H))
+    bt = 2 if out_TH.is_cuda else min(64, triton.next_power_of_2(T))
+    _epilogue_kernel[(triton.cdiv(T, bt), triton.cdiv(H, bh))](
+        comb_SH, idx_TK, rw_TK if rw_TK is not None else comb_SH, shared_TH if shared_TH is not None else comb_SH,
+        out_TH, T, H, K, BT=bt, BH=bh, APPLY_W=rw_TK is not None, HAS_SHARED=shared_TH is not None, num_warps=4)

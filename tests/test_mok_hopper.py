@@ -1,0 +1,286 @@
+"""mok_hopper on the CPU: the device schedule against its Python twin, the torch twin against a plain reference,
+and the Triton kernels under the interpreter (TRITON_INTERPRET=1) with several ranks simulated in one process
+(ordinary buffers addressing each other through the same peer-pointer tables the GPU uses).
+
+Legend: P ranks, T tokens per rank, K top-k, E experts, L = E / P local experts, H hidden, I ffn.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernels module imports triton
+
+from kernels.mok_hopper import twin  # noqa: E402
+from kernels.mok_hopper.fp8 import quantize_blocks  # noqa: E402
+from kernels.mok_hopper.schedule import build_schedule, capacity_rows, reference_schedule  # noqa: E402
+
+# ---------------------------------------------------------------------------------------------------------------
+# inputs
+
+
+def routing(P: int, T: int, K: int, E: int, seed: int, mode: str = "uniform") -> list[torch.Tensor]:
+    """[T, K] global expert ids per rank. Modes are the edge cases the schedule must survive."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(P):
+        if mode == "uniform":
+            idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+        elif mode == "one_expert":  # every token's first choice is expert 1 (one expert gets P*T rows)
+            idx = torch.stack([torch.cat([torch.tensor([1]), torch.randperm(E - 1, generator=g)[: K - 1] + 2])
+                               if K > 1 else torch.tensor([1]) for _ in range(T)])
+            idx = torch.where(idx >= E, idx - E + 2, idx)
+        elif mode == "one_rank":  # every id on rank 0's experts
+            L = E // P
+            idx = torch.stack([torch.randperm(L, generator=g)[:K] for _ in range(T)])
+        elif mode == "empty_expert":  # expert 0 never chosen
+            idx = torch.stack([torch.randperm(E - 1, generator=g)[:K] + 1 for _ in range(T)])
+        elif mode == "masked":  # some slots masked with -1
+            idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+            idx[torch.rand(T, K, generator=g) < 0.25] = -1
+        else:
+            raise ValueError(mode)
+        out.append(idx.to(torch.int64))
+    return out
+
+
+def make_layer_inputs(P: int, T: int, K: int, E: int, H: int, I: int, seed: int = 0, mode: str = "uniform",
+                      shared: bool = True):
+    g = torch.Generator().manual_seed(seed + 100)
+    L = E // P
+    xs = [torch.randn(T, H, generator=g).bfloat16() for _ in range(P)]
+    ws = [torch.softmax(torch.randn(T, K, generator=g), -1) for _ in range(P)]
+    w13 = [(torch.randn(L, 2 * I, H, generator=g) * H ** -0.5).bfloat16() for _ in range(P)]
+    w2 = [(torch.randn(L, H, I, generator=g) * I ** -0.5).bfloat16() for _ in range(P)]
+    sh = None
+    if shared:
+        sh = ((torch.randn(I, H, generator=g) * H ** -0.5).bfloat16(),
+              (torch.randn(I, H, generator=g) * H ** -0.5).bfloat16(),
+              (torch.randn(H, I, generator=g) * I ** -0.5).bfloat16())
+    return xs, routing(P, T, K, E, seed, mode), ws, w13, w2, sh
+
+
+def plain_reference(xs, idx, ws, w13, w2, sh, limit=None) -> list[torch.Tensor]:
+    """The harness reference's math: per expert, bf16 GEMM outputs; fp32 router-weighted sum, then + shared."""
+    P, L = len(xs), w13[0].shape[0]
+    I = w2[0].shape[2]
+    x_all, idx_all, w_all = torch.cat(xs), torch.cat(idx), torch.cat(ws)
+    acc = torch.zeros(x_all.shape, dtype=torch.float32)
+    for e in range(P * L):
+        tok, kk = torch.nonzero(idx_all == e, as_tuple=True)
+        if tok.numel() == 0:
+            continue
+        W13, W2 = w13[e // L][e % L], w2[e // L][e % L]
+        x = x_all[tok]
+        g, u = x @ W13[:I].t(), x @ W13[I:].t()
+        if limit is not None:
+            g, u = g.clamp(max=limit), u.clamp(min=-limit, max=limit)
+        acc.index_add_(0, tok, w_all[tok, kk].unsqueeze(-1) * ((F.silu(g) * u) @ W2.t()).float())
+    outs = []
+    for r, part in enumerate(acc.chunk(P)):
+        if sh is not None:
+            g, u = xs[r] @ sh[0].t(), xs[r] @ sh[1].t()
+            if limit is not None:
+                g, u = g.clamp(max=limit), u.clamp(min=-limit, max=limit)
+            part = part + ((F.silu(g) * u) @ sh[2].t()).float()
+        outs.append(part.bfloat16())
+    return outs
+
+
+def rel_l1(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).abs().sum() / b.float().abs().sum().clamp(min=1e-30))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# schedule
+
+
+@pytest.mark.parametrize("P,T,K,E,BM,mode", [
+    (1, 16, 2, 8, 4, "uniform"),
+    (2, 16, 2, 8, 4, "uniform"),
+    (4, 8, 3, 16, 8, "uniform"),
+    (2, 16, 1, 8, 4, "uniform"),  # top-1
+    (2, 16, 2, 8, 4, "empty_expert"),  # an expert with no rows gets no tile
+    (2, 16, 2, 8, 4, "one_expert"),  # one expert gets P*T rows: several tiles
+    (2, 16, 2, 8, 4, "one_rank"),  # rank 1 gets nothing at all
+    (2, 16, 3, 8, 4, "masked"),  # ids < 0 are skipped
+])
+def test_schedule_matches_its_python_twin(P, T, K, E, BM, mode):
+    idx_PS = torch.stack([i.reshape(-1) for i in routing(P, T, K, E, seed=P * 10 + K, mode=mode)])
+    L = E // P
+    for r in range(P):
+        R = capacity_rows(ep=P, tokens=T, topk=K, local_experts=L, block_m=BM)
+        s = build_schedule(idx_PS.to(torch.int32), rank=r, local_experts=L, block_m=BM, capacity=R, num_chunks=3)
+        codes, tiles, overflow = reference_schedule(idx_PS, rank=r, local_experts=L, block_m=BM, capacity=R)
+        assert s.row_code_R.tolist() == codes
+        assert s.tile_expert_M.tolist() == tiles
+        assert int(s.overflow_rows) == overflow == 0
+        n_tiles = sum(1 for e in tiles if e < L)
+        assert int(s.num_tiles) == n_tiles
+        ch = s.chunk_tiles_C1.tolist()
+        assert ch[0] == 0 and ch[-1] == n_tiles and ch == sorted(ch)  # chunks cover the tiles, in order
+        mine = ((idx_PS >= r * L) & (idx_PS < (r + 1) * L)).sum()
+        assert int(s.counts_L.sum()) == int(mine) == sum(1 for c in codes if c >= 0)
+
+
+def test_schedule_counts_overflow_instead_of_dropping_silently():
+    P, T, K, E, BM = 2, 16, 2, 4, 4
+    idx_PS = torch.stack([i.reshape(-1) for i in routing(P, T, K, E, seed=3)])
+    R = 16  # far too small: 32 routed rows per rank
+    s = build_schedule(idx_PS, rank=0, local_experts=2, block_m=BM, capacity=R)
+    codes, tiles, overflow = reference_schedule(idx_PS, rank=0, local_experts=2, block_m=BM, capacity=R)
+    assert overflow > 0 and int(s.overflow_rows) == overflow
+    assert s.row_code_R.tolist() == codes and s.tile_expert_M.tolist() == tiles  # what fits is a prefix
+
+
+def test_capacity_is_the_worst_case_up_to_ep2_and_moks_rule_beyond():
+    kw = dict(tokens=2048, topk=8, block_m=128)
+    assert capacity_rows(ep=1, local_experts=384, **kw) >= 2048 * 8 + 384 * 127
+    assert capacity_rows(ep=2, local_experts=192, **kw) >= 2 * 2048 * 8 + 192 * 127
+    assert capacity_rows(ep=8, local_experts=48, **kw) == -(-(2048 * 8 * 4 + 48 * 127) // 128) * 128
+    assert capacity_rows(ep=8, local_experts=48, capacity_multiplier=None, **kw) >= 8 * 2048 * 8
+    for ep in (1, 2, 8):
+        assert capacity_rows(ep=ep, local_experts=4, **kw) % 128 == 0
+
+
+def test_schedule_never_syncs_with_the_host(monkeypatch):
+    """Only static-shape device ops: no .item(), .tolist(), .cpu(), nonzero or bincount (all sync on CUDA)."""
+    idx_PS = torch.stack([i.reshape(-1) for i in routing(2, 16, 2, 8, seed=1)])
+
+    def boom(*a, **k):
+        raise AssertionError("host sync in the schedule")
+
+    for name in ("item", "tolist", "cpu", "__bool__", "__int__", "nonzero"):
+        monkeypatch.setattr(torch.Tensor, name, boom)
+    monkeypatch.setattr(torch, "nonzero", boom)
+    monkeypatch.setattr(torch, "bincount", boom)
+    monkeypatch.setattr(torch, "repeat_interleave", boom)
+    build_schedule(idx_PS, rank=1, local_experts=4, block_m=4, capacity=64, num_chunks=2)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the torch twin (the CPU path's math, and the expected values of the kernels)
+
+
+@pytest.mark.parametrize("mode,limit,rw_in", [("uniform", None, "expert"), ("uniform", 0.5, "epilogue"),
+                                              ("masked", None, "expert"), ("one_rank", None, "expert")])
+def test_twin_matches_the_plain_reference(mode, limit, rw_in):
+    xs, idx, ws, w13, w2, sh = make_layer_inputs(2, 16, 2, 8, 128, 128, mode=mode)
+    want = plain_reference(xs, idx, ws, w13, w2, sh, limit)
+    got = twin.simulate(xs, idx, ws, w13, w2, shared=sh, limit=limit, block_m=8, router_weight_in=rw_in)
+    for g, w in zip(got, want):
+        assert rel_l1(g, w) < 0.01 and (g.float() - w.float()).abs().max() < 0.5  # the published bf16 gate
+
+
+def test_fp8_twin_is_close_to_bf16_and_uses_the_harness_format():
+    from baselines.common import quantize_blocks as harness_quantize
+
+    x = torch.randn(4, 256, 256)
+    q, s = quantize_blocks(x, 128, 128)
+    hq, hs = harness_quantize(x, 128, 128)
+    assert torch.equal(q.view(torch.uint8), hq.view(torch.uint8)) and torch.equal(s, hs)
+    xs, idx, ws, w13, w2, sh = make_layer_inputs(2, 16, 2, 8, 256, 128)
+    want = plain_reference(xs, idx, ws, w13, w2, sh)
+    got = twin.simulate(xs, idx, ws, w13, w2, shared=sh, fp8=True, block_m=8)
+    for g, w in zip(got, want):
+        err = rel_l1(g, w)
+        assert 0.005 < err < 0.1  # e4m3 rounding is visible, and within the fp8 gate
+
+
+def test_epilogue_sums_in_a_fixed_order():
+    T, K, H = 8, 6, 64
+    g = torch.Generator().manual_seed(5)
+    comb = (torch.randn(T * K, H, generator=g) * torch.logspace(-3, 3, K).repeat(T)[:, None]).bfloat16()
+    idx = torch.zeros(T, K, dtype=torch.int64)
+    shared = torch.randn(T, H, generator=g).bfloat16()
+    out = twin.epilogue(comb, idx, None, shared)
+    acc = torch.zeros(T, H)
+    for k in range(K):  # left to right in k, then the shared expert, all fp32
+        acc = acc + comb.view(T, K, H)[:, k].float()
+    assert torch.equal(out, (acc + shared.float()).bfloat16())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the Triton kernels under the interpreter, several ranks in one process
+
+triton = pytest.importorskip("triton", reason="Triton is not installed (pip install triton): kernel tests skipped")
+
+
+def run_kernels(xs, idx, ws, w13, w2, sh, *, precision="bf16", limit=None, rw_in="expert", capacity=None,
+                repeats=1):
+    """Run the kernel pipeline for P simulated ranks, phase by phase (stage all, compute all, finish all)."""
+    from kernels.mok_hopper.api import MoKHopperLayer, default_tile
+    from kernels.mok_hopper.workspace import Workspace, link_local
+
+    P, (T, K), H = len(xs), idx[0].shape, xs[0].shape[1]
+    cpu = torch.device("cpu")
+    tile = default_tile(precision=precision, device=cpu, hidden=H, ffn=w2[0].shape[2])
+    wss = link_local([Workspace(rank=r, world=P, device=cpu, tokens=T, hidden=H, topk=K,
+                                fp8=precision == "fp8", symmetric=False) for r in range(P)])
+    layers = [MoKHopperLayer(w13[r], w2[r], topk=K, tokens=T, shared=sh, swiglu_limit=limit, precision=precision,
+                             rank=r, world=P, workspace=wss[r], tile=tile, router_weight_in=rw_in,
+                             capacity=capacity) for r in range(P)]
+    runs = []
+    for _ in range(repeats):
+        for r in range(P):
+            layers[r].stage(xs[r], idx[r], ws[r])
+        for r in range(P):
+            layers[r].compute(xs[r])
+        runs.append([layers[r].finish() for r in range(P)])
+    return runs, layers, tile
+
+
+@pytest.mark.parametrize("precision,limit,rw_in", [("bf16", None, "expert"), ("fp8", 0.5, "epilogue")])
+def test_kernels_two_ranks_match_the_twin(precision, limit, rw_in):
+    xs, idx, ws, w13, w2, sh = make_layer_inputs(2, 24, 2, 8, 256, 128, seed=7)
+    runs, layers, tile = run_kernels(xs, idx, ws, w13, w2, sh, precision=precision, limit=limit, rw_in=rw_in,
+                                     repeats=2 if precision == "bf16" else 1)
+    want = twin.simulate(xs, idx, ws, w13, w2, shared=sh, limit=limit, fp8=precision == "fp8",
+                         block_m=tile.block_m, router_weight_in=rw_in)
+    ref = plain_reference(xs, idx, ws, w13, w2, sh, limit)
+    for r in range(2):
+        # same math, same roundings: equal up to fp32 summation order inside the dots
+        assert rel_l1(runs[0][r], want[r]) < 1e-3 and (runs[0][r].float() - want[r].float()).abs().max() < 0.02
+        assert rel_l1(runs[0][r], ref[r]) < (0.1 if precision == "fp8" else 0.01)
+        assert torch.equal(runs[0][r], runs[-1][r])  # a second forward on the same buffers: identical bits
+        assert layers[r].overflow_rows() == 0
+    # byte accounting: rows pulled by each rank = rows whose expert it owns
+    d0, c0 = layers[0].rows_per_peer()
+    d1, c1 = layers[1].rows_per_peer()
+    L = 4
+    assert d0 == [int((idx[0] // L == p).sum()) for p in range(2)] and c0 == [d0[0], d1[0]] and c1 == [d0[1], d1[1]]
+
+
+@pytest.mark.parametrize("mode,K,P", [("empty_expert", 2, 2), ("one_expert", 2, 2), ("one_rank", 2, 2),
+                                      ("uniform", 1, 2), ("masked", 3, 2), ("uniform", 2, 1)])
+def test_kernels_edge_cases(mode, K, P):
+    xs, idx, ws, w13, w2, sh = make_layer_inputs(P, 16, K, 8, 128, 64, seed=11, mode=mode, shared=mode != "masked")
+    runs, layers, tile = run_kernels(xs, idx, ws, w13, w2, sh)
+    want = twin.simulate(xs, idx, ws, w13, w2, shared=sh, block_m=tile.block_m)
+    for r in range(P):
+        assert rel_l1(runs[0][r], want[r]) < 1e-3
+        assert layers[r].overflow_rows() == 0
+
+
+def test_kernels_detect_overflow():
+    xs, idx, ws, w13, w2, sh = make_layer_inputs(2, 16, 2, 8, 128, 64, seed=2, mode="one_rank", shared=False)
+    runs, layers, _ = run_kernels(xs, idx, ws, w13, w2, sh, capacity=32)
+    assert layers[0].overflow_rows() > 0 and layers[1].overflow_rows() == 0
+    with pytest.raises(RuntimeError, match="did not fit"):
+        layers[0].check_no_overflow()
+
+
+def test_quantize_rows_kernel_matches_torch():
+    from kernels.mok_hopper import triton_kernels as tk
+
+    x = (torch.randn(8, 256) * torch.logspace(-2, 2, 8)[:, None]).bfloat16()
+    q = torch.empty(8, 256, dtype=torch.float8_e4m3fn)
+    s = torch.empty(8, 2)
+    tk.quantize_rows(x, q, s)
+    wq, ws_ = quantize_blocks(x, 1, 128)
+    assert torch.equal(s, ws_) and torch.equal(q.view(torch.uint8), wq.view(torch.uint8))
