@@ -29,6 +29,8 @@ BACKENDS: dict[str, str] = {
     "nccl": "baselines.nccl:NcclBackend",
     "deepep": "baselines.deepep:DeepEPBackend",
     "hybridep": "baselines.hybridep:HybridEPBackend",
+    "mok_hopper": "kernels.mok_hopper.backend:MokHopperBackend",
+    "mok": "kernels.mok_upstream:MokBackend",
 }
 
 # Out-of-tree backends: MOKBENCH_EXTRA_BACKENDS="name=package.module:Class,other=pkg.mod:Cls". Read at import, so

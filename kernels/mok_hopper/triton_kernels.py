@@ -228,8 +228,10 @@ def pull_rows(code_R: torch.Tensor, chunk_2: torch.Tensor, x_table: torch.Tensor
     """Copy the rows of tiles [chunk_2[0], chunk_2[1]) from their source ranks; padding rows become zeros."""
     H = x_out_RH.shape[1]
     fp8 = x_out_RH.dtype == torch.float8_e4m3fn
-    bh = min(cfg.pull_cols, triton.next_power_of_2(H))
-    assert H % bh == 0, f"hidden {H} must be a multiple of the pull block {bh}"
+    bh = cfg.pull_cols
+    while H % bh:  # the widest power of two <= pull_cols that divides H
+        bh //= 2
+    assert bh >= 16, f"hidden {H} needs a power-of-two divisor >= 16 for the pull"
     hs = H // 128 if fp8 else 1
     _pull_rows_kernel[(programs,)](
         code_R, chunk_2, x_table, xs_table if fp8 else x_table, w_table if w_table is not None else x_table,

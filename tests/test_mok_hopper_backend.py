@@ -1,0 +1,75 @@
+"""The mok_hopper backend inside the harness, on gloo ranks: the CPU twin is checked against the reference like
+any backend, its backward is unsupported (forward only), its byte counts follow the routing; the upstream ``mok``
+backend becomes an ``unsupported`` row with its reason. Also the backend's reasons on CUDA machines."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+from conftest import cpu_cfg
+
+from harness.runner import run_benchmark
+from kernels.mok_hopper.backend import MokHopperBackend
+
+
+def by(df, backend, direction):
+    sel = df[(df.backend == backend) & (df.direction == direction)]
+    assert len(sel) == 1, f"expected one {backend}/{direction} row, got {len(sel)}"
+    return sel.iloc[0]
+
+
+def test_cpu_twin_passes_the_reference_gate_and_mok_is_unsupported(results_dir):
+    df = run_benchmark(cpu_cfg(results_dir, "ep_size=2", "backends=[mok_hopper,mok]", "directions=[fwd,bwd]"))
+    r = by(df, "mok_hopper", "fwd")
+    assert r.status == "ok", r.error
+    assert r.rel_err < 0.01 and r.max_abs_err < 0.5 and r.rel_err > 0  # bf16 gate; a real comparison happened
+    assert "CPU twin" in r.notes and r.latency_ms > 0
+    # T * topk rows leave each rank in dispatch and come back in combine (bf16 rows)
+    assert r.dispatch_bytes + r.dispatch_local_bytes == 64 * 2 * 256 * 2
+    assert r.combine_bytes + r.combine_local_bytes == 64 * 2 * 256 * 2
+    b = by(df, "mok_hopper", "bwd")
+    assert b.status == "unsupported" and "implements fwd only" in b.error
+    for d in ("fwd", "bwd"):
+        m = by(df, "mok", d)
+        assert m.status == "unsupported" and "Blackwell" in m.error
+
+
+def test_cpu_twin_fp8_clamped_single_rank(results_dir):
+    df = run_benchmark(cpu_cfg(results_dir, "ep_size=1", "precision=fp8", "shape.swiglu_limit=0.05",
+                               "backends=[mok_hopper]", "directions=[fwd]"))
+    r = by(df, "mok_hopper", "fwd")
+    assert r.status == "ok", r.error
+    assert 0.005 < r.rel_err < 0.1 and "1x128" in r.scaling  # e4m3 rounding visible, within the fp8 gate
+    assert r.dispatch_bytes == 0 and r.dispatch_local_bytes == 64 * 2 * (256 + 4 * 2)  # e4m3 row + 2 fp32 scales
+
+
+def _case(**kw):
+    base = dict(precision="bf16", device="cuda", hidden=7168, ffn=2048)
+    base.update(kw)
+    return SimpleNamespace(**base)
+
+
+def test_unsupported_reasons(monkeypatch):
+    import torch
+
+    assert "use the `mok` backend on Blackwell" in MokHopperBackend.unsupported_reason(_case(precision="mxfp8"))
+    assert MokHopperBackend.unsupported_reason(_case(device="cpu")) is None  # the twin
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
+    assert "fp8 needs compute capability 8.9+" in MokHopperBackend.unsupported_reason(_case(precision="fp8"))
+    assert MokHopperBackend.unsupported_reason(_case()) is None
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (7, 0))
+    assert "SM80+" in MokHopperBackend.unsupported_reason(_case())
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    assert "multiples of 128" in MokHopperBackend.unsupported_reason(_case(ffn=1000))
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_traffic_row_bytes(precision):
+    b = MokHopperBackend.__new__(MokHopperBackend)
+    b.case = SimpleNamespace(device="cpu", hidden=4096, precision=precision)
+    b.impl = SimpleNamespace(rows_per_peer=lambda: ([3, 4], [5, 6]))
+    tr = b.traffic()
+    assert tr["dispatch_rows_to"] == [3, 4] and tr["combine_rows_to"] == [5, 6]
+    assert tr["dispatch_row_bytes"] == (4096 + 4 * 32 if precision == "fp8" else 8192)
+    assert tr["combine_row_bytes"] == 8192
