@@ -219,14 +219,14 @@ needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installe
 
 
 def run_kernels(xs, idx, ws, w13, w2, sh, *, precision="bf16", limit=None, rw_in="expert", capacity=None,
-                repeats=1):
+                repeats=1, tile=None):
     """Run the kernel pipeline for P simulated ranks, phase by phase (stage all, compute all, finish all)."""
     from kernels.mok_hopper.api import MoKHopperLayer, default_tile
     from kernels.mok_hopper.workspace import Workspace, link_local
 
     P, (T, K), H = len(xs), idx[0].shape, xs[0].shape[1]
     cpu = torch.device("cpu")
-    tile = default_tile(precision=precision, device=cpu, hidden=H, ffn=w2[0].shape[2])
+    tile = tile or default_tile(precision=precision, device=cpu, hidden=H, ffn=w2[0].shape[2])
     wss = link_local([Workspace(rank=r, world=P, device=cpu, tokens=T, hidden=H, topk=K,
                                 fp8=precision == "fp8", symmetric=False) for r in range(P)])
     layers = [MoKHopperLayer(w13[r], w2[r], topk=K, tokens=T, shared=sh, swiglu_limit=limit, precision=precision,
@@ -274,6 +274,28 @@ def test_kernels_edge_cases(mode, K, P):
     for r in range(P):
         assert rel_l1(runs[0][r], want[r]) < 1e-3
         assert layers[r].overflow_rows() == 0
+
+
+@needs_triton
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_kernels_with_small_tiles_walk_every_loop(precision):
+    """Tiles much smaller than the matrices: several column tiles, several K steps, several tiles per expert and
+    per chunk, persistent programs looping, pull steps that straddle chunk ends; four ranks."""
+    from kernels.mok_hopper.triton_kernels import TileConfig
+
+    if precision == "fp8":  # fp8 steps are fixed at 128 x 128 (the scale blocks): make the matrices bigger
+        P, T, K, E, H, I = 2, 16, 3, 8, 512, 256
+        tile = TileConfig(block_m=16, num_chunks=3, gemm_programs=3, pull_programs=5, pull_rows=4).for_fp8()
+    else:
+        P, T, K, E, H, I = 4, 16, 3, 16, 128, 64
+        tile = TileConfig(block_m=16, up_n=32, up_k=32, down_n=32, down_k=16, num_chunks=3, gemm_programs=3,
+                          pull_programs=5, pull_rows=4)
+    xs, idx, ws, w13, w2, sh = make_layer_inputs(P, T, K, E, H, I, seed=13)
+    runs, layers, _ = run_kernels(xs, idx, ws, w13, w2, sh, precision=precision, tile=tile, limit=1.0)
+    want = twin.simulate(xs, idx, ws, w13, w2, shared=sh, fp8=precision == "fp8", block_m=16, limit=1.0)
+    for r in range(P):
+        assert rel_l1(runs[0][r], want[r]) < 1e-3 and (runs[0][r].float() - want[r].float()).abs().max() < 0.02
+    assert sum(int(layer.sched.num_tiles) for layer in layers) > 3 * P
 
 
 @needs_triton

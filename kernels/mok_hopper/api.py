@@ -55,7 +55,7 @@ def default_tile(*, precision: str = "bf16", device: Optional[torch.device] = No
             return next(b for b in (256, 128, 64, 32, 16) if b <= cap and (n is None or n % b == 0))
 
         cfg = replace(cfg, block_m=32, up_n=widest(ffn, 128), up_k=widest(hidden, 256), down_n=widest(hidden, 256),
-                      down_k=widest(ffn, 256), pull_rows=16, pull_cols=widest(hidden, 256), num_chunks=2, gemm_programs=2,
+                      down_k=widest(ffn, 256), pull_rows=16, num_chunks=2, gemm_programs=2,
                       pull_programs=2)
     return cfg.for_fp8() if precision == "fp8" else cfg
 
@@ -155,7 +155,7 @@ class MoKHopperLayer(torch.nn.Module):
             self.sh_code = torch.arange(tokens, dtype=torch.int32, device=dev)
             self.sh_tiles = torch.zeros(n_tiles, dtype=torch.int32, device=dev)
             self.sh_chunk = torch.tensor([0, n_tiles], dtype=torch.int32, device=dev)
-            self.sh_table = torch.tensor([self.sh_y.data_ptr()], dtype=torch.int64, device=dev)
+            self.sh_delta = torch.zeros(1, dtype=torch.int64, device=dev)  # the "combine buffer" is sh_y itself
 
         n_sm = tk.num_sms(dev)
         self.overlap = self.cuda and C > 1
@@ -228,7 +228,7 @@ class MoKHopperLayer(torch.nn.Module):
     # ---- stages (also timed one by one by gpu_check) ----
 
     def schedule(self) -> Schedule:
-        tk.gather_peer_i32(self.ws.tables["idx"], self.idx_all)
+        tk.gather_peer_i32(self.ws.idx, self.ws.tables["idx"], self.idx_all)
         build_schedule(self.idx_all, rank=self.rank, local_experts=self.L, block_m=self.cfg.block_m,
                        capacity=self.R, num_chunks=self.cfg.num_chunks, out=self.sched)
         self.overflow_total += self.sched.overflow_rows
@@ -236,8 +236,9 @@ class MoKHopperLayer(torch.nn.Module):
 
     def pull(self, c: int) -> None:
         ws, s = self.ws, self.sched
-        tk.pull_rows(s.row_code_R, s.chunk_tiles_C1[c : c + 2], ws.tables["x"], ws.tables.get("xs"),
-                     ws.tables["w"] if self.weights_in_expert else None, self.x_rows, self.xs_rows, self.rw_rows,
+        pw = self.weights_in_expert
+        tk.pull_rows(s.row_code_R, s.chunk_tiles_C1[c : c + 2], ws.x, ws.tables["x"], ws.xs, ws.tables.get("xs"),
+                     ws.w if pw else None, ws.tables["w"] if pw else None, self.x_rows, self.xs_rows, self.rw_rows,
                      tokens=self.T, topk=self.K, block_m=self.cfg.block_m, cfg=self.cfg,
                      programs=self.pull_programs)
 
@@ -254,7 +255,7 @@ class MoKHopperLayer(torch.nn.Module):
     def down(self, c: int) -> None:
         s = self.sched
         tk.down_push(self.h_rows, self.hs_rows, self.w2, self.w2_scale, s.tile_expert_M, s.chunk_tiles_C1[c : c + 2],
-                     s.row_code_R, self.rw_rows, self.ws.tables["comb"], slots_per_rank=self.T * self.K,
+                     s.row_code_R, self.rw_rows, self.ws.comb, self.ws.tables["comb"], slots_per_rank=self.T * self.K,
                      cfg=self.cfg, programs=self.gemm_programs)
 
     def shared_expert(self, x_TH: torch.Tensor) -> None:
@@ -262,7 +263,7 @@ class MoKHopperLayer(torch.nn.Module):
         tk.up_swiglu(x, None, self.sh_w13, None, self.sh_h, None, self.sh_tiles, self.sh_chunk, limit=self.limit,
                      cfg=self.cfg_bf16, programs=self.gemm_programs, n_rows=self.T)
         tk.down_push(self.sh_h, None, self.sh_w2, None, self.sh_tiles, self.sh_chunk, self.sh_code, None,
-                     self.sh_table, slots_per_rank=1 << 30, cfg=self.cfg_bf16, programs=self.gemm_programs,
+                     self.sh_y, self.sh_delta, slots_per_rank=1 << 30, cfg=self.cfg_bf16, programs=self.gemm_programs,
                      n_rows=self.T)
 
     # ---- outside the timed path ----

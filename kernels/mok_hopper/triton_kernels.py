@@ -4,9 +4,10 @@ router weight and push combine, fixed-order epilogue.
 Legend: P ranks, T tokens per rank, K top-k, H hidden, I expert ffn, L local experts, R capacity rows, BM/BN/BK
 GEMM tile, M = R / BM tiles. Row codes and tiles come from :mod:`kernels.mok_hopper.schedule`.
 
-Peer memory is reached through raw addresses: a small int64 tensor holds one base address per rank (the peers'
-symmetric-memory buffers, or ordinary tensors for EP=1 and the CPU interpreter) and kernels cast it with
-``tl.pointer_type``. No multicast anywhere.
+Peer memory is reached through raw addresses: a small int64 table per buffer holds, for every rank, the element
+offset from this rank's copy to that rank's copy (the peers' symmetric-memory buffers, or ordinary tensors for
+EP=1 and the CPU interpreter). Kernels add it to the local pointer argument and declare it a multiple of 16
+elements (``tl.multiple_of``), so the peer loads and stores stay 16-byte vectorised. No multicast anywhere.
 
 Every launcher takes device-side bounds (a chunk's first and last tile), so no launch needs a host sync; grids
 are fixed ("persistent" programs loop over the work they find).
@@ -87,9 +88,8 @@ class TileConfig:
     down_k: int = 64
     down_stages: int = 4
     down_warps: int = 8
-    pull_rows: int = 2  # rows per pull step
-    pull_cols: int = 1024  # columns per load in the pull (a power of two)
-    pull_warps: int = 4
+    pull_rows: int = 2  # rows per pull step (each step loads whole rows)
+    pull_warps: int = 8
     comm_sms: int = 24  # SMs left to the pull kernel while GEMMs run (GEMM grid = SMs - comm_sms)
     pull_programs: int = 0  # 0: 2 * comm_sms
     gemm_programs: int = 0  # 0: SMs - comm_sms
@@ -163,19 +163,20 @@ def quantize_rows(x_TH: torch.Tensor, q_TH: torch.Tensor, s_TB: torch.Tensor, bl
 
 
 @triton.jit
-def _gather_i32_kernel(ptr_table, out_ptr, N, BLOCK: tl.constexpr):
+def _gather_i32_kernel(ref_ptr, delta_table, out_ptr, N, BLOCK: tl.constexpr):
     p = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = offs < N
-    base = tl.load(ptr_table + p).to(tl.pointer_type(tl.int32))
-    v = tl.load(base + offs, mask=m)
+    d = tl.multiple_of(tl.load(delta_table + p), 16)
+    v = tl.load(ref_ptr + d + offs, mask=m)
     tl.store(out_ptr + p.to(tl.int64) * N + offs, v, mask=m)
 
 
-def gather_peer_i32(ptr_table_P: torch.Tensor, out_PN: torch.Tensor) -> None:
+def gather_peer_i32(ref: torch.Tensor, delta_table_P: torch.Tensor, out_PN: torch.Tensor) -> None:
+    """out[p] = rank p's copy of ``ref`` (int32, N elements each)."""
     P, N = out_PN.shape
     block = 1024
-    _gather_i32_kernel[(P, triton.cdiv(N, block))](ptr_table_P, out_PN, N, BLOCK=block, num_warps=4)
+    _gather_i32_kernel[(P, triton.cdiv(N, block))](ref, delta_table_P, out_PN, N, BLOCK=block, num_warps=4)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -183,13 +184,15 @@ def gather_peer_i32(ptr_table_P: torch.Tensor, out_PN: torch.Tensor) -> None:
 
 
 @triton.jit
-def _pull_rows_kernel(code_ptr, chunk_ptr, x_table, xs_table, w_table, x_out, xs_out, w_out,
+def _pull_rows_kernel(code_ptr, chunk_ptr, x_ref, x_delta, xs_ref, xs_delta, w_ref, w_delta, x_out, xs_out, w_out,
                       TK, K, H, HS,
                       BM: tl.constexpr, BR: tl.constexpr, BH: tl.constexpr, HSP: tl.constexpr, FP8: tl.constexpr,
                       PULL_W: tl.constexpr, NUM_PROGS: tl.constexpr):
     r_lo = tl.load(chunk_ptr) * BM
     r_hi = tl.load(chunk_ptr + 1) * BM
     n_steps = tl.cdiv(r_hi - r_lo, BR)
+    cols = tl.arange(0, BH)  # a whole row per load: every byte of the step is in flight at once
+    cmask = cols < H
     for step in range(tl.program_id(0), n_steps, NUM_PROGS):
         rows = r_lo + step * BR + tl.arange(0, BR)
         rmask = rows < r_hi
@@ -200,45 +203,40 @@ def _pull_rows_kernel(code_ptr, chunk_ptr, x_table, xs_table, w_table, x_out, xs
         src = c // TK
         slot = c % TK
         tok = (slot // K).to(tl.int64)
-        base = tl.load(x_table + src, mask=valid, other=0)
+        d = tl.multiple_of(tl.load(x_delta + src, mask=valid, other=0), 16)
+        v = tl.load(x_ref + (d + tok * H)[:, None] + cols[None, :], mask=valid[:, None] & cmask[None, :], other=0.0)
+        tl.store(x_out + rows64[:, None] * H + cols[None, :], v, mask=rmask[:, None] & cmask[None, :])
         if FP8:
-            xp = base.to(tl.pointer_type(tl.float8e4nv))
-        else:
-            xp = base.to(tl.pointer_type(tl.bfloat16))
-        for h0 in range(0, H, BH):
-            cols = h0 + tl.arange(0, BH)
-            v = tl.load(xp[:, None] + tok[:, None] * H + cols[None, :], mask=valid[:, None], other=0.0)
-            tl.store(x_out + rows64[:, None] * H + cols[None, :], v, mask=rmask[:, None])
-        if FP8:
-            sp = tl.load(xs_table + src, mask=valid, other=0).to(tl.pointer_type(tl.float32))
+            ds = tl.load(xs_delta + src, mask=valid, other=0)
             sc = tl.arange(0, HSP)
             smask = sc[None, :] < HS
-            s = tl.load(sp[:, None] + tok[:, None] * HS + sc[None, :], mask=valid[:, None] & smask, other=0.0)
+            s = tl.load(xs_ref + (ds + tok * HS)[:, None] + sc[None, :], mask=valid[:, None] & smask, other=0.0)
             tl.store(xs_out + rows64[:, None] * HS + sc[None, :], s, mask=rmask[:, None] & smask)
         if PULL_W:
-            wp = tl.load(w_table + src, mask=valid, other=0).to(tl.pointer_type(tl.float32))
-            wv = tl.load(wp + slot, mask=valid, other=0.0)
+            dw = tl.load(w_delta + src, mask=valid, other=0)
+            wv = tl.load(w_ref + dw + slot, mask=valid, other=0.0)
             tl.store(w_out + rows, wv, mask=rmask)
 
 
-def pull_rows(code_R: torch.Tensor, chunk_2: torch.Tensor, x_table: torch.Tensor, xs_table: Optional[torch.Tensor],
-              w_table: Optional[torch.Tensor], x_out_RH: torch.Tensor, xs_out: Optional[torch.Tensor],
+def pull_rows(code_R: torch.Tensor, chunk_2: torch.Tensor, x_ref: torch.Tensor, x_delta: torch.Tensor,
+              xs_ref: Optional[torch.Tensor], xs_delta: Optional[torch.Tensor], w_ref: Optional[torch.Tensor],
+              w_delta: Optional[torch.Tensor], x_out_RH: torch.Tensor, xs_out: Optional[torch.Tensor],
               w_out_R: Optional[torch.Tensor], *, tokens: int, topk: int, block_m: int, cfg: TileConfig,
               programs: int) -> None:
-    """Copy the rows of tiles [chunk_2[0], chunk_2[1]) from their source ranks; padding rows become zeros."""
+    """Copy the rows of tiles [chunk_2[0], chunk_2[1]) from their source ranks' ``x`` (``*_ref`` is this rank's
+    copy, ``*_delta`` the offsets to every rank's); padding rows become zeros. ``w_ref``: also pull each row's
+    router weight. fp8: e4m3 rows plus their 1x128 scales."""
     H = x_out_RH.shape[1]
     fp8 = x_out_RH.dtype == torch.float8_e4m3fn
-    bh = cfg.pull_cols
-    while H % bh:  # the widest power of two <= pull_cols that divides H
-        bh //= 2
-    assert bh >= 16, f"hidden {H} needs a power-of-two divisor >= 16 for the pull"
     hs = H // 128 if fp8 else 1
+    pull_w = w_ref is not None
     _pull_rows_kernel[(programs,)](
-        code_R, chunk_2, x_table, xs_table if fp8 else x_table, w_table if w_table is not None else x_table,
-        x_out_RH, xs_out if fp8 else x_out_RH, w_out_R if w_out_R is not None else x_out_RH,
+        code_R, chunk_2, x_ref, x_delta, xs_ref if fp8 else x_ref, xs_delta if fp8 else x_delta,
+        w_ref if pull_w else x_ref, w_delta if pull_w else x_delta,
+        x_out_RH, xs_out if fp8 else x_out_RH, w_out_R if pull_w else x_out_RH,
         tokens * topk, topk, H, hs,
-        BM=block_m, BR=cfg.pull_rows, BH=bh, HSP=triton.next_power_of_2(hs), FP8=fp8, PULL_W=w_table is not None,
-        NUM_PROGS=programs, num_warps=cfg.pull_warps)
+        BM=block_m, BR=cfg.pull_rows, BH=triton.next_power_of_2(H), HSP=triton.next_power_of_2(hs), FP8=fp8,
+        PULL_W=pull_w, NUM_PROGS=programs, num_warps=cfg.pull_warps)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -320,8 +318,8 @@ def up_swiglu(a_RH: torch.Tensor, a_scale: Optional[torch.Tensor], w13_LIH: torc
 
 
 @triton.jit
-def _down_push_kernel(h_ptr, hs_ptr, w_ptr, ws_ptr, tile_expert_ptr, chunk_ptr, code_ptr, rw_ptr, out_table,
-                      n_rows, H, I, TK,
+def _down_push_kernel(h_ptr, hs_ptr, w_ptr, ws_ptr, tile_expert_ptr, chunk_ptr, code_ptr, rw_ptr, out_ref,
+                      out_delta, n_rows, H, I, TK,
                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FP8: tl.constexpr,
                       APPLY_W: tl.constexpr, NUM_PROGS: tl.constexpr, UPCAST: tl.constexpr, STAGES: tl.constexpr):
     m_lo = tl.load(chunk_ptr)
@@ -357,15 +355,16 @@ def _down_push_kernel(h_ptr, hs_ptr, w_ptr, ws_ptr, tile_expert_ptr, chunk_ptr, 
             acc = acc * tl.load(rw_ptr + rows32, mask=valid, other=0.0)[:, None]
         src = c // TK
         slot = (c % TK).to(tl.int64)
-        dst = tl.load(out_table + src, mask=valid, other=0).to(tl.pointer_type(tl.bfloat16))
-        tl.store(dst[:, None] + slot[:, None] * H + cols[None, :], acc.to(tl.bfloat16), mask=valid[:, None])
+        d = tl.multiple_of(tl.load(out_delta + src, mask=valid, other=0), 16)
+        tl.store(out_ref + (d + slot * H)[:, None] + cols[None, :], acc.to(tl.bfloat16), mask=valid[:, None])
 
 
 def down_push(h_RI: torch.Tensor, h_scale: Optional[torch.Tensor], w2_LHI: torch.Tensor,
               w2_scale: Optional[torch.Tensor], tile_expert_M: torch.Tensor, chunk_2: torch.Tensor,
-              code_R: torch.Tensor, rw_R: Optional[torch.Tensor], out_table_P: torch.Tensor, *, slots_per_rank: int,
-              cfg: TileConfig, programs: int, n_rows: Optional[int] = None) -> None:
-    """y = h @ down^T (x router weight) stored as bf16 at row ``slot`` of the buffer of rank ``src``."""
+              code_R: torch.Tensor, rw_R: Optional[torch.Tensor], out_ref: torch.Tensor, out_delta_P: torch.Tensor, *,
+              slots_per_rank: int, cfg: TileConfig, programs: int, n_rows: Optional[int] = None) -> None:
+    """y = h @ down^T (x router weight) stored as bf16 at row ``slot`` of rank ``src``'s copy of ``out_ref``
+    (row code = src * slots_per_rank + slot; ``out_delta_P`` locates every rank's copy)."""
     R, I = h_RI.shape
     H = w2_LHI.shape[1]
     fp8 = h_RI.dtype == torch.float8_e4m3fn
@@ -375,7 +374,8 @@ def down_push(h_RI: torch.Tensor, h_scale: Optional[torch.Tensor], w2_LHI: torch
         assert bn == 128 and bk == 128, "fp8 tiles must match the 128 x 128 scale blocks"
     _down_push_kernel[(programs,)](
         h_RI, h_scale if fp8 else h_RI, w2_LHI, w2_scale if fp8 else w2_LHI, tile_expert_M, chunk_2, code_R,
-        rw_R if rw_R is not None else h_RI, out_table_P, R if n_rows is None else n_rows, H, I, slots_per_rank,
+        rw_R if rw_R is not None else h_RI, out_ref, out_delta_P, R if n_rows is None else n_rows, H, I,
+        slots_per_rank,
         BM=cfg.block_m, BN=bn, BK=bk, FP8=fp8, APPLY_W=rw_R is not None, NUM_PROGS=programs, UPCAST=INTERPRET,
         STAGES=cfg.down_stages, num_warps=cfg.down_warps)
 

@@ -39,7 +39,7 @@ def _layout(T: int, H: int, K: int, fp8: bool) -> list[tuple[str, tuple[int, ...
 
 
 class Workspace:
-    """Views into one (symmetric) byte buffer and an int64 table of every rank's address of each region."""
+    """Views into one (symmetric) byte buffer and, per region, an int64 table locating every rank's copy."""
 
     def __init__(self, *, rank: int, world: int, device: torch.device, tokens: int, hidden: int, topk: int,
                  fp8: bool, group: Any = None, symmetric: Optional[bool] = None) -> None:
@@ -81,10 +81,17 @@ class Workspace:
             self._set_bases(bases)
 
     def _set_bases(self, bases: list[int]) -> None:
+        """Per region, an int64 [P] table of element offsets from this rank's view of the region to each rank's
+        (``view.data_ptr() + table[p] * element_size`` is rank p's copy). Offsets instead of raw addresses let
+        kernels add them to a real pointer argument and declare them multiples of 16 elements (every region
+        starts on a 256-byte boundary), which keeps loads and stores vectorised."""
         assert len(bases) == self.world
-        for name in self.offsets:
-            self.tables[name] = torch.tensor([b + self.offsets[name] for b in bases], dtype=torch.int64,
-                                             device=self.device)
+        mine = bases[self.rank]
+        for name, view in self.views.items():
+            es = view.element_size()
+            deltas = [b - mine for b in bases]
+            assert all(d % (16 * es) == 0 for d in deltas), "peer buffers must share the 256-byte alignment"
+            self.tables[name] = torch.tensor([d // es for d in deltas], dtype=torch.int64, device=self.device)
 
     @property
     def x(self) -> torch.Tensor:
