@@ -18,6 +18,9 @@ stops there and prints jobs, GPUs and GPU-hours. After the sweep, a job that end
 accounting. Each point's folder in the sweep directory keeps ``mokbench.yaml`` (the validated config), Hydra's
 ``.hydra/``, ``slurm_job.json`` (written by rank 0 when it starts) and links to the submitit logs; the sweep folder
 keeps ``jobs.csv``, one line per job with its final state.
+
+Plain sbatch instead of submitit: ``slurm/submit.sh`` (the same dry run writes ``plan.tsv``, then one sbatch per
+point), then ``python -m harness.slurm collect <sweep dir>`` for the rows of jobs that did not report.
 """
 
 from __future__ import annotations
@@ -94,7 +97,7 @@ class Point:
     case: Any  # harness.config.Case
     config_hash: str
     run_id: str
-    launcher: dict  # this point's hydra.launcher options (without ours)
+    launcher: dict  # this point's hydra.launcher options (nodes etc. as ep_size set them)
     nodes: int
     tasks_per_node: int
     gpus_per_node: int
@@ -516,7 +519,7 @@ class MokbenchLauncherMixin:
         if self._EXECUTOR == "slurm":
             self._check_accounting()
 
-        # One executor per distinct set of launcher options (hydra.launcher.* may be swept), one array each.
+        # One executor (one job array) per distinct set of launcher options: ep_size can change nodes per point.
         groups: dict[str, list[Point]] = {}
         for p in points:
             groups.setdefault(json.dumps(self._executor_params(p), sort_keys=True, default=str), []).append(p)
@@ -548,8 +551,9 @@ class MokbenchLauncherMixin:
         except (OSError, subprocess.TimeoutExpired):
             ok = False
         if not ok:
-            log.warning("sacct does not answer: without Slurm accounting a job killed before it writes its result "
-                        "cannot be detected, and the sweep would wait for it forever")
+            log.warning("sacct does not answer: without Slurm accounting the end state of a job comes only from the "
+                        "controller, which forgets it MinJobAge after the job ends (a job it forgot is reported "
+                        "cancelled)")
 
     def _wait_all(self, points: Sequence[Point], jobs: dict[int, Any]) -> dict[int, str]:
         """Wait until every job has ended; each one's end state (``RESULTS``: every task wrote its result)."""
