@@ -317,3 +317,27 @@ def test_quantize_rows_kernel_matches_torch():
     tk.quantize_rows(x, q, s)
     wq, ws_ = quantize_blocks(x, 1, 128)
     assert torch.equal(s, ws_) and torch.equal(q.view(torch.uint8), wq.view(torch.uint8))
+
+
+def _has_nvidia_backend() -> bool:
+    try:
+        import triton.backends.nvidia  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@needs_triton
+@pytest.mark.skipif(not _has_nvidia_backend(), reason="Triton has no NVIDIA backend (ptxas) here")
+def test_every_kernel_variant_compiles_for_hopper_without_spills():
+    """Ahead-of-time compilation for sm_90 (Triton's own ptxas, no GPU): catches lowering errors, shared memory
+    over the limit and register spills, which the interpreter cannot see."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    p = subprocess.run([sys.executable, "-m", "kernels.mok_hopper.aot_check", "--arch", "90"], capture_output=True,
+                       text=True, env=env, cwd=Path(__file__).resolve().parent.parent, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr[-3000:]
+    assert "up fp8" in p.stdout and "down bf16" in p.stdout

@@ -139,7 +139,7 @@ class MoKHopperLayer(torch.nn.Module):
         self.xs_rows = torch.zeros(R, H // 128, dtype=torch.float32, device=dev) if self.fp8 else None
         self.rw_rows = torch.zeros(R, dtype=torch.float32, device=dev) if self.weights_in_expert else None
         self.h_rows = torch.zeros(R, I, dtype=xdt, device=dev)
-        self.hs_rows = torch.zeros(R, I // 128, dtype=torch.float32, device=dev) if self.fp8 else None
+        self.hs_rows = torch.zeros(R, I // self.cfg.h_block, dtype=torch.float32, device=dev) if self.fp8 else None
         self.idx_all = torch.zeros(self.world, tokens * topk, dtype=torch.int32, device=dev)
         self.sched: Schedule = empty_schedule(capacity=R, block_m=BM, local_experts=L, num_chunks=C, device=dev)
         self.overflow_total = torch.zeros(1, dtype=torch.int32, device=dev)

@@ -96,10 +96,18 @@ class TileConfig:
     num_chunks: int = 4  # pull / GEMM pipeline chunks
 
     def for_fp8(self) -> "TileConfig":
-        """fp8 needs one weight scale per tile step: BK = 128 (act/weight block) and BN = 128."""
+        """fp8 tiles: one weight scale per step (BK <= 128, BN <= 128 inside one 128 x 128 block). The up GEMM
+        steps over whole 1 x 128 x blocks (BK = 128) and is 64 columns wide, which keeps its two accumulators and
+        their promotion temporaries in registers; the hidden activations are quantised in its 1 x 64 column
+        tiles, so the down GEMM steps 64 deep."""
         from dataclasses import replace
 
-        return replace(self, up_n=128, up_k=128, down_n=128, down_k=128)
+        return replace(self, up_n=64, up_k=128, up_stages=4, down_n=128, down_k=64, down_stages=5)
+
+    @property
+    def h_block(self) -> int:
+        """fp8: columns per scale of the hidden activations (the up GEMM's column tile)."""
+        return self.up_n
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -248,7 +256,7 @@ def _up_swiglu_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, tile_expert_p
                       n_rows, H, I, limit,
                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FP8: tl.constexpr,
                       HAS_LIMIT: tl.constexpr, NUM_PROGS: tl.constexpr, UPCAST: tl.constexpr,
-                      STAGES: tl.constexpr, FP8_MAX_: tl.constexpr):
+                      STAGES: tl.constexpr, FP8_MAX_: tl.constexpr, WB: tl.constexpr = 128):
     m_lo = tl.load(chunk_ptr)
     m_hi = tl.load(chunk_ptr + 1)
     n_n = I // BN
@@ -266,21 +274,22 @@ def _up_swiglu_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, tile_expert_p
         u_p = g_p + I * H
         acc_g = tl.zeros((BM, BN), dtype=tl.float32)
         acc_u = tl.zeros((BM, BN), dtype=tl.float32)
-        for k0 in tl.range(0, H, BK, num_stages=STAGES):
-            a = tl.load(a_p + k0, mask=rmask[:, None], other=0.0)
-            bg = tl.load(g_p + k0)
-            bu = tl.load(u_p + k0)
-            if FP8:
-                kb = k0 // BK
-                sa = tl.load(as_ptr + rows * (H // BK) + kb, mask=rmask, other=0.0)
-                wsb = ws_ptr + e * (2 * I // BN) * (H // BK)
-                sg = tl.load(wsb + n * (H // BK) + kb)
-                su = tl.load(wsb + (n + I // BN) * (H // BK) + kb)
-                acc_g += _mm(a, bg, UPCAST) * (sa[:, None] * sg)
-                acc_u += _mm(a, bu, UPCAST) * (sa[:, None] * su)
-            else:
-                acc_g = _mma(a, bg, acc_g, UPCAST)
-                acc_u = _mma(a, bu, acc_u, UPCAST)
+        if FP8:
+            # Block scales change every K step, so each step's product is scaled before it is added ("promotion").
+            # x scales are 1 x BK (BK = 128), weight scales 128 x 128: one scalar per step for gate and for up.
+            wsb = ws_ptr + e * (2 * I // WB) * (H // WB)
+            for k0 in tl.range(0, H, BK, num_stages=STAGES):
+                a = tl.load(a_p + k0, mask=rmask[:, None], other=0.0)
+                sa = tl.load(as_ptr + rows * (H // BK) + k0 // BK, mask=rmask, other=0.0)
+                sg = tl.load(wsb + ((n * BN) // WB) * (H // WB) + k0 // WB)
+                su = tl.load(wsb + ((I + n * BN) // WB) * (H // WB) + k0 // WB)
+                acc_g += _mm(a, tl.load(g_p + k0), UPCAST) * (sa[:, None] * sg)
+                acc_u += _mm(a, tl.load(u_p + k0), UPCAST) * (sa[:, None] * su)
+        else:
+            for k0 in tl.range(0, H, BK, num_stages=STAGES):
+                a = tl.load(a_p + k0, mask=rmask[:, None], other=0.0)
+                acc_g = _mma(a, tl.load(g_p + k0), acc_g, UPCAST)
+                acc_u = _mma(a, tl.load(u_p + k0), acc_u, UPCAST)
         if HAS_LIMIT:
             acc_g = tl.minimum(acc_g, limit)
             acc_u = tl.minimum(tl.maximum(acc_u, -limit), limit)
@@ -305,7 +314,8 @@ def up_swiglu(a_RH: torch.Tensor, a_scale: Optional[torch.Tensor], w13_LIH: torc
     bn, bk = cfg.up_n, cfg.up_k
     assert I % bn == 0 and H % bk == 0, f"ffn {I} / hidden {H} must be multiples of the tile ({bn}, {bk})"
     if fp8:
-        assert bn == 128 and bk == 128, "fp8 tiles must match the 128 x 128 scale blocks"
+        assert bk == 128 and 128 % bn == 0, "fp8 up: BK must be the 128 activation / weight block, BN divide 128"
+        assert h_scale.shape[1] == I // bn, "fp8 hidden activations are quantised in 1 x up_n blocks"
     _up_swiglu_kernel[(programs,)](
         a_RH, a_scale if fp8 else a_RH, w13_LIH, w13_scale if fp8 else w13_LIH, h_RI, h_scale if fp8 else h_RI,
         tile_expert_M, chunk_2, R if n_rows is None else n_rows, H, I, 0.0 if limit is None else float(limit),
@@ -321,7 +331,8 @@ def up_swiglu(a_RH: torch.Tensor, a_scale: Optional[torch.Tensor], w13_LIH: torc
 def _down_push_kernel(h_ptr, hs_ptr, w_ptr, ws_ptr, tile_expert_ptr, chunk_ptr, code_ptr, rw_ptr, out_ref,
                       out_delta, n_rows, H, I, TK,
                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FP8: tl.constexpr,
-                      APPLY_W: tl.constexpr, NUM_PROGS: tl.constexpr, UPCAST: tl.constexpr, STAGES: tl.constexpr):
+                      APPLY_W: tl.constexpr, NUM_PROGS: tl.constexpr, UPCAST: tl.constexpr, STAGES: tl.constexpr,
+                      WB: tl.constexpr = 128):
     m_lo = tl.load(chunk_ptr)
     m_hi = tl.load(chunk_ptr + 1)
     n_n = H // BN
@@ -341,10 +352,9 @@ def _down_push_kernel(h_ptr, hs_ptr, w_ptr, ws_ptr, tile_expert_ptr, chunk_ptr, 
         for k0 in tl.range(0, I, BK, num_stages=STAGES):
             a = tl.load(a_p + k0, mask=rmask[:, None], other=0.0)
             b = tl.load(b_p + k0)
-            if FP8:
-                kb = k0 // BK
-                sa = tl.load(hs_ptr + rows * (I // BK) + kb, mask=rmask, other=0.0)
-                sb = tl.load(ws_ptr + e * (H // BN) * (I // BK) + n * (I // BK) + kb)
+            if FP8:  # h scales are 1 x BK (the up GEMM's column tile), weight scales 128 x 128
+                sa = tl.load(hs_ptr + rows * (I // BK) + k0 // BK, mask=rmask, other=0.0)
+                sb = tl.load(ws_ptr + e * (H // WB) * (I // WB) + ((n * BN) // WB) * (I // WB) + k0 // WB)
                 acc += _mm(a, b, UPCAST) * (sa[:, None] * sb)
             else:
                 acc = _mma(a, b, acc, UPCAST)
@@ -371,7 +381,8 @@ def down_push(h_RI: torch.Tensor, h_scale: Optional[torch.Tensor], w2_LHI: torch
     bn, bk = cfg.down_n, cfg.down_k
     assert H % bn == 0 and I % bk == 0, f"hidden {H} / ffn {I} must be multiples of the tile ({bn}, {bk})"
     if fp8:
-        assert bn == 128 and bk == 128, "fp8 tiles must match the 128 x 128 scale blocks"
+        assert 128 % bn == 0 and h_scale.shape[1] == I // bk, "fp8 down: BK must be the hidden-activation block, " \
+                                                             "BN divide 128"
     _down_push_kernel[(programs,)](
         h_RI, h_scale if fp8 else h_RI, w2_LHI, w2_scale if fp8 else w2_LHI, tile_expert_M, chunk_2, code_R,
         rw_R if rw_R is not None else h_RI, out_ref, out_delta_P, R if n_rows is None else n_rows, H, I,

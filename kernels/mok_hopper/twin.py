@@ -30,11 +30,11 @@ def quant_rows(x: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.T
 def expert_rows(x_RH: torch.Tensor, tile_expert_M: torch.Tensor, block_m: int, w13_LIH: torch.Tensor,
                 w2_LHI: torch.Tensor, *, limit: Optional[float], fp8: bool,
                 w13_scale: Optional[torch.Tensor] = None, w2_scale: Optional[torch.Tensor] = None,
-                x_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+                x_scale: Optional[torch.Tensor] = None, h_block: int = 64) -> torch.Tensor:
     """fp32 [R, H] down-GEMM rows (before the router weight) of every tile; rows of unused tiles are zero.
 
     bf16: x and weights as given. fp8: x (e4m3 + 1x128 scales) and weights (e4m3 + 128x128 scales) are
-    dequantised; the hidden rows are re-quantised 1x128 like the kernel's up-GEMM epilogue."""
+    dequantised; the hidden rows are re-quantised 1 x ``h_block`` like the kernel's up-GEMM epilogue."""
     R, H = x_RH.shape
     I = w2_LHI.shape[2]
     L = w13_LIH.shape[0]
@@ -52,8 +52,8 @@ def expert_rows(x_RH: torch.Tensor, tile_expert_M: torch.Tensor, block_m: int, w
             a, w13, w2 = x_RH[r].float(), w13_LIH[e].float(), w2_LHI[e].float()
         h = _swiglu_f32(a @ w13[:I].t(), a @ w13[I:].t(), limit)
         if fp8:
-            hq, hs = quant_rows(h)
-            h = dequantize_blocks(hq, hs, 1, 128)
+            hq, hs = quant_rows(h, h_block)
+            h = dequantize_blocks(hq, hs, 1, h_block)
         else:
             h = h.to(torch.bfloat16).float()
         y[r] = h @ w2.t()
@@ -88,7 +88,7 @@ def simulate(xs_PTH: Sequence[torch.Tensor], idx_PTK: Sequence[torch.Tensor], w_
              w13_PLIH: Sequence[torch.Tensor], w2_PLHI: Sequence[torch.Tensor], *,
              shared: Optional[Sequence[torch.Tensor]] = None, limit: Optional[float] = None, fp8: bool = False,
              block_m: int = 128, capacity_multiplier: Optional[float] = 0.5,
-             router_weight_in: str = "expert") -> list[torch.Tensor]:
+             router_weight_in: str = "expert", h_block: int = 64) -> list[torch.Tensor]:
     """Every rank's output, all ranks in one process (the twin of a P-rank forward)."""
     P = len(xs_PTH)
     T, K = idx_PTK[0].shape
@@ -99,7 +99,7 @@ def simulate(xs_PTH: Sequence[torch.Tensor], idx_PTK: Sequence[torch.Tensor], w_
     for r in range(P):
         for slot_code, y in rank_rows(x_all, idx_all, w_all, w13_PLIH[r], w2_PLHI[r], rank=r, limit=limit,
                                       fp8=fp8, block_m=block_m, capacity_multiplier=capacity_multiplier,
-                                      apply_w=router_weight_in == "expert"):
+                                      apply_w=router_weight_in == "expert", h_block=h_block):
             src, slot = divmod(slot_code, T * K)
             combs[src][slot] = y
     outs = []
@@ -113,7 +113,7 @@ def simulate(xs_PTH: Sequence[torch.Tensor], idx_PTK: Sequence[torch.Tensor], w_
 def rank_rows(x_all: torch.Tensor, idx_all_PS: torch.Tensor, w_all_S: torch.Tensor, w13_LIH: torch.Tensor,
               w2_LHI: torch.Tensor, *, rank: int, limit: Optional[float], fp8: bool, block_m: int,
               capacity_multiplier: Optional[float], apply_w: bool,
-              w_quant: Optional[tuple] = None) -> list[tuple[int, torch.Tensor]]:
+              w_quant: Optional[tuple] = None, h_block: int = 64) -> list[tuple[int, torch.Tensor]]:
     """(slot code, bf16 combine row) for every row this rank's experts compute, in schedule order."""
     P, S_per = idx_all_PS.shape
     T = x_all.shape[0] // P
@@ -136,7 +136,7 @@ def rank_rows(x_all: torch.Tensor, idx_all_PS: torch.Tensor, w_all_S: torch.Tens
             w_quant = (*quantize_expert_weights(w13_LIH), *quantize_expert_weights(w2_LHI))
         q13, s13, q2, s2 = w_quant
         y = expert_rows(x_rows, sch.tile_expert_M, block_m, q13, q2, limit=limit, fp8=True, w13_scale=s13,
-                        w2_scale=s2, x_scale=xs)
+                        w2_scale=s2, x_scale=xs, h_block=h_block)
     else:
         x_rows = torch.where(valid[:, None], x_all[tok_global], torch.zeros((), dtype=x_all.dtype))
         y = expert_rows(x_rows, sch.tile_expert_M, block_m, w13_LIH, w2_LHI, limit=limit, fp8=False)

@@ -1,0 +1,142 @@
+"""Compile every kernel variant of mok_hopper for a GPU architecture without a GPU (Triton ahead of time, with
+the ptxas shipped in the Triton wheel) and report registers, spills and shared memory.
+
+    python -m kernels.mok_hopper.aot_check            # sm_90 (H100/H200)
+    python -m kernels.mok_hopper.aot_check --arch 100  # sm_100 (B200)
+
+This catches what the CPU interpreter cannot: lowering errors, shared memory over the limit, register spills.
+It does not run anything. Must run without TRITON_INTERPRET.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from typing import Any, Optional
+
+SMEM_LIMIT = {90: 232448, 100: 232448}  # bytes of dynamic shared memory per block (opt-in maximum)
+
+
+@dataclass
+class Variant:
+    label: str
+    kernel: str  # attribute of triton_kernels
+    types: dict[str, str]  # runtime argument -> Triton type string
+    constexprs: dict[str, Any]
+    num_warps: int
+
+
+def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048) -> list[Variant]:
+    """The launches one forward makes (routed and shared GEMMs, bf16 and fp8), at the given tile config."""
+    from kernels.mok_hopper import triton_kernels as tk
+
+    cfg = cfg or tk.TileConfig()
+    f8 = cfg.for_fp8()
+    nprog = 108
+    out: list[Variant] = []
+    out.append(Variant("quant x 1x128", "_quant_rows_kernel",
+                       dict(x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32", H="i32"),
+                       dict(ROWS=8, BLOCK=128, FP8_MAX_=tk.FP8_MAX), 4))
+    out.append(Variant("gather idx", "_gather_i32_kernel",
+                       dict(ref_ptr="*i32", delta_table="*i64", out_ptr="*i32", N="i32"), dict(BLOCK=1024), 4))
+    hp = 1 << (hidden - 1).bit_length()
+    for fp8, pull_w in ((False, True), (False, False), (True, True)):
+        xt = "*fp8e4nv" if fp8 else "*bf16"
+        hs = hidden // 128 if fp8 else 1
+        out.append(Variant(f"pull {'fp8' if fp8 else 'bf16'}{' +w' if pull_w else ''}", "_pull_rows_kernel",
+                           dict(code_ptr="*i32", chunk_ptr="*i32", x_ref=xt, x_delta="*i64",
+                                xs_ref="*fp32" if fp8 else xt, xs_delta="*i64", w_ref="*fp32", w_delta="*i64",
+                                x_out=xt, xs_out="*fp32" if fp8 else xt, w_out="*fp32", TK="i32", K="i32",
+                                H="i32", HS="i32"),
+                           dict(BM=cfg.block_m, BR=cfg.pull_rows, BH=hp, HSP=1 << (hs - 1).bit_length(), FP8=fp8,
+                                PULL_W=pull_w, NUM_PROGS=48), cfg.pull_warps))
+    for fp8, limit in ((False, False), (False, True), (True, False)):
+        c = f8 if fp8 else cfg
+        t = "*fp8e4nv" if fp8 else "*bf16"
+        out.append(Variant(f"up {'fp8' if fp8 else 'bf16'}{' clamp' if limit else ''}", "_up_swiglu_kernel",
+                           dict(a_ptr=t, as_ptr="*fp32", w_ptr=t, ws_ptr="*fp32", h_ptr=t, hs_ptr="*fp32",
+                                tile_expert_ptr="*i32", chunk_ptr="*i32", n_rows="i32", H="i32", I="i32",
+                                limit="fp32"),
+                           dict(BM=c.block_m, BN=c.up_n, BK=c.up_k, FP8=fp8, HAS_LIMIT=limit, NUM_PROGS=nprog,
+                                UPCAST=False, STAGES=c.up_stages, FP8_MAX_=tk.FP8_MAX, WB=128), c.up_warps))
+    for fp8, apply_w in ((False, True), (False, False), (True, True)):
+        c = f8 if fp8 else cfg
+        t = "*fp8e4nv" if fp8 else "*bf16"
+        out.append(Variant(f"down {'fp8' if fp8 else 'bf16'}{' x w' if apply_w else ''}", "_down_push_kernel",
+                           dict(h_ptr=t, hs_ptr="*fp32", w_ptr=t, ws_ptr="*fp32", tile_expert_ptr="*i32",
+                                chunk_ptr="*i32", code_ptr="*i32", rw_ptr="*fp32", out_ref="*bf16",
+                                out_delta="*i64", n_rows="i32", H="i32", I="i32", TK="i32"),
+                           dict(BM=c.block_m, BN=c.down_n, BK=c.down_k, FP8=fp8, APPLY_W=apply_w, NUM_PROGS=nprog,
+                                UPCAST=False, STAGES=c.down_stages, WB=128), c.down_warps))
+    out.append(Variant("epilogue", "_epilogue_kernel",
+                       dict(comb_ptr="*bf16", idx_ptr="*i64", rw_ptr="*fp32", shared_ptr="*bf16", out_ptr="*bf16",
+                            T="i32", H="i32", K="i32"),
+                       dict(BT=2, BH=1024, APPLY_W=False, HAS_SHARED=True), 4))
+    return out
+
+
+def compile_variant(v: Variant, arch: int = 90) -> dict[str, Any]:
+    """Compile one variant; registers / spills from cuobjdump's resource usage of the cubin."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from kernels.mok_hopper import triton_kernels as tk
+
+    fn = getattr(tk, v.kernel)
+    sig, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in v.constexprs:
+            sig[name] = "constexpr"
+            continue
+        sig[name] = v.types[name]
+        if v.types[name].startswith("*") or (v.types[name] == "i32" and name not in ("K", "HS")):
+            attrs[(i,)] = [["tt.divisibility", 16]]  # what the launcher's specialisation sees at these shapes
+    src = ASTSource(fn=fn, signature=sig, constexprs=v.constexprs, attrs=attrs)
+    target = GPUTarget("cuda", arch, 32)
+    k = triton.compile(src, target=target, options={"num_warps": v.num_warps})
+    res = {"label": v.label, "shared": int(k.metadata.shared), "regs": None, "stack": None, "local": None}
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(k.asm["cubin"])
+        f.flush()
+        text = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    for line in text.splitlines():
+        if "REG:" in line:
+            fields = dict(item.split(":") for item in line.split() if ":" in item)
+            res.update(regs=int(fields["REG"]), stack=int(fields["STACK"]), local=int(fields["LOCAL"]))
+    return res
+
+
+def problems(res: dict[str, Any], arch: int = 90) -> Optional[str]:
+    if res["shared"] > SMEM_LIMIT.get(arch, 232448):
+        return f"shared memory {res['shared']} B over the limit"
+    if res["stack"] or res["local"]:
+        return f"register spills (stack {res['stack']} B, local {res['local']} B)"
+    return None
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        print("unset TRITON_INTERPRET: this compiles for the GPU", file=sys.stderr)
+        return 2
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--arch", type=int, default=90)
+    args = ap.parse_args(argv)
+    bad = 0
+    print(f"{'variant':<20} {'regs':>5} {'spill':>6} {'smem KB':>8}")
+    for v in variants():
+        r = compile_variant(v, args.arch)
+        why = problems(r, args.arch)
+        bad += why is not None
+        print(f"{r['label']:<20} {r['regs']!s:>5} {(r['stack'] or 0) + (r['local'] or 0):>6} "
+              f"{r['shared'] / 1024:8.1f}  {why or ''}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
