@@ -21,7 +21,8 @@ def test_nccl_matches_reference_on_gpu(results_dir, compiled):
     df = run_benchmark(gpu_cfg(results_dir, f"ep_size={ep}", f"compile={str(compiled).lower()}", "compile_mode=default",
                                "directions=[fwd,bwd,fwd_bwd]"))
     assert (df.status == "ok").all(), df[["direction", "status", "error", "rel_err", "max_abs_err"]].to_string()
-    assert (df.rel_err < 0.01).all() and (df.max_abs_err < 0.5).all()
+    # the gate passes at the tolerance (error <= tol): compiled, one bf16 ulp at |x| in [64, 128) is exactly 0.5
+    assert (df.rel_err <= 0.01).all() and (df.max_abs_err <= 0.5).all()
     assert (df.compiled == compiled).all() and df.gpu_name.str.contains("H|A|B|L").all()
 
 
