@@ -126,6 +126,16 @@ def make_row(base: dict, backend: str, direction: str, status: str, **kw: Any) -
 # the worker (every rank)
 
 
+class Unsupported(Exception):
+    """Raised inside an agreed step: this machine or installation cannot run it (the message says why and how)."""
+
+
+def _require_supported(cls: type, case: Case) -> None:
+    why = cls.unsupported_reason(case)
+    if why:
+        raise Unsupported(why)
+
+
 class _Agree:
     """Run a step on every rank, then agree on the worst outcome (a gloo group carries the verdict)."""
 
@@ -136,6 +146,8 @@ class _Agree:
         status, err, value = "ok", "", None
         try:
             value = fn()
+        except Unsupported as e:
+            status, err = "unsupported", str(e)
         except torch.cuda.OutOfMemoryError as e:
             status, err = "oom", f"OutOfMemoryError: {str(e).splitlines()[0]}"
         except Exception as e:  # noqa: BLE001 - any backend failure becomes a row
@@ -233,9 +245,7 @@ def run_backend(name, case, c, inputs, ref, group, ctrl, agree, timer, base, dir
         for d in directions:
             yield make_row(base, name, d, "unsupported" if "BackendImportError" in err else status, error=err)
         return
-    status, err, why = agree(lambda: cls.unsupported_reason(case))
-    if status == "ok" and why:
-        status, err = "unsupported", why
+    status, err, _ = agree(lambda: _require_supported(cls, case))  # every rank takes the same branch
     if status != "ok":
         for d in directions:
             yield make_row(base, name, d, status, error=err)
@@ -290,6 +300,8 @@ def run_backend(name, case, c, inputs, ref, group, ctrl, agree, timer, base, dir
     status, err, traffic = agree(lambda: _traffic(backend, case, group, timer, t))
     if status == "ok":
         extra.update(traffic)
+    else:  # the layer itself may still time fine: keep going, and say why the byte columns are empty
+        extra["notes"] = "; ".join(filter(None, [extra.get("notes"), f"traffic / phase timing failed: {err}"]))
 
     for d in directions:
         if d not in cls.directions:
