@@ -283,13 +283,14 @@ def test_kernels_with_small_tiles_walk_every_loop(precision):
     per chunk, persistent programs looping, pull steps that straddle chunk ends; four ranks."""
     from kernels.mok_hopper.triton_kernels import TileConfig
 
-    if precision == "fp8":  # fp8 steps are fixed at 128 x 128 (the scale blocks): make the matrices bigger
-        P, T, K, E, H, I = 2, 16, 3, 8, 512, 256
-        tile = TileConfig(block_m=16, num_chunks=3, gemm_programs=3, pull_programs=5, pull_rows=4).for_fp8()
+    if precision == "fp8":  # fp8 steps follow the scale blocks (up 64 x 128, down 128 x 64): two of each here
+        P, T, K, E, H, I = 2, 16, 3, 8, 256, 128
+        tile = TileConfig(block_m=16, num_chunks=3, gemm_programs=3, pull_programs=5, pull_rows=4,
+                          group_m=3).for_fp8()
     else:
         P, T, K, E, H, I = 4, 16, 3, 16, 128, 64
         tile = TileConfig(block_m=16, up_n=32, up_k=32, down_n=32, down_k=16, num_chunks=3, gemm_programs=3,
-                          pull_programs=5, pull_rows=4)
+                          pull_programs=5, pull_rows=4, group_m=2)
     xs, idx, ws, w13, w2, sh = make_layer_inputs(P, T, K, E, H, I, seed=13)
     runs, layers, _ = run_kernels(xs, idx, ws, w13, w2, sh, precision=precision, tile=tile, limit=1.0)
     want = twin.simulate(xs, idx, ws, w13, w2, shared=sh, fp8=precision == "fp8", block_m=16, limit=1.0)

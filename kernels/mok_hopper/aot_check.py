@@ -62,7 +62,7 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048) -> list[Varia
                                 tile_expert_ptr="*i32", chunk_ptr="*i32", n_rows="i32", H="i32", I="i32",
                                 limit="fp32"),
                            dict(BM=c.block_m, BN=c.up_n, BK=c.up_k, FP8=fp8, HAS_LIMIT=limit, NUM_PROGS=nprog,
-                                UPCAST=False, STAGES=c.up_stages, FP8_MAX_=tk.FP8_MAX, WB=128), c.up_warps))
+                                UPCAST=False, STAGES=c.up_stages, FP8_MAX_=tk.FP8_MAX, GROUP_M=c.group_m, WB=128), c.up_warps))
     for fp8, apply_w in ((False, True), (False, False), (True, True)):
         c = f8 if fp8 else cfg
         t = "*fp8e4nv" if fp8 else "*bf16"
@@ -71,7 +71,7 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048) -> list[Varia
                                 chunk_ptr="*i32", code_ptr="*i32", rw_ptr="*fp32", out_ref="*bf16",
                                 out_delta="*i64", n_rows="i32", H="i32", I="i32", TK="i32"),
                            dict(BM=c.block_m, BN=c.down_n, BK=c.down_k, FP8=fp8, APPLY_W=apply_w, NUM_PROGS=nprog,
-                                UPCAST=False, STAGES=c.down_stages, WB=128), c.down_warps))
+                                UPCAST=False, STAGES=c.down_stages, GROUP_M=c.group_m, WB=128), c.down_warps))
     out.append(Variant("epilogue", "_epilogue_kernel",
                        dict(comb_ptr="*bf16", idx_ptr="*i64", rw_ptr="*fp32", shared_ptr="*bf16", out_ptr="*bf16",
                             T="i32", H="i32", K="i32"),

@@ -26,6 +26,8 @@ Example (every rank of ``group``, weights of this rank's experts)::
 
 from __future__ import annotations
 
+import math
+from dataclasses import replace
 from typing import Any, Optional, Sequence
 
 import torch
@@ -39,14 +41,27 @@ PRECISIONS = ("bf16", "fp8")
 ROUTER_WEIGHT_IN = ("expert", "epilogue")
 
 
+def expected_padding(rows_per_expert: float, block_m: int) -> float:
+    """E[ceil(X / BM) * BM] / E[X] for Poisson(rows_per_expert) rows: the MMA work spent per useful row."""
+    m = rows_per_expert
+    total, spread = 0.0, 10 * math.sqrt(m) + 50
+    for k in range(max(0, int(m - spread)), int(m + spread)):
+        total += math.exp(-m + k * math.log(max(m, 1e-300)) - math.lgamma(k + 1)) * math.ceil(k / block_m) * block_m
+    return total / max(rows_per_expert, 1e-9)
+
+
 def default_tile(*, precision: str = "bf16", device: Optional[torch.device] = None, comm_sms: Optional[int] = None,
-                 hidden: Optional[int] = None, ffn: Optional[int] = None) -> tk.TileConfig:
-    """The tile configuration used unless one is given (fp8 forces 128 x 128 steps).
+                 hidden: Optional[int] = None, ffn: Optional[int] = None,
+                 rows_per_expert: Optional[float] = None) -> tk.TileConfig:
+    """The tile configuration used unless one is given (fp8 forces its own GEMM steps, see ``for_fp8``).
+
+    ``rows_per_expert`` (uniform routing: EP * T * K / E) picks the row tile: 128, unless experts usually fill a
+    128-row tile and spill into a second one (more than 96 rows on average and 15% less padding with 64), where
+    64-row tiles waste less MMA work; an expert's row tiles then share its weight reads through L2 (same group
+    of row tiles, see ``group_m``). This rule comes from the cost model in PERF_NOTES.md, not from measurement.
 
     On the CPU (Triton interpreter) the cost is per operation, not per FLOP: few programs, small row tiles and
     the widest column / depth steps that divide ``hidden`` / ``ffn``."""
-    from dataclasses import replace
-
     cfg = tk.TileConfig()
     if comm_sms is not None:
         cfg = replace(cfg, comm_sms=comm_sms)
@@ -55,8 +70,10 @@ def default_tile(*, precision: str = "bf16", device: Optional[torch.device] = No
             return next(b for b in (256, 128, 64, 32, 16) if b <= cap and (n is None or n % b == 0))
 
         cfg = replace(cfg, block_m=32, up_n=widest(ffn, 128), up_k=widest(hidden, 256), down_n=widest(hidden, 256),
-                      down_k=widest(ffn, 256), pull_rows=16, num_chunks=2, gemm_programs=2,
-                      pull_programs=2)
+                      down_k=widest(ffn, 256), pull_rows=16, num_chunks=2, gemm_programs=2, pull_programs=2)
+    elif rows_per_expert is not None and rows_per_expert > 96 and \
+            expected_padding(rows_per_expert, 128) > 1.15 * expected_padding(rows_per_expert, 64):
+        cfg = replace(cfg, block_m=64, up_warps=4, down_warps=4, group_m=8)
     return cfg.for_fp8() if precision == "fp8" else cfg
 
 

@@ -358,7 +358,8 @@ def published(ctx: Ctx, name: str, args: argparse.Namespace, rates: dict[str, fl
     inp = make_inputs(ctx, E, H, I, K, T, "uniform", seed=1)
     flops = 6.0 * (T + T * K) * H * I  # published formula
     for prec in args.precisions:
-        tile = default_tile(precision=prec, device=ctx.dev, comm_sms=args.comm_sms, hidden=H, ffn=I)
+        tile = default_tile(precision=prec, device=ctx.dev, comm_sms=args.comm_sms, hidden=H, ffn=I,
+                            rows_per_expert=P * T * K / E)
         layer, res = check_layer(ctx, f"{name}", inp, precision=prec, repeats=args.repeats, tile=tile)
         if layer is None or res["status"] != "ok":
             del layer
@@ -425,12 +426,18 @@ def _empty_cache(ctx: Ctx) -> None:
         torch.cuda.empty_cache()
 
 
-SWEEP = [  # (label, overrides of the default tile): GEMM stages only
-    ("up k128 s3 w8", dict(up_k=128, up_stages=3)),
-    ("up n64 k128 s4 w4", dict(up_n=64, up_k=128, up_stages=4, up_warps=4)),
+SWEEP = [  # (label, overrides of the default tile), all checked by aot_check to fit (smem, no spills) on sm_90
+    ("up k128 s2", dict(up_k=128, up_stages=2)),
+    ("up n64 k64 s4 w4", dict(up_n=64, up_stages=4, up_warps=4)),
     ("down k128 s3", dict(down_k=128, down_stages=3)),
     ("down n256 k64 s3", dict(down_n=256, down_stages=3)),
-    ("bm64", dict(block_m=64, up_warps=4, down_warps=4)),
+    ("group_m 1", dict(group_m=1)),
+    ("group_m 8", dict(group_m=8)),
+    ("bm64 w4 g8", dict(block_m=64, up_warps=4, down_warps=4, group_m=8)),
+    ("comm 16", dict(comm_sms=16)),
+    ("comm 32", dict(comm_sms=32)),
+    ("chunks 2", dict(num_chunks=2)),
+    ("chunks 1", dict(num_chunks=1)),
 ]
 
 
@@ -445,9 +452,11 @@ def sweep(ctx: Ctx, name: str, inp: dict[str, Any], base_layer: MoKHopperLayer, 
             out = layer(inp["x"], inp["idx"], inp["w"])
             ok = ctx.all_ok(errors(out, base_layer(inp["x"], inp["idx"], inp["w"]))[1] < 0.01)
             st = time_stages(ctx, layer, inp, 5)
-            ctx.add(section="sweep", shape=name, precision="bf16", variant=label, ok=ok, up_ms=st["up"],
+            fwd = med(time_iters(ctx, lambda: layer(inp["x"], inp["idx"], inp["w"]), 10, 3))
+            ctx.add(section="sweep", shape=name, precision="bf16", variant=label, ok=ok, forward_ms=fwd, up_ms=st["up"],
                     down_ms=st["down"], pull_ms=st["pull"])
-            ctx.log(f"  sweep {label:<22} up {st['up']:.3f} down {st['down']:.3f} ms{'' if ok else '  MISMATCH'}")
+            ctx.log(f"  sweep {label:<20} forward {fwd:.3f}  up {st['up']:.3f}  down {st['down']:.3f}  pull "
+                    f"{st['pull']:.3f} ms{'' if ok else '  MISMATCH'}")
             del layer
         except Exception as e:  # noqa: BLE001
             ctx.log(f"  sweep {label}: {type(e).__name__}: {e}")

@@ -94,6 +94,7 @@ class TileConfig:
     pull_programs: int = 0  # 0: 2 * comm_sms
     gemm_programs: int = 0  # 0: SMs - comm_sms
     num_chunks: int = 4  # pull / GEMM pipeline chunks
+    group_m: int = 4  # row tiles per work group (see _tile_order)
 
     def for_fp8(self) -> "TileConfig":
         """fp8 tiles: one weight scale per step (BK <= 128, BN <= 128 inside one 128 x 128 block). The up GEMM
@@ -127,6 +128,18 @@ def _mm(a, b, UPCAST: tl.constexpr):
     if UPCAST:
         return tl.dot(a.to(tl.float32), b.to(tl.float32))
     return tl.dot(a, b)
+
+
+@triton.jit
+def _tile_order(wk, m_lo, m_hi, n_n, GROUP_M: tl.constexpr):
+    """Work item -> (row tile, column tile), in groups of GROUP_M row tiles: inside a group the row tile varies
+    fastest. Programs running together then share both the A rows of the group and, for an expert with several
+    row tiles in the group, each weight tile (the second read comes from L2)."""
+    per_group = GROUP_M * n_n
+    first = m_lo + (wk // per_group) * GROUP_M
+    size = tl.minimum(m_hi - first, GROUP_M)
+    r = wk % per_group
+    return first + r % size, r // size
 
 
 @triton.jit
@@ -256,14 +269,13 @@ def _up_swiglu_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, tile_expert_p
                       n_rows, H, I, limit,
                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FP8: tl.constexpr,
                       HAS_LIMIT: tl.constexpr, NUM_PROGS: tl.constexpr, UPCAST: tl.constexpr,
-                      STAGES: tl.constexpr, FP8_MAX_: tl.constexpr, WB: tl.constexpr = 128):
+                      STAGES: tl.constexpr, FP8_MAX_: tl.constexpr, GROUP_M: tl.constexpr, WB: tl.constexpr = 128):
     m_lo = tl.load(chunk_ptr)
     m_hi = tl.load(chunk_ptr + 1)
     n_n = I // BN
     n_work = (m_hi - m_lo) * n_n
     for wk in range(tl.program_id(0), n_work, NUM_PROGS):
-        m = m_lo + wk // n_n  # N fastest: concurrent programs share the A rows in L2
-        n = wk % n_n
+        m, n = _tile_order(wk, m_lo, m_hi, n_n, GROUP_M)
         e = tl.load(tile_expert_ptr + m).to(tl.int64)
         rows = (m * BM + tl.arange(0, BM)).to(tl.int64)
         rmask = rows < n_rows
@@ -320,7 +332,7 @@ def up_swiglu(a_RH: torch.Tensor, a_scale: Optional[torch.Tensor], w13_LIH: torc
         a_RH, a_scale if fp8 else a_RH, w13_LIH, w13_scale if fp8 else w13_LIH, h_RI, h_scale if fp8 else h_RI,
         tile_expert_M, chunk_2, R if n_rows is None else n_rows, H, I, 0.0 if limit is None else float(limit),
         BM=cfg.block_m, BN=bn, BK=bk, FP8=fp8, HAS_LIMIT=limit is not None, NUM_PROGS=programs, UPCAST=INTERPRET,
-        STAGES=cfg.up_stages, FP8_MAX_=FP8_MAX, num_warps=cfg.up_warps)
+        STAGES=cfg.up_stages, FP8_MAX_=FP8_MAX, GROUP_M=cfg.group_m, num_warps=cfg.up_warps)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -332,14 +344,13 @@ def _down_push_kernel(h_ptr, hs_ptr, w_ptr, ws_ptr, tile_expert_ptr, chunk_ptr, 
                       out_delta, n_rows, H, I, TK,
                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FP8: tl.constexpr,
                       APPLY_W: tl.constexpr, NUM_PROGS: tl.constexpr, UPCAST: tl.constexpr, STAGES: tl.constexpr,
-                      WB: tl.constexpr = 128):
+                      GROUP_M: tl.constexpr, WB: tl.constexpr = 128):
     m_lo = tl.load(chunk_ptr)
     m_hi = tl.load(chunk_ptr + 1)
     n_n = H // BN
     n_work = (m_hi - m_lo) * n_n
     for wk in range(tl.program_id(0), n_work, NUM_PROGS):
-        m = m_lo + wk // n_n
-        n = wk % n_n
+        m, n = _tile_order(wk, m_lo, m_hi, n_n, GROUP_M)
         e = tl.load(tile_expert_ptr + m).to(tl.int64)
         rows32 = m * BM + tl.arange(0, BM)
         rows = rows32.to(tl.int64)
@@ -388,7 +399,7 @@ def down_push(h_RI: torch.Tensor, h_scale: Optional[torch.Tensor], w2_LHI: torch
         rw_R if rw_R is not None else h_RI, out_ref, out_delta_P, R if n_rows is None else n_rows, H, I,
         slots_per_rank,
         BM=cfg.block_m, BN=bn, BK=bk, FP8=fp8, APPLY_W=rw_R is not None, NUM_PROGS=programs, UPCAST=INTERPRET,
-        STAGES=cfg.down_stages, num_warps=cfg.down_warps)
+        STAGES=cfg.down_stages, GROUP_M=cfg.group_m, num_warps=cfg.down_warps)
 
 
 # ---------------------------------------------------------------------------------------------------------------

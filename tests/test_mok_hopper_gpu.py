@@ -1,0 +1,132 @@
+"""mok_hopper on real GPUs (skipped without CUDA). Run on the H200 machines:
+
+    python -m pytest -m gpu tests/test_mok_hopper_gpu.py -q
+
+Single GPU (EP=1, in process): edge cases against the plain reference, 20 repeats bit-identical, bf16 and fp8.
+Two GPUs: the four published shapes and the edge cases through ``kernels.mok_hopper.gpu_check`` under torchrun
+(correctness, 20x determinism), and the harness (mok_hopper vs the reference, forward only).
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import HAS_GPU, NUM_GPUS, ROOT, compose_cfg
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAS_GPU, reason="no CUDA GPU on this machine")]
+
+GATES = {"bf16": (0.5, 0.01), "fp8": (1.0, 0.1)}
+
+
+def _inputs(mode: str, K: int = 4, T: int = 512, E: int = 16, H: int = 1024, I: int = 512, seed: int = 0):
+    from test_mok_hopper import make_layer_inputs
+
+    xs, idx, ws, w13, w2, sh = make_layer_inputs(1, T, K, E, H, I, seed=seed, mode=mode)
+    dev = torch.device("cuda")
+    return (xs[0].to(dev), idx[0].to(dev), ws[0].to(dev), w13[0].to(dev), w2[0].to(dev),
+            tuple(t.to(dev) for t in sh), (xs, idx, ws, w13, w2, sh))
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+@pytest.mark.parametrize("mode,K", [
+    ("uniform", 4),
+    ("empty_expert", 4),  # an expert with no tokens: no tile, nothing pushed for it
+    ("one_expert", 4),  # every token's first choice is one expert: several tiles for it
+    ("uniform", 1),  # top-1
+    ("masked", 4),  # ids < 0 are skipped and contribute nothing
+])
+def test_single_gpu_matches_the_reference(precision, mode, K):
+    from test_mok_hopper import plain_reference, rel_l1
+
+    from kernels.mok_hopper.api import MoKHopperLayer
+
+    if precision == "fp8" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 needs SM89+")
+    x, idx, w, w13, w2, sh, cpu = _inputs(mode, K)
+    layer = MoKHopperLayer(w13, w2, topk=K, tokens=x.shape[0], shared=sh, precision=precision)
+    out = layer(x, idx, w)
+    want = plain_reference(*cpu)[0]
+    atol, rtol = GATES[precision]
+    assert rel_l1(out.cpu(), want) < rtol and (out.cpu().float() - want.float()).abs().max() < atol
+    assert layer.overflow_rows() == 0
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_single_gpu_twenty_repeats_are_bit_identical(precision):
+    from kernels.mok_hopper.api import MoKHopperLayer
+
+    if precision == "fp8" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 needs SM89+")
+    x, idx, w, w13, w2, sh, _ = _inputs("uniform", 8, T=2048, E=64, H=2048, I=1024)
+    layer = MoKHopperLayer(w13, w2, topk=8, tokens=2048, shared=sh, precision=precision, swiglu_limit=7.0)
+    first = layer(x, idx, w)
+    for _ in range(20):
+        assert torch.equal(layer(x, idx, w), first)
+
+
+def test_single_gpu_kernels_agree_with_the_twin_to_rounding():
+    """The kernel pipeline and its pure-torch twin do the same math with the same roundings."""
+    from test_mok_hopper import rel_l1
+
+    from kernels.mok_hopper import twin
+    from kernels.mok_hopper.api import MoKHopperLayer
+
+    x, idx, w, w13, w2, sh, cpu = _inputs("uniform", 4)
+    layer = MoKHopperLayer(w13, w2, topk=4, tokens=x.shape[0], shared=sh)
+    out = layer(x, idx, w).cpu()
+    xs, idx_c, ws, w13_c, w2_c, sh_c = cpu
+    want = twin.simulate(xs, idx_c, ws, w13_c, w2_c, shared=sh_c, block_m=layer.cfg.block_m)[0]
+    assert rel_l1(out, want) < 2e-3
+
+
+@pytest.mark.multigpu
+@pytest.mark.skipif(NUM_GPUS < 2, reason="needs 2 GPUs")
+def test_gpu_check_on_two_ranks(tmp_path):
+    """The four published shapes (bf16 and fp8) and the edge cases against the reference, 20x determinism."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("TRITON_INTERPRET", None)
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "-m",
+                        "kernels.mok_hopper.gpu_check", "--out", str(tmp_path), "--no-sweep", "--iters", "5",
+                        "--warmup", "2"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
+    with open(tmp_path / "mok_hopper_gpu_check.csv") as f:
+        rows = list(csv.DictReader(f))
+    checks = [r for r in rows if r["section"] == "check"]
+    assert len(checks) >= 4 * 2 + 9 and all(r["status"] == "ok" for r in checks)
+    assert all(r["deterministic"] == "True" for r in checks if r["check"] in ("kimi_k2_7", "glm_5_2",
+                                                                                 "qwen3_5_397b", "deepseek_v4_pro"))
+
+
+def _gpu_cfg(results_dir, *overrides):
+    return compose_cfg("device=cuda", "timing=quick", f"results_dir={results_dir}", "print_table=false", "compile=false",
+                       *overrides)
+
+
+def test_harness_checks_mok_hopper_against_the_reference(results_dir):
+    from harness.runner import run_benchmark
+
+    ep = min(NUM_GPUS, 2)
+    df = run_benchmark(_gpu_cfg(results_dir, "shape=tiny", "workload.tokens_per_gpu=256", f"ep_size={ep}",
+                                "backends=[mok_hopper]", "directions=[fwd,bwd]"))
+    f = df[df.direction == "fwd"].iloc[0]
+    assert f.status == "ok", f.error
+    assert f.rel_err < 0.01 and "Triton" in f.notes
+    assert df[df.direction == "bwd"].iloc[0].status == "unsupported"
+
+
+@pytest.mark.multigpu
+@pytest.mark.skipif(NUM_GPUS < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_harness_published_shape_on_two_gpus(results_dir, precision):
+    from harness.runner import run_benchmark
+
+    df = run_benchmark(_gpu_cfg(results_dir, "shape=glm_5_2", "ep_size=2", f"precision={precision}",
+                                "backends=[mok_hopper]", "directions=[fwd]"))
+    r = df.iloc[0]
+    assert r.status == "ok", r.error
+    assert r.dispatch_bytes > 0 and r.dispatch_gb_s > 50
