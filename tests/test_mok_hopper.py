@@ -309,6 +309,20 @@ def test_kernels_detect_overflow():
 
 
 @needs_triton
+def test_functional_form_on_one_rank():
+    from kernels.mok_hopper.api import clear_layer_cache, mok_hopper_forward
+    from kernels.mok_hopper.workspace import clear_workspace_cache
+
+    xs, idx, ws, w13, w2, sh = make_layer_inputs(1, 16, 2, 4, 128, 64, seed=3)
+    out = mok_hopper_forward(xs[0], idx[0], ws[0], w13[0], w2[0], shared=sh, swiglu_limit=1.0)
+    want = twin.simulate(xs, idx, ws, w13, w2, shared=sh, limit=1.0)[0]
+    assert rel_l1(out, want) < 1e-3
+    assert torch.equal(out, mok_hopper_forward(xs[0], idx[0], ws[0], w13[0], w2[0], shared=sh, swiglu_limit=1.0))
+    clear_layer_cache()
+    clear_workspace_cache()
+
+
+@needs_triton
 def test_quantize_rows_kernel_matches_torch():
     from kernels.mok_hopper import triton_kernels as tk
 

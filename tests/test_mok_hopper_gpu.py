@@ -84,13 +84,14 @@ def test_single_gpu_kernels_agree_with_the_twin_to_rounding():
     assert rel_l1(out, want) < 2e-3
 
 
-@pytest.mark.multigpu
-@pytest.mark.skipif(NUM_GPUS < 2, reason="needs 2 GPUs")
-def test_gpu_check_on_two_ranks(tmp_path):
-    """The four published shapes (bf16 and fp8) and the edge cases against the reference, 20x determinism."""
+@pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=[pytest.mark.multigpu, pytest.mark.skipif(
+    NUM_GPUS < 2, reason="needs 2 GPUs")])])
+def test_gpu_check(tmp_path, nproc):
+    """The four published shapes (bf16 and fp8) and the edge cases against the reference, 20x determinism, through
+    gpu_check under torchrun (EP = nproc)."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     env.pop("TRITON_INTERPRET", None)
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "-m",
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "-m",
                         "kernels.mok_hopper.gpu_check", "--out", str(tmp_path), "--no-sweep", "--iters", "5",
                         "--warmup", "2"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
@@ -98,8 +99,8 @@ def test_gpu_check_on_two_ranks(tmp_path):
         rows = list(csv.DictReader(f))
     checks = [r for r in rows if r["section"] == "check"]
     assert len(checks) >= 4 * 2 + 9 and all(r["status"] == "ok" for r in checks)
-    assert all(r["deterministic"] == "True" for r in checks if r["check"] in ("kimi_k2_7", "glm_5_2",
-                                                                                 "qwen3_5_397b", "deepseek_v4_pro"))
+    published = [r for r in checks if r["check"] in ("kimi_k2_7", "glm_5_2", "qwen3_5_397b", "deepseek_v4_pro")]
+    assert len(published) == 8 and all(r["deterministic"] == "True" for r in published)
 
 
 def _gpu_cfg(results_dir, *overrides):

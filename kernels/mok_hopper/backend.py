@@ -111,8 +111,8 @@ class MokHopperBackend:
         c = self.case
         scaling = "none"
         if c.precision == "fp8":
-            scaling = (f"block 1x128 act / 128x128 weight, e4m3 GEMMs (Triton), fp32 accumulation; activations "
-                       f"quantised at the source, before the pull")
+            scaling = ("block 1x128 act (1x64 hidden) / 128x128 weight, e4m3 GEMMs (Triton), fp32 accumulation; "
+                       "activations quantised at the source, before the pull")
         if c.device != "cuda":
             return {"scaling": scaling, "compiled": False,
                     "notes": "CPU twin (pure torch, gloo), not the Triton kernel: checks schedule and combine logic"}

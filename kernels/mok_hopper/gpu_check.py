@@ -271,7 +271,6 @@ def machine_rates(ctx: Ctx) -> dict[str, float]:
     a = torch.empty(1 << 30, dtype=torch.uint8, device=ctx.dev)
     b = torch.empty_like(a)
     hbm = 2 * a.numel() / (med(time_iters(ctx, lambda: b.copy_(a), 10, 3)) / 1e3) / 1e9
-    del a, b
     m = torch.randn(8192, 8192, device=ctx.dev, dtype=torch.bfloat16)
     gemm = 2 * 8192 ** 3 / (med(time_iters(ctx, lambda: m @ m, 10, 3)) / 1e3) / 1e12
     return {"hbm_gb_s": hbm, "gemm_tflops": gemm}
@@ -362,7 +361,7 @@ def published(ctx: Ctx, name: str, args: argparse.Namespace, rates: dict[str, fl
                             rows_per_expert=P * T * K / E)
         layer, res = check_layer(ctx, f"{name}", inp, precision=prec, repeats=args.repeats, tile=tile)
         if layer is None or res["status"] != "ok":
-            del layer
+            layer = None
             continue
         x, idx, w = inp["x"], inp["idx"], inp["w"]
         fwd = time_iters(ctx, lambda: layer(x, idx, w), args.iters, args.warmup)
@@ -413,7 +412,7 @@ def published(ctx: Ctx, name: str, args: argparse.Namespace, rates: dict[str, fl
                   f" pull {derived['pull'][0] / st['pull']:.0f} GB/s (remote pushed rows {remote_pushed})")
         if args.sweep and prec == "bf16":
             sweep(ctx, name, inp, layer, tile)
-        del layer
+        layer = None  # frees the layer's buffers (and, with the cache cleared, the workspace)
         clear_workspace_cache()
         _empty_cache(ctx)
     del inp
@@ -457,7 +456,7 @@ def sweep(ctx: Ctx, name: str, inp: dict[str, Any], base_layer: MoKHopperLayer, 
                     down_ms=st["down"], pull_ms=st["pull"])
             ctx.log(f"  sweep {label:<20} forward {fwd:.3f}  up {st['up']:.3f}  down {st['down']:.3f}  pull "
                     f"{st['pull']:.3f} ms{'' if ok else '  MISMATCH'}")
-            del layer
+            layer = None
         except Exception as e:  # noqa: BLE001
             ctx.log(f"  sweep {label}: {type(e).__name__}: {e}")
             ctx.add(section="sweep", shape=name, precision="bf16", variant=label, ok=False, error=str(e)[:200])
