@@ -11,7 +11,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-FP8_MAX = 448.0  # float8_e4m3fn
+# The harness's fp8 format (block-scaled e4m3) has one definition, shared with our fused kernel.
+from kernels.mok_hopper.fp8 import dequantize_blocks, quantize_blocks  # noqa: F401 (re-exported)
 
 
 def device_capability(device: torch.device) -> tuple[int, int]:
@@ -82,22 +83,6 @@ def dense_mlp(x_TH: torch.Tensor, g_IH: torch.Tensor, u_IH: torch.Tensor, d_HI: 
 
 
 # ---- fp8 block scaling (DeepSeek / TE Float8BlockScaling format) ------------------------------------------
-
-
-def quantize_blocks(x: torch.Tensor, block_rows: int, block_cols: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """e4m3 data + fp32 scales, one scale per (block_rows x block_cols) tile of the last two dims."""
-    *lead, r, c = x.shape
-    xb = x.float().reshape(*lead, r // block_rows, block_rows, c // block_cols, block_cols)
-    amax = xb.abs().amax(dim=(-3, -1), keepdim=True).clamp_(min=1e-12)
-    scale = amax / FP8_MAX
-    q = (xb / scale).to(torch.float8_e4m3fn)
-    return q.reshape(x.shape), scale.squeeze(-1).squeeze(-2)
-
-
-def dequantize_blocks(q: torch.Tensor, scale: torch.Tensor, block_rows: int, block_cols: int) -> torch.Tensor:
-    *lead, r, c = q.shape
-    qb = q.float().reshape(*lead, r // block_rows, block_rows, c // block_cols, block_cols)
-    return (qb * scale.unsqueeze(-1).unsqueeze(-3)).reshape(q.shape)
 
 
 def fake_quant(x: torch.Tensor, block_rows: int, block_cols: int) -> torch.Tensor:
