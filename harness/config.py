@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -321,10 +320,3 @@ def config_hash(c: dict, case: Case) -> str:
     blob = OmegaConf.to_yaml(OmegaConf.create(kept), sort_keys=True)
     return hashlib.sha1(blob.encode()).hexdigest()[:12]
 
-
-def ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def isclose(a: float, b: float) -> bool:
-    return math.isclose(a, b, rel_tol=1e-9)

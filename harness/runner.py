@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from harness import env as envinfo
 from harness import results
-from harness.backends import BackendImportError, load_backend
+from harness.backends import load_backend
 from harness.check import compare, leaves, run_once
 from harness.config import (
     Case,
@@ -232,7 +232,7 @@ def worker(payload: dict, renv: RankEnv) -> None:
                 progress.update(1)
     if progress:
         progress.close()
-    del inputs, ref
+    inputs = ref = None  # free the layer inputs and reference tensors before the final barrier
     dist.barrier(group=ctrl)
 
 
