@@ -120,10 +120,9 @@ def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], gro
 # ---- expert parameters shared by the PyTorch-expert baselines ------------------------------------------------
 
 
-class ExpertParams:
-    """The routed and shared weights as autograd leaves (aliasing the harness inputs, no copy), the optional
-    torch.compile of the expert math, and fp8 weight prequantization (block-scaled e4m3, used with a
-    straight-through gradient; done once, outside the timed region)."""
+class ExpertLeaves:
+    """The routed and shared weights as autograd leaves (aliasing the harness inputs, no copy), and their
+    gradients in the harness layout (gate/up [L,I,H], down [L,H,I], shared gate/up [I,H], down [H,I])."""
 
     def __init__(self, case, inputs) -> None:
         self.case = case
@@ -132,6 +131,24 @@ class ExpertParams:
         self.shared = None
         if case.shared_expert:
             self.shared = [t.detach().requires_grad_() for t in (inputs.ws_gate_IH, inputs.ws_up_IH, inputs.ws_down_HI)]
+
+    def zero_grad(self) -> None:
+        for p in [self.w13, self.w2, *(self.shared or [])]:
+            p.grad = None
+
+    def grads(self) -> dict[str, Optional[torch.Tensor]]:
+        I, g13 = self.case.ffn, self.w13.grad
+        sh = [p.grad for p in self.shared] if self.shared else [None] * 3
+        return {"w_gate": None if g13 is None else g13[:, :I], "w_up": None if g13 is None else g13[:, I:],
+                "w_down": self.w2.grad, "ws_gate": sh[0], "ws_up": sh[1], "ws_down": sh[2]}
+
+
+class ExpertParams(ExpertLeaves):
+    """The leaves plus the optional torch.compile of the expert math and fp8 weight prequantization
+    (block-scaled e4m3, used with a straight-through gradient; done once, outside the timed region)."""
+
+    def __init__(self, case, inputs) -> None:
+        super().__init__(case, inputs)
         self.mlp, self.dense = expert_mlp, dense_mlp
         if case.compile:
             self.mlp = torch.compile(expert_mlp, mode=case.compile_mode, dynamic=False)
@@ -166,19 +183,11 @@ class ExpertParams:
             out_TH = out_TH + self.dense(x_TH, *self.shared, self.case.swiglu_limit).float()
         return out_TH.to(torch.bfloat16)
 
-    def zero_grad(self) -> None:
-        for p in [self.w13, self.w2, *(self.shared or [])]:
-            p.grad = None
-
-    def grads(self) -> dict[str, Optional[torch.Tensor]]:
-        I, g13 = self.case.ffn, self.w13.grad
-        sh = [p.grad for p in self.shared] if self.shared else [None] * 3
-        return {"w_gate": None if g13 is None else g13[:, :I], "w_up": None if g13 is None else g13[:, I:],
-                "w_down": self.w2.grad, "ws_gate": sh[0], "ws_up": sh[1], "ws_down": sh[2]}
-
-    def scaling(self, dispatch: str = "bf16") -> str:
+    def columns(self, dispatch: str = "bf16") -> dict[str, object]:
+        """The row columns these experts decide: ``scaling``, ``compiled``, ``compile_mode``."""
         c = self.case
-        if c.precision != "fp8":
-            return "none"
-        return (f"block 1x{c.act_block}/{c.weight_block}x{c.weight_block} emulated (bf16 GEMM on e4m3 values); "
-                f"dispatch {dispatch}")
+        scaling = "none"
+        if c.precision == "fp8":
+            scaling = (f"block 1x{c.act_block}/{c.weight_block}x{c.weight_block} emulated (bf16 GEMM on e4m3 "
+                       f"values); dispatch {dispatch}")
+        return {"scaling": scaling, "compiled": c.compile, "compile_mode": c.compile_mode if c.compile else ""}

@@ -199,8 +199,7 @@ class DeepEPBackend:
         if self.coarse:
             notes.append(f"expert ids coarsened to {self.groups} groups/rank for DeepEP's layout; true experts "
                          "recovered from an all-gathered top-k table")
-        return {"scaling": self.params.scaling("e4m3 1x128 (DeepEP fp8 dispatch)"), "compiled": self.case.compile,
-                "compile_mode": self.case.compile_mode if self.case.compile else "", "comm_sms": self.num_sms,
+        return {**self.params.columns("e4m3 1x128 (DeepEP fp8 dispatch)"), "comm_sms": self.num_sms,
                 "notes": "; ".join(notes)}
 
     def teardown(self) -> None:

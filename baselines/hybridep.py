@@ -135,8 +135,7 @@ class HybridEPBackend:
         }
 
     def info(self) -> dict[str, Any]:
-        return {"scaling": self.params.scaling("bf16"), "compiled": self.case.compile,
-                "compile_mode": self.case.compile_mode if self.case.compile else "", "comm_sms": self.num_sms,
+        return {**self.params.columns("bf16"), "comm_sms": self.num_sms,
                 "notes": f"HybridEP dispatch_with_permute / combine_with_unpermute, pad {PAD_MULTIPLE}, "
                          f"{self.num_sms} SMs; grouped GEMM: {grouped_mm_name(self.case.device)}"}
 

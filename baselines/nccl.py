@@ -100,10 +100,8 @@ class NcclBackend:
         }
 
     def info(self) -> dict[str, Any]:
-        c = self.case
-        scaling = self.params.scaling("bf16")
-        return {"scaling": scaling, "compiled": c.compile, "compile_mode": c.compile_mode if c.compile else "",
-                "notes": f"grouped GEMM: {grouped_mm_name(c.device)}; shared expert not overlapped with dispatch"}
+        return {**self.params.columns("bf16"),
+                "notes": f"grouped GEMM: {grouped_mm_name(self.case.device)}; shared expert not overlapped with dispatch"}
 
     def teardown(self) -> None:
         self._last = {}

@@ -14,6 +14,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from baselines.common import ExpertLeaves
+
 
 def _swiglu(gate: torch.Tensor, up: torch.Tensor, limit: Optional[float]) -> torch.Tensor:
     if limit is not None:
@@ -69,11 +71,8 @@ class ReferenceBackend:
         self.rank = dist.get_rank(group)
 
     def setup(self, inputs: Any) -> None:
-        self.w13 = inputs.w13_LIH.detach().requires_grad_()
-        self.w2 = inputs.w2_LHI.detach().requires_grad_()
-        self.shared = None
-        if self.case.shared_expert:
-            self.shared = [t.detach().requires_grad_() for t in (inputs.ws_gate_IH, inputs.ws_up_IH, inputs.ws_down_HI)]
+        self.leaves = ExpertLeaves(self.case, inputs)  # weight bookkeeping only; the math below is its own
+        self.w13, self.w2, self.shared = self.leaves.w13, self.leaves.w2, self.leaves.shared
 
     def forward(self, x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, topk_w_TK: torch.Tensor) -> torch.Tensor:
         c, g = self.case, self.group
@@ -97,14 +96,10 @@ class ReferenceBackend:
         return out.to(torch.bfloat16)
 
     def zero_grad(self) -> None:
-        for p in [self.w13, self.w2, *(self.shared or [])]:
-            p.grad = None
+        self.leaves.zero_grad()
 
     def weight_grads(self) -> dict[str, Optional[torch.Tensor]]:
-        I, g13 = self.case.ffn, self.w13.grad
-        sh = [p.grad for p in self.shared] if self.shared else [None] * 3
-        return {"w_gate": None if g13 is None else g13[:, :I], "w_up": None if g13 is None else g13[:, I:],
-                "w_down": self.w2.grad, "ws_gate": sh[0], "ws_up": sh[1], "ws_down": sh[2]}
+        return self.leaves.grads()
 
     def traffic(self) -> dict[str, Any]:
         return {}
