@@ -136,15 +136,9 @@ def plot_panels(df: pd.DataFrame, env: Optional[dict[str, Any]] = None, title: O
     df = df[~df["backend"].isin(R.NOT_CONTENDERS)]
     df, env = _one_env(df, env)
     agg = R.aggregate(df)
-    by_cell = {(r["precision"], r["direction"], r["shape"], r["backend"]): r for r in agg.to_dict("records")}
+    by_cell = _by_cell(agg)
     claims = R.claims_table(df).set_index(["precision", "direction", "shape"])
-    systems = R.systems_in(agg)
-    precisions = R._order(agg["precision"], R.PRECISION_ORDER)
-    directions = R._order(agg["direction"], R.DIRECTION_ORDER)
-    shapes = R._order(agg["shape"], R.SHAPE_ORDER)
-    fig = new_figure(_panels_width(len(directions), len(shapes)), 3.9 * len(precisions) + 1.0)
-    axes = fig.subplots(len(precisions), len(directions), squeeze=False)
-    width = 0.84 / max(len(systems), 1)
+    systems, precisions, directions, shapes, fig, axes, width = _panel_grid(agg, extra_height=1.0)
     notes: list[str] = []
     for i, prec in enumerate(precisions):
         for j, direction in enumerate(directions):
@@ -181,6 +175,23 @@ def plot_panels(df: pd.DataFrame, env: Optional[dict[str, Any]] = None, title: O
     finish(fig, title or f"Expert-parallel MoE layer throughput — {R.env_label(env)}",
            [_patch(s) for s in systems], [R.system_label(s) for s in systems], notes=notes, ncol=len(systems))
     return fig
+
+
+def _by_cell(frame: pd.DataFrame) -> dict[tuple, dict[str, Any]]:
+    """Rows keyed by (precision, direction, shape, backend)."""
+    return {(r["precision"], r["direction"], r["shape"], r["backend"]): r for r in frame.to_dict("records")}
+
+
+def _panel_grid(agg: pd.DataFrame, extra_height: float):
+    """The published layout's axes: systems, panel rows (precision) and columns (direction), shape groups, the
+    figure with one subplot per panel, and the bar width."""
+    systems = R.systems_in(agg)
+    precisions = R._order(agg["precision"], R.PRECISION_ORDER)
+    directions = R._order(agg["direction"], R.DIRECTION_ORDER)
+    shapes = R._order(agg["shape"], R.SHAPE_ORDER)
+    fig = new_figure(_panels_width(len(directions), len(shapes)), 3.9 * len(precisions) + extra_height)
+    axes = fig.subplots(len(precisions), len(directions), squeeze=False)
+    return systems, precisions, directions, shapes, fig, axes, 0.84 / max(len(systems), 1)
 
 
 def _panels_width(ncols: int, nshapes: int) -> float:
@@ -335,15 +346,8 @@ def plot_roofline(df: pd.DataFrame, calibration: Optional[pd.DataFrame] = None,
         ["latency_ms", "floor_compute_ms", "floor_memory_ms", "floor_link_ms", "floor_roofline_ms"]].median()
     med = med.reset_index()
     agg = R.aggregate(df)
-    by_cell = {(r["precision"], r["direction"], r["shape"], r["backend"]): r for r in agg.to_dict("records")}
-    by_med = {(r["precision"], r["direction"], r["shape"], r["backend"]): r for r in med.to_dict("records")}
-    systems = R.systems_in(agg)
-    precisions = R._order(agg["precision"], R.PRECISION_ORDER)
-    directions = R._order(agg["direction"], R.DIRECTION_ORDER)
-    shapes = R._order(agg["shape"], R.SHAPE_ORDER)
-    fig = new_figure(_panels_width(len(directions), len(shapes)), 3.9 * len(precisions) + 1.2)
-    axes = fig.subplots(len(precisions), len(directions), squeeze=False)
-    width = 0.84 / max(len(systems), 1)
+    by_cell, by_med = _by_cell(agg), _by_cell(med)
+    systems, precisions, directions, shapes, fig, axes, width = _panel_grid(agg, extra_height=1.2)
     notes: list[str] = []
     drawn: set[str] = set()
     for i, prec in enumerate(precisions):
