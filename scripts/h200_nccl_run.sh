@@ -17,13 +17,4 @@ run -m shape=qwen3_5_397b workload.tokens_per_gpu=1024,4096 direction=fwd
 run -m shape=qwen3_5_397b workload=zipf,hot_experts,hot_rank direction=fwd
 run shape=glm_5_2 ep_size=1 direction=fwd
 mkdir -p "$OUTDIR"
-python - "$RES" "$OUTDIR" <<'PY'
-import sys
-from harness import results
-df = results.load(sys.argv[1])
-for run_id, g in df.groupby("run_id"):
-    results.write_rows(f"{sys.argv[2]}/{run_id}.csv", g.to_dict("records"))
-cols = ["shape", "direction", "tokens_per_gpu", "routing", "ep_size", "status", "latency_ms", "tflops_per_gpu",
-        "dispatch_gb_s", "raw_a2a_gb_s", "roofline_fraction"]
-print(df[cols].to_string())
-PY
+python scripts/merge_results.py "$RES" "$OUTDIR"
