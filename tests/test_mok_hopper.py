@@ -277,10 +277,14 @@ def test_kernels_edge_cases(mode, K, P):
 
 
 @needs_triton
+@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
-def test_kernels_with_small_tiles_walk_every_loop(precision):
+def test_kernels_with_small_tiles_walk_every_loop(precision, tma):
     """Tiles much smaller than the matrices: several column tiles, several K steps, several tiles per expert and
-    per chunk, persistent programs looping, pull steps that straddle chunk ends; four ranks."""
+    per chunk, persistent programs looping, pull steps that straddle chunk ends; four ranks. Both GEMM operand
+    paths: pointer loads, and TMA tensor descriptors."""
+    from dataclasses import replace
+
     from kernels.mok_hopper.triton_kernels import TileConfig
 
     if precision == "fp8":  # fp8 steps follow the scale blocks (up 64 x 128, down 128 x 64): two of each here
@@ -291,6 +295,7 @@ def test_kernels_with_small_tiles_walk_every_loop(precision):
         P, T, K, E, H, I = 4, 16, 3, 16, 128, 64
         tile = TileConfig(block_m=16, up_n=32, up_k=32, down_n=32, down_k=16, num_chunks=3, gemm_programs=3,
                           pull_programs=5, pull_rows=4, group_m=2)
+    tile = replace(tile, tma=tma)
     xs, idx, ws, w13, w2, sh = make_layer_inputs(P, T, K, E, H, I, seed=13)
     runs, layers, _ = run_kernels(xs, idx, ws, w13, w2, sh, precision=precision, tile=tile, limit=1.0)
     want = twin.simulate(xs, idx, ws, w13, w2, shared=sh, fp8=precision == "fp8", block_m=16, limit=1.0)

@@ -27,6 +27,7 @@ Example (every rank of ``group``, weights of this rank's experts)::
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from dataclasses import replace
 from typing import Any, Optional, Sequence
 
@@ -38,6 +39,7 @@ from kernels.mok_hopper.schedule import Schedule, build_schedule, capacity_rows,
 from kernels.mok_hopper.workspace import Workspace, get_workspace
 
 PRECISIONS = ("bf16", "fp8")
+MAX_GRAPHS = 4  # captured forwards kept per layer (one per set of input tensors)
 ROUTER_WEIGHT_IN = ("expert", "epilogue")
 
 
@@ -95,6 +97,10 @@ class MoKHopperLayer(torch.nn.Module):
         capacity: explicit capacity in rows (overrides the rule; rounded up to the tile).
         router_weight_in: "expert" (the down GEMM scales each row before the push) or "epilogue" (the source
             rank scales the k rows while summing them, MoK's choice).
+        cuda_graph: on CUDA, replay the whole forward (barriers, schedule, pulls, GEMMs, epilogue: about 30
+            launches on two streams) as one CUDA graph, captured on the first call with a given set of input
+            tensors (keyed by their addresses; up to ``MAX_GRAPHS`` sets, then the oldest is dropped). The
+            output is a fresh tensor either way. False: launch every kernel from Python each call.
         rank, world, workspace: for tests that simulate several ranks in one process (see ``workspace.link_local``).
     """
 
@@ -102,8 +108,8 @@ class MoKHopperLayer(torch.nn.Module):
                  shared: Optional[Sequence[torch.Tensor]] = None, swiglu_limit: Optional[float] = None,
                  precision: str = "bf16", group: Any = None, tile: Optional[tk.TileConfig] = None,
                  capacity_multiplier: Optional[float] = 0.5, capacity: Optional[int] = None,
-                 router_weight_in: str = "expert", rank: Optional[int] = None, world: Optional[int] = None,
-                 workspace: Optional[Workspace] = None) -> None:
+                 router_weight_in: str = "expert", cuda_graph: bool = True, rank: Optional[int] = None,
+                 world: Optional[int] = None, workspace: Optional[Workspace] = None) -> None:
         super().__init__()
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS} (got {precision!r}); mxfp8 is the `mok` "
@@ -125,7 +131,7 @@ class MoKHopperLayer(torch.nn.Module):
         if self.fp8:
             self.cfg = self.cfg.for_fp8()
         self.cfg_bf16 = tile if tile is not None and not self.fp8 else default_tile(device=dev, hidden=H, ffn=I)
-        self.cfg_bf16 = tk.TileConfig(**{**self.cfg_bf16.__dict__, "block_m": self.cfg.block_m})
+        self.cfg_bf16 = tk.TileConfig(**{**self.cfg_bf16.__dict__, "block_m": self.cfg.block_m, "tma": self.cfg.tma})
         _check_divisible(H, I, self.cfg, self.cfg_bf16, shared is not None)
         BM = self.cfg.block_m
 
@@ -175,14 +181,22 @@ class MoKHopperLayer(torch.nn.Module):
             self.sh_delta = torch.zeros(1, dtype=torch.int64, device=dev)  # the "combine buffer" is sh_y itself
 
         n_sm = tk.num_sms(dev)
-        self.overlap = self.cuda and C > 1
+        # On CUDA the pulls run on their own stream with comm_sms worth of programs, beside the shared expert and
+        # (with several chunks) the previous chunk's GEMMs; the GEMMs leave those SMs free while pulls can still be
+        # running. With one chunk nothing overlaps the expert GEMMs, so they take every SM.
+        self.overlap = self.cuda
         comm = self.cfg.comm_sms if self.overlap else 0
-        self.gemm_programs = self.cfg.gemm_programs or max(1, n_sm - comm)
+        self.shared_programs = self.cfg.gemm_programs or max(1, n_sm - comm)
+        self.gemm_programs = self.cfg.gemm_programs or (n_sm if C == 1 else max(1, n_sm - comm))
         self.pull_programs = self.cfg.pull_programs or 2 * (comm if self.overlap else n_sm)
         if self.cuda:
             self.comm_stream = torch.cuda.Stream(device=dev, priority=-1)
             self.ev_sched = torch.cuda.Event()
             self.ev_pull = [torch.cuda.Event() for _ in range(C)]
+        self.use_graph = self.cuda and cuda_graph
+        self.graph_error: Optional[str] = None  # why capture failed (then every call runs eagerly)
+        self._graphs: "OrderedDict[tuple, Any]" = OrderedDict()
+        self._out = torch.empty(tokens, H, dtype=torch.bfloat16, device=dev) if self.use_graph else None
 
     # ---- the forward, in phases (a test can run the phases of several simulated ranks in lockstep) ----
 
@@ -190,11 +204,42 @@ class MoKHopperLayer(torch.nn.Module):
         """bf16 [T, H] output for this rank's tokens. Autograd-free (inputs may require grad; nothing is
         recorded)."""
         with torch.no_grad():
-            self.stage(x_TH, topk_idx_TK, topk_w_TK)
-            self.ws.barrier(0)
-            self.compute(x_TH)
-            self.ws.barrier(1)
-            return self.finish()
+            if self.use_graph:
+                return self._graph_forward(x_TH, topk_idx_TK, topk_w_TK)
+            return self._forward(x_TH, topk_idx_TK, topk_w_TK)
+
+    def _forward(self, x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, topk_w_TK: torch.Tensor,
+                 out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        self.stage(x_TH, topk_idx_TK, topk_w_TK)
+        self.ws.barrier(0)
+        self.compute(x_TH)
+        self.ws.barrier(1)
+        return self.finish(out)
+
+    def _graph_forward(self, x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, topk_w_TK: torch.Tensor) -> torch.Tensor:
+        """Replay the captured forward for these input tensors; on the first call with them, run eagerly (every
+        rank executes exactly one forward per call either way, so the cross-rank barriers keep pairing up) and
+        capture. Capture executes nothing and involves no peer."""
+        key = tuple((t.data_ptr(), tuple(t.shape), t.dtype) for t in (x_TH, topk_idx_TK, topk_w_TK))
+        graph = self._graphs.get(key)
+        if graph is not None:
+            self._graphs.move_to_end(key)
+            graph.replay()
+            return self._out.clone()
+        out = self._forward(x_TH, topk_idx_TK, topk_w_TK)  # this call's result; also compiles every kernel
+        try:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                self._forward(x_TH, topk_idx_TK, topk_w_TK, out=self._out)
+        except Exception as e:  # noqa: BLE001 - fall back to launching from Python, and say why
+            self.use_graph = False
+            self.graph_error = f"{type(e).__name__}: {e}"[:300]
+            torch.cuda.synchronize(self.device)
+            return out
+        if len(self._graphs) >= MAX_GRAPHS:
+            self._graphs.popitem(last=False)
+        self._graphs[key] = graph
+        return out
 
     def stage(self, x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, topk_w_TK: torch.Tensor) -> None:
         """This rank's inputs into its workspace (what the peers read)."""
@@ -234,9 +279,10 @@ class MoKHopperLayer(torch.nn.Module):
             main.wait_event(self.ev_pull[c])
             self.experts(c)
 
-    def finish(self) -> torch.Tensor:
+    def finish(self, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The fixed-order epilogue (every push into this rank must be visible: after barrier 1)."""
-        out = torch.empty(self.T, self.H, dtype=torch.bfloat16, device=self.device)
+        if out is None:
+            out = torch.empty(self.T, self.H, dtype=torch.bfloat16, device=self.device)
         ws = self.ws
         tk.combine_epilogue(ws.comb, ws.idx, None if self.weights_in_expert else ws.w,
                             self.sh_y if self.has_shared else None, out)
@@ -278,10 +324,10 @@ class MoKHopperLayer(torch.nn.Module):
     def shared_expert(self, x_TH: torch.Tensor) -> None:
         x = x_TH.detach().contiguous()
         tk.up_swiglu(x, None, self.sh_w13, None, self.sh_h, None, self.sh_tiles, self.sh_chunk, limit=self.limit,
-                     cfg=self.cfg_bf16, programs=self.gemm_programs, n_rows=self.T)
+                     cfg=self.cfg_bf16, programs=self.shared_programs, n_rows=self.T)
         tk.down_push(self.sh_h, None, self.sh_w2, None, self.sh_tiles, self.sh_chunk, self.sh_code, None,
-                     self.sh_y, self.sh_delta, slots_per_rank=1 << 30, cfg=self.cfg_bf16, programs=self.gemm_programs,
-                     n_rows=self.T)
+                     self.sh_y, self.sh_delta, slots_per_rank=1 << 30, cfg=self.cfg_bf16,
+                     programs=self.shared_programs, n_rows=self.T)
 
     # ---- outside the timed path ----
 

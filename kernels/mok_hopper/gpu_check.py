@@ -75,7 +75,7 @@ class Ctx:
 
     def log(self, msg: str) -> None:
         if self.rank == 0:
-            print(msg, flush=True)
+            print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
     def add(self, **row: Any) -> None:
         if self.rank == 0:
@@ -319,7 +319,7 @@ def check_layer(ctx: Ctx, label: str, inp: dict[str, Any], *, precision: str, li
     return layer, res
 
 
-def edge_cases(ctx: Ctx) -> None:
+def edge_cases(ctx: Ctx, tile_over: Optional[dict[str, Any]] = None) -> None:
     P = ctx.world
     E, H, I, K, T = (8, 256, 128, 2, 32) if ctx.smoke else (16 * P, 1024, 512, 4, 512)
     ctx.log(f"edge cases: E={E} H={H} I={I} K={K} T={T} EP={P}")
@@ -336,7 +336,9 @@ def edge_cases(ctx: Ctx) -> None:
         label = f"edge {mode} K={k}" + "".join(f" {a}={b}" for a, b in extra.items()) + \
                 (f" limit={limit}" if limit else "")
         for prec in (("bf16", "fp8") if n < 2 else ("bf16",)):
-            tile = default_tile(precision=prec, device=ctx.dev, hidden=H, ffn=I)
+            tile = replace(default_tile(precision=prec, device=ctx.dev, hidden=H, ffn=I), **(tile_over or {}))
+            if prec == "fp8":
+                tile = tile.for_fp8()
             if "tile_chunks" in extra:
                 tile = replace(tile, num_chunks=extra["tile_chunks"])
             layer, _ = check_layer(ctx, label, inp, precision=prec, limit=limit, repeats=3, tile=tile, **kw)
@@ -359,6 +361,9 @@ def published(ctx: Ctx, name: str, args: argparse.Namespace, rates: dict[str, fl
     for prec in args.precisions:
         tile = default_tile(precision=prec, device=ctx.dev, comm_sms=args.comm_sms, hidden=H, ffn=I,
                             rows_per_expert=P * T * K / E)
+        tile = replace(tile, **args.tile_over)
+        if prec == "fp8":
+            tile = tile.for_fp8()
         layer, res = check_layer(ctx, f"{name}", inp, precision=prec, repeats=args.repeats, tile=tile)
         if layer is None or res["status"] != "ok":
             layer = None
@@ -410,8 +415,8 @@ def published(ctx: Ctx, name: str, args: argparse.Namespace, rates: dict[str, fl
         ctx.log("  stages (ms): " + "  ".join(f"{k} {v:.3f}" for k, v in st.items())
                 + f"  | up {derived['up'][0] / st['up']:.0f} GB/s, down {derived['down'][0] / st['down']:.0f} GB/s,"
                   f" pull {derived['pull'][0] / st['pull']:.0f} GB/s (remote pushed rows {remote_pushed})")
-        if args.sweep and prec == "bf16":
-            sweep(ctx, name, inp, layer, tile)
+        if args.sweep:
+            sweep(ctx, name, inp, layer, tile, prec)
         layer = None  # frees the layer's buffers (and, with the cache cleared, the workspace)
         clear_workspace_cache()
         _empty_cache(ctx)
@@ -425,41 +430,46 @@ def _empty_cache(ctx: Ctx) -> None:
         torch.cuda.empty_cache()
 
 
-SWEEP = [  # (label, overrides of the default tile), all checked by aot_check to fit (smem, no spills) on sm_90
-    ("up k128 s2", dict(up_k=128, up_stages=2)),
-    ("up n64 k64 s4 w4", dict(up_n=64, up_stages=4, up_warps=4)),
-    ("down k128 s3", dict(down_k=128, down_stages=3)),
-    ("down n256 k64 s3", dict(down_n=256, down_stages=3)),
-    ("group_m 1", dict(group_m=1)),
-    ("group_m 8", dict(group_m=8)),
-    ("bm64 w4 g8", dict(block_m=64, up_warps=4, down_warps=4, group_m=8)),
-    ("comm 16", dict(comm_sms=16)),
-    ("comm 32", dict(comm_sms=32)),
-    ("chunks 2", dict(num_chunks=2)),
-    ("chunks 1", dict(num_chunks=1)),
+SWEEP = [  # (label, overrides of the base tile, layer options); tiles checked by aot_check to fit on sm_90
+    ("tma", dict(tma=True), {}),
+    ("chunks 1", dict(num_chunks=1), {}),
+    ("chunks 2", dict(num_chunks=2), {}),
+    ("tma chunks 1", dict(tma=True, num_chunks=1), {}),
+    ("tma chunks 2", dict(tma=True, num_chunks=2), {}),
+    ("tma chunks 2 comm 16", dict(tma=True, num_chunks=2, comm_sms=16), {}),
+    ("no cuda graph", {}, dict(cuda_graph=False)),
+    ("tma bm64 w4 g8", dict(tma=True, block_m=64, up_warps=4, down_warps=4, group_m=8), {}),
 ]
+SWEEP_FP8 = ("tma", "tma chunks 1", "tma chunks 2")
 
 
-def sweep(ctx: Ctx, name: str, inp: dict[str, Any], base_layer: MoKHopperLayer, base: tk.TileConfig) -> None:
-    """Stage times of a few GEMM tile variants on the same inputs (a layer per variant; bf16 weights shared)."""
+def sweep(ctx: Ctx, name: str, inp: dict[str, Any], base_layer: MoKHopperLayer, base: tk.TileConfig,
+          precision: str = "bf16") -> None:
+    """Forward and stage times of tile / pipeline variants on the same inputs (a layer per variant)."""
     T, K = inp["idx"].shape
-    for label, over in SWEEP:
+    for label, over, layer_kw in SWEEP:
+        if precision == "fp8" and label not in SWEEP_FP8:
+            continue
         try:
             tile = replace(base, **over)
+            if precision == "fp8":
+                tile = tile.for_fp8()
             layer = MoKHopperLayer(inp["w13"], inp["w2"], topk=K, tokens=T, shared=inp["shared"], group=ctx.group,
-                                   tile=tile)
+                                   tile=tile, precision=precision, **layer_kw)
             out = layer(inp["x"], inp["idx"], inp["w"])
             ok = ctx.all_ok(errors(out, base_layer(inp["x"], inp["idx"], inp["w"]))[1] < 0.01)
+            fwd = med(time_iters(ctx, lambda: layer(inp["x"], inp["idx"], inp["w"]), 20, 5))
             st = time_stages(ctx, layer, inp, 5)
-            fwd = med(time_iters(ctx, lambda: layer(inp["x"], inp["idx"], inp["w"]), 10, 3))
-            ctx.add(section="sweep", shape=name, precision="bf16", variant=label, ok=ok, forward_ms=fwd, up_ms=st["up"],
-                    down_ms=st["down"], pull_ms=st["pull"])
-            ctx.log(f"  sweep {label:<20} forward {fwd:.3f}  up {st['up']:.3f}  down {st['down']:.3f}  pull "
-                    f"{st['pull']:.3f} ms{'' if ok else '  MISMATCH'}")
+            ctx.add(section="sweep", shape=name, precision=precision, variant=label, ok=ok, forward_ms=fwd,
+                    up_ms=st["up"], down_ms=st["down"], pull_ms=st["pull"], shared_ms=st["shared"],
+                    schedule_ms=st["schedule"], graph_error=layer.graph_error)
+            ctx.log(f"  sweep {precision} {label:<22} forward {fwd:.3f}  up {st['up']:.3f}  down {st['down']:.3f}  "
+                    f"pull {st['pull']:.3f} ms{'' if ok else '  MISMATCH'}"
+                    + (f"  graph failed: {layer.graph_error}" if layer.graph_error else ""))
             layer = None
         except Exception as e:  # noqa: BLE001
             ctx.log(f"  sweep {label}: {type(e).__name__}: {e}")
-            ctx.add(section="sweep", shape=name, precision="bf16", variant=label, ok=False, error=str(e)[:200])
+            ctx.add(section="sweep", shape=name, precision=precision, variant=label, ok=False, error=str(e)[:200])
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -472,6 +482,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--repeats", type=int, default=20, help="determinism: forwards compared bitwise to the first")
     ap.add_argument("--comm-sms", type=int, default=None)
+    ap.add_argument("--tile", default="", help="base tile overrides, e.g. tma=1,num_chunks=2")
+    ap.add_argument("--watchdog", type=float, default=150.0,
+                    help="every this many seconds without finishing, every rank prints its Python stack")
     ap.add_argument("--no-sweep", dest="sweep", action="store_false")
     ap.add_argument("--no-edge", dest="edge", action="store_false")
     ap.add_argument("--quick", action="store_true", help="edge cases + one shape, bf16, few iterations")
@@ -479,6 +492,13 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="CPU, 1 rank, TRITON_INTERPRET=1, tiny shapes: tests this script, measures nothing")
     args = ap.parse_args(argv)
     args.precisions = [p for p in args.precisions.split(",") if p]
+    args.tile_over = {k: int(v) for k, _, v in (kv.partition("=") for kv in args.tile.split(",") if kv)}
+    if "tma" in args.tile_over:
+        args.tile_over["tma"] = bool(args.tile_over["tma"])
+    if args.watchdog > 0 and not args.smoke:
+        import faulthandler
+
+        faulthandler.dump_traceback_later(args.watchdog, repeat=True)
     shapes = [s for s in args.shapes.split(",") if s]
     if args.quick:
         shapes, args.precisions, args.iters, args.warmup, args.sweep = shapes[:1], ["bf16"], 10, 3, False
@@ -494,7 +514,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ctx.add(section="machine", **rates, gpu=gpu, world=ctx.world)
     ctx.log(f"machine: HBM copy {rates['hbm_gb_s']:.0f} GB/s, bf16 GEMM {rates['gemm_tflops']:.0f} TFLOP/s")
     if args.edge:
-        edge_cases(ctx)
+        edge_cases(ctx, args.tile_over)
     for name in shapes:
         published(ctx, name, args, rates)
     if ctx.rank == 0:
