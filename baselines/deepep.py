@@ -34,14 +34,14 @@ INSTALL_HINT = ("build DeepEP's hybrid-ep branch from source (README, 'Optional 
 MAX_LOCAL_EXPERTS = 128  # DeepEP V1 notify_dispatch limit
 
 
-def deepep_unsupported(case: Any, *, min_ranks: int = 2) -> Optional[str]:
-    """Reasons shared by the DeepEP-based backends (None: can run)."""
+def deepep_unsupported(case: Any, *, min_ranks: int = 2, mxfp8: bool = False) -> Optional[str]:
+    """Reasons shared by the DeepEP-based backends (None: can run). ``mxfp8``: the backend has an mxfp8 path."""
     if case.device != "cuda":
         return f"DeepEP needs CUDA GPUs connected by NVLink (this run is on {case.device}); run on a GPU node"
     why = precision_unsupported(case.precision, torch.device("cuda"))
     if why:
         return why
-    if case.precision == "mxfp8":
+    if case.precision == "mxfp8" and not mxfp8:
         return "mxfp8 is not wired for the DeepEP baselines on this stack; use precision=bf16 or fp8"
     try:
         import deep_ep  # noqa: F401
@@ -61,7 +61,7 @@ class _Dispatch(torch.autograd.Function):
         ctx.be = be
         n_rank, n_expert, in_rank = layout
         payload = x_TH
-        if be.case.precision == "fp8":
+        if be.fp8_dispatch:
             payload = quantize_blocks(x_TH, 1, be.case.act_block)  # (e4m3 [T,H], fp32 scales [T,H/128])
         recv, recv_idx, recv_w, _, handle, _ = be.buffer.dispatch(
             payload, num_tokens_per_rank=n_rank, is_token_in_rank=in_rank, num_tokens_per_expert=n_expert,
@@ -100,6 +100,9 @@ class _Combine(torch.autograd.Function):
 
 
 class DeepEPBackend:
+    """DeepEP V1 dispatch / combine around PyTorch experts. ``dispatch`` and ``combine`` are the DeepEP half, shared
+    with the DeepEP + Transformer Engine backend (``baselines/deepep_te.py``), which swaps the experts."""
+
     name = "deepep"
     directions = ("fwd", "bwd", "fwd_bwd")
 
@@ -114,9 +117,14 @@ class DeepEPBackend:
         self.groups = min(L, MAX_LOCAL_EXPERTS)
         self.coarse = L > MAX_LOCAL_EXPERTS
         self.num_sms = case.comm_sms or (24 if case.precision == "fp8" else 32)
+        self.fp8_dispatch = case.precision == "fp8"  # tokens travel as e4m3 1x128 blocks (DeepEP's FP8 dispatch)
         self.handle = None
 
     def setup(self, inputs: Any) -> None:
+        self.setup_buffer()
+        self.params = ExpertParams(self.case, inputs)
+
+    def setup_buffer(self) -> None:
         from deep_ep import Buffer
 
         self._Buffer = Buffer
@@ -125,7 +133,6 @@ class DeepEPBackend:
         nvl = max(Buffer.get_dispatch_config(self.ep).get_nvl_buffer_size_hint(hidden_bytes, self.ep),
                   Buffer.get_combine_config(self.ep).get_nvl_buffer_size_hint(hidden_bytes, self.ep))
         self.buffer = Buffer(self.group, nvl, 0, explicitly_destroy=True)
-        self.params = ExpertParams(self.case, inputs)
 
     def dispatch_config(self):
         self._Buffer.set_num_sms(self.num_sms)
@@ -151,13 +158,25 @@ class DeepEPBackend:
         true = all_idx.view(self.ep, T, K)[src_rank, src_idx.to(torch.int64)] - self.rank * L
         return torch.where((true >= 0) & (true < L), true, torch.full_like(true, -1))
 
-    def forward(self, x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, topk_w_TK: torch.Tensor) -> torch.Tensor:
+    def dispatch(self, x_TH: torch.Tensor, topk_idx_TK: torch.Tensor,
+                 topk_w_TK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """DeepEP layout + dispatch. Returns the received rows ``recv_x_RH`` (bf16, one per (token, this rank)),
+        their router weights ``recv_w_RK`` (fp32) and ``local_RK``: the local expert of each received (token, k),
+        -1 where the slot is another rank's."""
         L, G = self.case.local_experts, self.groups
         coarse_idx = (topk_idx_TK // L) * G + (topk_idx_TK % L) % G if self.coarse else topk_idx_TK
         n_rank, _, n_expert, in_rank, _ = self.buffer.get_dispatch_layout(coarse_idx, self.ep * G)
         self.last_rows_to = n_rank
         recv_x, recv_w, recv_idx = _Dispatch.apply(x_TH, topk_w_TK, self, (n_rank, n_expert, in_rank), coarse_idx)
-        local = self._true_local_experts(topk_idx_TK, recv_idx)
+        return recv_x, recv_w, self._true_local_experts(topk_idx_TK, recv_idx)
+
+    def combine(self, y_RH: torch.Tensor) -> torch.Tensor:
+        """DeepEP combine of the per-received-row expert sums (bf16) back to this rank's tokens [T, H]."""
+        return _Combine.apply(y_RH, self)
+
+    def forward(self, x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, topk_w_TK: torch.Tensor) -> torch.Tensor:
+        L = self.case.local_experts
+        recv_x, recv_w, local = self.dispatch(x_TH, topk_idx_TK, topk_w_TK)
         j, k = torch.nonzero(local >= 0, as_tuple=True)  # host sync (the receive count is known on the host anyway)
         e = local[j, k]
         order = torch.argsort(e, stable=True)
@@ -165,7 +184,7 @@ class DeepEPBackend:
         y = self.params.experts(recv_x.index_select(0, j), torch.bincount(e, minlength=L))
         y = y.float() * recv_w[j, k].unsqueeze(-1)
         y_R = torch.zeros(recv_x.shape, dtype=torch.float32, device=y.device).index_add(0, j, y)
-        out = _Combine.apply(y_R.to(torch.bfloat16), self)
+        out = self.combine(y_R.to(torch.bfloat16))
         return self.params.add_shared(out.float(), x_TH)
 
     def zero_grad(self) -> None:
@@ -176,7 +195,7 @@ class DeepEPBackend:
 
     def _row_bytes(self) -> int:
         h = self.case.hidden
-        return h + 4 * (h // self.case.act_block) if self.case.precision == "fp8" else 2 * h
+        return h + 4 * (h // self.case.act_block) if self.fp8_dispatch else 2 * h
 
     def traffic(self) -> dict[str, Any]:
         """One row per (token, destination rank) each way; combine returns bf16 rows to their sources."""

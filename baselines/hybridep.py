@@ -28,6 +28,39 @@ from baselines.deepep import deepep_unsupported
 PAD_MULTIPLE = 64  # Megatron's HYBRIDEP_TOKEN_ALIGNMENT
 
 
+def hybridep_unsupported(case: Any, *, mxfp8: bool = False) -> Optional[str]:
+    """Reasons shared by the HybridEP-based backends (None: can run)."""
+    why = deepep_unsupported(case, mxfp8=mxfp8)
+    if why:
+        return why
+    try:
+        from deep_ep import HybridEPBuffer  # noqa: F401
+    except ImportError as e:
+        return f"this DeepEP build has no HybridEP ({e}); build DeepEP's hybrid-ep branch (README)"
+    return None
+
+
+def dense_routing(topk_idx_TK: torch.Tensor, topk_w_TK: torch.Tensor,
+                  num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k ids and weights as HybridEP (and Megatron's router) take them: dense fp32 probs [T, E] (differentiable
+    in ``topk_w_TK``, zero off the top-k) and a bool routing map [T, E]."""
+    T = topk_idx_TK.shape[0]
+    routing_map = torch.zeros(T, num_experts, dtype=torch.bool, device=topk_idx_TK.device)
+    routing_map.scatter_(1, topk_idx_TK, True)
+    probs = torch.zeros(T, num_experts, dtype=torch.float32, device=topk_idx_TK.device)
+    return probs.scatter(1, topk_idx_TK, topk_w_TK.float()), routing_map
+
+
+def routing_map_traffic(map_TE: torch.Tensor, ep: int, local_experts: int, hidden: int, group) -> dict[str, Any]:
+    """HybridEP moves one bf16 row per (token, destination rank), like DeepEP: counted from the [T, E] routing map
+    (shared with the HybridEP + Megatron backend)."""
+    to_rank = map_TE.view(map_TE.shape[0], ep, local_experts).any(-1).sum(0)
+    from_rank = torch.empty_like(to_rank)
+    dist.all_to_all_single(from_rank, to_rank, group=group)
+    return {"dispatch_rows_to": to_rank.tolist(), "combine_rows_to": from_rank.tolist(),
+            "dispatch_row_bytes": 2 * hidden, "combine_row_bytes": 2 * hidden}
+
+
 class _DispatchPermute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TH, probs_TE, be, routing_map_TE):  # type: ignore[override]
@@ -74,14 +107,7 @@ class HybridEPBackend:
 
     @classmethod
     def unsupported_reason(cls, case: Any) -> Optional[str]:
-        why = deepep_unsupported(case)
-        if why:
-            return why
-        try:
-            from deep_ep import HybridEPBuffer  # noqa: F401
-        except ImportError as e:
-            return f"this DeepEP build has no HybridEP ({e}); build DeepEP's hybrid-ep branch (README)"
-        return None
+        return hybridep_unsupported(case)
 
     def __init__(self, case: Any, group: Any) -> None:
         self.case, self.group = case, group
@@ -99,10 +125,7 @@ class HybridEPBackend:
 
     def forward(self, x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, topk_w_TK: torch.Tensor) -> torch.Tensor:
         c = self.case
-        T = x_TH.shape[0]
-        routing_map = torch.zeros(T, c.num_experts, dtype=torch.bool, device=x_TH.device)
-        routing_map.scatter_(1, topk_idx_TK, True)
-        probs = torch.zeros(T, c.num_experts, dtype=torch.float32, device=x_TH.device).scatter(1, topk_idx_TK, topk_w_TK)
+        probs, routing_map = dense_routing(topk_idx_TK, topk_w_TK, c.num_experts)
         rows, row_w = _DispatchPermute.apply(x_TH, probs, self, routing_map)
         counts = torch.as_tensor(self.padded_counts, device=rows.device).to(torch.int64)
         y = self.params.experts(rows, counts).float() * row_w.unsqueeze(-1)
@@ -116,13 +139,7 @@ class HybridEPBackend:
         return self.params.grads()
 
     def traffic(self) -> dict[str, Any]:
-        """HybridEP moves one row per (token, destination rank), like DeepEP: counted from the routing map."""
-        L = self.case.local_experts
-        to_rank = self.last_map.view(self.last_map.shape[0], self.ep, L).any(-1).sum(0)
-        from_rank = torch.empty_like(to_rank)
-        dist.all_to_all_single(from_rank, to_rank, group=self.group)
-        return {"dispatch_rows_to": to_rank.tolist(), "combine_rows_to": from_rank.tolist(),
-                "dispatch_row_bytes": 2 * self.case.hidden, "combine_row_bytes": 2 * self.case.hidden}
+        return routing_map_traffic(self.last_map, self.ep, self.case.local_experts, self.case.hidden, self.group)
 
     def phases(self) -> dict[str, Callable[[], Any]]:
         """Cached dispatch-with-permute and combine-with-unpermute on the last forward's tensors."""

@@ -29,6 +29,8 @@ BACKENDS: dict[str, str] = {
     "nccl": "baselines.nccl:NcclBackend",
     "deepep": "baselines.deepep:DeepEPBackend",
     "hybridep": "baselines.hybridep:HybridEPBackend",
+    "deepep_te": "baselines.deepep_te:DeepEPTEBackend",
+    "hybridep_megatron": "baselines.hybridep_megatron:HybridEPMegatronBackend",
     "mok_hopper": "kernels.mok_hopper.backend:MokHopperBackend",
     "mok": "kernels.mok_upstream:MokBackend",
 }

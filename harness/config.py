@@ -26,6 +26,10 @@ PRECISIONS = ("bf16", "fp8", "mxfp8")
 DIRECTIONS = ("fwd", "bwd", "fwd_bwd")
 ROUTINGS = ("uniform", "zipf", "hot_experts", "hot_rank")
 DEVICES = ("auto", "cpu", "cuda")
+# Transformer Engine fp8 recipe for the TE-based backends (deepep_te, hybridep_megatron) at precision=fp8, in
+# Megatron's names: blockwise = Float8BlockScaling (the harness format: 1x128 activation, 128x128 weight blocks),
+# tensorwise = Float8CurrentScaling, delayed = DelayedScaling. Recorded in those rows' `scaling` column.
+TE_FP8_RECIPES = ("blockwise", "tensorwise", "delayed")
 
 
 class ConfigError(ValueError):
@@ -93,6 +97,7 @@ class BenchConfig:
     compile: Optional[bool] = None  # torch.compile the compute parts: None = on for cuda, off for cpu
     compile_mode: str = "max-autotune-no-cudagraphs"
     comm_sms: Optional[int] = None  # SMs for communication kernels, for backends that take it (None: its default)
+    te_fp8_recipe: str = "blockwise"  # fp8 recipe of the TE-based backends (TE_FP8_RECIPES); others ignore it
     check: bool = True  # correctness gate against the reference before timing
     time_reference: bool = False  # the reference is not a contender; time it only when asked
     run_id: Optional[str] = None  # rows of one run share it; None: generated per process tree
@@ -170,6 +175,7 @@ class Case:
     compile: bool
     compile_mode: str
     comm_sms: Optional[int]
+    te_fp8_recipe: str = "blockwise"
 
     @property
     def routing_label(self) -> str:
@@ -225,6 +231,7 @@ def make_case(cfg: Any, *, ep_size: int, device: str) -> Case:
         compile=bool(compile_),
         compile_mode=c.get("compile_mode", "default"),
         comm_sms=c.get("comm_sms"),
+        te_fp8_recipe=c.get("te_fp8_recipe", "blockwise"),
     )
     validate_case(case)
     return case
@@ -280,6 +287,8 @@ def validate_case(case: Case) -> None:
     need(case.device in ("cpu", "cuda"), f"device must be cpu or cuda (got {case.device})")
     if case.comm_sms is not None:
         need(case.comm_sms > 0 and case.comm_sms % 2 == 0, f"comm_sms must be a positive even number (got {case.comm_sms})")
+    need(case.te_fp8_recipe in TE_FP8_RECIPES,
+         f"unknown te_fp8_recipe '{case.te_fp8_recipe}'; choose one of: {', '.join(TE_FP8_RECIPES)}")
 
 
 def validate_run_options(c: dict) -> None:
@@ -311,12 +320,16 @@ def validate_run_options(c: dict) -> None:
 
 # Fields that identify a measurement, not the run that made it (compare matches rows on this hash).
 _HASH_EXCLUDE = {"run_id", "dist_timeout_s", "results_dir", "results_format", "print_table", "timing", "check", "calibrate",
-                 "time_reference", "backends", "directions"}
+                 "time_reference", "backends", "directions", "te_fp8_recipe"}
 
 
 def config_hash(c: dict, case: Case) -> str:
     kept = {k: v for k, v in c.items() if k not in _HASH_EXCLUDE}
     kept["case"] = dataclasses.asdict(case)
+    if case.precision != "fp8" or case.te_fp8_recipe == "blockwise":
+        # the recipe only changes fp8 measurements: the default (and every bf16/mxfp8 point) keeps the hash it had
+        # before the option existed, so compare still matches those rows
+        kept["case"].pop("te_fp8_recipe")
     blob = OmegaConf.to_yaml(OmegaConf.create(kept), sort_keys=True)
     return hashlib.sha1(blob.encode()).hexdigest()[:12]
 
