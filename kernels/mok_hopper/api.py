@@ -57,13 +57,12 @@ def default_tile(*, precision: str = "bf16", device: Optional[torch.device] = No
                  rows_per_expert: Optional[float] = None) -> tk.TileConfig:
     """The tile configuration used unless one is given (fp8 forces its own GEMM steps, see ``for_fp8``).
 
-    ``rows_per_expert`` (uniform routing: EP * T * K / E) picks the row tile: 128, unless experts usually fill a
-    128-row tile and spill into a second one (more than 96 rows on average and 15% less padding with 64), where
-    64-row tiles waste less MMA work; an expert's row tiles then share its weight reads through L2 (same group
-    of row tiles, see ``group_m``). This rule comes from the cost model in PERF_NOTES.md, not from measurement.
+    ``rows_per_expert`` (uniform routing: EP * T * K / E) is accepted for callers that pass it, and no longer
+    changes the tile: a cost model said 64-row tiles would waste less MMA work once experts overflow one 128-row
+    tile, but on 2xH200 the 64-row kernels ran 30% slower than the 128-row ones (PERF_NOTES.md), so BM is 128.
 
     On the CPU (Triton interpreter) the cost is per operation, not per FLOP: few programs, small row tiles and
-    the widest column / depth steps that divide ``hidden`` / ``ffn``."""
+    the widest column / depth steps that divide ``hidden`` / ``ffn``, and pointer loads (``tma`` off)."""
     cfg = tk.TileConfig()
     if comm_sms is not None:
         cfg = replace(cfg, comm_sms=comm_sms)
@@ -73,9 +72,7 @@ def default_tile(*, precision: str = "bf16", device: Optional[torch.device] = No
 
         cfg = replace(cfg, block_m=32, up_n=widest(ffn, 128), up_k=widest(hidden, 256), down_n=widest(hidden, 256),
                       down_k=widest(ffn, 256), pull_rows=16, num_chunks=2, gemm_programs=2, pull_programs=2)
-    elif rows_per_expert is not None and rows_per_expert > 96 and \
-            expected_padding(rows_per_expert, 128) > 1.15 * expected_padding(rows_per_expert, 64):
-        cfg = replace(cfg, block_m=64, up_warps=4, down_warps=4, group_m=8)
+        cfg = replace(cfg, tma=False)
     return cfg.for_fp8() if precision == "fp8" else cfg
 
 

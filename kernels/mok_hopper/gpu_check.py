@@ -431,16 +431,14 @@ def _empty_cache(ctx: Ctx) -> None:
 
 
 SWEEP = [  # (label, overrides of the base tile, layer options); tiles checked by aot_check to fit on sm_90
-    ("tma", dict(tma=True), {}),
-    ("chunks 1", dict(num_chunks=1), {}),
+    ("pointer loads", dict(tma=False), {}),
     ("chunks 2", dict(num_chunks=2), {}),
-    ("tma chunks 1", dict(tma=True, num_chunks=1), {}),
-    ("tma chunks 2", dict(tma=True, num_chunks=2), {}),
-    ("tma chunks 2 comm 16", dict(tma=True, num_chunks=2, comm_sms=16), {}),
+    ("chunks 4", dict(num_chunks=4), {}),
+    ("comm 32", dict(comm_sms=32), {}),
     ("no cuda graph", {}, dict(cuda_graph=False)),
-    ("tma bm64 w4 g8", dict(tma=True, block_m=64, up_warps=4, down_warps=4, group_m=8), {}),
+    ("bm64 w4 g8", dict(block_m=64, up_warps=4, down_warps=4, group_m=8), {}),
 ]
-SWEEP_FP8 = ("tma", "tma chunks 1", "tma chunks 2")
+SWEEP_FP8 = ("pointer loads", "chunks 2")
 
 
 def sweep(ctx: Ctx, name: str, inp: dict[str, Any], base_layer: MoKHopperLayer, base: tk.TileConfig,

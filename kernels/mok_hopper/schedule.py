@@ -99,7 +99,7 @@ def build_schedule(idx_PS: torch.Tensor, *, rank: int, local_experts: int, block
     codes_R1 = sch.row_code_R1
     codes_R1.fill_(-1)
     codes_R1.scatter_(0, dest_S, order_S.to(torch.int32))
-    codes_R1[R] = -1
+    codes_R1[R:].fill_(-1)  # a fill kernel: a Python-scalar setitem would copy from pageable host memory
     # tile -> expert: the first expert whose tile range ends after the tile (L past the last used tile)
     torch.searchsorted(tile_end_L, torch.arange(M, device=dev), right=True, out_int32=True,
                        out=sch.tile_expert_M)

@@ -63,6 +63,11 @@ class Workspace:
 
             self.buf = symm_mem.empty(total, dtype=torch.uint8, device=self.device)
             self.handle = _rendezvous(symm_mem, self.buf, group)
+            # A new buffer's signal pads are initialised on each rank's stream. A rank whose GPU is still busy
+            # (earlier work queued) would initialise them *after* a faster peer's first barrier signal arrived,
+            # wiping it: the two ranks then wait on each other forever. So every rank's GPU finishes the setup
+            # before any rank can signal (measured: the first forward of a second workspace hung on 2xH200).
+            _settle(self.device, group)
             mine = int(self.handle.buffer_ptrs[rank])
             shift = self.buf.data_ptr() - mine  # the tensor's offset inside the allocation, same on every rank
             bases = [int(p) + shift for p in self.handle.buffer_ptrs]
@@ -117,6 +122,15 @@ class Workspace:
         """Every rank has reached this point on its stream (device-side, signal pads; a no-op for one rank)."""
         if self.handle is not None:
             self.handle.barrier(channel=channel)
+
+
+def _settle(device: torch.device, group: Any) -> None:
+    """Every rank's queued GPU work is done, then every rank has got here (host barrier), then done again."""
+    import torch.distributed as dist
+
+    torch.cuda.synchronize(device)
+    dist.barrier(group=group if group is not None else dist.group.WORLD)
+    torch.cuda.synchronize(device)
 
 
 def _rendezvous(symm_mem: Any, buf: torch.Tensor, group: Any) -> Any:
