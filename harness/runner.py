@@ -266,22 +266,27 @@ def run_backend(name, case, c, inputs, ref, group, ctrl, agree, timer, base, dir
     grads_supported = "bwd" in cls.directions
     extra: dict[str, Any] = dict(info)
 
+    # The gate, per direction: a forward row needs the output to match; a backward row needs the output and every
+    # gradient (a backend whose gradients are off still has a valid forward, and is timed forward).
+    gate: dict[str, tuple[str, Optional[str], dict[str, Any]]] = {}
     if status == "ok" and ref is not None:
-        def _check():
-            got = run_once(backend, inputs, need_grads and grads_supported)
-            want = ref if (need_grads and grads_supported) else {"out": ref["out"]}
-            return compare(got, want, ctrl)
+        with_grads = need_grads and grads_supported
 
-        status, err, verdict = agree(_check)
+        def _check():
+            got = run_once(backend, inputs, with_grads)
+            full = compare(got, ref if with_grads else {"out": ref["out"]}, ctrl)
+            out_only = compare({"out": got["out"]}, {"out": ref["out"]}, ctrl) if with_grads else full
+            return full, out_only
+
+        status, err, verdicts = agree(_check)
         if status == "ok":
-            extra.update(max_abs_err=verdict["max_abs_err"], rel_err=verdict["rel_err"],
-                         worst_tensor=verdict["worst_tensor"])
-            if verdict["any_missing"] or verdict["max_abs_err"] > case.atol or verdict["rel_err"] > case.rtol:
-                status = "mismatch"
-                err = (f"worst abs-max {verdict['max_abs_err']:.4g} (tol {case.atol}), worst rel-L1 "
-                       f"{verdict['rel_err']:.4g} (tol {case.rtol}) on {verdict['worst_tensor'] or '-'}")
-                if verdict["any_missing"]:
-                    err += f"; tensors missing: {', '.join(verdict['missing']) or 'on another rank'}"
+            for d in directions:
+                gate[d] = _gate(verdicts[1] if d == "fwd" else verdicts[0], case)
+            if all(g[0] != "ok" for g in gate.values()):
+                for d in directions:
+                    yield make_row(base, name, d, gate[d][0], error=gate[d][1], **extra, **gate[d][2])
+                agree(backend.teardown)
+                return
     if status != "ok":
         for d in directions:
             yield make_row(base, name, d, status, error=err, **extra)
@@ -292,7 +297,8 @@ def run_backend(name, case, c, inputs, ref, group, ctrl, agree, timer, base, dir
     if name == "reference" and not c["time_reference"]:
         for d in directions:
             yield make_row(base, name, d, "ok", **{
-                **extra, "notes": "ground truth, not timed (set time_reference=true to time it)"})
+                **extra, **gate.get(d, ("ok", None, {}))[2],
+                "notes": "ground truth, not timed (set time_reference=true to time it)"})
         agree(backend.teardown)
         return
 
@@ -304,13 +310,17 @@ def run_backend(name, case, c, inputs, ref, group, ctrl, agree, timer, base, dir
         extra["notes"] = "; ".join(filter(None, [extra.get("notes"), f"traffic / phase timing failed: {err}"]))
 
     for d in directions:
+        checked = gate.get(d, ("ok", None, {}))[2]
         if d not in cls.directions:
             yield make_row(base, name, d, "unsupported", error=f"{name} implements {', '.join(cls.directions)} only",
-                           **extra)
+                           **extra, **checked)
+            continue
+        if d in gate and gate[d][0] != "ok":
+            yield make_row(base, name, d, gate[d][0], error=gate[d][1], **extra, **checked)  # mismatches: not timed
             continue
         status, err, stats = agree(lambda: _time_direction(backend, inputs, d, timer, t))
         if status != "ok":
-            yield make_row(base, name, d, status, error=err, **extra)
+            yield make_row(base, name, d, status, error=err, **extra, **checked)
             continue
         flops = case.flops(d)
         lat_s = stats.median_ms / 1e3
@@ -319,10 +329,22 @@ def run_backend(name, case, c, inputs, ref, group, ctrl, agree, timer, base, dir
             latency_ms=stats.median_ms, latency_p20_ms=stats.p20_ms, latency_p80_ms=stats.p80_ms,
             latency_min_ms=stats.min_ms, latency_max_ms=stats.max_ms, num_warmup=stats.num_warmup,
             num_iters=stats.num_iters, flops_per_gpu=flops, tflops_per_gpu=flops / lat_s / 1e12,
-            tokens_per_s_per_gpu=case.tokens_per_gpu / lat_s, **extra,
+            tokens_per_s_per_gpu=case.tokens_per_gpu / lat_s, **extra, **checked,
         )
         yield _with_roofline(row)
     agree(backend.teardown)
+
+
+def _gate(verdict: dict[str, Any], case: Any) -> tuple[str, Optional[str], dict[str, Any]]:
+    """(status, error, error columns) of one comparison against the published tolerances of the precision."""
+    cols = dict(max_abs_err=verdict["max_abs_err"], rel_err=verdict["rel_err"], worst_tensor=verdict["worst_tensor"])
+    if not (verdict["any_missing"] or verdict["max_abs_err"] > case.atol or verdict["rel_err"] > case.rtol):
+        return "ok", None, cols
+    err = (f"worst abs-max {verdict['max_abs_err']:.4g} (tol {case.atol}), worst rel-L1 {verdict['rel_err']:.4g} "
+           f"(tol {case.rtol}) on {verdict['worst_tensor'] or '-'}")
+    if verdict["any_missing"]:
+        err += f"; tensors missing: {', '.join(verdict['missing']) or 'on another rank'}"
+    return "mismatch", err, cols
 
 
 def _with_roofline(row: dict) -> dict:
