@@ -165,8 +165,9 @@ EOF
   printf 'export PYTHONPATH=%s${PYTHONPATH:+:$PYTHONPATH}\n' "$site" > "$site/env.sh"
   # 5. check: TE loads with its extension, megatron-core imports
   PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" "$py" -c '
+from importlib.metadata import version
 import transformer_engine.pytorch as te, transformer_engine_torch as tex
-print("install_te: transformer_engine", te.__version__, "extension", tex.__file__)
+print("install_te: transformer_engine", version("transformer_engine"), "extension", tex.__file__)
 try:
     import megatron.core
     print("install_te: megatron-core", megatron.core.__version__)
