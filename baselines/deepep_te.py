@@ -133,7 +133,12 @@ class DeepEPTEBackend(DeepEPBackend):
         return g
 
     def info(self) -> dict[str, Any]:
-        te_version = getattr(getattr(self, "_te", None), "__version__", "?")
+        try:  # transformer_engine.pytorch has no __version__; the distribution's metadata has it
+            from importlib.metadata import version
+
+            te_version = version("transformer_engine")
+        except Exception:  # noqa: BLE001 - only the notes text depends on it
+            te_version = "?"
         notes = [f"DeepEP V1 Buffer (hybrid-ep branch), {self.num_sms} comm SMs, bf16 dispatch, no deterministic "
                  "mode in V1",
                  f"experts: 3 TE {te_version} GroupedLinear modules (gate, up, down), TE moe_permute/moe_unpermute"]
