@@ -26,7 +26,6 @@ Example (every rank of ``group``, weights of this rank's experts)::
 
 from __future__ import annotations
 
-import math
 from collections import OrderedDict
 from dataclasses import replace
 from typing import Any, Optional, Sequence
@@ -41,15 +40,6 @@ from kernels.mok_hopper.workspace import Workspace, get_workspace
 PRECISIONS = ("bf16", "fp8")
 MAX_GRAPHS = 4  # captured forwards kept per layer (one per set of input tensors)
 ROUTER_WEIGHT_IN = ("expert", "epilogue")
-
-
-def expected_padding(rows_per_expert: float, block_m: int) -> float:
-    """E[ceil(X / BM) * BM] / E[X] for Poisson(rows_per_expert) rows: the MMA work spent per useful row."""
-    m = rows_per_expert
-    total, spread = 0.0, 10 * math.sqrt(m) + 50
-    for k in range(max(0, int(m - spread)), int(m + spread)):
-        total += math.exp(-m + k * math.log(max(m, 1e-300)) - math.lgamma(k + 1)) * math.ceil(k / block_m) * block_m
-    return total / max(rows_per_expert, 1e-9)
 
 
 def default_tile(*, precision: str = "bf16", device: Optional[torch.device] = None, comm_sms: Optional[int] = None,

@@ -118,9 +118,13 @@ class MokHopperBackend:
                     "notes": "CPU twin (pure torch, gloo), not the Triton kernel: checks schedule and combine logic"}
         t, layer = self._tile, self.impl
         return {"scaling": scaling, "compiled": True, "comm_sms": t.comm_sms,
-                "notes": (f"Triton; BM={t.block_m} up {t.up_n}x{t.up_k} down {t.down_n}x{t.down_k}; "
+                "notes": (f"Triton, {'TMA' if t.tma else 'pointer'} GEMM operands; BM={t.block_m} "
+                          f"up {t.up_n}x{t.up_k} down {t.down_n}x{t.down_k}; "
                           f"{t.num_chunks} pull/GEMM chunks; {layer.gemm_programs} GEMM + {layer.pull_programs} pull "
-                          f"programs; capacity {layer.R} rows; symmetric memory, no multicast")}
+                          f"programs; capacity {layer.R} rows; symmetric memory, no multicast; "
+                          + ("replayed as one CUDA graph" if layer.use_graph else
+                             f"launched from Python (CUDA graph capture failed: {layer.graph_error})"
+                             if layer.graph_error else "launched from Python"))}
 
     def teardown(self) -> None:
         self.impl = None
