@@ -66,7 +66,8 @@ class Workspace:
             # A new buffer's signal pads are initialised on each rank's stream. A rank whose GPU is still busy
             # (earlier work queued) would initialise them *after* a faster peer's first barrier signal arrived,
             # wiping it: the two ranks then wait on each other forever. So every rank's GPU finishes the setup
-            # before any rank can signal (measured: the first forward of a second workspace hung on 2xH200).
+            # before any rank can signal. Without this, the first forward of a workspace made while the GPUs were
+            # busy hung on 2xH200; with it, no hang in two later runs.
             _settle(self.device, group)
             mine = int(self.handle.buffer_ptrs[rank])
             shift = self.buf.data_ptr() - mine  # the tensor's offset inside the allocation, same on every rank
