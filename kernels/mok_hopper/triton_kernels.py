@@ -266,25 +266,56 @@ def pull_rows(code_R: torch.Tensor, chunk_2: torch.Tensor, x_ref: torch.Tensor, 
 
 
 @triton.jit
+def _ld_a(a_ptr, a_at, k0, rmask, TMA: tl.constexpr):
+    """The [BM, BK] activation tile at depth k0: a TMA load at row ``a_at``, or a masked load from the pointers
+    ``a_at`` (rows past the end are zeros either way)."""
+    if TMA:
+        tile = a_ptr.load([a_at, k0])
+    else:
+        tile = tl.load(a_at + k0, mask=rmask[:, None], other=0.0)
+    return tile
+
+
+@triton.jit
+def _ld_w(w_ptr, w_at, k0, TMA: tl.constexpr):
+    """The [BK, BN] view of W^T at depth k0 (W row-major [N, K]): a TMA load of the [BN, BK] block at row ``w_at``,
+    transposed, or a load from the pointers ``w_at``."""
+    if TMA:
+        tile = w_ptr.load([w_at, k0]).T
+    else:
+        tile = tl.load(w_at + k0)
+    return tile
+
+
+@triton.jit
 def _up_swiglu_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, tile_expert_ptr, chunk_ptr,
                       n_rows, H, I, limit,
                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FP8: tl.constexpr,
                       HAS_LIMIT: tl.constexpr, NUM_PROGS: tl.constexpr, UPCAST: tl.constexpr,
-                      STAGES: tl.constexpr, FP8_MAX_: tl.constexpr, GROUP_M: tl.constexpr, WB: tl.constexpr = 128):
+                      STAGES: tl.constexpr, FP8_MAX_: tl.constexpr, GROUP_M: tl.constexpr, TMA: tl.constexpr = False,
+                      WB: tl.constexpr = 128):
+    """TMA: ``a_ptr`` / ``w_ptr`` are TMA descriptors over A [R, H] and W13 [L*2I, H] (blocks [BM, BK] and [BN, BK]),
+    read by Hopper's bulk copy engine; otherwise pointers."""
     m_lo = tl.load(chunk_ptr)
     m_hi = tl.load(chunk_ptr + 1)
     n_n = I // BN
     n_work = (m_hi - m_lo) * n_n
     for wk in range(tl.program_id(0), n_work, NUM_PROGS):
         m, n = _tile_order(wk, m_lo, m_hi, n_n, GROUP_M)
-        e = tl.load(tile_expert_ptr + m).to(tl.int64)
+        e_tile = tl.load(tile_expert_ptr + m)
+        e = e_tile.to(tl.int64)
         rows = (m * BM + tl.arange(0, BM)).to(tl.int64)
         rmask = rows < n_rows
         cols = n * BN + tl.arange(0, BN)
-        kk = tl.arange(0, BK)
-        a_p = a_ptr + rows[:, None] * H + kk[None, :]
-        g_p = w_ptr + e * 2 * I * H + cols[None, :].to(tl.int64) * H + kk[:, None]  # [BK, BN] view of W^T
-        u_p = g_p + I * H
+        if TMA:  # block coordinates
+            a_at = m * BM
+            g_at = e_tile * 2 * I + n * BN
+            u_at = g_at + I
+        else:  # pointers
+            kk = tl.arange(0, BK)
+            a_at = a_ptr + rows[:, None] * H + kk[None, :]
+            g_at = w_ptr + e * 2 * I * H + cols[None, :].to(tl.int64) * H + kk[:, None]  # [BK, BN] view of W^T
+            u_at = g_at + I * H
         acc_g = tl.zeros((BM, BN), dtype=tl.float32)
         acc_u = tl.zeros((BM, BN), dtype=tl.float32)
         if FP8:
@@ -292,17 +323,17 @@ def _up_swiglu_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, tile_expert_p
             # x scales are 1 x BK (BK = 128), weight scales 128 x 128: one scalar per step for gate and for up.
             wsb = ws_ptr + e * (2 * I // WB) * (H // WB)
             for k0 in tl.range(0, H, BK, num_stages=STAGES):
-                a = tl.load(a_p + k0, mask=rmask[:, None], other=0.0)
+                a = _ld_a(a_ptr, a_at, k0, rmask, TMA)
                 sa = tl.load(as_ptr + rows * (H // BK) + k0 // BK, mask=rmask, other=0.0)
                 sg = tl.load(wsb + ((n * BN) // WB) * (H // WB) + k0 // WB)
                 su = tl.load(wsb + ((I + n * BN) // WB) * (H // WB) + k0 // WB)
-                acc_g += _mm(a, tl.load(g_p + k0), UPCAST) * (sa[:, None] * sg)
-                acc_u += _mm(a, tl.load(u_p + k0), UPCAST) * (sa[:, None] * su)
+                acc_g += _mm(a, _ld_w(w_ptr, g_at, k0, TMA), UPCAST) * (sa[:, None] * sg)
+                acc_u += _mm(a, _ld_w(w_ptr, u_at, k0, TMA), UPCAST) * (sa[:, None] * su)
         else:
             for k0 in tl.range(0, H, BK, num_stages=STAGES):
-                a = tl.load(a_p + k0, mask=rmask[:, None], other=0.0)
-                acc_g = _mma(a, tl.load(g_p + k0), acc_g, UPCAST)
-                acc_u = _mma(a, tl.load(u_p + k0), acc_u, UPCAST)
+                a = _ld_a(a_ptr, a_at, k0, rmask, TMA)
+                acc_g = _mma(a, _ld_w(w_ptr, g_at, k0, TMA), acc_g, UPCAST)
+                acc_u = _mma(a, _ld_w(w_ptr, u_at, k0, TMA), acc_u, UPCAST)
         if HAS_LIMIT:
             acc_g = tl.minimum(acc_g, limit)
             acc_u = tl.minimum(tl.maximum(acc_u, -limit), limit)
@@ -316,64 +347,14 @@ def _up_swiglu_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, tile_expert_p
             tl.store(h_ptr + h_off, hv.to(tl.bfloat16), mask=rmask[:, None])
 
 
-@triton.jit
-def _up_swiglu_tma_kernel(a_desc, as_ptr, w_desc, ws_ptr, h_ptr, hs_ptr, tile_expert_ptr, chunk_ptr,
-                          n_rows, H, I, limit,
-                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FP8: tl.constexpr,
-                          HAS_LIMIT: tl.constexpr, NUM_PROGS: tl.constexpr, UPCAST: tl.constexpr,
-                          STAGES: tl.constexpr, FP8_MAX_: tl.constexpr, GROUP_M: tl.constexpr,
-                          WB: tl.constexpr = 128):
-    """:func:`_up_swiglu_kernel` with A [R, H] and W13 [L*2I, H] read through TMA descriptors (block [BM, BK]
-    and [BN, BK]); rows past the end of A come back as zeros from the copy engine."""
-    m_lo = tl.load(chunk_ptr)
-    m_hi = tl.load(chunk_ptr + 1)
-    n_n = I // BN
-    n_work = (m_hi - m_lo) * n_n
-    for wk in range(tl.program_id(0), n_work, NUM_PROGS):
-        m, n = _tile_order(wk, m_lo, m_hi, n_n, GROUP_M)
-        e = tl.load(tile_expert_ptr + m)
-        row0 = m * BM
-        g_row = e * 2 * I + n * BN
-        u_row = g_row + I
-        rows = (row0 + tl.arange(0, BM)).to(tl.int64)
-        rmask = rows < n_rows
-        cols = n * BN + tl.arange(0, BN)
-        acc_g = tl.zeros((BM, BN), dtype=tl.float32)
-        acc_u = tl.zeros((BM, BN), dtype=tl.float32)
-        if FP8:
-            e64 = e.to(tl.int64)
-            wsb = ws_ptr + e64 * (2 * I // WB) * (H // WB)
-            for k0 in tl.range(0, H, BK, num_stages=STAGES):
-                a = a_desc.load([row0, k0])
-                sa = tl.load(as_ptr + rows * (H // BK) + k0 // BK, mask=rmask, other=0.0)
-                sg = tl.load(wsb + ((n * BN) // WB) * (H // WB) + k0 // WB)
-                su = tl.load(wsb + ((I + n * BN) // WB) * (H // WB) + k0 // WB)
-                acc_g += _mm(a, w_desc.load([g_row, k0]).T, UPCAST) * (sa[:, None] * sg)
-                acc_u += _mm(a, w_desc.load([u_row, k0]).T, UPCAST) * (sa[:, None] * su)
-        else:
-            for k0 in tl.range(0, H, BK, num_stages=STAGES):
-                a = a_desc.load([row0, k0])
-                acc_g = _mma(a, w_desc.load([g_row, k0]).T, acc_g, UPCAST)
-                acc_u = _mma(a, w_desc.load([u_row, k0]).T, acc_u, UPCAST)
-        if HAS_LIMIT:
-            acc_g = tl.minimum(acc_g, limit)
-            acc_u = tl.minimum(tl.maximum(acc_u, -limit), limit)
-        hv = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
-        h_off = rows[:, None] * I + cols[None, :]
-        if FP8:
-            q, s = _quant_e4m3(hv, FP8_MAX_)
-            tl.store(h_ptr + h_off, q, mask=rmask[:, None])
-            tl.store(hs_ptr + rows * (I // BN) + n, s, mask=rmask)
-        else:
-            tl.store(h_ptr + h_off, hv.to(tl.bfloat16), mask=rmask[:, None])
-
-
-def _desc(t: torch.Tensor, block: list[int]):
-    """A TMA descriptor over a 2-D view of ``t`` (leading dims flattened)."""
+def _operand(t: torch.Tensor, block: list[int], tma: bool):
+    """A GEMM operand as the kernels take it: the tensor, or a TMA descriptor over its 2-D view (leading dims
+    flattened) with the given block shape."""
+    if not tma:
+        return t
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    t2 = t.reshape(-1, t.shape[-1])
-    return TensorDescriptor.from_tensor(t2, block)
+    return TensorDescriptor.from_tensor(t.reshape(-1, t.shape[-1]), block)
 
 
 def up_swiglu(a_RH: torch.Tensor, a_scale: Optional[torch.Tensor], w13_LIH: torch.Tensor,
@@ -389,19 +370,12 @@ def up_swiglu(a_RH: torch.Tensor, a_scale: Optional[torch.Tensor], w13_LIH: torc
     if fp8:
         assert bk == 128 and 128 % bn == 0, "fp8 up: BK must be the 128 activation / weight block, BN divide 128"
         assert h_scale.shape[1] == I // bn, "fp8 hidden activations are quantised in 1 x up_n blocks"
-    if cfg.tma:
-        _up_swiglu_tma_kernel[(programs,)](
-            _desc(a_RH, [cfg.block_m, bk]), a_scale if fp8 else a_RH, _desc(w13_LIH, [bn, bk]),
-            w13_scale if fp8 else w13_LIH, h_RI, h_scale if fp8 else h_RI,
-            tile_expert_M, chunk_2, R if n_rows is None else n_rows, H, I, 0.0 if limit is None else float(limit),
-            BM=cfg.block_m, BN=bn, BK=bk, FP8=fp8, HAS_LIMIT=limit is not None, NUM_PROGS=programs,
-            UPCAST=INTERPRET, STAGES=cfg.up_stages, FP8_MAX_=FP8_MAX, GROUP_M=cfg.group_m, num_warps=cfg.up_warps)
-        return
     _up_swiglu_kernel[(programs,)](
-        a_RH, a_scale if fp8 else a_RH, w13_LIH, w13_scale if fp8 else w13_LIH, h_RI, h_scale if fp8 else h_RI,
+        _operand(a_RH, [cfg.block_m, bk], cfg.tma), a_scale if fp8 else a_RH, _operand(w13_LIH, [bn, bk], cfg.tma),
+        w13_scale if fp8 else w13_LIH, h_RI, h_scale if fp8 else h_RI,
         tile_expert_M, chunk_2, R if n_rows is None else n_rows, H, I, 0.0 if limit is None else float(limit),
         BM=cfg.block_m, BN=bn, BK=bk, FP8=fp8, HAS_LIMIT=limit is not None, NUM_PROGS=programs, UPCAST=INTERPRET,
-        STAGES=cfg.up_stages, FP8_MAX_=FP8_MAX, GROUP_M=cfg.group_m, num_warps=cfg.up_warps)
+        STAGES=cfg.up_stages, FP8_MAX_=FP8_MAX, GROUP_M=cfg.group_m, TMA=cfg.tma, num_warps=cfg.up_warps)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -413,69 +387,35 @@ def _down_push_kernel(h_ptr, hs_ptr, w_ptr, ws_ptr, tile_expert_ptr, chunk_ptr, 
                       out_delta, n_rows, H, I, TK,
                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FP8: tl.constexpr,
                       APPLY_W: tl.constexpr, NUM_PROGS: tl.constexpr, UPCAST: tl.constexpr, STAGES: tl.constexpr,
-                      GROUP_M: tl.constexpr, WB: tl.constexpr = 128):
+                      GROUP_M: tl.constexpr, TMA: tl.constexpr = False, WB: tl.constexpr = 128):
+    """TMA: ``h_ptr`` / ``w_ptr`` are TMA descriptors over h [R, I] and W2 [L*H, I] (blocks [BM, BK] and [BN, BK]);
+    otherwise pointers."""
     m_lo = tl.load(chunk_ptr)
     m_hi = tl.load(chunk_ptr + 1)
     n_n = H // BN
     n_work = (m_hi - m_lo) * n_n
     for wk in range(tl.program_id(0), n_work, NUM_PROGS):
         m, n = _tile_order(wk, m_lo, m_hi, n_n, GROUP_M)
-        e = tl.load(tile_expert_ptr + m).to(tl.int64)
+        e_tile = tl.load(tile_expert_ptr + m)
+        e = e_tile.to(tl.int64)
         rows32 = m * BM + tl.arange(0, BM)
         rows = rows32.to(tl.int64)
         rmask = rows < n_rows
         cols = n * BN + tl.arange(0, BN)
-        kk = tl.arange(0, BK)
-        a_p = h_ptr + rows[:, None] * I + kk[None, :]
-        b_p = w_ptr + e * H * I + cols[None, :].to(tl.int64) * I + kk[:, None]  # [BK, BN] view of W2^T
+        if TMA:  # block coordinates
+            a_at = m * BM
+            b_at = e_tile * H + n * BN
+        else:  # pointers
+            kk = tl.arange(0, BK)
+            a_at = h_ptr + rows[:, None] * I + kk[None, :]
+            b_at = w_ptr + e * H * I + cols[None, :].to(tl.int64) * I + kk[:, None]  # [BK, BN] view of W2^T
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         for k0 in tl.range(0, I, BK, num_stages=STAGES):
-            a = tl.load(a_p + k0, mask=rmask[:, None], other=0.0)
-            b = tl.load(b_p + k0)
+            a = _ld_a(h_ptr, a_at, k0, rmask, TMA)
+            b = _ld_w(w_ptr, b_at, k0, TMA)
             if FP8:  # h scales are 1 x BK (the up GEMM's column tile), weight scales 128 x 128
                 sa = tl.load(hs_ptr + rows * (I // BK) + k0 // BK, mask=rmask, other=0.0)
                 sb = tl.load(ws_ptr + e * (H // WB) * (I // WB) + ((n * BN) // WB) * (I // WB) + k0 // WB)
-                acc += _mm(a, b, UPCAST) * (sa[:, None] * sb)
-            else:
-                acc = _mma(a, b, acc, UPCAST)
-        code = tl.load(code_ptr + rows32, mask=rmask, other=-1)
-        valid = code >= 0
-        c = tl.where(valid, code, 0)
-        if APPLY_W:
-            acc = acc * tl.load(rw_ptr + rows32, mask=valid, other=0.0)[:, None]
-        src = c // TK
-        slot = (c % TK).to(tl.int64)
-        d = tl.multiple_of(tl.load(out_delta + src, mask=valid, other=0), 16)
-        tl.store(out_ref + (d + slot * H)[:, None] + cols[None, :], acc.to(tl.bfloat16), mask=valid[:, None])
-
-
-@triton.jit
-def _down_push_tma_kernel(h_desc, hs_ptr, w_desc, ws_ptr, tile_expert_ptr, chunk_ptr, code_ptr, rw_ptr, out_ref,
-                          out_delta, n_rows, H, I, TK,
-                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FP8: tl.constexpr,
-                          APPLY_W: tl.constexpr, NUM_PROGS: tl.constexpr, UPCAST: tl.constexpr,
-                          STAGES: tl.constexpr, GROUP_M: tl.constexpr, WB: tl.constexpr = 128):
-    """:func:`_down_push_kernel` with h [R, I] and W2 [L*H, I] read through TMA descriptors."""
-    m_lo = tl.load(chunk_ptr)
-    m_hi = tl.load(chunk_ptr + 1)
-    n_n = H // BN
-    n_work = (m_hi - m_lo) * n_n
-    for wk in range(tl.program_id(0), n_work, NUM_PROGS):
-        m, n = _tile_order(wk, m_lo, m_hi, n_n, GROUP_M)
-        e = tl.load(tile_expert_ptr + m)
-        row0 = m * BM
-        w_row = e * H + n * BN
-        rows32 = row0 + tl.arange(0, BM)
-        rows = rows32.to(tl.int64)
-        rmask = rows < n_rows
-        cols = n * BN + tl.arange(0, BN)
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for k0 in tl.range(0, I, BK, num_stages=STAGES):
-            a = h_desc.load([row0, k0])
-            b = w_desc.load([w_row, k0]).T
-            if FP8:
-                sa = tl.load(hs_ptr + rows * (I // BK) + k0 // BK, mask=rmask, other=0.0)
-                sb = tl.load(ws_ptr + e.to(tl.int64) * (H // WB) * (I // WB) + ((n * BN) // WB) * (I // WB) + k0 // WB)
                 acc += _mm(a, b, UPCAST) * (sa[:, None] * sb)
             else:
                 acc = _mma(a, b, acc, UPCAST)
@@ -504,21 +444,13 @@ def down_push(h_RI: torch.Tensor, h_scale: Optional[torch.Tensor], w2_LHI: torch
     if fp8:
         assert 128 % bn == 0 and h_scale.shape[1] == I // bk, "fp8 down: BK must be the hidden-activation block, " \
                                                              "BN divide 128"
-    if cfg.tma:
-        _down_push_tma_kernel[(programs,)](
-            _desc(h_RI, [cfg.block_m, bk]), h_scale if fp8 else h_RI, _desc(w2_LHI, [bn, bk]),
-            w2_scale if fp8 else w2_LHI, tile_expert_M, chunk_2, code_R,
-            rw_R if rw_R is not None else h_RI, out_ref, out_delta_P, R if n_rows is None else n_rows, H, I,
-            slots_per_rank,
-            BM=cfg.block_m, BN=bn, BK=bk, FP8=fp8, APPLY_W=rw_R is not None, NUM_PROGS=programs, UPCAST=INTERPRET,
-            STAGES=cfg.down_stages, GROUP_M=cfg.group_m, num_warps=cfg.down_warps)
-        return
     _down_push_kernel[(programs,)](
-        h_RI, h_scale if fp8 else h_RI, w2_LHI, w2_scale if fp8 else w2_LHI, tile_expert_M, chunk_2, code_R,
+        _operand(h_RI, [cfg.block_m, bk], cfg.tma), h_scale if fp8 else h_RI, _operand(w2_LHI, [bn, bk], cfg.tma),
+        w2_scale if fp8 else w2_LHI, tile_expert_M, chunk_2, code_R,
         rw_R if rw_R is not None else h_RI, out_ref, out_delta_P, R if n_rows is None else n_rows, H, I,
         slots_per_rank,
         BM=cfg.block_m, BN=bn, BK=bk, FP8=fp8, APPLY_W=rw_R is not None, NUM_PROGS=programs, UPCAST=INTERPRET,
-        STAGES=cfg.down_stages, GROUP_M=cfg.group_m, num_warps=cfg.down_warps)
+        STAGES=cfg.down_stages, GROUP_M=cfg.group_m, TMA=cfg.tma, num_warps=cfg.down_warps)
 
 
 # ---------------------------------------------------------------------------------------------------------------
