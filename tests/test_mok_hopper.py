@@ -100,6 +100,7 @@ def rel_l1(a: torch.Tensor, b: torch.Tensor) -> float:
 # schedule
 
 
+@pytest.mark.parametrize("half", [False, True], ids=["full_tiles", "half_tiles"])
 @pytest.mark.parametrize("P,T,K,E,BM,mode", [
     (1, 16, 2, 8, 4, "uniform"),
     (2, 16, 2, 8, 4, "uniform"),
@@ -110,15 +111,18 @@ def rel_l1(a: torch.Tensor, b: torch.Tensor) -> float:
     (2, 16, 2, 8, 4, "one_rank"),  # rank 1 gets nothing at all
     (2, 16, 3, 8, 4, "masked"),  # ids < 0 are skipped
 ])
-def test_schedule_matches_its_python_twin(P, T, K, E, BM, mode):
+def test_schedule_matches_its_python_twin(P, T, K, E, BM, mode, half):
     idx_PS = torch.stack([i.reshape(-1) for i in routing(P, T, K, E, seed=P * 10 + K, mode=mode)])
     L = E // P
     for r in range(P):
         R = capacity_rows(ep=P, tokens=T, topk=K, local_experts=L, block_m=BM)
-        s = build_schedule(idx_PS.to(torch.int32), rank=r, local_experts=L, block_m=BM, capacity=R, num_chunks=3)
-        codes, tiles, overflow = reference_schedule(idx_PS, rank=r, local_experts=L, block_m=BM, capacity=R)
+        s = build_schedule(idx_PS.to(torch.int32), rank=r, local_experts=L, block_m=BM, capacity=R, num_chunks=3,
+                           half_tiles=half)
+        codes, tiles, overflow, starts = reference_schedule(idx_PS, rank=r, local_experts=L, block_m=BM,
+                                                            capacity=R, half_tiles=half)
         assert s.row_code_R.tolist() == codes
         assert s.tile_expert_M.tolist() == tiles
+        assert s.tile_row_M1.tolist() == starts
         assert int(s.overflow_rows) == overflow == 0
         n_tiles = sum(1 for e in tiles if e < L)
         assert int(s.num_tiles) == n_tiles
@@ -126,16 +130,37 @@ def test_schedule_matches_its_python_twin(P, T, K, E, BM, mode):
         assert ch[0] == 0 and ch[-1] == n_tiles and ch == sorted(ch)  # chunks cover the tiles, in order
         mine = ((idx_PS >= r * L) & (idx_PS < (r + 1) * L)).sum()
         assert int(s.counts_L.sum()) == int(mine) == sum(1 for c in codes if c >= 0)
+        sizes = [b - a for a, b in zip(starts[:n_tiles], starts[1 : n_tiles + 1])]
+        assert set(sizes) <= ({BM, BM // 2} if half else {BM})
+        # every expert's rows lie inside its own tiles, and a tile is at most as big as it needs to be
+        for m in range(n_tiles):
+            owners = {idx_PS.reshape(-1)[c].item() - r * L for c in codes[starts[m]: starts[m + 1]] if c >= 0}
+            assert owners == {tiles[m]}
+            if half and sizes[m] == BM:
+                assert sum(1 for c in codes[starts[m]: starts[m + 1]] if c >= 0) > BM // 2
+
+
+def test_half_tiles_cut_the_padding_of_experts_just_over_a_tile():
+    # expert 0: 5 rows, expert 1: 2 rows, BM 4 -> full tiles: 4 + 4 | 4 = 12 rows; half tiles: 4 + 2 | 2 = 8 rows
+    idx_PS = torch.tensor([[0, 0, 0, 0, 0, 1, 1]])
+    full = build_schedule(idx_PS, rank=0, local_experts=2, block_m=4, capacity=16)
+    half = build_schedule(idx_PS, rank=0, local_experts=2, block_m=4, capacity=16, half_tiles=True)
+    assert full.tile_row_M1[:4].tolist() == [0, 4, 8, 12] and full.tile_expert_M[:3].tolist() == [0, 0, 1]
+    assert half.tile_row_M1[:4].tolist() == [0, 4, 6, 8] and half.tile_expert_M[:4].tolist() == [0, 0, 1, 2]
+    assert half.row_code_R.tolist()[:8] == [0, 1, 2, 3, 4, -1, 5, 6]
 
 
 def test_schedule_counts_overflow_instead_of_dropping_silently():
     P, T, K, E, BM = 2, 16, 2, 4, 4
     idx_PS = torch.stack([i.reshape(-1) for i in routing(P, T, K, E, seed=3)])
     R = 16  # far too small: 32 routed rows per rank
-    s = build_schedule(idx_PS, rank=0, local_experts=2, block_m=BM, capacity=R)
-    codes, tiles, overflow = reference_schedule(idx_PS, rank=0, local_experts=2, block_m=BM, capacity=R)
-    assert overflow > 0 and int(s.overflow_rows) == overflow
-    assert s.row_code_R.tolist() == codes and s.tile_expert_M.tolist() == tiles  # what fits is a prefix
+    for half in (False, True):
+        s = build_schedule(idx_PS, rank=0, local_experts=2, block_m=BM, capacity=R, half_tiles=half)
+        codes, tiles, overflow, starts = reference_schedule(idx_PS, rank=0, local_experts=2, block_m=BM,
+                                                            capacity=R, half_tiles=half)
+        assert overflow > 0 and int(s.overflow_rows) == overflow
+        assert s.row_code_R.tolist() == codes and s.tile_expert_M.tolist() == tiles  # what fits is a prefix
+        assert s.tile_row_M1.tolist() == starts and starts[int(s.num_tiles)] == R
 
 
 def test_capacity_is_the_worst_case_up_to_ep2_and_moks_rule_beyond():
@@ -161,6 +186,7 @@ def test_schedule_never_syncs_with_the_host(monkeypatch):
     monkeypatch.setattr(torch, "bincount", boom)
     monkeypatch.setattr(torch, "repeat_interleave", boom)
     build_schedule(idx_PS, rank=1, local_experts=4, block_m=4, capacity=64, num_chunks=2)
+    build_schedule(idx_PS, rank=1, local_experts=4, block_m=4, capacity=64, num_chunks=2, half_tiles=True)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -277,31 +303,42 @@ def test_kernels_edge_cases(mode, K, P):
 
 
 @needs_triton
+@pytest.mark.parametrize("half", [True, False], ids=["half_tiles+ready", "full_tiles+events"])
 @pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
-def test_kernels_with_small_tiles_walk_every_loop(precision, tma):
+def test_kernels_with_small_tiles_walk_every_loop(precision, tma, half):
     """Tiles much smaller than the matrices: several column tiles, several K steps, several tiles per expert and
     per chunk, persistent programs looping, pull steps that straddle chunk ends; four ranks. Both GEMM operand
-    paths: pointer loads, and TMA tensor descriptors."""
+    paths: pointer loads, and TMA tensor descriptors. Both tile layouts: half tiles with the pull's ready
+    counters (every granule of the used rows counted exactly once), and full tiles only, without counters."""
     from dataclasses import replace
 
     from kernels.mok_hopper.triton_kernels import TileConfig
 
     if precision == "fp8":  # fp8 steps follow the scale blocks (up 64 x 128, down 128 x 64): two of each here
-        P, T, K, E, H, I = 2, 16, 3, 8, 256, 128
+        P, T, K, E, H, I = 2, 24, 3, 8, 256, 128
         tile = TileConfig(block_m=16, num_chunks=3, gemm_programs=3, pull_programs=5, pull_rows=4,
                           group_m=3).for_fp8()
     else:
         P, T, K, E, H, I = 4, 16, 3, 16, 128, 64
         tile = TileConfig(block_m=16, up_n=32, up_k=32, down_n=32, down_k=16, num_chunks=3, gemm_programs=3,
                           pull_programs=5, pull_rows=4, group_m=2)
-    tile = replace(tile, tma=tma)
+    tile = replace(tile, tma=tma, half_tiles=half, ready_flags=half)
     xs, idx, ws, w13, w2, sh = make_layer_inputs(P, T, K, E, H, I, seed=13)
     runs, layers, _ = run_kernels(xs, idx, ws, w13, w2, sh, precision=precision, tile=tile, limit=1.0)
     want = twin.simulate(xs, idx, ws, w13, w2, shared=sh, fp8=precision == "fp8", block_m=16, limit=1.0)
     for r in range(P):
         assert rel_l1(runs[0][r], want[r]) < 1e-3 and (runs[0][r].float() - want[r].float()).abs().max() < 0.02
     assert sum(int(layer.sched.num_tiles) for layer in layers) > 3 * P
+    sizes = {b - a for layer in layers for a, b in zip(layer.sched.tile_row_M1[: int(layer.sched.num_tiles)].tolist(),
+                                                         layer.sched.tile_row_M1[1 : int(layer.sched.num_tiles) + 1].tolist())}
+    assert sizes == ({8, 16} if half else {16})  # both tile kinds ran
+    for layer in layers:
+        if half:
+            used = int(layer.sched.tile_row_M1[int(layer.sched.num_tiles)]) // 8
+            assert layer.ready[:used].tolist() == [8] * used and not layer.ready[used:].any()
+        else:
+            assert layer.ready is None
 
 
 @needs_triton

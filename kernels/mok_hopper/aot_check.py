@@ -48,12 +48,14 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048) -> list[Varia
         xt = "*fp8e4nv" if fp8 else "*bf16"
         hs = hidden // 128 if fp8 else 1
         out.append(Variant(f"pull {'fp8' if fp8 else 'bf16'}{' +w' if pull_w else ''}", "_pull_rows_kernel",
-                           dict(code_ptr="*i32", chunk_ptr="*i32", x_ref=xt, x_delta="*i64",
+                           dict(code_ptr="*i32", chunk_ptr="*i32", tile_row_ptr="*i32", ready_ptr="*i32",
+                                x_ref=xt, x_delta="*i64",
                                 xs_ref="*fp32" if fp8 else xt, xs_delta="*i64", w_ref="*fp32", w_delta="*i64",
                                 x_out=xt, xs_out="*fp32" if fp8 else xt, w_out="*fp32", TK="i32", K="i32",
                                 H="i32", HS="i32"),
-                           dict(BM=cfg.block_m, BR=cfg.pull_rows, BH=hp, HSP=1 << (hs - 1).bit_length(), FP8=fp8,
-                                PULL_W=pull_w, NUM_PROGS=48), cfg.pull_warps))
+                           dict(BR=cfg.pull_rows, BH=hp, HSP=1 << (hs - 1).bit_length(), FP8=fp8,
+                                PULL_W=pull_w, NUM_PROGS=48, READY=cfg.ready_flags, GRAN=tk.ready_granule(cfg)),
+                           cfg.pull_warps))
     def operand(t: str, block: list[int], tma: bool) -> str:  # a pointer, or a TMA descriptor with its block
         return f"tensordesc<{t[1:]}[{block[0]}, {block[1]}]>" if tma else t
 
@@ -63,24 +65,29 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048) -> list[Varia
             c = f8 if fp8 else cfg
             t = "*fp8e4nv" if fp8 else "*bf16"
             out.append(Variant(f"up {'fp8' if fp8 else 'bf16'}{' clamp' if limit else ''}{path}", "_up_swiglu_kernel",
-                               dict(a_ptr=operand(t, [c.block_m, c.up_k], tma), as_ptr="*fp32",
+                               dict(a_ptr=operand(t, [c.block_m, c.up_k], tma),
+                                    a_half=operand(t, [c.block_m // 2, c.up_k], tma), as_ptr="*fp32",
                                     w_ptr=operand(t, [c.up_n, c.up_k], tma), ws_ptr="*fp32", h_ptr=t, hs_ptr="*fp32",
-                                    tile_expert_ptr="*i32", chunk_ptr="*i32", n_rows="i32", H="i32", I="i32",
-                                    limit="fp32"),
+                                    tile_expert_ptr="*i32", tile_row_ptr="*i32", chunk_ptr="*i32", ready_ptr="*i32",
+                                    work_ptr="*i32", n_rows="i32", H="i32", I="i32", limit="fp32"),
                                dict(BM=c.block_m, BN=c.up_n, BK=c.up_k, FP8=fp8, HAS_LIMIT=limit, NUM_PROGS=nprog,
                                     UPCAST=False, STAGES=c.up_stages, FP8_MAX_=tk.FP8_MAX, GROUP_M=c.group_m, TMA=tma,
+                                    HALF=c.half_tiles, READY=c.ready_flags, GRAN=tk.ready_granule(c), SPIN=True,
+                                    DYN=c.ready_flags,
                                     WB=128), c.up_warps))
         for fp8, apply_w in ((False, True), (False, False), (True, True)):
             c = f8 if fp8 else cfg
             t = "*fp8e4nv" if fp8 else "*bf16"
             out.append(Variant(f"down {'fp8' if fp8 else 'bf16'}{' x w' if apply_w else ''}{path}", "_down_push_kernel",
-                               dict(h_ptr=operand(t, [c.block_m, c.down_k], tma), hs_ptr="*fp32",
+                               dict(h_ptr=operand(t, [c.block_m, c.down_k], tma),
+                                    h_half=operand(t, [c.block_m // 2, c.down_k], tma), hs_ptr="*fp32",
                                     w_ptr=operand(t, [c.down_n, c.down_k], tma), ws_ptr="*fp32",
-                                    tile_expert_ptr="*i32", chunk_ptr="*i32", code_ptr="*i32", rw_ptr="*fp32",
+                                    tile_expert_ptr="*i32", tile_row_ptr="*i32", chunk_ptr="*i32", code_ptr="*i32",
+                                    rw_ptr="*fp32",
                                     out_ref="*bf16", out_delta="*i64", n_rows="i32", H="i32", I="i32", TK="i32"),
                                dict(BM=c.block_m, BN=c.down_n, BK=c.down_k, FP8=fp8, APPLY_W=apply_w,
                                     NUM_PROGS=nprog, UPCAST=False, STAGES=c.down_stages, GROUP_M=c.group_m, TMA=tma,
-                                    WB=128), c.down_warps))
+                                    HALF=c.half_tiles, WB=128), c.down_warps))
     out.append(Variant("epilogue", "_epilogue_kernel",
                        dict(comb_ptr="*bf16", idx_ptr="*i64", rw_ptr="*fp32", shared_ptr="*bf16", out_ptr="*bf16",
                             T="i32", H="i32", K="i32"),

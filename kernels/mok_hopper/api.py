@@ -8,14 +8,18 @@ One forward, all on the device, no host synchronisation::
     stage      x -> symmetric x (fp8: quantised 1x128 on the way), top-k ids -> int32, router weights
     barrier 0  (signal pads)
     schedule   pull every rank's top-k ids from its buffer; build this rank's row table (schedule.py)
-    pull       per chunk c: routed rows from the source ranks' x buffers into local rows      [comm stream]
+    pull       per chunk c: routed rows from the source ranks' x buffers into local rows; each granule of
+               rows done bumps a ready counter                                                  [comm stream]
     shared     shared expert (same GEMM kernels, one "expert" with T rows)                     [main stream]
-    experts    per chunk c, after pull c: gate/up GEMM + SwiGLU, then down GEMM x router weight,
-               each row stored into its source rank's combine buffer at slot t*K + k            [main stream]
-    barrier 1
+    experts    per chunk c: gate/up GEMM + SwiGLU (each tile first waits on its rows' ready counters), then
+               down GEMM x router weight, each row stored into its source rank's combine buffer at slot
+               t*K + k                                                                          [main stream]
+    barrier 1  (after the comm stream joins)
     epilogue   out[t] = sum_k combine[t*K + k] + shared[t], fp32, k ascending -> bf16
 
-The pull of chunk c+1 overlaps the expert GEMMs of chunk c (and the shared expert overlaps the first pulls).
+The pull overlaps the shared expert and, tile by tile, the up GEMM (MoK's fine-grained overlap: the GEMM programs
+spin on the counters, so they leave ``comm_sms`` SMs to the pull). With ``ready_flags`` off, chunk c's GEMMs wait
+for chunk c's whole pull (a stream event) instead.
 Results are bitwise reproducible: fixed schedule order, no split-K, no atomics on data, fixed-order epilogue.
 
 Example (every rank of ``group``, weights of this rank's experts)::
@@ -118,7 +122,9 @@ class MoKHopperLayer(torch.nn.Module):
         if self.fp8:
             self.cfg = self.cfg.for_fp8()
         self.cfg_bf16 = tile if tile is not None and not self.fp8 else default_tile(device=dev, hidden=H, ffn=I)
-        self.cfg_bf16 = tk.TileConfig(**{**self.cfg_bf16.__dict__, "block_m": self.cfg.block_m, "tma": self.cfg.tma})
+        # the shared expert: one "expert" of T rows in full tiles, nothing to wait for
+        self.cfg_bf16 = replace(self.cfg_bf16, block_m=self.cfg.block_m, tma=self.cfg.tma, half_tiles=False,
+                                ready_flags=False)
         _check_divisible(H, I, self.cfg, self.cfg_bf16, shared is not None)
         BM = self.cfg.block_m
 
@@ -151,7 +157,12 @@ class MoKHopperLayer(torch.nn.Module):
         self.h_rows = torch.zeros(R, I, dtype=xdt, device=dev)
         self.hs_rows = torch.zeros(R, I // self.cfg.h_block, dtype=torch.float32, device=dev) if self.fp8 else None
         self.idx_all = torch.zeros(self.world, tokens * topk, dtype=torch.int32, device=dev)
-        self.sched: Schedule = empty_schedule(capacity=R, block_m=BM, local_experts=L, num_chunks=C, device=dev)
+        self.sched: Schedule = empty_schedule(capacity=R, block_m=BM, local_experts=L, num_chunks=C, device=dev,
+                                              half_tiles=self.cfg.half_tiles)
+        # pull -> up GEMM ready counters, one per granule of rows (zeroed by every schedule)
+        self.ready = (torch.zeros(R // tk.ready_granule(self.cfg), dtype=torch.int32, device=dev)
+                      if self.cfg.ready_flags else None)
+        self.work = torch.zeros(C, dtype=torch.int32, device=dev) if self.cfg.ready_flags else None  # up work items
         self.overflow_total = torch.zeros(1, dtype=torch.int32, device=dev)
 
         self.has_shared = shared is not None
@@ -164,22 +175,30 @@ class MoKHopperLayer(torch.nn.Module):
             self.sh_y = torch.zeros(tokens, H, dtype=torch.bfloat16, device=dev)
             self.sh_code = torch.arange(tokens, dtype=torch.int32, device=dev)
             self.sh_tiles = torch.zeros(n_tiles, dtype=torch.int32, device=dev)
+            self.sh_rows = torch.arange(n_tiles + 1, dtype=torch.int32, device=dev) * BM
             self.sh_chunk = torch.tensor([0, n_tiles], dtype=torch.int32, device=dev)
             self.sh_delta = torch.zeros(1, dtype=torch.int64, device=dev)  # the "combine buffer" is sh_y itself
 
         n_sm = tk.num_sms(dev)
         # On CUDA the pulls run on their own stream with comm_sms worth of programs, beside the shared expert and
-        # (with several chunks) the previous chunk's GEMMs; the GEMMs leave those SMs free while pulls can still be
-        # running. With one chunk nothing overlaps the expert GEMMs, so they take every SM.
+        # the up GEMM (ready counters) or the previous chunk's GEMMs (chunks). A GEMM that can run while pulls
+        # still run leaves those SMs free: the up GEMM with ready counters must (its programs wait for the pull).
+        # The down GEMM runs after every pull it depends on when there is one chunk, so it takes every SM.
         self.overlap = self.cuda
         comm = self.cfg.comm_sms if self.overlap else 0
         self.shared_programs = self.cfg.gemm_programs or max(1, n_sm - comm)
+        # With ready counters and one chunk, a second up launch with comm_sms programs follows the pull on the comm
+        # stream and takes work items off the same counter, so the up GEMM gets every SM once the pull is done.
+        busy = C > 1 or self.ready is not None
+        self.up_programs = self.cfg.gemm_programs or (max(1, n_sm - comm) if busy else n_sm)
+        self.up_helper_programs = comm if (self.ready is not None and C == 1 and self.overlap) else 0
         self.gemm_programs = self.cfg.gemm_programs or (n_sm if C == 1 else max(1, n_sm - comm))
         self.pull_programs = self.cfg.pull_programs or 2 * (comm if self.overlap else n_sm)
         if self.cuda:
             self.comm_stream = torch.cuda.Stream(device=dev, priority=-1)
             self.ev_sched = torch.cuda.Event()
             self.ev_pull = [torch.cuda.Event() for _ in range(C)]
+            self.ev_helper = torch.cuda.Event()
         self.use_graph = self.cuda and cuda_graph
         self.graph_error: Optional[str] = None  # why capture failed (then every call runs eagerly)
         self._graphs: "OrderedDict[tuple, Any]" = OrderedDict()
@@ -260,11 +279,19 @@ class MoKHopperLayer(torch.nn.Module):
             for c in range(C):
                 self.pull(c)
                 self.ev_pull[c].record(self.comm_stream)
+            if self.up_helper_programs:
+                self.up(0, programs=self.up_helper_programs)
+                self.ev_helper.record(self.comm_stream)
         if self.has_shared:
             self.shared_expert(x_TH)
         for c in range(C):
-            main.wait_event(self.ev_pull[c])
-            self.experts(c)
+            if self.ready is None:
+                main.wait_event(self.ev_pull[c])
+            self.up(c)
+            if self.up_helper_programs:
+                main.wait_event(self.ev_helper)
+            self.down(c)
+        main.wait_event(self.ev_pull[C - 1])  # join the comm stream (pulls done) before barrier 1
 
     def finish(self, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The fixed-order epilogue (every push into this rank must be visible: after barrier 1)."""
@@ -280,40 +307,45 @@ class MoKHopperLayer(torch.nn.Module):
     def schedule(self) -> Schedule:
         tk.gather_peer_i32(self.ws.idx, self.ws.tables["idx"], self.idx_all)
         build_schedule(self.idx_all, rank=self.rank, local_experts=self.L, block_m=self.cfg.block_m,
-                       capacity=self.R, num_chunks=self.cfg.num_chunks, out=self.sched)
+                       capacity=self.R, num_chunks=self.cfg.num_chunks, half_tiles=self.cfg.half_tiles,
+                       out=self.sched)
+        if self.ready is not None:
+            self.ready.zero_()
+            self.work.zero_()
         self.overflow_total += self.sched.overflow_rows
         return self.sched
 
     def pull(self, c: int) -> None:
         ws, s = self.ws, self.sched
         pw = self.weights_in_expert
-        tk.pull_rows(s.row_code_R, s.chunk_tiles_C1[c : c + 2], ws.x, ws.tables["x"], ws.xs, ws.tables.get("xs"),
-                     ws.w if pw else None, ws.tables["w"] if pw else None, self.x_rows, self.xs_rows, self.rw_rows,
-                     tokens=self.T, topk=self.K, block_m=self.cfg.block_m, cfg=self.cfg,
-                     programs=self.pull_programs)
+        tk.pull_rows(s.row_code_R, s.chunk_tiles_C1[c : c + 2], s.tile_row_M1, ws.x, ws.tables["x"], ws.xs,
+                     ws.tables.get("xs"), ws.w if pw else None, ws.tables["w"] if pw else None, self.x_rows,
+                     self.xs_rows, self.rw_rows, tokens=self.T, topk=self.K, cfg=self.cfg,
+                     programs=self.pull_programs, ready=self.ready)
 
     def experts(self, c: int) -> None:
         self.up(c)
         self.down(c)
 
-    def up(self, c: int) -> None:
+    def up(self, c: int, programs: Optional[int] = None) -> None:
         s = self.sched
         tk.up_swiglu(self.x_rows, self.xs_rows, self.w13, self.w13_scale, self.h_rows, self.hs_rows,
-                     s.tile_expert_M, s.chunk_tiles_C1[c : c + 2], limit=self.limit, cfg=self.cfg,
-                     programs=self.gemm_programs)
+                     s.tile_expert_M, s.tile_row_M1, s.chunk_tiles_C1[c : c + 2], limit=self.limit, cfg=self.cfg,
+                     programs=programs or self.up_programs, ready=self.ready,
+                     work=self.work[c : c + 1] if self.work is not None else None)
 
     def down(self, c: int) -> None:
         s = self.sched
-        tk.down_push(self.h_rows, self.hs_rows, self.w2, self.w2_scale, s.tile_expert_M, s.chunk_tiles_C1[c : c + 2],
-                     s.row_code_R, self.rw_rows, self.ws.comb, self.ws.tables["comb"], slots_per_rank=self.T * self.K,
-                     cfg=self.cfg, programs=self.gemm_programs)
+        tk.down_push(self.h_rows, self.hs_rows, self.w2, self.w2_scale, s.tile_expert_M, s.tile_row_M1,
+                     s.chunk_tiles_C1[c : c + 2], s.row_code_R, self.rw_rows, self.ws.comb, self.ws.tables["comb"],
+                     slots_per_rank=self.T * self.K, cfg=self.cfg, programs=self.gemm_programs)
 
     def shared_expert(self, x_TH: torch.Tensor) -> None:
         x = x_TH.detach().contiguous()
-        tk.up_swiglu(x, None, self.sh_w13, None, self.sh_h, None, self.sh_tiles, self.sh_chunk, limit=self.limit,
-                     cfg=self.cfg_bf16, programs=self.shared_programs, n_rows=self.T)
-        tk.down_push(self.sh_h, None, self.sh_w2, None, self.sh_tiles, self.sh_chunk, self.sh_code, None,
-                     self.sh_y, self.sh_delta, slots_per_rank=1 << 30, cfg=self.cfg_bf16,
+        tk.up_swiglu(x, None, self.sh_w13, None, self.sh_h, None, self.sh_tiles, self.sh_rows, self.sh_chunk,
+                     limit=self.limit, cfg=self.cfg_bf16, programs=self.shared_programs, n_rows=self.T)
+        tk.down_push(self.sh_h, None, self.sh_w2, None, self.sh_tiles, self.sh_rows, self.sh_chunk, self.sh_code,
+                     None, self.sh_y, self.sh_delta, slots_per_rank=1 << 30, cfg=self.cfg_bf16,
                      programs=self.shared_programs, n_rows=self.T)
 
     # ---- outside the timed path ----

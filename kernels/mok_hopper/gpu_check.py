@@ -374,6 +374,7 @@ def published(ctx: Ctx, name: str, args: argparse.Namespace, rates: dict[str, fl
         gmm = grouped_mm_ms(ctx, layer, max(5, args.iters // 2))
         bpw = 1 if prec == "fp8" else 2
         n_tiles = int(layer.sched.num_tiles)
+        exec_rows = int(layer.sched.tile_row_M1[n_tiles])  # rows the GEMMs run (tiles of BM or BM/2 rows)
         BM = layer.cfg.block_m
         d_rows, c_rows = layer.rows_per_peer()
         row_bytes = H + 4 * (H // 128) if prec == "fp8" else 2 * H
@@ -387,8 +388,9 @@ def published(ctx: Ctx, name: str, args: argparse.Namespace, rates: dict[str, fl
         ctx.add(section="forward", shape=name, precision=prec, ep=P, tokens=T, latency_ms=lat,
                 p20_ms=s[len(s) // 5], p80_ms=s[(4 * len(s)) // 5], tflops_per_gpu=flops / lat / 1e9,
                 memory_floor_ms=mem_floor, compute_floor_ms=comp_floor,
-                roofline_fraction=max(mem_floor, comp_floor) / lat, tiles=n_tiles, block_m=BM,
-                comm_sms=tile.comm_sms, chunks=tile.num_chunks, grouped_mm_ms=gmm)
+                roofline_fraction=max(mem_floor, comp_floor) / lat, tiles=n_tiles, block_m=BM, gemm_rows=exec_rows,
+                routed_rows=int(layer.sched.counts_L.sum()), half_tiles=tile.half_tiles, ready_flags=tile.ready_flags,
+                comm_sms=tile.comm_sms, chunks=tile.num_chunks, grouped_mm_ms=gmm, graph_error=layer.graph_error)
         ctx.log(f"  forward {prec}: {lat:.3f} ms  {flops / lat / 1e9:.0f} TF/s/GPU  floor {max(mem_floor, comp_floor):.3f}"
                 f" ms ({max(mem_floor, comp_floor) / lat:.0%})" + (f"  [torch grouped_mm GEMMs alone {gmm:.3f} ms]"
                                                                   if gmm else ""))
@@ -404,7 +406,7 @@ def published(ctx: Ctx, name: str, args: argparse.Namespace, rates: dict[str, fl
                 mb, what = derived[sname]
                 row.update(mbytes=mb, gb_s=mb / ms if ms > 0 else None, bytes_are=what)
             if sname in ("up", "down"):
-                ex = 2.0 * n_tiles * BM * H * I * (2 if sname == "up" else 1)
+                ex = 2.0 * exec_rows * H * I * (2 if sname == "up" else 1)
                 row["executed_tflops"] = ex / ms / 1e9
                 row["useful_tflops"] = 2.0 * pulled * H * I * (2 if sname == "up" else 1) / ms / 1e9
             if sname == "shared":
@@ -431,14 +433,18 @@ def _empty_cache(ctx: Ctx) -> None:
 
 
 SWEEP = [  # (label, overrides of the base tile, layer options); tiles checked by aot_check to fit on sm_90
+    ("v3: full tiles, events", dict(half_tiles=False, ready_flags=False), {}),
+    ("full tiles", dict(half_tiles=False), {}),
+    ("no ready flags", dict(ready_flags=False), {}),
     ("pointer loads", dict(tma=False), {}),
     ("chunks 2", dict(num_chunks=2), {}),
-    ("chunks 4", dict(num_chunks=4), {}),
+    ("comm 16", dict(comm_sms=16), {}),
     ("comm 32", dict(comm_sms=32), {}),
+    ("pull 24 x 16 warps x 4 rows", dict(pull_programs=24, pull_warps=16, pull_rows=4), {}),
+    ("group_m 8", dict(group_m=8), {}),
     ("no cuda graph", {}, dict(cuda_graph=False)),
-    ("bm64 w4 g8", dict(block_m=64, up_warps=4, down_warps=4, group_m=8), {}),
 ]
-SWEEP_FP8 = ("pointer loads", "chunks 2")
+SWEEP_FP8 = ("v3: full tiles, events", "full tiles", "no ready flags", "pointer loads")
 
 
 def sweep(ctx: Ctx, name: str, inp: dict[str, Any], base_layer: MoKHopperLayer, base: tk.TileConfig,
@@ -491,8 +497,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = ap.parse_args(argv)
     args.precisions = [p for p in args.precisions.split(",") if p]
     args.tile_over = {k: int(v) for k, _, v in (kv.partition("=") for kv in args.tile.split(",") if kv)}
-    if "tma" in args.tile_over:
-        args.tile_over["tma"] = bool(args.tile_over["tma"])
+    for k in ("tma", "half_tiles", "ready_flags"):
+        if k in args.tile_over:
+            args.tile_over[k] = bool(args.tile_over[k])
     if args.watchdog > 0 and not args.smoke:
         import faulthandler
 

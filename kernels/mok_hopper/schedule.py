@@ -3,6 +3,10 @@
 Legend: P ranks, T tokens per rank, K top-k, S = P*T*K routed slots over all ranks, L local experts, BM rows per
 GEMM tile, R capacity rows on this rank (a multiple of BM), M = R / BM tiles, C chunks.
 
+With ``half_tiles`` an expert's last tile is BM/2 rows when its remaining rows fit in BM/2 (the GEMM kernels run
+such a tile with a BM/2-row MMA, so an expert with 130 rows costs 192 rows of MMA work instead of 256). Tiles then
+start on any multiple of BM/2; ``tile_row_M1`` says where. The pull marks rows as ready in granules of BM/2 rows.
+
 A slot is identified by its flat position ``p = (src * T + t) * K + k`` in the all-gathered top-k table
 ``idx_PS`` [P, T*K]; that integer (the "row code") is what the dispatch and combine kernels decode:
 ``src = p // (T*K)``, ``slot = p % (T*K)`` (the combine buffer row on the source rank), ``t = slot // K``.
@@ -30,6 +34,7 @@ import torch
 class Schedule:
     row_code_R1: torch.Tensor  # int32 [R+1]: slot code p, or -1 for padding and unused rows; row R is scratch
     tile_expert_M: torch.Tensor  # int32 [M]: local expert of each tile; L for tiles past the end
+    tile_row_M1: torch.Tensor  # int32 [M+1]: first row of each tile; tiles past the end start at the end of the last
     chunk_tiles_C1: torch.Tensor  # int32 [C+1]: tile boundaries of the C launch chunks (balanced by tile count)
     counts_L: torch.Tensor  # int32 [L]: routed rows per local expert (unpadded)
     num_tiles: torch.Tensor  # int32 [1]: tiles in use (<= M)
@@ -54,25 +59,33 @@ def capacity_rows(*, ep: int, tokens: int, topk: int, local_experts: int, block_
     return -(-(routed + padding) // block_m) * block_m
 
 
+def max_tiles(capacity: int, block_m: int, half_tiles: bool = False) -> int:
+    """Entries of the tile tables: every tile holds at least BM (BM/2 with half tiles) rows of the capacity."""
+    return capacity // (block_m // 2 if half_tiles else block_m)
+
+
 def empty_schedule(*, capacity: int, block_m: int, local_experts: int, num_chunks: int,
-                   device: torch.device) -> Schedule:
+                   device: torch.device, half_tiles: bool = False) -> Schedule:
     """Buffers for :func:`build_schedule` (``out=``), allocated once outside the timed path."""
     i32 = dict(dtype=torch.int32, device=device)
+    M = max_tiles(capacity, block_m, half_tiles)
     return Schedule(row_code_R1=torch.full((capacity + 1,), -1, **i32),
-                    tile_expert_M=torch.full((capacity // block_m,), local_experts, **i32),
+                    tile_expert_M=torch.full((M,), local_experts, **i32),
+                    tile_row_M1=torch.zeros(M + 1, **i32),
                     chunk_tiles_C1=torch.zeros(num_chunks + 1, **i32), counts_L=torch.zeros(local_experts, **i32),
                     num_tiles=torch.zeros(1, **i32), overflow_rows=torch.zeros(1, **i32))
 
 
 def build_schedule(idx_PS: torch.Tensor, *, rank: int, local_experts: int, block_m: int, capacity: int,
-                   num_chunks: int = 1, out: Optional[Schedule] = None) -> Schedule:
+                   num_chunks: int = 1, half_tiles: bool = False, out: Optional[Schedule] = None) -> Schedule:
     """The schedule of rank ``rank`` from every rank's top-k ids (``idx_PS`` [P, T*K], any integer dtype).
 
     Only device ops with static shapes; no host sync. ``out`` reuses the buffers of an earlier schedule."""
     assert capacity % block_m == 0, "capacity must be a multiple of block_m"
+    assert not half_tiles or block_m % 2 == 0, "half tiles need an even block_m"
     dev = idx_PS.device
     L, BM, R = local_experts, block_m, capacity
-    M = R // BM
+    M = max_tiles(R, BM, half_tiles)
     flat_S = idx_PS.reshape(-1).to(torch.int64)
     S = flat_S.numel()
 
@@ -81,9 +94,17 @@ def build_schedule(idx_PS: torch.Tensor, *, rank: int, local_experts: int, block
     key_S = torch.where(local_S, le_S, torch.full_like(le_S, L))  # L = "not mine"
     counts_L1 = torch.zeros(L + 1, dtype=torch.int64, device=dev).scatter_add_(0, key_S, torch.ones_like(key_S))
     counts_L = counts_L1[:L]
-    tiles_L = (counts_L + BM - 1) // BM
+    if half_tiles:  # full tiles, then a last tile of BM/2 rows if the rest fits in it, else of BM rows
+        full_L = counts_L // BM
+        rest_L = counts_L - full_L * BM
+        tiles_L = full_L + (rest_L > 0)
+        rows_L = full_L * BM + torch.where(rest_L > BM // 2, BM, torch.where(rest_L > 0, BM // 2, 0))
+    else:
+        tiles_L = (counts_L + BM - 1) // BM
+        rows_L = tiles_L * BM
     tile_end_L = torch.cumsum(tiles_L, 0)
-    seg_start_L1 = torch.cat([(tile_end_L - tiles_L) * BM, tile_end_L.new_full((1,), R)])  # row where expert starts
+    row_end_L = torch.cumsum(rows_L, 0)
+    seg_start_L1 = torch.cat([row_end_L - rows_L, row_end_L.new_full((1,), R)])  # row where each expert starts
     start_unpadded_L1 = torch.cumsum(counts_L1, 0) - counts_L1
 
     sorted_key_S, order_S = torch.sort(key_S, stable=True)  # slots grouped by expert, ascending p inside
@@ -94,16 +115,29 @@ def build_schedule(idx_PS: torch.Tensor, *, rank: int, local_experts: int, block
     dest_S = torch.where(fits_S, dest_S, torch.full_like(dest_S, R))  # R = dump row, discarded
 
     sch = out if out is not None else empty_schedule(capacity=R, block_m=BM, local_experts=L, num_chunks=num_chunks,
-                                                     device=dev)
+                                                     device=dev, half_tiles=half_tiles)
     assert sch.chunk_tiles_C1.numel() == num_chunks + 1 and sch.row_code_R1.numel() == R + 1
+    assert sch.tile_expert_M.numel() == M, "the schedule buffers were made for another tile layout"
     codes_R1 = sch.row_code_R1
     codes_R1.fill_(-1)
     codes_R1.scatter_(0, dest_S, order_S.to(torch.int32))
     codes_R1[R:].fill_(-1)  # a fill kernel: a Python-scalar setitem would copy from pageable host memory
-    # tile -> expert: the first expert whose tile range ends after the tile (L past the last used tile)
-    torch.searchsorted(tile_end_L, torch.arange(M, device=dev), right=True, out_int32=True,
-                       out=sch.tile_expert_M)
-    num_tiles = torch.clamp(tile_end_L[-1:], max=M) if L > 0 else torch.zeros(1, dtype=torch.int64, device=dev)
+    # tile -> expert: the first expert whose tile range ends after the tile (L past the last tile); tile -> row:
+    # the expert's first row plus BM per earlier tile of the expert (only its last tile may be BM/2)
+    m_M = torch.arange(M, device=dev)
+    e_M = torch.searchsorted(tile_end_L, m_M, right=True)
+    e_c = e_M.clamp(max=max(L - 1, 0))
+    used_rows = torch.clamp(row_end_L[-1:], max=R) if L > 0 else torch.zeros(1, dtype=torch.int64, device=dev)
+    if L > 0:
+        row_M = seg_start_L1[e_c] + (m_M - (tile_end_L[e_c] - tiles_L[e_c])) * BM
+        in_use_M = (e_M < L) & (row_M < R)  # a tile starting past the capacity is dropped (its rows are counted)
+    else:
+        row_M = torch.zeros_like(m_M)
+        in_use_M = torch.zeros_like(m_M, dtype=torch.bool)
+    sch.tile_expert_M.copy_(torch.where(in_use_M, e_M, L))
+    sch.tile_row_M1[:M].copy_(torch.where(in_use_M, row_M, used_rows))
+    sch.tile_row_M1[M:].copy_(used_rows)
+    num_tiles = in_use_M.sum().reshape(1)
     sch.num_tiles.copy_(num_tiles)
     c = torch.arange(num_chunks + 1, device=dev)
     sch.chunk_tiles_C1.copy_(num_tiles * c // num_chunks)
@@ -112,22 +146,32 @@ def build_schedule(idx_PS: torch.Tensor, *, rank: int, local_experts: int, block
     return sch
 
 
-def reference_schedule(idx_PS: torch.Tensor, *, rank: int, local_experts: int, block_m: int,
-                       capacity: int) -> tuple[list[int], list[int], int]:
-    """Plain-Python twin of :func:`build_schedule`: (row codes [R], tile experts [M], overflow rows)."""
+def reference_schedule(idx_PS: torch.Tensor, *, rank: int, local_experts: int, block_m: int, capacity: int,
+                       half_tiles: bool = False) -> tuple[list[int], list[int], int, list[int]]:
+    """Plain-Python twin of :func:`build_schedule`: (row codes [R], tile experts [M], overflow rows,
+    tile rows [M+1])."""
     flat = idx_PS.reshape(-1).tolist()
     L, BM, R = local_experts, block_m, capacity
+    M = max_tiles(R, BM, half_tiles)
     codes: list[int] = []
     tiles: list[int] = []
+    starts: list[int] = []
     for e in range(L):
         mine = [p for p, g in enumerate(flat) if g == rank * L + e]
-        if not mine:
-            continue
-        n_tiles = -(-len(mine) // BM)
-        codes += mine + [-1] * (n_tiles * BM - len(mine))
-        tiles += [e] * n_tiles
+        sizes = [BM] * (len(mine) // BM)
+        rest = len(mine) % BM
+        if rest:
+            sizes.append(BM // 2 if half_tiles and rest <= BM // 2 else BM)
+        for size in sizes:
+            if len(codes) < R:  # a tile starting past the capacity is dropped
+                starts.append(len(codes))
+                tiles.append(e)
+            codes += (mine[:size] + [-1] * size)[:size]
+            mine = mine[size:]
     routed = sum(1 for g in flat if rank * L <= g < (rank + 1) * L)
     kept = sum(1 for c in codes[:R] if c >= 0)
+    end = min(len(codes), R)
     codes = (codes + [-1] * R)[:R]
-    tiles = (tiles + [L] * (R // BM))[: R // BM]
-    return codes, tiles, routed - kept
+    tiles = tiles + [L] * (M - len(tiles))
+    starts = starts + [end] * (M + 1 - len(starts))
+    return codes, tiles, routed - kept, starts

@@ -96,6 +96,8 @@ class TileConfig:
     num_chunks: int = 1  # pull / GEMM pipeline chunks (1: the pulls overlap the shared expert only; measured best)
     group_m: int = 4  # row tiles per work group (see _tile_order)
     tma: bool = True  # GEMM operands through TMA tensor descriptors (Hopper's bulk copy engine) instead of pointers
+    half_tiles: bool = True  # an expert's last tile is block_m / 2 rows when its rest fits (less MMA on padding)
+    ready_flags: bool = True  # the up GEMM waits per row granule for the pull (no stream-level wait; 1 chunk only)
 
     def for_fp8(self) -> "TileConfig":
         """fp8 tiles: one weight scale per step (BK <= 128, BN <= 128 inside one 128 x 128 block). The up GEMM
@@ -206,17 +208,19 @@ def gather_peer_i32(ref: torch.Tensor, delta_table_P: torch.Tensor, out_PN: torc
 
 
 @triton.jit
-def _pull_rows_kernel(code_ptr, chunk_ptr, x_ref, x_delta, xs_ref, xs_delta, w_ref, w_delta, x_out, xs_out, w_out,
-                      TK, K, H, HS,
-                      BM: tl.constexpr, BR: tl.constexpr, BH: tl.constexpr, HSP: tl.constexpr, FP8: tl.constexpr,
-                      PULL_W: tl.constexpr, NUM_PROGS: tl.constexpr):
-    r_lo = tl.load(chunk_ptr) * BM
-    r_hi = tl.load(chunk_ptr + 1) * BM
+def _pull_rows_kernel(code_ptr, chunk_ptr, tile_row_ptr, ready_ptr, x_ref, x_delta, xs_ref, xs_delta, w_ref,
+                      w_delta, x_out, xs_out, w_out, TK, K, H, HS,
+                      BR: tl.constexpr, BH: tl.constexpr, HSP: tl.constexpr, FP8: tl.constexpr,
+                      PULL_W: tl.constexpr, NUM_PROGS: tl.constexpr, READY: tl.constexpr, GRAN: tl.constexpr):
+    r_lo = tl.load(tile_row_ptr + tl.load(chunk_ptr))
+    r_hi = tl.load(tile_row_ptr + tl.load(chunk_ptr + 1))
     n_steps = tl.cdiv(r_hi - r_lo, BR)
     cols = tl.arange(0, BH)  # a whole row per load: every byte of the step is in flight at once
     cmask = cols < H
+    # programs take steps round-robin, so the rows finish roughly in ascending order (the GEMMs' order)
     for step in range(tl.program_id(0), n_steps, NUM_PROGS):
-        rows = r_lo + step * BR + tl.arange(0, BR)
+        row0 = r_lo + step * BR
+        rows = row0 + tl.arange(0, BR)
         rmask = rows < r_hi
         rows64 = rows.to(tl.int64)
         code = tl.load(code_ptr + rows, mask=rmask, other=-1)
@@ -238,27 +242,56 @@ def _pull_rows_kernel(code_ptr, chunk_ptr, x_ref, x_delta, xs_ref, xs_delta, w_r
             dw = tl.load(w_delta + src, mask=valid, other=0)
             wv = tl.load(w_ref + dw + slot, mask=valid, other=0.0)
             tl.store(w_out + rows, wv, mask=rmask)
+        if READY:
+            # every thread's stores of this step, then one release: the granule counts BR more rows
+            tl.debug_barrier()
+            tl.atomic_add(ready_ptr + row0 // GRAN, BR, sem="release", scope="gpu")
 
 
-def pull_rows(code_R: torch.Tensor, chunk_2: torch.Tensor, x_ref: torch.Tensor, x_delta: torch.Tensor,
-              xs_ref: Optional[torch.Tensor], xs_delta: Optional[torch.Tensor], w_ref: Optional[torch.Tensor],
-              w_delta: Optional[torch.Tensor], x_out_RH: torch.Tensor, xs_out: Optional[torch.Tensor],
-              w_out_R: Optional[torch.Tensor], *, tokens: int, topk: int, block_m: int, cfg: TileConfig,
-              programs: int) -> None:
+def pull_rows(code_R: torch.Tensor, chunk_2: torch.Tensor, tile_row_M1: torch.Tensor, x_ref: torch.Tensor,
+              x_delta: torch.Tensor, xs_ref: Optional[torch.Tensor], xs_delta: Optional[torch.Tensor],
+              w_ref: Optional[torch.Tensor], w_delta: Optional[torch.Tensor], x_out_RH: torch.Tensor,
+              xs_out: Optional[torch.Tensor], w_out_R: Optional[torch.Tensor], *, tokens: int, topk: int,
+              cfg: TileConfig, programs: int, ready: Optional[torch.Tensor] = None) -> None:
     """Copy the rows of tiles [chunk_2[0], chunk_2[1]) from their source ranks' ``x`` (``*_ref`` is this rank's
     copy, ``*_delta`` the offsets to every rank's); padding rows become zeros. ``w_ref``: also pull each row's
-    router weight. fp8: e4m3 rows plus their 1x128 scales."""
+    router weight. fp8: e4m3 rows plus their 1x128 scales. ``ready``: int32 per ``ready_granule(cfg)`` rows,
+    zero before the call; each granule reaches its row count once its rows are written (release, GPU scope)."""
     H = x_out_RH.shape[1]
     fp8 = x_out_RH.dtype == torch.float8_e4m3fn
     hs = H // 128 if fp8 else 1
     pull_w = w_ref is not None
+    gran = ready_granule(cfg)
+    assert gran % cfg.pull_rows == 0, f"pull_rows={cfg.pull_rows} must divide the ready granule of {gran} rows"
     _pull_rows_kernel[(programs,)](
-        code_R, chunk_2, x_ref, x_delta, xs_ref if fp8 else x_ref, xs_delta if fp8 else x_delta,
+        code_R, chunk_2, tile_row_M1, ready if ready is not None else code_R, x_ref, x_delta,
+        xs_ref if fp8 else x_ref, xs_delta if fp8 else x_delta,
         w_ref if pull_w else x_ref, w_delta if pull_w else x_delta,
         x_out_RH, xs_out if fp8 else x_out_RH, w_out_R if pull_w else x_out_RH,
         tokens * topk, topk, H, hs,
-        BM=block_m, BR=cfg.pull_rows, BH=triton.next_power_of_2(H), HSP=triton.next_power_of_2(hs), FP8=fp8,
-        PULL_W=pull_w, NUM_PROGS=programs, num_warps=cfg.pull_warps)
+        BR=cfg.pull_rows, BH=triton.next_power_of_2(H), HSP=triton.next_power_of_2(hs), FP8=fp8,
+        PULL_W=pull_w, NUM_PROGS=programs, READY=ready is not None, GRAN=gran, num_warps=cfg.pull_warps)
+
+
+def ready_granule(cfg: TileConfig) -> int:
+    """Rows per ready flag: the smallest tile (every tile starts on a multiple of it)."""
+    return cfg.block_m // 2 if cfg.half_tiles else cfg.block_m
+
+
+@triton.jit
+def _wait_rows(ready_ptr, row0, row1, GRAN: tl.constexpr, SPIN: tl.constexpr, TMA: tl.constexpr):
+    """Wait until the pull has written rows [row0, row1) (acquire, GPU scope). The interpreter runs the pull to
+    completion first, so it does not spin (``SPIN`` off). TMA reads through the async proxy: fence it after the
+    acquire."""
+    if SPIN:
+        for g in range(row0 // GRAN, row1 // GRAN):
+            n = tl.atomic_add(ready_ptr + g, 0, sem="acquire", scope="gpu")
+            while n < GRAN:
+                n = tl.atomic_add(ready_ptr + g, 0, sem="acquire", scope="gpu")
+        tl.debug_barrier()
+        if TMA:
+            tl.inline_asm_elementwise("fence.proxy.async.global; // $0", "=r", [], dtype=tl.int32, is_pure=False,
+                                      pack=1)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -288,63 +321,110 @@ def _ld_w(w_ptr, w_at, k0, TMA: tl.constexpr):
 
 
 @triton.jit
-def _up_swiglu_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, tile_expert_ptr, chunk_ptr,
-                      n_rows, H, I, limit,
+def _up_item(a_ptr, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, n, e_tile, n_rows, H, I, limit,
+             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FP8: tl.constexpr, HAS_LIMIT: tl.constexpr,
+             UPCAST: tl.constexpr, STAGES: tl.constexpr, FP8_MAX_: tl.constexpr, TMA: tl.constexpr,
+             WB: tl.constexpr):
+    """One work item: rows [row0, row0 + BM) x hidden columns [n*BN, (n+1)*BN) of expert ``e_tile``."""
+    e = e_tile.to(tl.int64)
+    rows = (row0 + tl.arange(0, BM)).to(tl.int64)
+    rmask = rows < n_rows
+    cols = n * BN + tl.arange(0, BN)
+    if TMA:  # block coordinates
+        a_at = row0
+        g_at = e_tile * 2 * I + n * BN
+        u_at = g_at + I
+    else:  # pointers
+        kk = tl.arange(0, BK)
+        a_at = a_ptr + rows[:, None] * H + kk[None, :]
+        g_at = w_ptr + e * 2 * I * H + cols[None, :].to(tl.int64) * H + kk[:, None]  # [BK, BN] view of W^T
+        u_at = g_at + I * H
+    acc_g = tl.zeros((BM, BN), dtype=tl.float32)
+    acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+    if FP8:
+        # Block scales change every K step, so each step's product is scaled before it is added ("promotion").
+        # x scales are 1 x BK (BK = 128), weight scales 128 x 128: one scalar per step for gate and for up.
+        wsb = ws_ptr + e * (2 * I // WB) * (H // WB)
+        for k0 in tl.range(0, H, BK, num_stages=STAGES):
+            a = _ld_a(a_ptr, a_at, k0, rmask, TMA)
+            sa = tl.load(as_ptr + rows * (H // BK) + k0 // BK, mask=rmask, other=0.0)
+            sg = tl.load(wsb + ((n * BN) // WB) * (H // WB) + k0 // WB)
+            su = tl.load(wsb + ((I + n * BN) // WB) * (H // WB) + k0 // WB)
+            acc_g += _mm(a, _ld_w(w_ptr, g_at, k0, TMA), UPCAST) * (sa[:, None] * sg)
+            acc_u += _mm(a, _ld_w(w_ptr, u_at, k0, TMA), UPCAST) * (sa[:, None] * su)
+    else:
+        for k0 in tl.range(0, H, BK, num_stages=STAGES):
+            a = _ld_a(a_ptr, a_at, k0, rmask, TMA)
+            acc_g = _mma(a, _ld_w(w_ptr, g_at, k0, TMA), acc_g, UPCAST)
+            acc_u = _mma(a, _ld_w(w_ptr, u_at, k0, TMA), acc_u, UPCAST)
+    if HAS_LIMIT:
+        acc_g = tl.minimum(acc_g, limit)
+        acc_u = tl.minimum(tl.maximum(acc_u, -limit), limit)
+    hv = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    h_off = rows[:, None] * I + cols[None, :]
+    if FP8:
+        q, s = _quant_e4m3(hv, FP8_MAX_)
+        tl.store(h_ptr + h_off, q, mask=rmask[:, None])
+        tl.store(hs_ptr + rows * (I // BN) + n, s, mask=rmask)
+    else:
+        tl.store(h_ptr + h_off, hv.to(tl.bfloat16), mask=rmask[:, None])
+
+
+@triton.jit
+def _first_work(work_ptr, DYN: tl.constexpr):
+    if DYN:
+        wk = tl.atomic_add(work_ptr, 1, sem="relaxed", scope="gpu")
+    else:
+        wk = tl.program_id(0)
+    return wk
+
+
+@triton.jit
+def _next_work(wk, work_ptr, NUM_PROGS: tl.constexpr, DYN: tl.constexpr):
+    """Static round robin, or (DYN) the next item off a shared counter: then several launches (on different
+    streams) can share one queue, and a launch that starts late takes what is left."""
+    if DYN:
+        wk = tl.atomic_add(work_ptr, 1, sem="relaxed", scope="gpu")
+    else:
+        wk += NUM_PROGS
+    return wk
+
+
+@triton.jit
+def _up_swiglu_kernel(a_ptr, a_half, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, tile_expert_ptr, tile_row_ptr, chunk_ptr,
+                      ready_ptr, work_ptr, n_rows, H, I, limit,
                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FP8: tl.constexpr,
                       HAS_LIMIT: tl.constexpr, NUM_PROGS: tl.constexpr, UPCAST: tl.constexpr,
                       STAGES: tl.constexpr, FP8_MAX_: tl.constexpr, GROUP_M: tl.constexpr, TMA: tl.constexpr = False,
-                      WB: tl.constexpr = 128):
-    """TMA: ``a_ptr`` / ``w_ptr`` are TMA descriptors over A [R, H] and W13 [L*2I, H] (blocks [BM, BK] and [BN, BK]),
-    read by Hopper's bulk copy engine; otherwise pointers."""
+                      HALF: tl.constexpr = False, READY: tl.constexpr = False, GRAN: tl.constexpr = 64,
+                      SPIN: tl.constexpr = True, DYN: tl.constexpr = False, WB: tl.constexpr = 128):
+    """TMA: ``a_ptr`` / ``a_half`` / ``w_ptr`` are TMA descriptors over A [R, H] (blocks [BM, BK] and [BM/2, BK])
+    and W13 [L*2I, H] (blocks [BN, BK]), read by Hopper's bulk copy engine; otherwise pointers. HALF: tiles of
+    BM/2 rows (the schedule's half tiles) run a BM/2-row MMA. READY: wait for the pull per row granule. DYN: work
+    items off the counter at ``work_ptr`` (zero before the first launch that shares it)."""
     m_lo = tl.load(chunk_ptr)
     m_hi = tl.load(chunk_ptr + 1)
     n_n = I // BN
     n_work = (m_hi - m_lo) * n_n
-    for wk in range(tl.program_id(0), n_work, NUM_PROGS):
+    wk = _first_work(work_ptr, DYN)
+    while wk < n_work:
         m, n = _tile_order(wk, m_lo, m_hi, n_n, GROUP_M)
         e_tile = tl.load(tile_expert_ptr + m)
-        e = e_tile.to(tl.int64)
-        rows = (m * BM + tl.arange(0, BM)).to(tl.int64)
-        rmask = rows < n_rows
-        cols = n * BN + tl.arange(0, BN)
-        if TMA:  # block coordinates
-            a_at = m * BM
-            g_at = e_tile * 2 * I + n * BN
-            u_at = g_at + I
-        else:  # pointers
-            kk = tl.arange(0, BK)
-            a_at = a_ptr + rows[:, None] * H + kk[None, :]
-            g_at = w_ptr + e * 2 * I * H + cols[None, :].to(tl.int64) * H + kk[:, None]  # [BK, BN] view of W^T
-            u_at = g_at + I * H
-        acc_g = tl.zeros((BM, BN), dtype=tl.float32)
-        acc_u = tl.zeros((BM, BN), dtype=tl.float32)
-        if FP8:
-            # Block scales change every K step, so each step's product is scaled before it is added ("promotion").
-            # x scales are 1 x BK (BK = 128), weight scales 128 x 128: one scalar per step for gate and for up.
-            wsb = ws_ptr + e * (2 * I // WB) * (H // WB)
-            for k0 in tl.range(0, H, BK, num_stages=STAGES):
-                a = _ld_a(a_ptr, a_at, k0, rmask, TMA)
-                sa = tl.load(as_ptr + rows * (H // BK) + k0 // BK, mask=rmask, other=0.0)
-                sg = tl.load(wsb + ((n * BN) // WB) * (H // WB) + k0 // WB)
-                su = tl.load(wsb + ((I + n * BN) // WB) * (H // WB) + k0 // WB)
-                acc_g += _mm(a, _ld_w(w_ptr, g_at, k0, TMA), UPCAST) * (sa[:, None] * sg)
-                acc_u += _mm(a, _ld_w(w_ptr, u_at, k0, TMA), UPCAST) * (sa[:, None] * su)
+        row0 = tl.load(tile_row_ptr + m)
+        row1 = tl.load(tile_row_ptr + m + 1)
+        if READY:
+            _wait_rows(ready_ptr, row0, row1, GRAN, SPIN, TMA)
+        if HALF:
+            if row1 - row0 < BM:
+                _up_item(a_half, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, n, e_tile, n_rows, H, I, limit,
+                         BM // 2, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB)
+            else:
+                _up_item(a_ptr, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, n, e_tile, n_rows, H, I, limit,
+                         BM, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB)
         else:
-            for k0 in tl.range(0, H, BK, num_stages=STAGES):
-                a = _ld_a(a_ptr, a_at, k0, rmask, TMA)
-                acc_g = _mma(a, _ld_w(w_ptr, g_at, k0, TMA), acc_g, UPCAST)
-                acc_u = _mma(a, _ld_w(w_ptr, u_at, k0, TMA), acc_u, UPCAST)
-        if HAS_LIMIT:
-            acc_g = tl.minimum(acc_g, limit)
-            acc_u = tl.minimum(tl.maximum(acc_u, -limit), limit)
-        hv = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
-        h_off = rows[:, None] * I + cols[None, :]
-        if FP8:
-            q, s = _quant_e4m3(hv, FP8_MAX_)
-            tl.store(h_ptr + h_off, q, mask=rmask[:, None])
-            tl.store(hs_ptr + rows * (I // BN) + n, s, mask=rmask)
-        else:
-            tl.store(h_ptr + h_off, hv.to(tl.bfloat16), mask=rmask[:, None])
+            _up_item(a_ptr, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, n, e_tile, n_rows, H, I, limit,
+                     BM, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB)
+        wk = _next_work(wk, work_ptr, NUM_PROGS, DYN)
 
 
 def _operand(t: torch.Tensor, block: list[int], tma: bool):
@@ -359,23 +439,32 @@ def _operand(t: torch.Tensor, block: list[int], tma: bool):
 
 def up_swiglu(a_RH: torch.Tensor, a_scale: Optional[torch.Tensor], w13_LIH: torch.Tensor,
               w13_scale: Optional[torch.Tensor], h_RI: torch.Tensor, h_scale: Optional[torch.Tensor],
-              tile_expert_M: torch.Tensor, chunk_2: torch.Tensor, *, limit: Optional[float], cfg: TileConfig,
-              programs: int, n_rows: Optional[int] = None) -> None:
-    """h = SwiGLU(a @ gate^T, a @ up^T) for tiles [chunk_2[0], chunk_2[1]); a tile's expert from tile_expert_M."""
+              tile_expert_M: torch.Tensor, tile_row_M1: torch.Tensor, chunk_2: torch.Tensor, *,
+              limit: Optional[float], cfg: TileConfig, programs: int, n_rows: Optional[int] = None,
+              ready: Optional[torch.Tensor] = None, work: Optional[torch.Tensor] = None) -> None:
+    """h = SwiGLU(a @ gate^T, a @ up^T) for tiles [chunk_2[0], chunk_2[1]); a tile's expert from tile_expert_M,
+    its rows [tile_row_M1[m], tile_row_M1[m+1]) (BM, or BM/2 with ``cfg.half_tiles``). ``ready``: wait for the
+    pull's per-granule counts (see :func:`pull_rows`) before reading a tile's rows. ``work``: an int32 counter,
+    zero before the first launch over these tiles; launches given the same counter share the work items."""
     R, H = a_RH.shape
     I = h_RI.shape[1]
     fp8 = a_RH.dtype == torch.float8_e4m3fn
-    bn, bk = cfg.up_n, cfg.up_k
+    bm, bn, bk = cfg.block_m, cfg.up_n, cfg.up_k
     assert I % bn == 0 and H % bk == 0, f"ffn {I} / hidden {H} must be multiples of the tile ({bn}, {bk})"
     if fp8:
         assert bk == 128 and 128 % bn == 0, "fp8 up: BK must be the 128 activation / weight block, BN divide 128"
         assert h_scale.shape[1] == I // bn, "fp8 hidden activations are quantised in 1 x up_n blocks"
     _up_swiglu_kernel[(programs,)](
-        _operand(a_RH, [cfg.block_m, bk], cfg.tma), a_scale if fp8 else a_RH, _operand(w13_LIH, [bn, bk], cfg.tma),
+        _operand(a_RH, [bm, bk], cfg.tma), _operand(a_RH, [bm // 2, bk], cfg.tma and cfg.half_tiles),
+        a_scale if fp8 else a_RH, _operand(w13_LIH, [bn, bk], cfg.tma),
         w13_scale if fp8 else w13_LIH, h_RI, h_scale if fp8 else h_RI,
-        tile_expert_M, chunk_2, R if n_rows is None else n_rows, H, I, 0.0 if limit is None else float(limit),
-        BM=cfg.block_m, BN=bn, BK=bk, FP8=fp8, HAS_LIMIT=limit is not None, NUM_PROGS=programs, UPCAST=INTERPRET,
-        STAGES=cfg.up_stages, FP8_MAX_=FP8_MAX, GROUP_M=cfg.group_m, TMA=cfg.tma, num_warps=cfg.up_warps)
+        tile_expert_M, tile_row_M1, chunk_2, ready if ready is not None else tile_row_M1,
+        work if work is not None else tile_row_M1, R if n_rows is None else n_rows, H, I,
+        0.0 if limit is None else float(limit),
+        BM=bm, BN=bn, BK=bk, FP8=fp8, HAS_LIMIT=limit is not None, NUM_PROGS=programs, UPCAST=INTERPRET,
+        STAGES=cfg.up_stages, FP8_MAX_=FP8_MAX, GROUP_M=cfg.group_m, TMA=cfg.tma, HALF=cfg.half_tiles,
+        READY=ready is not None, GRAN=ready_granule(cfg), SPIN=not INTERPRET, DYN=work is not None,
+        num_warps=cfg.up_warps)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -383,13 +472,53 @@ def up_swiglu(a_RH: torch.Tensor, a_scale: Optional[torch.Tensor], w13_LIH: torc
 
 
 @triton.jit
-def _down_push_kernel(h_ptr, hs_ptr, w_ptr, ws_ptr, tile_expert_ptr, chunk_ptr, code_ptr, rw_ptr, out_ref,
-                      out_delta, n_rows, H, I, TK,
+def _down_item(h_ptr, hs_ptr, w_ptr, ws_ptr, code_ptr, rw_ptr, out_ref, out_delta, row0, n, e_tile, n_rows, H, I,
+               TK, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FP8: tl.constexpr,
+               APPLY_W: tl.constexpr, UPCAST: tl.constexpr, STAGES: tl.constexpr, TMA: tl.constexpr,
+               WB: tl.constexpr):
+    """One work item: rows [row0, row0 + BM) x output columns [n*BN, (n+1)*BN) of expert ``e_tile``, pushed."""
+    e = e_tile.to(tl.int64)
+    rows32 = row0 + tl.arange(0, BM)
+    rows = rows32.to(tl.int64)
+    rmask = rows < n_rows
+    cols = n * BN + tl.arange(0, BN)
+    if TMA:  # block coordinates
+        a_at = row0
+        b_at = e_tile * H + n * BN
+    else:  # pointers
+        kk = tl.arange(0, BK)
+        a_at = h_ptr + rows[:, None] * I + kk[None, :]
+        b_at = w_ptr + e * H * I + cols[None, :].to(tl.int64) * I + kk[:, None]  # [BK, BN] view of W2^T
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in tl.range(0, I, BK, num_stages=STAGES):
+        a = _ld_a(h_ptr, a_at, k0, rmask, TMA)
+        b = _ld_w(w_ptr, b_at, k0, TMA)
+        if FP8:  # h scales are 1 x BK (the up GEMM's column tile), weight scales 128 x 128
+            sa = tl.load(hs_ptr + rows * (I // BK) + k0 // BK, mask=rmask, other=0.0)
+            sb = tl.load(ws_ptr + e * (H // WB) * (I // WB) + ((n * BN) // WB) * (I // WB) + k0 // WB)
+            acc += _mm(a, b, UPCAST) * (sa[:, None] * sb)
+        else:
+            acc = _mma(a, b, acc, UPCAST)
+    code = tl.load(code_ptr + rows32, mask=rmask, other=-1)
+    valid = code >= 0
+    c = tl.where(valid, code, 0)
+    if APPLY_W:
+        acc = acc * tl.load(rw_ptr + rows32, mask=valid, other=0.0)[:, None]
+    src = c // TK
+    slot = (c % TK).to(tl.int64)
+    d = tl.multiple_of(tl.load(out_delta + src, mask=valid, other=0), 16)
+    tl.store(out_ref + (d + slot * H)[:, None] + cols[None, :], acc.to(tl.bfloat16), mask=valid[:, None])
+
+
+@triton.jit
+def _down_push_kernel(h_ptr, h_half, hs_ptr, w_ptr, ws_ptr, tile_expert_ptr, tile_row_ptr, chunk_ptr, code_ptr,
+                      rw_ptr, out_ref, out_delta, n_rows, H, I, TK,
                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FP8: tl.constexpr,
                       APPLY_W: tl.constexpr, NUM_PROGS: tl.constexpr, UPCAST: tl.constexpr, STAGES: tl.constexpr,
-                      GROUP_M: tl.constexpr, TMA: tl.constexpr = False, WB: tl.constexpr = 128):
-    """TMA: ``h_ptr`` / ``w_ptr`` are TMA descriptors over h [R, I] and W2 [L*H, I] (blocks [BM, BK] and [BN, BK]);
-    otherwise pointers."""
+                      GROUP_M: tl.constexpr, TMA: tl.constexpr = False, HALF: tl.constexpr = False,
+                      WB: tl.constexpr = 128):
+    """TMA: ``h_ptr`` / ``h_half`` / ``w_ptr`` are TMA descriptors over h [R, I] (blocks [BM, BK] and [BM/2, BK])
+    and W2 [L*H, I] (blocks [BN, BK]); otherwise pointers. HALF: as in the up kernel."""
     m_lo = tl.load(chunk_ptr)
     m_hi = tl.load(chunk_ptr + 1)
     n_n = H // BN
@@ -397,60 +526,43 @@ def _down_push_kernel(h_ptr, hs_ptr, w_ptr, ws_ptr, tile_expert_ptr, chunk_ptr, 
     for wk in range(tl.program_id(0), n_work, NUM_PROGS):
         m, n = _tile_order(wk, m_lo, m_hi, n_n, GROUP_M)
         e_tile = tl.load(tile_expert_ptr + m)
-        e = e_tile.to(tl.int64)
-        rows32 = m * BM + tl.arange(0, BM)
-        rows = rows32.to(tl.int64)
-        rmask = rows < n_rows
-        cols = n * BN + tl.arange(0, BN)
-        if TMA:  # block coordinates
-            a_at = m * BM
-            b_at = e_tile * H + n * BN
-        else:  # pointers
-            kk = tl.arange(0, BK)
-            a_at = h_ptr + rows[:, None] * I + kk[None, :]
-            b_at = w_ptr + e * H * I + cols[None, :].to(tl.int64) * I + kk[:, None]  # [BK, BN] view of W2^T
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for k0 in tl.range(0, I, BK, num_stages=STAGES):
-            a = _ld_a(h_ptr, a_at, k0, rmask, TMA)
-            b = _ld_w(w_ptr, b_at, k0, TMA)
-            if FP8:  # h scales are 1 x BK (the up GEMM's column tile), weight scales 128 x 128
-                sa = tl.load(hs_ptr + rows * (I // BK) + k0 // BK, mask=rmask, other=0.0)
-                sb = tl.load(ws_ptr + e * (H // WB) * (I // WB) + ((n * BN) // WB) * (I // WB) + k0 // WB)
-                acc += _mm(a, b, UPCAST) * (sa[:, None] * sb)
+        row0 = tl.load(tile_row_ptr + m)
+        if HALF:
+            if tl.load(tile_row_ptr + m + 1) - row0 < BM:
+                _down_item(h_half, hs_ptr, w_ptr, ws_ptr, code_ptr, rw_ptr, out_ref, out_delta, row0, n, e_tile,
+                           n_rows, H, I, TK, BM // 2, BN, BK, FP8, APPLY_W, UPCAST, STAGES, TMA, WB)
             else:
-                acc = _mma(a, b, acc, UPCAST)
-        code = tl.load(code_ptr + rows32, mask=rmask, other=-1)
-        valid = code >= 0
-        c = tl.where(valid, code, 0)
-        if APPLY_W:
-            acc = acc * tl.load(rw_ptr + rows32, mask=valid, other=0.0)[:, None]
-        src = c // TK
-        slot = (c % TK).to(tl.int64)
-        d = tl.multiple_of(tl.load(out_delta + src, mask=valid, other=0), 16)
-        tl.store(out_ref + (d + slot * H)[:, None] + cols[None, :], acc.to(tl.bfloat16), mask=valid[:, None])
+                _down_item(h_ptr, hs_ptr, w_ptr, ws_ptr, code_ptr, rw_ptr, out_ref, out_delta, row0, n, e_tile,
+                           n_rows, H, I, TK, BM, BN, BK, FP8, APPLY_W, UPCAST, STAGES, TMA, WB)
+        else:
+            _down_item(h_ptr, hs_ptr, w_ptr, ws_ptr, code_ptr, rw_ptr, out_ref, out_delta, row0, n, e_tile,
+                       n_rows, H, I, TK, BM, BN, BK, FP8, APPLY_W, UPCAST, STAGES, TMA, WB)
 
 
 def down_push(h_RI: torch.Tensor, h_scale: Optional[torch.Tensor], w2_LHI: torch.Tensor,
-              w2_scale: Optional[torch.Tensor], tile_expert_M: torch.Tensor, chunk_2: torch.Tensor,
-              code_R: torch.Tensor, rw_R: Optional[torch.Tensor], out_ref: torch.Tensor, out_delta_P: torch.Tensor, *,
-              slots_per_rank: int, cfg: TileConfig, programs: int, n_rows: Optional[int] = None) -> None:
+              w2_scale: Optional[torch.Tensor], tile_expert_M: torch.Tensor, tile_row_M1: torch.Tensor,
+              chunk_2: torch.Tensor, code_R: torch.Tensor, rw_R: Optional[torch.Tensor], out_ref: torch.Tensor,
+              out_delta_P: torch.Tensor, *, slots_per_rank: int, cfg: TileConfig, programs: int,
+              n_rows: Optional[int] = None) -> None:
     """y = h @ down^T (x router weight) stored as bf16 at row ``slot`` of rank ``src``'s copy of ``out_ref``
-    (row code = src * slots_per_rank + slot; ``out_delta_P`` locates every rank's copy)."""
+    (row code = src * slots_per_rank + slot; ``out_delta_P`` locates every rank's copy). Tiles as in
+    :func:`up_swiglu`."""
     R, I = h_RI.shape
     H = w2_LHI.shape[1]
     fp8 = h_RI.dtype == torch.float8_e4m3fn
-    bn, bk = cfg.down_n, cfg.down_k
+    bm, bn, bk = cfg.block_m, cfg.down_n, cfg.down_k
     assert H % bn == 0 and I % bk == 0, f"hidden {H} / ffn {I} must be multiples of the tile ({bn}, {bk})"
     if fp8:
         assert 128 % bn == 0 and h_scale.shape[1] == I // bk, "fp8 down: BK must be the hidden-activation block, " \
                                                              "BN divide 128"
     _down_push_kernel[(programs,)](
-        _operand(h_RI, [cfg.block_m, bk], cfg.tma), h_scale if fp8 else h_RI, _operand(w2_LHI, [bn, bk], cfg.tma),
-        w2_scale if fp8 else w2_LHI, tile_expert_M, chunk_2, code_R,
+        _operand(h_RI, [bm, bk], cfg.tma), _operand(h_RI, [bm // 2, bk], cfg.tma and cfg.half_tiles),
+        h_scale if fp8 else h_RI, _operand(w2_LHI, [bn, bk], cfg.tma),
+        w2_scale if fp8 else w2_LHI, tile_expert_M, tile_row_M1, chunk_2, code_R,
         rw_R if rw_R is not None else h_RI, out_ref, out_delta_P, R if n_rows is None else n_rows, H, I,
         slots_per_rank,
-        BM=cfg.block_m, BN=bn, BK=bk, FP8=fp8, APPLY_W=rw_R is not None, NUM_PROGS=programs, UPCAST=INTERPRET,
-        STAGES=cfg.down_stages, GROUP_M=cfg.group_m, TMA=cfg.tma, num_warps=cfg.down_warps)
+        BM=bm, BN=bn, BK=bk, FP8=fp8, APPLY_W=rw_R is not None, NUM_PROGS=programs, UPCAST=INTERPRET,
+        STAGES=cfg.down_stages, GROUP_M=cfg.group_m, TMA=cfg.tma, HALF=cfg.half_tiles, num_warps=cfg.down_warps)
 
 
 # ---------------------------------------------------------------------------------------------------------------
