@@ -42,6 +42,9 @@ from kernels.mok_hopper.schedule import Schedule, build_schedule, capacity_rows,
 from kernels.mok_hopper.workspace import Workspace, get_workspace
 
 PRECISIONS = ("bf16", "fp8")
+# timeline stamps (``timeline=True``): where each phase of a forward ends, on the stream that runs it
+STAMPS = ("start", "stage", "barrier0", "schedule", "shared", "up", "down", "join", "barrier1", "epilogue",
+          "pull [comm]", "up helper [comm]")
 MAX_GRAPHS = 4  # captured forwards kept per layer (one per set of input tensors)
 ROUTER_WEIGHT_IN = ("expert", "epilogue")
 
@@ -92,6 +95,8 @@ class MoKHopperLayer(torch.nn.Module):
             launches on two streams) as one CUDA graph, captured on the first call with a given set of input
             tensors (keyed by their addresses; up to ``MAX_GRAPHS`` sets, then the oldest is dropped). The
             output is a fresh tensor either way. False: launch every kernel from Python each call.
+        timeline: diagnostics (CUDA): every forward writes the GPU timer at each phase boundary (``STAMPS``) into
+            ``stamps``; :meth:`timeline_ms` reads them. Adds about a dozen one-thread launches per forward.
         rank, world, workspace: for tests that simulate several ranks in one process (see ``workspace.link_local``).
     """
 
@@ -100,7 +105,7 @@ class MoKHopperLayer(torch.nn.Module):
                  precision: str = "bf16", group: Any = None, tile: Optional[tk.TileConfig] = None,
                  capacity_multiplier: Optional[float] = 0.5, capacity: Optional[int] = None,
                  router_weight_in: str = "expert", cuda_graph: bool = True, rank: Optional[int] = None,
-                 world: Optional[int] = None, workspace: Optional[Workspace] = None) -> None:
+                 world: Optional[int] = None, workspace: Optional[Workspace] = None, timeline: bool = False) -> None:
         super().__init__()
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS} (got {precision!r}); mxfp8 is the `mok` "
@@ -200,6 +205,7 @@ class MoKHopperLayer(torch.nn.Module):
             self.ev_pull = [torch.cuda.Event() for _ in range(C)]
             self.ev_helper = torch.cuda.Event()
         self.use_graph = self.cuda and cuda_graph
+        self.stamps = torch.zeros(len(STAMPS), dtype=torch.int64, device=dev) if timeline and self.cuda else None
         self.graph_error: Optional[str] = None  # why capture failed (then every call runs eagerly)
         self._graphs: "OrderedDict[tuple, Any]" = OrderedDict()
         self._out = torch.empty(tokens, H, dtype=torch.bfloat16, device=dev) if self.use_graph else None
@@ -216,11 +222,26 @@ class MoKHopperLayer(torch.nn.Module):
 
     def _forward(self, x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, topk_w_TK: torch.Tensor,
                  out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        self._mark("start")
         self.stage(x_TH, topk_idx_TK, topk_w_TK)
+        self._mark("stage")
         self.ws.barrier(0)
+        self._mark("barrier0")
         self.compute(x_TH)
         self.ws.barrier(1)
-        return self.finish(out)
+        self._mark("barrier1")
+        out = self.finish(out)
+        self._mark("epilogue")
+        return out
+
+    def _mark(self, name: str) -> None:
+        if self.stamps is not None:
+            tk.stamp(self.stamps, STAMPS.index(name))
+
+    def timeline_ms(self) -> dict[str, float]:
+        """Of the last forward (host sync): ms from its start to the end of each phase (``timeline=True``)."""
+        t = self.stamps.tolist()
+        return {name: (v - t[0]) / 1e6 if v else float("nan") for name, v in zip(STAMPS, t)}  # 0: never written
 
     def _graph_forward(self, x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, topk_w_TK: torch.Tensor) -> torch.Tensor:
         """Replay the captured forward for these input tensors; on the first call with them, run eagerly (every
@@ -264,6 +285,7 @@ class MoKHopperLayer(torch.nn.Module):
     def compute(self, x_TH: torch.Tensor) -> None:
         """Schedule, pull, experts and push (every rank's stage must be visible: after barrier 0)."""
         self.schedule()
+        self._mark("schedule")
         C = self.cfg.num_chunks
         if not self.overlap:
             if self.has_shared:
@@ -278,20 +300,28 @@ class MoKHopperLayer(torch.nn.Module):
         with torch.cuda.stream(self.comm_stream):
             for c in range(C):
                 self.pull(c)
+                if c == C - 1:
+                    self._mark("pull [comm]")
                 self.ev_pull[c].record(self.comm_stream)
             if self.up_helper_programs:
                 self.up(0, programs=self.up_helper_programs)
+                self._mark("up helper [comm]")
                 self.ev_helper.record(self.comm_stream)
         if self.has_shared:
             self.shared_expert(x_TH)
+        self._mark("shared")
         for c in range(C):
             if self.ready is None:
                 main.wait_event(self.ev_pull[c])
             self.up(c)
+            if c == C - 1:
+                self._mark("up")
             if self.up_helper_programs:
                 main.wait_event(self.ev_helper)
             self.down(c)
+        self._mark("down")
         main.wait_event(self.ev_pull[C - 1])  # join the comm stream (pulls done) before barrier 1
+        self._mark("join")
 
     def finish(self, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The fixed-order epilogue (every push into this rank must be visible: after barrier 1)."""

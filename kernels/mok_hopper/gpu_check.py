@@ -245,6 +245,30 @@ def time_stages(ctx: Ctx, layer: MoKHopperLayer, inp: dict[str, Any], iters: int
     return out
 
 
+def timeline(ctx: Ctx, inp: dict[str, Any], tile: tk.TileConfig, precision: str, iters: int) -> dict[str, float]:
+    """Where each phase of the real (overlapped, graph-replayed) forward ends: ms from its start, median over
+    iterations, max over ranks, from GPU-timer stamps (a layer built with ``timeline=True``)."""
+    from kernels.mok_hopper.api import STAMPS
+
+    if ctx.smoke:
+        return {}
+    T, K = inp["idx"].shape
+    layer = MoKHopperLayer(inp["w13"], inp["w2"], topk=K, tokens=T, shared=inp["shared"], group=ctx.group,
+                           tile=tile, precision=precision, timeline=True)
+    samples: dict[str, list[float]] = {s: [] for s in STAMPS}
+    align = torch.zeros(1, device=ctx.dev)
+    for it in range(iters + 3):
+        dist.all_reduce(align)
+        layer(inp["x"], inp["idx"], inp["w"])
+        ms = layer.timeline_ms()
+        if it >= 3:
+            for k, v in ms.items():
+                samples[k].append(v)
+    t = torch.tensor([med(samples[s]) for s in STAMPS], device=ctx.dev)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return dict(zip(STAMPS, t.tolist()))
+
+
 def grouped_mm_ms(ctx: Ctx, layer: MoKHopperLayer, iters: int) -> Optional[float]:
     """torch._grouped_mm gate/up + SwiGLU + down on the same (padded) rows, for comparison (bf16 only)."""
     if not hasattr(torch, "_grouped_mm") or layer.fp8 or ctx.smoke:
@@ -417,6 +441,10 @@ def published(ctx: Ctx, name: str, args: argparse.Namespace, rates: dict[str, fl
         ctx.log("  stages (ms): " + "  ".join(f"{k} {v:.3f}" for k, v in st.items())
                 + f"  | up {derived['up'][0] / st['up']:.0f} GB/s, down {derived['down'][0] / st['down']:.0f} GB/s,"
                   f" pull {derived['pull'][0] / st['pull']:.0f} GB/s (remote pushed rows {remote_pushed})")
+        tline = timeline(ctx, inp, tile, prec, max(5, args.iters // 2))
+        if tline:
+            ctx.add(section="timeline", shape=name, precision=prec, **{f"{k}_ms": v for k, v in tline.items()})
+            ctx.log("  timeline (ms from start, phase ends): " + "  ".join(f"{k} {v:.3f}" for k, v in tline.items()))
         if args.sweep:
             sweep(ctx, name, inp, layer, tile, prec)
         layer = None  # frees the layer's buffers (and, with the cache cleared, the workspace)
@@ -436,15 +464,17 @@ SWEEP = [  # (label, overrides of the base tile, layer options); tiles checked b
     ("v3: full tiles, events", dict(half_tiles=False, ready_flags=False), {}),
     ("full tiles", dict(half_tiles=False), {}),
     ("no ready flags", dict(ready_flags=False), {}),
-    ("pointer loads", dict(tma=False), {}),
-    ("chunks 2", dict(num_chunks=2), {}),
+    ("up 4 stages", dict(up_stages=4), {}),
+    ("down 6 stages", dict(down_stages=6), {}),
+    ("up 4 + down 6 stages", dict(up_stages=4, down_stages=6), {}),
+    ("full tiles, up 4 + down 6", dict(half_tiles=False, up_stages=4, down_stages=6), {}),
+    ("pull 24 x 16 warps x 4 rows", dict(pull_programs=24, pull_warps=16, pull_rows=4), {}),
     ("comm 16", dict(comm_sms=16), {}),
     ("comm 32", dict(comm_sms=32), {}),
-    ("pull 24 x 16 warps x 4 rows", dict(pull_programs=24, pull_warps=16, pull_rows=4), {}),
-    ("group_m 8", dict(group_m=8), {}),
-    ("no cuda graph", {}, dict(cuda_graph=False)),
+    ("pointer loads", dict(tma=False), {}),
 ]
-SWEEP_FP8 = ("v3: full tiles, events", "full tiles", "no ready flags", "pointer loads")
+SWEEP_FP8 = ("v3: full tiles, events", "full tiles", "no ready flags", "pull 24 x 16 warps x 4 rows")
+TIMELINE_VARIANTS = ("v3: full tiles, events", "full tiles", "up 4 + down 6 stages")  # also get a timeline
 
 
 def sweep(ctx: Ctx, name: str, inp: dict[str, Any], base_layer: MoKHopperLayer, base: tk.TileConfig,
@@ -471,6 +501,12 @@ def sweep(ctx: Ctx, name: str, inp: dict[str, Any], base_layer: MoKHopperLayer, 
                     f"pull {st['pull']:.3f} ms{'' if ok else '  MISMATCH'}"
                     + (f"  graph failed: {layer.graph_error}" if layer.graph_error else ""))
             layer = None
+            if label in TIMELINE_VARIANTS:
+                tline = timeline(ctx, inp, tile, precision, 10)
+                if tline:
+                    ctx.add(section="timeline", shape=name, precision=precision, variant=label,
+                            **{f"{k}_ms": v for k, v in tline.items()})
+                    ctx.log(f"    timeline: " + "  ".join(f"{k} {v:.3f}" for k, v in tline.items()))
         except Exception as e:  # noqa: BLE001
             ctx.log(f"  sweep {label}: {type(e).__name__}: {e}")
             ctx.add(section="sweep", shape=name, precision=precision, variant=label, ok=False, error=str(e)[:200])

@@ -599,3 +599,18 @@ def combine_epilogue(comb_SH: torch.Tensor, idx_TK: torch.Tensor, rw_TK: Optiona
     _epilogue_kernel[(triton.cdiv(T, bt), triton.cdiv(H, bh))](
         comb_SH, idx_TK, rw_TK if rw_TK is not None else comb_SH, shared_TH if shared_TH is not None else comb_SH,
         out_TH, T, H, K, BT=bt, BH=bh, APPLY_W=rw_TK is not None, HAS_SHARED=shared_TH is not None, num_warps=4)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# timeline stamps (diagnostics): the GPU's global timer, written by a one-thread kernel on the stream that runs it
+
+
+@triton.jit
+def _stamp_kernel(ptr, i):
+    t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+    tl.store(ptr + i, t)
+
+
+def stamp(buf: torch.Tensor, i: int) -> None:
+    """buf[i] = the GPU's global timer (ns) when the stream gets here (CUDA only; captured into graphs too)."""
+    _stamp_kernel[(1,)](buf, i, num_warps=1)
