@@ -342,6 +342,45 @@ def test_kernels_with_small_tiles_walk_every_loop(precision, tma, half):
 
 
 @needs_triton
+@pytest.mark.parametrize("half", [True, False], ids=["half_tiles", "full_tiles"])
+@pytest.mark.parametrize("mode,P,capacity", [("uniform", 2, None), ("one_rank", 2, None), ("masked", 4, None),
+                                             ("empty_expert", 1, None), ("one_rank", 2, 48)])
+def test_triton_schedule_equals_the_torch_schedule(mode, P, capacity, half):
+    """The five-kernel schedule the layer runs writes the same tables as build_schedule (and the Python twin),
+    counts the same overflow, and zeroes the ready and work counters."""
+    from dataclasses import replace
+
+    from kernels.mok_hopper.api import MoKHopperLayer, default_tile
+    from kernels.mok_hopper.workspace import Workspace, link_local
+
+    T, K, E, H, I = 40, 3, 8, 128, 64
+    xs, idx, ws, w13, w2, _ = make_layer_inputs(P, T, K, E, H, I, seed=5, mode=mode, shared=False)
+    tile = replace(default_tile(device=torch.device("cpu"), hidden=H, ffn=I), block_m=16, half_tiles=half,
+                   num_chunks=3, pull_rows=4)
+    wss = link_local([Workspace(rank=r, world=P, device=torch.device("cpu"), tokens=T, hidden=H, topk=K,
+                                fp8=False, symmetric=False) for r in range(P)])
+    layers = [MoKHopperLayer(w13[r], w2[r], topk=K, tokens=T, rank=r, world=P, workspace=wss[r], tile=tile,
+                             capacity=capacity) for r in range(P)]
+    for r in range(P):
+        layers[r].stage(xs[r], idx[r], ws[r])
+    idx_PS = torch.stack([i.reshape(-1) for i in idx]).to(torch.int32)
+    for r, layer in enumerate(layers):
+        layer.ready.fill_(7)
+        layer.work.fill_(7)
+        got = layer.schedule()
+        want = build_schedule(idx_PS, rank=r, local_experts=E // P, block_m=16, capacity=layer.R, num_chunks=3,
+                              half_tiles=half)
+        for f in ("row_code_R1", "tile_expert_M", "tile_row_M1", "chunk_tiles_C1", "counts_L", "num_tiles",
+                  "overflow_rows"):
+            assert getattr(got, f).tolist() == getattr(want, f).tolist(), f
+        assert torch.equal(layer.idx_all, idx_PS)
+        assert not layer.ready.any() and not layer.work.any()
+        assert layer.overflow_rows() == int(want.overflow_rows)
+    if capacity is not None:
+        assert layers[0].overflow_rows() > 0  # rank 0 gets every row and has room for 48
+
+
+@needs_triton
 def test_kernels_detect_overflow():
     xs, idx, ws, w13, w2, sh = make_layer_inputs(2, 16, 2, 8, 128, 64, seed=2, mode="one_rank", shared=False)
     runs, layers, _ = run_kernels(xs, idx, ws, w13, w2, sh, capacity=32)

@@ -43,6 +43,26 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048) -> list[Varia
                        dict(ROWS=8, BLOCK=128, FP8_MAX_=tk.FP8_MAX), 4))
     out.append(Variant("gather idx", "_gather_i32_kernel",
                        dict(ref_ptr="*i32", delta_table="*i64", out_ptr="*i32", N="i32"), dict(BLOCK=1024), 4))
+    sb, lp = tk.DeviceScheduler.SB, 256  # the schedule at 192 local experts (kimi_k2_7 at EP=2)
+    out.append(Variant("schedule hist", "_sched_hist_kernel",
+                       dict(idx_ref="*i32", idx_delta="*i64", idx_all="*i32", hist_ptr="*i32", rank_ptr="*i32",
+                            S="i32", TK="i32", e_lo="i32", L="i32"), dict(SB=sb, LP=lp), 4))
+    out.append(Variant("schedule scan", "_sched_scan_kernel",
+                       dict(hist_ptr="*i32", off_ptr="*i32", count_ptr="*i32", NB="i32"),
+                       dict(NBP=256, LP=lp, EB=16), 8))
+    out.append(Variant("schedule layout", "_sched_layout_kernel",
+                       dict(count_ptr="*i32", lay_ptr="*i32", counts_out="*i32", num_tiles_ptr="*i32",
+                            chunk_ptr="*i32", overflow_ptr="*i32", ready_ptr="*i32", work_ptr="*i32", L="i32",
+                            R="i32", n_ready="i32", n_work="i32"),
+                       dict(BM=cfg.block_m, HALF=cfg.half_tiles, LP=lp, CP=2, NC=1, RP=1024, ZERO=True), 4))
+    out.append(Variant("schedule tiles", "_sched_tiles_kernel",
+                       dict(lay_ptr="*i32", tile_expert_ptr="*i32", tile_row_ptr="*i32", codes_ptr="*i32", M="i32",
+                            L="i32", R="i32"), dict(BM=cfg.block_m, LP=lp, MB=64, CB=2048), 4))
+    out.append(Variant("schedule place", "_sched_place_kernel",
+                       dict(idx_all="*i32", rank_ptr="*i32", off_ptr="*i32", lay_ptr="*i32", codes_ptr="*i32",
+                            overflow_ptr="*i32", overflow_total_ptr="*i32", S="i32", e_lo="i32", L="i32", R="i32"),
+                       dict(SB=sb, LP=lp), 4))
+    out.append(Variant("timeline stamp", "_stamp_kernel", dict(ptr="*i64", i="i32"), {}, 1))
     hp = 1 << (hidden - 1).bit_length()
     for fp8, pull_w in ((False, True), (False, False), (True, True)):
         xt = "*fp8e4nv" if fp8 else "*bf16"

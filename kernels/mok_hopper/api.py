@@ -47,6 +47,7 @@ STAMPS = ("start", "stage", "barrier0", "schedule", "shared", "up", "down", "joi
           "pull [comm]", "up helper [comm]")
 MAX_GRAPHS = 4  # captured forwards kept per layer (one per set of input tensors)
 ROUTER_WEIGHT_IN = ("expert", "epilogue")
+SCHEDULES = ("triton", "torch")
 
 
 def default_tile(*, precision: str = "bf16", device: Optional[torch.device] = None, comm_sms: Optional[int] = None,
@@ -95,6 +96,8 @@ class MoKHopperLayer(torch.nn.Module):
             launches on two streams) as one CUDA graph, captured on the first call with a given set of input
             tensors (keyed by their addresses; up to ``MAX_GRAPHS`` sets, then the oldest is dropped). The
             output is a fresh tensor either way. False: launch every kernel from Python each call.
+        schedule: "triton" (five small kernels, the default) or "torch" (``schedule.build_schedule``, ~20 torch
+            launches; the same tables).
         timeline: diagnostics (CUDA): every forward writes the GPU timer at each phase boundary (``STAMPS``) into
             ``stamps``; :meth:`timeline_ms` reads them. Adds about a dozen one-thread launches per forward.
         rank, world, workspace: for tests that simulate several ranks in one process (see ``workspace.link_local``).
@@ -105,7 +108,8 @@ class MoKHopperLayer(torch.nn.Module):
                  precision: str = "bf16", group: Any = None, tile: Optional[tk.TileConfig] = None,
                  capacity_multiplier: Optional[float] = 0.5, capacity: Optional[int] = None,
                  router_weight_in: str = "expert", cuda_graph: bool = True, rank: Optional[int] = None,
-                 world: Optional[int] = None, workspace: Optional[Workspace] = None, timeline: bool = False) -> None:
+                 world: Optional[int] = None, workspace: Optional[Workspace] = None, timeline: bool = False,
+                 schedule: str = "triton") -> None:
         super().__init__()
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS} (got {precision!r}); mxfp8 is the `mok` "
@@ -169,6 +173,11 @@ class MoKHopperLayer(torch.nn.Module):
                       if self.cfg.ready_flags else None)
         self.work = torch.zeros(C, dtype=torch.int32, device=dev) if self.cfg.ready_flags else None  # up work items
         self.overflow_total = torch.zeros(1, dtype=torch.int32, device=dev)
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES} (got {schedule!r})")
+        self.scheduler = tk.DeviceScheduler(
+            world=self.world, tokens=tokens, topk=topk, local_experts=L, block_m=BM, capacity=R,
+            half_tiles=self.cfg.half_tiles, num_chunks=C, device=dev) if schedule == "triton" else None
 
         self.has_shared = shared is not None
         if self.has_shared:
@@ -191,14 +200,15 @@ class MoKHopperLayer(torch.nn.Module):
         # The down GEMM runs after every pull it depends on when there is one chunk, so it takes every SM.
         self.overlap = self.cuda
         comm = self.cfg.comm_sms if self.overlap else 0
-        self.shared_programs = self.cfg.gemm_programs or max(1, n_sm - comm)
+        self.shared_last = self.cfg.shared_last
+        self.shared_programs = self.cfg.gemm_programs or (n_sm if self.shared_last else max(1, n_sm - comm))
         # With ready counters and one chunk, a second up launch with comm_sms programs follows the pull on the comm
         # stream and takes work items off the same counter, so the up GEMM gets every SM once the pull is done.
         busy = C > 1 or self.ready is not None
         self.up_programs = self.cfg.gemm_programs or (max(1, n_sm - comm) if busy else n_sm)
         self.up_helper_programs = comm if (self.ready is not None and C == 1 and self.overlap) else 0
         self.gemm_programs = self.cfg.gemm_programs or (n_sm if C == 1 else max(1, n_sm - comm))
-        self.pull_programs = self.cfg.pull_programs or 2 * (comm if self.overlap else n_sm)
+        self.pull_programs = self.cfg.pull_programs or (comm if self.overlap else n_sm)
         if self.cuda:
             self.comm_stream = torch.cuda.Stream(device=dev, priority=-1)
             self.ev_sched = torch.cuda.Event()
@@ -307,9 +317,9 @@ class MoKHopperLayer(torch.nn.Module):
                 self.up(0, programs=self.up_helper_programs)
                 self._mark("up helper [comm]")
                 self.ev_helper.record(self.comm_stream)
-        if self.has_shared:
+        if self.has_shared and not self.shared_last:
             self.shared_expert(x_TH)
-        self._mark("shared")
+            self._mark("shared")
         for c in range(C):
             if self.ready is None:
                 main.wait_event(self.ev_pull[c])
@@ -322,6 +332,9 @@ class MoKHopperLayer(torch.nn.Module):
         self._mark("down")
         main.wait_event(self.ev_pull[C - 1])  # join the comm stream (pulls done) before barrier 1
         self._mark("join")
+        if self.has_shared and self.shared_last:
+            self.shared_expert(x_TH)
+            self._mark("shared")
 
     def finish(self, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The fixed-order epilogue (every push into this rank must be visible: after barrier 1)."""
@@ -335,7 +348,11 @@ class MoKHopperLayer(torch.nn.Module):
     # ---- stages (also timed one by one by gpu_check) ----
 
     def schedule(self) -> Schedule:
-        tk.gather_peer_i32(self.ws.idx, self.ws.tables["idx"], self.idx_all)
+        if self.scheduler is not None:  # five Triton launches
+            self.scheduler(self.ws.idx, self.ws.tables["idx"], self.idx_all, rank=self.rank, out=self.sched,
+                           overflow_total=self.overflow_total, ready=self.ready, work=self.work)
+            return self.sched
+        tk.gather_peer_i32(self.ws.idx, self.ws.tables["idx"], self.idx_all)  # the torch twin: ~20 launches
         build_schedule(self.idx_all, rank=self.rank, local_experts=self.L, block_m=self.cfg.block_m,
                        capacity=self.R, num_chunks=self.cfg.num_chunks, half_tiles=self.cfg.half_tiles,
                        out=self.sched)

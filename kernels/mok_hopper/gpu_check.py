@@ -461,20 +461,21 @@ def _empty_cache(ctx: Ctx) -> None:
 
 
 SWEEP = [  # (label, overrides of the base tile, layer options); tiles checked by aot_check to fit on sm_90
-    ("v3: full tiles, events", dict(half_tiles=False, ready_flags=False), {}),
+    ("v3 layout (full tiles, events, 3/4 stages, torch schedule)",
+     dict(half_tiles=False, ready_flags=False, up_stages=3, down_stages=4, pull_rows=2, pull_warps=8,
+          pull_programs=48), dict(schedule="torch")),
+    ("torch schedule", {}, dict(schedule="torch")),
+    ("shared last", dict(shared_last=True), {}),
     ("full tiles", dict(half_tiles=False), {}),
     ("no ready flags", dict(ready_flags=False), {}),
-    ("up 4 stages", dict(up_stages=4), {}),
-    ("down 6 stages", dict(down_stages=6), {}),
-    ("up 4 + down 6 stages", dict(up_stages=4, down_stages=6), {}),
-    ("full tiles, up 4 + down 6", dict(half_tiles=False, up_stages=4, down_stages=6), {}),
-    ("pull 24 x 16 warps x 4 rows", dict(pull_programs=24, pull_warps=16, pull_rows=4), {}),
+    ("up 3 + down 4 stages", dict(up_stages=3, down_stages=4), {}),
+    ("pull 48 x 8 warps x 2 rows", dict(pull_programs=48, pull_warps=8, pull_rows=2), {}),
     ("comm 16", dict(comm_sms=16), {}),
     ("comm 32", dict(comm_sms=32), {}),
-    ("pointer loads", dict(tma=False), {}),
 ]
-SWEEP_FP8 = ("v3: full tiles, events", "full tiles", "no ready flags", "pull 24 x 16 warps x 4 rows")
-TIMELINE_VARIANTS = ("v3: full tiles, events", "full tiles", "up 4 + down 6 stages")  # also get a timeline
+SWEEP_FP8 = ("v3 layout (full tiles, events, 3/4 stages, torch schedule)", "torch schedule", "shared last",
+             "full tiles", "up 3 + down 4 stages")
+TIMELINE_VARIANTS = ("torch schedule", "shared last")  # also get a timeline
 
 
 def sweep(ctx: Ctx, name: str, inp: dict[str, Any], base_layer: MoKHopperLayer, base: tk.TileConfig,

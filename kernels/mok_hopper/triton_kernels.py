@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import triton
@@ -82,22 +82,23 @@ class TileConfig:
     block_m: int = 128  # rows per tile; the schedule pads every expert to a multiple of it
     up_n: int = 128  # gate and up columns per tile (two accumulators of block_m x up_n)
     up_k: int = 64
-    up_stages: int = 3
+    up_stages: int = 4  # 4 x 48 KB in flight per SM (3 streamed weights 5% slower on 2xH200, PERF_NOTES v5)
     up_warps: int = 8
     down_n: int = 128
     down_k: int = 64
-    down_stages: int = 4
+    down_stages: int = 6
     down_warps: int = 8
-    pull_rows: int = 2  # rows per pull step (each step loads whole rows)
-    pull_warps: int = 8
+    pull_rows: int = 4  # rows per pull step (each step loads whole rows)
+    pull_warps: int = 16
     comm_sms: int = 24  # SMs left to the pull kernel while GEMMs run (GEMM grid = SMs - comm_sms)
-    pull_programs: int = 0  # 0: 2 * comm_sms
+    pull_programs: int = 0  # 0: comm_sms
     gemm_programs: int = 0  # 0: SMs - comm_sms
     num_chunks: int = 1  # pull / GEMM pipeline chunks (1: the pulls overlap the shared expert only; measured best)
     group_m: int = 4  # row tiles per work group (see _tile_order)
     tma: bool = True  # GEMM operands through TMA tensor descriptors (Hopper's bulk copy engine) instead of pointers
     half_tiles: bool = True  # an expert's last tile is block_m / 2 rows when its rest fits (less MMA on padding)
-    ready_flags: bool = True  # the up GEMM waits per row granule for the pull (no stream-level wait; 1 chunk only)
+    ready_flags: bool = True  # the up GEMM waits per row granule for the pull (no stream-level wait)
+    shared_last: bool = False  # the shared expert after the routed GEMMs (every SM) instead of beside the pull
 
     def for_fp8(self) -> "TileConfig":
         """fp8 tiles: one weight scale per step (BK <= 128, BN <= 128 inside one 128 x 128 block). The up GEMM
@@ -106,7 +107,8 @@ class TileConfig:
         tiles, so the down GEMM steps 64 deep."""
         from dataclasses import replace
 
-        return replace(self, up_n=64, up_k=128, up_stages=4, down_n=128, down_k=64, down_stages=5)
+        return replace(self, up_n=64, up_k=128, up_stages=self.up_stages + 2, down_n=128, down_k=64,
+                       down_stages=self.down_stages + 2)
 
     @property
     def h_block(self) -> int:
@@ -201,6 +203,175 @@ def gather_peer_i32(ref: torch.Tensor, delta_table_P: torch.Tensor, out_PN: torc
     P, N = out_PN.shape
     block = 1024
     _gather_i32_kernel[(P, triton.cdiv(N, block))](ref, delta_table_P, out_PN, N, BLOCK=block, num_warps=4)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the schedule in five small kernels (the twin of schedule.build_schedule, which takes ~20 torch launches): a
+# counting sort of the P*T*K routed slots by local expert, stable (ascending slot inside each expert), then the tile
+# tables. Integers only, fixed order: deterministic. Legend: S = P*T*K slots, SB slots per block, NB blocks,
+# LP >= L+1 expert bins (bin L = "not mine"), M tile-table entries.
+
+
+@triton.jit
+def _sched_hist_kernel(idx_ref, idx_delta, idx_all, hist_ptr, rank_ptr, S, TK, e_lo, L,
+                       SB: tl.constexpr, LP: tl.constexpr):
+    """Block b of slots: gather the ids from their ranks' buffers (into idx_all), histogram of local expert, and
+    each slot's rank among the earlier slots of the block with the same expert."""
+    b = tl.program_id(0)
+    i = tl.arange(0, SB)
+    p = b * SB + i
+    m = p < S
+    src = p // TK
+    d = tl.load(idx_delta + src, mask=m, other=0)
+    g = tl.load(idx_ref + d + (p % TK), mask=m, other=-1)
+    tl.store(idx_all + p, g, mask=m)
+    le = g - e_lo
+    key = tl.where(m & (le >= 0) & (le < L), le, L)
+    tl.store(hist_ptr + b * LP + tl.arange(0, LP), tl.histogram(key, LP))
+    same_before = (key[:, None] == key[None, :]) & (i[None, :] < i[:, None])
+    tl.store(rank_ptr + p, tl.sum(same_before.to(tl.int32), axis=1), mask=m)
+
+
+@triton.jit
+def _sched_scan_kernel(hist_ptr, off_ptr, count_ptr, NB, NBP: tl.constexpr, LP: tl.constexpr, EB: tl.constexpr):
+    """Per expert: exclusive prefix of the block histograms (where each block's slots start inside the expert's
+    segment) and the total."""
+    e = tl.program_id(0) * EB + tl.arange(0, EB)
+    bb = tl.arange(0, NBP)
+    at = bb[:, None] * LP + e[None, :]
+    mask = (bb[:, None] < NB) & (e[None, :] < LP)
+    h = tl.load(hist_ptr + at, mask=mask, other=0)
+    tl.store(off_ptr + at, tl.cumsum(h, axis=0) - h, mask=mask)
+    tl.store(count_ptr + e, tl.sum(h, axis=0), mask=e < LP)
+
+
+@triton.jit
+def _sched_layout_kernel(count_ptr, lay_ptr, counts_out, num_tiles_ptr, chunk_ptr, overflow_ptr, ready_ptr, work_ptr,
+                         L, R, n_ready, n_work, BM: tl.constexpr, HALF: tl.constexpr, LP: tl.constexpr,
+                         CP: tl.constexpr, NC: tl.constexpr, RP: tl.constexpr, ZERO: tl.constexpr):
+    """One program: per expert its padded rows and tiles, segment start, tile range (lay_ptr rows 0-2, row 3 slot 0:
+    rows in use); tiles in use, chunk bounds; zeroes the overflow count and (ZERO) the ready / work counters."""
+    e = tl.arange(0, LP)
+    live = e < L
+    c = tl.where(live, tl.load(count_ptr + e), 0)
+    if HALF:  # full tiles, then a last tile of BM/2 rows if the rest fits in it, else of BM rows
+        full = c // BM
+        rest = c - full * BM
+        tiles = full + (rest > 0).to(tl.int32)
+        rows = full * BM + tl.where(rest > BM // 2, BM, tl.where(rest > 0, BM // 2, 0))
+    else:
+        tiles = (c + BM - 1) // BM
+        rows = tiles * BM
+    seg = tl.cumsum(rows, axis=0) - rows
+    tile_end = tl.cumsum(tiles, axis=0)
+    tl.store(lay_ptr + e, seg)
+    tl.store(lay_ptr + LP + e, tile_end)
+    tl.store(lay_ptr + 2 * LP + e, tiles)
+    tl.store(counts_out + e, c, mask=live)
+    used = tl.minimum(tl.sum(rows, axis=0), R)
+    tl.store(lay_ptr + 3 * LP, used)
+    # tiles in use: those starting below the capacity (a prefix of the tile order)
+    n_in = tl.where(seg < R, tl.minimum(tiles, (R - seg + BM - 1) // BM), 0)
+    nt = tl.sum(n_in, axis=0)
+    tl.store(num_tiles_ptr, nt)
+    cc = tl.arange(0, CP)
+    tl.store(chunk_ptr + cc, nt * cc // NC, mask=cc <= NC)
+    tl.store(overflow_ptr, 0)
+    if ZERO:
+        for r0 in range(0, n_ready, RP):
+            rr = r0 + tl.arange(0, RP)
+            tl.store(ready_ptr + rr, tl.zeros((RP,), dtype=tl.int32), mask=rr < n_ready)
+        cw = tl.arange(0, CP)
+        tl.store(work_ptr + cw, tl.zeros((CP,), dtype=tl.int32), mask=cw < n_work)
+
+
+@triton.jit
+def _sched_tiles_kernel(lay_ptr, tile_expert_ptr, tile_row_ptr, codes_ptr, M, L, R, BM: tl.constexpr,
+                        LP: tl.constexpr, MB: tl.constexpr, CB: tl.constexpr):
+    """Tile tables for tiles [pid*MB, (pid+1)*MB): expert (L past the end) and first row (the rows in use past the
+    end); also resets row codes [pid*CB, (pid+1)*CB) (and the scratch row R) to -1."""
+    pid = tl.program_id(0)
+    m = pid * MB + tl.arange(0, MB)
+    e = tl.arange(0, LP)
+    tile_end = tl.load(lay_ptr + LP + e)
+    ex = tl.sum(((tile_end[None, :] <= m[:, None]) & (e[None, :] < L)).to(tl.int32), axis=1)
+    ec = tl.minimum(ex, L - 1)
+    seg = tl.load(lay_ptr + ec)
+    first = tl.load(lay_ptr + LP + ec) - tl.load(lay_ptr + 2 * LP + ec)
+    row = seg + (m - first) * BM
+    in_use = (ex < L) & (row < R)
+    used = tl.load(lay_ptr + 3 * LP)
+    tl.store(tile_expert_ptr + m, tl.where(in_use, ex, L), mask=m < M)
+    tl.store(tile_row_ptr + m, tl.where(in_use, row, used), mask=m <= M)
+    r = pid * CB + tl.arange(0, CB)
+    tl.store(codes_ptr + r, tl.full((CB,), -1, tl.int32), mask=r <= R)
+
+
+@triton.jit
+def _sched_place_kernel(idx_all, rank_ptr, off_ptr, lay_ptr, codes_ptr, overflow_ptr, overflow_total_ptr, S, e_lo, L,
+                        R, SB: tl.constexpr, LP: tl.constexpr):
+    """Every local slot to its row: expert segment start + the block's offset inside it + rank inside the block.
+    Slots that do not fit in R are counted (an integer sum: order-independent)."""
+    b = tl.program_id(0)
+    p = b * SB + tl.arange(0, SB)
+    m = p < S
+    le = tl.load(idx_all + p, mask=m, other=-1) - e_lo
+    mine = m & (le >= 0) & (le < L)
+    key = tl.where(mine, le, 0)
+    dest = tl.load(lay_ptr + key, mask=mine, other=0) + tl.load(off_ptr + b * LP + key, mask=mine, other=0) + \
+        tl.load(rank_ptr + p, mask=mine, other=0)
+    fits = mine & (dest < R)
+    tl.store(codes_ptr + dest, p, mask=fits)
+    lost = tl.sum((mine & (dest >= R)).to(tl.int32), axis=0)
+    tl.atomic_add(overflow_ptr, lost)
+    tl.atomic_add(overflow_total_ptr, lost)
+
+
+class DeviceScheduler:
+    """Scratch buffers and launches of the Triton schedule for one layer (sizes fixed at construction)."""
+
+    SB = 128  # slots per block
+
+    def __init__(self, *, world: int, tokens: int, topk: int, local_experts: int, block_m: int, capacity: int,
+                 half_tiles: bool, num_chunks: int, device: torch.device) -> None:
+        self.P, self.TK, self.L, self.BM, self.R = world, tokens * topk, local_experts, block_m, capacity
+        self.half, self.C = half_tiles, num_chunks
+        self.S = world * tokens * topk
+        self.NB = triton.cdiv(self.S, self.SB)
+        self.LP = triton.next_power_of_2(local_experts + 1)
+        i32 = dict(dtype=torch.int32, device=device)
+        self.hist = torch.zeros(self.NB, self.LP, **i32)
+        self.off = torch.zeros(self.NB, self.LP, **i32)
+        self.rank = torch.zeros(self.S, **i32)
+        self.count = torch.zeros(self.LP, **i32)
+        self.lay = torch.zeros(3 * self.LP + 1, **i32)
+
+    def __call__(self, idx_ref: torch.Tensor, idx_delta: torch.Tensor, idx_all: torch.Tensor, *, rank: int,
+                 out: Any, overflow_total: torch.Tensor, ready: Optional[torch.Tensor] = None,
+                 work: Optional[torch.Tensor] = None) -> None:
+        """``out``: a schedule.Schedule (its buffers are written); idx_all [P, T*K] int32 gets every rank's ids."""
+        L, LP, NB, SB, R, BM = self.L, self.LP, self.NB, self.SB, self.R, self.BM
+        e_lo = rank * L
+        _sched_hist_kernel[(NB,)](idx_ref, idx_delta, idx_all, self.hist, self.rank, self.S, self.TK, e_lo, L,
+                                  SB=SB, LP=LP, num_warps=4)
+        nbp = triton.next_power_of_2(NB)
+        eb = max(1, min(LP, 4096 // nbp))
+        _sched_scan_kernel[(triton.cdiv(LP, eb),)](self.hist, self.off, self.count, NB, NBP=nbp, LP=LP, EB=eb,
+                                                   num_warps=8)
+        zero = ready is not None
+        _sched_layout_kernel[(1,)](self.count, self.lay, out.counts_L, out.num_tiles, out.chunk_tiles_C1,
+                                   out.overflow_rows, ready if zero else self.count, work if zero else self.count,
+                                   L, R, ready.numel() if zero else 0, work.numel() if zero else 0,
+                                   BM=BM, HALF=self.half, LP=LP, CP=triton.next_power_of_2(self.C + 1), NC=self.C,
+                                   RP=1024, ZERO=zero, num_warps=4)
+        M = out.tile_expert_M.numel()
+        mb = max(1, min(64, 16384 // LP))
+        grid = triton.cdiv(M + 1, mb)
+        cb = triton.next_power_of_2(triton.cdiv(R + 1, grid))
+        _sched_tiles_kernel[(grid,)](self.lay, out.tile_expert_M, out.tile_row_M1, out.row_code_R1, M, L, R,
+                                     BM=BM, LP=LP, MB=mb, CB=cb, num_warps=4)
+        _sched_place_kernel[(NB,)](idx_all, self.rank, self.off, self.lay, out.row_code_R1, out.overflow_rows,
+                                   overflow_total, self.S, e_lo, L, R, SB=SB, LP=LP, num_warps=4)
 
 
 # ---------------------------------------------------------------------------------------------------------------
