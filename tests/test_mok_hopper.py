@@ -163,6 +163,14 @@ def test_schedule_counts_overflow_instead_of_dropping_silently():
         assert s.tile_row_M1.tolist() == starts and starts[int(s.num_tiles)] == R
 
 
+def test_fp8_tile_is_applied_once():
+    from kernels.mok_hopper.triton_kernels import TileConfig
+
+    f8 = TileConfig().for_fp8()
+    assert f8.fp8 and f8.for_fp8() == f8 and (f8.up_k, f8.up_n) == (128, 64)
+    assert f8.up_stages == TileConfig().up_stages + 2
+
+
 def test_capacity_is_the_worst_case_up_to_ep2_and_moks_rule_beyond():
     kw = dict(tokens=2048, topk=8, block_m=128)
     assert capacity_rows(ep=1, local_experts=384, **kw) >= 2048 * 8 + 384 * 127

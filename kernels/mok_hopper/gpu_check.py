@@ -383,11 +383,9 @@ def published(ctx: Ctx, name: str, args: argparse.Namespace, rates: dict[str, fl
     inp = make_inputs(ctx, E, H, I, K, T, "uniform", seed=1)
     flops = 6.0 * (T + T * K) * H * I  # published formula
     for prec in args.precisions:
-        tile = default_tile(precision=prec, device=ctx.dev, comm_sms=args.comm_sms, hidden=H, ffn=I,
-                            rows_per_expert=P * T * K / E)
-        tile = replace(tile, **args.tile_over)
-        if prec == "fp8":
-            tile = tile.for_fp8()
+        base = default_tile(device=ctx.dev, comm_sms=args.comm_sms, hidden=H, ffn=I, rows_per_expert=P * T * K / E)
+        base = replace(base, **args.tile_over)  # bf16; the sweep's overrides apply to it before for_fp8
+        tile = base.for_fp8() if prec == "fp8" else base
         layer, res = check_layer(ctx, f"{name}", inp, precision=prec, repeats=args.repeats, tile=tile)
         if layer is None or res["status"] != "ok":
             layer = None
@@ -446,7 +444,7 @@ def published(ctx: Ctx, name: str, args: argparse.Namespace, rates: dict[str, fl
             ctx.add(section="timeline", shape=name, precision=prec, **{f"{k}_ms": v for k, v in tline.items()})
             ctx.log("  timeline (ms from start, phase ends): " + "  ".join(f"{k} {v:.3f}" for k, v in tline.items()))
         if args.sweep:
-            sweep(ctx, name, inp, layer, tile, prec)
+            sweep(ctx, name, inp, layer, base, prec)
         layer = None  # frees the layer's buffers (and, with the cache cleared, the workspace)
         clear_workspace_cache()
         _empty_cache(ctx)

@@ -99,6 +99,7 @@ class TileConfig:
     half_tiles: bool = True  # an expert's last tile is block_m / 2 rows when its rest fits (less MMA on padding)
     ready_flags: bool = True  # the up GEMM waits per row granule for the pull (no stream-level wait)
     shared_last: bool = False  # the shared expert after the routed GEMMs (every SM) instead of beside the pull
+    fp8: bool = False  # set by for_fp8 (the fp8 GEMM steps and pipeline depths)
 
     def for_fp8(self) -> "TileConfig":
         """fp8 tiles: one weight scale per step (BK <= 128, BN <= 128 inside one 128 x 128 block). The up GEMM
@@ -107,8 +108,10 @@ class TileConfig:
         tiles, so the down GEMM steps 64 deep."""
         from dataclasses import replace
 
+        if self.fp8:  # idempotent: callers may apply it to a tile that already is one
+            return self
         return replace(self, up_n=64, up_k=128, up_stages=self.up_stages + 2, down_n=128, down_k=64,
-                       down_stages=self.down_stages + 2)
+                       down_stages=self.down_stages + 2, fp8=True)
 
     @property
     def h_block(self) -> int:
