@@ -372,8 +372,11 @@ def edge_cases(ctx: Ctx, tile_over: Optional[dict[str, Any]] = None) -> None:
 
 
 def published(ctx: Ctx, name: str, args: argparse.Namespace, rates: dict[str, float]) -> None:
-    E, H, I, K = {**SHAPES, **SMOKE_SHAPES}[name]
+    base_name, _, per_gpu = name.partition("@")  # "shape@6epg": the published experts per GPU
+    E, H, I, K = {**SHAPES, **SMOKE_SHAPES}[base_name]
     P, T = ctx.world, args.tokens
+    if per_gpu:
+        E = int(per_gpu.removesuffix("epg")) * P
     if E % P:
         ctx.log(f"{name}: {E} experts do not split over {P} ranks, skipped")
         return
@@ -459,21 +462,17 @@ def _empty_cache(ctx: Ctx) -> None:
 
 
 SWEEP = [  # (label, overrides of the base tile, layer options); tiles checked by aot_check to fit on sm_90
-    ("v3 layout (full tiles, events, 3/4 stages, torch schedule)",
-     dict(half_tiles=False, ready_flags=False, up_stages=3, down_stages=4, pull_rows=2, pull_warps=8,
-          pull_programs=48), dict(schedule="torch")),
-    ("torch schedule", {}, dict(schedule="torch")),
-    ("shared last", dict(shared_last=True), {}),
-    ("full tiles", dict(half_tiles=False), {}),
-    ("no ready flags", dict(ready_flags=False), {}),
-    ("up 3 + down 4 stages", dict(up_stages=3, down_stages=4), {}),
     ("pull 48 x 8 warps x 2 rows", dict(pull_programs=48, pull_warps=8, pull_rows=2), {}),
+    ("pull 48 x 16 warps x 4 rows", dict(pull_programs=48), {}),
+    ("pull 24 x 16 warps x 8 rows", dict(pull_rows=8), {}),
     ("comm 16", dict(comm_sms=16), {}),
-    ("comm 32", dict(comm_sms=32), {}),
+    ("shared last", dict(shared_last=True), {}),
+    ("down 128 deep x 3 stages", dict(down_k=128, down_stages=3), {}),
+    ("up 3 + down 4 stages", dict(up_stages=3, down_stages=4), {}),
+    ("no ready flags", dict(ready_flags=False), {}),
 ]
-SWEEP_FP8 = ("v3 layout (full tiles, events, 3/4 stages, torch schedule)", "torch schedule", "shared last",
-             "full tiles", "up 3 + down 4 stages")
-TIMELINE_VARIANTS = ("torch schedule", "shared last")  # also get a timeline
+SWEEP_FP8 = ("pull 48 x 8 warps x 2 rows", "pull 24 x 16 warps x 8 rows", "shared last")
+TIMELINE_VARIANTS = ()  # also get a timeline
 
 
 def sweep(ctx: Ctx, name: str, inp: dict[str, Any], base_layer: MoKHopperLayer, base: tk.TileConfig,
