@@ -586,7 +586,8 @@ def print_table(rows: list[dict[str, Any]]) -> None:
     if st:
         print(f"\n{'shape':<16} {'prec':<5} " + " ".join(f"{s:>9}" for s in STAGES))
         order = list(SHAPES) + list(SMOKE_SHAPES)
-        keys = sorted({(r["shape"], r["precision"]) for r in st}, key=lambda k: (order.index(k[0]), k[1]))
+        keys = sorted({(r["shape"], r["precision"]) for r in st},
+                      key=lambda k: (order.index(k[0].partition("@")[0]), k[0], k[1]))
         for shape, prec in keys:
             ms = {r["stage"]: r["ms"] for r in st if r["shape"] == shape and r["precision"] == prec}
             print(f"{shape:<16} {prec:<5} " + " ".join(f"{ms.get(s, math.nan):9.3f}" for s in STAGES))
