@@ -457,6 +457,7 @@ def test_te_backend_matches_reference_on_gpu(results_dir, backend, precision):
     df = run_benchmark(gpu_cfg(results_dir, "ep_size=2", f"backends=[{backend}]", f"precision={precision}",
                                "directions=[fwd,bwd,fwd_bwd]"))
     show = df[["direction", "status", "error", "rel_err", "max_abs_err", "worst_tensor"]].to_string()
+    assert sorted(df.direction) == ["bwd", "fwd", "fwd_bwd"], show  # one row per direction (none lost)
     if precision == "bf16":
         assert (df.status == "ok").all(), show
         assert (df.rel_err <= 0.01).all() and (df.max_abs_err <= 0.5).all() and (df.scaling == "none").all()

@@ -119,9 +119,13 @@ class MokHopperBackend:
         t, layer = self._tile, self.impl
         return {"scaling": scaling, "compiled": True, "comm_sms": t.comm_sms,
                 "notes": (f"Triton, {'TMA' if t.tma else 'pointer'} GEMM operands; BM={t.block_m} "
-                          f"up {t.up_n}x{t.up_k} down {t.down_n}x{t.down_k}; "
-                          f"{t.num_chunks} pull/GEMM chunks; {layer.gemm_programs} GEMM + {layer.pull_programs} pull "
-                          f"programs; capacity {layer.R} rows; symmetric memory, no multicast; "
+                          f"{'+ BM/2 half tiles ' if t.half_tiles else ''}"
+                          f"up {t.up_n}x{t.up_k}x{t.up_stages} stages, down {t.down_n}x{t.down_k}x{t.down_stages}; "
+                          f"{t.num_chunks} chunk(s), pull -> up "
+                          f"{'ready counters' if layer.ready is not None else 'stream events'}; programs: "
+                          f"{layer.up_programs}+{layer.up_helper_programs} up, {layer.gemm_programs} down, "
+                          f"{layer.pull_programs} pull; {'Triton' if layer.scheduler is not None else 'torch'} "
+                          f"schedule; capacity {layer.R} rows; symmetric memory, no multicast; "
                           + ("replayed as one CUDA graph" if layer.use_graph else
                              f"launched from Python (CUDA graph capture failed: {layer.graph_error})"
                              if layer.graph_error else "launched from Python"))}
