@@ -7,7 +7,8 @@ One forward, all on the device, no host synchronisation::
 
     stage      x -> symmetric x (fp8: quantised 1x128 on the way), top-k ids -> int32, router weights
     barrier 0  (signal pads)
-    schedule   pull every rank's top-k ids from its buffer; build this rank's row table (schedule.py)
+    schedule   pull every rank's top-k ids from its buffer; build this rank's row and tile tables (five Triton
+               kernels; schedule.py has the same in torch ops, and a Python twin)
     pull       per chunk c: routed rows from the source ranks' x buffers into local rows; each granule of
                rows done bumps a ready counter                                                  [comm stream]
     shared     shared expert (same GEMM kernels, one "expert" with T rows)                     [main stream]
@@ -206,6 +207,12 @@ class MoKHopperLayer(torch.nn.Module):
         # stream and takes work items off the same counter, so the up GEMM gets every SM once the pull is done.
         busy = C > 1 or self.ready is not None
         self.up_programs = self.cfg.gemm_programs or (max(1, n_sm - comm) if busy else n_sm)
+        if self.ready is not None and self.overlap:
+            # the up programs spin until the pull has written their rows: they must never fill every SM
+            if not 1 <= comm < n_sm:
+                raise ValueError(f"ready_flags need 1 <= comm_sms < {n_sm} SMs (got comm_sms={comm}): the up GEMM "
+                                 f"waits for the pull, which needs SMs of its own; or set ready_flags=False")
+            self.up_programs = min(self.up_programs, n_sm - comm)
         self.up_helper_programs = comm if (self.ready is not None and C == 1 and self.overlap) else 0
         self.gemm_programs = self.cfg.gemm_programs or (n_sm if C == 1 else max(1, n_sm - comm))
         self.pull_programs = self.cfg.pull_programs or (comm if self.overlap else n_sm)
