@@ -4,6 +4,8 @@ Run (repository root; 2 GPUs, then 1)::
 
     torchrun --nproc-per-node=2 -m kernels.mok_hopper.gpu_check --out /tmp/mokh
     torchrun --nproc-per-node=1 -m kernels.mok_hopper.gpu_check --out /tmp/mokh1 --shapes glm_5_2
+    # the published experts per GPU: shape@Nepg
+    torchrun --nproc-per-node=2 -m kernels.mok_hopper.gpu_check --out /tmp/mokh --shapes qwen3_5_397b@8epg
 
 What it does, every rank in lockstep (self-contained: no harness imports):
 
@@ -15,7 +17,9 @@ What it does, every rank in lockstep (self-contained: no harness imports):
    the whole forward timed (median of per-iteration max over ranks, CUDA events, aligned by an all-reduce), then
    every stage timed alone (non-overlapped), with bandwidths and FLOP rates, and torch._grouped_mm on the same
    rows for comparison;
-3. a small sweep of GEMM tile configurations (bf16; ``--no-sweep`` skips it);
+   then a timeline of the real forward (GPU-timer stamps at every phase end, both streams, graph replayed);
+3. a sweep of tile / pipeline variants against the defaults (``SWEEP``; fp8 runs ``SWEEP_FP8``; ``--no-sweep``
+   skips it);
 4. rates of this machine for the floors: HBM copy, dense bf16 GEMM.
 
 Prints a compact table and writes ``DIR/mok_hopper_gpu_check.csv`` (rank 0). Exit code 1 if any check failed.
