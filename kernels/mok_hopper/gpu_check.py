@@ -466,6 +466,9 @@ def _empty_cache(ctx: Ctx) -> None:
 
 
 SWEEP = [  # (label, overrides of the base tile, layer options); tiles checked by aot_check to fit on sm_90
+    ("v3 layout (full tiles, events, 3/4 stages, torch schedule)",  # the reference point of PERF_NOTES v3
+     dict(half_tiles=False, ready_flags=False, up_stages=3, down_stages=4, pull_rows=2, pull_warps=8,
+          pull_programs=48), dict(schedule="torch")),
     ("pull 48 x 8 warps x 2 rows", dict(pull_programs=48, pull_warps=8, pull_rows=2), {}),
     ("pull 48 x 16 warps x 4 rows", dict(pull_programs=48), {}),
     ("pull 24 x 16 warps x 8 rows", dict(pull_rows=8), {}),
@@ -476,7 +479,7 @@ SWEEP = [  # (label, overrides of the base tile, layer options); tiles checked b
     ("no ready flags", dict(ready_flags=False), {}),
 ]
 SWEEP_FP8 = ("pull 48 x 8 warps x 2 rows", "pull 24 x 16 warps x 8 rows", "shared last")
-TIMELINE_VARIANTS = ()  # also get a timeline
+TIMELINE_VARIANTS = ("v3 layout (full tiles, events, 3/4 stages, torch schedule)",)  # also get a timeline
 
 
 def sweep(ctx: Ctx, name: str, inp: dict[str, Any], base_layer: MoKHopperLayer, base: tk.TileConfig,
@@ -508,7 +511,7 @@ def sweep(ctx: Ctx, name: str, inp: dict[str, Any], base_layer: MoKHopperLayer, 
                 if tline:
                     ctx.add(section="timeline", shape=name, precision=precision, variant=label,
                             **{f"{k}_ms": v for k, v in tline.items()})
-                    ctx.log(f"    timeline: " + "  ".join(f"{k} {v:.3f}" for k, v in tline.items()))
+                    ctx.log("    timeline: " + "  ".join(f"{k} {v:.3f}" for k, v in tline.items()))
         except Exception as e:  # noqa: BLE001
             ctx.log(f"  sweep {label}: {type(e).__name__}: {e}")
             ctx.add(section="sweep", shape=name, precision=precision, variant=label, ok=False, error=str(e)[:200])
