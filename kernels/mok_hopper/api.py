@@ -201,8 +201,7 @@ class MoKHopperLayer(torch.nn.Module):
         # The down GEMM runs after every pull it depends on when there is one chunk, so it takes every SM.
         self.overlap = self.cuda
         comm = self.cfg.comm_sms if self.overlap else 0
-        self.shared_last = self.cfg.shared_last
-        self.shared_programs = self.cfg.gemm_programs or (n_sm if self.shared_last else max(1, n_sm - comm))
+        self.shared_programs = self.cfg.gemm_programs or (n_sm if self.cfg.shared_last else max(1, n_sm - comm))
         # With ready counters and one chunk, a second up launch with comm_sms programs follows the pull on the comm
         # stream and takes work items off the same counter, so the up GEMM gets every SM once the pull is done.
         busy = C > 1 or self.ready is not None
@@ -324,7 +323,7 @@ class MoKHopperLayer(torch.nn.Module):
                 self.up(0, programs=self.up_helper_programs)
                 self._mark("up helper [comm]")
                 self.ev_helper.record(self.comm_stream)
-        if self.has_shared and not self.shared_last:
+        if self.has_shared and not self.cfg.shared_last:
             self.shared_expert(x_TH)
             self._mark("shared")
         for c in range(C):
@@ -339,7 +338,7 @@ class MoKHopperLayer(torch.nn.Module):
         self._mark("down")
         main.wait_event(self.ev_pull[C - 1])  # join the comm stream (pulls done) before barrier 1
         self._mark("join")
-        if self.has_shared and self.shared_last:
+        if self.has_shared and self.cfg.shared_last:
             self.shared_expert(x_TH)
             self._mark("shared")
 

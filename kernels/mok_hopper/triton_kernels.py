@@ -337,7 +337,7 @@ class DeviceScheduler:
 
     def __init__(self, *, world: int, tokens: int, topk: int, local_experts: int, block_m: int, capacity: int,
                  half_tiles: bool, num_chunks: int, device: torch.device) -> None:
-        self.P, self.TK, self.L, self.BM, self.R = world, tokens * topk, local_experts, block_m, capacity
+        self.TK, self.L, self.BM, self.R = tokens * topk, local_experts, block_m, capacity
         self.half, self.C = half_tiles, num_chunks
         self.S = world * tokens * topk
         self.NB = triton.cdiv(self.S, self.SB)
