@@ -22,6 +22,8 @@ adapter uses the V1 intranode ``Buffer`` from DeepEP's ``hybrid-ep`` branch (the
 
 from __future__ import annotations
 
+import ctypes
+import os
 from typing import Any, Callable, Optional
 
 import torch
@@ -34,6 +36,28 @@ INSTALL_HINT = ("build DeepEP's hybrid-ep branch from source (README, 'Optional 
 MAX_LOCAL_EXPERTS = 128  # DeepEP V1 notify_dispatch limit
 
 
+PRELOAD_ENV = "MOKBENCH_DEEPEP_PRELOAD"  # stdcxx | none (see import_deep_ep)
+
+
+def import_deep_ep() -> Any:
+    """``import deep_ep``, after putting the system libstdc++ in the process's global symbol scope
+    (``MOKBENCH_DEEPEP_PRELOAD=stdcxx``; ``none`` skips it).
+
+    The hybrid-ep build's ``hybrid_ep_cpp`` links its own copy of libstdc++ and exports its symbols. Imported into
+    a process where nothing has loaded libstdc++ globally, the copy's symbols bind partly to itself and partly to
+    the shared library torch loaded, and HybridEPBuffer's constructor crashed (SIGSEGV in ``std::ostream`` while
+    formatting the rank list, results/README.md). Every backend imports deep_ep through here, so the order is the
+    same in every process."""
+    if os.environ.get(PRELOAD_ENV, "stdcxx") == "stdcxx":
+        try:
+            ctypes.CDLL("libstdc++.so.6", mode=ctypes.RTLD_GLOBAL)
+        except OSError:
+            pass
+    import deep_ep
+
+    return deep_ep
+
+
 def deepep_unsupported(case: Any, *, min_ranks: int = 2, mxfp8: bool = False) -> Optional[str]:
     """Reasons shared by the DeepEP-based backends (None: can run). ``mxfp8``: the backend has an mxfp8 path."""
     if case.device != "cuda":
@@ -44,7 +68,7 @@ def deepep_unsupported(case: Any, *, min_ranks: int = 2, mxfp8: bool = False) ->
     if case.precision == "mxfp8" and not mxfp8:
         return "mxfp8 is not wired for the DeepEP baselines on this stack; use precision=bf16 or fp8"
     try:
-        import deep_ep  # noqa: F401
+        import_deep_ep()
     except ImportError as e:
         return f"DeepEP is not installed ({e}); {INSTALL_HINT}"
     if case.ep_size < min_ranks:
@@ -125,7 +149,7 @@ class DeepEPBackend:
         self.params = ExpertParams(self.case, inputs)
 
     def setup_buffer(self) -> None:
-        from deep_ep import Buffer
+        Buffer = import_deep_ep().Buffer
 
         self._Buffer = Buffer
         Buffer.set_num_sms(self.num_sms)

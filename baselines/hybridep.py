@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from baselines.common import ExpertParams, grouped_mm_name
-from baselines.deepep import deepep_unsupported
+from baselines.deepep import deepep_unsupported, import_deep_ep
 
 PAD_MULTIPLE = 64  # Megatron's HYBRIDEP_TOKEN_ALIGNMENT
 
@@ -34,8 +34,8 @@ def hybridep_unsupported(case: Any, *, mxfp8: bool = False) -> Optional[str]:
     if why:
         return why
     try:
-        from deep_ep import HybridEPBuffer  # noqa: F401
-    except ImportError as e:
+        import_deep_ep().HybridEPBuffer  # noqa: B018
+    except (ImportError, AttributeError) as e:
         return f"this DeepEP build has no HybridEP ({e}); build DeepEP's hybrid-ep branch (README)"
     return None
 
@@ -115,8 +115,7 @@ class HybridEPBackend:
         self.num_sms = case.comm_sms or 24  # HybridEP's single-node default
 
     def setup(self, inputs: Any) -> None:
-        from deep_ep import HybridEPBuffer
-
+        HybridEPBuffer = import_deep_ep().HybridEPBuffer
         c = self.case
         self.buffer = HybridEPBuffer(group=self.group, hidden_dim=c.hidden, max_num_of_tokens_per_rank=c.tokens_per_gpu,
                                      num_local_experts=c.local_experts, use_fp8=False,

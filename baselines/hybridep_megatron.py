@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from baselines.deepep import import_deep_ep
 from baselines.hybridep import dense_routing, hybridep_unsupported, routing_map_traffic
 from baselines.te_common import (MXFP8_RECIPE, is_delayed, recipe_name, scaling_label, te_autocast, te_fp8_option,
                                  te_unsupported)
@@ -249,8 +250,8 @@ class HybridEPMegatronBackend:
         self.permute_fused = False
 
     def setup(self, inputs: Any) -> None:
+        HybridEPBuffer = import_deep_ep().HybridEPBuffer  # before megatron imports deep_ep itself
         import megatron.core
-        from deep_ep import HybridEPBuffer
         from megatron.core import parallel_state
         from megatron.core.fp8_utils import get_fp8_context, get_fp8_recipe
         from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec

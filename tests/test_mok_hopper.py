@@ -311,14 +311,16 @@ def test_kernels_edge_cases(mode, K, P):
 
 
 @needs_triton
-@pytest.mark.parametrize("half", [True, False], ids=["half_tiles+ready", "full_tiles+events"])
+@pytest.mark.parametrize("layout", ["half_tiles+ready", "full_tiles+events", "half_tiles+flat"])
 @pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
-def test_kernels_with_small_tiles_walk_every_loop(precision, tma, half):
+def test_kernels_with_small_tiles_walk_every_loop(precision, tma, layout):
     """Tiles much smaller than the matrices: several column tiles, several K steps, several tiles per expert and
     per chunk, persistent programs looping, pull steps that straddle chunk ends; four ranks. Both GEMM operand
-    paths: pointer loads, and TMA tensor descriptors. Both tile layouts: half tiles with the pull's ready
-    counters (every granule of the used rows counted exactly once), and full tiles only, without counters."""
+    paths: pointer loads, and TMA tensor descriptors. Three tile layouts: half tiles with the pull's ready
+    counters (every granule of the used rows counted exactly once); full tiles only, without counters; half tiles
+    run by the flattened GEMM loops at full height (the rows past a half tile's end, which belong to the next
+    tile, must not be stored)."""
     from dataclasses import replace
 
     from kernels.mok_hopper.triton_kernels import TileConfig
@@ -331,7 +333,8 @@ def test_kernels_with_small_tiles_walk_every_loop(precision, tma, half):
         P, T, K, E, H, I = 4, 16, 3, 16, 128, 64
         tile = TileConfig(block_m=16, up_n=32, up_k=32, down_n=32, down_k=16, num_chunks=3, gemm_programs=3,
                           pull_programs=5, pull_rows=4, group_m=2)
-    tile = replace(tile, tma=tma, half_tiles=half, ready_flags=half)
+    half, flat = layout.startswith("half"), layout.endswith("flat")
+    tile = replace(tile, tma=tma, half_tiles=half, ready_flags=half and not flat, flat_up=flat, flat_down=flat)
     xs, idx, ws, w13, w2, sh = make_layer_inputs(P, T, K, E, H, I, seed=13)
     runs, layers, _ = run_kernels(xs, idx, ws, w13, w2, sh, precision=precision, tile=tile, limit=1.0)
     want = twin.simulate(xs, idx, ws, w13, w2, shared=sh, fp8=precision == "fp8", block_m=16, limit=1.0)
@@ -342,7 +345,7 @@ def test_kernels_with_small_tiles_walk_every_loop(precision, tma, half):
                                                          layer.sched.tile_row_M1[1 : int(layer.sched.num_tiles) + 1].tolist())}
     assert sizes == ({8, 16} if half else {16})  # both tile kinds ran
     for layer in layers:
-        if half:
+        if half and not flat:
             used = int(layer.sched.tile_row_M1[int(layer.sched.num_tiles)]) // 8
             assert layer.ready[:used].tolist() == [8] * used and not layer.ready[used:].any()
         else:

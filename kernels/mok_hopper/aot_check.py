@@ -93,8 +93,7 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048) -> list[Varia
                                dict(BM=c.block_m, BN=c.up_n, BK=c.up_k, FP8=fp8, HAS_LIMIT=limit, NUM_PROGS=nprog,
                                     UPCAST=False, STAGES=c.up_stages, FP8_MAX_=tk.FP8_MAX, GROUP_M=c.group_m, TMA=tma,
                                     HALF=c.half_tiles, READY=c.ready_flags, GRAN=tk.ready_granule(c), SPIN=True,
-                                    DYN=c.ready_flags,
-                                    WB=128), c.up_warps))
+                                    DYN=c.ready_flags, WB=128, FLAT=c.flat_up and not c.ready_flags), c.up_warps))
         for fp8, apply_w in ((False, True), (False, False), (True, True)):
             c = f8 if fp8 else cfg
             t = "*fp8e4nv" if fp8 else "*bf16"
@@ -107,7 +106,7 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048) -> list[Varia
                                     out_ref="*bf16", out_delta="*i64", n_rows="i32", H="i32", I="i32", TK="i32"),
                                dict(BM=c.block_m, BN=c.down_n, BK=c.down_k, FP8=fp8, APPLY_W=apply_w,
                                     NUM_PROGS=nprog, UPCAST=False, STAGES=c.down_stages, GROUP_M=c.group_m, TMA=tma,
-                                    HALF=c.half_tiles, WB=128), c.down_warps))
+                                    HALF=c.half_tiles, WB=128, FLAT=c.flat_down), c.down_warps))
     out.append(Variant("epilogue", "_epilogue_kernel",
                        dict(comb_ptr="*bf16", idx_ptr="*i64", rw_ptr="*fp32", shared_ptr="*bf16", out_ptr="*bf16",
                             T="i32", H="i32", K="i32"),
@@ -156,20 +155,41 @@ def problems(res: dict[str, Any], arch: int = 90) -> Optional[str]:
     return None
 
 
+def sweep_variants() -> list[Variant]:
+    """The GEMM kernels (TMA operands) of gpu_check's sweep tiles that the default tile does not already build."""
+    from dataclasses import replace
+
+    from kernels.mok_hopper import triton_kernels as tk
+    from kernels.mok_hopper.gpu_check import SWEEP
+
+    def key(v: Variant) -> tuple:
+        return v.kernel, tuple(sorted(v.constexprs.items())), v.num_warps
+
+    seen = {key(v) for v in variants()}
+    out = []
+    for label, over, _ in SWEEP:
+        for v in variants(replace(tk.TileConfig(), **over)):
+            if v.label.startswith(("up ", "down ")) and v.label.endswith(" tma") and key(v) not in seen:
+                seen.add(key(v))
+                out.append(Variant(f"{v.label} [{label[:18]}]", v.kernel, v.types, v.constexprs, v.num_warps))
+    return out
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("unset TRITON_INTERPRET: this compiles for the GPU", file=sys.stderr)
         return 2
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--arch", type=int, default=90)
+    ap.add_argument("--sweep", action="store_true", help="also the GEMM kernels of gpu_check's sweep tiles")
     args = ap.parse_args(argv)
     bad = 0
-    print(f"{'variant':<24} {'regs':>5} {'spill':>6} {'smem KB':>8}")
-    for v in variants():
+    print(f"{'variant':<44} {'regs':>5} {'spill':>6} {'smem KB':>8}")
+    for v in variants() + (sweep_variants() if args.sweep else []):
         r = compile_variant(v, args.arch)
         why = problems(r, args.arch)
         bad += why is not None
-        print(f"{r['label']:<24} {r['regs']!s:>5} {(r['stack'] or 0) + (r['local'] or 0):>6} "
+        print(f"{r['label']:<44} {r['regs']!s:>5} {(r['stack'] or 0) + (r['local'] or 0):>6} "
               f"{r['shared'] / 1024:8.1f}  {why or ''}")
     return 1 if bad else 0
 

@@ -131,6 +131,9 @@ class MoKHopperLayer(torch.nn.Module):
         self.cfg = tile if tile is not None else default_tile(precision=precision, device=dev, hidden=H, ffn=I)
         if self.fp8:
             self.cfg = self.cfg.for_fp8()
+        if self.cfg.flat_up and self.cfg.ready_flags:
+            raise ValueError("flat_up needs ready_flags=False: the up GEMM's spin wait for the pull cannot be "
+                             "flattened")
         self.cfg_bf16 = tile if tile is not None and not self.fp8 else default_tile(device=dev, hidden=H, ffn=I)
         # the shared expert: one "expert" of T rows in full tiles, nothing to wait for
         self.cfg_bf16 = replace(self.cfg_bf16, block_m=self.cfg.block_m, tma=self.cfg.tma, half_tiles=False,

@@ -99,6 +99,9 @@ class TileConfig:
     half_tiles: bool = True  # an expert's last tile is block_m / 2 rows when its rest fits (less MMA on padding)
     ready_flags: bool = True  # the up GEMM waits per row granule for the pull (no stream-level wait)
     shared_last: bool = False  # the shared expert after the routed GEMMs (every SM) instead of beside the pull
+    flat_down: bool = False  # down GEMM: one flattened, software-pipelined loop over (item, K step) (half tiles
+    # then run at block_m rows): the next item's loads overlap this item's epilogue (Triton's ``flatten``)
+    flat_up: bool = False  # the same for the up GEMM; needs ready_flags off (a spin wait cannot be flattened)
     fp8: bool = False  # set by for_fp8 (the fp8 GEMM steps and pipeline depths)
 
     def for_fp8(self) -> "TileConfig":
@@ -495,14 +498,15 @@ def _ld_w(w_ptr, w_at, k0, TMA: tl.constexpr):
 
 
 @triton.jit
-def _up_item(a_ptr, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, n, e_tile, n_rows, H, I, limit,
+def _up_item(a_ptr, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row_end, n, e_tile, n_rows, H, I, limit,
              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FP8: tl.constexpr, HAS_LIMIT: tl.constexpr,
              UPCAST: tl.constexpr, STAGES: tl.constexpr, FP8_MAX_: tl.constexpr, TMA: tl.constexpr,
              WB: tl.constexpr):
-    """One work item: rows [row0, row0 + BM) x hidden columns [n*BN, (n+1)*BN) of expert ``e_tile``."""
+    """One work item: rows [row0, min(row0 + BM, row_end)) x hidden columns [n*BN, (n+1)*BN) of expert ``e_tile``
+    (rows from row_end on belong to the next tile: computed, not stored)."""
     e = e_tile.to(tl.int64)
     rows = (row0 + tl.arange(0, BM)).to(tl.int64)
-    rmask = rows < n_rows
+    rmask = (rows < n_rows) & (rows < row_end)
     cols = n * BN + tl.arange(0, BN)
     if TMA:  # block coordinates
         a_at = row0
@@ -571,34 +575,45 @@ def _up_swiglu_kernel(a_ptr, a_half, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, tile_
                       HAS_LIMIT: tl.constexpr, NUM_PROGS: tl.constexpr, UPCAST: tl.constexpr,
                       STAGES: tl.constexpr, FP8_MAX_: tl.constexpr, GROUP_M: tl.constexpr, TMA: tl.constexpr = False,
                       HALF: tl.constexpr = False, READY: tl.constexpr = False, GRAN: tl.constexpr = 64,
-                      SPIN: tl.constexpr = True, DYN: tl.constexpr = False, WB: tl.constexpr = 128):
+                      SPIN: tl.constexpr = True, DYN: tl.constexpr = False, WB: tl.constexpr = 128,
+                      FLAT: tl.constexpr = False):
     """TMA: ``a_ptr`` / ``a_half`` / ``w_ptr`` are TMA descriptors over A [R, H] (blocks [BM, BK] and [BM/2, BK])
     and W13 [L*2I, H] (blocks [BN, BK]), read by Hopper's bulk copy engine; otherwise pointers. HALF: tiles of
     BM/2 rows (the schedule's half tiles) run a BM/2-row MMA. READY: wait for the pull per row granule. DYN: work
-    items off the counter at ``work_ptr`` (zero before the first launch that shares it)."""
+    items off the counter at ``work_ptr`` (zero before the first launch that shares it). FLAT (neither READY nor
+    DYN): static round robin in one flattened loop nest, as in the down kernel."""
     m_lo = tl.load(chunk_ptr)
     m_hi = tl.load(chunk_ptr + 1)
     n_n = I // BN
     n_work = (m_hi - m_lo) * n_n
-    wk = _first_work(work_ptr, DYN)
-    while wk < n_work:
-        m, n = _tile_order(wk, m_lo, m_hi, n_n, GROUP_M)
-        e_tile = tl.load(tile_expert_ptr + m)
-        row0 = tl.load(tile_row_ptr + m)
-        row1 = tl.load(tile_row_ptr + m + 1)
-        if READY:
-            _wait_rows(ready_ptr, row0, row1, GRAN, SPIN, TMA)
-        if HALF:
-            if row1 - row0 < BM:
-                _up_item(a_half, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, n, e_tile, n_rows, H, I, limit,
-                         BM // 2, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB)
-            else:
-                _up_item(a_ptr, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, n, e_tile, n_rows, H, I, limit,
-                         BM, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB)
-        else:
-            _up_item(a_ptr, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, n, e_tile, n_rows, H, I, limit,
+    if FLAT:  # static round robin, one flattened loop nest; every tile runs BM rows (see _down_push_kernel)
+        for wk in tl.range(tl.program_id(0), n_work, NUM_PROGS, flatten=True):
+            m, n = _tile_order(wk, m_lo, m_hi, n_n, GROUP_M)
+            e_tile = tl.load(tile_expert_ptr + m)
+            row0 = tl.load(tile_row_ptr + m)
+            row1 = tl.load(tile_row_ptr + m + 1)
+            _up_item(a_ptr, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row1, n, e_tile, n_rows, H, I, limit,
                      BM, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB)
-        wk = _next_work(wk, work_ptr, NUM_PROGS, DYN)
+    else:
+        wk = _first_work(work_ptr, DYN)
+        while wk < n_work:
+            m, n = _tile_order(wk, m_lo, m_hi, n_n, GROUP_M)
+            e_tile = tl.load(tile_expert_ptr + m)
+            row0 = tl.load(tile_row_ptr + m)
+            row1 = tl.load(tile_row_ptr + m + 1)
+            if READY:
+                _wait_rows(ready_ptr, row0, row1, GRAN, SPIN, TMA)
+            if HALF:
+                if row1 - row0 < BM:
+                    _up_item(a_half, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row1, n, e_tile, n_rows, H, I,
+                             limit, BM // 2, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB)
+                else:
+                    _up_item(a_ptr, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row1, n, e_tile, n_rows, H, I,
+                             limit, BM, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB)
+            else:
+                _up_item(a_ptr, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row1, n, e_tile, n_rows, H, I, limit,
+                         BM, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB)
+            wk = _next_work(wk, work_ptr, NUM_PROGS, DYN)
 
 
 def _operand(t: torch.Tensor, block: list[int], tma: bool):
@@ -628,6 +643,7 @@ def up_swiglu(a_RH: torch.Tensor, a_scale: Optional[torch.Tensor], w13_LIH: torc
     if fp8:
         assert bk == 128 and 128 % bn == 0, "fp8 up: BK must be the 128 activation / weight block, BN divide 128"
         assert h_scale.shape[1] == I // bn, "fp8 hidden activations are quantised in 1 x up_n blocks"
+    flat = cfg.flat_up and ready is None and work is None  # (the layer refuses flat_up with ready_flags)
     _up_swiglu_kernel[(programs,)](
         _operand(a_RH, [bm, bk], cfg.tma), _operand(a_RH, [bm // 2, bk], cfg.tma and cfg.half_tiles),
         a_scale if fp8 else a_RH, _operand(w13_LIH, [bn, bk], cfg.tma),
@@ -638,7 +654,7 @@ def up_swiglu(a_RH: torch.Tensor, a_scale: Optional[torch.Tensor], w13_LIH: torc
         BM=bm, BN=bn, BK=bk, FP8=fp8, HAS_LIMIT=limit is not None, NUM_PROGS=programs, UPCAST=INTERPRET,
         STAGES=cfg.up_stages, FP8_MAX_=FP8_MAX, GROUP_M=cfg.group_m, TMA=cfg.tma, HALF=cfg.half_tiles,
         READY=ready is not None, GRAN=ready_granule(cfg), SPIN=not INTERPRET, DYN=work is not None,
-        num_warps=cfg.up_warps)
+        FLAT=flat, num_warps=cfg.up_warps)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -646,15 +662,16 @@ def up_swiglu(a_RH: torch.Tensor, a_scale: Optional[torch.Tensor], w13_LIH: torc
 
 
 @triton.jit
-def _down_item(h_ptr, hs_ptr, w_ptr, ws_ptr, code_ptr, rw_ptr, out_ref, out_delta, row0, n, e_tile, n_rows, H, I,
-               TK, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FP8: tl.constexpr,
+def _down_item(h_ptr, hs_ptr, w_ptr, ws_ptr, code_ptr, rw_ptr, out_ref, out_delta, row0, row_end, n, e_tile, n_rows,
+               H, I, TK, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FP8: tl.constexpr,
                APPLY_W: tl.constexpr, UPCAST: tl.constexpr, STAGES: tl.constexpr, TMA: tl.constexpr,
                WB: tl.constexpr):
-    """One work item: rows [row0, row0 + BM) x output columns [n*BN, (n+1)*BN) of expert ``e_tile``, pushed."""
+    """One work item: rows [row0, min(row0 + BM, row_end)) x output columns [n*BN, (n+1)*BN) of expert ``e_tile``,
+    pushed (rows from row_end on belong to the next tile: computed, not stored)."""
     e = e_tile.to(tl.int64)
     rows32 = row0 + tl.arange(0, BM)
     rows = rows32.to(tl.int64)
-    rmask = rows < n_rows
+    rmask = (rows < n_rows) & (rows32 < row_end)
     cols = n * BN + tl.arange(0, BN)
     if TMA:  # block coordinates
         a_at = row0
@@ -690,27 +707,39 @@ def _down_push_kernel(h_ptr, h_half, hs_ptr, w_ptr, ws_ptr, tile_expert_ptr, til
                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FP8: tl.constexpr,
                       APPLY_W: tl.constexpr, NUM_PROGS: tl.constexpr, UPCAST: tl.constexpr, STAGES: tl.constexpr,
                       GROUP_M: tl.constexpr, TMA: tl.constexpr = False, HALF: tl.constexpr = False,
-                      WB: tl.constexpr = 128):
+                      WB: tl.constexpr = 128, FLAT: tl.constexpr = False):
     """TMA: ``h_ptr`` / ``h_half`` / ``w_ptr`` are TMA descriptors over h [R, I] (blocks [BM, BK] and [BM/2, BK])
-    and W2 [L*H, I] (blocks [BN, BK]); otherwise pointers. HALF: as in the up kernel."""
+    and W2 [L*H, I] (blocks [BN, BK]); otherwise pointers. HALF: as in the up kernel. FLAT: one flattened loop
+    nest (items x K steps, pipelined across items); every tile runs BM rows, a half tile's rows past its end are
+    computed and not stored."""
     m_lo = tl.load(chunk_ptr)
     m_hi = tl.load(chunk_ptr + 1)
     n_n = H // BN
     n_work = (m_hi - m_lo) * n_n
-    for wk in range(tl.program_id(0), n_work, NUM_PROGS):
-        m, n = _tile_order(wk, m_lo, m_hi, n_n, GROUP_M)
-        e_tile = tl.load(tile_expert_ptr + m)
-        row0 = tl.load(tile_row_ptr + m)
-        if HALF:
-            if tl.load(tile_row_ptr + m + 1) - row0 < BM:
-                _down_item(h_half, hs_ptr, w_ptr, ws_ptr, code_ptr, rw_ptr, out_ref, out_delta, row0, n, e_tile,
-                           n_rows, H, I, TK, BM // 2, BN, BK, FP8, APPLY_W, UPCAST, STAGES, TMA, WB)
-            else:
-                _down_item(h_ptr, hs_ptr, w_ptr, ws_ptr, code_ptr, rw_ptr, out_ref, out_delta, row0, n, e_tile,
-                           n_rows, H, I, TK, BM, BN, BK, FP8, APPLY_W, UPCAST, STAGES, TMA, WB)
-        else:
-            _down_item(h_ptr, hs_ptr, w_ptr, ws_ptr, code_ptr, rw_ptr, out_ref, out_delta, row0, n, e_tile,
+    if FLAT:
+        for wk in tl.range(tl.program_id(0), n_work, NUM_PROGS, flatten=True):
+            m, n = _tile_order(wk, m_lo, m_hi, n_n, GROUP_M)
+            e_tile = tl.load(tile_expert_ptr + m)
+            row0 = tl.load(tile_row_ptr + m)
+            row1 = tl.load(tile_row_ptr + m + 1)
+            _down_item(h_ptr, hs_ptr, w_ptr, ws_ptr, code_ptr, rw_ptr, out_ref, out_delta, row0, row1, n, e_tile,
                        n_rows, H, I, TK, BM, BN, BK, FP8, APPLY_W, UPCAST, STAGES, TMA, WB)
+    else:
+        for wk in range(tl.program_id(0), n_work, NUM_PROGS):
+            m, n = _tile_order(wk, m_lo, m_hi, n_n, GROUP_M)
+            e_tile = tl.load(tile_expert_ptr + m)
+            row0 = tl.load(tile_row_ptr + m)
+            row1 = tl.load(tile_row_ptr + m + 1)
+            if HALF:
+                if row1 - row0 < BM:
+                    _down_item(h_half, hs_ptr, w_ptr, ws_ptr, code_ptr, rw_ptr, out_ref, out_delta, row0, row1, n,
+                               e_tile, n_rows, H, I, TK, BM // 2, BN, BK, FP8, APPLY_W, UPCAST, STAGES, TMA, WB)
+                else:
+                    _down_item(h_ptr, hs_ptr, w_ptr, ws_ptr, code_ptr, rw_ptr, out_ref, out_delta, row0, row1, n,
+                               e_tile, n_rows, H, I, TK, BM, BN, BK, FP8, APPLY_W, UPCAST, STAGES, TMA, WB)
+            else:
+                _down_item(h_ptr, hs_ptr, w_ptr, ws_ptr, code_ptr, rw_ptr, out_ref, out_delta, row0, row1, n, e_tile,
+                           n_rows, H, I, TK, BM, BN, BK, FP8, APPLY_W, UPCAST, STAGES, TMA, WB)
 
 
 def down_push(h_RI: torch.Tensor, h_scale: Optional[torch.Tensor], w2_LHI: torch.Tensor,
@@ -736,7 +765,8 @@ def down_push(h_RI: torch.Tensor, h_scale: Optional[torch.Tensor], w2_LHI: torch
         rw_R if rw_R is not None else h_RI, out_ref, out_delta_P, R if n_rows is None else n_rows, H, I,
         slots_per_rank,
         BM=bm, BN=bn, BK=bk, FP8=fp8, APPLY_W=rw_R is not None, NUM_PROGS=programs, UPCAST=INTERPRET,
-        STAGES=cfg.down_stages, GROUP_M=cfg.group_m, TMA=cfg.tma, HALF=cfg.half_tiles, num_warps=cfg.down_warps)
+        STAGES=cfg.down_stages, GROUP_M=cfg.group_m, TMA=cfg.tma, HALF=cfg.half_tiles, FLAT=cfg.flat_down,
+        num_warps=cfg.down_warps)
 
 
 # ---------------------------------------------------------------------------------------------------------------
