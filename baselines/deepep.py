@@ -40,14 +40,15 @@ PRELOAD_ENV = "MOKBENCH_DEEPEP_PRELOAD"  # stdcxx | none (see import_deep_ep)
 
 
 def import_deep_ep() -> Any:
-    """``import deep_ep``, after putting the system libstdc++ in the process's global symbol scope
-    (``MOKBENCH_DEEPEP_PRELOAD=stdcxx``; ``none`` skips it).
+    """``import deep_ep``, after loading the system libstdc++ into the process's global symbol scope
+    (``MOKBENCH_DEEPEP_PRELOAD=stdcxx``, the default; ``none`` skips it).
 
-    The hybrid-ep build's ``hybrid_ep_cpp`` links its own copy of libstdc++ and exports its symbols. Imported into
-    a process where nothing has loaded libstdc++ globally, the copy's symbols bind partly to itself and partly to
-    the shared library torch loaded, and HybridEPBuffer's constructor crashed (SIGSEGV in ``std::ostream`` while
-    formatting the rank list, results/README.md). Every backend imports deep_ep through here, so the order is the
-    same in every process."""
+    The hybrid-ep build's ``hybrid_ep_cpp`` links a static copy of libstdc++ and exports its symbols. Without a
+    global libstdc++, HybridEPBuffer's constructor died with SIGSEGV in ``std::ostream`` (formatting the rank list
+    in ``get_comm_id``) in plain processes and harness ranks; with it (or after ``import transformer_engine``,
+    which loads its libraries globally, as the HybridEP + Megatron pytest did) it runs. Measured on 2xH200
+    (results/README.md, run h200x2-hybridep-preload-*); ``RTLD_DEEPBIND`` on the extension did not help. Every
+    backend imports deep_ep through here, so the order is the same in every process."""
     if os.environ.get(PRELOAD_ENV, "stdcxx") == "stdcxx":
         try:
             ctypes.CDLL("libstdc++.so.6", mode=ctypes.RTLD_GLOBAL)

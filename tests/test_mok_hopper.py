@@ -171,6 +171,33 @@ def test_fp8_tile_is_applied_once():
     assert f8.up_stages == TileConfig().up_stages + 2
 
 
+def test_default_tile_flattens_the_down_loop_only_where_half_tiles_are_rare():
+    from kernels.mok_hopper.api import default_tile, half_tile_waste
+
+    assert half_tile_waste(64) == pytest.approx(0.5, abs=0.05)  # half the experts end in a half tile of 64 rows
+    assert half_tile_waste(96) < 0.01 and half_tile_waste(128) == pytest.approx(0.25, abs=0.03)
+    rows = {"kimi_k2_7": 2 * 2048 * 8 / 384, "glm_5_2": 2 * 2048 * 8 / 256, "qwen3_5_397b": 2 * 2048 * 10 / 512,
+            "deepseek_v4_pro": 2 * 2048 * 6 / 384, "qwen3_5_397b@8epg": 2 * 2048 * 10 / 16}
+    flat = {name: default_tile(rows_per_expert=m).flat_down for name, m in rows.items()}
+    assert flat == {"kimi_k2_7": True, "glm_5_2": False, "qwen3_5_397b": True, "deepseek_v4_pro": False,
+                    "qwen3_5_397b@8epg": True}
+    t = default_tile(rows_per_expert=rows["qwen3_5_397b"])
+    assert (t.down_n, t.down_stages) == (256, 4) and default_tile().flat_down is False
+    f8 = default_tile(precision="fp8", rows_per_expert=rows["qwen3_5_397b"])
+    assert not f8.flat_down and (f8.down_n, f8.down_stages) == (128, 8)  # fp8: measured slower flattened
+
+
+def test_flat_up_refuses_ready_flags():
+    from dataclasses import replace
+
+    from kernels.mok_hopper.api import MoKHopperLayer
+    from kernels.mok_hopper.triton_kernels import TileConfig
+
+    w13, w2 = torch.zeros(2, 64, 32, dtype=torch.bfloat16), torch.zeros(2, 32, 32, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="flat_up needs ready_flags=False"):
+        MoKHopperLayer(w13, w2, topk=1, tokens=4, tile=replace(TileConfig(), flat_up=True), rank=0, world=1)
+
+
 def test_capacity_is_the_worst_case_up_to_ep2_and_moks_rule_beyond():
     kw = dict(tokens=2048, topk=8, block_m=128)
     assert capacity_rows(ep=1, local_experts=384, **kw) >= 2048 * 8 + 384 * 127

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import sys
 import types
 
 import pytest
@@ -421,6 +422,25 @@ def test_shared_expert_linears_run_with_quantization_off(monkeypatch):
     wrapped = hm.bf16_region(lambda x, y=0: seen.append(("call", x, y)) or x + y, "RECIPE")
     assert wrapped(1, y=2) == 3
     assert seen == [("enter", "RECIPE", False), ("call", 1, 2), "exit"]
+
+
+def test_deep_ep_is_imported_after_a_global_libstdcxx(monkeypatch):
+    """HybridEPBuffer's constructor crashed in processes where nothing had loaded libstdc++ globally (its
+    extension carries its own copy); every backend imports deep_ep through import_deep_ep, which preloads it."""
+    import ctypes
+    import types
+
+    from baselines import deepep
+
+    calls = []
+    fake = types.ModuleType("deep_ep")
+    monkeypatch.setattr(ctypes, "CDLL", lambda name, mode=0: calls.append((name, mode)))
+    monkeypatch.setitem(sys.modules, "deep_ep", fake)
+    monkeypatch.delenv(deepep.PRELOAD_ENV, raising=False)
+    assert deepep.import_deep_ep() is fake
+    assert calls == [("libstdc++.so.6", ctypes.RTLD_GLOBAL)]
+    monkeypatch.setenv(deepep.PRELOAD_ENV, "none")
+    assert deepep.import_deep_ep() is fake and len(calls) == 1
 
 
 def test_attention_heads_divide_hidden():

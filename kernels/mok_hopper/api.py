@@ -51,20 +51,43 @@ ROUTER_WEIGHT_IN = ("expert", "epilogue")
 SCHEDULES = ("triton", "torch")
 
 
+FLAT_DOWN_MAX_WASTE = 0.05  # extra MMA rows per routed row that the flattened down loop may add (default_tile)
+
+
+def half_tile_waste(rows_per_expert: float, block_m: int = 128) -> float:
+    """Extra MMA rows per routed row when every expert's last half tile runs at full height (as in the flattened
+    GEMM loops), for experts getting ``rows_per_expert`` rows on average with a binomial-like spread (sd = sqrt of
+    the mean; uniform routing). An expert of r rows ends in a half tile when r mod block_m is in [1, block_m/2]."""
+    import math
+
+    m = float(rows_per_expert)
+    if m <= 0:
+        return 0.0
+    sd = max(1.0, math.sqrt(m))
+    lo, hi = max(1, int(m - 5 * sd)), int(m + 5 * sd) + 1
+    wts = [math.exp(-0.5 * ((r - m) / sd) ** 2) for r in range(lo, hi + 1)]
+    half = sum(w for r, w in zip(range(lo, hi + 1), wts) if 1 <= r % block_m <= block_m // 2)
+    return half / sum(wts) * (block_m // 2) / m
+
+
 def default_tile(*, precision: str = "bf16", device: Optional[torch.device] = None, comm_sms: Optional[int] = None,
                  hidden: Optional[int] = None, ffn: Optional[int] = None,
                  rows_per_expert: Optional[float] = None) -> tk.TileConfig:
     """The tile configuration used unless one is given (fp8 forces its own GEMM steps, see ``for_fp8``).
 
-    ``rows_per_expert`` (uniform routing: EP * T * K / E) is accepted for callers that pass it, and no longer
-    changes the tile: a cost model said 64-row tiles would waste less MMA work once experts overflow one 128-row
-    tile, but on 2xH200 the 64-row kernels ran 30% slower than the 128-row ones (PERF_NOTES.md), so BM is 128.
+    ``rows_per_expert`` (uniform routing: EP * T * K / E) picks the down GEMM's loop: the flattened loop with
+    256-wide tiles (``flat_down``; 4-6% faster on qwen3_5_397b and its 8-experts-per-GPU variant, 2% on kimi_k2_7,
+    PERF_NOTES v6) runs an expert's last half tile at full height, so it is used only where that wastes under 5%
+    of the MMA rows (:func:`half_tile_waste`): not on glm_5_2 (128 rows per expert) or deepseek_v4_pro (64), whose
+    experts often end in a half tile. BM stays 128: 64-row tiles ran 30% slower on 2xH200 (PERF_NOTES v1).
 
     On the CPU (Triton interpreter) the cost is per operation, not per FLOP: few programs, small row tiles and
     the widest column / depth steps that divide ``hidden`` / ``ffn``, and pointer loads (``tma`` off)."""
     cfg = tk.TileConfig()
     if comm_sms is not None:
         cfg = replace(cfg, comm_sms=comm_sms)
+    if rows_per_expert is not None and half_tile_waste(rows_per_expert, cfg.block_m) <= FLAT_DOWN_MAX_WASTE:
+        cfg = replace(cfg, flat_down=True, down_n=256, down_stages=4)
     if device is not None and torch.device(device).type != "cuda":
         def widest(n: Optional[int], cap: int) -> int:
             return next(b for b in (256, 128, 64, 32, 16) if b <= cap and (n is None or n % b == 0))
@@ -128,7 +151,8 @@ class MoKHopperLayer(torch.nn.Module):
         self.precision, self.fp8 = precision, precision == "fp8"
         self.limit = swiglu_limit
         self.weights_in_expert = router_weight_in == "expert"
-        self.cfg = tile if tile is not None else default_tile(precision=precision, device=dev, hidden=H, ffn=I)
+        self.cfg = tile if tile is not None else default_tile(precision=precision, device=dev, hidden=H, ffn=I,
+                                                              rows_per_expert=tokens * topk / L)
         if self.fp8:
             self.cfg = self.cfg.for_fp8()
         if self.cfg.flat_up and self.cfg.ready_flags:

@@ -474,16 +474,13 @@ SWEEP = [  # (label, overrides of the base tile, layer options); tiles checked b
     ("pull 24 x 16 warps x 8 rows", dict(pull_rows=8), {}),
     ("comm 16", dict(comm_sms=16), {}),
     ("shared last", dict(shared_last=True), {}),
-    ("down 128 deep x 3 stages", dict(down_k=128, down_stages=3), {}),
-    ("up 3 + down 4 stages", dict(up_stages=3, down_stages=4), {}),
     ("no ready flags", dict(ready_flags=False), {}),
-    ("down flat", dict(flat_down=True), {}),
+    ("down v5 (128 wide, 6 stages, not flat)", dict(flat_down=False, down_n=128, down_stages=6), {}),
     ("down flat 256 wide x 4 stages", dict(flat_down=True, down_n=256, down_stages=4), {}),
-    ("down 256 wide x 4 stages", dict(down_n=256, down_stages=4), {}),
-    ("down flat, no half tiles", dict(flat_down=True, half_tiles=False), {}),
+    ("down flat 128 wide x 6 stages", dict(flat_down=True, down_n=128, down_stages=6), {}),
     ("up + down flat, no ready flags", dict(flat_up=True, flat_down=True, ready_flags=False), {}),
 ]
-SWEEP_FP8 = ("down flat", "up + down flat, no ready flags", "no ready flags")
+SWEEP_FP8 = ("pull 24 x 16 warps x 8 rows", "shared last")
 TIMELINE_VARIANTS = ("v3 layout (full tiles, events, 3/4 stages, torch schedule)",)  # also get a timeline
 
 

@@ -108,13 +108,15 @@ class TileConfig:
         """fp8 tiles: one weight scale per step (BK <= 128, BN <= 128 inside one 128 x 128 block). The up GEMM
         steps over whole 1 x 128 x blocks (BK = 128) and is 64 columns wide, which keeps its two accumulators and
         their promotion temporaries in registers; the hidden activations are quantised in its 1 x 64 column
-        tiles, so the down GEMM steps 64 deep."""
+        tiles, so the down GEMM steps 64 deep. The flattened down loop is off (it ran 0-5% slower in fp8,
+        PERF_NOTES v6)."""
         from dataclasses import replace
 
         if self.fp8:  # idempotent: callers may apply it to a tile that already is one
             return self
+        down_stages = 6 if self.flat_down else self.down_stages  # the bf16 flat tile's 4 stages were 256 wide
         return replace(self, up_n=64, up_k=128, up_stages=self.up_stages + 2, down_n=128, down_k=64,
-                       down_stages=self.down_stages + 2, fp8=True)
+                       down_stages=down_stages + 2, flat_down=False, fp8=True)
 
     @property
     def h_block(self) -> int:
