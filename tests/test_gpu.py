@@ -43,3 +43,20 @@ def test_published_shape_smoke(results_dir):
     r = df.iloc[0]
     assert r.status == "ok", r.error
     assert r.dispatch_gb_s > 50 and r.raw_a2a_gb_s > 50
+
+
+@pytest.mark.multigpu
+@pytest.mark.skipif(NUM_GPUS < 2, reason="needs 2 GPUs (DeepEP has no single-rank path)")
+@pytest.mark.parametrize("backend", ["deepep", "hybridep"])
+def test_deepep_backends_match_reference_on_gpu(results_dir, backend):
+    """DeepEP V1 and HybridEP with the PyTorch experts, forward and backward, against the reference (HybridEP's
+    constructor needs the libstdc++ preload of ``baselines.deepep.import_deep_ep``)."""
+    import importlib.util
+
+    if importlib.util.find_spec("deep_ep") is None:
+        pytest.skip("deep_ep not installed (README, 'Optional backends: DeepEP and HybridEP')")
+    df = run_benchmark(gpu_cfg(results_dir, "ep_size=2", f"backends=[{backend}]", "compile=false",
+                               "directions=[fwd,bwd,fwd_bwd]"))
+    show = df[["direction", "status", "error", "rel_err", "max_abs_err"]].to_string()
+    assert sorted(df.direction) == ["bwd", "fwd", "fwd_bwd"], show
+    assert (df.status == "ok").all() and (df.rel_err <= 0.01).all() and (df.max_abs_err <= 0.5).all(), show
