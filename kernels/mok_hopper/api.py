@@ -31,6 +31,7 @@ Example (every rank of ``group``, weights of this rank's experts)::
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from dataclasses import replace
 from typing import Any, Optional, Sequence
@@ -58,8 +59,6 @@ def half_tile_waste(rows_per_expert: float, block_m: int = 128) -> float:
     """Extra MMA rows per routed row when every expert's last half tile runs at full height (as in the flattened
     GEMM loops), for experts getting ``rows_per_expert`` rows on average with a binomial-like spread (sd = sqrt of
     the mean; uniform routing). An expert of r rows ends in a half tile when r mod block_m is in [1, block_m/2]."""
-    import math
-
     m = float(rows_per_expert)
     if m <= 0:
         return 0.0
@@ -76,8 +75,9 @@ def default_tile(*, precision: str = "bf16", device: Optional[torch.device] = No
     """The tile configuration used unless one is given (fp8 forces its own GEMM steps, see ``for_fp8``).
 
     ``rows_per_expert`` (uniform routing: EP * T * K / E) picks the down GEMM's loop: the flattened loop with
-    256-wide tiles (``flat_down``; 4-6% faster on qwen3_5_397b and its 8-experts-per-GPU variant, 2% on kimi_k2_7,
-    PERF_NOTES v6) runs an expert's last half tile at full height, so it is used only where that wastes under 5%
+    256-wide tiles (``flat_down``; 4-6% faster at qwen3_5_397b's 8 experts per GPU, 1-2% on kimi_k2_7, 0-5% on
+    qwen3_5_397b in two sweeps, PERF_NOTES v6) runs an expert's last half tile at full height, so it is used only
+    where that wastes under 5%
     of the MMA rows (:func:`half_tile_waste`): not on glm_5_2 (128 rows per expert) or deepseek_v4_pro (64), whose
     experts often end in a half tile. BM stays 128: 64-row tiles ran 30% slower on 2xH200 (PERF_NOTES v1).
 
