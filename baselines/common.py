@@ -143,16 +143,23 @@ class ExpertLeaves:
                 "w_down": self.w2.grad, "ws_gate": sh[0], "ws_up": sh[1], "ws_down": sh[2]}
 
 
+PUBLISHED_COMPILE_MODE = "published"  # compile_mode value: each backend's own published torch.compile mode
+
+
 class ExpertParams(ExpertLeaves):
     """The leaves plus the optional torch.compile of the expert math and fp8 weight prequantization
-    (block-scaled e4m3, used with a straight-through gradient; done once, outside the timed region)."""
+    (block-scaled e4m3, used with a straight-through gradient; done once, outside the timed region).
 
-    def __init__(self, case, inputs) -> None:
+    ``published_mode``: the backend's torch.compile mode in the published scripts, used when the case asks for
+    ``compile_mode=published`` (nccl: ``max-autotune``; DeepEP: ``max-autotune-no-cudagraphs``)."""
+
+    def __init__(self, case, inputs, published_mode: str = "max-autotune-no-cudagraphs") -> None:
         super().__init__(case, inputs)
         self.mlp, self.dense = expert_mlp, dense_mlp
+        self.compile_mode = published_mode if case.compile_mode == PUBLISHED_COMPILE_MODE else case.compile_mode
         if case.compile:
-            self.mlp = torch.compile(expert_mlp, mode=case.compile_mode, dynamic=False)
-            self.dense = torch.compile(dense_mlp, mode=case.compile_mode, dynamic=False)
+            self.mlp = torch.compile(expert_mlp, mode=self.compile_mode, dynamic=False)
+            self.dense = torch.compile(dense_mlp, mode=self.compile_mode, dynamic=False)
         self._deltas = None
         if case.precision == "fp8":
             b = case.weight_block
@@ -190,4 +197,4 @@ class ExpertParams(ExpertLeaves):
         if c.precision == "fp8":
             scaling = (f"block 1x{c.act_block}/{c.weight_block}x{c.weight_block} emulated (bf16 GEMM on e4m3 "
                        f"values); dispatch {dispatch}")
-        return {"scaling": scaling, "compiled": c.compile, "compile_mode": c.compile_mode if c.compile else ""}
+        return {"scaling": scaling, "compiled": c.compile, "compile_mode": self.compile_mode if c.compile else ""}

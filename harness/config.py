@@ -30,6 +30,9 @@ DEVICES = ("auto", "cpu", "cuda")
 # Megatron's names: blockwise = Float8BlockScaling (the harness format: 1x128 activation, 128x128 weight blocks),
 # tensorwise = Float8CurrentScaling, delayed = DelayedScaling. Recorded in those rows' `scaling` column.
 TE_FP8_RECIPES = ("blockwise", "tensorwise", "delayed")
+# torch.compile modes, and "published": each PyTorch baseline's mode in the published scripts (nccl max-autotune,
+# DeepEP / HybridEP max-autotune-no-cudagraphs)
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs", "published")
 
 
 class ConfigError(ValueError):
@@ -287,6 +290,8 @@ def validate_case(case: Case) -> None:
     need(case.device in ("cpu", "cuda"), f"device must be cpu or cuda (got {case.device})")
     if case.comm_sms is not None:
         need(case.comm_sms > 0 and case.comm_sms % 2 == 0, f"comm_sms must be a positive even number (got {case.comm_sms})")
+    need(not case.compile or case.compile_mode in COMPILE_MODES,
+         f"unknown compile_mode '{case.compile_mode}'; choose one of: {', '.join(COMPILE_MODES)} (or compile=false)")
     need(case.te_fp8_recipe in TE_FP8_RECIPES,
          f"unknown te_fp8_recipe '{case.te_fp8_recipe}'; choose one of: {', '.join(TE_FP8_RECIPES)}")
 

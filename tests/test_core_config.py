@@ -106,3 +106,34 @@ def test_routing_labels():
     assert Case(routing="zipf", **base).routing_label == "zipf(s=1.2)"
     assert Case(routing="hot_experts", **base).routing_label == "hot_experts(f=0.25,x3)"
     assert Case(routing="hot_rank", **base).routing_label == "hot_rank(r=1,x3)"
+
+
+def test_unknown_compile_mode_is_refused_before_anything_runs():
+    with pytest.raises(ConfigError, match="unknown compile_mode 'fast'.*published"):
+        make_case(resolve(compose_cfg("device=cpu", "compile=true", "compile_mode=fast")), ep_size=2, device="cpu")
+    make_case(resolve(compose_cfg("device=cpu", "compile=false", "compile_mode=fast")), ep_size=2, device="cpu")
+
+
+def test_compile_mode_published_is_each_backends_own():
+    """``compile_mode=published``: nccl compiles as bench_nccl_torch.py (max-autotune), the DeepEP-based PyTorch
+    baselines as bench_deepep_torch.py (max-autotune-no-cudagraphs); the row records the mode used."""
+    import types
+
+    import torch
+
+    from baselines.common import ExpertParams
+    from baselines.nccl import NcclBackend
+
+    case = types.SimpleNamespace(compile=True, compile_mode="published", shared_expert=False, precision="bf16",
+                                 ffn=4)
+    inputs = types.SimpleNamespace(w13_LIH=torch.zeros(2, 8, 4), w2_LHI=torch.zeros(2, 4, 4))
+    nccl = object.__new__(NcclBackend)
+    nccl.case = case
+    nccl.setup(inputs)
+    assert nccl.params.columns()["compile_mode"] == "max-autotune"
+    assert ExpertParams(case, inputs).columns()["compile_mode"] == "max-autotune-no-cudagraphs"  # deepep, hybridep
+    case.compile_mode = "default"
+    nccl.setup(inputs)
+    assert nccl.params.columns()["compile_mode"] == "default"
+    case.compile = False
+    assert ExpertParams(case, inputs).columns() == {"scaling": "none", "compiled": False, "compile_mode": ""}
