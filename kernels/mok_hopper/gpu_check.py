@@ -38,7 +38,7 @@ import sys
 import time
 import traceback
 from dataclasses import replace
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -451,7 +451,7 @@ def published(ctx: Ctx, name: str, args: argparse.Namespace, rates: dict[str, fl
             ctx.add(section="timeline", shape=name, precision=prec, **{f"{k}_ms": v for k, v in tline.items()})
             ctx.log("  timeline (ms from start, phase ends): " + "  ".join(f"{k} {v:.3f}" for k, v in tline.items()))
         if args.sweep:
-            sweep(ctx, name, inp, layer, base, prec)
+            sweep(ctx, name, inp, layer, base, prec, only=[v for v in args.variants.lower().split(",") if v])
         layer = None  # frees the layer's buffers (and, with the cache cleared, the workspace)
         clear_workspace_cache()
         _empty_cache(ctx)
@@ -485,11 +485,14 @@ TIMELINE_VARIANTS = ("v3 layout (full tiles, events, 3/4 stages, torch schedule)
 
 
 def sweep(ctx: Ctx, name: str, inp: dict[str, Any], base_layer: MoKHopperLayer, base: tk.TileConfig,
-          precision: str = "bf16") -> None:
-    """Forward and stage times of tile / pipeline variants on the same inputs (a layer per variant)."""
+          precision: str = "bf16", only: Sequence[str] = ()) -> None:
+    """Forward and stage times of tile / pipeline variants on the same inputs (a layer per variant). ``only``:
+    the variants whose label contains one of these (lower case); fp8 runs the ``SWEEP_FP8`` ones."""
     T, K = inp["idx"].shape
     for label, over, layer_kw in SWEEP:
         if precision == "fp8" and label not in SWEEP_FP8:
+            continue
+        if only and not any(o in label.lower() for o in only):
             continue
         try:
             tile = replace(base, **over)
@@ -533,6 +536,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--watchdog", type=float, default=150.0,
                     help="every this many seconds without finishing, every rank prints its Python stack")
     ap.add_argument("--no-sweep", dest="sweep", action="store_false")
+    ap.add_argument("--variants", default="",
+                    help="comma list: run only the sweep variants whose label contains one of these (case-insensitive)")
     ap.add_argument("--no-edge", dest="edge", action="store_false")
     ap.add_argument("--quick", action="store_true", help="edge cases + one shape, bf16, few iterations")
     ap.add_argument("--smoke", action="store_true",
@@ -540,7 +545,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = ap.parse_args(argv)
     args.precisions = [p for p in args.precisions.split(",") if p]
     args.tile_over = {k: int(v) for k, _, v in (kv.partition("=") for kv in args.tile.split(",") if kv)}
-    for k in ("tma", "half_tiles", "ready_flags"):
+    for k in ("tma", "half_tiles", "ready_flags", "shared_last", "flat_down", "flat_up"):
         if k in args.tile_over:
             args.tile_over[k] = bool(args.tile_over[k])
     if args.watchdog > 0 and not args.smoke:
