@@ -77,9 +77,8 @@ def default_tile(*, precision: str = "bf16", device: Optional[torch.device] = No
     ``rows_per_expert`` (uniform routing: EP * T * K / E) picks the down GEMM's loop: the flattened loop with
     256-wide tiles (``flat_down``; 4-6% faster at qwen3_5_397b's 8 experts per GPU, 1-2% on kimi_k2_7, 0-5% on
     qwen3_5_397b in two sweeps, PERF_NOTES v6) runs an expert's last half tile at full height, so it is used only
-    where that wastes under 5%
-    of the MMA rows (:func:`half_tile_waste`): not on glm_5_2 (128 rows per expert) or deepseek_v4_pro (64), whose
-    experts often end in a half tile. BM stays 128: 64-row tiles ran 30% slower on 2xH200 (PERF_NOTES v1).
+    where that wastes under 5% of the MMA rows (:func:`half_tile_waste`): not on glm_5_2 (128 rows per expert) or
+    deepseek_v4_pro (64), whose experts often end in a half tile. BM stays 128: 64-row tiles ran 30% slower on 2xH200 (PERF_NOTES v1).
 
     On the CPU (Triton interpreter) the cost is per operation, not per FLOP: few programs, small row tiles and
     the widest column / depth steps that divide ``hidden`` / ``ffn``, and pointer loads (``tma`` off)."""
@@ -155,9 +154,6 @@ class MoKHopperLayer(torch.nn.Module):
                                                               rows_per_expert=tokens * topk / L)
         if self.fp8:
             self.cfg = self.cfg.for_fp8()
-        if self.cfg.flat_up and self.cfg.ready_flags:
-            raise ValueError("flat_up needs ready_flags=False: the up GEMM's spin wait for the pull cannot be "
-                             "flattened")
         self.cfg_bf16 = tile if tile is not None and not self.fp8 else default_tile(device=dev, hidden=H, ffn=I)
         # the shared expert: one "expert" of T rows in full tiles, nothing to wait for
         self.cfg_bf16 = replace(self.cfg_bf16, block_m=self.cfg.block_m, tma=self.cfg.tma, half_tiles=False,

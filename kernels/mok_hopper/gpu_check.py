@@ -37,7 +37,7 @@ import os
 import sys
 import time
 import traceback
-from dataclasses import replace
+from dataclasses import fields, replace
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -545,9 +545,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = ap.parse_args(argv)
     args.precisions = [p for p in args.precisions.split(",") if p]
     args.tile_over = {k: int(v) for k, _, v in (kv.partition("=") for kv in args.tile.split(",") if kv)}
-    for k in ("tma", "half_tiles", "ready_flags", "shared_last", "flat_down", "flat_up"):
-        if k in args.tile_over:
-            args.tile_over[k] = bool(args.tile_over[k])
+    for f in fields(tk.TileConfig):  # the on/off switches (annotations are strings here)
+        if f.name in args.tile_over and f.type == "bool":
+            args.tile_over[f.name] = bool(args.tile_over[f.name])
     if args.watchdog > 0 and not args.smoke:
         import faulthandler
 

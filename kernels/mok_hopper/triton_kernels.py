@@ -104,6 +104,11 @@ class TileConfig:
     flat_up: bool = False  # the same for the up GEMM; needs ready_flags off (a spin wait cannot be flattened)
     fp8: bool = False  # set by for_fp8 (the fp8 GEMM steps and pipeline depths)
 
+    def __post_init__(self) -> None:
+        if self.flat_up and self.ready_flags:
+            raise ValueError("flat_up needs ready_flags=False: the up GEMM's spin wait for the pull cannot be "
+                             "flattened")
+
     def for_fp8(self) -> "TileConfig":
         """fp8 tiles: one weight scale per step (BK <= 128, BN <= 128 inside one 128 x 128 block). The up GEMM
         steps over whole 1 x 128 x blocks (BK = 128) and is 64 columns wide, which keeps its two accumulators and
@@ -645,7 +650,8 @@ def up_swiglu(a_RH: torch.Tensor, a_scale: Optional[torch.Tensor], w13_LIH: torc
     if fp8:
         assert bk == 128 and 128 % bn == 0, "fp8 up: BK must be the 128 activation / weight block, BN divide 128"
         assert h_scale.shape[1] == I // bn, "fp8 hidden activations are quantised in 1 x up_n blocks"
-    flat = cfg.flat_up and ready is None and work is None  # (the layer refuses flat_up with ready_flags)
+    flat = cfg.flat_up  # TileConfig refuses it with ready_flags, so the layer passes neither ready nor work
+    assert not flat or (ready is None and work is None), "flat_up runs a static loop: no ready counters, no queue"
     _up_swiglu_kernel[(programs,)](
         _operand(a_RH, [bm, bk], cfg.tma), _operand(a_RH, [bm // 2, bk], cfg.tma and cfg.half_tiles),
         a_scale if fp8 else a_RH, _operand(w13_LIH, [bn, bk], cfg.tma),
