@@ -87,6 +87,9 @@ def test_failures_become_rows_and_the_sweep_goes_on(results_dir):
     # the gate is per direction: NaN weight gradients fail the backward row; the forward output is fine and timed
     ng = by(df, "nan_grad", "bwd")
     assert ng.status == "mismatch" and ng.worst_tensor.startswith("d_w") and pd_isna(ng.latency_ms)
+    # the message names the tensor of each worst error (abs-max and rel-L1 can come from different tensors)
+    assert "abs-max inf (tol 0.5) on d_w_down" in ng.error and "rel-L1 inf (tol 0.01) on d_w_down" in ng.error, ng.error
+    assert "(tol 0.5) on out," in w.error or "(tol 0.5) on d_" in w.error, w.error
     ngf = by(df, "nan_grad", "fwd")
     assert ngf.status == "ok" and ngf.worst_tensor == "out" and ngf.rel_err < 0.01 and ngf.latency_ms > 0
     for d in ("fwd", "bwd"):
