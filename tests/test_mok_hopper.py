@@ -187,6 +187,30 @@ def test_default_tile_flattens_the_down_loop_only_where_half_tiles_are_rare():
     assert not f8.flat_down and (f8.down_n, f8.down_stages) == (128, 8)  # fp8: measured slower flattened
 
 
+def test_default_tile_pairs_tiles_where_experts_often_end_in_a_full_and_a_half_tile():
+    from kernels.mok_hopper.api import default_tile, paired_fraction
+
+    # 128 +- 11 rows: about half the experts have 129-192 rows (a full tile, then a half tile); 64 or 85: none
+    assert paired_fraction(128) == pytest.approx(0.48, abs=0.03) and paired_fraction(85) < 0.001
+    assert paired_fraction(64) == 0
+    rows = {"kimi_k2_7": 2048 * 8 / 192, "glm_5_2": 2048 * 8 / 128, "qwen3_5_397b": 2048 * 10 / 256,
+            "deepseek_v4_pro": 2048 * 6 / 192, "glm_5_2@4epg": 2048 * 8 / 4}
+    paired = {name for name, m in rows.items() if default_tile(rows_per_expert=m).pair_tiles}
+    assert paired == {"glm_5_2"}  # (at 4 experts per GPU the flattened down loop wins: pairs are 1 item in 32)
+    assert not default_tile(precision="fp8", rows_per_expert=128).pair_tiles  # bf16 only
+
+
+def test_pair_tiles_refuse_what_cannot_pair():
+    from dataclasses import replace
+
+    from kernels.mok_hopper.triton_kernels import TileConfig
+
+    for bad in (dict(half_tiles=False), dict(flat_down=True), dict(flat_up=True, ready_flags=False)):
+        with pytest.raises(ValueError, match="pair_tiles needs half_tiles=True and flat_up=flat_down=False"):
+            replace(TileConfig(), pair_tiles=True, **bad)
+    assert not replace(TileConfig(), pair_tiles=True).for_fp8().pair_tiles
+
+
 def test_flat_up_refuses_ready_flags():
     from dataclasses import replace
 
@@ -338,16 +362,18 @@ def test_kernels_edge_cases(mode, K, P):
 
 
 @needs_triton
-@pytest.mark.parametrize("layout", ["half_tiles+ready", "full_tiles+events", "half_tiles+flat"])
+@pytest.mark.parametrize("precision,layout", [(p, lay) for p in ("bf16", "fp8")
+                                              for lay in ("half_tiles+ready", "full_tiles+events", "half_tiles+flat")]
+                         + [("bf16", "half_tiles+pair")])  # paired tiles are bf16 only
 @pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
-@pytest.mark.parametrize("precision", ["bf16", "fp8"])
 def test_kernels_with_small_tiles_walk_every_loop(precision, tma, layout):
     """Tiles much smaller than the matrices: several column tiles, several K steps, several tiles per expert and
     per chunk, persistent programs looping, pull steps that straddle chunk ends; four ranks. Both GEMM operand
     paths: pointer loads, and TMA tensor descriptors. Three tile layouts: half tiles with the pull's ready
     counters (every granule of the used rows counted exactly once); full tiles only, without counters; half tiles
     run by the flattened GEMM loops at full height (the rows past a half tile's end, which belong to the next
-    tile, must not be stored)."""
+    tile, must not be stored); half tiles paired with the full tile before them (one item for both, the half
+    tile's own item skipped)."""
     from dataclasses import replace
 
     from kernels.mok_hopper.triton_kernels import TileConfig
@@ -360,8 +386,9 @@ def test_kernels_with_small_tiles_walk_every_loop(precision, tma, layout):
         P, T, K, E, H, I = 4, 16, 3, 16, 128, 64
         tile = TileConfig(block_m=16, up_n=32, up_k=32, down_n=32, down_k=16, num_chunks=3, gemm_programs=3,
                           pull_programs=5, pull_rows=4, group_m=2)
-    half, flat = layout.startswith("half"), layout.endswith("flat")
-    tile = replace(tile, tma=tma, half_tiles=half, ready_flags=half and not flat, flat_up=flat, flat_down=flat)
+    half, flat, pair = layout.startswith("half"), layout.endswith("flat"), layout.endswith("pair")
+    tile = replace(tile, tma=tma, half_tiles=half, ready_flags=half and not flat, flat_up=flat, flat_down=flat,
+                   pair_tiles=pair, num_chunks=1 if pair else tile.num_chunks)  # (a pair never spans two chunks)
     xs, idx, ws, w13, w2, sh = make_layer_inputs(P, T, K, E, H, I, seed=13)
     runs, layers, _ = run_kernels(xs, idx, ws, w13, w2, sh, precision=precision, tile=tile, limit=1.0)
     want = twin.simulate(xs, idx, ws, w13, w2, shared=sh, fp8=precision == "fp8", block_m=16, limit=1.0)
@@ -371,6 +398,14 @@ def test_kernels_with_small_tiles_walk_every_loop(precision, tma, layout):
     sizes = {b - a for layer in layers for a, b in zip(layer.sched.tile_row_M1[: int(layer.sched.num_tiles)].tolist(),
                                                          layer.sched.tile_row_M1[1 : int(layer.sched.num_tiles) + 1].tolist())}
     assert sizes == ({8, 16} if half else {16})  # both tile kinds ran
+    if pair:  # some experts end in a full tile and a half tile: the pair items ran (and their half tiles' skipped)
+        pairs = 0
+        for layer in layers:
+            n = int(layer.sched.num_tiles)
+            rows, ex = layer.sched.tile_row_M1[: n + 1].tolist(), layer.sched.tile_expert_M[:n].tolist()
+            pairs += sum(rows[m + 1] - rows[m] == 16 and ex[m + 1] == ex[m] and rows[m + 2] - rows[m + 1] == 8
+                         for m in range(n - 1))
+        assert pairs > 0
     for layer in layers:
         if half and not flat:
             used = int(layer.sched.tile_row_M1[int(layer.sched.num_tiles)]) // 8

@@ -53,20 +53,35 @@ SCHEDULES = ("triton", "torch")
 
 
 FLAT_DOWN_MAX_WASTE = 0.05  # extra MMA rows per routed row that the flattened down loop may add (default_tile)
+PAIR_MIN_FRACTION = 0.2  # experts ending in a full + a half tile above which default_tile pairs them (bf16)
+
+
+def _row_counts(rows_per_expert: float) -> list[tuple[int, float]]:
+    """(rows, weight) of one expert's row count under uniform routing: binomial-like, sd = sqrt of the mean."""
+    m = float(rows_per_expert)
+    sd = max(1.0, math.sqrt(m))
+    lo, hi = max(1, int(m - 5 * sd)), int(m + 5 * sd) + 1
+    wts = [math.exp(-0.5 * ((r - m) / sd) ** 2) for r in range(lo, hi + 1)]
+    total = sum(wts)
+    return [(r, w / total) for r, w in zip(range(lo, hi + 1), wts)]
 
 
 def half_tile_waste(rows_per_expert: float, block_m: int = 128) -> float:
     """Extra MMA rows per routed row when every expert's last half tile runs at full height (as in the flattened
     GEMM loops), for experts getting ``rows_per_expert`` rows on average with a binomial-like spread (sd = sqrt of
     the mean; uniform routing). An expert of r rows ends in a half tile when r mod block_m is in [1, block_m/2]."""
-    m = float(rows_per_expert)
-    if m <= 0:
+    if rows_per_expert <= 0:
         return 0.0
-    sd = max(1.0, math.sqrt(m))
-    lo, hi = max(1, int(m - 5 * sd)), int(m + 5 * sd) + 1
-    wts = [math.exp(-0.5 * ((r - m) / sd) ** 2) for r in range(lo, hi + 1)]
-    half = sum(w for r, w in zip(range(lo, hi + 1), wts) if 1 <= r % block_m <= block_m // 2)
-    return half / sum(wts) * (block_m // 2) / m
+    half = sum(w for r, w in _row_counts(rows_per_expert) if 1 <= r % block_m <= block_m // 2)
+    return half * (block_m // 2) / float(rows_per_expert)
+
+
+def paired_fraction(rows_per_expert: float, block_m: int = 128) -> float:
+    """Fraction of experts that end in a full tile followed by a half tile (r > block_m, r mod block_m in
+    [1, block_m/2]): the ones whose two last tiles ``pair_tiles`` runs off one weight read."""
+    if rows_per_expert <= 0:
+        return 0.0
+    return sum(w for r, w in _row_counts(rows_per_expert) if r > block_m and 1 <= r % block_m <= block_m // 2)
 
 
 def default_tile(*, precision: str = "bf16", device: Optional[torch.device] = None, comm_sms: Optional[int] = None,
@@ -78,7 +93,9 @@ def default_tile(*, precision: str = "bf16", device: Optional[torch.device] = No
     256-wide tiles (``flat_down``; 4-6% faster at qwen3_5_397b's 8 experts per GPU, 1-2% on kimi_k2_7, 0-5% on
     qwen3_5_397b in two sweeps, PERF_NOTES v6) runs an expert's last half tile at full height, so it is used only
     where that wastes under 5% of the MMA rows (:func:`half_tile_waste`): not on glm_5_2 (128 rows per expert) or
-    deepseek_v4_pro (64), whose experts often end in a half tile. BM stays 128: 64-row tiles ran 30% slower on 2xH200 (PERF_NOTES v1).
+    deepseek_v4_pro (64), whose experts often end in a half tile. Where at least a fifth of the experts end in a
+    full tile and a half tile (:func:`paired_fraction`; glm_5_2, about half), the two run as one work item
+    (``pair_tiles``, PERF_NOTES v7). BM stays 128: 64-row tiles ran 30% slower on 2xH200 (PERF_NOTES v1).
 
     On the CPU (Triton interpreter) the cost is per operation, not per FLOP: few programs, small row tiles and
     the widest column / depth steps that divide ``hidden`` / ``ffn``, and pointer loads (``tma`` off)."""
@@ -87,6 +104,8 @@ def default_tile(*, precision: str = "bf16", device: Optional[torch.device] = No
         cfg = replace(cfg, comm_sms=comm_sms)
     if rows_per_expert is not None and half_tile_waste(rows_per_expert, cfg.block_m) <= FLAT_DOWN_MAX_WASTE:
         cfg = replace(cfg, flat_down=True, down_n=256, down_stages=4)
+    elif rows_per_expert is not None and paired_fraction(rows_per_expert, cfg.block_m) >= PAIR_MIN_FRACTION:
+        cfg = replace(cfg, pair_tiles=True)
     if device is not None and torch.device(device).type != "cuda":
         def widest(n: Optional[int], cap: int) -> int:
             return next(b for b in (256, 128, 64, 32, 16) if b <= cap and (n is None or n % b == 0))
@@ -157,7 +176,7 @@ class MoKHopperLayer(torch.nn.Module):
         self.cfg_bf16 = tile if tile is not None and not self.fp8 else default_tile(device=dev, hidden=H, ffn=I)
         # the shared expert: one "expert" of T rows in full tiles, nothing to wait for
         self.cfg_bf16 = replace(self.cfg_bf16, block_m=self.cfg.block_m, tma=self.cfg.tma, half_tiles=False,
-                                ready_flags=False)
+                                ready_flags=False, pair_tiles=False)
         _check_divisible(H, I, self.cfg, self.cfg_bf16, shared is not None)
         BM = self.cfg.block_m
 

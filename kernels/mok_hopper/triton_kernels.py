@@ -102,26 +102,33 @@ class TileConfig:
     flat_down: bool = False  # down GEMM: one flattened, software-pipelined loop over (item, K step) (half tiles
     # then run at block_m rows): the next item's loads overlap this item's epilogue (Triton's ``flatten``)
     flat_up: bool = False  # the same for the up GEMM; needs ready_flags off (a spin wait cannot be flattened)
+    pair_tiles: bool = False  # bf16, half tiles: an expert's last full tile and its trailing half tile run as one
+    # work item (BM + BM/2 rows), so each weight tile is loaded into shared memory once for both (PERF_NOTES v7)
+    up_pair_stages: int = 3  # pipeline depth of the paired items (4 x 56 KB spills registers on sm_90)
+    down_pair_stages: int = 4  # 4 x 40 KB (6 would not fit in shared memory)
     fp8: bool = False  # set by for_fp8 (the fp8 GEMM steps and pipeline depths)
 
     def __post_init__(self) -> None:
         if self.flat_up and self.ready_flags:
             raise ValueError("flat_up needs ready_flags=False: the up GEMM's spin wait for the pull cannot be "
                              "flattened")
+        if self.pair_tiles and not (self.half_tiles and not self.flat_up and not self.flat_down):
+            raise ValueError("pair_tiles needs half_tiles=True and flat_up=flat_down=False: it pairs a full tile "
+                             "with the half tile after it, which a flattened loop (one body, no branch) cannot run")
 
     def for_fp8(self) -> "TileConfig":
         """fp8 tiles: one weight scale per step (BK <= 128, BN <= 128 inside one 128 x 128 block). The up GEMM
         steps over whole 1 x 128 x blocks (BK = 128) and is 64 columns wide, which keeps its two accumulators and
         their promotion temporaries in registers; the hidden activations are quantised in its 1 x 64 column
         tiles, so the down GEMM steps 64 deep. The flattened down loop is off (it ran 0-5% slower in fp8,
-        PERF_NOTES v6)."""
+        PERF_NOTES v6); paired tiles are bf16 only."""
         from dataclasses import replace
 
         if self.fp8:  # idempotent: callers may apply it to a tile that already is one
             return self
         down_stages = 6 if self.flat_down else self.down_stages  # the bf16 flat tile's 4 stages were 256 wide
         return replace(self, up_n=64, up_k=128, up_stages=self.up_stages + 2, down_n=128, down_k=64,
-                       down_stages=down_stages + 2, flat_down=False, fp8=True)
+                       down_stages=down_stages + 2, flat_down=False, pair_tiles=False, fp8=True)
 
     @property
     def h_block(self) -> int:
@@ -542,10 +549,18 @@ def _up_item(a_ptr, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row_end, n, e_ti
             a = _ld_a(a_ptr, a_at, k0, rmask, TMA)
             acc_g = _mma(a, _ld_w(w_ptr, g_at, k0, TMA), acc_g, UPCAST)
             acc_u = _mma(a, _ld_w(w_ptr, u_at, k0, TMA), acc_u, UPCAST)
+    _up_store(acc_g, acc_u, rows, rmask, n, h_ptr, hs_ptr, I, limit, BN, FP8, HAS_LIMIT, FP8_MAX_)
+
+
+@triton.jit
+def _up_store(acc_g, acc_u, rows, rmask, n, h_ptr, hs_ptr, I, limit, BN: tl.constexpr, FP8: tl.constexpr,
+              HAS_LIMIT: tl.constexpr, FP8_MAX_: tl.constexpr):
+    """h[rows, column tile n] = SwiGLU(gate, up) (clamped with HAS_LIMIT), bf16 or e4m3 + its 1 x BN scale."""
     if HAS_LIMIT:
         acc_g = tl.minimum(acc_g, limit)
         acc_u = tl.minimum(tl.maximum(acc_u, -limit), limit)
     hv = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    cols = n * BN + tl.arange(0, BN)
     h_off = rows[:, None] * I + cols[None, :]
     if FP8:
         q, s = _quant_e4m3(hv, FP8_MAX_)
@@ -553,6 +568,64 @@ def _up_item(a_ptr, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row_end, n, e_ti
         tl.store(hs_ptr + rows * (I // BN) + n, s, mask=rmask)
     else:
         tl.store(h_ptr + h_off, hv.to(tl.bfloat16), mask=rmask[:, None])
+
+
+@triton.jit
+def _pair_role(tile_expert_ptr, tile_row_ptr, m, m_lo, m_hi, e_tile, row0, row1, BM: tl.constexpr):
+    """(role, end) of row tile m with paired tiles: role 1 = a full tile followed by its expert's trailing half
+    tile (the item runs both, rows [row0, end)); 2 = that half tile (already run: skip); 0 = neither."""
+    has_next = m + 1 < m_hi
+    e_next = tl.load(tile_expert_ptr + m + 1, mask=has_next, other=-1)
+    row2 = tl.load(tile_row_ptr + m + 2, mask=has_next, other=0)
+    has_prev = m > m_lo
+    e_prev = tl.load(tile_expert_ptr + m - 1, mask=has_prev, other=-1)
+    row_prev = tl.load(tile_row_ptr + m - 1, mask=has_prev, other=0)
+    lead = (row1 - row0 == BM) & (e_next == e_tile) & (row2 - row1 < BM)
+    absorbed = (row1 - row0 < BM) & (e_prev == e_tile) & (row0 - row_prev == BM)
+    role = tl.where(lead, 1, tl.where(absorbed, 2, 0))
+    return role, tl.where(lead, row2, row1)
+
+
+@triton.jit
+def _up_pair_item(a_ptr, a_half, w_ptr, h_ptr, row0, row_end, n, e_tile, n_rows, H, I, limit,
+                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, HAS_LIMIT: tl.constexpr,
+                  UPCAST: tl.constexpr, STAGES: tl.constexpr, TMA: tl.constexpr):
+    """bf16: a full tile, rows [row0, row0 + BM), and its expert's trailing half tile, rows [row0 + BM,
+    row_end), x hidden columns n of expert ``e_tile``: one gate and one up weight tile per K step for both (four
+    accumulators), so the weights cross from L2 into shared memory once instead of twice."""
+    HB: tl.constexpr = BM // 2
+    e = e_tile.to(tl.int64)
+    rows = (row0 + tl.arange(0, BM)).to(tl.int64)
+    rows2 = (row0 + BM + tl.arange(0, HB)).to(tl.int64)
+    rmask = rows < n_rows
+    rmask2 = (rows2 < n_rows) & (rows2 < row_end)
+    if TMA:  # block coordinates
+        a_at = row0
+        a2_at = row0 + BM
+        g_at = e_tile * 2 * I + n * BN
+        u_at = g_at + I
+    else:  # pointers
+        kk = tl.arange(0, BK)
+        cols = n * BN + tl.arange(0, BN)
+        a_at = a_ptr + rows[:, None] * H + kk[None, :]
+        a2_at = a_ptr + rows2[:, None] * H + kk[None, :]
+        g_at = w_ptr + e * 2 * I * H + cols[None, :].to(tl.int64) * H + kk[:, None]
+        u_at = g_at + I * H
+    acc_g = tl.zeros((BM, BN), dtype=tl.float32)
+    acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+    acc_g2 = tl.zeros((HB, BN), dtype=tl.float32)
+    acc_u2 = tl.zeros((HB, BN), dtype=tl.float32)
+    for k0 in tl.range(0, H, BK, num_stages=STAGES):
+        a = _ld_a(a_ptr, a_at, k0, rmask, TMA)
+        a2 = _ld_a(a_half, a2_at, k0, rmask2, TMA)
+        wg = _ld_w(w_ptr, g_at, k0, TMA)
+        wu = _ld_w(w_ptr, u_at, k0, TMA)
+        acc_g = _mma(a, wg, acc_g, UPCAST)
+        acc_u = _mma(a, wu, acc_u, UPCAST)
+        acc_g2 = _mma(a2, wg, acc_g2, UPCAST)
+        acc_u2 = _mma(a2, wu, acc_u2, UPCAST)
+    _up_store(acc_g, acc_u, rows, rmask, n, h_ptr, h_ptr, I, limit, BN, False, HAS_LIMIT, 448.0)
+    _up_store(acc_g2, acc_u2, rows2, rmask2, n, h_ptr, h_ptr, I, limit, BN, False, HAS_LIMIT, 448.0)
 
 
 @triton.jit
@@ -583,12 +656,14 @@ def _up_swiglu_kernel(a_ptr, a_half, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, tile_
                       STAGES: tl.constexpr, FP8_MAX_: tl.constexpr, GROUP_M: tl.constexpr, TMA: tl.constexpr = False,
                       HALF: tl.constexpr = False, READY: tl.constexpr = False, GRAN: tl.constexpr = 64,
                       SPIN: tl.constexpr = True, DYN: tl.constexpr = False, WB: tl.constexpr = 128,
-                      FLAT: tl.constexpr = False):
+                      FLAT: tl.constexpr = False, PAIR: tl.constexpr = False, PAIR_STAGES: tl.constexpr = 3):
     """TMA: ``a_ptr`` / ``a_half`` / ``w_ptr`` are TMA descriptors over A [R, H] (blocks [BM, BK] and [BM/2, BK])
     and W13 [L*2I, H] (blocks [BN, BK]), read by Hopper's bulk copy engine; otherwise pointers. HALF: tiles of
     BM/2 rows (the schedule's half tiles) run a BM/2-row MMA. READY: wait for the pull per row granule. DYN: work
     items off the counter at ``work_ptr`` (zero before the first launch that shares it). FLAT (neither READY nor
-    DYN): static round robin in one flattened loop nest, as in the down kernel."""
+    DYN): static round robin in one flattened loop nest, as in the down kernel. PAIR (bf16, with HALF): a full
+    tile and its expert's trailing half tile run as one item (``_pair_role``); the half tile's own item is
+    skipped."""
     m_lo = tl.load(chunk_ptr)
     m_hi = tl.load(chunk_ptr + 1)
     n_n = I // BN
@@ -608,9 +683,23 @@ def _up_swiglu_kernel(a_ptr, a_half, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, tile_
             e_tile = tl.load(tile_expert_ptr + m)
             row0 = tl.load(tile_row_ptr + m)
             row1 = tl.load(tile_row_ptr + m + 1)
-            if READY:
-                _wait_rows(ready_ptr, row0, row1, GRAN, SPIN, TMA)
-            if HALF:
+            if PAIR:
+                role, row_hi = _pair_role(tile_expert_ptr, tile_row_ptr, m, m_lo, m_hi, e_tile, row0, row1, BM)
+                if role != 2:
+                    if READY:
+                        _wait_rows(ready_ptr, row0, row_hi, GRAN, SPIN, TMA)
+                    if role == 1:
+                        _up_pair_item(a_ptr, a_half, w_ptr, h_ptr, row0, row_hi, n, e_tile, n_rows, H, I, limit,
+                                      BM, BN, BK, HAS_LIMIT, UPCAST, PAIR_STAGES, TMA)
+                    elif row1 - row0 < BM:
+                        _up_item(a_half, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row1, n, e_tile, n_rows, H,
+                                 I, limit, BM // 2, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB)
+                    else:
+                        _up_item(a_ptr, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row1, n, e_tile, n_rows, H,
+                                 I, limit, BM, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB)
+            elif HALF:
+                if READY:
+                    _wait_rows(ready_ptr, row0, row1, GRAN, SPIN, TMA)
                 if row1 - row0 < BM:
                     _up_item(a_half, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row1, n, e_tile, n_rows, H, I,
                              limit, BM // 2, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB)
@@ -618,6 +707,8 @@ def _up_swiglu_kernel(a_ptr, a_half, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, tile_
                     _up_item(a_ptr, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row1, n, e_tile, n_rows, H, I,
                              limit, BM, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB)
             else:
+                if READY:
+                    _wait_rows(ready_ptr, row0, row1, GRAN, SPIN, TMA)
                 _up_item(a_ptr, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row1, n, e_tile, n_rows, H, I, limit,
                          BM, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB)
             wk = _next_work(wk, work_ptr, NUM_PROGS, DYN)
@@ -650,6 +741,7 @@ def up_swiglu(a_RH: torch.Tensor, a_scale: Optional[torch.Tensor], w13_LIH: torc
     if fp8:
         assert bk == 128 and 128 % bn == 0, "fp8 up: BK must be the 128 activation / weight block, BN divide 128"
         assert h_scale.shape[1] == I // bn, "fp8 hidden activations are quantised in 1 x up_n blocks"
+    assert not (cfg.pair_tiles and fp8), "paired tiles are bf16 only (TileConfig.for_fp8 turns them off)"
     flat = cfg.flat_up  # TileConfig refuses it with ready_flags, so the layer passes neither ready nor work
     assert not flat or (ready is None and work is None), "flat_up runs a static loop: no ready counters, no queue"
     _up_swiglu_kernel[(programs,)](
@@ -662,7 +754,7 @@ def up_swiglu(a_RH: torch.Tensor, a_scale: Optional[torch.Tensor], w13_LIH: torc
         BM=bm, BN=bn, BK=bk, FP8=fp8, HAS_LIMIT=limit is not None, NUM_PROGS=programs, UPCAST=INTERPRET,
         STAGES=cfg.up_stages, FP8_MAX_=FP8_MAX, GROUP_M=cfg.group_m, TMA=cfg.tma, HALF=cfg.half_tiles,
         READY=ready is not None, GRAN=ready_granule(cfg), SPIN=not INTERPRET, DYN=work is not None,
-        FLAT=flat, num_warps=cfg.up_warps)
+        FLAT=flat, PAIR=cfg.pair_tiles, PAIR_STAGES=cfg.up_pair_stages, num_warps=cfg.up_warps)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -698,6 +790,12 @@ def _down_item(h_ptr, hs_ptr, w_ptr, ws_ptr, code_ptr, rw_ptr, out_ref, out_delt
             acc += _mm(a, b, UPCAST) * (sa[:, None] * sb)
         else:
             acc = _mma(a, b, acc, UPCAST)
+    _down_store(acc, rows32, rmask, cols, code_ptr, rw_ptr, out_ref, out_delta, H, TK, APPLY_W)
+
+
+@triton.jit
+def _down_store(acc, rows32, rmask, cols, code_ptr, rw_ptr, out_ref, out_delta, H, TK, APPLY_W: tl.constexpr):
+    """Push rows ``rows32`` (x their router weight with APPLY_W) as bf16 into their source ranks' combine buffers."""
     code = tl.load(code_ptr + rows32, mask=rmask, other=-1)
     valid = code >= 0
     c = tl.where(valid, code, 0)
@@ -710,16 +808,53 @@ def _down_item(h_ptr, hs_ptr, w_ptr, ws_ptr, code_ptr, rw_ptr, out_ref, out_delt
 
 
 @triton.jit
+def _down_pair_item(h_ptr, h_half, w_ptr, code_ptr, rw_ptr, out_ref, out_delta, row0, row_end, n, e_tile, n_rows,
+                    H, I, TK, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, APPLY_W: tl.constexpr,
+                    UPCAST: tl.constexpr, STAGES: tl.constexpr, TMA: tl.constexpr):
+    """bf16: a full tile and its expert's trailing half tile (rows [row0, row_end)) x output columns n, one
+    weight tile per K step for both (see ``_up_pair_item``)."""
+    HB: tl.constexpr = BM // 2
+    e = e_tile.to(tl.int64)
+    rows32 = row0 + tl.arange(0, BM)
+    rows2_32 = row0 + BM + tl.arange(0, HB)
+    rows = rows32.to(tl.int64)
+    rows2 = rows2_32.to(tl.int64)
+    rmask = rows < n_rows
+    rmask2 = (rows2 < n_rows) & (rows2_32 < row_end)
+    cols = n * BN + tl.arange(0, BN)
+    if TMA:
+        a_at = row0
+        a2_at = row0 + BM
+        b_at = e_tile * H + n * BN
+    else:
+        kk = tl.arange(0, BK)
+        a_at = h_ptr + rows[:, None] * I + kk[None, :]
+        a2_at = h_ptr + rows2[:, None] * I + kk[None, :]
+        b_at = w_ptr + e * H * I + cols[None, :].to(tl.int64) * I + kk[:, None]
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    acc2 = tl.zeros((HB, BN), dtype=tl.float32)
+    for k0 in tl.range(0, I, BK, num_stages=STAGES):
+        a = _ld_a(h_ptr, a_at, k0, rmask, TMA)
+        a2 = _ld_a(h_half, a2_at, k0, rmask2, TMA)
+        b = _ld_w(w_ptr, b_at, k0, TMA)
+        acc = _mma(a, b, acc, UPCAST)
+        acc2 = _mma(a2, b, acc2, UPCAST)
+    _down_store(acc, rows32, rmask, cols, code_ptr, rw_ptr, out_ref, out_delta, H, TK, APPLY_W)
+    _down_store(acc2, rows2_32, rmask2, cols, code_ptr, rw_ptr, out_ref, out_delta, H, TK, APPLY_W)
+
+
+@triton.jit
 def _down_push_kernel(h_ptr, h_half, hs_ptr, w_ptr, ws_ptr, tile_expert_ptr, tile_row_ptr, chunk_ptr, code_ptr,
                       rw_ptr, out_ref, out_delta, n_rows, H, I, TK,
                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FP8: tl.constexpr,
                       APPLY_W: tl.constexpr, NUM_PROGS: tl.constexpr, UPCAST: tl.constexpr, STAGES: tl.constexpr,
                       GROUP_M: tl.constexpr, TMA: tl.constexpr = False, HALF: tl.constexpr = False,
-                      WB: tl.constexpr = 128, FLAT: tl.constexpr = False):
+                      WB: tl.constexpr = 128, FLAT: tl.constexpr = False, PAIR: tl.constexpr = False,
+                      PAIR_STAGES: tl.constexpr = 4):
     """TMA: ``h_ptr`` / ``h_half`` / ``w_ptr`` are TMA descriptors over h [R, I] (blocks [BM, BK] and [BM/2, BK])
-    and W2 [L*H, I] (blocks [BN, BK]); otherwise pointers. HALF: as in the up kernel. FLAT: one flattened loop
-    nest (items x K steps, pipelined across items); every tile runs BM rows, a half tile's rows past its end are
-    computed and not stored."""
+    and W2 [L*H, I] (blocks [BN, BK]); otherwise pointers. HALF, PAIR: as in the up kernel. FLAT: one flattened
+    loop nest (items x K steps, pipelined across items); every tile runs BM rows, a half tile's rows past its end
+    are computed and not stored."""
     m_lo = tl.load(chunk_ptr)
     m_hi = tl.load(chunk_ptr + 1)
     n_n = H // BN
@@ -738,7 +873,20 @@ def _down_push_kernel(h_ptr, h_half, hs_ptr, w_ptr, ws_ptr, tile_expert_ptr, til
             e_tile = tl.load(tile_expert_ptr + m)
             row0 = tl.load(tile_row_ptr + m)
             row1 = tl.load(tile_row_ptr + m + 1)
-            if HALF:
+            if PAIR:
+                role, row_hi = _pair_role(tile_expert_ptr, tile_row_ptr, m, m_lo, m_hi, e_tile, row0, row1, BM)
+                if role == 1:
+                    _down_pair_item(h_ptr, h_half, w_ptr, code_ptr, rw_ptr, out_ref, out_delta, row0, row_hi, n,
+                                    e_tile, n_rows, H, I, TK, BM, BN, BK, APPLY_W, UPCAST, PAIR_STAGES, TMA)
+                elif role == 0:
+                    if row1 - row0 < BM:
+                        _down_item(h_half, hs_ptr, w_ptr, ws_ptr, code_ptr, rw_ptr, out_ref, out_delta, row0, row1,
+                                   n, e_tile, n_rows, H, I, TK, BM // 2, BN, BK, FP8, APPLY_W, UPCAST, STAGES, TMA,
+                                   WB)
+                    else:
+                        _down_item(h_ptr, hs_ptr, w_ptr, ws_ptr, code_ptr, rw_ptr, out_ref, out_delta, row0, row1,
+                                   n, e_tile, n_rows, H, I, TK, BM, BN, BK, FP8, APPLY_W, UPCAST, STAGES, TMA, WB)
+            elif HALF:
                 if row1 - row0 < BM:
                     _down_item(h_half, hs_ptr, w_ptr, ws_ptr, code_ptr, rw_ptr, out_ref, out_delta, row0, row1, n,
                                e_tile, n_rows, H, I, TK, BM // 2, BN, BK, FP8, APPLY_W, UPCAST, STAGES, TMA, WB)
@@ -761,6 +909,7 @@ def down_push(h_RI: torch.Tensor, h_scale: Optional[torch.Tensor], w2_LHI: torch
     R, I = h_RI.shape
     H = w2_LHI.shape[1]
     fp8 = h_RI.dtype == torch.float8_e4m3fn
+    assert not (cfg.pair_tiles and fp8), "paired tiles are bf16 only (TileConfig.for_fp8 turns them off)"
     bm, bn, bk = cfg.block_m, cfg.down_n, cfg.down_k
     assert H % bn == 0 and I % bk == 0, f"hidden {H} / ffn {I} must be multiples of the tile ({bn}, {bk})"
     if fp8:
@@ -774,7 +923,7 @@ def down_push(h_RI: torch.Tensor, h_scale: Optional[torch.Tensor], w2_LHI: torch
         slots_per_rank,
         BM=bm, BN=bn, BK=bk, FP8=fp8, APPLY_W=rw_R is not None, NUM_PROGS=programs, UPCAST=INTERPRET,
         STAGES=cfg.down_stages, GROUP_M=cfg.group_m, TMA=cfg.tma, HALF=cfg.half_tiles, FLAT=cfg.flat_down,
-        num_warps=cfg.down_warps)
+        PAIR=cfg.pair_tiles, PAIR_STAGES=cfg.down_pair_stages, num_warps=cfg.down_warps)
 
 
 # ---------------------------------------------------------------------------------------------------------------
