@@ -195,20 +195,23 @@ def test_default_tile_pairs_tiles_where_experts_often_end_in_a_full_and_a_half_t
     assert paired_fraction(64) == 0
     rows = {"kimi_k2_7": 2048 * 8 / 192, "glm_5_2": 2048 * 8 / 128, "qwen3_5_397b": 2048 * 10 / 256,
             "deepseek_v4_pro": 2048 * 6 / 192, "glm_5_2@4epg": 2048 * 8 / 4}
-    paired = {name for name, m in rows.items() if default_tile(rows_per_expert=m).pair_tiles}
+    paired = {name for name, m in rows.items() if default_tile(rows_per_expert=m).pair_up}
     assert paired == {"glm_5_2"}  # (at 4 experts per GPU the flattened down loop wins: pairs are 1 item in 32)
-    assert not default_tile(precision="fp8", rows_per_expert=128).pair_tiles  # bf16 only
+    assert not default_tile(rows_per_expert=128).pair_down  # measured slower in the down GEMM
+    assert not default_tile(precision="fp8", rows_per_expert=128).pair_up  # bf16 only
 
 
-def test_pair_tiles_refuse_what_cannot_pair():
+def test_paired_tiles_refuse_what_cannot_pair():
     from dataclasses import replace
 
     from kernels.mok_hopper.triton_kernels import TileConfig
 
-    for bad in (dict(half_tiles=False), dict(flat_down=True), dict(flat_up=True, ready_flags=False)):
-        with pytest.raises(ValueError, match="pair_tiles needs half_tiles=True and flat_up=flat_down=False"):
-            replace(TileConfig(), pair_tiles=True, **bad)
-    assert not replace(TileConfig(), pair_tiles=True).for_fp8().pair_tiles
+    for kind, bad in (("up", dict(half_tiles=False)), ("up", dict(flat_up=True, ready_flags=False)),
+                      ("down", dict(half_tiles=False)), ("down", dict(flat_down=True))):
+        with pytest.raises(ValueError, match=f"pair_{kind} needs half_tiles=True and flat_{kind}=False"):
+            replace(TileConfig(), **{f"pair_{kind}": True}, **bad)
+    f8 = replace(TileConfig(), pair_up=True, pair_down=True).for_fp8()
+    assert not (f8.pair_up or f8.pair_down)
 
 
 def test_flat_up_refuses_ready_flags():
@@ -388,7 +391,7 @@ def test_kernels_with_small_tiles_walk_every_loop(precision, tma, layout):
                           pull_programs=5, pull_rows=4, group_m=2)
     half, flat, pair = layout.startswith("half"), layout.endswith("flat"), layout.endswith("pair")
     tile = replace(tile, tma=tma, half_tiles=half, ready_flags=half and not flat, flat_up=flat, flat_down=flat,
-                   pair_tiles=pair, num_chunks=1 if pair else tile.num_chunks)  # (a pair never spans two chunks)
+                   pair_up=pair, pair_down=pair, num_chunks=1 if pair else tile.num_chunks)  # (a pair never spans two chunks)
     xs, idx, ws, w13, w2, sh = make_layer_inputs(P, T, K, E, H, I, seed=13)
     runs, layers, _ = run_kernels(xs, idx, ws, w13, w2, sh, precision=precision, tile=tile, limit=1.0)
     want = twin.simulate(xs, idx, ws, w13, w2, shared=sh, fp8=precision == "fp8", block_m=16, limit=1.0)

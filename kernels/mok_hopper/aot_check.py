@@ -93,7 +93,7 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048) -> list[Varia
                                dict(BM=c.block_m, BN=c.up_n, BK=c.up_k, FP8=fp8, HAS_LIMIT=limit, NUM_PROGS=nprog,
                                     UPCAST=False, STAGES=c.up_stages, FP8_MAX_=tk.FP8_MAX, GROUP_M=c.group_m, TMA=tma,
                                     HALF=c.half_tiles, READY=c.ready_flags, GRAN=tk.ready_granule(c), SPIN=True,
-                                    DYN=c.ready_flags, WB=128, FLAT=c.flat_up, PAIR=c.pair_tiles,
+                                    DYN=c.ready_flags, WB=128, FLAT=c.flat_up, PAIR=c.pair_up,
                                     PAIR_STAGES=c.up_pair_stages), c.up_warps))
         for fp8, apply_w in ((False, True), (False, False), (True, True)):
             c = f8 if fp8 else cfg
@@ -107,7 +107,7 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048) -> list[Varia
                                     out_ref="*bf16", out_delta="*i64", n_rows="i32", H="i32", I="i32", TK="i32"),
                                dict(BM=c.block_m, BN=c.down_n, BK=c.down_k, FP8=fp8, APPLY_W=apply_w,
                                     NUM_PROGS=nprog, UPCAST=False, STAGES=c.down_stages, GROUP_M=c.group_m, TMA=tma,
-                                    HALF=c.half_tiles, WB=128, FLAT=c.flat_down, PAIR=c.pair_tiles,
+                                    HALF=c.half_tiles, WB=128, FLAT=c.flat_down, PAIR=c.pair_down,
                                     PAIR_STAGES=c.down_pair_stages),
                                c.down_warps))
     out.append(Variant("epilogue", "_epilogue_kernel",

@@ -78,7 +78,7 @@ def half_tile_waste(rows_per_expert: float, block_m: int = 128) -> float:
 
 def paired_fraction(rows_per_expert: float, block_m: int = 128) -> float:
     """Fraction of experts that end in a full tile followed by a half tile (r > block_m, r mod block_m in
-    [1, block_m/2]): the ones whose two last tiles ``pair_tiles`` runs off one weight read."""
+    [1, block_m/2]): the ones whose two last tiles ``pair_up`` runs off one weight read."""
     if rows_per_expert <= 0:
         return 0.0
     return sum(w for r, w in _row_counts(rows_per_expert) if r > block_m and 1 <= r % block_m <= block_m // 2)
@@ -94,8 +94,8 @@ def default_tile(*, precision: str = "bf16", device: Optional[torch.device] = No
     qwen3_5_397b in two sweeps, PERF_NOTES v6) runs an expert's last half tile at full height, so it is used only
     where that wastes under 5% of the MMA rows (:func:`half_tile_waste`): not on glm_5_2 (128 rows per expert) or
     deepseek_v4_pro (64), whose experts often end in a half tile. Where at least a fifth of the experts end in a
-    full tile and a half tile (:func:`paired_fraction`; glm_5_2, about half), the two run as one work item
-    (``pair_tiles``, PERF_NOTES v7). BM stays 128: 64-row tiles ran 30% slower on 2xH200 (PERF_NOTES v1).
+    full tile and a half tile (:func:`paired_fraction`; glm_5_2, about half), the up GEMM runs the two as one
+    work item (``pair_up``; the down GEMM's pairs ran slower, PERF_NOTES v7). BM stays 128: 64-row tiles ran 30% slower on 2xH200 (PERF_NOTES v1).
 
     On the CPU (Triton interpreter) the cost is per operation, not per FLOP: few programs, small row tiles and
     the widest column / depth steps that divide ``hidden`` / ``ffn``, and pointer loads (``tma`` off)."""
@@ -105,7 +105,7 @@ def default_tile(*, precision: str = "bf16", device: Optional[torch.device] = No
     if rows_per_expert is not None and half_tile_waste(rows_per_expert, cfg.block_m) <= FLAT_DOWN_MAX_WASTE:
         cfg = replace(cfg, flat_down=True, down_n=256, down_stages=4)
     elif rows_per_expert is not None and paired_fraction(rows_per_expert, cfg.block_m) >= PAIR_MIN_FRACTION:
-        cfg = replace(cfg, pair_tiles=True)
+        cfg = replace(cfg, pair_up=True)
     if device is not None and torch.device(device).type != "cuda":
         def widest(n: Optional[int], cap: int) -> int:
             return next(b for b in (256, 128, 64, 32, 16) if b <= cap and (n is None or n % b == 0))
@@ -176,7 +176,7 @@ class MoKHopperLayer(torch.nn.Module):
         self.cfg_bf16 = tile if tile is not None and not self.fp8 else default_tile(device=dev, hidden=H, ffn=I)
         # the shared expert: one "expert" of T rows in full tiles, nothing to wait for
         self.cfg_bf16 = replace(self.cfg_bf16, block_m=self.cfg.block_m, tma=self.cfg.tma, half_tiles=False,
-                                ready_flags=False, pair_tiles=False)
+                                ready_flags=False, pair_up=False, pair_down=False)
         _check_divisible(H, I, self.cfg, self.cfg_bf16, shared is not None)
         BM = self.cfg.block_m
 

@@ -479,11 +479,8 @@ SWEEP = [  # (label, overrides of the base tile, layer options); tiles checked b
     ("down flat 256 wide x 4 stages", dict(flat_down=True, down_n=256, down_stages=4), {}),
     ("down flat 128 wide x 6 stages", dict(flat_down=True, down_n=128, down_stages=6), {}),
     ("up + down flat, no ready flags", dict(flat_up=True, flat_down=True, ready_flags=False), {}),
-    ("v6 tiles (no pairs)", dict(pair_tiles=False), {}),
-    ("paired tiles, down 5 pair stages",
-     dict(pair_tiles=True, flat_down=False, down_n=128, down_stages=6, down_pair_stages=5), {}),
-    ("paired tiles, up 2 pair stages",
-     dict(pair_tiles=True, flat_down=False, down_n=128, down_stages=6, up_pair_stages=2), {}),
+    ("v6 tiles (no pairs)", dict(pair_up=False, pair_down=False), {}),
+    ("paired up + down tiles", dict(pair_up=True, pair_down=True, flat_down=False, down_n=128, down_stages=6), {}),
 ]
 SWEEP_FP8 = ("pull 24 x 16 warps x 8 rows", "shared last")
 TIMELINE_VARIANTS = ("v3 layout (full tiles, events, 3/4 stages, torch schedule)",)  # also get a timeline

@@ -102,8 +102,9 @@ class TileConfig:
     flat_down: bool = False  # down GEMM: one flattened, software-pipelined loop over (item, K step) (half tiles
     # then run at block_m rows): the next item's loads overlap this item's epilogue (Triton's ``flatten``)
     flat_up: bool = False  # the same for the up GEMM; needs ready_flags off (a spin wait cannot be flattened)
-    pair_tiles: bool = False  # bf16, half tiles: an expert's last full tile and its trailing half tile run as one
-    # work item (BM + BM/2 rows), so each weight tile is loaded into shared memory once for both (PERF_NOTES v7)
+    pair_up: bool = False  # bf16, half tiles: an expert's last full tile and its trailing half tile run as one up
+    # GEMM work item (BM + BM/2 rows), so each weight tile is loaded into shared memory once for both (PERF_NOTES v7)
+    pair_down: bool = False  # the same in the down GEMM (measured slower on glm_5_2: off by default)
     up_pair_stages: int = 3  # pipeline depth of the paired items (4 x 56 KB spills registers on sm_90)
     down_pair_stages: int = 4  # 4 x 40 KB (6 would not fit in shared memory)
     fp8: bool = False  # set by for_fp8 (the fp8 GEMM steps and pipeline depths)
@@ -112,9 +113,11 @@ class TileConfig:
         if self.flat_up and self.ready_flags:
             raise ValueError("flat_up needs ready_flags=False: the up GEMM's spin wait for the pull cannot be "
                              "flattened")
-        if self.pair_tiles and not (self.half_tiles and not self.flat_up and not self.flat_down):
-            raise ValueError("pair_tiles needs half_tiles=True and flat_up=flat_down=False: it pairs a full tile "
-                             "with the half tile after it, which a flattened loop (one body, no branch) cannot run")
+        for kind, pair, flat in (("up", self.pair_up, self.flat_up), ("down", self.pair_down, self.flat_down)):
+            if pair and (flat or not self.half_tiles):
+                raise ValueError(f"pair_{kind} needs half_tiles=True and flat_{kind}=False: it pairs a full tile "
+                                 "with the half tile after it, which a flattened loop (one body, no branch) cannot "
+                                 "run")
 
     def for_fp8(self) -> "TileConfig":
         """fp8 tiles: one weight scale per step (BK <= 128, BN <= 128 inside one 128 x 128 block). The up GEMM
@@ -128,7 +131,7 @@ class TileConfig:
             return self
         down_stages = 6 if self.flat_down else self.down_stages  # the bf16 flat tile's 4 stages were 256 wide
         return replace(self, up_n=64, up_k=128, up_stages=self.up_stages + 2, down_n=128, down_k=64,
-                       down_stages=down_stages + 2, flat_down=False, pair_tiles=False, fp8=True)
+                       down_stages=down_stages + 2, flat_down=False, pair_up=False, pair_down=False, fp8=True)
 
     @property
     def h_block(self) -> int:
@@ -741,7 +744,7 @@ def up_swiglu(a_RH: torch.Tensor, a_scale: Optional[torch.Tensor], w13_LIH: torc
     if fp8:
         assert bk == 128 and 128 % bn == 0, "fp8 up: BK must be the 128 activation / weight block, BN divide 128"
         assert h_scale.shape[1] == I // bn, "fp8 hidden activations are quantised in 1 x up_n blocks"
-    assert not (cfg.pair_tiles and fp8), "paired tiles are bf16 only (TileConfig.for_fp8 turns them off)"
+    assert not (cfg.pair_up and fp8), "paired tiles are bf16 only (TileConfig.for_fp8 turns them off)"
     flat = cfg.flat_up  # TileConfig refuses it with ready_flags, so the layer passes neither ready nor work
     assert not flat or (ready is None and work is None), "flat_up runs a static loop: no ready counters, no queue"
     _up_swiglu_kernel[(programs,)](
@@ -754,7 +757,7 @@ def up_swiglu(a_RH: torch.Tensor, a_scale: Optional[torch.Tensor], w13_LIH: torc
         BM=bm, BN=bn, BK=bk, FP8=fp8, HAS_LIMIT=limit is not None, NUM_PROGS=programs, UPCAST=INTERPRET,
         STAGES=cfg.up_stages, FP8_MAX_=FP8_MAX, GROUP_M=cfg.group_m, TMA=cfg.tma, HALF=cfg.half_tiles,
         READY=ready is not None, GRAN=ready_granule(cfg), SPIN=not INTERPRET, DYN=work is not None,
-        FLAT=flat, PAIR=cfg.pair_tiles, PAIR_STAGES=cfg.up_pair_stages, num_warps=cfg.up_warps)
+        FLAT=flat, PAIR=cfg.pair_up, PAIR_STAGES=cfg.up_pair_stages, num_warps=cfg.up_warps)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -909,7 +912,7 @@ def down_push(h_RI: torch.Tensor, h_scale: Optional[torch.Tensor], w2_LHI: torch
     R, I = h_RI.shape
     H = w2_LHI.shape[1]
     fp8 = h_RI.dtype == torch.float8_e4m3fn
-    assert not (cfg.pair_tiles and fp8), "paired tiles are bf16 only (TileConfig.for_fp8 turns them off)"
+    assert not (cfg.pair_down and fp8), "paired tiles are bf16 only (TileConfig.for_fp8 turns them off)"
     bm, bn, bk = cfg.block_m, cfg.down_n, cfg.down_k
     assert H % bn == 0 and I % bk == 0, f"hidden {H} / ffn {I} must be multiples of the tile ({bn}, {bk})"
     if fp8:
@@ -923,7 +926,7 @@ def down_push(h_RI: torch.Tensor, h_scale: Optional[torch.Tensor], w2_LHI: torch
         slots_per_rank,
         BM=bm, BN=bn, BK=bk, FP8=fp8, APPLY_W=rw_R is not None, NUM_PROGS=programs, UPCAST=INTERPRET,
         STAGES=cfg.down_stages, GROUP_M=cfg.group_m, TMA=cfg.tma, HALF=cfg.half_tiles, FLAT=cfg.flat_down,
-        PAIR=cfg.pair_tiles, PAIR_STAGES=cfg.down_pair_stages, num_warps=cfg.down_warps)
+        PAIR=cfg.pair_down, PAIR_STAGES=cfg.down_pair_stages, num_warps=cfg.down_warps)
 
 
 # ---------------------------------------------------------------------------------------------------------------
