@@ -56,6 +56,8 @@ def test_weight_scaling_follows_the_published_rule():
     inp = make_inputs(case, 0, torch.device("cpu"))
     assert inp.w13_LIH.float().std().item() == pytest.approx(1024**-0.5, rel=0.05)
     assert inp.w2_LHI.float().std().item() == pytest.approx(512**-0.5, rel=0.05)
+    # the upstream gradient too: randn * H^-0.5 (MoK tests/utils.py::generate_inputs)
+    assert inp.grad_out_TH.float().std().item() == pytest.approx(1024**-0.5, rel=0.05)
 
 
 @pytest.mark.parametrize("routing", ["zipf", "hot_experts"])
