@@ -512,4 +512,4 @@ def test_every_kernel_variant_compiles_for_hopper_without_spills():
     p = subprocess.run([sys.executable, "-m", "kernels.mok_hopper.aot_check", "--arch", "90"], capture_output=True,
                        text=True, env=env, cwd=Path(__file__).resolve().parent.parent, timeout=300)
     assert p.returncode == 0, p.stdout + p.stderr[-3000:]
-    assert "up fp8" in p.stdout and "down bf16" in p.stdout
+    assert "up fp8" in p.stdout and "down bf16" in p.stdout and "up bf16 paired" in p.stdout

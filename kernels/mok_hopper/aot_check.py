@@ -110,6 +110,11 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048) -> list[Varia
                                     HALF=c.half_tiles, WB=128, FLAT=c.flat_down, PAIR=c.pair_down,
                                     PAIR_STAGES=c.down_pair_stages),
                                c.down_warps))
+    if not cfg.pair_up and not cfg.flat_up and cfg.half_tiles:  # the paired up GEMM (glm_5_2's default, bf16, TMA)
+        from dataclasses import replace
+
+        out += [Variant("up bf16 paired tma", v.kernel, v.types, v.constexprs, v.num_warps)
+                for v in variants(replace(cfg, pair_up=True), hidden, ffn) if v.label == "up bf16 tma"]
     out.append(Variant("epilogue", "_epilogue_kernel",
                        dict(comb_ptr="*bf16", idx_ptr="*i64", rw_ptr="*fp32", shared_ptr="*bf16", out_ptr="*bf16",
                             T="i32", H="i32", K="i32"),
