@@ -7,8 +7,9 @@ Shape legend: T tokens on this rank, K top-k, H hidden, I expert ffn, E global e
   published per-rank seed), so they are identical on any device.
 * Routed weights are drawn per global expert id from a generator seeded by (seed, expert), so expert e has the
   same weights at any EP size (on a given device type: CPU and CUDA generators differ).
-* gate/up are scaled by H^-0.5, down by I^-0.5, as published; so is the output gradient (H^-0.5). gate and up are stored fused as ``w13`` [L, 2I, H]
-  (gate rows first) and exposed as views, so backends that fuse them need no copy.
+* gate/up are scaled by H^-0.5, down by I^-0.5, and the output gradient by H^-0.5, as published. gate and up are
+  stored fused as ``w13`` [L, 2I, H] (gate rows first) and exposed as views, so backends that fuse them need no
+  copy.
 """
 
 from __future__ import annotations
