@@ -632,6 +632,24 @@ def _up_pair_item(a_ptr, a_half, w_ptr, h_ptr, row0, row_end, n, e_tile, n_rows,
 
 
 @triton.jit
+def _up_tile(a_ptr, a_half, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row1, n, e_tile, n_rows, H, I, limit,
+             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FP8: tl.constexpr, HAS_LIMIT: tl.constexpr,
+             UPCAST: tl.constexpr, STAGES: tl.constexpr, FP8_MAX_: tl.constexpr, TMA: tl.constexpr,
+             WB: tl.constexpr, HALF: tl.constexpr):
+    """The item of one row tile: a BM/2-row MMA for a half tile (HALF), else BM rows."""
+    if HALF:
+        if row1 - row0 < BM:
+            _up_item(a_half, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row1, n, e_tile, n_rows, H, I, limit,
+                     BM // 2, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB)
+        else:
+            _up_item(a_ptr, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row1, n, e_tile, n_rows, H, I, limit,
+                     BM, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB)
+    else:
+        _up_item(a_ptr, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row1, n, e_tile, n_rows, H, I, limit,
+                 BM, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB)
+
+
+@triton.jit
 def _first_work(work_ptr, DYN: tl.constexpr):
     if DYN:
         wk = tl.atomic_add(work_ptr, 1, sem="relaxed", scope="gpu")
@@ -694,26 +712,14 @@ def _up_swiglu_kernel(a_ptr, a_half, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, tile_
                     if role == 1:
                         _up_pair_item(a_ptr, a_half, w_ptr, h_ptr, row0, row_hi, n, e_tile, n_rows, H, I, limit,
                                       BM, BN, BK, HAS_LIMIT, UPCAST, PAIR_STAGES, TMA)
-                    elif row1 - row0 < BM:
-                        _up_item(a_half, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row1, n, e_tile, n_rows, H,
-                                 I, limit, BM // 2, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB)
                     else:
-                        _up_item(a_ptr, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row1, n, e_tile, n_rows, H,
-                                 I, limit, BM, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB)
-            elif HALF:
-                if READY:
-                    _wait_rows(ready_ptr, row0, row1, GRAN, SPIN, TMA)
-                if row1 - row0 < BM:
-                    _up_item(a_half, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row1, n, e_tile, n_rows, H, I,
-                             limit, BM // 2, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB)
-                else:
-                    _up_item(a_ptr, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row1, n, e_tile, n_rows, H, I,
-                             limit, BM, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB)
+                        _up_tile(a_ptr, a_half, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row1, n, e_tile, n_rows,
+                                 H, I, limit, BM, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB, HALF)
             else:
                 if READY:
                     _wait_rows(ready_ptr, row0, row1, GRAN, SPIN, TMA)
-                _up_item(a_ptr, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row1, n, e_tile, n_rows, H, I, limit,
-                         BM, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB)
+                _up_tile(a_ptr, a_half, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row1, n, e_tile, n_rows, H, I,
+                         limit, BM, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB, HALF)
             wk = _next_work(wk, work_ptr, NUM_PROGS, DYN)
 
 
@@ -847,6 +853,24 @@ def _down_pair_item(h_ptr, h_half, w_ptr, code_ptr, rw_ptr, out_ref, out_delta, 
 
 
 @triton.jit
+def _down_tile(h_ptr, h_half, hs_ptr, w_ptr, ws_ptr, code_ptr, rw_ptr, out_ref, out_delta, row0, row1, n, e_tile,
+               n_rows, H, I, TK, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FP8: tl.constexpr,
+               APPLY_W: tl.constexpr, UPCAST: tl.constexpr, STAGES: tl.constexpr, TMA: tl.constexpr,
+               WB: tl.constexpr, HALF: tl.constexpr):
+    """The item of one row tile: a BM/2-row MMA for a half tile (HALF), else BM rows."""
+    if HALF:
+        if row1 - row0 < BM:
+            _down_item(h_half, hs_ptr, w_ptr, ws_ptr, code_ptr, rw_ptr, out_ref, out_delta, row0, row1, n, e_tile,
+                       n_rows, H, I, TK, BM // 2, BN, BK, FP8, APPLY_W, UPCAST, STAGES, TMA, WB)
+        else:
+            _down_item(h_ptr, hs_ptr, w_ptr, ws_ptr, code_ptr, rw_ptr, out_ref, out_delta, row0, row1, n, e_tile,
+                       n_rows, H, I, TK, BM, BN, BK, FP8, APPLY_W, UPCAST, STAGES, TMA, WB)
+    else:
+        _down_item(h_ptr, hs_ptr, w_ptr, ws_ptr, code_ptr, rw_ptr, out_ref, out_delta, row0, row1, n, e_tile,
+                   n_rows, H, I, TK, BM, BN, BK, FP8, APPLY_W, UPCAST, STAGES, TMA, WB)
+
+
+@triton.jit
 def _down_push_kernel(h_ptr, h_half, hs_ptr, w_ptr, ws_ptr, tile_expert_ptr, tile_row_ptr, chunk_ptr, code_ptr,
                       rw_ptr, out_ref, out_delta, n_rows, H, I, TK,
                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FP8: tl.constexpr,
@@ -882,23 +906,11 @@ def _down_push_kernel(h_ptr, h_half, hs_ptr, w_ptr, ws_ptr, tile_expert_ptr, til
                     _down_pair_item(h_ptr, h_half, w_ptr, code_ptr, rw_ptr, out_ref, out_delta, row0, row_hi, n,
                                     e_tile, n_rows, H, I, TK, BM, BN, BK, APPLY_W, UPCAST, PAIR_STAGES, TMA)
                 elif role == 0:
-                    if row1 - row0 < BM:
-                        _down_item(h_half, hs_ptr, w_ptr, ws_ptr, code_ptr, rw_ptr, out_ref, out_delta, row0, row1,
-                                   n, e_tile, n_rows, H, I, TK, BM // 2, BN, BK, FP8, APPLY_W, UPCAST, STAGES, TMA,
-                                   WB)
-                    else:
-                        _down_item(h_ptr, hs_ptr, w_ptr, ws_ptr, code_ptr, rw_ptr, out_ref, out_delta, row0, row1,
-                                   n, e_tile, n_rows, H, I, TK, BM, BN, BK, FP8, APPLY_W, UPCAST, STAGES, TMA, WB)
-            elif HALF:
-                if row1 - row0 < BM:
-                    _down_item(h_half, hs_ptr, w_ptr, ws_ptr, code_ptr, rw_ptr, out_ref, out_delta, row0, row1, n,
-                               e_tile, n_rows, H, I, TK, BM // 2, BN, BK, FP8, APPLY_W, UPCAST, STAGES, TMA, WB)
-                else:
-                    _down_item(h_ptr, hs_ptr, w_ptr, ws_ptr, code_ptr, rw_ptr, out_ref, out_delta, row0, row1, n,
-                               e_tile, n_rows, H, I, TK, BM, BN, BK, FP8, APPLY_W, UPCAST, STAGES, TMA, WB)
+                    _down_tile(h_ptr, h_half, hs_ptr, w_ptr, ws_ptr, code_ptr, rw_ptr, out_ref, out_delta, row0, row1,
+                               n, e_tile, n_rows, H, I, TK, BM, BN, BK, FP8, APPLY_W, UPCAST, STAGES, TMA, WB, HALF)
             else:
-                _down_item(h_ptr, hs_ptr, w_ptr, ws_ptr, code_ptr, rw_ptr, out_ref, out_delta, row0, row1, n, e_tile,
-                           n_rows, H, I, TK, BM, BN, BK, FP8, APPLY_W, UPCAST, STAGES, TMA, WB)
+                _down_tile(h_ptr, h_half, hs_ptr, w_ptr, ws_ptr, code_ptr, rw_ptr, out_ref, out_delta, row0, row1, n,
+                           e_tile, n_rows, H, I, TK, BM, BN, BK, FP8, APPLY_W, UPCAST, STAGES, TMA, WB, HALF)
 
 
 def down_push(h_RI: torch.Tensor, h_scale: Optional[torch.Tensor], w2_LHI: torch.Tensor,
