@@ -95,7 +95,8 @@ def default_tile(*, precision: str = "bf16", device: Optional[torch.device] = No
     where that wastes under 5% of the MMA rows (:func:`half_tile_waste`): not on glm_5_2 (128 rows per expert) or
     deepseek_v4_pro (64), whose experts often end in a half tile. Where at least a fifth of the experts end in a
     full tile and a half tile (:func:`paired_fraction`; glm_5_2, about half), the up GEMM runs the two as one
-    work item (``pair_up``; the down GEMM's pairs ran slower, PERF_NOTES v7). BM stays 128: 64-row tiles ran 30% slower on 2xH200 (PERF_NOTES v1).
+    work item (``pair_up``; the down GEMM's pairs ran slower, PERF_NOTES v7). BM stays 128: 64-row tiles ran 30%
+    slower on 2xH200 (PERF_NOTES v1).
 
     On the CPU (Triton interpreter) the cost is per operation, not per FLOP: few programs, small row tiles and
     the widest column / depth steps that divide ``hidden`` / ``ffn``, and pointer loads (``tma`` off)."""
