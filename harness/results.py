@@ -61,6 +61,7 @@ COLUMNS: dict[str, str] = {
     "latency_max_ms": "float64",
     "num_warmup": "Int64",
     "num_iters": "Int64",
+    "setup_s": "float64",
     "timing_preset": "string",
     "l2_flush": "boolean",
     "align": "string",

@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import os
 import sys
+import time
 import traceback
 from typing import Any, Callable, Optional
 
@@ -262,6 +263,7 @@ def run_backend(name, case, c, inputs, ref, group, ctrl, agree, timer, base, dir
         return
 
     backend = None
+    t_setup = time.perf_counter()
 
     def _setup():
         nonlocal backend
@@ -289,6 +291,7 @@ def run_backend(name, case, c, inputs, ref, group, ctrl, agree, timer, base, dir
             return full, out_only
 
         status, err, verdicts = agree(_check)
+        extra["setup_s"] = round(time.perf_counter() - t_setup, 2)
         if status == "ok":
             for d in directions:
                 gate[d] = _gate(verdicts[1] if d == "fwd" else verdicts[0], case)
@@ -303,6 +306,8 @@ def run_backend(name, case, c, inputs, ref, group, ctrl, agree, timer, base, dir
         if backend is not None:
             agree(backend.teardown)
         return
+    # construction plus the checked first call, which pays for torch.compile (autotuning included) and JIT builds
+    extra.setdefault("setup_s", round(time.perf_counter() - t_setup, 2))
 
     if name == "reference" and not c["time_reference"]:
         for d in directions:

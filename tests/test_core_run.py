@@ -47,6 +47,7 @@ def test_nccl_matches_reference_output_and_all_gradients(results_dir, ep):
         assert r.worst_tensor == "out" if d == "fwd" else (r.rel_err > 0 and r.worst_tensor.startswith("d_"))
         assert r.latency_ms > 0 and r.latency_p20_ms <= r.latency_ms <= r.latency_p80_ms
         assert r.num_iters == 2 and r.num_warmup == 1 and r.ep_size == ep and r.world_size == ep
+        assert 0 < r.setup_s < 600  # construction + the checked first call, in seconds
         assert r.tflops_per_gpu == pytest.approx(r.flops_per_gpu / (r.latency_ms / 1e3) / 1e12)
         assert r.dispatch_bytes > 0 and r.combine_bytes > 0 and r.dispatch_local_bytes > 0
         assert r.dispatch_gb_s > 0 and r.raw_a2a_gb_s > 0
@@ -62,6 +63,19 @@ def pd_isna(v) -> bool:
     import pandas as pd
 
     return bool(pd.isna(v))
+
+
+def test_compiled_nccl_matches_reference(results_dir):
+    """``compile_mode=published`` through the harness on gloo ranks: nccl's expert math under
+    torch.compile(max-autotune) is checked like the eager path, and the row says how it ran and what compiling cost."""
+    df = run_benchmark(cpu_cfg(results_dir, "ep_size=2", "backends=[nccl]", "directions=[fwd,bwd]", "compile=true",
+                               "compile_mode=published"))
+    for d in ("fwd", "bwd"):
+        r = by(df, "nccl", d)
+        assert r.status == "ok", r.error
+        assert r.compiled and r.compile_mode == "max-autotune"
+        assert r.max_abs_err < 0.5 and r.rel_err < 0.01 and r.latency_ms > 0
+    assert by(df, "nccl", "fwd").setup_s > 0
 
 
 def test_bytes_follow_the_routing(results_dir):
