@@ -214,6 +214,36 @@ def test_paired_tiles_refuse_what_cannot_pair():
     assert not (f8.pair_up or f8.pair_down)
 
 
+def test_launch_programs_split_the_sms():
+    """Programs per launch on 132 SMs: the default split (the pull's comm_sms beside the up GEMM, then a helper on
+    them), and shared_sms, which moves the shared expert onto SMs of its own beside the up GEMM."""
+    from dataclasses import replace
+
+    from kernels.mok_hopper.api import launch_programs
+    from kernels.mok_hopper.triton_kernels import TileConfig
+
+    base = TileConfig()
+    kw = dict(ready=True, overlap=True, has_shared=True)
+    assert launch_programs(132, base, **kw) == {"pull": 24, "shared": 108, "up": 108, "up_helper": 24, "side": 0,
+                                                "down": 132}
+    side = launch_programs(132, replace(base, shared_sms=16), **kw)
+    assert side == {"pull": 24, "shared": 16, "up": 92, "up_helper": 24, "side": 16, "down": 132}
+    assert side["up"] + side["side"] + side["pull"] == 132  # spinning up programs never fill every SM
+    # nothing to move (no shared expert, no streams on the CPU, no work counter, chunks): the default split
+    for over, args in ((dict(), dict(has_shared=False)), (dict(), dict(overlap=False)),
+                       (dict(ready_flags=False), dict(ready=False)), (dict(num_chunks=2), dict())):
+        t = replace(base, shared_sms=16, **over)
+        assert launch_programs(132, t, **{**kw, **args}) == launch_programs(132, replace(t, shared_sms=0),
+                                                                             **{**kw, **args})
+        assert launch_programs(132, t, **{**kw, **args})["side"] == 0
+    with pytest.raises(ValueError, match="leaves no SM to the up GEMM"):
+        launch_programs(132, replace(base, shared_sms=108), **kw)
+    with pytest.raises(ValueError, match="cannot be combined with shared_last"):
+        replace(base, shared_sms=16, shared_last=True)
+    with pytest.raises(ValueError, match="ready_flags need 1 <= comm_sms"):
+        launch_programs(132, replace(base, comm_sms=0), **kw)
+
+
 def test_flat_up_refuses_ready_flags():
     from dataclasses import replace
 

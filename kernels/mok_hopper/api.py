@@ -117,6 +117,42 @@ def default_tile(*, precision: str = "bf16", device: Optional[torch.device] = No
     return cfg.for_fp8() if precision == "fp8" else cfg
 
 
+def launch_programs(n_sm: int, cfg: tk.TileConfig, *, ready: bool, overlap: bool,
+                    has_shared: bool) -> dict[str, int]:
+    """Programs per launch of one forward on ``n_sm`` SMs: ``pull``, ``shared`` (both shared-expert GEMMs), ``up``
+    (the routed up GEMM on the main stream), ``up_helper`` (a second up launch after the pull, on the comm
+    stream), ``side`` (``shared_sms``: the shared expert's stream, then a third up launch there), ``down``.
+
+    With ``overlap`` (CUDA) the pulls run on their own stream with ``comm_sms`` programs, beside the shared expert
+    and the up GEMM (ready counters) or the previous chunk's GEMMs (chunks). A GEMM that can run while pulls still
+    run leaves those SMs free: the up GEMM with ready counters must (its programs wait for the pull). The down GEMM
+    runs after every pull it depends on when there is one chunk, so it takes every SM. With ready counters and one
+    chunk the up launches after the pull (and after the side stream's shared expert) take work items off the same
+    counter, so the up GEMM gets every SM once the pull is done."""
+    C = cfg.num_chunks
+    comm = cfg.comm_sms if overlap else 0
+    helpers = ready and C == 1 and overlap
+    side = cfg.shared_sms if (helpers and has_shared and not cfg.shared_last) else 0
+    if ready and overlap:
+        # the up programs spin until the pull has written their rows: they must never fill every SM
+        if not 1 <= comm < n_sm:
+            raise ValueError(f"ready_flags need 1 <= comm_sms < {n_sm} SMs (got comm_sms={comm}): the up GEMM "
+                             f"waits for the pull, which needs SMs of its own; or set ready_flags=False")
+        if side and not 1 <= side < n_sm - comm:
+            raise ValueError(f"shared_sms={side} leaves no SM to the up GEMM beside comm_sms={comm} on {n_sm} SMs")
+    busy = C > 1 or ready
+    up = cfg.gemm_programs or (max(1, n_sm - comm) if busy else n_sm)
+    if ready and overlap:
+        up = min(up, n_sm - comm - side)
+    if side:
+        shared = side
+    else:
+        shared = cfg.gemm_programs or (n_sm if cfg.shared_last else max(1, n_sm - comm))
+    return {"pull": cfg.pull_programs or (comm if overlap else n_sm), "shared": shared, "up": up,
+            "up_helper": comm if helpers else 0, "side": side,
+            "down": cfg.gemm_programs or (n_sm if C == 1 else max(1, n_sm - comm))}
+
+
 class MoKHopperLayer(torch.nn.Module):
     """Forward-only expert-parallel MoE layer over torch symmetric memory (MoK's pull dispatch / push combine).
 
@@ -237,32 +273,19 @@ class MoKHopperLayer(torch.nn.Module):
             self.sh_chunk = torch.tensor([0, n_tiles], dtype=torch.int32, device=dev)
             self.sh_delta = torch.zeros(1, dtype=torch.int64, device=dev)  # the "combine buffer" is sh_y itself
 
-        n_sm = tk.num_sms(dev)
-        # On CUDA the pulls run on their own stream with comm_sms worth of programs, beside the shared expert and
-        # the up GEMM (ready counters) or the previous chunk's GEMMs (chunks). A GEMM that can run while pulls
-        # still run leaves those SMs free: the up GEMM with ready counters must (its programs wait for the pull).
-        # The down GEMM runs after every pull it depends on when there is one chunk, so it takes every SM.
-        self.overlap = self.cuda
-        comm = self.cfg.comm_sms if self.overlap else 0
-        self.shared_programs = self.cfg.gemm_programs or (n_sm if self.cfg.shared_last else max(1, n_sm - comm))
-        # With ready counters and one chunk, a second up launch with comm_sms programs follows the pull on the comm
-        # stream and takes work items off the same counter, so the up GEMM gets every SM once the pull is done.
-        busy = C > 1 or self.ready is not None
-        self.up_programs = self.cfg.gemm_programs or (max(1, n_sm - comm) if busy else n_sm)
-        if self.ready is not None and self.overlap:
-            # the up programs spin until the pull has written their rows: they must never fill every SM
-            if not 1 <= comm < n_sm:
-                raise ValueError(f"ready_flags need 1 <= comm_sms < {n_sm} SMs (got comm_sms={comm}): the up GEMM "
-                                 f"waits for the pull, which needs SMs of its own; or set ready_flags=False")
-            self.up_programs = min(self.up_programs, n_sm - comm)
-        self.up_helper_programs = comm if (self.ready is not None and C == 1 and self.overlap) else 0
-        self.gemm_programs = self.cfg.gemm_programs or (n_sm if C == 1 else max(1, n_sm - comm))
-        self.pull_programs = self.cfg.pull_programs or (comm if self.overlap else n_sm)
+        self.overlap = self.cuda  # on CUDA the pulls (and with shared_sms the shared expert) get streams of their own
+        progs = launch_programs(tk.num_sms(dev), self.cfg, ready=self.cfg.ready_flags, overlap=self.overlap,
+                                has_shared=self.has_shared)
+        self.shared_programs, self.up_programs = progs["shared"], progs["up"]
+        self.up_helper_programs, self.side_programs = progs["up_helper"], progs["side"]
+        self.gemm_programs, self.pull_programs = progs["down"], progs["pull"]
         if self.cuda:
             self.comm_stream = torch.cuda.Stream(device=dev, priority=-1)
+            self.side_stream = torch.cuda.Stream(device=dev) if self.side_programs else None
             self.ev_sched = torch.cuda.Event()
             self.ev_pull = [torch.cuda.Event() for _ in range(C)]
             self.ev_helper = torch.cuda.Event()
+            self.ev_side = torch.cuda.Event()
         self.use_graph = self.cuda and cuda_graph
         self.stamps = torch.zeros(len(STAMPS), dtype=torch.int64, device=dev) if timeline and self.cuda else None
         self.graph_error: Optional[str] = None  # why capture failed (then every call runs eagerly)
@@ -366,7 +389,14 @@ class MoKHopperLayer(torch.nn.Module):
                 self.up(0, programs=self.up_helper_programs)
                 self._mark("up helper [comm]")
                 self.ev_helper.record(self.comm_stream)
-        if self.has_shared and not self.cfg.shared_last:
+        if self.side_programs:  # the shared expert on SMs of its own beside the up GEMM, then more up programs
+            self.side_stream.wait_event(self.ev_sched)
+            with torch.cuda.stream(self.side_stream):
+                self.shared_expert(x_TH)
+                self._mark("shared")
+                self.up(0, programs=self.side_programs)
+                self.ev_side.record(self.side_stream)
+        elif self.has_shared and not self.cfg.shared_last:
             self.shared_expert(x_TH)
             self._mark("shared")
         for c in range(C):
@@ -377,6 +407,8 @@ class MoKHopperLayer(torch.nn.Module):
                 self._mark("up")
             if self.up_helper_programs:
                 main.wait_event(self.ev_helper)
+            if self.side_programs:
+                main.wait_event(self.ev_side)
             self.down(c)
         self._mark("down")
         main.wait_event(self.ev_pull[C - 1])  # join the comm stream (pulls done) before barrier 1

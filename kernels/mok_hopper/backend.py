@@ -124,7 +124,10 @@ class MokHopperBackend:
                           f"{t.num_chunks} chunk(s), pull -> up "
                           f"{'ready counters' if layer.ready is not None else 'stream events'}; programs: "
                           f"{layer.up_programs}+{layer.up_helper_programs} up, {layer.gemm_programs} down, "
-                          f"{layer.pull_programs} pull; {'Triton' if layer.scheduler is not None else 'torch'} "
+                          f"{layer.pull_programs} pull"
+                          + (f", shared expert on {layer.side_programs} of its own (+ up after it)"
+                             if layer.side_programs else "") + "; "
+                          f"{'Triton' if layer.scheduler is not None else 'torch'} "
                           f"schedule; capacity {layer.R} rows; symmetric memory, no multicast; "
                           + ("replayed as one CUDA graph" if layer.use_graph else
                              f"launched from Python (CUDA graph capture failed: {layer.graph_error})"

@@ -481,6 +481,8 @@ SWEEP = [  # (label, overrides of the base tile, layer options); tiles checked b
     ("up + down flat, no ready flags", dict(flat_up=True, flat_down=True, ready_flags=False), {}),
     ("v6 tiles (no pairs)", dict(pair_up=False, pair_down=False), {}),
     ("paired up + down tiles", dict(pair_up=True, pair_down=True, flat_down=False, down_n=128, down_stages=6), {}),
+    ("shared beside up on 16 SMs", dict(shared_sms=16), {}),
+    ("shared beside up on 24 SMs", dict(shared_sms=24), {}),
 ]
 SWEEP_FP8 = ("pull 24 x 16 warps x 8 rows", "shared last")
 TIMELINE_VARIANTS = ("v3 layout (full tiles, events, 3/4 stages, torch schedule)",)  # also get a timeline

@@ -99,6 +99,8 @@ class TileConfig:
     half_tiles: bool = True  # an expert's last tile is block_m / 2 rows when its rest fits (less MMA on padding)
     ready_flags: bool = True  # the up GEMM waits per row granule for the pull (no stream-level wait)
     shared_last: bool = False  # the shared expert after the routed GEMMs (every SM) instead of beside the pull
+    shared_sms: int = 0  # > 0 (CUDA, ready flags, 1 chunk): the shared expert on this many SMs of its own stream,
+    # beside the routed up GEMM instead of before it, then one more up launch on those SMs (PERF_NOTES, next)
     flat_down: bool = False  # down GEMM: one flattened, software-pipelined loop over (item, K step) (half tiles
     # then run at block_m rows): the next item's loads overlap this item's epilogue (Triton's ``flatten``)
     flat_up: bool = False  # the same for the up GEMM; needs ready_flags off (a spin wait cannot be flattened)
@@ -110,6 +112,9 @@ class TileConfig:
     fp8: bool = False  # set by for_fp8 (the fp8 GEMM steps and pipeline depths)
 
     def __post_init__(self) -> None:
+        if self.shared_sms < 0 or (self.shared_sms and self.shared_last):
+            raise ValueError("shared_sms (the shared expert beside the up GEMM) must be >= 0 and cannot be combined "
+                             "with shared_last (the shared expert after the routed GEMMs)")
         if self.flat_up and self.ready_flags:
             raise ValueError("flat_up needs ready_flags=False: the up GEMM's spin wait for the pull cannot be "
                              "flattened")
