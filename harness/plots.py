@@ -92,17 +92,18 @@ Legend = tuple[Sequence[Any], Sequence[str]]
 
 def finish(fig: Figure, title: str, handles: Sequence[Any] = (), labels: Sequence[str] = (), *,
            notes: Sequence[str] = (), ncol: int = 6, extra_legend: Optional[Legend] = None,
-           max_notes: int = 4) -> None:
-    """Title and legend(s) in a band above the axes, the not-ok footnote in a band below; the constrained layout
-    keeps the axes between them (sizes in inches, so they hold at any figure size). Legends get as many columns
-    as fit the figure's width (at most ``ncol``); ``extra_legend`` goes on its own rows under the first."""
+           max_notes: int = 4, caption: str = "") -> None:
+    """Title and legend(s) in a band above the axes, the footnotes (``caption``, then the not-ok list) in a band
+    below; the constrained layout keeps the axes between them (sizes in inches, so they hold at any figure size).
+    Legends get as many columns as fit the figure's width (at most ``ncol``); ``extra_legend`` goes on its own
+    rows under the first."""
     width, height = fig.get_size_inches()
-    text = ""
+    lines = [caption] if caption else []
     if notes:
         shown = list(notes[:max_notes]) + ([f"... and {len(notes) - max_notes} more"] if len(notes) > max_notes
                                              else [])
-        text = textwrap.fill("Not ok (drawn as a status, no value): " + "; ".join(shown),
-                             width=max(40, int(width * 15)))
+        lines.append("Not ok (drawn as a status, no value): " + "; ".join(shown))
+    text = "\n".join(textwrap.fill(line, width=max(40, int(width * 15))) for line in lines)
     title = textwrap.fill(title, width=max(30, int(width * 9.5)))
     y_in = 0.4 + 0.22 * title.count("\n")  # top of the next band, inches from the top
     fig.text(0.5, 1 - 0.08 / height, title, ha="center", va="top", fontsize=12.5)
@@ -173,7 +174,8 @@ def plot_panels(df: pd.DataFrame, env: Optional[dict[str, Any]] = None, title: O
             if j == 0:
                 ax.set_ylabel("TFLOP/s per GPU")
     finish(fig, title or f"Expert-parallel MoE layer throughput — {R.env_label(env)}",
-           [_patch(s) for s in systems], [R.system_label(s) for s in systems], notes=notes, ncol=len(systems))
+           [_patch(s) for s in systems], [R.system_label(s) for s in systems], notes=notes, ncol=len(systems),
+           caption=R.compile_caption(df))
     return fig
 
 
@@ -403,7 +405,7 @@ def plot_roofline(df: pd.DataFrame, calibration: Optional[pd.DataFrame] = None,
     if not drawn:
         default += " (no calibration rates matched: floors not drawn)"
     finish(fig, title or default, [_patch(s) for s in systems], [R.system_label(s) for s in systems], notes=notes,
-           extra_legend=(floors, floor_labels))
+           extra_legend=(floors, floor_labels), caption=R.compile_caption(df))
     return fig
 
 

@@ -79,6 +79,22 @@ def system_label(backend: str) -> str:
     return SYSTEM_LABELS.get(backend, backend)
 
 
+def compile_caption(df: pd.DataFrame) -> str:
+    """How the baselines' PyTorch compute ran in these rows (``ok`` rows that record it; modes in order of first
+    appearance), e.g. ``torch.compile: NCCL+PyTorch max-autotune; DeepEP+TE eager``. A system with both eager and
+    compiled rows lists both: the aggregate's medians mix them."""
+    if "compiled" not in df or "compile_mode" not in df:
+        return ""
+    d = df[(df["status"] == "ok") & df["backend"].map(is_baseline) & df["compiled"].notna()]  # NA: not recorded
+    parts = []
+    for b in [x for x in SYSTEM_ORDER if x in set(d["backend"])] + sorted(set(d["backend"]) - set(SYSTEM_ORDER)):
+        rows = d[d["backend"] == b]
+        modes = [str(m) if bool(c) and not _isna(m) and str(m) else "eager"
+                 for c, m in zip(rows["compiled"], rows["compile_mode"])]
+        parts.append(f"{system_label(b)} {' + '.join(dict.fromkeys(modes))}")
+    return "torch.compile: " + "; ".join(parts) if parts else ""
+
+
 def shape_label(shape: str) -> str:
     """``kimi_k2_7`` -> ``Kimi K2.7``; an experts-per-GPU override keeps its suffix (``Kimi K2.7 @6epg``)."""
     base, _, suffix = str(shape).partition("@")

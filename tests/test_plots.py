@@ -61,6 +61,25 @@ def test_panels_show_failed_rows_as_status(tmp_path):
     saved(fig, tmp_path, "h200")
 
 
+def test_charts_say_how_the_baselines_ran():
+    """The footnote names each baseline's torch.compile mode, from the rows (``ok`` rows only, fused kernels and
+    the reference left out); a system with eager and compiled rows lists both, since the medians mix them."""
+    rows = [S.row("nccl", s, compiled=True, compile_mode="max-autotune") for s in ("glm_5_2", "qwen3_5_397b")]
+    rows += [S.row("nccl", "kimi_k2_7", compiled=False, compile_mode=""),
+             S.row("deepep", "glm_5_2", compiled=True, compile_mode="max-autotune-no-cudagraphs"),
+             S.row("deepep", "kimi_k2_7", status="error", compiled=True, compile_mode="default"),
+             S.row("deepep_te", "glm_5_2", compiled=False), S.row("mok_hopper", "glm_5_2", compiled=True),
+             S.row("reference", "glm_5_2", notes="ground truth, not timed")]
+    df = results.to_frame(rows)
+    want = ("torch.compile: NCCL+PyTorch max-autotune + eager; DeepEP+PyTorch max-autotune-no-cudagraphs; "
+            "DeepEP+TE eager")
+    assert R.compile_caption(df) == want
+    for fig in (P.plot_panels(df), P.plot_roofline(df)):
+        foot = " ".join(t.get_text() for t in fig.texts).replace("\n", " ")
+        assert want in foot and "Not ok" in foot and foot.index("torch.compile") < foot.index("Not ok")
+    assert R.compile_caption(results.to_frame([S.row("mok_hopper")])) == ""
+
+
 def test_panels_need_one_environment():
     df = S.mixed_environments()
     with pytest.raises(ValueError, match="environments"):
