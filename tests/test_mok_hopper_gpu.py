@@ -69,6 +69,25 @@ def test_single_gpu_twenty_repeats_are_bit_identical(precision):
         assert torch.equal(layer(x, idx, w), first)
 
 
+def test_single_gpu_shared_expert_beside_the_up_gemm_changes_no_bit():
+    """``shared_sms``: the shared expert on SMs of its own stream beside the up GEMM, then more up programs. Every
+    tile is computed the same way whichever program runs it, so the output is bitwise the default layer's, and it
+    stays so over 20 repeats (a missing stream join would show as stale or racing shared-expert rows)."""
+    from dataclasses import replace
+
+    from kernels.mok_hopper.api import MoKHopperLayer, default_tile
+
+    x, idx, w, w13, w2, sh, _ = _inputs("uniform", 8, T=2048, E=64, H=2048, I=1024)
+    base = MoKHopperLayer(w13, w2, topk=8, tokens=2048, shared=sh)
+    tile = default_tile(device=x.device, hidden=2048, ffn=1024, rows_per_expert=2048 * 8 / 64)  # the layer's own
+    tile = replace(tile, shared_sms=16)
+    side = MoKHopperLayer(w13, w2, topk=8, tokens=2048, shared=sh, tile=tile)
+    assert side.side_programs == 16 and side.up_programs == base.up_programs - 16
+    want = base(x, idx, w)
+    for _ in range(20):
+        assert torch.equal(side(x, idx, w), want)
+
+
 def test_single_gpu_kernels_agree_with_the_twin_to_rounding():
     """The kernel pipeline and its pure-torch twin do the same math with the same roundings."""
     from test_mok_hopper import rel_l1
