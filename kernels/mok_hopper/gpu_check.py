@@ -483,8 +483,11 @@ SWEEP = [  # (label, overrides of the base tile, layer options); tiles checked b
     ("paired up + down tiles", dict(pair_up=True, pair_down=True, flat_down=False, down_n=128, down_stages=6), {}),
     ("shared beside up on 16 SMs", dict(shared_sms=16), {}),
     ("shared beside up on 24 SMs", dict(shared_sms=24), {}),
+    ("shared beside up on 32 SMs", dict(shared_sms=32), {}),
+    ("shared beside up on 40 SMs", dict(shared_sms=40), {}),
 ]
-SWEEP_FP8 = ("pull 24 x 16 warps x 8 rows", "shared last")
+SWEEP_FP8 = ("pull 24 x 16 warps x 8 rows", "shared last", "shared beside up on 16 SMs", "shared beside up on 24 SMs",
+             "shared beside up on 32 SMs", "shared beside up on 40 SMs")
 TIMELINE_VARIANTS = ("v3 layout (full tiles, events, 3/4 stages, torch schedule)",)  # also get a timeline
 
 
