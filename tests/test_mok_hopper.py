@@ -201,6 +201,17 @@ def test_default_tile_pairs_tiles_where_experts_often_end_in_a_full_and_a_half_t
     assert not default_tile(precision="fp8", rows_per_expert=128).pair_up  # bf16 only
 
 
+def test_default_tile_runs_the_shared_expert_beside_the_up_gemm_on_cuda_only():
+    from kernels.mok_hopper.api import SHARED_SMS, default_tile, launch_programs
+
+    assert SHARED_SMS == 24  # measured best of 16/24/32/40 on 2xH200 (PERF_NOTES v8)
+    for precision in ("bf16", "fp8"):
+        t = default_tile(precision=precision)
+        assert t.shared_sms == SHARED_SMS and not t.shared_last
+        assert launch_programs(132, t, ready=True, overlap=True, has_shared=True)["side"] == SHARED_SMS
+    assert default_tile(device=torch.device("cpu"), hidden=256, ffn=128).shared_sms == 0  # no streams there
+
+
 def test_paired_tiles_refuse_what_cannot_pair():
     from dataclasses import replace
 

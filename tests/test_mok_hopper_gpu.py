@@ -70,19 +70,20 @@ def test_single_gpu_twenty_repeats_are_bit_identical(precision):
 
 
 def test_single_gpu_shared_expert_beside_the_up_gemm_changes_no_bit():
-    """``shared_sms``: the shared expert on SMs of its own stream beside the up GEMM, then more up programs. Every
-    tile is computed the same way whichever program runs it, so the output is bitwise the default layer's, and it
-    stays so over 20 repeats (a missing stream join would show as stale or racing shared-expert rows)."""
+    """``shared_sms`` (the default): the shared expert on SMs of its own stream beside the up GEMM, then more up
+    programs. Every tile is computed the same way whichever program runs it, so the output is bitwise that of the
+    shared expert before the up GEMM (``shared_sms=0``), and it stays so over 20 repeats (a missing stream join would
+    show as stale or racing shared-expert rows)."""
     from dataclasses import replace
 
-    from kernels.mok_hopper.api import MoKHopperLayer, default_tile
+    from kernels.mok_hopper.api import SHARED_SMS, MoKHopperLayer, default_tile
 
     x, idx, w, w13, w2, sh, _ = _inputs("uniform", 8, T=2048, E=64, H=2048, I=1024)
-    base = MoKHopperLayer(w13, w2, topk=8, tokens=2048, shared=sh)
+    side = MoKHopperLayer(w13, w2, topk=8, tokens=2048, shared=sh)
     tile = default_tile(device=x.device, hidden=2048, ffn=1024, rows_per_expert=2048 * 8 / 64)  # the layer's own
-    tile = replace(tile, shared_sms=16)
-    side = MoKHopperLayer(w13, w2, topk=8, tokens=2048, shared=sh, tile=tile)
-    assert side.side_programs == 16 and side.up_programs == base.up_programs - 16
+    base = MoKHopperLayer(w13, w2, topk=8, tokens=2048, shared=sh, tile=replace(tile, shared_sms=0))
+    assert side.side_programs == SHARED_SMS > 0 and base.side_programs == 0
+    assert side.up_programs == base.up_programs - SHARED_SMS
     want = base(x, idx, w)
     for _ in range(20):
         assert torch.equal(side(x, idx, w), want)

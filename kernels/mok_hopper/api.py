@@ -66,6 +66,9 @@ def _row_counts(rows_per_expert: float) -> list[tuple[int, float]]:
     return [(r, w / total) for r, w in zip(range(lo, hi + 1), wts)]
 
 
+SHARED_SMS = 24  # SMs of the shared expert beside the routed up GEMM (16-40 swept on 2xH200, PERF_NOTES v8)
+
+
 def half_tile_waste(rows_per_expert: float, block_m: int = 128) -> float:
     """Extra MMA rows per routed row when every expert's last half tile runs at full height (as in the flattened
     GEMM loops), for experts getting ``rows_per_expert`` rows on average with a binomial-like spread (sd = sqrt of
@@ -96,11 +99,12 @@ def default_tile(*, precision: str = "bf16", device: Optional[torch.device] = No
     deepseek_v4_pro (64), whose experts often end in a half tile. Where at least a fifth of the experts end in a
     full tile and a half tile (:func:`paired_fraction`; glm_5_2, about half), the up GEMM runs the two as one
     work item (``pair_up``; the down GEMM's pairs ran slower, PERF_NOTES v7). BM stays 128: 64-row tiles ran 30%
-    slower on 2xH200 (PERF_NOTES v1).
+    slower on 2xH200 (PERF_NOTES v1). The shared expert runs on ``SHARED_SMS`` SMs of its own stream beside the
+    routed up GEMM (``shared_sms``; 2-4% faster in bf16 on the four shapes, within 1% in fp8, PERF_NOTES v8).
 
     On the CPU (Triton interpreter) the cost is per operation, not per FLOP: few programs, small row tiles and
     the widest column / depth steps that divide ``hidden`` / ``ffn``, and pointer loads (``tma`` off)."""
-    cfg = tk.TileConfig()
+    cfg = tk.TileConfig(shared_sms=SHARED_SMS)
     if comm_sms is not None:
         cfg = replace(cfg, comm_sms=comm_sms)
     if rows_per_expert is not None and half_tile_waste(rows_per_expert, cfg.block_m) <= FLAT_DOWN_MAX_WASTE:
@@ -112,7 +116,8 @@ def default_tile(*, precision: str = "bf16", device: Optional[torch.device] = No
             return next(b for b in (256, 128, 64, 32, 16) if b <= cap and (n is None or n % b == 0))
 
         cfg = replace(cfg, block_m=32, up_n=widest(ffn, 128), up_k=widest(hidden, 256), down_n=widest(hidden, 256),
-                      down_k=widest(ffn, 256), pull_rows=16, num_chunks=2, gemm_programs=2, pull_programs=2)
+                      down_k=widest(ffn, 256), pull_rows=16, num_chunks=2, gemm_programs=2, pull_programs=2,
+                      shared_sms=0)
         cfg = replace(cfg, tma=False)
     return cfg.for_fp8() if precision == "fp8" else cfg
 

@@ -468,12 +468,12 @@ def _empty_cache(ctx: Ctx) -> None:
 SWEEP = [  # (label, overrides of the base tile, layer options); tiles checked by aot_check to fit on sm_90
     ("v3 layout (full tiles, events, 3/4 stages, torch schedule)",  # the reference point of PERF_NOTES v3
      dict(half_tiles=False, ready_flags=False, up_stages=3, down_stages=4, pull_rows=2, pull_warps=8,
-          pull_programs=48), dict(schedule="torch")),
+          pull_programs=48, shared_sms=0), dict(schedule="torch")),
     ("pull 48 x 8 warps x 2 rows", dict(pull_programs=48, pull_warps=8, pull_rows=2), {}),
     ("pull 48 x 16 warps x 4 rows", dict(pull_programs=48), {}),
     ("pull 24 x 16 warps x 8 rows", dict(pull_rows=8), {}),
     ("comm 16", dict(comm_sms=16), {}),
-    ("shared last", dict(shared_last=True), {}),
+    ("shared last", dict(shared_last=True, shared_sms=0), {}),
     ("no ready flags", dict(ready_flags=False), {}),
     ("down v5 (128 wide, 6 stages, not flat)", dict(flat_down=False, down_n=128, down_stages=6), {}),
     ("down flat 256 wide x 4 stages", dict(flat_down=True, down_n=256, down_stages=4), {}),
@@ -481,12 +481,14 @@ SWEEP = [  # (label, overrides of the base tile, layer options); tiles checked b
     ("up + down flat, no ready flags", dict(flat_up=True, flat_down=True, ready_flags=False), {}),
     ("v6 tiles (no pairs)", dict(pair_up=False, pair_down=False), {}),
     ("paired up + down tiles", dict(pair_up=True, pair_down=True, flat_down=False, down_n=128, down_stages=6), {}),
+    ("shared before up, beside the pull (v7)", dict(shared_sms=0), {}),
     ("shared beside up on 16 SMs", dict(shared_sms=16), {}),
     ("shared beside up on 24 SMs", dict(shared_sms=24), {}),
     ("shared beside up on 32 SMs", dict(shared_sms=32), {}),
     ("shared beside up on 40 SMs", dict(shared_sms=40), {}),
 ]
-SWEEP_FP8 = ("pull 24 x 16 warps x 8 rows", "shared last", "shared beside up on 16 SMs", "shared beside up on 24 SMs",
+SWEEP_FP8 = ("pull 24 x 16 warps x 8 rows", "shared last", "shared before up, beside the pull (v7)",
+             "shared beside up on 16 SMs", "shared beside up on 24 SMs",
              "shared beside up on 32 SMs", "shared beside up on 40 SMs")
 TIMELINE_VARIANTS = ("v3 layout (full tiles, events, 3/4 stages, torch schedule)",)  # also get a timeline
 

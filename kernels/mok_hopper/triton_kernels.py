@@ -100,7 +100,8 @@ class TileConfig:
     ready_flags: bool = True  # the up GEMM waits per row granule for the pull (no stream-level wait)
     shared_last: bool = False  # the shared expert after the routed GEMMs (every SM) instead of beside the pull
     shared_sms: int = 0  # > 0 (CUDA, ready flags, 1 chunk): the shared expert on this many SMs of its own stream,
-    # beside the routed up GEMM instead of before it, then one more up launch on those SMs (PERF_NOTES, next)
+    # beside the routed up GEMM instead of before it, then one more up launch on those SMs (PERF_NOTES v8; 0: before
+    # the up GEMM, beside the pull; default_tile sets api.SHARED_SMS)
     flat_down: bool = False  # down GEMM: one flattened, software-pipelined loop over (item, K step) (half tiles
     # then run at block_m rows): the next item's loads overlap this item's epilogue (Triton's ``flatten``)
     flat_up: bool = False  # the same for the up GEMM; needs ready_flags off (a spin wait cannot be flattened)
