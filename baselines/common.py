@@ -63,6 +63,26 @@ def grouped_linear(
     return torch.cat(outs) if outs else x_MK.new_empty(0, w_LNK.shape[1])
 
 
+class _StraightThrough(torch.autograd.Function):
+    """Forward: ``q`` itself (a view, no arithmetic on the weights); backward: the gradient goes to ``w`` as is."""
+
+    @staticmethod
+    def forward(ctx, w: torch.Tensor, q: torch.Tensor) -> torch.Tensor:  # noqa: ARG004 (w only takes the gradient)
+        return q.view_as(q)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+def straight_through(w: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """The prequantized weight ``q`` in the forward, with a straight-through gradient to the master weight ``w``.
+    Nothing is computed per call (``w + (q - w).detach()`` would read and write every weight each time; under
+    torch.compile inductor also fused that add into a transposed grouped-GEMM operand, which its TMA template
+    cannot load: 'Tensor descriptor last dim must be 1', 2xH200)."""
+    return _StraightThrough.apply(w, q)
+
+
 def expert_mlp(
     x_MH: torch.Tensor,
     w13_LIH: torch.Tensor,
@@ -70,12 +90,13 @@ def expert_mlp(
     offs_L: torch.Tensor,
     counts: Sequence[int],
     limit: Optional[float],
-    deltas: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+    quantized: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
 ) -> torch.Tensor:
     """Grouped SwiGLU experts on rows already sorted by local expert. w13 holds gate rows then up rows.
-    ``deltas``: constants added to (w13, w2) first (fp8: the weights' e4m3 values, straight-through gradient)."""
-    if deltas is not None:
-        w13_LIH, w2_LHI = w13_LIH + deltas[0], w2_LHI + deltas[1]
+    ``quantized``: the GEMMs use these values of (w13, w2) instead (fp8: the weights' dequantized e4m3 values),
+    with a straight-through gradient to (w13, w2)."""
+    if quantized is not None:
+        w13_LIH, w2_LHI = straight_through(w13_LIH, quantized[0]), straight_through(w2_LHI, quantized[1])
     h13 = grouped_linear(x_MH, w13_LIH, offs_L, counts)
     gate, up = h13.chunk(2, dim=-1)
     return grouped_linear(swiglu(gate, up, limit), w2_LHI, offs_L, counts)
@@ -161,19 +182,19 @@ class ExpertParams(ExpertLeaves):
         super().__init__(case, inputs)
         self.mlp, self.dense = expert_mlp, dense_mlp
         self.compile_mode = published_mode if case.compile_mode == PUBLISHED_COMPILE_MODE else case.compile_mode
-        self._deltas = None
+        self._quantized = None  # fp8: the weights' dequantized e4m3 values (bf16), computed once
         if case.precision == "fp8":
             b = case.weight_block
-            self._deltas = []
+            self._quantized = []
             for w in (self.w13, self.w2):
                 q, s = quantize_blocks(w.detach(), b, b)
-                self._deltas.append(dequantize_blocks(q, s, b, b).to(torch.bfloat16) - w.detach())
+                self._quantized.append(dequantize_blocks(q, s, b, b).to(w.dtype))
         if case.compile:
             # The weights are the same tensors every call, as a module's parameters would be: mark them static so
             # that CUDA graphs (max-autotune) use them in place instead of copying every weight into the graph's
             # input buffers on each call (the likely cause of the compiled nccl forward taking 1.5-2x its eager time
             # on 2xH200, run h200x2-compiled-20261130T084636; not re-measured)
-            for t in [self.w13, self.w2, *(self.shared or []), *(self._deltas or [])]:
+            for t in [self.w13, self.w2, *(self.shared or []), *(self._quantized or [])]:
                 torch._dynamo.mark_static_address(t)
             self.mlp = torch.compile(expert_mlp, mode=self.compile_mode, dynamic=False)
             self.dense = torch.compile(dense_mlp, mode=self.compile_mode, dynamic=False)
@@ -185,8 +206,8 @@ class ExpertParams(ExpertLeaves):
         counts = [] if use_grouped_mm(x_MH) else counts_L.tolist()
         if c.precision == "fp8":
             x_MH = fake_quant(x_MH, 1, c.act_block)
-        deltas = tuple(self._deltas) if self._deltas is not None else None
-        return self.mlp(x_MH, self.w13, self.w2, offs, counts, c.swiglu_limit, deltas)
+        quantized = tuple(self._quantized) if self._quantized is not None else None
+        return self.mlp(x_MH, self.w13, self.w2, offs, counts, c.swiglu_limit, quantized)
 
     def add_shared(self, out_TH: torch.Tensor, x_TH: torch.Tensor) -> torch.Tensor:
         """fp32 out + the bf16 shared expert of x, cast to bf16."""

@@ -240,8 +240,13 @@ def worker(payload: dict, renv: RankEnv) -> None:
 
 
 def _release_memory() -> None:
-    """Drop what a finished backend left behind: cycles holding its tensors, then the allocator's cached blocks.
-    Without it the caching allocator keeps tens of GB reserved (fragmented) for the next backend's setup."""
+    """Drop what a finished backend left behind: its torch.compile state (compiled code, and the CUDA graph trees
+    of max-autotune with their private memory pool, which holds the graphs' buffers until reset), cycles holding its
+    tensors, then the allocator's cached blocks. Without it the caching allocator keeps tens of GB reserved
+    (fragmented) for the next backend's setup (fp8 deepseek_v4_pro on 2xH200: deepep and hybridep ran out of memory
+    after a failed nccl compile, with 80 GB still allocated)."""
+    if "torch._dynamo" in sys.modules:  # only a compiled backend imported it; the next one compiles its own
+        torch._dynamo.reset()
     gc.collect()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.empty_cache()

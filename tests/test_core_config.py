@@ -158,7 +158,23 @@ def test_compiled_experts_mark_their_weights_static():
         case = types.SimpleNamespace(compile=True, compile_mode="published", shared_expert=True, ffn=128,
                                      precision=precision, weight_block=128)
         p = ExpertParams(case, inputs)
-        weights = [p.w13, p.w2, *p.shared, *(p._deltas or [])]
+        weights = [p.w13, p.w2, *p.shared, *(p._quantized or [])]
         assert len(weights) == (7 if precision == "fp8" else 5) and all(static(t) for t in weights)
     case.compile = False
     assert not any(static(t) for t in (ExpertParams(case, inputs).w13, ExpertParams(case, inputs).w2))
+
+
+def test_fp8_weights_are_used_as_prequantized_with_a_straight_through_gradient():
+    """The emulated-fp8 baselines' GEMMs read the dequantized e4m3 weights computed once: no per-call arithmetic on
+    the weights (a view of them, the same storage), and the master weight gets the gradient unchanged."""
+    import torch
+
+    from baselines.common import straight_through
+
+    w = torch.randn(4, 8, requires_grad=True)
+    q = (w.detach() * 16).round() / 16
+    y = straight_through(w, q)
+    assert torch.equal(y, q) and y.data_ptr() == q.data_ptr()
+    g = torch.randn(4, 8)
+    (y * g).sum().backward()
+    assert torch.equal(w.grad, g)

@@ -65,17 +65,41 @@ def pd_isna(v) -> bool:
     return bool(pd.isna(v))
 
 
-def test_compiled_nccl_matches_reference(results_dir):
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_compiled_nccl_matches_reference(results_dir, precision):
     """``compile_mode=published`` through the harness on gloo ranks: nccl's expert math under
-    torch.compile(max-autotune) is checked like the eager path, and the row says how it ran and what compiling cost."""
+    torch.compile(max-autotune) is checked like the eager path, and the row says how it ran and what compiling cost.
+    fp8: the prequantized weights enter the compiled function as inputs (straight-through gradient)."""
     df = run_benchmark(cpu_cfg(results_dir, "ep_size=2", "backends=[nccl]", "directions=[fwd,bwd]", "compile=true",
-                               "compile_mode=published"))
+                               "compile_mode=published", f"precision={precision}"))
     for d in ("fwd", "bwd"):
         r = by(df, "nccl", d)
         assert r.status == "ok", r.error
         assert r.compiled and r.compile_mode == "max-autotune"
-        assert r.max_abs_err < 0.5 and r.rel_err < 0.01 and r.latency_ms > 0
+        assert r.max_abs_err < 0.5 and r.rel_err < (0.01 if precision == "bf16" else 0.1) and r.latency_ms > 0
     assert by(df, "nccl", "fwd").setup_s > 0
+
+
+def test_a_finished_backend_leaves_no_compiled_state():
+    """Between backends the runner drops torch.compile's caches (and on CUDA the CUDA graph trees' memory pool):
+    a function compiled by one backend is compiled again by the next."""
+    import torch
+
+    from harness.runner import _release_memory
+
+    compiles = []
+
+    def count(gm, example_inputs):
+        compiles.append(gm)
+        return gm.forward
+
+    f = torch.compile(lambda x: x * 2 + 1, backend=count)
+    f(torch.ones(3))
+    f(torch.ones(3))
+    assert len(compiles) == 1
+    _release_memory()
+    f(torch.ones(3))
+    assert len(compiles) == 2
 
 
 def test_bytes_follow_the_routing(results_dir):
