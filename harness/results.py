@@ -62,6 +62,13 @@ COLUMNS: dict[str, str] = {
     "num_warmup": "Int64",
     "num_iters": "Int64",
     "setup_s": "float64",
+    # The GPUs over the timed iterations (NVML; harness.gpu_clocks): slowest SM clock, largest board power and
+    # share of the time held below the requested clocks by the power / thermal limit.
+    "sm_clock_mhz": "float64",
+    "sm_clock_min_mhz": "float64",
+    "power_w": "float64",
+    "power_capped_fraction": "float64",
+    "thermal_capped_fraction": "float64",
     "timing_preset": "string",
     "l2_flush": "boolean",
     "align": "string",

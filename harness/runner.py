@@ -349,7 +349,7 @@ def run_backend(name, case, c, inputs, ref, group, ctrl, agree, timer, base, dir
             latency_ms=stats.median_ms, latency_p20_ms=stats.p20_ms, latency_p80_ms=stats.p80_ms,
             latency_min_ms=stats.min_ms, latency_max_ms=stats.max_ms, num_warmup=stats.num_warmup,
             num_iters=stats.num_iters, flops_per_gpu=flops, tflops_per_gpu=flops / lat_s / 1e12,
-            tokens_per_s_per_gpu=case.tokens_per_gpu / lat_s, **extra, **checked,
+            tokens_per_s_per_gpu=case.tokens_per_gpu / lat_s, **stats.clocks, **extra, **checked,
         )
         yield _with_roofline(row)
     agree(backend.teardown)

@@ -3,17 +3,21 @@
 Per iteration: an optional untimed ``pre`` (the forward, when timing the backward alone), an optional L2 flush,
 an aligning collective on the device stream, then a start/end event pair around ``fn``. One synchronisation at
 the end. Each iteration's latency is the max over ranks; the reported figures are the median and p20/p80/min/max
-of those maxima. On the CPU a host clock replaces the events and a barrier aligns the ranks.
+of those maxima. On the CPU a host clock replaces the events and a barrier aligns the ranks. On CUDA the timed
+iterations also get the GPUs' SM clock, power and power / thermal limit time from NVML (``gpu_clocks``; read
+before and after, nothing runs beside them), the slowest clock and the largest power and limit share over ranks.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
+
+from harness import gpu_clocks
 
 L2_FLUSH_BYTES = 256 * 1024 * 1024
 
@@ -27,6 +31,7 @@ class Stats:
     max_ms: float
     num_warmup: int
     num_iters: int
+    clocks: dict = field(default_factory=dict)  # gpu_clocks.FIELDS over the timed iterations (CUDA only)
 
     @classmethod
     def from_samples(cls, samples_ms: torch.Tensor, num_warmup: int) -> "Stats":
@@ -41,6 +46,7 @@ class Timer:
         self.cuda = device.type == "cuda"
         self._flush_buf = torch.empty(L2_FLUSH_BYTES // 4, dtype=torch.int32, device=device) if l2_flush and self.cuda else None
         self._align_buf = torch.zeros(1, device=device)
+        self._watch = gpu_clocks.ClockWatch(gpu_clocks.device_ids(device)) if self.cuda else None
 
     def _align(self) -> None:
         if self.align == "none" or dist.get_world_size(self.group) == 1:
@@ -57,15 +63,28 @@ class Timer:
                 pre()
             self._align()
             fn()
+        clocks = None
         if self.cuda:
             torch.cuda.synchronize(self.device)
-        local = self._cuda_samples(fn, num_iters, pre) if self.cuda else self._host_samples(fn, num_iters, pre)
+            self._watch.start()
+            local = self._cuda_samples(fn, num_iters, pre)  # ends with a synchronize
+            clocks = torch.tensor([self._watch.stop()[f] for f in gpu_clocks.FIELDS], dtype=torch.float64,
+                                  device=self.device)
+        else:
+            local = self._host_samples(fn, num_iters, pre)
         n = dist.get_world_size(self.group)
         if n > 1:
             parts = [torch.empty_like(local) for _ in range(n)]
             dist.all_gather(parts, local, group=self.group)
             local = torch.stack(parts).amax(0)
-        return Stats.from_samples(local.cpu(), num_warmup)
+            if clocks is not None:
+                cparts = [torch.empty_like(clocks) for _ in range(n)]
+                dist.all_gather(cparts, clocks, group=self.group)
+                clocks = torch.stack(cparts)
+        stats = Stats.from_samples(local.cpu(), num_warmup)
+        if clocks is not None:
+            stats.clocks = combine_clocks(clocks.reshape(-1, len(gpu_clocks.FIELDS)).cpu().tolist())
+        return stats
 
     def _cuda_samples(self, fn, num_iters, pre) -> torch.Tensor:
         starts = [torch.cuda.Event(enable_timing=True) for _ in range(num_iters)]
@@ -93,3 +112,13 @@ class Timer:
             fn()
             out.append((time.perf_counter() - t0) * 1e3)
         return torch.tensor(out, dtype=torch.float64)
+
+
+def combine_clocks(per_rank: list[list[float]]) -> dict[str, float]:
+    """One row's clock fields from every rank's (ordered as ``gpu_clocks.FIELDS``): the slowest clock, the largest
+    power and limit share (NaN readings ignored; NaN where no rank has one)."""
+    out = {}
+    for i, f in enumerate(gpu_clocks.FIELDS):
+        vals = [r[i] for r in per_rank if r[i] == r[i]]
+        out[f] = (min(vals) if f.startswith("sm_clock") else max(vals)) if vals else float("nan")
+    return out

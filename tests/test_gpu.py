@@ -60,3 +60,13 @@ def test_deepep_backends_match_reference_on_gpu(results_dir, backend):
     show = df[["direction", "status", "error", "rel_err", "max_abs_err"]].to_string()
     assert sorted(df.direction) == ["bwd", "fwd", "fwd_bwd"], show
     assert (df.status == "ok").all() and (df.rel_err <= 0.01).all() and (df.max_abs_err <= 0.5).all(), show
+
+
+def test_rows_record_the_gpu_clock_and_power(results_dir):
+    """NVML through ctypes on a real driver: the SM clock and board power of the timed iterations."""
+    df = run_benchmark(gpu_cfg(results_dir, "ep_size=1", "backends=[nccl]", "directions=[fwd]",
+                               "timing.num_iters=2000"))
+    r = df.iloc[0]
+    assert r.status == "ok", r.error
+    assert 100 < r.sm_clock_min_mhz <= r.sm_clock_mhz < 4000 and 10 < r.power_w < 2000
+    assert 0 <= r.power_capped_fraction <= 1 and 0 <= r.thermal_capped_fraction <= 1

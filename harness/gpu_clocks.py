@@ -1,0 +1,195 @@
+"""The GPU's clock and power limits over a timed window, from NVML (the driver's ``libnvidia-ml``).
+
+A board at its power limit lowers its SM clock (on 2xH200 from 1980 to 1185-1545 MHz while these layers run), so
+two rows of one backend can differ by the clock they ran at. Each timed row records:
+
+* ``sm_clock_mhz`` / ``sm_clock_min_mhz``: median and minimum of the driver's SM clock samples inside the window;
+* ``power_w``: mean of the driver's board power samples inside the window;
+* ``power_capped_fraction`` / ``thermal_capped_fraction``: the share of the window's wall time the driver counted as
+  held below the requested clocks by the power / thermal limit (its cumulative violation counters, read before and
+  after).
+
+Nothing runs during the window: the driver keeps the samples and counters itself, and they are read once before and
+once after (no sampling thread beside the timed launches). Without NVML (no GPU, no driver) every field is NaN.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import statistics
+import time
+from typing import Any, Optional, Sequence
+
+FIELDS = ("sm_clock_mhz", "sm_clock_min_mhz", "power_w", "power_capped_fraction", "thermal_capped_fraction")
+
+# nvml.h: nvmlSamplingType_t, nvmlPerfPolicyType_t, nvmlValueType_t, return codes
+TOTAL_POWER_SAMPLES, PROCESSOR_CLK_SAMPLES = 0, 5
+PERF_POLICY_POWER, PERF_POLICY_THERMAL = 0, 1
+_SUCCESS, _NOT_FOUND = 0, 6
+
+
+class _Value(ctypes.Union):
+    _fields_ = [("dVal", ctypes.c_double), ("uiVal", ctypes.c_uint), ("ulVal", ctypes.c_ulong),
+                ("ullVal", ctypes.c_ulonglong), ("sllVal", ctypes.c_longlong), ("siVal", ctypes.c_int)]
+
+
+_VALUE_FIELD = {0: "dVal", 1: "uiVal", 2: "ulVal", 3: "ullVal", 4: "sllVal", 5: "siVal"}  # by nvmlValueType_t
+
+
+class _Sample(ctypes.Structure):
+    _fields_ = [("timeStamp", ctypes.c_ulonglong), ("sampleValue", _Value)]
+
+
+class _Violation(ctypes.Structure):
+    _fields_ = [("referenceTime", ctypes.c_ulonglong), ("violationTime", ctypes.c_ulonglong)]  # us, ns
+
+
+class Nvml:
+    """The few NVML calls used here, through ctypes (no Python package needed)."""
+
+    def __init__(self, lib: Any) -> None:
+        self.lib = lib
+
+    @classmethod
+    def load(cls) -> Optional["Nvml"]:
+        try:
+            lib = ctypes.CDLL("libnvidia-ml.so.1")
+            if lib.nvmlInit_v2() != _SUCCESS:
+                return None
+        except (OSError, AttributeError):
+            return None
+        return cls(lib)
+
+    def handle(self, device: "str | int") -> Any:
+        """A device by its UUID ("GPU-...") or its NVML index."""
+        h = ctypes.c_void_p()
+        if isinstance(device, str):
+            rc = self.lib.nvmlDeviceGetHandleByUUID(device.encode(), ctypes.byref(h))
+        else:
+            rc = self.lib.nvmlDeviceGetHandleByIndex_v2(ctypes.c_uint(device), ctypes.byref(h))
+        if rc != _SUCCESS:
+            raise LookupError(f"NVML knows no device {device} (return code {rc})")
+        return h
+
+    def samples(self, h: Any, kind: int, since_us: int) -> list[tuple[int, float]]:
+        """(timestamp in us, value) of the driver's buffered samples newer than ``since_us``."""
+        vtype, count = ctypes.c_uint(), ctypes.c_uint(0)
+        rc = self.lib.nvmlDeviceGetSamples(h, kind, ctypes.c_ulonglong(since_us), ctypes.byref(vtype),
+                                           ctypes.byref(count), None)
+        if rc == _NOT_FOUND or (rc == _SUCCESS and count.value == 0):
+            return []
+        if rc != _SUCCESS:
+            raise RuntimeError(f"nvmlDeviceGetSamples({kind}) returned {rc}")
+        buf = (_Sample * count.value)()
+        rc = self.lib.nvmlDeviceGetSamples(h, kind, ctypes.c_ulonglong(since_us), ctypes.byref(vtype),
+                                           ctypes.byref(count), buf)
+        if rc == _NOT_FOUND:
+            return []
+        if rc != _SUCCESS:
+            raise RuntimeError(f"nvmlDeviceGetSamples({kind}) returned {rc}")
+        field = _VALUE_FIELD.get(vtype.value, "uiVal")
+        return [(int(s.timeStamp), float(getattr(s.sampleValue, field))) for s in buf[: count.value]]
+
+    def violation_ns(self, h: Any, policy: int) -> int:
+        v = _Violation()
+        if self.lib.nvmlDeviceGetViolationStatus(h, policy, ctypes.byref(v)) != _SUCCESS:
+            raise RuntimeError(f"nvmlDeviceGetViolationStatus({policy}) failed")
+        return int(v.violationTime)
+
+
+def summarize(sm_mhz: Sequence[float], power_mw: Sequence[float], power_ns: Optional[int],
+              thermal_ns: Optional[int], wall_ns: int) -> dict[str, float]:
+    """The row fields of one window (NaN where there is no sample or no counter)."""
+    nan = math.nan
+
+    def frac(ns: Optional[int]) -> float:
+        return min(1.0, max(0.0, ns / wall_ns)) if ns is not None and wall_ns > 0 else nan
+
+    return {
+        "sm_clock_mhz": statistics.median(sm_mhz) if sm_mhz else nan,
+        "sm_clock_min_mhz": min(sm_mhz) if sm_mhz else nan,
+        "power_w": statistics.fmean(power_mw) / 1e3 if power_mw else nan,
+        "power_capped_fraction": frac(power_ns),
+        "thermal_capped_fraction": frac(thermal_ns),
+    }
+
+
+def empty() -> dict[str, float]:
+    return {f: math.nan for f in FIELDS}
+
+
+class ClockWatch:
+    """``start()`` before the timed iterations, ``stop()`` after the device finished them (after a synchronize).
+    ``nvml``: an :class:`Nvml` (or a stand-in with the same methods); None = load the driver's library."""
+
+    _loaded: Optional[Nvml] = None
+    _tried = False
+
+    def __init__(self, ids: Sequence["str | int"], nvml: Optional[Any] = None) -> None:
+        """``ids``: the device's names to NVML, tried in order (:func:`device_ids`)."""
+        self.nvml, self.h, self.error = nvml, None, None
+        if not ids:
+            self.error = "not a CUDA device"
+            return
+        if self.nvml is None:
+            if not ClockWatch._tried:
+                ClockWatch._tried, ClockWatch._loaded = True, Nvml.load()
+            self.nvml = ClockWatch._loaded
+        if self.nvml is None:
+            self.error = "NVML (libnvidia-ml.so.1) not available"
+            return
+        for i in ids:
+            try:
+                self.h = self.nvml.handle(i)
+                break
+            except Exception as e:  # noqa: BLE001 - a missing reading never stops a run
+                self.error = str(e)
+
+    def _last(self, kind: int) -> int:
+        s = self.nvml.samples(self.h, kind, 0)
+        return max((t for t, _ in s), default=time.time_ns() // 1000)
+
+    def start(self) -> None:
+        self._mark = None
+        if self.h is None:
+            return
+        try:
+            self._mark = (self._last(PROCESSOR_CLK_SAMPLES), self._last(TOTAL_POWER_SAMPLES),
+                          self.nvml.violation_ns(self.h, PERF_POLICY_POWER),
+                          self.nvml.violation_ns(self.h, PERF_POLICY_THERMAL), time.perf_counter_ns())
+        except Exception as e:  # noqa: BLE001
+            self.error = str(e)
+
+    def stop(self) -> dict[str, float]:
+        if self.h is None or self._mark is None:
+            return empty()
+        clk_since, pw_since, pw0, th0, t0 = self._mark
+        try:
+            wall = time.perf_counter_ns() - t0
+            sm = [v for _, v in self.nvml.samples(self.h, PROCESSOR_CLK_SAMPLES, clk_since)]
+            pw = [v for _, v in self.nvml.samples(self.h, TOTAL_POWER_SAMPLES, pw_since)]
+            return summarize(sm, pw, self.nvml.violation_ns(self.h, PERF_POLICY_POWER) - pw0,
+                             self.nvml.violation_ns(self.h, PERF_POLICY_THERMAL) - th0, wall)
+        except Exception as e:  # noqa: BLE001
+            self.error = str(e)
+            return empty()
+
+
+def device_ids(device: Any) -> list["str | int"]:
+    """NVML's names of a CUDA device: its UUID ("GPU-..."), then its NVML index (CUDA_VISIBLE_DEVICES applied);
+    none off CUDA."""
+    import torch
+
+    if getattr(device, "type", None) != "cuda":
+        return []
+    ids: list[str | int] = []
+    try:
+        ids.append("GPU-" + str(torch.cuda.get_device_properties(device).uuid).removeprefix("GPU-"))
+    except Exception:  # noqa: BLE001
+        pass
+    try:
+        ids.append(torch.cuda._get_nvml_device_index(device))
+    except Exception:  # noqa: BLE001
+        pass
+    return ids
