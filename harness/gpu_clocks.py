@@ -81,7 +81,8 @@ class Nvml:
             return []
         if rc != _SUCCESS:
             raise RuntimeError(f"nvmlDeviceGetSamples({kind}) returned {rc}")
-        buf = (_Sample * count.value)()
+        n = count.value + 64  # room for samples the driver adds between the two calls
+        buf, count = (_Sample * n)(), ctypes.c_uint(n)
         rc = self.lib.nvmlDeviceGetSamples(h, kind, ctypes.c_ulonglong(since_us), ctypes.byref(vtype),
                                            ctypes.byref(count), buf)
         if rc == _NOT_FOUND:
@@ -146,34 +147,43 @@ class ClockWatch:
             except Exception as e:  # noqa: BLE001 - a missing reading never stops a run
                 self.error = str(e)
 
-    def _last(self, kind: int) -> int:
-        s = self.nvml.samples(self.h, kind, 0)
-        return max((t for t, _ in s), default=time.time_ns() // 1000)
+    def _read(self, kind: str, arg: int) -> Any:
+        """One reading: ``samples`` (sampling type ``arg``: the newest timestamp now) or ``violation`` (policy
+        ``arg``: the counter now)."""
+        if kind == "samples":
+            return max((t for t, _ in self.nvml.samples(self.h, arg, 0)), default=time.time_ns() // 1000)
+        return self.nvml.violation_ns(self.h, arg)
+
+    _READINGS = (("samples", PROCESSOR_CLK_SAMPLES), ("samples", TOTAL_POWER_SAMPLES),
+                 ("violation", PERF_POLICY_POWER), ("violation", PERF_POLICY_THERMAL))
 
     def start(self) -> None:
-        self._mark = None
+        """Mark where each reading stands; one the driver refuses stays NaN, the others are still taken."""
+        self._mark: dict[tuple[str, int], Any] = {}
         if self.h is None:
             return
-        try:
-            self._mark = (self._last(PROCESSOR_CLK_SAMPLES), self._last(TOTAL_POWER_SAMPLES),
-                          self.nvml.violation_ns(self.h, PERF_POLICY_POWER),
-                          self.nvml.violation_ns(self.h, PERF_POLICY_THERMAL), time.perf_counter_ns())
-        except Exception as e:  # noqa: BLE001
-            self.error = str(e)
+        for r in self._READINGS:
+            try:
+                self._mark[r] = self._read(*r)
+            except Exception as e:  # noqa: BLE001 - a missing reading never stops a run
+                self.error = str(e)
+        self._t0 = time.perf_counter_ns()
 
     def stop(self) -> dict[str, float]:
-        if self.h is None or self._mark is None:
+        if self.h is None or not getattr(self, "_mark", None):
             return empty()
-        clk_since, pw_since, pw0, th0, t0 = self._mark
-        try:
-            wall = time.perf_counter_ns() - t0
-            sm = [v for _, v in self.nvml.samples(self.h, PROCESSOR_CLK_SAMPLES, clk_since)]
-            pw = [v for _, v in self.nvml.samples(self.h, TOTAL_POWER_SAMPLES, pw_since)]
-            return summarize(sm, pw, self.nvml.violation_ns(self.h, PERF_POLICY_POWER) - pw0,
-                             self.nvml.violation_ns(self.h, PERF_POLICY_THERMAL) - th0, wall)
-        except Exception as e:  # noqa: BLE001
-            self.error = str(e)
-            return empty()
+        wall = time.perf_counter_ns() - self._t0
+        got: dict[tuple[str, int], Any] = {}
+        for r, since in self._mark.items():
+            try:
+                if r[0] == "samples":
+                    got[r] = [v for _, v in self.nvml.samples(self.h, r[1], since)]
+                else:
+                    got[r] = self.nvml.violation_ns(self.h, r[1]) - since
+            except Exception as e:  # noqa: BLE001
+                self.error = str(e)
+        return summarize(got.get(("samples", PROCESSOR_CLK_SAMPLES), []), got.get(("samples", TOTAL_POWER_SAMPLES), []),
+                         got.get(("violation", PERF_POLICY_POWER)), got.get(("violation", PERF_POLICY_THERMAL)), wall)
 
 
 def device_ids(device: Any) -> list["str | int"]:

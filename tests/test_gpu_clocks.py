@@ -67,8 +67,13 @@ def test_a_missing_driver_or_device_gives_nan_never_an_error():
     w = gc.ClockWatch(["GPU-7", "GPU-0"], nvml=nv)  # the second name is found
     assert w.h == "h0"
     w.start()
-    nv.broken = True
-    assert all(math.isnan(v) for v in w.stop().values()) and "driver went away" in w.error
+    nv.broken = True  # the sample buffers fail, the violation counters still answer
+    r = w.stop()
+    assert math.isnan(r["sm_clock_mhz"]) and math.isnan(r["power_w"]) and "driver went away" in w.error
+    assert r["power_capped_fraction"] == 0.0 and r["thermal_capped_fraction"] == 0.0
+    w = gc.ClockWatch(["GPU-0"], nvml=nv)
+    w.start()  # refused at the start: those fields stay NaN, never an exception
+    assert all(math.isnan(v) for v in (w.stop()["sm_clock_mhz"], w.stop()["power_w"]))
 
 
 def test_ranks_combine_to_the_slowest_clock_and_the_largest_power():
