@@ -7,6 +7,9 @@ Rows are matched on (config_hash, backend, direction). A slowdown is a regressio
 more than ``--min-change`` (default 5%) *and* by more than the noise the two runs show: the new run's p20 lies
 above the base run's p80 (the near edges of the two p20-p80 spreads do not overlap, scaled by ``--noise-factor``).
 A speedup past both thresholds is an improvement. A row that was ok and is not ok any more is a status change.
+Where both sides recorded the GPU's SM clock while timed (``sm_clock_mhz``), ``clock_change`` gives its relative
+change and the table warns when it moved by more than ``CLOCK_WARN`` (a power-capped board runs slower): the verdict
+itself stays on latency.
 
 Exit code: 0 when nothing regressed, 1 on a regression or a status change from ok, 2 when nothing could be compared
 (or on bad arguments). Repeated runs on one side are pooled: the median of the medians, the lowest p20 and the
@@ -30,23 +33,27 @@ CONTEXT = ("shape", "precision", "tokens_per_gpu", "ep_size", "routing", "gpu_na
 VERDICT_ORDER = ("regression", "status change", "missing", "improvement", "fixed", "still failing", "unchanged",
                  "new")
 FAILING = ("regression", "status change")
+CLOCK_WARN = 0.03  # relative SM-clock change between the two sides worth a warning
 
 
 def pool(df: pd.DataFrame) -> pd.DataFrame:
     """One row per (config_hash, backend, direction): median latency over ok rows, lowest p20, highest p80, and a
     status (``ok`` when any row is ok, else the most recent row's), with the context columns and a row count."""
-    cols = [*KEY, *CONTEXT, "status", "error", "latency_ms", "p20_ms", "p80_ms", "tflops_per_gpu", "git_sha",
-            "num_rows"]
+    cols = [*KEY, *CONTEXT, "status", "error", "latency_ms", "p20_ms", "p80_ms", "tflops_per_gpu", "sm_clock_mhz",
+            "git_sha", "num_rows"]
     if df.empty:
         return pd.DataFrame(columns=cols)
     d = df.copy()
+    if "sm_clock_mhz" not in d.columns:  # results written before the clock columns existed
+        d["sm_clock_mhz"] = math.nan
     d["_g"] = d.groupby(list(KEY), dropna=False, sort=False).ngroup()
     d["_ok"] = (d["status"] == "ok").fillna(False) & d["latency_ms"].notna()
     last = d.sort_values(["_g", "timestamp"], na_position="first", kind="stable").drop_duplicates("_g", keep="last")
     out = last.set_index("_g")
     ok = d[d["_ok"]].groupby("_g").agg(latency_ms=("latency_ms", "median"), p20_ms=("latency_p20_ms", "min"),
                                        p80_ms=("latency_p80_ms", "max"),
-                                       tflops_per_gpu=("tflops_per_gpu", "median"), num_ok=("_ok", "size"))
+                                       tflops_per_gpu=("tflops_per_gpu", "median"),
+                                       sm_clock_mhz=("sm_clock_mhz", "median"), num_ok=("_ok", "size"))
     res = out[[*KEY, *CONTEXT]].join(ok)
     has_ok = res["num_ok"].fillna(0) > 0
     res["status"] = out["status"].astype(object).where(~has_ok, "ok").fillna("missing").astype(str)
@@ -55,7 +62,7 @@ def pool(df: pd.DataFrame) -> pd.DataFrame:
     res["error"] = err.where(~has_ok, "")
     res["git_sha"] = out["git_sha"].astype(object).fillna("").astype(str)
     res["num_rows"] = d.groupby("_g").size()
-    for c in ("latency_ms", "p20_ms", "p80_ms", "tflops_per_gpu"):
+    for c in ("latency_ms", "p20_ms", "p80_ms", "tflops_per_gpu", "sm_clock_mhz"):
         res[c] = res[c].astype("float64")
     return res.sort_index().reset_index(drop=True)[cols]
 
@@ -69,7 +76,8 @@ def compare(base: pd.DataFrame, new: pd.DataFrame, *, min_change: float = 0.05, 
     if min_change < 0 or noise_factor < 0:
         raise ValueError("min_change and noise_factor must be >= 0")
     b, n = pool(base), pool(new)
-    cols = ["latency_ms", "p20_ms", "p80_ms", "tflops_per_gpu", "status", "error", "git_sha", "num_rows"]
+    cols = ["latency_ms", "p20_ms", "p80_ms", "tflops_per_gpu", "sm_clock_mhz", "status", "error", "git_sha",
+            "num_rows"]
     m = b.merge(n, on=list(KEY), how="outer", suffixes=("_base", "_new"), indicator=True)
     for c in CONTEXT:
         m[c] = m[f"{c}_base"].combine_first(m[f"{c}_new"])
@@ -80,6 +88,8 @@ def compare(base: pd.DataFrame, new: pd.DataFrame, *, min_change: float = 0.05, 
         rec = {k: r[k] for k in (*KEY, *CONTEXT)}
         rec.update({f"{c}_{side}": r.get(f"{c}_{side}") for c in cols for side in ("base", "new")})
         rec["env_differs"] = bool(r["env_differs"])
+        cb, cn = r.get("sm_clock_mhz_base"), r.get("sm_clock_mhz_new")
+        rec["clock_change"] = cn / cb - 1.0 if pd.notna(cb) and pd.notna(cn) and cb > 0 else math.nan
         rec.update(_judge(r, min_change, noise_factor))
         recs.append(rec)
     out = pd.DataFrame(recs)
@@ -150,12 +160,18 @@ def format_table(table: pd.DataFrame, *, show_all: bool = False) -> str:
             "base status": shown["status_base"].fillna("-"),
             "new status": shown["status_new"].fillna("-"),
         })
+        if shown["clock_change"].notna().any():
+            t.insert(t.columns.get_loc("noise") + 1, "SM clock",
+                     shown["clock_change"].map(lambda v: "" if pd.isna(v) else f"{v:+.1%}").to_numpy())
         lines.append(t.to_string(index=False))
         for r in shown.to_dict("records"):
             if r["verdict"] == "status change" and r.get("error_new"):
                 lines.append(f"  {r['backend']}/{r['direction']} {r['config_hash']}: {r['error_new']}")
         if shown["env_differs"].any():
             lines.append("warning: some matched rows ran on different GPUs (gpu_name differs)")
+        if (shown["clock_change"].abs() > CLOCK_WARN).any():
+            lines.append(f"warning: some matched rows ran at SM clocks more than {CLOCK_WARN:.0%} apart (power or "
+                         "thermal limits): part of their latency change may come from the clock")
     counts = table["verdict"].value_counts()
     summary = ", ".join(f"{counts[v]} {v}" for v in VERDICT_ORDER if v in counts)
     lines.append(f"{len(table)} compared: {summary}")

@@ -400,6 +400,18 @@ def not_ok_rows(df: pd.DataFrame) -> pd.DataFrame:
     return out.reset_index(drop=True)
 
 
+CLOCK_COLUMNS = ("sm_clock_mhz", "sm_clock_min_mhz", "power_w", "power_capped_fraction")
+
+
+def clock_rows(df: pd.DataFrame) -> pd.DataFrame:
+    """The GPU clock each ok row was timed at (rows that recorded one: GPU runs since the clock columns exist)."""
+    cols = [*CELL_KEYS, "backend", *CLOCK_COLUMNS, "run_id"]
+    if "sm_clock_mhz" not in df.columns:
+        return pd.DataFrame(columns=cols)
+    ok = df[(df["status"] == "ok") & df["sm_clock_mhz"].notna()]
+    return ok[[c for c in cols if c in ok.columns]].reset_index(drop=True)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Markdown
 
@@ -420,8 +432,9 @@ def _md_table(header: list[str], rows: list[list[str]]) -> str:
 
 
 def format_markdown(claims: pd.DataFrame, headline: pd.DataFrame, not_ok: pd.DataFrame, *,
-                    sources: str = "", charts: Sequence[Path] = ()) -> str:
-    """The report as Markdown: headline maxima, one claims table per environment, rows not ok, chart links."""
+                    sources: str = "", charts: Sequence[Path] = (), clocks: Optional[pd.DataFrame] = None) -> str:
+    """The report as Markdown: headline maxima, one claims table per environment, rows not ok, the GPU clocks the
+    rows were timed at (``clocks``: :func:`clock_rows`, where any), chart links."""
     out = ["# MoE layer throughput: claims table", ""]
     if sources:
         out += [sources, ""]
@@ -479,6 +492,18 @@ def format_markdown(claims: pd.DataFrame, headline: pd.DataFrame, not_ok: pd.Dat
         rows = [[env_label(r), panel_label(r["precision"], r["direction"]), shape_label(r["shape"]),
                  system_label(r["backend"]), r["status"], r["error"], r["run_id"]] for r in not_ok.to_dict("records")]
         out += [_md_table(["environment", "panel", "shape", "system", "status", "error", "run"], rows), ""]
+    if clocks is not None and not clocks.empty:
+        out += ["## GPU clocks while timed", "",
+                "Median (lowest) SM clock sample of the timed iterations on the slowest rank, mean board power, and "
+                "the share of that time the driver held the clocks down for the power limit (NVML). A row timed at "
+                "a lower clock than another is slower for that reason too.", ""]
+        rows = [[env_label(r), panel_label(r["precision"], r["direction"]), shape_label(r["shape"]),
+                 system_label(r["backend"]), f"{r['sm_clock_mhz']:.0f} ({r['sm_clock_min_mhz']:.0f})",
+                 "" if _isna(r["power_w"]) else f"{r['power_w']:.0f}",
+                 "" if _isna(r["power_capped_fraction"]) else f"{100 * r['power_capped_fraction']:.0f}%", r["run_id"]]
+                for r in clocks.to_dict("records")]
+        out += [_md_table(["environment", "panel", "shape", "system", "SM clock MHz", "power W", "power-capped",
+                           "run"], rows), ""]
     if charts:
         out += ["## Charts", ""] + [f"![{p.stem}]({p.name})" for p in charts if p.suffix == ".png"] + [""]
     return "\n".join(out)
@@ -493,15 +518,18 @@ def write_report(df: pd.DataFrame, out_dir: Union[str, Path] = DEFAULT_OUT, *,
                  calibration: Optional[pd.DataFrame] = None, charts: bool = True,
                  formats: Sequence[str] = ("png", "svg"), history: Sequence[str] = (),
                  sources: str = "") -> dict[str, Path]:
-    """Write ``claims.md``, ``claims.csv``, ``headline.csv``, ``not_ok.csv`` and (``charts=True``) every chart the
-    data supports into ``out_dir``. ``history``: config hashes to draw a git-SHA history for. Returns name -> path."""
+    """Write ``claims.md``, ``claims.csv``, ``headline.csv``, ``not_ok.csv``, ``clocks.csv`` (where rows recorded
+    a GPU clock) and (``charts=True``) every chart the data supports into ``out_dir``. ``history``: config hashes to draw a git-SHA history for. Returns name -> path."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     claims = claims_table(df, published)
     head = headline_table(claims, readme_claims)
     bad = not_ok_rows(df)
+    clocks = clock_rows(df)
     written: dict[str, Path] = {}
-    for name, table in (("claims", claims), ("headline", head), ("not_ok", bad)):
+    for name, table in (("claims", claims), ("headline", head), ("not_ok", bad), ("clocks", clocks)):
+        if name == "clocks" and table.empty:
+            continue  # no row recorded a clock (CPU runs, runs before the clock columns)
         p = out / f"{name}.csv"
         table.to_csv(p, index=False)
         written[f"{name}.csv"] = p
@@ -515,7 +543,7 @@ def write_report(df: pd.DataFrame, out_dir: Union[str, Path] = DEFAULT_OUT, *,
             for p in paths:
                 written[p.name] = p
     md = out / "claims.md"
-    md.write_text(format_markdown(claims, head, bad, sources=sources, charts=chart_paths))
+    md.write_text(format_markdown(claims, head, bad, sources=sources, charts=chart_paths, clocks=clocks))
     written["claims.md"] = md
     return written
 

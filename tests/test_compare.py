@@ -176,6 +176,21 @@ def test_different_gpus_are_warned_about():
     assert "different GPUs" in C.format_table(table)
 
 
+def test_a_slower_clock_is_shown_and_warned_about_but_the_verdict_stays_on_latency():
+    base = [dict(r, sm_clock_mhz=1980.0) for r in base_rows()]
+    new = derive(base, lambda r: 1.10 if is_target(r) else 1.0,
+                 edit=lambda r: dict(r, sm_clock_mhz=1500.0 if is_target(r) else 1980.0))
+    table = run(base, new)
+    t = table.set_index(["backend", "shape", "direction"])
+    assert t.loc[("mok_hopper", "qwen3_5_397b", "fwd"), "clock_change"] == pytest.approx(1500 / 1980 - 1)
+    assert t.loc[("nccl", "qwen3_5_397b", "fwd"), "clock_change"] == 0.0
+    assert verdicts(table)[("mok_hopper", "qwen3_5_397b", "fwd")] == "regression" and C.failed(table)
+    text = C.format_table(table)
+    assert "SM clock" in text and "-24.2%" in text and "clocks more than 3% apart" in text
+    plain = run(base_rows(), derive(base_rows(), lambda r: 1.10 if is_target(r) else 1.0))  # no clocks recorded
+    assert plain["clock_change"].isna().all() and "SM clock" not in C.format_table(plain)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # CLI
 

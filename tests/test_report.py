@@ -132,6 +132,26 @@ def test_failed_and_missing_systems_keep_their_status():
     assert "| oom |" in md and "mismatch" in md and "d_w_down" in md and "—" in md
 
 
+def test_the_report_lists_the_clock_each_row_was_timed_at(tmp_path):
+    nan = float("nan")
+    df = results.to_frame([S.row("nccl", sm_clock_mhz=1980.0, sm_clock_min_mhz=1900.0, power_w=450.0,
+                                 power_capped_fraction=0.0),
+                           S.row("mok_hopper", sm_clock_mhz=1500.0, sm_clock_min_mhz=1425.0, power_w=697.0,
+                                 power_capped_fraction=0.8),
+                           S.row("deepep", status="error"), S.row("hybridep", sm_clock_mhz=nan)])
+    c = R.clock_rows(df)
+    assert list(c["backend"]) == ["nccl", "mok_hopper"]  # ok rows that recorded a clock
+    md = (tmp_path / "claims.md")
+    written = R.write_report(df, tmp_path, charts=False)
+    text = md.read_text()
+    assert "## GPU clocks while timed" in text and "| 1500 (1425) | 697 | 80% |" in text
+    assert "clocks.csv" in written
+    plain = results.to_frame([S.row("nccl"), S.row("mok_hopper")])  # no clock recorded: no section, no file
+    assert "GPU clocks" not in R.format_markdown(R.claims_table(plain), pd.DataFrame(), R.not_ok_rows(plain),
+                                                 clocks=R.clock_rows(plain))
+    assert "clocks.csv" not in R.write_report(plain, tmp_path / "plain", charts=False)
+
+
 def test_no_baseline_ok_gives_no_speedup():
     df = results.to_frame([S.row("nccl", status="error"), S.row("mok_hopper")])
     c = R.claims_table(df).iloc[0]
