@@ -478,6 +478,8 @@ SWEEP = [  # (label, overrides of the base tile, layer options); tiles checked b
     ("down v5 (128 wide, 6 stages, not flat)", dict(flat_down=False, down_n=128, down_stages=6), {}),
     ("down flat 256 wide x 4 stages", dict(flat_down=True, down_n=256, down_stages=4), {}),
     ("down flat 128 wide x 6 stages", dict(flat_down=True, down_n=128, down_stages=6), {}),
+    ("down 256 wide x 4 stages, not flat", dict(flat_down=False, down_n=256, down_stages=4), {}),
+    ("down BK 128 x 3 stages, not flat", dict(flat_down=False, down_k=128, down_stages=3), {}),
     ("up + down flat, no ready flags", dict(flat_up=True, flat_down=True, ready_flags=False), {}),
     ("v6 tiles (no pairs)", dict(pair_up=False, pair_down=False), {}),
     ("paired up + down tiles", dict(pair_up=True, pair_down=True, flat_down=False, down_n=128, down_stages=6), {}),
