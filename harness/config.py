@@ -94,6 +94,9 @@ class BenchConfig:
     precision: PrecisionConfig = MISSING
     timing: TimingConfig = MISSING
     backends: list[str] = field(default_factory=lambda: ["nccl"])
+    # the order the backends run in, one after the other on the same GPUs: given | reverse | shuffle (seeded by
+    # workload.seed); each row records its place (backend_position), to check that the order changes no verdict
+    backend_order: str = "given"
     directions: list[str] = field(default_factory=lambda: ["fwd", "bwd"])
     device: str = "auto"  # auto | cpu | cuda
     ep_size: Optional[int] = None  # None: all local GPUs (cuda) or 2 ranks (cpu); ignored under torchrun/Slurm
@@ -296,6 +299,22 @@ def validate_case(case: Case) -> None:
          f"unknown te_fp8_recipe '{case.te_fp8_recipe}'; choose one of: {', '.join(TE_FP8_RECIPES)}")
 
 
+BACKEND_ORDERS = ("given", "reverse", "shuffle")
+
+
+def backend_order(backends: list[str], order: str, seed: int) -> list[str]:
+    """The backends in the order they run (``BACKEND_ORDERS``; shuffle is the same on every rank for one seed)."""
+    if order == "reverse":
+        return list(reversed(backends))
+    if order == "shuffle":
+        import random
+
+        out = list(backends)
+        random.Random(seed).shuffle(out)
+        return out
+    return list(backends)
+
+
 def validate_run_options(c: dict) -> None:
     """Checks on the run-level options (backends, directions, timing, device)."""
     from harness.backends import BACKENDS
@@ -305,6 +324,8 @@ def validate_run_options(c: dict) -> None:
     for b in c["backends"]:
         if b not in BACKENDS:
             raise ConfigError(f"unknown backend '{b}'; choose from: {', '.join(BACKENDS)}")
+    if c.get("backend_order", "given") not in BACKEND_ORDERS:
+        raise ConfigError(f"unknown backend_order '{c['backend_order']}'; choose one of: {', '.join(BACKEND_ORDERS)}")
     if not c.get("directions"):
         raise ConfigError("no direction selected: set direction=fwd|bwd|fwd_bwd or directions=[fwd,bwd]")
     for d in c["directions"]:
@@ -325,7 +346,7 @@ def validate_run_options(c: dict) -> None:
 
 # Fields that identify a measurement, not the run that made it (compare matches rows on this hash).
 _HASH_EXCLUDE = {"run_id", "dist_timeout_s", "results_dir", "results_format", "print_table", "timing", "check", "calibrate",
-                 "time_reference", "backends", "directions", "te_fp8_recipe"}
+                 "time_reference", "backends", "directions", "te_fp8_recipe", "backend_order"}
 
 
 def config_hash(c: dict, case: Case) -> str:

@@ -62,6 +62,7 @@ COLUMNS: dict[str, str] = {
     "num_warmup": "Int64",
     "num_iters": "Int64",
     "setup_s": "float64",
+    "backend_position": "Int64",  # where the backend ran in the process's order (0 = first; backend_order)
     # The GPUs over the timed iterations (NVML; harness.gpu_clocks): slowest SM clock, largest board power and
     # share of the time held below the requested clocks by the power / thermal limit.
     "sm_clock_mhz": "float64",

@@ -26,6 +26,7 @@ from harness.check import compare, leaves, run_once
 from harness.config import (
     Case,
     ConfigError,
+    backend_order,
     config_hash,
     load_group_option,
     make_case,
@@ -227,8 +228,10 @@ def worker(payload: dict, renv: RankEnv) -> None:
         from tqdm import tqdm
 
         progress = tqdm(total=len(c["backends"]) * len(directions), desc=case.shape, file=sys.stderr)
-    for name in c["backends"]:
-        for row in run_backend(name, case, c, inputs, ref, group, ctrl, agree, timer, base, directions, need_grads):
+    order = backend_order(list(c["backends"]), c.get("backend_order", "given"), case.seed)
+    for pos, name in enumerate(order):
+        here = dict(base, backend_position=pos)
+        for row in run_backend(name, case, c, inputs, ref, group, ctrl, agree, timer, here, directions, need_grads):
             emit(row)
             if progress:
                 progress.update(1)

@@ -77,6 +77,7 @@ BAD = [
     (["workload.routing=skewed"], "unknown workload.routing 'skewed'"),
     (["workload.tokens_per_gpu=0"], "tokens_per_gpu must be >= 1"),
     (["timing.num_iters=0"], "num_iters >= 1"),
+    (["backend_order=random"], "unknown backend_order 'random'; choose one of: given, reverse, shuffle"),
 ]
 
 
@@ -178,3 +179,13 @@ def test_fp8_weights_are_used_as_prequantized_with_a_straight_through_gradient()
     g = torch.randn(4, 8)
     (y * g).sum().backward()
     assert torch.equal(w.grad, g)
+
+
+def test_backend_order():
+    from harness.config import backend_order
+
+    b = ["nccl", "deepep", "hybridep", "mok_hopper"]
+    assert backend_order(b, "given", 1) == b and backend_order(b, "reverse", 1) == b[::-1]
+    s1, s2 = backend_order(b, "shuffle", 1), backend_order(b, "shuffle", 1)
+    assert s1 == s2 and sorted(s1) == sorted(b)  # the same on every rank for one seed
+    assert any(backend_order(b, "shuffle", seed) != b for seed in range(5))

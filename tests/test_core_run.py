@@ -102,6 +102,13 @@ def test_a_finished_backend_leaves_no_compiled_state():
     assert len(compiles) == 2
 
 
+def test_backends_run_in_the_order_asked_and_rows_say_where(results_dir):
+    df = run_benchmark(cpu_cfg(results_dir, "ep_size=2", "backends=[nccl,fwd_only]", "directions=[fwd]",
+                               "backend_order=reverse"))
+    assert dict(zip(df.backend, df.backend_position)) == {"fwd_only": 0, "nccl": 1}
+    assert list(df.backend) == ["fwd_only", "nccl"] and (df.status == "ok").all()
+
+
 def test_bytes_follow_the_routing(results_dir):
     """nccl sends one row per (token, k) routed to another rank: remote + local rows = T * topk."""
     df = run_benchmark(cpu_cfg(results_dir, "ep_size=2", "directions=[fwd]"))
