@@ -210,6 +210,9 @@ def test_default_tile_runs_the_shared_expert_beside_the_up_gemm_on_cuda_only():
         assert t.shared_sms == SHARED_SMS and not t.shared_last
         assert launch_programs(132, t, ready=True, overlap=True, has_shared=True)["side"] == SHARED_SMS
     assert default_tile(device=torch.device("cpu"), hidden=256, ffn=128).shared_sms == 0  # no streams there
+    assert default_tile(comm_sms=24, n_sm=132).shared_sms == SHARED_SMS  # 84 SMs left to the up GEMM
+    wide = default_tile(comm_sms=100, n_sm=132)  # 8 would be left: the shared expert goes before the up GEMM
+    assert wide.shared_sms == 0 and launch_programs(132, wide, ready=True, overlap=True, has_shared=True)["up"] == 32
 
 
 def test_paired_tiles_refuse_what_cannot_pair():

@@ -89,7 +89,7 @@ def paired_fraction(rows_per_expert: float, block_m: int = 128) -> float:
 
 def default_tile(*, precision: str = "bf16", device: Optional[torch.device] = None, comm_sms: Optional[int] = None,
                  hidden: Optional[int] = None, ffn: Optional[int] = None,
-                 rows_per_expert: Optional[float] = None) -> tk.TileConfig:
+                 rows_per_expert: Optional[float] = None, n_sm: Optional[int] = None) -> tk.TileConfig:
     """The tile configuration used unless one is given (fp8 forces its own GEMM steps, see ``for_fp8``).
 
     ``rows_per_expert`` (uniform routing: EP * T * K / E) picks the down GEMM's loop: the flattened loop with
@@ -100,13 +100,17 @@ def default_tile(*, precision: str = "bf16", device: Optional[torch.device] = No
     full tile and a half tile (:func:`paired_fraction`; glm_5_2, about half), the up GEMM runs the two as one
     work item (``pair_up``; the down GEMM's pairs ran slower, PERF_NOTES v7). BM stays 128: 64-row tiles ran 30%
     slower on 2xH200 (PERF_NOTES v1). The shared expert runs on ``SHARED_SMS`` SMs of its own stream beside the
-    routed up GEMM (``shared_sms``; 2-4% faster in bf16 on the four shapes, within 1% in fp8, PERF_NOTES v8).
+    routed up GEMM (``shared_sms``; 2-4% faster in bf16 on the four shapes, within 1% in fp8, PERF_NOTES v8),
+    unless ``comm_sms`` leaves the up GEMM fewer than ``SHARED_SMS`` SMs of the GPU's ``n_sm`` (then it runs before
+    the up GEMM, as in v7).
 
     On the CPU (Triton interpreter) the cost is per operation, not per FLOP: few programs, small row tiles and
     the widest column / depth steps that divide ``hidden`` / ``ffn``, and pointer loads (``tma`` off)."""
     cfg = tk.TileConfig(shared_sms=SHARED_SMS)
     if comm_sms is not None:
         cfg = replace(cfg, comm_sms=comm_sms)
+    if n_sm is not None and n_sm - cfg.comm_sms - cfg.shared_sms < SHARED_SMS:
+        cfg = replace(cfg, shared_sms=0)  # the routed up GEMM keeps at least as many SMs as the shared expert
     if rows_per_expert is not None and half_tile_waste(rows_per_expert, cfg.block_m) <= FLAT_DOWN_MAX_WASTE:
         cfg = replace(cfg, flat_down=True, down_n=256, down_stages=4)
     elif rows_per_expert is not None and paired_fraction(rows_per_expert, cfg.block_m) >= PAIR_MIN_FRACTION:
