@@ -519,7 +519,8 @@ def write_report(df: pd.DataFrame, out_dir: Union[str, Path] = DEFAULT_OUT, *,
                  formats: Sequence[str] = ("png", "svg"), history: Sequence[str] = (),
                  sources: str = "") -> dict[str, Path]:
     """Write ``claims.md``, ``claims.csv``, ``headline.csv``, ``not_ok.csv``, ``clocks.csv`` (where rows recorded
-    a GPU clock) and (``charts=True``) every chart the data supports into ``out_dir``. ``history``: config hashes to draw a git-SHA history for. Returns name -> path."""
+    a GPU clock) and (``charts=True``) every chart the data supports into ``out_dir``. ``history``: config hashes
+    to draw a git-SHA history for. Returns name -> path."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     claims = claims_table(df, published)

@@ -435,7 +435,8 @@ def test_kernels_with_small_tiles_walk_every_loop(precision, tma, layout):
                           pull_programs=5, pull_rows=4, group_m=2)
     half, flat, pair = layout.startswith("half"), layout.endswith("flat"), layout.endswith("pair")
     tile = replace(tile, tma=tma, half_tiles=half, ready_flags=half and not flat, flat_up=flat, flat_down=flat,
-                   pair_up=pair, pair_down=pair, num_chunks=1 if pair else tile.num_chunks)  # (a pair never spans two chunks)
+                   pair_up=pair, pair_down=pair,
+                   num_chunks=1 if pair else tile.num_chunks)  # (a pair never spans two chunks)
     xs, idx, ws, w13, w2, sh = make_layer_inputs(P, T, K, E, H, I, seed=13)
     runs, layers, _ = run_kernels(xs, idx, ws, w13, w2, sh, precision=precision, tile=tile, limit=1.0)
     want = twin.simulate(xs, idx, ws, w13, w2, shared=sh, fp8=precision == "fp8", block_m=16, limit=1.0)

@@ -54,6 +54,7 @@ SCHEDULES = ("triton", "torch")
 
 FLAT_DOWN_MAX_WASTE = 0.05  # extra MMA rows per routed row that the flattened down loop may add (default_tile)
 PAIR_MIN_FRACTION = 0.2  # experts ending in a full + a half tile above which default_tile pairs them (bf16)
+SHARED_SMS = 24  # SMs of the shared expert beside the routed up GEMM (16-40 swept on 2xH200, PERF_NOTES v8)
 
 
 def _row_counts(rows_per_expert: float) -> list[tuple[int, float]]:
@@ -64,9 +65,6 @@ def _row_counts(rows_per_expert: float) -> list[tuple[int, float]]:
     wts = [math.exp(-0.5 * ((r - m) / sd) ** 2) for r in range(lo, hi + 1)]
     total = sum(wts)
     return [(r, w / total) for r, w in zip(range(lo, hi + 1), wts)]
-
-
-SHARED_SMS = 24  # SMs of the shared expert beside the routed up GEMM (16-40 swept on 2xH200, PERF_NOTES v8)
 
 
 def half_tile_waste(rows_per_expert: float, block_m: int = 128) -> float:

@@ -59,11 +59,12 @@ class MokHopperBackend:
                                         swiglu_limit=c.swiglu_limit, precision=c.precision)
             return
         from kernels.mok_hopper.api import MoKHopperLayer, default_tile
+        from kernels.mok_hopper.triton_kernels import num_sms
 
         dev = inputs.x_TH.device
         self._tile = default_tile(precision=c.precision, device=dev, comm_sms=c.comm_sms,
                                   rows_per_expert=c.ep_size * c.tokens_per_gpu * c.topk / c.num_experts,
-                                  n_sm=torch.cuda.get_device_properties(dev).multi_processor_count)
+                                  n_sm=num_sms(dev))
         self.impl = MoKHopperLayer(inputs.w13_LIH, inputs.w2_LHI, topk=c.topk, tokens=c.tokens_per_gpu,
                                    shared=shared, swiglu_limit=c.swiglu_limit, precision=c.precision,
                                    group=self.group, tile=self._tile)
