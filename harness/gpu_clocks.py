@@ -3,14 +3,17 @@
 A board at its power limit lowers its SM clock (on 2xH200 from 1980 to 1185-1545 MHz while these layers run), so
 two rows of one backend can differ by the clock they ran at. Each timed row records:
 
-* ``sm_clock_mhz`` / ``sm_clock_min_mhz``: median and minimum of the driver's SM clock samples inside the window;
+* ``sm_clock_mhz`` / ``sm_clock_min_mhz``: median and minimum of the SM clock, read every 10 ms through the window;
 * ``power_w``: mean of the driver's board power samples inside the window;
 * ``power_capped_fraction`` / ``thermal_capped_fraction``: the share of the window's wall time the driver counted as
   held below the requested clocks by the power / thermal limit (its cumulative violation counters, read before and
   after).
 
-Nothing runs during the window: the driver keeps the samples and counters itself, and they are read once before and
-once after (no sampling thread beside the timed launches). Without NVML (no GPU, no driver) every field is NaN.
+The power samples and the limit counters are kept by the driver itself and read once before and once after the
+window. The SM clock has no such record on the 2xH200 driver (580.159: its clock sample buffer gave no sample inside
+any window), so one thread reads the current SM clock (``nvmlDeviceGetClockInfo``) every 10 ms while the window is
+open, plus once at its start and once at its end. It holds the GIL for a few microseconds per reading (ctypes drops
+it inside the call), well under 0.1% of the window. Without NVML (no GPU, no driver) every field is NaN.
 """
 
 from __future__ import annotations
@@ -18,13 +21,16 @@ from __future__ import annotations
 import ctypes
 import math
 import statistics
+import threading
 import time
 from typing import Any, Optional, Sequence
 
 FIELDS = ("sm_clock_mhz", "sm_clock_min_mhz", "power_w", "power_capped_fraction", "thermal_capped_fraction")
 
-# nvml.h: nvmlSamplingType_t, nvmlPerfPolicyType_t, nvmlValueType_t, return codes
-TOTAL_POWER_SAMPLES, PROCESSOR_CLK_SAMPLES = 0, 5
+# nvml.h: nvmlSamplingType_t, nvmlClockType_t, nvmlPerfPolicyType_t, nvmlValueType_t, return codes
+TOTAL_POWER_SAMPLES = 0
+CLOCK_SM = 1
+POLL_S = 0.010
 PERF_POLICY_POWER, PERF_POLICY_THERMAL = 0, 1
 _SUCCESS, _NOT_FOUND = 0, 6
 
@@ -92,6 +98,14 @@ class Nvml:
         field = _VALUE_FIELD.get(vtype.value, "uiVal")
         return [(int(s.timeStamp), float(getattr(s.sampleValue, field))) for s in buf[: count.value]]
 
+    def clock_mhz(self, h: Any) -> float:
+        """The SM clock now."""
+        mhz = ctypes.c_uint()
+        rc = self.lib.nvmlDeviceGetClockInfo(h, CLOCK_SM, ctypes.byref(mhz))
+        if rc != _SUCCESS:
+            raise RuntimeError(f"nvmlDeviceGetClockInfo(SM) returned {rc}")
+        return float(mhz.value)
+
     def violation_ns(self, h: Any, policy: int) -> int:
         v = _Violation()
         if self.lib.nvmlDeviceGetViolationStatus(h, policy, ctypes.byref(v)) != _SUCCESS:
@@ -154,12 +168,25 @@ class ClockWatch:
             return max((t for t, _ in self.nvml.samples(self.h, arg, 0)), default=time.time_ns() // 1000)
         return self.nvml.violation_ns(self.h, arg)
 
-    _READINGS = (("samples", PROCESSOR_CLK_SAMPLES), ("samples", TOTAL_POWER_SAMPLES),
-                 ("violation", PERF_POLICY_POWER), ("violation", PERF_POLICY_THERMAL))
+    _READINGS = (("samples", TOTAL_POWER_SAMPLES), ("violation", PERF_POLICY_POWER),
+                 ("violation", PERF_POLICY_THERMAL))
+
+    def _clock(self) -> None:
+        try:
+            self._mhz.append(self.nvml.clock_mhz(self.h))
+        except Exception as e:  # noqa: BLE001 - a missing reading never stops a run
+            self.error = str(e)
+
+    def _poll(self, stop: threading.Event) -> None:
+        while not stop.wait(POLL_S):
+            self._clock()
 
     def start(self) -> None:
-        """Mark where each reading stands; one the driver refuses stays NaN, the others are still taken."""
+        """Mark where each reading stands and start reading the SM clock; one the driver refuses stays NaN, the
+        others are still taken."""
         self._mark: dict[tuple[str, int], Any] = {}
+        self._mhz: list[float] = []
+        self._poller = None
         if self.h is None:
             return
         for r in self._READINGS:
@@ -167,12 +194,20 @@ class ClockWatch:
                 self._mark[r] = self._read(*r)
             except Exception as e:  # noqa: BLE001 - a missing reading never stops a run
                 self.error = str(e)
+        self._clock()
+        self._stop = threading.Event()
+        self._poller = threading.Thread(target=self._poll, args=(self._stop,), name="gpu-clock", daemon=True)
+        self._poller.start()
         self._t0 = time.perf_counter_ns()
 
     def stop(self) -> dict[str, float]:
-        if self.h is None or not getattr(self, "_mark", None):
+        if self.h is None or getattr(self, "_poller", None) is None:
             return empty()
         wall = time.perf_counter_ns() - self._t0
+        self._stop.set()
+        self._poller.join()
+        self._poller = None
+        self._clock()
         got: dict[tuple[str, int], Any] = {}
         for r, since in self._mark.items():
             try:
@@ -182,7 +217,7 @@ class ClockWatch:
                     got[r] = self.nvml.violation_ns(self.h, r[1]) - since
             except Exception as e:  # noqa: BLE001
                 self.error = str(e)
-        return summarize(got.get(("samples", PROCESSOR_CLK_SAMPLES), []), got.get(("samples", TOTAL_POWER_SAMPLES), []),
+        return summarize(self._mhz, got.get(("samples", TOTAL_POWER_SAMPLES), []),
                          got.get(("violation", PERF_POLICY_POWER)), got.get(("violation", PERF_POLICY_THERMAL)), wall)
 
 

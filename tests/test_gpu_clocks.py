@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import ctypes
 import math
+import threading
+import time
 
 import pytest
 from conftest import cpu_cfg
@@ -16,7 +18,7 @@ class FakeNvml:
     """The driver's view: sample buffers that grow as time passes, cumulative violation counters in ns."""
 
     def __init__(self):
-        self.clk = [(100, 1980.0), (200, 1980.0)]
+        self.clk = [1980.0]  # the SM clock now (the last entry)
         self.pw = [(100, 120_000.0)]
         self.viol = {gc.PERF_POLICY_POWER: 5_000, gc.PERF_POLICY_THERMAL: 0}
         self.broken = False
@@ -29,25 +31,42 @@ class FakeNvml:
     def samples(self, h, kind, since_us):
         if self.broken:
             raise RuntimeError("driver went away")
-        buf = self.clk if kind == gc.PROCESSOR_CLK_SAMPLES else self.pw
-        return [(t, v) for t, v in buf if t > since_us]
+        assert kind == gc.TOTAL_POWER_SAMPLES
+        return [(t, v) for t, v in self.pw if t > since_us]
+
+    def clock_mhz(self, h):
+        if self.broken:
+            raise RuntimeError("driver went away")
+        return self.clk[-1]
 
     def violation_ns(self, h, policy):
         return self.viol[policy]
 
     def run_window(self, wall_ns_ignored=None):  # what the driver records while the timed iterations run
-        self.clk += [(300, 1500.0), (400, 1200.0), (500, 1980.0)]
         self.pw += [(300, 690_000.0), (400, 700_000.0)]
         self.viol[gc.PERF_POLICY_POWER] += 10**18  # far longer than the window: the share is capped at 1
+
+
+def wait_for_readings(w, n):
+    deadline = time.monotonic() + 10
+    while len(w._mhz) < n and time.monotonic() < deadline:
+        time.sleep(gc.POLL_S)
+    assert len(w._mhz) >= n, "the clock thread took no reading"
 
 
 def test_the_window_reads_only_the_samples_taken_inside_it():
     nv = FakeNvml()
     w = gc.ClockWatch(["GPU-0"], nvml=nv)
-    w.start()
+    nv.clk = [1980.0, 1500.0]  # idle clock before the window: never read
+    w.start()  # one reading at the start (1500)
+    nv.clk.append(1200.0)
+    wait_for_readings(w, 2)  # the thread's readings while the window is open
+    nv.clk.append(1500.0)
     nv.run_window()
-    r = w.stop()
-    assert r["sm_clock_mhz"] == 1500.0 and r["sm_clock_min_mhz"] == 1200.0  # not the idle 1980s before it
+    r = w.stop()  # and one at the end (1500)
+    assert w._poller is None and not any(t.name == "gpu-clock" for t in threading.enumerate())  # the thread ended
+    assert r["sm_clock_min_mhz"] == 1200.0 and r["sm_clock_mhz"] in (1200.0, 1350.0, 1500.0)
+    assert 1980.0 not in w._mhz
     assert r["power_w"] == pytest.approx(695.0)
     assert r["power_capped_fraction"] == 1.0 and r["thermal_capped_fraction"] == 0.0
 
@@ -67,9 +86,10 @@ def test_a_missing_driver_or_device_gives_nan_never_an_error():
     w = gc.ClockWatch(["GPU-7", "GPU-0"], nvml=nv)  # the second name is found
     assert w.h == "h0"
     w.start()
-    nv.broken = True  # the sample buffers fail, the violation counters still answer
+    nv.broken = True  # the sample buffer and the clock fail, the violation counters still answer
     r = w.stop()
-    assert math.isnan(r["sm_clock_mhz"]) and math.isnan(r["power_w"]) and "driver went away" in w.error
+    assert math.isnan(r["power_w"]) and "driver went away" in w.error
+    assert r["sm_clock_mhz"] == 1980.0  # the one clock reading taken (at the start) still counts
     assert r["power_capped_fraction"] == 0.0 and r["thermal_capped_fraction"] == 0.0
     w = gc.ClockWatch(["GPU-0"], nvml=nv)
     w.start()  # refused at the start: those fields stay NaN, never an exception
