@@ -186,7 +186,7 @@ class ClockWatch:
         others are still taken."""
         self._mark: dict[tuple[str, int], Any] = {}
         self._mhz: list[float] = []
-        self._poller = None
+        self._poller = self._last = None
         if self.h is None:
             return
         for r in self._READINGS:
@@ -201,6 +201,9 @@ class ClockWatch:
         self._t0 = time.perf_counter_ns()
 
     def stop(self) -> dict[str, float]:
+        """The window's fields; a second ``stop()`` without a ``start()`` gives the same ones."""
+        if getattr(self, "_last", None) is not None and getattr(self, "_poller", None) is None:
+            return self._last
         if self.h is None or getattr(self, "_poller", None) is None:
             return empty()
         wall = time.perf_counter_ns() - self._t0
@@ -217,8 +220,10 @@ class ClockWatch:
                     got[r] = self.nvml.violation_ns(self.h, r[1]) - since
             except Exception as e:  # noqa: BLE001
                 self.error = str(e)
-        return summarize(self._mhz, got.get(("samples", TOTAL_POWER_SAMPLES), []),
-                         got.get(("violation", PERF_POLICY_POWER)), got.get(("violation", PERF_POLICY_THERMAL)), wall)
+        self._last = summarize(self._mhz, got.get(("samples", TOTAL_POWER_SAMPLES), []),
+                               got.get(("violation", PERF_POLICY_POWER)), got.get(("violation", PERF_POLICY_THERMAL)),
+                               wall)
+        return self._last
 
 
 def device_ids(device: Any) -> list["str | int"]:

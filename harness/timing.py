@@ -68,8 +68,8 @@ class Timer:
             torch.cuda.synchronize(self.device)
             self._watch.start()
             local = self._cuda_samples(fn, num_iters, pre)  # ends with a synchronize
-            clocks = torch.tensor([self._watch.stop()[f] for f in gpu_clocks.FIELDS], dtype=torch.float64,
-                                  device=self.device)
+            window = self._watch.stop()
+            clocks = torch.tensor([window[f] for f in gpu_clocks.FIELDS], dtype=torch.float64, device=self.device)
         else:
             local = self._host_samples(fn, num_iters, pre)
         n = dist.get_world_size(self.group)

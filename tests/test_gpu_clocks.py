@@ -67,6 +67,7 @@ def test_the_window_reads_only_the_samples_taken_inside_it():
     assert w._poller is None and not any(t.name == "gpu-clock" for t in threading.enumerate())  # the thread ended
     assert r["sm_clock_min_mhz"] == 1200.0 and r["sm_clock_mhz"] in (1200.0, 1350.0, 1500.0)
     assert 1980.0 not in w._mhz
+    assert w.stop() == r  # asked again: the same window, not an empty one
     assert r["power_w"] == pytest.approx(695.0)
     assert r["power_capped_fraction"] == 1.0 and r["thermal_capped_fraction"] == 0.0
 
@@ -93,7 +94,8 @@ def test_a_missing_driver_or_device_gives_nan_never_an_error():
     assert r["power_capped_fraction"] == 0.0 and r["thermal_capped_fraction"] == 0.0
     w = gc.ClockWatch(["GPU-0"], nvml=nv)
     w.start()  # refused at the start: those fields stay NaN, never an exception
-    assert all(math.isnan(v) for v in (w.stop()["sm_clock_mhz"], w.stop()["power_w"]))
+    r = w.stop()
+    assert math.isnan(r["sm_clock_mhz"]) and math.isnan(r["power_w"])
 
 
 def test_ranks_combine_to_the_slowest_clock_and_the_largest_power():
