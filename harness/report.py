@@ -494,11 +494,12 @@ def format_markdown(claims: pd.DataFrame, headline: pd.DataFrame, not_ok: pd.Dat
         out += [_md_table(["environment", "panel", "shape", "system", "status", "error", "run"], rows), ""]
     if clocks is not None and not clocks.empty:
         out += ["## GPU clocks while timed", "",
-                "Median (lowest) SM clock sample of the timed iterations on the slowest rank, mean board power, and "
+                "Median (lowest) SM clock reading of the timed iterations on the slowest rank, mean board power, and "
                 "the share of that time the driver held the clocks down for the power limit (NVML). A row timed at "
                 "a lower clock than another is slower for that reason too.", ""]
         rows = [[env_label(r), panel_label(r["precision"], r["direction"]), shape_label(r["shape"]),
-                 system_label(r["backend"]), f"{r['sm_clock_mhz']:.0f} ({r['sm_clock_min_mhz']:.0f})",
+                 system_label(r["backend"]), f"{r['sm_clock_mhz']:.0f}"
+                 + ("" if _isna(r["sm_clock_min_mhz"]) else f" ({r['sm_clock_min_mhz']:.0f})"),
                  "" if _isna(r["power_w"]) else f"{r['power_w']:.0f}",
                  "" if _isna(r["power_capped_fraction"]) else f"{100 * r['power_capped_fraction']:.0f}%", r["run_id"]]
                 for r in clocks.to_dict("records")]
