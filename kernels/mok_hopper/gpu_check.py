@@ -451,7 +451,8 @@ def published(ctx: Ctx, name: str, args: argparse.Namespace, rates: dict[str, fl
             ctx.add(section="timeline", shape=name, precision=prec, **{f"{k}_ms": v for k, v in tline.items()})
             ctx.log("  timeline (ms from start, phase ends): " + "  ".join(f"{k} {v:.3f}" for k, v in tline.items()))
         if args.sweep:
-            sweep(ctx, name, inp, layer, base, prec, only=[v for v in args.variants.lower().split(",") if v])
+            sweep(ctx, name, inp, layer, base, prec, only=[v for v in args.variants.lower().split(",") if v],
+                  ab_rounds=args.ab_rounds, iters=min(20, args.iters), warmup=min(5, args.warmup))
         layer = None  # frees the layer's buffers (and, with the cache cleared, the workspace)
         clear_workspace_cache()
         _empty_cache(ctx)
@@ -495,10 +496,29 @@ SWEEP_FP8 = ("pull 24 x 16 warps x 8 rows", "shared last", "shared before up, be
 TIMELINE_VARIANTS = ("v3 layout (full tiles, events, 3/4 stages, torch schedule)",)  # also get a timeline
 
 
+def ab_times(ctx: Ctx, base_fn: Callable[[], Any], var_fn: Callable[[], Any], *, rounds: int, iters: int,
+             warmup: int) -> dict[str, float]:
+    """A variant against the default, interleaved: ``rounds`` rounds of ``iters`` forwards of each, the order
+    alternating (default first in even rounds). A board at its power limit drifts in clock by several percent
+    within a minute (PERF_NOTES, session 8), so a variant timed once after the default can win or lose by the
+    drift alone; the ratio of each round's medians cancels what the two share. Returns the medians over the
+    rounds' medians (``forward_ms``, ``base_forward_ms``) and the median, lowest and highest per-round ratio
+    variant / default."""
+    var, base = [], []
+    for r in range(max(1, rounds)):
+        for fn, out in ((base_fn, base), (var_fn, var)) if r % 2 == 0 else ((var_fn, var), (base_fn, base)):
+            out.append(med(time_iters(ctx, fn, iters, warmup)))
+    ratios = [v / b for v, b in zip(var, base)]
+    return {"forward_ms": med(var), "base_forward_ms": med(base), "ratio": med(ratios), "ratio_min": min(ratios),
+            "ratio_max": max(ratios)}
+
+
 def sweep(ctx: Ctx, name: str, inp: dict[str, Any], base_layer: MoKHopperLayer, base: tk.TileConfig,
-          precision: str = "bf16", only: Sequence[str] = ()) -> None:
-    """Forward and stage times of tile / pipeline variants on the same inputs (a layer per variant). ``only``:
-    the variants whose label contains one of these (lower case); fp8 runs the ``SWEEP_FP8`` ones."""
+          precision: str = "bf16", only: Sequence[str] = (), ab_rounds: int = 3, iters: int = 20,
+          warmup: int = 5) -> None:
+    """Forward and stage times of tile / pipeline variants on the same inputs (a layer per variant), each forward
+    timed against the default interleaved (:func:`ab_times`). ``only``: the variants whose label contains one of
+    these (lower case); fp8 runs the ``SWEEP_FP8`` ones."""
     T, K = inp["idx"].shape
     for label, over, layer_kw in SWEEP:
         if precision == "fp8" and label not in SWEEP_FP8:
@@ -513,13 +533,18 @@ def sweep(ctx: Ctx, name: str, inp: dict[str, Any], base_layer: MoKHopperLayer, 
                                    tile=tile, precision=precision, **layer_kw)
             out = layer(inp["x"], inp["idx"], inp["w"])
             ok = ctx.all_ok(errors(out, base_layer(inp["x"], inp["idx"], inp["w"]))[1] < 0.01)
-            fwd = med(time_iters(ctx, lambda: layer(inp["x"], inp["idx"], inp["w"]), 20, 5))
+            ab = ab_times(ctx, lambda: base_layer(inp["x"], inp["idx"], inp["w"]),
+                          lambda: layer(inp["x"], inp["idx"], inp["w"]), rounds=ab_rounds, iters=iters, warmup=warmup)
             st = time_stages(ctx, layer, inp, 5)
-            ctx.add(section="sweep", shape=name, precision=precision, variant=label, ok=ok, forward_ms=fwd,
-                    up_ms=st["up"], down_ms=st["down"], pull_ms=st["pull"], shared_ms=st["shared"],
-                    schedule_ms=st["schedule"], graph_error=layer.graph_error)
-            ctx.log(f"  sweep {precision} {label:<22} forward {fwd:.3f}  up {st['up']:.3f}  down {st['down']:.3f}  "
-                    f"pull {st['pull']:.3f} ms{'' if ok else '  MISMATCH'}"
+            ctx.add(section="sweep", shape=name, precision=precision, variant=label, ok=ok, forward_ms=ab["forward_ms"],
+                    base_forward_ms=ab["base_forward_ms"], ratio=ab["ratio"], ratio_min=ab["ratio_min"],
+                    ratio_max=ab["ratio_max"], ab_rounds=ab_rounds, up_ms=st["up"], down_ms=st["down"],
+                    pull_ms=st["pull"], shared_ms=st["shared"], schedule_ms=st["schedule"],
+                    graph_error=layer.graph_error)
+            ctx.log(f"  sweep {precision} {label:<22} forward {ab['forward_ms']:.3f} (default "
+                    f"{ab['base_forward_ms']:.3f}; x{ab['ratio']:.3f}, rounds {ab['ratio_min']:.3f}-"
+                    f"{ab['ratio_max']:.3f})  up {st['up']:.3f}  down {st['down']:.3f}  pull {st['pull']:.3f} ms"
+                    + ("" if ok else "  MISMATCH")
                     + (f"  graph failed: {layer.graph_error}" if layer.graph_error else ""))
             layer = None
             if label in TIMELINE_VARIANTS:
@@ -549,6 +574,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--no-sweep", dest="sweep", action="store_false")
     ap.add_argument("--variants", default="",
                     help="comma list: run only the sweep variants whose label contains one of these (case-insensitive)")
+    ap.add_argument("--ab-rounds", type=int, default=3,
+                    help="sweep: rounds of default / variant forwards, interleaved (their per-round ratio is reported)")
     ap.add_argument("--no-edge", dest="edge", action="store_false")
     ap.add_argument("--quick", action="store_true", help="edge cases + one shape, bf16, few iterations")
     ap.add_argument("--smoke", action="store_true",
