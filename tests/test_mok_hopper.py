@@ -269,6 +269,20 @@ def test_flat_up_refuses_ready_flags():
         MoKHopperLayer(w13, w2, topk=1, tokens=4, tile=replace(TileConfig(), flat_up=True), rank=0, world=1)
 
 
+def test_early_down_refuses_what_cannot_wait():
+    from dataclasses import replace
+
+    from kernels.mok_hopper.api import launch_programs
+    from kernels.mok_hopper.triton_kernels import TileConfig
+
+    for over in (dict(flat_down=True), dict(ready_flags=False)):
+        with pytest.raises(ValueError, match="early_down needs ready_flags=True and flat_down=False"):
+            replace(TileConfig(), early_down=True, **over)
+    t = replace(TileConfig(), early_down=True, shared_sms=24)  # the SM split is that of the default
+    assert launch_programs(132, t, ready=True, overlap=True, has_shared=True) == launch_programs(
+        132, replace(t, early_down=False), ready=True, overlap=True, has_shared=True)
+
+
 def test_capacity_is_the_worst_case_up_to_ep2_and_moks_rule_beyond():
     kw = dict(tokens=2048, topk=8, block_m=128)
     assert capacity_rows(ep=1, local_experts=384, **kw) >= 2048 * 8 + 384 * 127
@@ -410,8 +424,9 @@ def test_kernels_edge_cases(mode, K, P):
 
 @needs_triton
 @pytest.mark.parametrize("precision,layout", [(p, lay) for p in ("bf16", "fp8")
-                                              for lay in ("half_tiles+ready", "full_tiles+events", "half_tiles+flat")]
-                         + [("bf16", "half_tiles+pair")])  # paired tiles are bf16 only
+                                              for lay in ("half_tiles+ready", "full_tiles+events", "half_tiles+flat",
+                                                          "half_tiles+early")]
+                         + [("bf16", "half_tiles+pair"), ("bf16", "half_tiles+pair+early")])  # pairs: bf16 only
 @pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
 def test_kernels_with_small_tiles_walk_every_loop(precision, tma, layout):
     """Tiles much smaller than the matrices: several column tiles, several K steps, several tiles per expert and
@@ -420,7 +435,8 @@ def test_kernels_with_small_tiles_walk_every_loop(precision, tma, layout):
     counters (every granule of the used rows counted exactly once); full tiles only, without counters; half tiles
     run by the flattened GEMM loops at full height (the rows past a half tile's end, which belong to the next
     tile, must not be stored); half tiles paired with the full tile before them (one item for both, the half
-    tile's own item skipped)."""
+    tile's own item skipped). With ``early``, the down GEMM takes its items off a work queue and waits per row tile
+    for the up GEMM's count of finished items, which must end at exactly I / up_n for every tile in use."""
     from dataclasses import replace
 
     from kernels.mok_hopper.triton_kernels import TileConfig
@@ -433,9 +449,10 @@ def test_kernels_with_small_tiles_walk_every_loop(precision, tma, layout):
         P, T, K, E, H, I = 4, 16, 3, 16, 128, 64
         tile = TileConfig(block_m=16, up_n=32, up_k=32, down_n=32, down_k=16, num_chunks=3, gemm_programs=3,
                           pull_programs=5, pull_rows=4, group_m=2)
-    half, flat, pair = layout.startswith("half"), layout.endswith("flat"), layout.endswith("pair")
+    half, flat, pair, early = (layout.startswith("half"), layout.endswith("flat"), "+pair" in layout,
+                               layout.endswith("early"))
     tile = replace(tile, tma=tma, half_tiles=half, ready_flags=half and not flat, flat_up=flat, flat_down=flat,
-                   pair_up=pair, pair_down=pair,
+                   pair_up=pair, pair_down=pair, early_down=early,
                    num_chunks=1 if pair else tile.num_chunks)  # (a pair never spans two chunks)
     xs, idx, ws, w13, w2, sh = make_layer_inputs(P, T, K, E, H, I, seed=13)
     runs, layers, _ = run_kernels(xs, idx, ws, w13, w2, sh, precision=precision, tile=tile, limit=1.0)
@@ -457,9 +474,18 @@ def test_kernels_with_small_tiles_walk_every_loop(precision, tma, layout):
     for layer in layers:
         if half and not flat:
             used = int(layer.sched.tile_row_M1[int(layer.sched.num_tiles)]) // 8
-            assert layer.ready[:used].tolist() == [8] * used and not layer.ready[used:].any()
+            gran = layer.ready if layer.done is None else layer.ready[: -layer.done.numel()]
+            assert gran[:used].tolist() == [8] * used and not gran[used:].any()
         else:
             assert layer.ready is None
+        n = int(layer.sched.num_tiles)
+        if early:  # every tile in use finished by the up GEMM exactly once per column block; the down queues drained
+            assert layer.done[:n].tolist() == [I // tile.up_n] * n and not layer.done[n:].any()
+            C, chunks = tile.num_chunks, layer.sched.chunk_tiles_C1.tolist()
+            drained = [(chunks[c + 1] - chunks[c]) * (H // tile.down_n) + tile.gemm_programs for c in range(C)]
+            assert layer.work[C:].tolist() == drained
+        else:
+            assert layer.done is None
 
 
 @needs_triton

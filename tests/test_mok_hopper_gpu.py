@@ -89,6 +89,31 @@ def test_single_gpu_shared_expert_beside_the_up_gemm_changes_no_bit():
         assert torch.equal(side(x, idx, w), want)
 
 
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_single_gpu_early_down_changes_no_bit(precision):
+    """``early_down``: the down GEMM takes each row tile once the up GEMM's per-tile count says it is written,
+    launched after the up programs of every stream. Same tiles, same accumulation order: bitwise the default's
+    output, over 20 repeats (a missing release / acquire or stream join would show as stale rows)."""
+    from dataclasses import replace
+
+    from kernels.mok_hopper.api import MoKHopperLayer, default_tile
+
+    if precision == "fp8" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 needs SM89+")
+    x, idx, w, w13, w2, sh, _ = _inputs("uniform", 8, T=2048, E=64, H=2048, I=1024)
+    tile = replace(default_tile(device=x.device, hidden=2048, ffn=1024, rows_per_expert=2048 * 8 / 64),
+                   flat_down=False, down_n=128, down_stages=6)
+    base = MoKHopperLayer(w13, w2, topk=8, tokens=2048, shared=sh, tile=tile, precision=precision)
+    early = MoKHopperLayer(w13, w2, topk=8, tokens=2048, shared=sh, tile=replace(tile, early_down=True),
+                           precision=precision)
+    assert early.early and not base.early
+    want = base(x, idx, w)
+    for _ in range(20):
+        assert torch.equal(early(x, idx, w), want)
+    n = int(early.sched.num_tiles)
+    assert early.done[:n].tolist() == [1024 // early.cfg.up_n] * n
+
+
 def test_single_gpu_kernels_agree_with_the_twin_to_rounding():
     """The kernel pipeline and its pure-torch twin do the same math with the same roundings."""
     from test_mok_hopper import rel_l1

@@ -89,12 +89,12 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048) -> list[Varia
                                     a_half=operand(t, [c.block_m // 2, c.up_k], tma), as_ptr="*fp32",
                                     w_ptr=operand(t, [c.up_n, c.up_k], tma), ws_ptr="*fp32", h_ptr=t, hs_ptr="*fp32",
                                     tile_expert_ptr="*i32", tile_row_ptr="*i32", chunk_ptr="*i32", ready_ptr="*i32",
-                                    work_ptr="*i32", n_rows="i32", H="i32", I="i32", limit="fp32"),
+                                    work_ptr="*i32", done_ptr="*i32", n_rows="i32", H="i32", I="i32", limit="fp32"),
                                dict(BM=c.block_m, BN=c.up_n, BK=c.up_k, FP8=fp8, HAS_LIMIT=limit, NUM_PROGS=nprog,
                                     UPCAST=False, STAGES=c.up_stages, FP8_MAX_=tk.FP8_MAX, GROUP_M=c.group_m, TMA=tma,
                                     HALF=c.half_tiles, READY=c.ready_flags, GRAN=tk.ready_granule(c), SPIN=True,
                                     DYN=c.ready_flags, WB=128, FLAT=c.flat_up, PAIR=c.pair_up,
-                                    PAIR_STAGES=c.up_pair_stages), c.up_warps))
+                                    PAIR_STAGES=c.up_pair_stages, DONE=c.early_down), c.up_warps))
         for fp8, apply_w in ((False, True), (False, False), (True, True)):
             c = f8 if fp8 else cfg
             t = "*fp8e4nv" if fp8 else "*bf16"
@@ -103,12 +103,13 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048) -> list[Varia
                                     h_half=operand(t, [c.block_m // 2, c.down_k], tma), hs_ptr="*fp32",
                                     w_ptr=operand(t, [c.down_n, c.down_k], tma), ws_ptr="*fp32",
                                     tile_expert_ptr="*i32", tile_row_ptr="*i32", chunk_ptr="*i32", code_ptr="*i32",
-                                    rw_ptr="*fp32",
-                                    out_ref="*bf16", out_delta="*i64", n_rows="i32", H="i32", I="i32", TK="i32"),
+                                    rw_ptr="*fp32", out_ref="*bf16", out_delta="*i64", work_ptr="*i32",
+                                    done_ptr="*i32", n_rows="i32", H="i32", I="i32", TK="i32", N_UP="i32"),
                                dict(BM=c.block_m, BN=c.down_n, BK=c.down_k, FP8=fp8, APPLY_W=apply_w,
                                     NUM_PROGS=nprog, UPCAST=False, STAGES=c.down_stages, GROUP_M=c.group_m, TMA=tma,
                                     HALF=c.half_tiles, WB=128, FLAT=c.flat_down, PAIR=c.pair_down,
-                                    PAIR_STAGES=c.down_pair_stages),
+                                    PAIR_STAGES=c.down_pair_stages, DYN=c.early_down, DONE=c.early_down,
+                                    SPIN=True),
                                c.down_warps))
     if not cfg.pair_up and not cfg.flat_up and cfg.half_tiles:  # the paired up GEMM (glm_5_2's default, bf16, TMA)
         from dataclasses import replace

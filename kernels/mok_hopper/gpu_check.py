@@ -481,6 +481,10 @@ SWEEP = [  # (label, overrides of the base tile, layer options); tiles checked b
     ("down flat 128 wide x 6 stages", dict(flat_down=True, down_n=128, down_stages=6), {}),
     ("down 256 wide x 4 stages, not flat", dict(flat_down=False, down_n=256, down_stages=4), {}),
     ("down BK 128 x 3 stages, not flat", dict(flat_down=False, down_k=128, down_stages=3), {}),
+    # the down GEMM per row tile as soon as the up GEMM has finished it, launched after the up programs of every
+    # stream (PERF_NOTES "Next versions"); kimi / qwen's flattened down loop cannot wait, so it runs 128 wide there
+    ("early down (per-tile up counters, 128 wide x 6, not flat)",
+     dict(early_down=True, flat_down=False, down_n=128, down_stages=6), {}),
     ("up + down flat, no ready flags", dict(flat_up=True, flat_down=True, ready_flags=False), {}),
     ("v6 tiles (no pairs)", dict(pair_up=False, pair_down=False), {}),
     ("paired up + down tiles", dict(pair_up=True, pair_down=True, flat_down=False, down_n=128, down_stages=6), {}),
@@ -491,6 +495,7 @@ SWEEP = [  # (label, overrides of the base tile, layer options); tiles checked b
     ("shared beside up on 40 SMs", dict(shared_sms=40), {}),
 ]
 SWEEP_FP8 = ("pull 24 x 16 warps x 8 rows", "shared last", "shared before up, beside the pull (v7)",
+             "early down (per-tile up counters, 128 wide x 6, not flat)",
              "shared beside up on 16 SMs", "shared beside up on 24 SMs",
              "shared beside up on 32 SMs", "shared beside up on 40 SMs")
 TIMELINE_VARIANTS = ("v3 layout (full tiles, events, 3/4 stages, torch schedule)",)  # also get a timeline

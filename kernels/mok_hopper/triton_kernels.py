@@ -110,12 +110,18 @@ class TileConfig:
     pair_down: bool = False  # the same in the down GEMM (measured slower on glm_5_2: off by default)
     up_pair_stages: int = 3  # pipeline depth of the paired items (4 x 56 KB spills registers on sm_90)
     down_pair_stages: int = 4  # 4 x 40 KB (6 would not fit in shared memory)
+    early_down: bool = False  # the down GEMM takes a row tile as soon as the up GEMM has finished it (per-tile
+    # counters), and (CUDA, one chunk) is launched on every stream that runs up programs, right after them, so the
+    # SMs the up GEMM's last items leave idle start on the down GEMM (PERF_NOTES "Next versions"; not yet measured)
     fp8: bool = False  # set by for_fp8 (the fp8 GEMM steps and pipeline depths)
 
     def __post_init__(self) -> None:
         if self.shared_sms < 0 or (self.shared_sms and self.shared_last):
             raise ValueError("shared_sms (the shared expert beside the up GEMM) must be >= 0 and cannot be combined "
                              "with shared_last (the shared expert after the routed GEMMs)")
+        if self.early_down and (self.flat_down or not self.ready_flags):
+            raise ValueError("early_down needs ready_flags=True and flat_down=False: the down GEMM's wait for the up "
+                             "GEMM's tiles cannot be flattened, and it shares the up GEMM's work-queue setup")
         if self.flat_up and self.ready_flags:
             raise ValueError("flat_up needs ready_flags=False: the up GEMM's spin wait for the pull cannot be "
                              "flattened")
@@ -479,19 +485,34 @@ def ready_granule(cfg: TileConfig) -> int:
 
 
 @triton.jit
-def _wait_rows(ready_ptr, row0, row1, GRAN: tl.constexpr, SPIN: tl.constexpr, TMA: tl.constexpr):
-    """Wait until the pull has written rows [row0, row1) (acquire, GPU scope). The interpreter runs the pull to
+def _wait_counts(count_ptr, g0, g1, NEED, SPIN: tl.constexpr, TMA: tl.constexpr):
+    """Wait until counters [g0, g1) each reach ``NEED`` (acquire, GPU scope). The interpreter runs the producer to
     completion first, so it does not spin (``SPIN`` off). TMA reads through the async proxy: fence it after the
     acquire."""
     if SPIN:
-        for g in range(row0 // GRAN, row1 // GRAN):
-            n = tl.atomic_add(ready_ptr + g, 0, sem="acquire", scope="gpu")
-            while n < GRAN:
-                n = tl.atomic_add(ready_ptr + g, 0, sem="acquire", scope="gpu")
+        for g in range(g0, g1):
+            n = tl.atomic_add(count_ptr + g, 0, sem="acquire", scope="gpu")
+            while n < NEED:
+                n = tl.atomic_add(count_ptr + g, 0, sem="acquire", scope="gpu")
         tl.debug_barrier()
         if TMA:
             tl.inline_asm_elementwise("fence.proxy.async.global; // $0", "=r", [], dtype=tl.int32, is_pure=False,
                                       pack=1)
+
+
+@triton.jit
+def _wait_rows(ready_ptr, row0, row1, GRAN: tl.constexpr, SPIN: tl.constexpr, TMA: tl.constexpr):
+    """Wait until the pull has written rows [row0, row1) (its per-granule counters)."""
+    _wait_counts(ready_ptr, row0 // GRAN, row1 // GRAN, GRAN, SPIN, TMA)
+
+
+@triton.jit
+def _signal_tiles(done_ptr, m0, m1):
+    """Every thread's stores of this work item, then one release per row tile in [m0, m1]: the up GEMM tells the
+    down GEMM (``early_down``) that one more of the tile's column blocks is written."""
+    tl.debug_barrier()
+    for m in range(m0, m1 + 1):
+        tl.atomic_add(done_ptr + m, 1, sem="release", scope="gpu")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -677,20 +698,21 @@ def _next_work(wk, work_ptr, NUM_PROGS: tl.constexpr, DYN: tl.constexpr):
 
 @triton.jit
 def _up_swiglu_kernel(a_ptr, a_half, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, tile_expert_ptr, tile_row_ptr, chunk_ptr,
-                      ready_ptr, work_ptr, n_rows, H, I, limit,
+                      ready_ptr, work_ptr, done_ptr, n_rows, H, I, limit,
                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FP8: tl.constexpr,
                       HAS_LIMIT: tl.constexpr, NUM_PROGS: tl.constexpr, UPCAST: tl.constexpr,
                       STAGES: tl.constexpr, FP8_MAX_: tl.constexpr, GROUP_M: tl.constexpr, TMA: tl.constexpr = False,
                       HALF: tl.constexpr = False, READY: tl.constexpr = False, GRAN: tl.constexpr = 64,
                       SPIN: tl.constexpr = True, DYN: tl.constexpr = False, WB: tl.constexpr = 128,
-                      FLAT: tl.constexpr = False, PAIR: tl.constexpr = False, PAIR_STAGES: tl.constexpr = 3):
+                      FLAT: tl.constexpr = False, PAIR: tl.constexpr = False, PAIR_STAGES: tl.constexpr = 3,
+                      DONE: tl.constexpr = False):
     """TMA: ``a_ptr`` / ``a_half`` / ``w_ptr`` are TMA descriptors over A [R, H] (blocks [BM, BK] and [BM/2, BK])
     and W13 [L*2I, H] (blocks [BN, BK]), read by Hopper's bulk copy engine; otherwise pointers. HALF: tiles of
     BM/2 rows (the schedule's half tiles) run a BM/2-row MMA. READY: wait for the pull per row granule. DYN: work
     items off the counter at ``work_ptr`` (zero before the first launch that shares it). FLAT (neither READY nor
     DYN): static round robin in one flattened loop nest, as in the down kernel. PAIR (bf16, with HALF): a full
     tile and its expert's trailing half tile run as one item (``_pair_role``); the half tile's own item is
-    skipped."""
+    skipped. DONE: after each item, one release on ``done_ptr[m]`` per row tile it wrote (``_signal_tiles``)."""
     m_lo = tl.load(chunk_ptr)
     m_hi = tl.load(chunk_ptr + 1)
     n_n = I // BN
@@ -718,14 +740,20 @@ def _up_swiglu_kernel(a_ptr, a_half, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, tile_
                     if role == 1:
                         _up_pair_item(a_ptr, a_half, w_ptr, h_ptr, row0, row_hi, n, e_tile, n_rows, H, I, limit,
                                       BM, BN, BK, HAS_LIMIT, UPCAST, PAIR_STAGES, TMA)
+                        if DONE:
+                            _signal_tiles(done_ptr, m, m + 1)
                     else:
                         _up_tile(a_ptr, a_half, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row1, n, e_tile, n_rows,
                                  H, I, limit, BM, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB, HALF)
+                        if DONE:
+                            _signal_tiles(done_ptr, m, m)
             else:
                 if READY:
                     _wait_rows(ready_ptr, row0, row1, GRAN, SPIN, TMA)
                 _up_tile(a_ptr, a_half, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row1, n, e_tile, n_rows, H, I,
                          limit, BM, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB, HALF)
+                if DONE:
+                    _signal_tiles(done_ptr, m, m)
             wk = _next_work(wk, work_ptr, NUM_PROGS, DYN)
 
 
@@ -743,11 +771,14 @@ def up_swiglu(a_RH: torch.Tensor, a_scale: Optional[torch.Tensor], w13_LIH: torc
               w13_scale: Optional[torch.Tensor], h_RI: torch.Tensor, h_scale: Optional[torch.Tensor],
               tile_expert_M: torch.Tensor, tile_row_M1: torch.Tensor, chunk_2: torch.Tensor, *,
               limit: Optional[float], cfg: TileConfig, programs: int, n_rows: Optional[int] = None,
-              ready: Optional[torch.Tensor] = None, work: Optional[torch.Tensor] = None) -> None:
+              ready: Optional[torch.Tensor] = None, work: Optional[torch.Tensor] = None,
+              done: Optional[torch.Tensor] = None) -> None:
     """h = SwiGLU(a @ gate^T, a @ up^T) for tiles [chunk_2[0], chunk_2[1]); a tile's expert from tile_expert_M,
     its rows [tile_row_M1[m], tile_row_M1[m+1]) (BM, or BM/2 with ``cfg.half_tiles``). ``ready``: wait for the
     pull's per-granule counts (see :func:`pull_rows`) before reading a tile's rows. ``work``: an int32 counter,
-    zero before the first launch over these tiles; launches given the same counter share the work items."""
+    zero before the first launch over these tiles; launches given the same counter share the work items.
+    ``done``: int32 per row tile, zero before; each finished item adds one to its tiles' counts (so a tile is
+    complete at I / up_n), which :func:`down_push` waits for."""
     R, H = a_RH.shape
     I = h_RI.shape[1]
     fp8 = a_RH.dtype == torch.float8_e4m3fn
@@ -758,18 +789,20 @@ def up_swiglu(a_RH: torch.Tensor, a_scale: Optional[torch.Tensor], w13_LIH: torc
         assert h_scale.shape[1] == I // bn, "fp8 hidden activations are quantised in 1 x up_n blocks"
     assert not (cfg.pair_up and fp8), "paired tiles are bf16 only (TileConfig.for_fp8 turns them off)"
     flat = cfg.flat_up  # TileConfig refuses it with ready_flags, so the layer passes neither ready nor work
-    assert not flat or (ready is None and work is None), "flat_up runs a static loop: no ready counters, no queue"
+    assert not flat or (ready is None and work is None and done is None), \
+        "flat_up runs a static loop: no ready counters, no queue, no done counters"
     _up_swiglu_kernel[(programs,)](
         _operand(a_RH, [bm, bk], cfg.tma), _operand(a_RH, [bm // 2, bk], cfg.tma and cfg.half_tiles),
         a_scale if fp8 else a_RH, _operand(w13_LIH, [bn, bk], cfg.tma),
         w13_scale if fp8 else w13_LIH, h_RI, h_scale if fp8 else h_RI,
         tile_expert_M, tile_row_M1, chunk_2, ready if ready is not None else tile_row_M1,
-        work if work is not None else tile_row_M1, R if n_rows is None else n_rows, H, I,
-        0.0 if limit is None else float(limit),
+        work if work is not None else tile_row_M1, done if done is not None else tile_row_M1,
+        R if n_rows is None else n_rows, H, I, 0.0 if limit is None else float(limit),
         BM=bm, BN=bn, BK=bk, FP8=fp8, HAS_LIMIT=limit is not None, NUM_PROGS=programs, UPCAST=INTERPRET,
         STAGES=cfg.up_stages, FP8_MAX_=FP8_MAX, GROUP_M=cfg.group_m, TMA=cfg.tma, HALF=cfg.half_tiles,
         READY=ready is not None, GRAN=ready_granule(cfg), SPIN=not INTERPRET, DYN=work is not None,
-        FLAT=flat, PAIR=cfg.pair_up, PAIR_STAGES=cfg.up_pair_stages, num_warps=cfg.up_warps)
+        FLAT=flat, PAIR=cfg.pair_up, PAIR_STAGES=cfg.up_pair_stages, DONE=done is not None,
+        num_warps=cfg.up_warps)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -877,17 +910,51 @@ def _down_tile(h_ptr, h_half, hs_ptr, w_ptr, ws_ptr, code_ptr, rw_ptr, out_ref, 
 
 
 @triton.jit
+def _down_work(wk, h_ptr, h_half, hs_ptr, w_ptr, ws_ptr, tile_expert_ptr, tile_row_ptr, code_ptr, rw_ptr, out_ref,
+               out_delta, done_ptr, m_lo, m_hi, n_n, n_rows, H, I, TK, N_UP,
+               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FP8: tl.constexpr, APPLY_W: tl.constexpr,
+               UPCAST: tl.constexpr, STAGES: tl.constexpr, GROUP_M: tl.constexpr, TMA: tl.constexpr,
+               HALF: tl.constexpr, WB: tl.constexpr, PAIR: tl.constexpr, PAIR_STAGES: tl.constexpr,
+               DONE: tl.constexpr, SPIN: tl.constexpr):
+    """Work item ``wk`` of the (not flattened) down loop; DONE: first wait until the up GEMM has finished its
+    row tiles (``N_UP`` column blocks each)."""
+    m, n = _tile_order(wk, m_lo, m_hi, n_n, GROUP_M)
+    e_tile = tl.load(tile_expert_ptr + m)
+    row0 = tl.load(tile_row_ptr + m)
+    row1 = tl.load(tile_row_ptr + m + 1)
+    if PAIR:
+        role, row_hi = _pair_role(tile_expert_ptr, tile_row_ptr, m, m_lo, m_hi, e_tile, row0, row1, BM)
+        if role == 1:
+            if DONE:
+                _wait_counts(done_ptr, m, m + 2, N_UP, SPIN, TMA)
+            _down_pair_item(h_ptr, h_half, w_ptr, code_ptr, rw_ptr, out_ref, out_delta, row0, row_hi, n,
+                            e_tile, n_rows, H, I, TK, BM, BN, BK, APPLY_W, UPCAST, PAIR_STAGES, TMA)
+        elif role == 0:
+            if DONE:
+                _wait_counts(done_ptr, m, m + 1, N_UP, SPIN, TMA)
+            _down_tile(h_ptr, h_half, hs_ptr, w_ptr, ws_ptr, code_ptr, rw_ptr, out_ref, out_delta, row0, row1,
+                       n, e_tile, n_rows, H, I, TK, BM, BN, BK, FP8, APPLY_W, UPCAST, STAGES, TMA, WB, HALF)
+    else:
+        if DONE:
+            _wait_counts(done_ptr, m, m + 1, N_UP, SPIN, TMA)
+        _down_tile(h_ptr, h_half, hs_ptr, w_ptr, ws_ptr, code_ptr, rw_ptr, out_ref, out_delta, row0, row1, n,
+                   e_tile, n_rows, H, I, TK, BM, BN, BK, FP8, APPLY_W, UPCAST, STAGES, TMA, WB, HALF)
+
+
+@triton.jit
 def _down_push_kernel(h_ptr, h_half, hs_ptr, w_ptr, ws_ptr, tile_expert_ptr, tile_row_ptr, chunk_ptr, code_ptr,
-                      rw_ptr, out_ref, out_delta, n_rows, H, I, TK,
+                      rw_ptr, out_ref, out_delta, work_ptr, done_ptr, n_rows, H, I, TK, N_UP,
                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FP8: tl.constexpr,
                       APPLY_W: tl.constexpr, NUM_PROGS: tl.constexpr, UPCAST: tl.constexpr, STAGES: tl.constexpr,
                       GROUP_M: tl.constexpr, TMA: tl.constexpr = False, HALF: tl.constexpr = False,
                       WB: tl.constexpr = 128, FLAT: tl.constexpr = False, PAIR: tl.constexpr = False,
-                      PAIR_STAGES: tl.constexpr = 4):
+                      PAIR_STAGES: tl.constexpr = 4, DYN: tl.constexpr = False, DONE: tl.constexpr = False,
+                      SPIN: tl.constexpr = True):
     """TMA: ``h_ptr`` / ``h_half`` / ``w_ptr`` are TMA descriptors over h [R, I] (blocks [BM, BK] and [BM/2, BK])
     and W2 [L*H, I] (blocks [BN, BK]); otherwise pointers. HALF, PAIR: as in the up kernel. FLAT: one flattened
     loop nest (items x K steps, pipelined across items); every tile runs BM rows, a half tile's rows past its end
-    are computed and not stored."""
+    are computed and not stored. DYN: work items off the counter at ``work_ptr`` (launches on several streams
+    share it). DONE: an item first waits for its row tiles' up-GEMM counts (``done_ptr``, ``N_UP`` each)."""
     m_lo = tl.load(chunk_ptr)
     m_hi = tl.load(chunk_ptr + 1)
     n_n = H // BN
@@ -900,33 +967,31 @@ def _down_push_kernel(h_ptr, h_half, hs_ptr, w_ptr, ws_ptr, tile_expert_ptr, til
             row1 = tl.load(tile_row_ptr + m + 1)
             _down_item(h_ptr, hs_ptr, w_ptr, ws_ptr, code_ptr, rw_ptr, out_ref, out_delta, row0, row1, n, e_tile,
                        n_rows, H, I, TK, BM, BN, BK, FP8, APPLY_W, UPCAST, STAGES, TMA, WB)
+    elif DYN:
+        wk = _first_work(work_ptr, DYN)
+        while wk < n_work:
+            _down_work(wk, h_ptr, h_half, hs_ptr, w_ptr, ws_ptr, tile_expert_ptr, tile_row_ptr, code_ptr, rw_ptr,
+                       out_ref, out_delta, done_ptr, m_lo, m_hi, n_n, n_rows, H, I, TK, N_UP, BM, BN, BK, FP8,
+                       APPLY_W, UPCAST, STAGES, GROUP_M, TMA, HALF, WB, PAIR, PAIR_STAGES, DONE, SPIN)
+            wk = _next_work(wk, work_ptr, NUM_PROGS, DYN)
     else:
         for wk in range(tl.program_id(0), n_work, NUM_PROGS):
-            m, n = _tile_order(wk, m_lo, m_hi, n_n, GROUP_M)
-            e_tile = tl.load(tile_expert_ptr + m)
-            row0 = tl.load(tile_row_ptr + m)
-            row1 = tl.load(tile_row_ptr + m + 1)
-            if PAIR:
-                role, row_hi = _pair_role(tile_expert_ptr, tile_row_ptr, m, m_lo, m_hi, e_tile, row0, row1, BM)
-                if role == 1:
-                    _down_pair_item(h_ptr, h_half, w_ptr, code_ptr, rw_ptr, out_ref, out_delta, row0, row_hi, n,
-                                    e_tile, n_rows, H, I, TK, BM, BN, BK, APPLY_W, UPCAST, PAIR_STAGES, TMA)
-                elif role == 0:
-                    _down_tile(h_ptr, h_half, hs_ptr, w_ptr, ws_ptr, code_ptr, rw_ptr, out_ref, out_delta, row0, row1,
-                               n, e_tile, n_rows, H, I, TK, BM, BN, BK, FP8, APPLY_W, UPCAST, STAGES, TMA, WB, HALF)
-            else:
-                _down_tile(h_ptr, h_half, hs_ptr, w_ptr, ws_ptr, code_ptr, rw_ptr, out_ref, out_delta, row0, row1, n,
-                           e_tile, n_rows, H, I, TK, BM, BN, BK, FP8, APPLY_W, UPCAST, STAGES, TMA, WB, HALF)
+            _down_work(wk, h_ptr, h_half, hs_ptr, w_ptr, ws_ptr, tile_expert_ptr, tile_row_ptr, code_ptr, rw_ptr,
+                       out_ref, out_delta, done_ptr, m_lo, m_hi, n_n, n_rows, H, I, TK, N_UP, BM, BN, BK, FP8,
+                       APPLY_W, UPCAST, STAGES, GROUP_M, TMA, HALF, WB, PAIR, PAIR_STAGES, DONE, SPIN)
 
 
 def down_push(h_RI: torch.Tensor, h_scale: Optional[torch.Tensor], w2_LHI: torch.Tensor,
               w2_scale: Optional[torch.Tensor], tile_expert_M: torch.Tensor, tile_row_M1: torch.Tensor,
               chunk_2: torch.Tensor, code_R: torch.Tensor, rw_R: Optional[torch.Tensor], out_ref: torch.Tensor,
               out_delta_P: torch.Tensor, *, slots_per_rank: int, cfg: TileConfig, programs: int,
-              n_rows: Optional[int] = None) -> None:
+              n_rows: Optional[int] = None, work: Optional[torch.Tensor] = None,
+              done: Optional[torch.Tensor] = None) -> None:
     """y = h @ down^T (x router weight) stored as bf16 at row ``slot`` of rank ``src``'s copy of ``out_ref``
     (row code = src * slots_per_rank + slot; ``out_delta_P`` locates every rank's copy). Tiles as in
-    :func:`up_swiglu`."""
+    :func:`up_swiglu`. ``work``: a shared work counter as there. ``done``: the up GEMM's per-tile counts (see
+    :func:`up_swiglu`); an item waits until its tiles reach I / up_n, so this launch may start before the up GEMM
+    has finished (``early_down``)."""
     R, I = h_RI.shape
     H = w2_LHI.shape[1]
     fp8 = h_RI.dtype == torch.float8_e4m3fn
@@ -936,15 +1001,18 @@ def down_push(h_RI: torch.Tensor, h_scale: Optional[torch.Tensor], w2_LHI: torch
     if fp8:
         assert 128 % bn == 0 and h_scale.shape[1] == I // bk, "fp8 down: BK must be the hidden-activation block, " \
                                                              "BN divide 128"
+    assert not cfg.flat_down or (work is None and done is None), \
+        "flat_down runs a static loop: no queue, no done counters"
     _down_push_kernel[(programs,)](
         _operand(h_RI, [bm, bk], cfg.tma), _operand(h_RI, [bm // 2, bk], cfg.tma and cfg.half_tiles),
         h_scale if fp8 else h_RI, _operand(w2_LHI, [bn, bk], cfg.tma),
         w2_scale if fp8 else w2_LHI, tile_expert_M, tile_row_M1, chunk_2, code_R,
-        rw_R if rw_R is not None else h_RI, out_ref, out_delta_P, R if n_rows is None else n_rows, H, I,
-        slots_per_rank,
+        rw_R if rw_R is not None else h_RI, out_ref, out_delta_P, work if work is not None else code_R,
+        done if done is not None else code_R, R if n_rows is None else n_rows, H, I, slots_per_rank, I // cfg.up_n,
         BM=bm, BN=bn, BK=bk, FP8=fp8, APPLY_W=rw_R is not None, NUM_PROGS=programs, UPCAST=INTERPRET,
         STAGES=cfg.down_stages, GROUP_M=cfg.group_m, TMA=cfg.tma, HALF=cfg.half_tiles, FLAT=cfg.flat_down,
-        PAIR=cfg.pair_down, PAIR_STAGES=cfg.down_pair_stages, num_warps=cfg.down_warps)
+        PAIR=cfg.pair_down, PAIR_STAGES=cfg.down_pair_stages, DYN=work is not None, DONE=done is not None,
+        SPIN=not INTERPRET, num_warps=cfg.down_warps)
 
 
 # ---------------------------------------------------------------------------------------------------------------
