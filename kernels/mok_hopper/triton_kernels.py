@@ -183,6 +183,13 @@ def _tile_order(wk, m_lo, m_hi, n_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def _work_tile(wk, tile_expert_ptr, tile_row_ptr, m_lo, m_hi, n_n, GROUP_M: tl.constexpr):
+    """Work item -> (row tile, column tile, the tile's expert, its first row, the next tile's first row)."""
+    m, n = _tile_order(wk, m_lo, m_hi, n_n, GROUP_M)
+    return m, n, tl.load(tile_expert_ptr + m), tl.load(tile_row_ptr + m), tl.load(tile_row_ptr + m + 1)
+
+
+@triton.jit
 def _quant_e4m3(v, FP8_MAX_: tl.constexpr):
     """Row-wise 1xN block quantisation of an fp32 block [R, N]: (e4m3 values, fp32 scale [R])."""
     amax = tl.max(tl.abs(v), axis=1)
@@ -719,19 +726,13 @@ def _up_swiglu_kernel(a_ptr, a_half, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, tile_
     n_work = (m_hi - m_lo) * n_n
     if FLAT:  # static round robin, one flattened loop nest; every tile runs BM rows (see _down_push_kernel)
         for wk in tl.range(tl.program_id(0), n_work, NUM_PROGS, flatten=True):
-            m, n = _tile_order(wk, m_lo, m_hi, n_n, GROUP_M)
-            e_tile = tl.load(tile_expert_ptr + m)
-            row0 = tl.load(tile_row_ptr + m)
-            row1 = tl.load(tile_row_ptr + m + 1)
+            m, n, e_tile, row0, row1 = _work_tile(wk, tile_expert_ptr, tile_row_ptr, m_lo, m_hi, n_n, GROUP_M)
             _up_item(a_ptr, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row1, n, e_tile, n_rows, H, I, limit,
                      BM, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB)
     else:
         wk = _first_work(work_ptr, DYN)
         while wk < n_work:
-            m, n = _tile_order(wk, m_lo, m_hi, n_n, GROUP_M)
-            e_tile = tl.load(tile_expert_ptr + m)
-            row0 = tl.load(tile_row_ptr + m)
-            row1 = tl.load(tile_row_ptr + m + 1)
+            m, n, e_tile, row0, row1 = _work_tile(wk, tile_expert_ptr, tile_row_ptr, m_lo, m_hi, n_n, GROUP_M)
             if PAIR:
                 role, row_hi = _pair_role(tile_expert_ptr, tile_row_ptr, m, m_lo, m_hi, e_tile, row0, row1, BM)
                 if role != 2:
@@ -918,10 +919,7 @@ def _down_work(wk, h_ptr, h_half, hs_ptr, w_ptr, ws_ptr, tile_expert_ptr, tile_r
                DONE: tl.constexpr, SPIN: tl.constexpr):
     """Work item ``wk`` of the (not flattened) down loop; DONE: first wait until the up GEMM has finished its
     row tiles (``N_UP`` column blocks each)."""
-    m, n = _tile_order(wk, m_lo, m_hi, n_n, GROUP_M)
-    e_tile = tl.load(tile_expert_ptr + m)
-    row0 = tl.load(tile_row_ptr + m)
-    row1 = tl.load(tile_row_ptr + m + 1)
+    m, n, e_tile, row0, row1 = _work_tile(wk, tile_expert_ptr, tile_row_ptr, m_lo, m_hi, n_n, GROUP_M)
     if PAIR:
         role, row_hi = _pair_role(tile_expert_ptr, tile_row_ptr, m, m_lo, m_hi, e_tile, row0, row1, BM)
         if role == 1:
@@ -961,10 +959,7 @@ def _down_push_kernel(h_ptr, h_half, hs_ptr, w_ptr, ws_ptr, tile_expert_ptr, til
     n_work = (m_hi - m_lo) * n_n
     if FLAT:
         for wk in tl.range(tl.program_id(0), n_work, NUM_PROGS, flatten=True):
-            m, n = _tile_order(wk, m_lo, m_hi, n_n, GROUP_M)
-            e_tile = tl.load(tile_expert_ptr + m)
-            row0 = tl.load(tile_row_ptr + m)
-            row1 = tl.load(tile_row_ptr + m + 1)
+            m, n, e_tile, row0, row1 = _work_tile(wk, tile_expert_ptr, tile_row_ptr, m_lo, m_hi, n_n, GROUP_M)
             _down_item(h_ptr, hs_ptr, w_ptr, ws_ptr, code_ptr, rw_ptr, out_ref, out_delta, row0, row1, n, e_tile,
                        n_rows, H, I, TK, BM, BN, BK, FP8, APPLY_W, UPCAST, STAGES, TMA, WB)
     elif DYN:
