@@ -184,6 +184,9 @@ class ClockWatch:
     def start(self) -> None:
         """Mark where each reading stands and start reading the SM clock; one the driver refuses stays NaN, the
         others are still taken."""
+        if getattr(self, "_poller", None) is not None:  # started twice: end the first window's thread
+            self._stop.set()
+            self._poller.join()
         self._mark: dict[tuple[str, int], Any] = {}
         self._mhz: list[float] = []
         self._poller = self._last = None

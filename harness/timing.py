@@ -67,8 +67,10 @@ class Timer:
         if self.cuda:
             torch.cuda.synchronize(self.device)
             self._watch.start()
-            local = self._cuda_samples(fn, num_iters, pre)  # ends with a synchronize
-            window = self._watch.stop()
+            try:
+                local = self._cuda_samples(fn, num_iters, pre)  # ends with a synchronize
+            finally:  # a failing backend leaves no clock thread behind
+                window = self._watch.stop()
             clocks = torch.tensor([window[f] for f in gpu_clocks.FIELDS], dtype=torch.float64, device=self.device)
         else:
             local = self._host_samples(fn, num_iters, pre)

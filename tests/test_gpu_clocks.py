@@ -98,6 +98,16 @@ def test_a_missing_driver_or_device_gives_nan_never_an_error():
     assert math.isnan(r["sm_clock_mhz"]) and math.isnan(r["power_w"])
 
 
+def test_a_window_started_twice_leaves_one_clock_thread():
+    w = gc.ClockWatch(["GPU-0"], nvml=FakeNvml())
+    w.start()
+    first = w._poller
+    w.start()  # e.g. the timed iterations of the first window raised before stop()
+    assert not first.is_alive() and w._poller.is_alive()
+    w.stop()
+    assert not any(t.name == "gpu-clock" for t in threading.enumerate())
+
+
 def test_ranks_combine_to_the_slowest_clock_and_the_largest_power():
     nan = float("nan")
     out = combine_clocks([[1900.0, 1500.0, 600.0, 0.2, 0.0], [1700.0, 1600.0, 650.0, 0.1, nan]])
