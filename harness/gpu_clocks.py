@@ -144,6 +144,9 @@ class ClockWatch:
     def __init__(self, ids: Sequence["str | int"], nvml: Optional[Any] = None) -> None:
         """``ids``: the device's names to NVML, tried in order (:func:`device_ids`)."""
         self.nvml, self.h, self.error = nvml, None, None
+        self._poller: Optional[threading.Thread] = None  # the clock thread of the open window
+        self._last: Optional[dict[str, float]] = None  # the fields of the last closed window
+        self._mhz: list[float] = []
         if not ids:
             self.error = "not a CUDA device"
             return
@@ -184,7 +187,7 @@ class ClockWatch:
     def start(self) -> None:
         """Mark where each reading stands and start reading the SM clock; one the driver refuses stays NaN, the
         others are still taken."""
-        if getattr(self, "_poller", None) is not None:  # started twice: end the first window's thread
+        if self._poller is not None:  # started twice: end the first window's thread
             self._stop.set()
             self._poller.join()
         self._mark: dict[tuple[str, int], Any] = {}
@@ -205,10 +208,8 @@ class ClockWatch:
 
     def stop(self) -> dict[str, float]:
         """The window's fields; a second ``stop()`` without a ``start()`` gives the same ones."""
-        if getattr(self, "_last", None) is not None and getattr(self, "_poller", None) is None:
-            return self._last
-        if self.h is None or getattr(self, "_poller", None) is None:
-            return empty()
+        if self._poller is None:  # no window open: the last one's fields, if any
+            return self._last if self._last is not None else empty()
         wall = time.perf_counter_ns() - self._t0
         self._stop.set()
         self._poller.join()

@@ -4,8 +4,9 @@ Per iteration: an optional untimed ``pre`` (the forward, when timing the backwar
 an aligning collective on the device stream, then a start/end event pair around ``fn``. One synchronisation at
 the end. Each iteration's latency is the max over ranks; the reported figures are the median and p20/p80/min/max
 of those maxima. On the CPU a host clock replaces the events and a barrier aligns the ranks. On CUDA the timed
-iterations also get the GPUs' SM clock, power and power / thermal limit time from NVML (``gpu_clocks``; read
-before and after, nothing runs beside them), the slowest clock and the largest power and limit share over ranks.
+iterations also get the GPUs' SM clock, power and power / thermal limit time from NVML (``gpu_clocks``: the
+driver's records read before and after, and the SM clock read every 10 ms by one thread), the slowest clock and
+the largest power and limit share over ranks.
 """
 
 from __future__ import annotations

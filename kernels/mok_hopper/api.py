@@ -492,11 +492,11 @@ class MoKHopperLayer(torch.nn.Module):
                      programs=programs or self.up_programs, ready=self.ready,
                      work=self.work[c : c + 1] if self.work is not None else None, done=self.done)
 
-    def down(self, c: int, programs: Optional[int] = None) -> None:
+    def down(self, c: int) -> None:
         s, C = self.sched, self.cfg.num_chunks
         tk.down_push(self.h_rows, self.hs_rows, self.w2, self.w2_scale, s.tile_expert_M, s.tile_row_M1,
                      s.chunk_tiles_C1[c : c + 2], s.row_code_R, self.rw_rows, self.ws.comb, self.ws.tables["comb"],
-                     slots_per_rank=self.T * self.K, cfg=self.cfg, programs=programs or self.gemm_programs,
+                     slots_per_rank=self.T * self.K, cfg=self.cfg, programs=self.gemm_programs,
                      work=self.work[C + c : C + c + 1] if self.done is not None else None, done=self.done)
 
     def shared_expert(self, x_TH: torch.Tensor) -> None:
