@@ -467,6 +467,8 @@ def _empty_cache(ctx: Ctx) -> None:
 
 
 SWEEP = [  # (label, overrides of the base tile, layer options); tiles checked by aot_check to fit on sm_90
+    # the default itself, as a second layer: its ratio is what a sweep reads when nothing changes (A/A control)
+    ("default again (A/A control)", {}, {}),
     ("v3 layout (full tiles, events, 3/4 stages, torch schedule)",  # the reference point of PERF_NOTES v3
      dict(half_tiles=False, ready_flags=False, up_stages=3, down_stages=4, pull_rows=2, pull_warps=8,
           pull_programs=48, shared_sms=0), dict(schedule="torch")),
@@ -494,7 +496,7 @@ SWEEP = [  # (label, overrides of the base tile, layer options); tiles checked b
     ("shared beside up on 32 SMs", dict(shared_sms=32), {}),
     ("shared beside up on 40 SMs", dict(shared_sms=40), {}),
 ]
-SWEEP_FP8 = ("pull 24 x 16 warps x 8 rows", "shared last", "shared before up, beside the pull (v7)",
+SWEEP_FP8 = ("default again (A/A control)", "pull 24 x 16 warps x 8 rows", "shared last", "shared before up, beside the pull (v7)",
              "early down (per-tile up counters, 128 wide x 6, not flat)",
              "shared beside up on 16 SMs", "shared beside up on 24 SMs",
              "shared beside up on 32 SMs", "shared beside up on 40 SMs")
