@@ -18,7 +18,7 @@ if not torch.cuda.is_available():
 
 from kernels.mok_hopper import twin  # noqa: E402
 from kernels.mok_hopper.fp8 import quantize_blocks  # noqa: E402
-from kernels.mok_hopper.schedule import build_schedule, capacity_rows, reference_schedule  # noqa: E402
+from kernels.mok_hopper.schedule import build_schedule, capacity_rows, padded_rows, reference_schedule  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------------------------
 # inputs
@@ -148,6 +148,43 @@ def test_half_tiles_cut_the_padding_of_experts_just_over_a_tile():
     assert full.tile_row_M1[:4].tolist() == [0, 4, 8, 12] and full.tile_expert_M[:3].tolist() == [0, 0, 1]
     assert half.tile_row_M1[:4].tolist() == [0, 4, 6, 8] and half.tile_expert_M[:4].tolist() == [0, 0, 1, 2]
     assert half.row_code_R.tolist()[:8] == [0, 1, 2, 3, 4, -1, 5, 6]
+
+
+def test_tails_cut_the_padding_of_experts_just_over_a_half_or_a_full_tile():
+    # BM 8, tails of 2: expert 0 has 9 rows (a full tile takes the rest: 8 + 2), expert 1 has 5 (a half tile + a
+    # tail: 4 + 2), expert 2 has 3 (a half tile), expert 3 has 7 (a full tile)
+    idx_PS = torch.tensor([[0] * 9 + [1] * 5 + [2] * 3 + [3] * 7])
+    tiles, rows = padded_rows(torch.tensor([9, 5, 3, 7, 0, 16, 17, 19]), 8, True, 2)
+    assert tiles.tolist() == [1, 1, 1, 1, 0, 2, 2, 3] and rows.tolist() == [10, 6, 4, 8, 0, 16, 18, 20]
+    s = build_schedule(idx_PS, rank=0, local_experts=4, block_m=8, capacity=64, half_tiles=True, tail_rows=2)
+    assert s.tile_row_M1[:5].tolist() == [0, 10, 16, 20, 28] and s.tile_expert_M[:5].tolist() == [0, 1, 2, 3, 4]
+    assert s.row_code_R.tolist()[:10] == list(range(9)) + [-1]
+    for bad in (dict(half_tiles=False, tail_rows=2), dict(half_tiles=True, tail_rows=3),
+                dict(half_tiles=True, tail_rows=4)):
+        with pytest.raises(AssertionError, match="tail_rows needs half tiles"):
+            build_schedule(idx_PS, rank=0, local_experts=4, block_m=8, capacity=64, **bad)
+
+
+@pytest.mark.parametrize("mode", ["uniform", "one_expert", "masked", "empty_expert"])
+def test_schedule_with_tails_matches_its_python_twin(mode):
+    P, T, K, E, BM, TL = 2, 24, 3, 8, 8, 2
+    idx_PS = torch.stack([i.reshape(-1) for i in routing(P, T, K, E, seed=4, mode=mode)])
+    L = E // P
+    for r in range(P):
+        R = capacity_rows(ep=P, tokens=T, topk=K, local_experts=L, block_m=BM)
+        s = build_schedule(idx_PS.to(torch.int32), rank=r, local_experts=L, block_m=BM, capacity=R, num_chunks=2,
+                           half_tiles=True, tail_rows=TL)
+        codes, tiles, overflow, starts = reference_schedule(idx_PS, rank=r, local_experts=L, block_m=BM,
+                                                            capacity=R, half_tiles=True, tail_rows=TL)
+        assert (s.row_code_R.tolist(), s.tile_expert_M.tolist(), s.tile_row_M1.tolist()) == (codes, tiles, starts)
+        assert int(s.overflow_rows) == overflow == 0
+        n = int(s.num_tiles)
+        sizes = [b - a for a, b in zip(starts[:n], starts[1:n + 1])]
+        assert set(sizes) <= {BM // 2, BM // 2 + TL, BM, BM + TL}
+        for m in range(n):  # a tile never has more padding than the next smaller tile kind would need rows
+            used = sum(1 for c in codes[starts[m]: starts[m + 1]] if c >= 0)
+            smaller = max([k for k in (0, BM // 2, BM // 2 + TL, BM) if k < sizes[m]])
+            assert used > smaller or (sizes[m] == BM // 2 and used > 0)
 
 
 def test_schedule_counts_overflow_instead_of_dropping_silently():
@@ -489,10 +526,43 @@ def test_kernels_with_small_tiles_walk_every_loop(precision, tma, layout):
 
 
 @needs_triton
-@pytest.mark.parametrize("half", [True, False], ids=["half_tiles", "full_tiles"])
+@pytest.mark.parametrize("early", [False, True], ids=["", "early"])
+@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
+def test_kernels_with_tails_match_the_twin(tma, early):
+    """Tails (bf16): tiles of BM/2 + TL and BM + TL rows run their last TL rows as a second MMA with the rows in N
+    (W @ A^T) in both GEMMs. Every tile kind occurs, several column tiles and K steps, the pull's ready counters
+    in granules of TL rows (each counted once), with and without the early down GEMM."""
+    from kernels.mok_hopper.triton_kernels import TileConfig
+
+    P, T, K, E, H, I, BM, TL = 2, 64, 4, 8, 128, 64, 64, 16
+    tile = TileConfig(block_m=BM, tail_rows=TL, up_n=32, up_k=32, down_n=32, down_k=32, num_chunks=1,
+                      gemm_programs=3, pull_programs=5, pull_rows=4, group_m=2, tma=tma, early_down=early)
+    xs, _, ws, w13, w2, sh = make_layer_inputs(P, T, K, E, H, I, seed=21)
+    g = torch.Generator().manual_seed(0)  # uneven expert loads (24-94 rows): every tile kind below occurs
+    load = torch.tensor([4.0, 7.0, 2.0, 6.0, 5.0, 7.5, 1.5, 6.0])
+    idx = [torch.stack([torch.multinomial(load, K, generator=g) for _ in range(T)]) for _ in range(P)]
+    runs, layers, _ = run_kernels(xs, idx, ws, w13, w2, sh, tile=tile, limit=1.0)
+    want = twin.simulate(xs, idx, ws, w13, w2, shared=sh, block_m=16, limit=1.0)
+    for r in range(P):
+        assert rel_l1(runs[0][r], want[r]) < 1e-3 and (runs[0][r].float() - want[r].float()).abs().max() < 0.02
+    sizes = set()
+    for layer in layers:
+        n = int(layer.sched.num_tiles)
+        rows = layer.sched.tile_row_M1[: n + 1].tolist()
+        sizes |= {b - a for a, b in zip(rows[:-1], rows[1:])}
+        used = rows[n] // TL
+        gran = layer.ready if layer.done is None else layer.ready[: -layer.done.numel()]
+        assert gran[:used].tolist() == [TL] * used and not gran[used:].any()
+        if early:
+            assert layer.done[:n].tolist() == [I // tile.up_n] * n
+    assert sizes == {BM // 2, BM // 2 + TL, BM, BM + TL}  # tails of both kinds, and plain tiles
+
+
+@needs_triton
+@pytest.mark.parametrize("tiles", ["half_tiles", "full_tiles", "tails"])
 @pytest.mark.parametrize("mode,P,capacity", [("uniform", 2, None), ("one_rank", 2, None), ("masked", 4, None),
                                              ("empty_expert", 1, None), ("one_rank", 2, 48)])
-def test_triton_schedule_equals_the_torch_schedule(mode, P, capacity, half):
+def test_triton_schedule_equals_the_torch_schedule(mode, P, capacity, tiles):
     """The five-kernel schedule the layer runs writes the same tables as build_schedule (and the Python twin),
     counts the same overflow, and zeroes the ready and work counters."""
     from dataclasses import replace
@@ -502,8 +572,9 @@ def test_triton_schedule_equals_the_torch_schedule(mode, P, capacity, half):
 
     T, K, E, H, I = 40, 3, 8, 128, 64
     xs, idx, ws, w13, w2, _ = make_layer_inputs(P, T, K, E, H, I, seed=5, mode=mode, shared=False)
-    tile = replace(default_tile(device=torch.device("cpu"), hidden=H, ffn=I), block_m=16, half_tiles=half,
-                   num_chunks=3, pull_rows=4)
+    half, BM, TL = tiles != "full_tiles", 64 if tiles == "tails" else 16, 16 if tiles == "tails" else 0
+    tile = replace(default_tile(device=torch.device("cpu"), hidden=H, ffn=I), block_m=BM, half_tiles=half,
+                   tail_rows=TL, num_chunks=3, pull_rows=4)
     wss = link_local([Workspace(rank=r, world=P, device=torch.device("cpu"), tokens=T, hidden=H, topk=K,
                                 fp8=False, symmetric=False) for r in range(P)])
     layers = [MoKHopperLayer(w13[r], w2[r], topk=K, tokens=T, rank=r, world=P, workspace=wss[r], tile=tile,
@@ -515,8 +586,8 @@ def test_triton_schedule_equals_the_torch_schedule(mode, P, capacity, half):
         layer.ready.fill_(7)
         layer.work.fill_(7)
         got = layer.schedule()
-        want = build_schedule(idx_PS, rank=r, local_experts=E // P, block_m=16, capacity=layer.R, num_chunks=3,
-                              half_tiles=half)
+        want = build_schedule(idx_PS, rank=r, local_experts=E // P, block_m=BM, capacity=layer.R, num_chunks=3,
+                              half_tiles=half, tail_rows=TL)
         for f in ("row_code_R1", "tile_expert_M", "tile_row_M1", "chunk_tiles_C1", "counts_L", "num_tiles",
                   "overflow_rows"):
             assert getattr(got, f).tolist() == getattr(want, f).tolist(), f
@@ -524,7 +595,7 @@ def test_triton_schedule_equals_the_torch_schedule(mode, P, capacity, half):
         assert not layer.ready.any() and not layer.work.any()
         assert layer.overflow_rows() == int(want.overflow_rows)
     if capacity is not None:
-        assert layers[0].overflow_rows() > 0  # rank 0 gets every row and has room for 48
+        assert layers[0].overflow_rows() > 0  # rank 0 gets every row and has room for 48 (BM 16) or 64 (BM 64)
 
 
 @needs_triton

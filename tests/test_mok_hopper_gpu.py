@@ -114,6 +114,35 @@ def test_single_gpu_early_down_changes_no_bit(precision):
     assert early.done[:n].tolist() == [1024 // early.cfg.up_n] * n
 
 
+@pytest.mark.parametrize("tail", [16, 32])
+def test_single_gpu_tails_match_the_default_per_token(tail):
+    """``tail_rows``: an expert's last rows as a second, swapped MMA (rows in N). Same math, another order inside
+    the MMA: every token's output within rounding of the default's (a dropped or misplaced tail row would move its
+    token by a whole expert's share), on uneven loads that give every tile kind; 20 repeats bit-identical."""
+    from dataclasses import replace
+
+    from kernels.mok_hopper.api import MoKHopperLayer, default_tile
+
+    T, K, E, H, I = 2048, 6, 64, 2048, 1024
+    x, _, w, w13, w2, sh, _ = _inputs("uniform", K, T=T, E=E, H=H, I=I)
+    g = torch.Generator().manual_seed(3)  # loads from 1x to 3x the mean: tiles of every size
+    load = torch.rand(E, generator=g) * 2 + 1
+    idx = torch.stack([torch.multinomial(load, K, generator=g) for _ in range(T)]).to(x.device)
+    tile = replace(default_tile(device=x.device, hidden=H, ffn=I, rows_per_expert=T * K / E), flat_down=False,
+                   pair_up=False, down_n=128, down_stages=6)
+    base = MoKHopperLayer(w13, w2, topk=K, tokens=T, shared=sh, tile=tile)
+    tails = MoKHopperLayer(w13, w2, topk=K, tokens=T, shared=sh, tile=replace(tile, tail_rows=tail))
+    want, got = base(x, idx, w).float(), tails(x, idx, w)
+    per_token = (got.float() - want).norm(dim=1) / want.norm(dim=1)
+    assert float(per_token.max()) < 1e-2, float(per_token.max())
+    n = int(tails.sched.num_tiles)
+    rows = tails.sched.tile_row_M1[: n + 1].tolist()
+    bm = tile.block_m
+    assert {bm // 2 + tail, bm + tail} <= {b - a for a, b in zip(rows[:-1], rows[1:])}
+    for _ in range(20):
+        assert torch.equal(tails(x, idx, w), got)
+
+
 def test_single_gpu_kernels_agree_with_the_twin_to_rounding():
     """The kernel pipeline and its pure-torch twin do the same math with the same roundings."""
     from test_mok_hopper import rel_l1

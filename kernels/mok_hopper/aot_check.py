@@ -54,7 +54,8 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048) -> list[Varia
                        dict(count_ptr="*i32", lay_ptr="*i32", counts_out="*i32", num_tiles_ptr="*i32",
                             chunk_ptr="*i32", overflow_ptr="*i32", ready_ptr="*i32", work_ptr="*i32", L="i32",
                             R="i32", n_ready="i32", n_work="i32"),
-                       dict(BM=cfg.block_m, HALF=cfg.half_tiles, LP=lp, CP=2, NC=1, RP=1024, ZERO=True), 4))
+                       dict(BM=cfg.block_m, HALF=cfg.half_tiles, LP=lp, CP=2, NC=1, RP=1024, ZERO=True,
+                            TAIL=cfg.tail_rows), 4))
     out.append(Variant("schedule tiles", "_sched_tiles_kernel",
                        dict(lay_ptr="*i32", tile_expert_ptr="*i32", tile_row_ptr="*i32", codes_ptr="*i32", M="i32",
                             L="i32", R="i32"), dict(BM=cfg.block_m, LP=lp, MB=64, CB=2048), 4))
@@ -86,7 +87,8 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048) -> list[Varia
             t = "*fp8e4nv" if fp8 else "*bf16"
             out.append(Variant(f"up {'fp8' if fp8 else 'bf16'}{' clamp' if limit else ''}{path}", "_up_swiglu_kernel",
                                dict(a_ptr=operand(t, [c.block_m, c.up_k], tma),
-                                    a_half=operand(t, [c.block_m // 2, c.up_k], tma), as_ptr="*fp32",
+                                    a_half=operand(t, [c.block_m // 2, c.up_k], tma),
+                                    a_tail=operand(t, [c.tail_rows, c.up_k], tma and c.tail_rows > 0), as_ptr="*fp32",
                                     w_ptr=operand(t, [c.up_n, c.up_k], tma), ws_ptr="*fp32", h_ptr=t, hs_ptr="*fp32",
                                     tile_expert_ptr="*i32", tile_row_ptr="*i32", chunk_ptr="*i32", ready_ptr="*i32",
                                     work_ptr="*i32", done_ptr="*i32", n_rows="i32", H="i32", I="i32", limit="fp32"),
@@ -94,13 +96,14 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048) -> list[Varia
                                     UPCAST=False, STAGES=c.up_stages, FP8_MAX_=tk.FP8_MAX, GROUP_M=c.group_m, TMA=tma,
                                     HALF=c.half_tiles, READY=c.ready_flags, GRAN=tk.ready_granule(c), SPIN=True,
                                     DYN=c.ready_flags, WB=128, FLAT=c.flat_up, PAIR=c.pair_up,
-                                    PAIR_STAGES=c.up_pair_stages, DONE=c.early_down), c.up_warps))
+                                    PAIR_STAGES=c.up_pair_stages, DONE=c.early_down, TAIL=c.tail_rows), c.up_warps))
         for fp8, apply_w in ((False, True), (False, False), (True, True)):
             c = f8 if fp8 else cfg
             t = "*fp8e4nv" if fp8 else "*bf16"
             out.append(Variant(f"down {'fp8' if fp8 else 'bf16'}{' x w' if apply_w else ''}{path}", "_down_push_kernel",
                                dict(h_ptr=operand(t, [c.block_m, c.down_k], tma),
-                                    h_half=operand(t, [c.block_m // 2, c.down_k], tma), hs_ptr="*fp32",
+                                    h_half=operand(t, [c.block_m // 2, c.down_k], tma),
+                                    h_tail=operand(t, [c.tail_rows, c.down_k], tma and c.tail_rows > 0), hs_ptr="*fp32",
                                     w_ptr=operand(t, [c.down_n, c.down_k], tma), ws_ptr="*fp32",
                                     tile_expert_ptr="*i32", tile_row_ptr="*i32", chunk_ptr="*i32", code_ptr="*i32",
                                     rw_ptr="*fp32", out_ref="*bf16", out_delta="*i64", work_ptr="*i32",
@@ -109,9 +112,10 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048) -> list[Varia
                                     NUM_PROGS=nprog, UPCAST=False, STAGES=c.down_stages, GROUP_M=c.group_m, TMA=tma,
                                     HALF=c.half_tiles, WB=128, FLAT=c.flat_down, PAIR=c.pair_down,
                                     PAIR_STAGES=c.down_pair_stages, DYN=c.early_down, DONE=c.early_down,
-                                    SPIN=True),
+                                    SPIN=True, TAIL=c.tail_rows),
                                c.down_warps))
-    if not cfg.pair_up and not cfg.flat_up and cfg.half_tiles:  # the paired up GEMM (glm_5_2's default, bf16, TMA)
+    if not cfg.pair_up and not cfg.flat_up and cfg.half_tiles and not cfg.tail_rows:  # the paired up GEMM (glm_5_2,
+        # bf16, TMA)
         from dataclasses import replace
 
         out += [Variant("up bf16 paired tma", v.kernel, v.types, v.constexprs, v.num_warps)

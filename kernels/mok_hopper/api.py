@@ -221,7 +221,8 @@ class MoKHopperLayer(torch.nn.Module):
         self.cfg_bf16 = tile if tile is not None and not self.fp8 else default_tile(device=dev, hidden=H, ffn=I)
         # the shared expert: one "expert" of T rows in full tiles, nothing to wait for
         self.cfg_bf16 = replace(self.cfg_bf16, block_m=self.cfg.block_m, tma=self.cfg.tma, half_tiles=False,
-                                ready_flags=False, pair_up=False, pair_down=False, early_down=False)
+                                ready_flags=False, pair_up=False, pair_down=False, early_down=False,
+                                tail_rows=0)
         _check_divisible(H, I, self.cfg, self.cfg_bf16, shared is not None)
         BM = self.cfg.block_m
 
@@ -255,7 +256,7 @@ class MoKHopperLayer(torch.nn.Module):
         self.hs_rows = torch.zeros(R, I // self.cfg.h_block, dtype=torch.float32, device=dev) if self.fp8 else None
         self.idx_all = torch.zeros(self.world, tokens * topk, dtype=torch.int32, device=dev)
         self.sched: Schedule = empty_schedule(capacity=R, block_m=BM, local_experts=L, num_chunks=C, device=dev,
-                                              half_tiles=self.cfg.half_tiles)
+                                              half_tiles=self.cfg.half_tiles)  # (tails never add tiles)
         # pull -> up GEMM ready counters, one per granule of rows; with early_down, after them, up -> down GEMM
         # counters, one per row tile (the up items finished). Work-item counters: the up GEMM's per chunk, then
         # (early_down) the down GEMM's. The schedule zeroes them all, every forward.
@@ -271,7 +272,8 @@ class MoKHopperLayer(torch.nn.Module):
             raise ValueError(f"schedule must be one of {SCHEDULES} (got {schedule!r})")
         self.scheduler = tk.DeviceScheduler(
             world=self.world, tokens=tokens, topk=topk, local_experts=L, block_m=BM, capacity=R,
-            half_tiles=self.cfg.half_tiles, num_chunks=C, device=dev) if schedule == "triton" else None
+            half_tiles=self.cfg.half_tiles, num_chunks=C, device=dev,
+            tail_rows=self.cfg.tail_rows) if schedule == "triton" else None
 
         self.has_shared = shared is not None
         if self.has_shared:
@@ -466,7 +468,7 @@ class MoKHopperLayer(torch.nn.Module):
         tk.gather_peer_i32(self.ws.idx, self.ws.tables["idx"], self.idx_all)  # the torch twin: ~20 launches
         build_schedule(self.idx_all, rank=self.rank, local_experts=self.L, block_m=self.cfg.block_m,
                        capacity=self.R, num_chunks=self.cfg.num_chunks, half_tiles=self.cfg.half_tiles,
-                       out=self.sched)
+                       tail_rows=self.cfg.tail_rows, out=self.sched)
         if self.ready is not None:
             self.ready.zero_()
             self.work.zero_()

@@ -487,6 +487,11 @@ SWEEP = [  # (label, overrides of the base tile, layer options); tiles checked b
     # stream (PERF_NOTES "Next versions"); kimi / qwen's flattened down loop cannot wait, so it runs 128 wide there
     ("early down (per-tile up counters, 128 wide x 6, not flat)",
      dict(early_down=True, flat_down=False, down_n=128, down_stages=6), {}),
+    # an expert's last rows as a second MMA with the rows in N, off the same weight tiles (tail_rows; PERF_NOTES v9)
+    ("tails of 16 rows (swapped MMA, 128 wide x 6, not flat)",
+     dict(tail_rows=16, pair_up=False, pair_down=False, flat_down=False, down_n=128, down_stages=6), {}),
+    ("tails of 32 rows (swapped MMA, 128 wide x 6, not flat)",
+     dict(tail_rows=32, pair_up=False, pair_down=False, flat_down=False, down_n=128, down_stages=6), {}),
     ("up + down flat, no ready flags", dict(flat_up=True, flat_down=True, ready_flags=False), {}),
     ("v6 tiles (no pairs)", dict(pair_up=False, pair_down=False), {}),
     ("paired up + down tiles", dict(pair_up=True, pair_down=True, flat_down=False, down_n=128, down_stages=6), {}),

@@ -7,6 +7,12 @@ With ``half_tiles`` an expert's last tile is BM/2 rows when its remaining rows f
 such a tile with a BM/2-row MMA, so an expert with 130 rows costs 192 rows of MMA work instead of 256). Tiles then
 start on any multiple of BM/2; ``tile_row_M1`` says where. The pull marks rows as ready in granules of BM/2 rows.
 
+With ``tail_rows`` (TL, a power of two below BM/2; needs ``half_tiles``) an expert's last tile may also carry TL
+rows more: BM/2 + TL rows when the rest fits in them, and an expert's last full tile takes a rest of up to TL rows
+as BM + TL rows instead of a half tile after it. The GEMM kernels run those TL rows as a second, swapped MMA with
+the rows in the N dimension (which Hopper's MMA steps in 8s, where the M dimension steps in 64s), off the same
+weight tile. Tiles then start on multiples of TL, and the ready granule is TL rows.
+
 A slot is identified by its flat position ``p = (src * T + t) * K + k`` in the all-gathered top-k table
 ``idx_PS`` [P, T*K]; that integer (the "row code") is what the dispatch and combine kernels decode:
 ``src = p // (T*K)``, ``slot = p % (T*K)`` (the combine buffer row on the source rank), ``t = slot // K``.
@@ -59,6 +65,28 @@ def capacity_rows(*, ep: int, tokens: int, topk: int, local_experts: int, block_
     return -(-(routed + padding) // block_m) * block_m
 
 
+def padded_rows(count: torch.Tensor, block_m: int, half_tiles: bool = False,
+                tail_rows: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tiles, padded rows) of experts with ``count`` routed rows each (any integer tensor): full tiles of BM rows,
+    then with ``half_tiles`` a last tile of BM/2 rows when the rest fits in it, with ``tail_rows`` (TL) BM/2 + TL
+    rows when the rest fits in those, or TL more rows on the last full tile when the rest fits in TL; else BM."""
+    BM, TL = block_m, tail_rows
+    assert not TL or (half_tiles and TL < BM // 2 and TL & (TL - 1) == 0), \
+        "tail_rows needs half tiles and must be a power of two below block_m / 2"
+    if not half_tiles:
+        tiles = (count + BM - 1) // BM
+        return tiles, tiles * BM
+    full = count // BM
+    rest = count - full * BM
+    last = torch.where(rest > BM // 2 + TL, BM, torch.where(rest > BM // 2, BM // 2 + TL,
+                                                            torch.where(rest > 0, BM // 2, 0)))
+    if TL:
+        absorbed = (rest > 0) & (rest <= TL) & (full > 0)
+        last = torch.where(absorbed, TL, last)
+        return full + ((rest > 0) & ~absorbed).to(full.dtype), full * BM + last
+    return full + (rest > 0).to(full.dtype), full * BM + last
+
+
 def max_tiles(capacity: int, block_m: int, half_tiles: bool = False) -> int:
     """Entries of the tile tables: every tile holds at least BM (BM/2 with half tiles) rows of the capacity."""
     return capacity // (block_m // 2 if half_tiles else block_m)
@@ -77,7 +105,8 @@ def empty_schedule(*, capacity: int, block_m: int, local_experts: int, num_chunk
 
 
 def build_schedule(idx_PS: torch.Tensor, *, rank: int, local_experts: int, block_m: int, capacity: int,
-                   num_chunks: int = 1, half_tiles: bool = False, out: Optional[Schedule] = None) -> Schedule:
+                   num_chunks: int = 1, half_tiles: bool = False, tail_rows: int = 0,
+                   out: Optional[Schedule] = None) -> Schedule:
     """The schedule of rank ``rank`` from every rank's top-k ids (``idx_PS`` [P, T*K], any integer dtype).
 
     Only device ops with static shapes; no host sync. ``out`` reuses the buffers of an earlier schedule."""
@@ -94,14 +123,7 @@ def build_schedule(idx_PS: torch.Tensor, *, rank: int, local_experts: int, block
     key_S = torch.where(local_S, le_S, torch.full_like(le_S, L))  # L = "not mine"
     counts_L1 = torch.zeros(L + 1, dtype=torch.int64, device=dev).scatter_add_(0, key_S, torch.ones_like(key_S))
     counts_L = counts_L1[:L]
-    if half_tiles:  # full tiles, then a last tile of BM/2 rows if the rest fits in it, else of BM rows
-        full_L = counts_L // BM
-        rest_L = counts_L - full_L * BM
-        tiles_L = full_L + (rest_L > 0)
-        rows_L = full_L * BM + torch.where(rest_L > BM // 2, BM, torch.where(rest_L > 0, BM // 2, 0))
-    else:
-        tiles_L = (counts_L + BM - 1) // BM
-        rows_L = tiles_L * BM
+    tiles_L, rows_L = padded_rows(counts_L, BM, half_tiles, tail_rows)
     tile_end_L = torch.cumsum(tiles_L, 0)
     row_end_L = torch.cumsum(rows_L, 0)
     seg_start_L1 = torch.cat([row_end_L - rows_L, row_end_L.new_full((1,), R)])  # row where each expert starts
@@ -123,7 +145,7 @@ def build_schedule(idx_PS: torch.Tensor, *, rank: int, local_experts: int, block
     codes_R1.scatter_(0, dest_S, order_S.to(torch.int32))
     codes_R1[R:].fill_(-1)  # a fill kernel: a Python-scalar setitem would copy from pageable host memory
     # tile -> expert: the first expert whose tile range ends after the tile (L past the last tile); tile -> row:
-    # the expert's first row plus BM per earlier tile of the expert (only its last tile may be BM/2)
+    # the expert's first row plus BM per earlier tile of the expert (only its last tile may differ)
     m_M = torch.arange(M, device=dev)
     e_M = torch.searchsorted(tile_end_L, m_M, right=True)
     e_c = e_M.clamp(max=max(L - 1, 0))
@@ -147,7 +169,7 @@ def build_schedule(idx_PS: torch.Tensor, *, rank: int, local_experts: int, block
 
 
 def reference_schedule(idx_PS: torch.Tensor, *, rank: int, local_experts: int, block_m: int, capacity: int,
-                       half_tiles: bool = False) -> tuple[list[int], list[int], int, list[int]]:
+                       half_tiles: bool = False, tail_rows: int = 0) -> tuple[list[int], list[int], int, list[int]]:
     """Plain-Python twin of :func:`build_schedule`: (row codes [R], tile experts [M], overflow rows,
     tile rows [M+1])."""
     flat = idx_PS.reshape(-1).tolist()
@@ -160,8 +182,14 @@ def reference_schedule(idx_PS: torch.Tensor, *, rank: int, local_experts: int, b
         mine = [p for p, g in enumerate(flat) if g == rank * L + e]
         sizes = [BM] * (len(mine) // BM)
         rest = len(mine) % BM
-        if rest:
-            sizes.append(BM // 2 if half_tiles and rest <= BM // 2 else BM)
+        if rest and tail_rows and sizes and rest <= tail_rows:
+            sizes[-1] += tail_rows  # the last full tile takes the rest as its tail
+        elif rest and half_tiles and rest <= BM // 2:
+            sizes.append(BM // 2)
+        elif rest and tail_rows and rest <= BM // 2 + tail_rows:
+            sizes.append(BM // 2 + tail_rows)
+        elif rest:
+            sizes.append(BM)
         for size in sizes:
             if len(codes) < R:  # a tile starting past the capacity is dropped
                 starts.append(len(codes))

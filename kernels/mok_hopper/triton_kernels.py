@@ -113,6 +113,9 @@ class TileConfig:
     early_down: bool = False  # the down GEMM takes a row tile as soon as the up GEMM has finished it (per-tile
     # counters), and (CUDA, one chunk) is launched on every stream that runs up programs, right after them, so the
     # SMs the up GEMM's last items leave idle start on the down GEMM (PERF_NOTES "Next versions"; not yet measured)
+    tail_rows: int = 0  # bf16, half tiles: an expert's last tile may carry this many rows more (BM/2 + TL, or BM
+    # + TL instead of a full tile and a half tile), run as a second MMA with the rows in N ("swap AB") off the same
+    # weight tiles, so that an expert of 70 rows costs 96 rows of MMA work instead of 128 (schedule.padded_rows)
     fp8: bool = False  # set by for_fp8 (the fp8 GEMM steps and pipeline depths)
 
     def __post_init__(self) -> None:
@@ -125,6 +128,11 @@ class TileConfig:
         if self.flat_up and self.ready_flags:
             raise ValueError("flat_up needs ready_flags=False: the up GEMM's spin wait for the pull cannot be "
                              "flattened")
+        if self.tail_rows and (not self.half_tiles or self.flat_up or self.flat_down or self.pair_up
+                               or self.pair_down or self.tail_rows & (self.tail_rows - 1)
+                               or not 16 <= self.tail_rows < self.block_m // 2):
+            raise ValueError(f"tail_rows={self.tail_rows} needs half_tiles=True, neither flattened nor paired loops "
+                             "(their items have one row count), and a power of two from 16 to below block_m / 2")
         for kind, pair, flat in (("up", self.pair_up, self.flat_up), ("down", self.pair_down, self.flat_down)):
             if pair and (flat or not self.half_tiles):
                 raise ValueError(f"pair_{kind} needs half_tiles=True and flat_{kind}=False: it pairs a full tile "
@@ -136,14 +144,15 @@ class TileConfig:
         steps over whole 1 x 128 x blocks (BK = 128) and is 64 columns wide, which keeps its two accumulators and
         their promotion temporaries in registers; the hidden activations are quantised in its 1 x 64 column
         tiles, so the down GEMM steps 64 deep. The flattened down loop is off (it ran 0-5% slower in fp8,
-        PERF_NOTES v6); paired tiles are bf16 only."""
+        PERF_NOTES v6); paired tiles and tails are bf16 only."""
         from dataclasses import replace
 
         if self.fp8:  # idempotent: callers may apply it to a tile that already is one
             return self
         down_stages = 6 if self.flat_down else self.down_stages  # the bf16 flat tile's 4 stages were 256 wide
         return replace(self, up_n=64, up_k=128, up_stages=self.up_stages + 2, down_n=128, down_k=64,
-                       down_stages=down_stages + 2, flat_down=False, pair_up=False, pair_down=False, fp8=True)
+                       down_stages=down_stages + 2, flat_down=False, pair_up=False, pair_down=False, tail_rows=0,
+                       fp8=True)
 
     @property
     def h_block(self) -> int:
@@ -290,17 +299,24 @@ def _sched_scan_kernel(hist_ptr, off_ptr, count_ptr, NB, NBP: tl.constexpr, LP: 
 @triton.jit
 def _sched_layout_kernel(count_ptr, lay_ptr, counts_out, num_tiles_ptr, chunk_ptr, overflow_ptr, ready_ptr, work_ptr,
                          L, R, n_ready, n_work, BM: tl.constexpr, HALF: tl.constexpr, LP: tl.constexpr,
-                         CP: tl.constexpr, NC: tl.constexpr, RP: tl.constexpr, ZERO: tl.constexpr):
+                         CP: tl.constexpr, NC: tl.constexpr, RP: tl.constexpr, ZERO: tl.constexpr,
+                         TAIL: tl.constexpr = 0):
     """One program: per expert its padded rows and tiles, segment start, tile range (lay_ptr rows 0-2, row 3 slot 0:
     rows in use); tiles in use, chunk bounds; zeroes the overflow count and (ZERO) the ready / work counters."""
     e = tl.arange(0, LP)
     live = e < L
     c = tl.where(live, tl.load(count_ptr + e), 0)
     if HALF:  # full tiles, then a last tile of BM/2 rows if the rest fits in it, else of BM rows
-        full = c // BM
+        full = c // BM  # (TAIL: also BM/2 + TAIL rows, or TAIL more on the last full tile; schedule.padded_rows)
         rest = c - full * BM
-        tiles = full + (rest > 0).to(tl.int32)
-        rows = full * BM + tl.where(rest > BM // 2, BM, tl.where(rest > 0, BM // 2, 0))
+        last = tl.where(rest > BM // 2 + TAIL, BM, tl.where(rest > BM // 2, BM // 2 + TAIL, tl.where(rest > 0, BM // 2, 0)))
+        if TAIL > 0:
+            absorbed = (rest > 0) & (rest <= TAIL) & (full > 0)
+            last = tl.where(absorbed, TAIL, last)
+            tiles = full + ((rest > 0) & (~absorbed)).to(tl.int32)
+        else:
+            tiles = full + (rest > 0).to(tl.int32)
+        rows = full * BM + last
     else:
         tiles = (c + BM - 1) // BM
         rows = tiles * BM
@@ -375,9 +391,9 @@ class DeviceScheduler:
     SB = 128  # slots per block
 
     def __init__(self, *, world: int, tokens: int, topk: int, local_experts: int, block_m: int, capacity: int,
-                 half_tiles: bool, num_chunks: int, device: torch.device) -> None:
+                 half_tiles: bool, num_chunks: int, device: torch.device, tail_rows: int = 0) -> None:
         self.TK, self.L, self.BM, self.R = tokens * topk, local_experts, block_m, capacity
-        self.half, self.C = half_tiles, num_chunks
+        self.half, self.C, self.tail = half_tiles, num_chunks, tail_rows
         self.S = world * tokens * topk
         self.NB = triton.cdiv(self.S, self.SB)
         self.LP = triton.next_power_of_2(local_experts + 1)
@@ -405,7 +421,7 @@ class DeviceScheduler:
                                    out.overflow_rows, ready if zero else self.count, work if zero else self.count,
                                    L, R, ready.numel() if zero else 0, work.numel() if zero else 0,
                                    BM=BM, HALF=self.half, LP=LP, CP=triton.next_power_of_2(self.C + 1), NC=self.C,
-                                   RP=1024, ZERO=zero, num_warps=4)
+                                   RP=1024, ZERO=zero, TAIL=self.tail, num_warps=4)
         M = out.tile_expert_M.numel()
         mb = max(1, min(64, 16384 // LP))
         grid = triton.cdiv(M + 1, mb)
@@ -487,8 +503,8 @@ def pull_rows(code_R: torch.Tensor, chunk_2: torch.Tensor, tile_row_M1: torch.Te
 
 
 def ready_granule(cfg: TileConfig) -> int:
-    """Rows per ready flag: the smallest tile (every tile starts on a multiple of it)."""
-    return cfg.block_m // 2 if cfg.half_tiles else cfg.block_m
+    """Rows per ready flag: every tile starts on a multiple of it (the tail, the half tile, or the tile)."""
+    return cfg.tail_rows or (cfg.block_m // 2 if cfg.half_tiles else cfg.block_m)
 
 
 @triton.jit
@@ -549,12 +565,13 @@ def _ld_w(w_ptr, w_at, k0, TMA: tl.constexpr):
 
 
 @triton.jit
-def _up_item(a_ptr, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row_end, n, e_tile, n_rows, H, I, limit,
+def _up_item(a_ptr, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row_end, n, e_tile, n_rows, H, I, limit,
              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FP8: tl.constexpr, HAS_LIMIT: tl.constexpr,
              UPCAST: tl.constexpr, STAGES: tl.constexpr, FP8_MAX_: tl.constexpr, TMA: tl.constexpr,
-             WB: tl.constexpr):
+             WB: tl.constexpr, TAIL: tl.constexpr):
     """One work item: rows [row0, min(row0 + BM, row_end)) x hidden columns [n*BN, (n+1)*BN) of expert ``e_tile``
-    (rows from row_end on belong to the next tile: computed, not stored)."""
+    (rows from row_end on belong to the next tile: computed, not stored). TAIL > 0 (bf16): also the TAIL rows
+    after those (``a_tail``: their TMA descriptor), as W @ A^T with the rows in N, off the same weight tiles."""
     e = e_tile.to(tl.int64)
     rows = (row0 + tl.arange(0, BM)).to(tl.int64)
     rmask = (rows < n_rows) & (rows < row_end)
@@ -570,7 +587,26 @@ def _up_item(a_ptr, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row_end, n, e_ti
         u_at = g_at + I * H
     acc_g = tl.zeros((BM, BN), dtype=tl.float32)
     acc_u = tl.zeros((BM, BN), dtype=tl.float32)
-    if FP8:
+    if TAIL > 0:  # bf16 only (TileConfig.for_fp8 turns tails off)
+        rows_t = (row0 + BM + tl.arange(0, TAIL)).to(tl.int64)
+        rmask_t = (rows_t < n_rows) & (rows_t < row_end)
+        if TMA:
+            t_at = row0 + BM
+        else:
+            t_at = a_ptr + rows_t[:, None] * H + tl.arange(0, BK)[None, :]
+        acc_tg = tl.zeros((BN, TAIL), dtype=tl.float32)
+        acc_tu = tl.zeros((BN, TAIL), dtype=tl.float32)
+        for k0 in tl.range(0, H, BK, num_stages=STAGES):
+            a = _ld_a(a_ptr, a_at, k0, rmask, TMA)
+            at = _ld_a(a_tail, t_at, k0, rmask_t, TMA).T  # [BK, TAIL]
+            wg = _ld_w(w_ptr, g_at, k0, TMA)
+            wu = _ld_w(w_ptr, u_at, k0, TMA)
+            acc_g = _mma(a, wg, acc_g, UPCAST)
+            acc_u = _mma(a, wu, acc_u, UPCAST)
+            acc_tg = _mma(wg.T, at, acc_tg, UPCAST)
+            acc_tu = _mma(wu.T, at, acc_tu, UPCAST)
+        _up_store(acc_tg.T, acc_tu.T, rows_t, rmask_t, n, h_ptr, hs_ptr, I, limit, BN, FP8, HAS_LIMIT, FP8_MAX_)
+    elif FP8:
         # Block scales change every K step, so each step's product is scaled before it is added ("promotion").
         # x scales are 1 x BK (BK = 128), weight scales 128 x 128: one scalar per step for gate and for up.
         wsb = ws_ptr + e * (2 * I // WB) * (H // WB)
@@ -666,21 +702,37 @@ def _up_pair_item(a_ptr, a_half, w_ptr, h_ptr, row0, row_end, n, e_tile, n_rows,
 
 
 @triton.jit
-def _up_tile(a_ptr, a_half, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row1, n, e_tile, n_rows, H, I, limit,
-             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FP8: tl.constexpr, HAS_LIMIT: tl.constexpr,
-             UPCAST: tl.constexpr, STAGES: tl.constexpr, FP8_MAX_: tl.constexpr, TMA: tl.constexpr,
-             WB: tl.constexpr, HALF: tl.constexpr):
-    """The item of one row tile: a BM/2-row MMA for a half tile (HALF), else BM rows."""
-    if HALF:
-        if row1 - row0 < BM:
-            _up_item(a_half, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row1, n, e_tile, n_rows, H, I, limit,
-                     BM // 2, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB)
+def _up_tile(a_ptr, a_half, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row1, n, e_tile, n_rows, H, I,
+             limit, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FP8: tl.constexpr,
+             HAS_LIMIT: tl.constexpr, UPCAST: tl.constexpr, STAGES: tl.constexpr, FP8_MAX_: tl.constexpr,
+             TMA: tl.constexpr, WB: tl.constexpr, HALF: tl.constexpr, TAIL: tl.constexpr):
+    """The item of one row tile: a BM/2-row MMA for a half tile (HALF), else BM rows; TAIL: a tile whose size is
+    not a multiple of BM/2 (BM/2 + TAIL or BM + TAIL rows) adds the swapped TAIL-row MMA."""
+    if TAIL > 0:  # (HALF: TileConfig)
+        size = row1 - row0
+        if size % (BM // 2) != 0:
+            if size < BM:
+                _up_item(a_half, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row1, n, e_tile, n_rows, H, I,
+                         limit, BM // 2, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB, TAIL)
+            else:
+                _up_item(a_ptr, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row1, n, e_tile, n_rows, H, I,
+                         limit, BM, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB, TAIL)
+        elif size < BM:
+            _up_item(a_half, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row1, n, e_tile, n_rows, H, I,
+                     limit, BM // 2, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB, 0)
         else:
-            _up_item(a_ptr, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row1, n, e_tile, n_rows, H, I, limit,
-                     BM, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB)
+            _up_item(a_ptr, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row1, n, e_tile, n_rows, H, I,
+                     limit, BM, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB, 0)
+    elif HALF:
+        if row1 - row0 < BM:
+            _up_item(a_half, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row1, n, e_tile, n_rows, H, I,
+                     limit, BM // 2, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB, 0)
+        else:
+            _up_item(a_ptr, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row1, n, e_tile, n_rows, H, I,
+                     limit, BM, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB, 0)
     else:
-        _up_item(a_ptr, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row1, n, e_tile, n_rows, H, I, limit,
-                 BM, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB)
+        _up_item(a_ptr, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row1, n, e_tile, n_rows, H, I, limit,
+                 BM, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB, 0)
 
 
 @triton.jit
@@ -704,7 +756,7 @@ def _next_work(wk, work_ptr, NUM_PROGS: tl.constexpr, DYN: tl.constexpr):
 
 
 @triton.jit
-def _up_swiglu_kernel(a_ptr, a_half, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, tile_expert_ptr, tile_row_ptr, chunk_ptr,
+def _up_swiglu_kernel(a_ptr, a_half, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, tile_expert_ptr, tile_row_ptr, chunk_ptr,
                       ready_ptr, work_ptr, done_ptr, n_rows, H, I, limit,
                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FP8: tl.constexpr,
                       HAS_LIMIT: tl.constexpr, NUM_PROGS: tl.constexpr, UPCAST: tl.constexpr,
@@ -712,8 +764,9 @@ def _up_swiglu_kernel(a_ptr, a_half, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, tile_
                       HALF: tl.constexpr = False, READY: tl.constexpr = False, GRAN: tl.constexpr = 64,
                       SPIN: tl.constexpr = True, DYN: tl.constexpr = False, WB: tl.constexpr = 128,
                       FLAT: tl.constexpr = False, PAIR: tl.constexpr = False, PAIR_STAGES: tl.constexpr = 3,
-                      DONE: tl.constexpr = False):
-    """TMA: ``a_ptr`` / ``a_half`` / ``w_ptr`` are TMA descriptors over A [R, H] (blocks [BM, BK] and [BM/2, BK])
+                      DONE: tl.constexpr = False, TAIL: tl.constexpr = 0):
+    """TMA: ``a_ptr`` / ``a_half`` / ``a_tail`` / ``w_ptr`` are TMA descriptors over A [R, H] (blocks [BM, BK],
+    [BM/2, BK] and [TAIL, BK])
     and W13 [L*2I, H] (blocks [BN, BK]), read by Hopper's bulk copy engine; otherwise pointers. HALF: tiles of
     BM/2 rows (the schedule's half tiles) run a BM/2-row MMA. READY: wait for the pull per row granule. DYN: work
     items off the counter at ``work_ptr`` (zero before the first launch that shares it). FLAT (neither READY nor
@@ -727,8 +780,8 @@ def _up_swiglu_kernel(a_ptr, a_half, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, tile_
     if FLAT:  # static round robin, one flattened loop nest; every tile runs BM rows (see _down_push_kernel)
         for wk in tl.range(tl.program_id(0), n_work, NUM_PROGS, flatten=True):
             m, n, e_tile, row0, row1 = _work_tile(wk, tile_expert_ptr, tile_row_ptr, m_lo, m_hi, n_n, GROUP_M)
-            _up_item(a_ptr, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row1, n, e_tile, n_rows, H, I, limit,
-                     BM, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB)
+            _up_item(a_ptr, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row1, n, e_tile, n_rows, H, I,
+                     limit, BM, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB, 0)
     else:
         wk = _first_work(work_ptr, DYN)
         while wk < n_work:
@@ -744,15 +797,16 @@ def _up_swiglu_kernel(a_ptr, a_half, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, tile_
                         if DONE:
                             _signal_tiles(done_ptr, m, m + 1)
                     else:
-                        _up_tile(a_ptr, a_half, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row1, n, e_tile, n_rows,
-                                 H, I, limit, BM, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB, HALF)
+                        _up_tile(a_ptr, a_half, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row1, n, e_tile,
+                                 n_rows, H, I, limit, BM, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB,
+                                 HALF, 0)
                         if DONE:
                             _signal_tiles(done_ptr, m, m)
             else:
                 if READY:
                     _wait_rows(ready_ptr, row0, row1, GRAN, SPIN, TMA)
-                _up_tile(a_ptr, a_half, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row1, n, e_tile, n_rows, H, I,
-                         limit, BM, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB, HALF)
+                _up_tile(a_ptr, a_half, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row1, n, e_tile, n_rows,
+                         H, I, limit, BM, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB, HALF, TAIL)
                 if DONE:
                     _signal_tiles(done_ptr, m, m)
             wk = _next_work(wk, work_ptr, NUM_PROGS, DYN)
@@ -792,8 +846,11 @@ def up_swiglu(a_RH: torch.Tensor, a_scale: Optional[torch.Tensor], w13_LIH: torc
     flat = cfg.flat_up  # TileConfig refuses it with ready_flags, so the layer passes neither ready nor work
     assert not flat or (ready is None and work is None and done is None), \
         "flat_up runs a static loop: no ready counters, no queue, no done counters"
+    tail = cfg.tail_rows
+    assert not (tail and fp8), "tails are bf16 only (TileConfig.for_fp8 turns them off)"
     _up_swiglu_kernel[(programs,)](
         _operand(a_RH, [bm, bk], cfg.tma), _operand(a_RH, [bm // 2, bk], cfg.tma and cfg.half_tiles),
+        _operand(a_RH, [tail, bk], cfg.tma and tail > 0),
         a_scale if fp8 else a_RH, _operand(w13_LIH, [bn, bk], cfg.tma),
         w13_scale if fp8 else w13_LIH, h_RI, h_scale if fp8 else h_RI,
         tile_expert_M, tile_row_M1, chunk_2, ready if ready is not None else tile_row_M1,
@@ -802,7 +859,7 @@ def up_swiglu(a_RH: torch.Tensor, a_scale: Optional[torch.Tensor], w13_LIH: torc
         BM=bm, BN=bn, BK=bk, FP8=fp8, HAS_LIMIT=limit is not None, NUM_PROGS=programs, UPCAST=INTERPRET,
         STAGES=cfg.up_stages, FP8_MAX_=FP8_MAX, GROUP_M=cfg.group_m, TMA=cfg.tma, HALF=cfg.half_tiles,
         READY=ready is not None, GRAN=ready_granule(cfg), SPIN=not INTERPRET, DYN=work is not None,
-        FLAT=flat, PAIR=cfg.pair_up, PAIR_STAGES=cfg.up_pair_stages, DONE=done is not None,
+        FLAT=flat, PAIR=cfg.pair_up, PAIR_STAGES=cfg.up_pair_stages, DONE=done is not None, TAIL=tail,
         num_warps=cfg.up_warps)
 
 
@@ -811,12 +868,13 @@ def up_swiglu(a_RH: torch.Tensor, a_scale: Optional[torch.Tensor], w13_LIH: torc
 
 
 @triton.jit
-def _down_item(h_ptr, hs_ptr, w_ptr, ws_ptr, code_ptr, rw_ptr, out_ref, out_delta, row0, row_end, n, e_tile, n_rows,
-               H, I, TK, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FP8: tl.constexpr,
+def _down_item(h_ptr, h_tail, hs_ptr, w_ptr, ws_ptr, code_ptr, rw_ptr, out_ref, out_delta, row0, row_end, n, e_tile,
+               n_rows, H, I, TK, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FP8: tl.constexpr,
                APPLY_W: tl.constexpr, UPCAST: tl.constexpr, STAGES: tl.constexpr, TMA: tl.constexpr,
-               WB: tl.constexpr):
+               WB: tl.constexpr, TAIL: tl.constexpr):
     """One work item: rows [row0, min(row0 + BM, row_end)) x output columns [n*BN, (n+1)*BN) of expert ``e_tile``,
-    pushed (rows from row_end on belong to the next tile: computed, not stored)."""
+    pushed (rows from row_end on belong to the next tile: computed, not stored). TAIL > 0 (bf16): also the TAIL
+    rows after those, as W @ h^T with the rows in N, off the same weight tiles (see ``_up_item``)."""
     e = e_tile.to(tl.int64)
     rows32 = row0 + tl.arange(0, BM)
     rows = rows32.to(tl.int64)
@@ -830,15 +888,31 @@ def _down_item(h_ptr, hs_ptr, w_ptr, ws_ptr, code_ptr, rw_ptr, out_ref, out_delt
         a_at = h_ptr + rows[:, None] * I + kk[None, :]
         b_at = w_ptr + e * H * I + cols[None, :].to(tl.int64) * I + kk[:, None]  # [BK, BN] view of W2^T
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for k0 in tl.range(0, I, BK, num_stages=STAGES):
-        a = _ld_a(h_ptr, a_at, k0, rmask, TMA)
-        b = _ld_w(w_ptr, b_at, k0, TMA)
-        if FP8:  # h scales are 1 x BK (the up GEMM's column tile), weight scales 128 x 128
-            sa = tl.load(hs_ptr + rows * (I // BK) + k0 // BK, mask=rmask, other=0.0)
-            sb = tl.load(ws_ptr + e * (H // WB) * (I // WB) + ((n * BN) // WB) * (I // WB) + k0 // WB)
-            acc += _mm(a, b, UPCAST) * (sa[:, None] * sb)
+    if TAIL > 0:  # bf16 only
+        rows_t32 = row0 + BM + tl.arange(0, TAIL)
+        rmask_t = (rows_t32.to(tl.int64) < n_rows) & (rows_t32 < row_end)
+        if TMA:
+            t_at = row0 + BM
         else:
+            t_at = h_ptr + rows_t32.to(tl.int64)[:, None] * I + tl.arange(0, BK)[None, :]
+        acc_t = tl.zeros((BN, TAIL), dtype=tl.float32)
+        for k0 in tl.range(0, I, BK, num_stages=STAGES):
+            a = _ld_a(h_ptr, a_at, k0, rmask, TMA)
+            at = _ld_a(h_tail, t_at, k0, rmask_t, TMA).T  # [BK, TAIL]
+            b = _ld_w(w_ptr, b_at, k0, TMA)
             acc = _mma(a, b, acc, UPCAST)
+            acc_t = _mma(b.T, at, acc_t, UPCAST)
+        _down_store(acc_t.T, rows_t32, rmask_t, cols, code_ptr, rw_ptr, out_ref, out_delta, H, TK, APPLY_W)
+    else:
+        for k0 in tl.range(0, I, BK, num_stages=STAGES):
+            a = _ld_a(h_ptr, a_at, k0, rmask, TMA)
+            b = _ld_w(w_ptr, b_at, k0, TMA)
+            if FP8:  # h scales are 1 x BK (the up GEMM's column tile), weight scales 128 x 128
+                sa = tl.load(hs_ptr + rows * (I // BK) + k0 // BK, mask=rmask, other=0.0)
+                sb = tl.load(ws_ptr + e * (H // WB) * (I // WB) + ((n * BN) // WB) * (I // WB) + k0 // WB)
+                acc += _mm(a, b, UPCAST) * (sa[:, None] * sb)
+            else:
+                acc = _mma(a, b, acc, UPCAST)
     _down_store(acc, rows32, rmask, cols, code_ptr, rw_ptr, out_ref, out_delta, H, TK, APPLY_W)
 
 
@@ -893,30 +967,45 @@ def _down_pair_item(h_ptr, h_half, w_ptr, code_ptr, rw_ptr, out_ref, out_delta, 
 
 
 @triton.jit
-def _down_tile(h_ptr, h_half, hs_ptr, w_ptr, ws_ptr, code_ptr, rw_ptr, out_ref, out_delta, row0, row1, n, e_tile,
-               n_rows, H, I, TK, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FP8: tl.constexpr,
+def _down_tile(h_ptr, h_half, h_tail, hs_ptr, w_ptr, ws_ptr, code_ptr, rw_ptr, out_ref, out_delta, row0, row1, n,
+               e_tile, n_rows, H, I, TK, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FP8: tl.constexpr,
                APPLY_W: tl.constexpr, UPCAST: tl.constexpr, STAGES: tl.constexpr, TMA: tl.constexpr,
-               WB: tl.constexpr, HALF: tl.constexpr):
-    """The item of one row tile: a BM/2-row MMA for a half tile (HALF), else BM rows."""
-    if HALF:
-        if row1 - row0 < BM:
-            _down_item(h_half, hs_ptr, w_ptr, ws_ptr, code_ptr, rw_ptr, out_ref, out_delta, row0, row1, n, e_tile,
-                       n_rows, H, I, TK, BM // 2, BN, BK, FP8, APPLY_W, UPCAST, STAGES, TMA, WB)
+               WB: tl.constexpr, HALF: tl.constexpr, TAIL: tl.constexpr):
+    """The item of one row tile: a BM/2-row MMA for a half tile (HALF), else BM rows; TAIL: as in ``_up_tile``."""
+    if TAIL > 0:
+        size = row1 - row0
+        if size % (BM // 2) != 0:
+            if size < BM:
+                _down_item(h_half, h_tail, hs_ptr, w_ptr, ws_ptr, code_ptr, rw_ptr, out_ref, out_delta, row0, row1,
+                           n, e_tile, n_rows, H, I, TK, BM // 2, BN, BK, FP8, APPLY_W, UPCAST, STAGES, TMA, WB, TAIL)
+            else:
+                _down_item(h_ptr, h_tail, hs_ptr, w_ptr, ws_ptr, code_ptr, rw_ptr, out_ref, out_delta, row0, row1,
+                           n, e_tile, n_rows, H, I, TK, BM, BN, BK, FP8, APPLY_W, UPCAST, STAGES, TMA, WB, TAIL)
+        elif size < BM:
+            _down_item(h_half, h_tail, hs_ptr, w_ptr, ws_ptr, code_ptr, rw_ptr, out_ref, out_delta, row0, row1, n,
+                       e_tile, n_rows, H, I, TK, BM // 2, BN, BK, FP8, APPLY_W, UPCAST, STAGES, TMA, WB, 0)
         else:
-            _down_item(h_ptr, hs_ptr, w_ptr, ws_ptr, code_ptr, rw_ptr, out_ref, out_delta, row0, row1, n, e_tile,
-                       n_rows, H, I, TK, BM, BN, BK, FP8, APPLY_W, UPCAST, STAGES, TMA, WB)
+            _down_item(h_ptr, h_tail, hs_ptr, w_ptr, ws_ptr, code_ptr, rw_ptr, out_ref, out_delta, row0, row1, n,
+                       e_tile, n_rows, H, I, TK, BM, BN, BK, FP8, APPLY_W, UPCAST, STAGES, TMA, WB, 0)
+    elif HALF:
+        if row1 - row0 < BM:
+            _down_item(h_half, h_tail, hs_ptr, w_ptr, ws_ptr, code_ptr, rw_ptr, out_ref, out_delta, row0, row1, n,
+                       e_tile, n_rows, H, I, TK, BM // 2, BN, BK, FP8, APPLY_W, UPCAST, STAGES, TMA, WB, 0)
+        else:
+            _down_item(h_ptr, h_tail, hs_ptr, w_ptr, ws_ptr, code_ptr, rw_ptr, out_ref, out_delta, row0, row1, n,
+                       e_tile, n_rows, H, I, TK, BM, BN, BK, FP8, APPLY_W, UPCAST, STAGES, TMA, WB, 0)
     else:
-        _down_item(h_ptr, hs_ptr, w_ptr, ws_ptr, code_ptr, rw_ptr, out_ref, out_delta, row0, row1, n, e_tile,
-                   n_rows, H, I, TK, BM, BN, BK, FP8, APPLY_W, UPCAST, STAGES, TMA, WB)
+        _down_item(h_ptr, h_tail, hs_ptr, w_ptr, ws_ptr, code_ptr, rw_ptr, out_ref, out_delta, row0, row1, n,
+                   e_tile, n_rows, H, I, TK, BM, BN, BK, FP8, APPLY_W, UPCAST, STAGES, TMA, WB, 0)
 
 
 @triton.jit
-def _down_work(wk, h_ptr, h_half, hs_ptr, w_ptr, ws_ptr, tile_expert_ptr, tile_row_ptr, code_ptr, rw_ptr, out_ref,
+def _down_work(wk, h_ptr, h_half, h_tail, hs_ptr, w_ptr, ws_ptr, tile_expert_ptr, tile_row_ptr, code_ptr, rw_ptr, out_ref,
                out_delta, done_ptr, m_lo, m_hi, n_n, n_rows, H, I, TK, N_UP,
                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FP8: tl.constexpr, APPLY_W: tl.constexpr,
                UPCAST: tl.constexpr, STAGES: tl.constexpr, GROUP_M: tl.constexpr, TMA: tl.constexpr,
                HALF: tl.constexpr, WB: tl.constexpr, PAIR: tl.constexpr, PAIR_STAGES: tl.constexpr,
-               DONE: tl.constexpr, SPIN: tl.constexpr):
+               DONE: tl.constexpr, SPIN: tl.constexpr, TAIL: tl.constexpr):
     """Work item ``wk`` of the (not flattened) down loop; DONE: first wait until the up GEMM has finished its
     row tiles (``N_UP`` column blocks each)."""
     m, n, e_tile, row0, row1 = _work_tile(wk, tile_expert_ptr, tile_row_ptr, m_lo, m_hi, n_n, GROUP_M)
@@ -930,26 +1019,27 @@ def _down_work(wk, h_ptr, h_half, hs_ptr, w_ptr, ws_ptr, tile_expert_ptr, tile_r
         elif role == 0:
             if DONE:
                 _wait_counts(done_ptr, m, m + 1, N_UP, SPIN, TMA)
-            _down_tile(h_ptr, h_half, hs_ptr, w_ptr, ws_ptr, code_ptr, rw_ptr, out_ref, out_delta, row0, row1,
-                       n, e_tile, n_rows, H, I, TK, BM, BN, BK, FP8, APPLY_W, UPCAST, STAGES, TMA, WB, HALF)
+            _down_tile(h_ptr, h_half, h_tail, hs_ptr, w_ptr, ws_ptr, code_ptr, rw_ptr, out_ref, out_delta, row0,
+                       row1, n, e_tile, n_rows, H, I, TK, BM, BN, BK, FP8, APPLY_W, UPCAST, STAGES, TMA, WB, HALF, 0)
     else:
         if DONE:
             _wait_counts(done_ptr, m, m + 1, N_UP, SPIN, TMA)
-        _down_tile(h_ptr, h_half, hs_ptr, w_ptr, ws_ptr, code_ptr, rw_ptr, out_ref, out_delta, row0, row1, n,
-                   e_tile, n_rows, H, I, TK, BM, BN, BK, FP8, APPLY_W, UPCAST, STAGES, TMA, WB, HALF)
+        _down_tile(h_ptr, h_half, h_tail, hs_ptr, w_ptr, ws_ptr, code_ptr, rw_ptr, out_ref, out_delta, row0, row1,
+                   n, e_tile, n_rows, H, I, TK, BM, BN, BK, FP8, APPLY_W, UPCAST, STAGES, TMA, WB, HALF, TAIL)
 
 
 @triton.jit
-def _down_push_kernel(h_ptr, h_half, hs_ptr, w_ptr, ws_ptr, tile_expert_ptr, tile_row_ptr, chunk_ptr, code_ptr,
+def _down_push_kernel(h_ptr, h_half, h_tail, hs_ptr, w_ptr, ws_ptr, tile_expert_ptr, tile_row_ptr, chunk_ptr, code_ptr,
                       rw_ptr, out_ref, out_delta, work_ptr, done_ptr, n_rows, H, I, TK, N_UP,
                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FP8: tl.constexpr,
                       APPLY_W: tl.constexpr, NUM_PROGS: tl.constexpr, UPCAST: tl.constexpr, STAGES: tl.constexpr,
                       GROUP_M: tl.constexpr, TMA: tl.constexpr = False, HALF: tl.constexpr = False,
                       WB: tl.constexpr = 128, FLAT: tl.constexpr = False, PAIR: tl.constexpr = False,
                       PAIR_STAGES: tl.constexpr = 4, DYN: tl.constexpr = False, DONE: tl.constexpr = False,
-                      SPIN: tl.constexpr = True):
-    """TMA: ``h_ptr`` / ``h_half`` / ``w_ptr`` are TMA descriptors over h [R, I] (blocks [BM, BK] and [BM/2, BK])
-    and W2 [L*H, I] (blocks [BN, BK]); otherwise pointers. HALF, PAIR: as in the up kernel. FLAT: one flattened
+                      SPIN: tl.constexpr = True, TAIL: tl.constexpr = 0):
+    """TMA: ``h_ptr`` / ``h_half`` / ``h_tail`` / ``w_ptr`` are TMA descriptors over h [R, I] (blocks [BM, BK],
+    [BM/2, BK] and [TAIL, BK]) and W2 [L*H, I] (blocks [BN, BK]); otherwise pointers. HALF, PAIR, TAIL: as in the
+    up kernel. FLAT: one flattened
     loop nest (items x K steps, pipelined across items); every tile runs BM rows, a half tile's rows past its end
     are computed and not stored. DYN: work items off the counter at ``work_ptr`` (launches on several streams
     share it). DONE: an item first waits for its row tiles' up-GEMM counts (``done_ptr``, ``N_UP`` each)."""
@@ -960,20 +1050,20 @@ def _down_push_kernel(h_ptr, h_half, hs_ptr, w_ptr, ws_ptr, tile_expert_ptr, til
     if FLAT:
         for wk in tl.range(tl.program_id(0), n_work, NUM_PROGS, flatten=True):
             m, n, e_tile, row0, row1 = _work_tile(wk, tile_expert_ptr, tile_row_ptr, m_lo, m_hi, n_n, GROUP_M)
-            _down_item(h_ptr, hs_ptr, w_ptr, ws_ptr, code_ptr, rw_ptr, out_ref, out_delta, row0, row1, n, e_tile,
-                       n_rows, H, I, TK, BM, BN, BK, FP8, APPLY_W, UPCAST, STAGES, TMA, WB)
+            _down_item(h_ptr, h_tail, hs_ptr, w_ptr, ws_ptr, code_ptr, rw_ptr, out_ref, out_delta, row0, row1, n,
+                       e_tile, n_rows, H, I, TK, BM, BN, BK, FP8, APPLY_W, UPCAST, STAGES, TMA, WB, 0)
     elif DYN:
         wk = _first_work(work_ptr, DYN)
         while wk < n_work:
-            _down_work(wk, h_ptr, h_half, hs_ptr, w_ptr, ws_ptr, tile_expert_ptr, tile_row_ptr, code_ptr, rw_ptr,
-                       out_ref, out_delta, done_ptr, m_lo, m_hi, n_n, n_rows, H, I, TK, N_UP, BM, BN, BK, FP8,
-                       APPLY_W, UPCAST, STAGES, GROUP_M, TMA, HALF, WB, PAIR, PAIR_STAGES, DONE, SPIN)
+            _down_work(wk, h_ptr, h_half, h_tail, hs_ptr, w_ptr, ws_ptr, tile_expert_ptr, tile_row_ptr, code_ptr,
+                       rw_ptr, out_ref, out_delta, done_ptr, m_lo, m_hi, n_n, n_rows, H, I, TK, N_UP, BM, BN, BK, FP8,
+                       APPLY_W, UPCAST, STAGES, GROUP_M, TMA, HALF, WB, PAIR, PAIR_STAGES, DONE, SPIN, TAIL)
             wk = _next_work(wk, work_ptr, NUM_PROGS, DYN)
     else:
         for wk in range(tl.program_id(0), n_work, NUM_PROGS):
-            _down_work(wk, h_ptr, h_half, hs_ptr, w_ptr, ws_ptr, tile_expert_ptr, tile_row_ptr, code_ptr, rw_ptr,
-                       out_ref, out_delta, done_ptr, m_lo, m_hi, n_n, n_rows, H, I, TK, N_UP, BM, BN, BK, FP8,
-                       APPLY_W, UPCAST, STAGES, GROUP_M, TMA, HALF, WB, PAIR, PAIR_STAGES, DONE, SPIN)
+            _down_work(wk, h_ptr, h_half, h_tail, hs_ptr, w_ptr, ws_ptr, tile_expert_ptr, tile_row_ptr, code_ptr,
+                       rw_ptr, out_ref, out_delta, done_ptr, m_lo, m_hi, n_n, n_rows, H, I, TK, N_UP, BM, BN, BK, FP8,
+                       APPLY_W, UPCAST, STAGES, GROUP_M, TMA, HALF, WB, PAIR, PAIR_STAGES, DONE, SPIN, TAIL)
 
 
 def down_push(h_RI: torch.Tensor, h_scale: Optional[torch.Tensor], w2_LHI: torch.Tensor,
@@ -998,8 +1088,11 @@ def down_push(h_RI: torch.Tensor, h_scale: Optional[torch.Tensor], w2_LHI: torch
                                                              "BN divide 128"
     assert not cfg.flat_down or (work is None and done is None), \
         "flat_down runs a static loop: no queue, no done counters"
+    tail = cfg.tail_rows
+    assert not (tail and fp8), "tails are bf16 only (TileConfig.for_fp8 turns them off)"
     _down_push_kernel[(programs,)](
         _operand(h_RI, [bm, bk], cfg.tma), _operand(h_RI, [bm // 2, bk], cfg.tma and cfg.half_tiles),
+        _operand(h_RI, [tail, bk], cfg.tma and tail > 0),
         h_scale if fp8 else h_RI, _operand(w2_LHI, [bn, bk], cfg.tma),
         w2_scale if fp8 else w2_LHI, tile_expert_M, tile_row_M1, chunk_2, code_R,
         rw_R if rw_R is not None else h_RI, out_ref, out_delta_P, work if work is not None else code_R,
@@ -1007,7 +1100,7 @@ def down_push(h_RI: torch.Tensor, h_scale: Optional[torch.Tensor], w2_LHI: torch
         BM=bm, BN=bn, BK=bk, FP8=fp8, APPLY_W=rw_R is not None, NUM_PROGS=programs, UPCAST=INTERPRET,
         STAGES=cfg.down_stages, GROUP_M=cfg.group_m, TMA=cfg.tma, HALF=cfg.half_tiles, FLAT=cfg.flat_down,
         PAIR=cfg.pair_down, PAIR_STAGES=cfg.down_pair_stages, DYN=work is not None, DONE=done is not None,
-        SPIN=not INTERPRET, num_warps=cfg.down_warps)
+        SPIN=not INTERPRET, TAIL=tail, num_warps=cfg.down_warps)
 
 
 # ---------------------------------------------------------------------------------------------------------------
