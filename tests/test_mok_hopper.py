@@ -224,7 +224,7 @@ def test_default_tile_flattens_the_down_loop_only_where_half_tiles_are_rare():
     assert not f8.flat_down and (f8.down_n, f8.down_stages) == (128, 8)  # fp8: measured slower flattened
 
 
-def test_default_tile_pairs_tiles_where_experts_often_end_in_a_full_and_a_half_tile():
+def test_default_tile_gives_tails_where_experts_often_end_in_a_full_and_a_half_tile():
     from kernels.mok_hopper.api import default_tile, paired_fraction
 
     # 128 +- 11 rows: about half the experts have 129-192 rows (a full tile, then a half tile); 64 or 85: none
@@ -232,10 +232,13 @@ def test_default_tile_pairs_tiles_where_experts_often_end_in_a_full_and_a_half_t
     assert paired_fraction(64) == 0
     rows = {"kimi_k2_7": 2048 * 8 / 192, "glm_5_2": 2048 * 8 / 128, "qwen3_5_397b": 2048 * 10 / 256,
             "deepseek_v4_pro": 2048 * 6 / 192, "glm_5_2@4epg": 2048 * 8 / 4}
-    paired = {name for name, m in rows.items() if default_tile(rows_per_expert=m).pair_up}
-    assert paired == {"glm_5_2"}  # (at 4 experts per GPU the flattened down loop wins: pairs are 1 item in 32)
-    assert not default_tile(rows_per_expert=128).pair_down  # measured slower in the down GEMM
-    assert not default_tile(precision="fp8", rows_per_expert=128).pair_up  # bf16 only
+    tails = {name: default_tile(rows_per_expert=m).tail_rows for name, m in rows.items()}
+    # (at 4 experts per GPU the flattened down loop wins: a tail is 1 item in 32)
+    assert tails == {"kimi_k2_7": 0, "glm_5_2": 32, "qwen3_5_397b": 0, "deepseek_v4_pro": 0, "glm_5_2@4epg": 0}
+    assert not any(default_tile(rows_per_expert=m).pair_up or default_tile(rows_per_expert=m).pair_down
+                   for m in rows.values())  # v7's paired up tiles: replaced by tails (PERF_NOTES session 9)
+    assert not default_tile(precision="fp8", rows_per_expert=128).tail_rows  # bf16 only
+    assert not default_tile(device=torch.device("cpu"), rows_per_expert=128).tail_rows  # (the CPU's 32-row tiles)
 
 
 def test_default_tile_runs_the_shared_expert_beside_the_up_gemm_on_cuda_only():

@@ -54,7 +54,8 @@ SCHEDULES = ("triton", "torch")
 
 
 FLAT_DOWN_MAX_WASTE = 0.05  # extra MMA rows per routed row that the flattened down loop may add (default_tile)
-PAIR_MIN_FRACTION = 0.2  # experts ending in a full + a half tile above which default_tile pairs them (bf16)
+PAIR_MIN_FRACTION = 0.2  # experts ending in a full + a half tile above which default_tile gives them tails (bf16)
+TAIL_ROWS = 32  # default_tile's tails there (16 and 32 measured on glm_5_2, PERF_NOTES session 9)
 SHARED_SMS = 24  # SMs of the shared expert beside the routed up GEMM (16-40 swept on 2xH200, PERF_NOTES v8)
 
 
@@ -96,8 +97,11 @@ def default_tile(*, precision: str = "bf16", device: Optional[torch.device] = No
     qwen3_5_397b in two sweeps, PERF_NOTES v6) runs an expert's last half tile at full height, so it is used only
     where that wastes under 5% of the MMA rows (:func:`half_tile_waste`): not on glm_5_2 (128 rows per expert) or
     deepseek_v4_pro (64), whose experts often end in a half tile. Where at least a fifth of the experts end in a
-    full tile and a half tile (:func:`paired_fraction`; glm_5_2, about half), the up GEMM runs the two as one
-    work item (``pair_up``; the down GEMM's pairs ran slower, PERF_NOTES v7). BM stays 128: 64-row tiles ran 30%
+    full tile and a half tile (:func:`paired_fraction`; glm_5_2, about half), both GEMMs run an expert's last
+    ``TAIL_ROWS`` rows as a swapped MMA beside its last tile (``tail_rows``: 2.6-3.3% faster on glm_5_2 in two
+    interleaved sweeps, where v7's paired up tiles were the default; no gain on deepseek_v4_pro, slower on
+    kimi_k2_7 and qwen3_5_397b, whose flattened down loop it would replace; PERF_NOTES session 9). BM stays 128:
+    64-row tiles ran 30%
     slower on 2xH200 (PERF_NOTES v1). The shared expert runs on ``SHARED_SMS`` SMs of its own stream beside the
     routed up GEMM (``shared_sms``; 2-4% faster in bf16 on the four shapes, within 1% in fp8, PERF_NOTES v8),
     unless ``comm_sms`` leaves the up GEMM fewer than ``SHARED_SMS`` SMs of the GPU's ``n_sm`` (then it runs before
@@ -113,14 +117,14 @@ def default_tile(*, precision: str = "bf16", device: Optional[torch.device] = No
     if rows_per_expert is not None and half_tile_waste(rows_per_expert, cfg.block_m) <= FLAT_DOWN_MAX_WASTE:
         cfg = replace(cfg, flat_down=True, down_n=256, down_stages=4)
     elif rows_per_expert is not None and paired_fraction(rows_per_expert, cfg.block_m) >= PAIR_MIN_FRACTION:
-        cfg = replace(cfg, pair_up=True)
+        cfg = replace(cfg, tail_rows=TAIL_ROWS)
     if device is not None and torch.device(device).type != "cuda":
         def widest(n: Optional[int], cap: int) -> int:
             return next(b for b in (256, 128, 64, 32, 16) if b <= cap and (n is None or n % b == 0))
 
         cfg = replace(cfg, block_m=32, up_n=widest(ffn, 128), up_k=widest(hidden, 256), down_n=widest(hidden, 256),
                       down_k=widest(ffn, 256), pull_rows=16, num_chunks=2, gemm_programs=2, pull_programs=2,
-                      shared_sms=0)
+                      shared_sms=0, tail_rows=0)
         cfg = replace(cfg, tma=False)
     return cfg.for_fp8() if precision == "fp8" else cfg
 

@@ -123,6 +123,8 @@ class MokHopperBackend:
         return {"scaling": scaling, "compiled": True, "comm_sms": t.comm_sms,
                 "notes": (f"Triton, {'TMA' if t.tma else 'pointer'} GEMM operands; BM={t.block_m} "
                           f"{'+ BM/2 half tiles ' if t.half_tiles else ''}"
+                          f"{f'+ {t.tail_rows}-row swapped tails ' if t.tail_rows else ''}"
+                          f"{'(paired up) ' if t.pair_up else ''}{'(flat down) ' if t.flat_down else ''}"
                           f"up {t.up_n}x{t.up_k}x{t.up_stages} stages, down {t.down_n}x{t.down_k}x{t.down_stages}; "
                           f"{t.num_chunks} chunk(s), pull -> up "
                           f"{'ready counters' if layer.ready is not None else 'stream events'}; programs: "
