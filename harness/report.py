@@ -404,11 +404,15 @@ CLOCK_COLUMNS = ("sm_clock_mhz", "sm_clock_min_mhz", "power_w", "power_capped_fr
 
 
 def clock_rows(df: pd.DataFrame) -> pd.DataFrame:
-    """The GPU clock each ok row was timed at (rows that recorded one: GPU runs since the clock columns exist)."""
-    cols = [*CELL_KEYS, "backend", *CLOCK_COLUMNS, "run_id"]
+    """The GPU clock each ok row was timed at (rows that recorded one: GPU runs since the clock columns exist), and
+    ``energy_mj``: one GPU's energy per layer call, its mean board power times the latency (W x ms = mJ); at a
+    power limit this, not the latency, is what a faster layer spends."""
+    cols = [*CELL_KEYS, "backend", *CLOCK_COLUMNS, "latency_ms", "energy_mj", "run_id"]
     if "sm_clock_mhz" not in df.columns:
         return pd.DataFrame(columns=cols)
-    ok = df[(df["status"] == "ok") & df["sm_clock_mhz"].notna()]
+    ok = df[(df["status"] == "ok") & df["sm_clock_mhz"].notna()].copy()
+    if "power_w" in ok.columns and "latency_ms" in ok.columns:
+        ok["energy_mj"] = ok["power_w"] * ok["latency_ms"]
     return ok[[c for c in cols if c in ok.columns]].reset_index(drop=True)
 
 
@@ -494,17 +498,19 @@ def format_markdown(claims: pd.DataFrame, headline: pd.DataFrame, not_ok: pd.Dat
         out += [_md_table(["environment", "panel", "shape", "system", "status", "error", "run"], rows), ""]
     if clocks is not None and not clocks.empty:
         out += ["## GPU clocks while timed", "",
-                "Median (lowest) SM clock reading of the timed iterations on the slowest rank, mean board power, and "
-                "the share of that time the driver held the clocks down for the power limit (NVML). A row timed at "
-                "a lower clock than another is slower for that reason too.", ""]
+                "Median (lowest) SM clock reading of the timed iterations on the slowest rank, mean board power, "
+                "the share of that time the driver held the clocks down for the power limit (NVML), and one GPU's "
+                "energy per call (power x latency). A row timed at a lower clock than another is slower for that "
+                "reason too.", ""]
         rows = [[env_label(r), panel_label(r["precision"], r["direction"]), shape_label(r["shape"]),
                  system_label(r["backend"]), f"{r['sm_clock_mhz']:.0f}"
                  + ("" if _isna(r["sm_clock_min_mhz"]) else f" ({r['sm_clock_min_mhz']:.0f})"),
                  "" if _isna(r["power_w"]) else f"{r['power_w']:.0f}",
-                 "" if _isna(r["power_capped_fraction"]) else f"{100 * r['power_capped_fraction']:.0f}%", r["run_id"]]
+                 "" if _isna(r["power_capped_fraction"]) else f"{100 * r['power_capped_fraction']:.0f}%",
+                 "" if _isna(r.get("energy_mj")) else f"{r['energy_mj']:.0f}", r["run_id"]]
                 for r in clocks.to_dict("records")]
         out += [_md_table(["environment", "panel", "shape", "system", "SM clock MHz", "power W", "power-capped",
-                           "run"], rows), ""]
+                           "energy mJ", "run"], rows), ""]
     if charts:
         out += ["## Charts", ""] + [f"![{p.stem}]({p.name})" for p in charts if p.suffix == ".png"] + [""]
     return "\n".join(out)

@@ -137,16 +137,17 @@ def test_the_report_lists_the_clock_each_row_was_timed_at(tmp_path):
     df = results.to_frame([S.row("nccl", sm_clock_mhz=1980.0, sm_clock_min_mhz=1900.0, power_w=450.0,
                                  power_capped_fraction=0.0),
                            S.row("mok_hopper", sm_clock_mhz=1500.0, sm_clock_min_mhz=1425.0, power_w=697.0,
-                                 power_capped_fraction=0.8),
+                                 power_capped_fraction=0.8, latency_ms=5.0),
                            S.row("deepep", status="error"), S.row("hybridep", sm_clock_mhz=nan),
                            S.row("deepep_te", sm_clock_mhz=1700.0, sm_clock_min_mhz=nan, power_w=nan)])
     c = R.clock_rows(df)
     assert list(c["backend"]) == ["nccl", "mok_hopper", "deepep_te"]  # ok rows that recorded a clock
+    assert c["energy_mj"][1] == pytest.approx(697.0 * 5.0) and math.isnan(c["energy_mj"][2])  # W x ms = mJ
     md = (tmp_path / "claims.md")
     written = R.write_report(df, tmp_path, charts=False)
     text = md.read_text()
-    assert "## GPU clocks while timed" in text and "| 1500 (1425) | 697 | 80% |" in text
-    assert "| 1700 |  |  |" in text and "nan" not in text  # a row with its clock alone: no empty readings shown
+    assert "## GPU clocks while timed" in text and "| 1500 (1425) | 697 | 80% | 3485 |" in text
+    assert "| 1700 |  |  |  |" in text and "nan" not in text  # a row with its clock alone: no empty readings shown
     assert "clocks.csv" in written
     plain = results.to_frame([S.row("nccl"), S.row("mok_hopper")])  # no clock recorded: no section, no file
     assert "GPU clocks" not in R.format_markdown(R.claims_table(plain), pd.DataFrame(), R.not_ok_rows(plain),
