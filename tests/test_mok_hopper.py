@@ -200,6 +200,23 @@ def test_schedule_counts_overflow_instead_of_dropping_silently():
         assert s.tile_row_M1.tolist() == starts and starts[int(s.num_tiles)] == R
 
 
+def test_every_sweep_variant_is_a_valid_tile_on_every_published_shape():
+    """gpu_check applies each sweep variant's overrides to the shape's default tile: none may be refused there
+    (glm_5_2's default has tails, which flattened or paired loops refuse)."""
+    from dataclasses import replace
+
+    from kernels.mok_hopper.api import default_tile
+    from kernels.mok_hopper.gpu_check import SHAPES, SWEEP, SWEEP_FP8
+
+    assert set(SWEEP_FP8) <= {label for label, _, _ in SWEEP}
+    for E, H, I, K in SHAPES.values():
+        base = default_tile(hidden=H, ffn=I, rows_per_expert=2 * 2048 * K / E)
+        for label, over, _ in SWEEP:
+            tile = replace(base, **over)
+            if label in SWEEP_FP8:
+                tile.for_fp8()
+
+
 def test_fp8_tile_is_applied_once():
     from kernels.mok_hopper.triton_kernels import TileConfig
 

@@ -471,7 +471,7 @@ SWEEP = [  # (label, overrides of the base tile, layer options); tiles checked b
     ("default again (A/A control)", {}, {}),
     ("v3 layout (full tiles, events, 3/4 stages, torch schedule)",  # the reference point of PERF_NOTES v3
      dict(half_tiles=False, ready_flags=False, up_stages=3, down_stages=4, pull_rows=2, pull_warps=8,
-          pull_programs=48, shared_sms=0), dict(schedule="torch")),
+          pull_programs=48, shared_sms=0, tail_rows=0), dict(schedule="torch")),
     ("pull 48 x 8 warps x 2 rows", dict(pull_programs=48, pull_warps=8, pull_rows=2), {}),
     ("pull 48 x 16 warps x 4 rows", dict(pull_programs=48), {}),
     ("pull 24 x 16 warps x 8 rows", dict(pull_rows=8), {}),
@@ -479,29 +479,32 @@ SWEEP = [  # (label, overrides of the base tile, layer options); tiles checked b
     ("shared last", dict(shared_last=True, shared_sms=0), {}),
     ("no ready flags", dict(ready_flags=False), {}),
     ("down v5 (128 wide, 6 stages, not flat)", dict(flat_down=False, down_n=128, down_stages=6), {}),
-    ("down flat 256 wide x 4 stages", dict(flat_down=True, down_n=256, down_stages=4), {}),
-    ("down flat 128 wide x 6 stages", dict(flat_down=True, down_n=128, down_stages=6), {}),
+    ("down flat 256 wide x 4 stages", dict(flat_down=True, down_n=256, down_stages=4, tail_rows=0), {}),
+    ("down flat 128 wide x 6 stages", dict(flat_down=True, down_n=128, down_stages=6, tail_rows=0), {}),
     ("down 256 wide x 4 stages, not flat", dict(flat_down=False, down_n=256, down_stages=4), {}),
     ("down BK 128 x 3 stages, not flat", dict(flat_down=False, down_k=128, down_stages=3), {}),
     # the down GEMM per row tile as soon as the up GEMM has finished it, launched after the up programs of every
     # stream (PERF_NOTES "Next versions"); kimi / qwen's flattened down loop cannot wait, so it runs 128 wide there
     ("early down (per-tile up counters, 128 wide x 6, not flat)",
      dict(early_down=True, flat_down=False, down_n=128, down_stages=6), {}),
-    # an expert's last rows as a second MMA with the rows in N, off the same weight tiles (tail_rows; PERF_NOTES v9)
+    # an expert's last rows as a second MMA with the rows in N, off the same weight tiles (tail_rows; PERF_NOTES
+    # session 9)
     ("tails of 16 rows (swapped MMA, 128 wide x 6, not flat)",
      dict(tail_rows=16, pair_up=False, pair_down=False, flat_down=False, down_n=128, down_stages=6), {}),
     ("tails of 32 rows (swapped MMA, 128 wide x 6, not flat)",
      dict(tail_rows=32, pair_up=False, pair_down=False, flat_down=False, down_n=128, down_stages=6), {}),
-    ("up + down flat, no ready flags", dict(flat_up=True, flat_down=True, ready_flags=False), {}),
+    ("up + down flat, no ready flags", dict(flat_up=True, flat_down=True, ready_flags=False, tail_rows=0), {}),
     ("v6 tiles (no pairs)", dict(pair_up=False, pair_down=False), {}),
-    ("paired up + down tiles", dict(pair_up=True, pair_down=True, flat_down=False, down_n=128, down_stages=6), {}),
+    ("paired up + down tiles",
+     dict(pair_up=True, pair_down=True, flat_down=False, down_n=128, down_stages=6, tail_rows=0), {}),
     ("shared before up, beside the pull (v7)", dict(shared_sms=0), {}),
     ("shared beside up on 16 SMs", dict(shared_sms=16), {}),
     ("shared beside up on 24 SMs", dict(shared_sms=24), {}),
     ("shared beside up on 32 SMs", dict(shared_sms=32), {}),
     ("shared beside up on 40 SMs", dict(shared_sms=40), {}),
 ]
-SWEEP_FP8 = ("default again (A/A control)", "pull 24 x 16 warps x 8 rows", "shared last", "shared before up, beside the pull (v7)",
+SWEEP_FP8 = ("default again (A/A control)", "pull 24 x 16 warps x 8 rows", "shared last",
+             "shared before up, beside the pull (v7)",
              "early down (per-tile up counters, 128 wide x 6, not flat)",
              "shared beside up on 16 SMs", "shared beside up on 24 SMs",
              "shared beside up on 32 SMs", "shared beside up on 40 SMs")

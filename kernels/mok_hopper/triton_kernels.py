@@ -112,10 +112,10 @@ class TileConfig:
     down_pair_stages: int = 4  # 4 x 40 KB (6 would not fit in shared memory)
     early_down: bool = False  # the down GEMM takes a row tile as soon as the up GEMM has finished it (per-tile
     # counters), and (CUDA, one chunk) is launched on every stream that runs up programs, right after them, so the
-    # SMs the up GEMM's last items leave idle start on the down GEMM (PERF_NOTES "Next versions"; not yet measured)
+    # SMs the up GEMM's last items leave idle start on the down GEMM (measured on 2xH200: no gain, PERF_NOTES session 9)
     tail_rows: int = 0  # bf16, half tiles: an expert's last tile may carry this many rows more (BM/2 + TL, or BM
     # + TL instead of a full tile and a half tile), run as a second MMA with the rows in N ("swap AB") off the same
-    # weight tiles, so that an expert of 70 rows costs 96 rows of MMA work instead of 128 (schedule.padded_rows)
+    # weight tiles: with 32, an expert of 70 rows costs 96 rows of MMA work instead of 128 (schedule.padded_rows)
     fp8: bool = False  # set by for_fp8 (the fp8 GEMM steps and pipeline depths)
 
     def __post_init__(self) -> None:
@@ -309,7 +309,8 @@ def _sched_layout_kernel(count_ptr, lay_ptr, counts_out, num_tiles_ptr, chunk_pt
     if HALF:  # full tiles, then a last tile of BM/2 rows if the rest fits in it, else of BM rows
         full = c // BM  # (TAIL: also BM/2 + TAIL rows, or TAIL more on the last full tile; schedule.padded_rows)
         rest = c - full * BM
-        last = tl.where(rest > BM // 2 + TAIL, BM, tl.where(rest > BM // 2, BM // 2 + TAIL, tl.where(rest > 0, BM // 2, 0)))
+        last = tl.where(rest > BM // 2 + TAIL, BM,
+                        tl.where(rest > BM // 2, BM // 2 + TAIL, tl.where(rest > 0, BM // 2, 0)))
         if TAIL > 0:
             absorbed = (rest > 0) & (rest <= TAIL) & (full > 0)
             last = tl.where(absorbed, TAIL, last)
@@ -756,8 +757,8 @@ def _next_work(wk, work_ptr, NUM_PROGS: tl.constexpr, DYN: tl.constexpr):
 
 
 @triton.jit
-def _up_swiglu_kernel(a_ptr, a_half, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, tile_expert_ptr, tile_row_ptr, chunk_ptr,
-                      ready_ptr, work_ptr, done_ptr, n_rows, H, I, limit,
+def _up_swiglu_kernel(a_ptr, a_half, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, tile_expert_ptr, tile_row_ptr,
+                      chunk_ptr, ready_ptr, work_ptr, done_ptr, n_rows, H, I, limit,
                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FP8: tl.constexpr,
                       HAS_LIMIT: tl.constexpr, NUM_PROGS: tl.constexpr, UPCAST: tl.constexpr,
                       STAGES: tl.constexpr, FP8_MAX_: tl.constexpr, GROUP_M: tl.constexpr, TMA: tl.constexpr = False,
@@ -766,8 +767,8 @@ def _up_swiglu_kernel(a_ptr, a_half, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_pt
                       FLAT: tl.constexpr = False, PAIR: tl.constexpr = False, PAIR_STAGES: tl.constexpr = 3,
                       DONE: tl.constexpr = False, TAIL: tl.constexpr = 0):
     """TMA: ``a_ptr`` / ``a_half`` / ``a_tail`` / ``w_ptr`` are TMA descriptors over A [R, H] (blocks [BM, BK],
-    [BM/2, BK] and [TAIL, BK])
-    and W13 [L*2I, H] (blocks [BN, BK]), read by Hopper's bulk copy engine; otherwise pointers. HALF: tiles of
+    [BM/2, BK] and [TAIL, BK]) and W13 [L*2I, H] (blocks [BN, BK]), read by Hopper's bulk copy engine; otherwise
+    pointers. HALF: tiles of
     BM/2 rows (the schedule's half tiles) run a BM/2-row MMA. READY: wait for the pull per row granule. DYN: work
     items off the counter at ``work_ptr`` (zero before the first launch that shares it). FLAT (neither READY nor
     DYN): static round robin in one flattened loop nest, as in the down kernel. PAIR (bf16, with HALF): a full
@@ -1000,8 +1001,8 @@ def _down_tile(h_ptr, h_half, h_tail, hs_ptr, w_ptr, ws_ptr, code_ptr, rw_ptr, o
 
 
 @triton.jit
-def _down_work(wk, h_ptr, h_half, h_tail, hs_ptr, w_ptr, ws_ptr, tile_expert_ptr, tile_row_ptr, code_ptr, rw_ptr, out_ref,
-               out_delta, done_ptr, m_lo, m_hi, n_n, n_rows, H, I, TK, N_UP,
+def _down_work(wk, h_ptr, h_half, h_tail, hs_ptr, w_ptr, ws_ptr, tile_expert_ptr, tile_row_ptr, code_ptr, rw_ptr,
+               out_ref, out_delta, done_ptr, m_lo, m_hi, n_n, n_rows, H, I, TK, N_UP,
                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FP8: tl.constexpr, APPLY_W: tl.constexpr,
                UPCAST: tl.constexpr, STAGES: tl.constexpr, GROUP_M: tl.constexpr, TMA: tl.constexpr,
                HALF: tl.constexpr, WB: tl.constexpr, PAIR: tl.constexpr, PAIR_STAGES: tl.constexpr,
