@@ -566,6 +566,22 @@ def _ld_w(w_ptr, w_at, k0, TMA: tl.constexpr):
 
 
 @triton.jit
+def _tail_rows(ptr, row0, row_end, n_rows, K, BM: tl.constexpr, BK: tl.constexpr, TAIL: tl.constexpr,
+               TMA: tl.constexpr):
+    """The TAIL rows after a tile's first BM: their indices (int32), which of them to store (inside the tile and
+    the capacity), and where their [TAIL, BK] operand tiles load from (a TMA row, or pointers into ``ptr``, a
+    row-major [R, K] matrix)."""
+    rows32 = row0 + BM + tl.arange(0, TAIL)
+    rows = rows32.to(tl.int64)
+    rmask = (rows < n_rows) & (rows32 < row_end)
+    if TMA:
+        at = row0 + BM
+    else:
+        at = ptr + rows[:, None] * K + tl.arange(0, BK)[None, :]
+    return rows32, rmask, at
+
+
+@triton.jit
 def _up_item(a_ptr, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row_end, n, e_tile, n_rows, H, I, limit,
              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FP8: tl.constexpr, HAS_LIMIT: tl.constexpr,
              UPCAST: tl.constexpr, STAGES: tl.constexpr, FP8_MAX_: tl.constexpr, TMA: tl.constexpr,
@@ -589,12 +605,7 @@ def _up_item(a_ptr, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row_end,
     acc_g = tl.zeros((BM, BN), dtype=tl.float32)
     acc_u = tl.zeros((BM, BN), dtype=tl.float32)
     if TAIL > 0:  # bf16 only (TileConfig.for_fp8 turns tails off)
-        rows_t = (row0 + BM + tl.arange(0, TAIL)).to(tl.int64)
-        rmask_t = (rows_t < n_rows) & (rows_t < row_end)
-        if TMA:
-            t_at = row0 + BM
-        else:
-            t_at = a_ptr + rows_t[:, None] * H + tl.arange(0, BK)[None, :]
+        rows_t32, rmask_t, t_at = _tail_rows(a_ptr, row0, row_end, n_rows, H, BM, BK, TAIL, TMA)
         acc_tg = tl.zeros((BN, TAIL), dtype=tl.float32)
         acc_tu = tl.zeros((BN, TAIL), dtype=tl.float32)
         for k0 in tl.range(0, H, BK, num_stages=STAGES):
@@ -606,7 +617,7 @@ def _up_item(a_ptr, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row_end,
             acc_u = _mma(a, wu, acc_u, UPCAST)
             acc_tg = _mma(wg.T, at, acc_tg, UPCAST)
             acc_tu = _mma(wu.T, at, acc_tu, UPCAST)
-        _up_store(acc_tg.T, acc_tu.T, rows_t, rmask_t, n, h_ptr, hs_ptr, I, limit, BN, FP8, HAS_LIMIT, FP8_MAX_)
+        _up_store(acc_tg.T, acc_tu.T, rows_t32.to(tl.int64), rmask_t, n, h_ptr, hs_ptr, I, limit, BN, FP8, HAS_LIMIT, FP8_MAX_)
     elif FP8:
         # Block scales change every K step, so each step's product is scaled before it is added ("promotion").
         # x scales are 1 x BK (BK = 128), weight scales 128 x 128: one scalar per step for gate and for up.
@@ -890,12 +901,7 @@ def _down_item(h_ptr, h_tail, hs_ptr, w_ptr, ws_ptr, code_ptr, rw_ptr, out_ref, 
         b_at = w_ptr + e * H * I + cols[None, :].to(tl.int64) * I + kk[:, None]  # [BK, BN] view of W2^T
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     if TAIL > 0:  # bf16 only
-        rows_t32 = row0 + BM + tl.arange(0, TAIL)
-        rmask_t = (rows_t32.to(tl.int64) < n_rows) & (rows_t32 < row_end)
-        if TMA:
-            t_at = row0 + BM
-        else:
-            t_at = h_ptr + rows_t32.to(tl.int64)[:, None] * I + tl.arange(0, BK)[None, :]
+        rows_t32, rmask_t, t_at = _tail_rows(h_ptr, row0, row_end, n_rows, I, BM, BK, TAIL, TMA)
         acc_t = tl.zeros((BN, TAIL), dtype=tl.float32)
         for k0 in tl.range(0, I, BK, num_stages=STAGES):
             a = _ld_a(h_ptr, a_at, k0, rmask, TMA)
