@@ -129,7 +129,7 @@ def test_single_gpu_tails_match_the_default_per_token(tail):
     load = torch.rand(E, generator=g) * 2 + 1
     idx = torch.stack([torch.multinomial(load, K, generator=g) for _ in range(T)]).to(x.device)
     tile = replace(default_tile(device=x.device, hidden=H, ffn=I, rows_per_expert=T * K / E), flat_down=False,
-                   pair_up=False, down_n=128, down_stages=6)
+                   pair_up=False, tail_rows=0, down_n=128, down_stages=6)  # (192 rows per expert: tails by default)
     base = MoKHopperLayer(w13, w2, topk=K, tokens=T, shared=sh, tile=tile)
     tails = MoKHopperLayer(w13, w2, topk=K, tokens=T, shared=sh, tile=replace(tile, tail_rows=tail))
     want, got = base(x, idx, w).float(), tails(x, idx, w)

@@ -101,11 +101,10 @@ def default_tile(*, precision: str = "bf16", device: Optional[torch.device] = No
     ``TAIL_ROWS`` rows as a swapped MMA beside its last tile (``tail_rows``: 2.6-3.3% faster on glm_5_2 in two
     interleaved sweeps, where v7's paired up tiles were the default; no gain on deepseek_v4_pro, slower on
     kimi_k2_7 and qwen3_5_397b, whose flattened down loop it would replace; PERF_NOTES session 9). BM stays 128:
-    64-row tiles ran 30%
-    slower on 2xH200 (PERF_NOTES v1). The shared expert runs on ``SHARED_SMS`` SMs of its own stream beside the
-    routed up GEMM (``shared_sms``; 2-4% faster in bf16 on the four shapes, within 1% in fp8, PERF_NOTES v8),
-    unless ``comm_sms`` leaves the up GEMM fewer than ``SHARED_SMS`` SMs of the GPU's ``n_sm`` (then it runs before
-    the up GEMM, as in v7).
+    64-row tiles ran 30% slower on 2xH200 (PERF_NOTES v1). The shared expert runs on ``SHARED_SMS`` SMs of its own
+    stream beside the routed up GEMM (``shared_sms``; 2-4% faster in bf16 on the four shapes, within 1% in fp8,
+    PERF_NOTES v8), unless ``comm_sms`` leaves the up GEMM fewer than ``SHARED_SMS`` SMs of the GPU's ``n_sm``
+    (then it runs before the up GEMM, as in v7).
 
     On the CPU (Triton interpreter) the cost is per operation, not per FLOP: few programs, small row tiles and
     the widest column / depth steps that divide ``hidden`` / ``ffn``, and pointer loads (``tma`` off)."""
