@@ -604,21 +604,7 @@ def _up_item(a_ptr, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row_end,
         u_at = g_at + I * H
     acc_g = tl.zeros((BM, BN), dtype=tl.float32)
     acc_u = tl.zeros((BM, BN), dtype=tl.float32)
-    if TAIL > 0:  # bf16 only (TileConfig.for_fp8 turns tails off)
-        rows_t32, rmask_t, t_at = _tail_rows(a_ptr, row0, row_end, n_rows, H, BM, BK, TAIL, TMA)
-        acc_tg = tl.zeros((BN, TAIL), dtype=tl.float32)
-        acc_tu = tl.zeros((BN, TAIL), dtype=tl.float32)
-        for k0 in tl.range(0, H, BK, num_stages=STAGES):
-            a = _ld_a(a_ptr, a_at, k0, rmask, TMA)
-            at = _ld_a(a_tail, t_at, k0, rmask_t, TMA).T  # [BK, TAIL]
-            wg = _ld_w(w_ptr, g_at, k0, TMA)
-            wu = _ld_w(w_ptr, u_at, k0, TMA)
-            acc_g = _mma(a, wg, acc_g, UPCAST)
-            acc_u = _mma(a, wu, acc_u, UPCAST)
-            acc_tg = _mma(wg.T, at, acc_tg, UPCAST)
-            acc_tu = _mma(wu.T, at, acc_tu, UPCAST)
-        _up_store(acc_tg.T, acc_tu.T, rows_t32.to(tl.int64), rmask_t, n, h_ptr, hs_ptr, I, limit, BN, FP8, HAS_LIMIT, FP8_MAX_)
-    elif FP8:
+    if FP8:
         # Block scales change every K step, so each step's product is scaled before it is added ("promotion").
         # x scales are 1 x BK (BK = 128), weight scales 128 x 128: one scalar per step for gate and for up.
         wsb = ws_ptr + e * (2 * I // WB) * (H // WB)
@@ -630,10 +616,26 @@ def _up_item(a_ptr, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row_end,
             acc_g += _mm(a, _ld_w(w_ptr, g_at, k0, TMA), UPCAST) * (sa[:, None] * sg)
             acc_u += _mm(a, _ld_w(w_ptr, u_at, k0, TMA), UPCAST) * (sa[:, None] * su)
     else:
+        if TAIL > 0:  # bf16 only (TileConfig.for_fp8 turns tails off)
+            rows_t32, rmask_t, t_at = _tail_rows(a_ptr, row0, row_end, n_rows, H, BM, BK, TAIL, TMA)
+            acc_tg = tl.zeros((BN, TAIL), dtype=tl.float32)
+            acc_tu = tl.zeros((BN, TAIL), dtype=tl.float32)
         for k0 in tl.range(0, H, BK, num_stages=STAGES):
             a = _ld_a(a_ptr, a_at, k0, rmask, TMA)
-            acc_g = _mma(a, _ld_w(w_ptr, g_at, k0, TMA), acc_g, UPCAST)
-            acc_u = _mma(a, _ld_w(w_ptr, u_at, k0, TMA), acc_u, UPCAST)
+            if TAIL > 0:  # each weight tile feeds both MMAs
+                at = _ld_a(a_tail, t_at, k0, rmask_t, TMA).T  # [BK, TAIL]
+                wg = _ld_w(w_ptr, g_at, k0, TMA)
+                wu = _ld_w(w_ptr, u_at, k0, TMA)
+                acc_g = _mma(a, wg, acc_g, UPCAST)
+                acc_u = _mma(a, wu, acc_u, UPCAST)
+                acc_tg = _mma(wg.T, at, acc_tg, UPCAST)
+                acc_tu = _mma(wu.T, at, acc_tu, UPCAST)
+            else:
+                acc_g = _mma(a, _ld_w(w_ptr, g_at, k0, TMA), acc_g, UPCAST)
+                acc_u = _mma(a, _ld_w(w_ptr, u_at, k0, TMA), acc_u, UPCAST)
+        if TAIL > 0:
+            _up_store(acc_tg.T, acc_tu.T, rows_t32.to(tl.int64), rmask_t, n, h_ptr, hs_ptr, I, limit, BN, FP8,
+                      HAS_LIMIT, FP8_MAX_)
     _up_store(acc_g, acc_u, rows, rmask, n, h_ptr, hs_ptr, I, limit, BN, FP8, HAS_LIMIT, FP8_MAX_)
 
 
@@ -900,26 +902,24 @@ def _down_item(h_ptr, h_tail, hs_ptr, w_ptr, ws_ptr, code_ptr, rw_ptr, out_ref, 
         a_at = h_ptr + rows[:, None] * I + kk[None, :]
         b_at = w_ptr + e * H * I + cols[None, :].to(tl.int64) * I + kk[:, None]  # [BK, BN] view of W2^T
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    if TAIL > 0:  # bf16 only
+    if TAIL > 0:  # bf16 only (TileConfig.for_fp8 turns tails off)
         rows_t32, rmask_t, t_at = _tail_rows(h_ptr, row0, row_end, n_rows, I, BM, BK, TAIL, TMA)
         acc_t = tl.zeros((BN, TAIL), dtype=tl.float32)
-        for k0 in tl.range(0, I, BK, num_stages=STAGES):
-            a = _ld_a(h_ptr, a_at, k0, rmask, TMA)
+    for k0 in tl.range(0, I, BK, num_stages=STAGES):
+        a = _ld_a(h_ptr, a_at, k0, rmask, TMA)
+        if TAIL > 0:
             at = _ld_a(h_tail, t_at, k0, rmask_t, TMA).T  # [BK, TAIL]
-            b = _ld_w(w_ptr, b_at, k0, TMA)
+        b = _ld_w(w_ptr, b_at, k0, TMA)
+        if FP8:  # h scales are 1 x BK (the up GEMM's column tile), weight scales 128 x 128
+            sa = tl.load(hs_ptr + rows * (I // BK) + k0 // BK, mask=rmask, other=0.0)
+            sb = tl.load(ws_ptr + e * (H // WB) * (I // WB) + ((n * BN) // WB) * (I // WB) + k0 // WB)
+            acc += _mm(a, b, UPCAST) * (sa[:, None] * sb)
+        else:
             acc = _mma(a, b, acc, UPCAST)
+        if TAIL > 0:
             acc_t = _mma(b.T, at, acc_t, UPCAST)
+    if TAIL > 0:
         _down_store(acc_t.T, rows_t32, rmask_t, cols, code_ptr, rw_ptr, out_ref, out_delta, H, TK, APPLY_W)
-    else:
-        for k0 in tl.range(0, I, BK, num_stages=STAGES):
-            a = _ld_a(h_ptr, a_at, k0, rmask, TMA)
-            b = _ld_w(w_ptr, b_at, k0, TMA)
-            if FP8:  # h scales are 1 x BK (the up GEMM's column tile), weight scales 128 x 128
-                sa = tl.load(hs_ptr + rows * (I // BK) + k0 // BK, mask=rmask, other=0.0)
-                sb = tl.load(ws_ptr + e * (H // WB) * (I // WB) + ((n * BN) // WB) * (I // WB) + k0 // WB)
-                acc += _mm(a, b, UPCAST) * (sa[:, None] * sb)
-            else:
-                acc = _mma(a, b, acc, UPCAST)
     _down_store(acc, rows32, rmask, cols, code_ptr, rw_ptr, out_ref, out_delta, H, TK, APPLY_W)
 
 
