@@ -675,6 +675,7 @@ def test_every_kernel_variant_compiles_for_hopper_without_spills():
                        text=True, env=env, cwd=Path(__file__).resolve().parent.parent, timeout=300)
     assert p.returncode == 0, p.stdout + p.stderr[-3000:]
     assert "up fp8" in p.stdout and "down bf16" in p.stdout and "up bf16 paired" in p.stdout
+    assert "up bf16 tails 32 tma" in p.stdout and "down bf16 x w tails 32 tma" in p.stdout
 
 
 def test_a_sweep_variant_is_timed_against_the_default_interleaved(monkeypatch):

@@ -114,12 +114,18 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048) -> list[Varia
                                     PAIR_STAGES=c.down_pair_stages, DYN=c.early_down, DONE=c.early_down,
                                     SPIN=True, TAIL=c.tail_rows),
                                c.down_warps))
-    if not cfg.pair_up and not cfg.flat_up and cfg.half_tiles and not cfg.tail_rows:  # the paired up GEMM (glm_5_2,
-        # bf16, TMA)
+    plain = cfg.half_tiles and not (cfg.pair_up or cfg.pair_down or cfg.flat_up or cfg.flat_down or cfg.tail_rows)
+    if plain:  # the other default tiles' GEMMs (bf16, TMA): v7's paired up GEMM, and glm_5_2's tails (v9)
         from dataclasses import replace
+
+        from kernels.mok_hopper.api import TAIL_ROWS
 
         out += [Variant("up bf16 paired tma", v.kernel, v.types, v.constexprs, v.num_warps)
                 for v in variants(replace(cfg, pair_up=True), hidden, ffn) if v.label == "up bf16 tma"]
+        out += [Variant(v.label.replace(" tma", f" tails {TAIL_ROWS} tma"), v.kernel, v.types, v.constexprs,
+                        v.num_warps)
+                for v in variants(replace(cfg, tail_rows=TAIL_ROWS), hidden, ffn)
+                if v.label in ("up bf16 tma", "down bf16 x w tma")]
     out.append(Variant("epilogue", "_epilogue_kernel",
                        dict(comb_ptr="*bf16", idx_ptr="*i64", rw_ptr="*fp32", shared_ptr="*bf16", out_ptr="*bf16",
                             T="i32", H="i32", K="i32"),
