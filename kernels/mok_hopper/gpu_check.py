@@ -484,7 +484,8 @@ SWEEP = [  # (label, overrides of the base tile, layer options); tiles checked b
     ("down 256 wide x 4 stages, not flat", dict(flat_down=False, down_n=256, down_stages=4), {}),
     ("down BK 128 x 3 stages, not flat", dict(flat_down=False, down_k=128, down_stages=3), {}),
     # the down GEMM per row tile as soon as the up GEMM has finished it, launched after the up programs of every
-    # stream (PERF_NOTES "Next versions"); kimi / qwen's flattened down loop cannot wait, so it runs 128 wide there
+    # stream (no gain on 2xH200, PERF_NOTES session 9); kimi / qwen's flattened down loop cannot wait, so it runs
+    # 128 wide there
     ("early down (per-tile up counters, 128 wide x 6, not flat)",
      dict(early_down=True, flat_down=False, down_n=128, down_stages=6), {}),
     # an expert's last rows as a second MMA with the rows in N, off the same weight tiles (tail_rows; PERF_NOTES
