@@ -578,6 +578,60 @@ def test_kernels_with_tails_match_the_twin(tma, early):
     assert sizes == {BM // 2, BM // 2 + TL, BM, BM + TL}  # tails of both kinds, and plain tiles
 
 
+def test_tile_weights_puts_each_tma_block_in_one_run_of_memory():
+    from kernels.mok_hopper.triton_kernels import TileConfig, tile_weights
+
+    w = torch.arange(2 * 8 * 12, dtype=torch.float32).reshape(2, 8, 12)
+    t = tile_weights(w, 4, 3)
+    assert t.shape == (2, 2, 4, 4, 3) and t.is_contiguous()
+    flat = t.reshape(-1, 3)  # the [*, BK] view the kernels' TMA descriptor covers
+    for e in range(2):
+        for n in range(2):
+            for k in range(4):
+                row = ((e * 2 + n) * 4 + k) * 4  # where _ld_w loads block (e, n, k) from
+                assert torch.equal(flat[row:row + 4], w[e, n * 4:(n + 1) * 4, k * 3:(k + 1) * 3])
+    with pytest.raises(AssertionError, match="multiples of the tile"):
+        tile_weights(w, 3, 3)
+    with pytest.raises(ValueError, match="needs tma=True"):
+        TileConfig(tma=False, w_tiled=True)
+
+
+def test_default_tile_tiles_the_weights_on_cuda_only():
+    from kernels.mok_hopper.api import default_tile
+
+    for precision in ("bf16", "fp8"):
+        for rows in (64, 85, 128):
+            assert default_tile(precision=precision, rows_per_expert=rows).w_tiled
+    cpu = default_tile(device=torch.device("cpu"), hidden=256, ffn=128)
+    assert not cpu.tma and not cpu.w_tiled  # (pointer loads under the interpreter)
+
+
+@needs_triton
+@pytest.mark.parametrize("layout", ["tails", "pair", "flat", "fp8"])
+def test_tiled_weights_change_no_bit(layout):
+    """The weights in TMA block order (w_tiled) feed the same blocks to the same MMAs as row-major weights: both
+    GEMMs, every item kind (tails, pairs, the flattened loops, fp8's scaled steps) give identical bits."""
+    from dataclasses import replace
+
+    from kernels.mok_hopper.triton_kernels import TileConfig
+
+    P, T, K, E, H, I = 2, 48, 4, 8, 256, 128
+    precision = "fp8" if layout == "fp8" else "bf16"
+    tile = TileConfig(block_m=32, up_n=32, up_k=32, down_n=64, down_k=32, num_chunks=1, gemm_programs=3,
+                      pull_programs=5, pull_rows=4, group_m=2, tma=True)
+    tile = {"tails": replace(tile, block_m=64, tail_rows=16), "pair": replace(tile, pair_up=True, pair_down=True),
+            "flat": replace(tile, flat_up=True, flat_down=True, ready_flags=False), "fp8": tile.for_fp8()}[layout]
+    xs, idx, ws, w13, w2, sh = make_layer_inputs(P, T, K, E, H, I, seed=23)
+    row_major, _, _ = run_kernels(xs, idx, ws, w13, w2, sh, precision=precision, tile=tile, limit=1.0)
+    tiled, layers, _ = run_kernels(xs, idx, ws, w13, w2, sh, precision=precision, tile=replace(tile, w_tiled=True),
+                                   limit=1.0)
+    assert layers[0].w13.dim() == 5 and layers[0].w2.dim() == 5  # the layer's own copy is tiled
+    for r in range(P):
+        assert torch.equal(tiled[0][r], row_major[0][r])
+    want = twin.simulate(xs, idx, ws, w13, w2, shared=sh, fp8=precision == "fp8", block_m=16, limit=1.0)
+    assert all(rel_l1(tiled[0][r], want[r]) < 1e-3 for r in range(P))
+
+
 @needs_triton
 @pytest.mark.parametrize("tiles", ["half_tiles", "full_tiles", "tails"])
 @pytest.mark.parametrize("mode,P,capacity", [("uniform", 2, None), ("one_rank", 2, None), ("masked", 4, None),

@@ -96,7 +96,8 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048) -> list[Varia
                                     UPCAST=False, STAGES=c.up_stages, FP8_MAX_=tk.FP8_MAX, GROUP_M=c.group_m, TMA=tma,
                                     HALF=c.half_tiles, READY=c.ready_flags, GRAN=tk.ready_granule(c), SPIN=True,
                                     DYN=c.ready_flags, WB=128, FLAT=c.flat_up, PAIR=c.pair_up,
-                                    PAIR_STAGES=c.up_pair_stages, DONE=c.early_down, TAIL=c.tail_rows), c.up_warps))
+                                    PAIR_STAGES=c.up_pair_stages, DONE=c.early_down, TAIL=c.tail_rows,
+                                    WT=c.w_tiled and tma), c.up_warps))
         for fp8, apply_w in ((False, True), (False, False), (True, True)):
             c = f8 if fp8 else cfg
             t = "*fp8e4nv" if fp8 else "*bf16"
@@ -112,7 +113,7 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048) -> list[Varia
                                     NUM_PROGS=nprog, UPCAST=False, STAGES=c.down_stages, GROUP_M=c.group_m, TMA=tma,
                                     HALF=c.half_tiles, WB=128, FLAT=c.flat_down, PAIR=c.pair_down,
                                     PAIR_STAGES=c.down_pair_stages, DYN=c.early_down, DONE=c.early_down,
-                                    SPIN=True, TAIL=c.tail_rows),
+                                    SPIN=True, TAIL=c.tail_rows, WT=c.w_tiled and tma),
                                c.down_warps))
     plain = cfg.half_tiles and not (cfg.pair_up or cfg.pair_down or cfg.flat_up or cfg.flat_down or cfg.tail_rows)
     if plain:  # the other default tiles' GEMMs (bf16, TMA): v7's paired up GEMM, and glm_5_2's tails (v9)

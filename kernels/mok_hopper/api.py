@@ -104,11 +104,13 @@ def default_tile(*, precision: str = "bf16", device: Optional[torch.device] = No
     64-row tiles ran 30% slower on 2xH200 (PERF_NOTES v1). The shared expert runs on ``SHARED_SMS`` SMs of its own
     stream beside the routed up GEMM (``shared_sms``; 2-4% faster in bf16 on the four shapes, within 1% in fp8,
     PERF_NOTES v8), unless ``comm_sms`` leaves the up GEMM fewer than ``SHARED_SMS`` SMs of the GPU's ``n_sm``
-    (then it runs before the up GEMM, as in v7).
+    (then it runs before the up GEMM, as in v7). The layer keeps its routed expert weights in TMA block order
+    (``w_tiled``, :func:`~kernels.mok_hopper.triton_kernels.tile_weights`): each block a GEMM step loads is one
+    contiguous run of memory instead of BN rows a row length apart (PERF_NOTES session 10).
 
     On the CPU (Triton interpreter) the cost is per operation, not per FLOP: few programs, small row tiles and
     the widest column / depth steps that divide ``hidden`` / ``ffn``, and pointer loads (``tma`` off)."""
-    cfg = tk.TileConfig(shared_sms=SHARED_SMS)
+    cfg = tk.TileConfig(shared_sms=SHARED_SMS, w_tiled=True)
     if comm_sms is not None:
         cfg = replace(cfg, comm_sms=comm_sms)
     if n_sm is not None and n_sm - cfg.comm_sms - cfg.shared_sms < SHARED_SMS:
@@ -124,7 +126,7 @@ def default_tile(*, precision: str = "bf16", device: Optional[torch.device] = No
         cfg = replace(cfg, block_m=32, up_n=widest(ffn, 128), up_k=widest(hidden, 256), down_n=widest(hidden, 256),
                       down_k=widest(ffn, 256), pull_rows=16, num_chunks=2, gemm_programs=2, pull_programs=2,
                       shared_sms=0, tail_rows=0)
-        cfg = replace(cfg, tma=False)
+        cfg = replace(cfg, tma=False, w_tiled=False)
     return cfg.for_fp8() if precision == "fp8" else cfg
 
 
@@ -169,7 +171,8 @@ class MoKHopperLayer(torch.nn.Module):
 
     Args:
         w13_LIH: bf16 [L, 2I, H], this rank's experts, gate rows then up rows.
-        w2_LHI: bf16 [L, H, I].
+        w2_LHI: bf16 [L, H, I]. On CUDA the layer keeps its own copy of both in TMA block order (fp8: quantised
+            too), made here: build a new layer after changing the weights.
         topk, tokens: K and T (identical on every rank; the workspace is sized for them).
         shared: optional shared expert (gate [I, H], up [I, H], down [H, I]), bf16 in every precision.
         swiglu_limit: clamp gate <= limit and |up| <= limit before SwiGLU (DeepSeek-V4), or None.
@@ -225,7 +228,7 @@ class MoKHopperLayer(torch.nn.Module):
         # the shared expert: one "expert" of T rows in full tiles, nothing to wait for
         self.cfg_bf16 = replace(self.cfg_bf16, block_m=self.cfg.block_m, tma=self.cfg.tma, half_tiles=False,
                                 ready_flags=False, pair_up=False, pair_down=False, early_down=False,
-                                tail_rows=0)
+                                tail_rows=0, w_tiled=False)
         _check_divisible(H, I, self.cfg, self.cfg_bf16, shared is not None)
         BM = self.cfg.block_m
 
@@ -241,6 +244,9 @@ class MoKHopperLayer(torch.nn.Module):
             self.register_buffer("w13", w13_LIH.detach().contiguous(), persistent=False)
             self.register_buffer("w2", w2_LHI.detach().contiguous(), persistent=False)
             self.w13_scale = self.w2_scale = None
+        if self.cfg.w_tiled:  # each TMA block of the weights one contiguous run (a copy, made once)
+            self.w13 = tk.tile_weights(self.w13, self.cfg.up_n, self.cfg.up_k)
+            self.w2 = tk.tile_weights(self.w2, self.cfg.down_n, self.cfg.down_k)
 
         # workspace and per-layer scratch (allocated here, reused by every forward)
         self.ws = workspace if workspace is not None else get_workspace(

@@ -121,7 +121,8 @@ class MokHopperBackend:
                     "notes": "CPU twin (pure torch, gloo), not the Triton kernel: checks schedule and combine logic"}
         t, layer = self._tile, self.impl
         return {"scaling": scaling, "compiled": True, "comm_sms": t.comm_sms,
-                "notes": (f"Triton, {'TMA' if t.tma else 'pointer'} GEMM operands; BM={t.block_m} "
+                "notes": (f"Triton, {'TMA' if t.tma else 'pointer'} GEMM operands"
+                          f"{' (weights in TMA block order)' if t.w_tiled else ''}; BM={t.block_m} "
                           f"{'+ BM/2 half tiles ' if t.half_tiles else ''}"
                           f"{f'+ {t.tail_rows}-row swapped tails ' if t.tail_rows else ''}"
                           f"{'(paired up) ' if t.pair_up else ''}{'(flat down) ' if t.flat_down else ''}"

@@ -273,8 +273,9 @@ def timeline(ctx: Ctx, inp: dict[str, Any], tile: tk.TileConfig, precision: str,
     return dict(zip(STAMPS, t.tolist()))
 
 
-def grouped_mm_ms(ctx: Ctx, layer: MoKHopperLayer, iters: int) -> Optional[float]:
-    """torch._grouped_mm gate/up + SwiGLU + down on the same (padded) rows, for comparison (bf16 only)."""
+def grouped_mm_ms(ctx: Ctx, layer: MoKHopperLayer, inp: dict[str, Any], iters: int) -> Optional[float]:
+    """torch._grouped_mm gate/up + SwiGLU + down on the same (padded) rows and the layer's weights as given
+    (``inp``; the layer's own copy may be tiled), for comparison (bf16 only)."""
     if not hasattr(torch, "_grouped_mm") or layer.fp8 or ctx.smoke:
         return None
     counts = layer.sched.counts_L.long()
@@ -282,7 +283,7 @@ def grouped_mm_ms(ctx: Ctx, layer: MoKHopperLayer, iters: int) -> Optional[float
     offs = torch.cumsum(padded, 0).to(torch.int32)
     n = int(offs[-1])
     x = layer.x_rows[:n]
-    w13t, w2t = layer.w13.transpose(-2, -1), layer.w2.transpose(-2, -1)
+    w13t, w2t = inp["w13"].transpose(-2, -1), inp["w2"].transpose(-2, -1)
 
     def run() -> None:
         h = torch._grouped_mm(x, w13t, offs=offs)
@@ -400,7 +401,7 @@ def published(ctx: Ctx, name: str, args: argparse.Namespace, rates: dict[str, fl
         x, idx, w = inp["x"], inp["idx"], inp["w"]
         fwd = time_iters(ctx, lambda: layer(x, idx, w), args.iters, args.warmup)
         st = time_stages(ctx, layer, inp, max(5, args.iters // 2))
-        gmm = grouped_mm_ms(ctx, layer, max(5, args.iters // 2))
+        gmm = grouped_mm_ms(ctx, layer, inp, max(5, args.iters // 2))
         bpw = 1 if prec == "fp8" else 2
         n_tiles = int(layer.sched.num_tiles)
         exec_rows = int(layer.sched.tile_row_M1[n_tiles])  # rows the GEMMs run (tiles of BM or BM/2 rows)
@@ -469,6 +470,8 @@ def _empty_cache(ctx: Ctx) -> None:
 SWEEP = [  # (label, overrides of the base tile, layer options); tiles checked by aot_check to fit on sm_90
     # the default itself, as a second layer: its ratio is what a sweep reads when nothing changes (A/A control)
     ("default again (A/A control)", {}, {}),
+    # the expert weights row-major, as given, instead of in TMA block order (w_tiled, the default from session 10)
+    ("row-major weights (v9)", dict(w_tiled=False), {}),
     ("v3 layout (full tiles, events, 3/4 stages, torch schedule)",  # the reference point of PERF_NOTES v3
      dict(half_tiles=False, ready_flags=False, up_stages=3, down_stages=4, pull_rows=2, pull_warps=8,
           pull_programs=48, shared_sms=0, tail_rows=0), dict(schedule="torch")),

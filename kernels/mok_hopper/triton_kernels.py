@@ -116,6 +116,8 @@ class TileConfig:
     tail_rows: int = 0  # bf16, half tiles: an expert's last tile may carry this many rows more (BM/2 + TL, or BM
     # + TL instead of a full tile and a half tile), run as a second MMA with the rows in N ("swap AB") off the same
     # weight tiles: with 32, an expert of 70 rows costs 96 rows of MMA work instead of 128 (schedule.padded_rows)
+    w_tiled: bool = False  # TMA: the expert weights in the tiled layout of tile_weights (each TMA block one
+    # contiguous run of memory instead of BN rows of BK elements a row length apart); the layer tiles them once
     fp8: bool = False  # set by for_fp8 (the fp8 GEMM steps and pipeline depths)
 
     def __post_init__(self) -> None:
@@ -125,6 +127,8 @@ class TileConfig:
         if self.early_down and (self.flat_down or not self.ready_flags):
             raise ValueError("early_down needs ready_flags=True and flat_down=False: the down GEMM's wait for the up "
                              "GEMM's tiles cannot be flattened, and it shares the up GEMM's work-queue setup")
+        if self.w_tiled and not self.tma:
+            raise ValueError("w_tiled (weights in TMA block order) needs tma=True")
         if self.flat_up and self.ready_flags:
             raise ValueError("flat_up needs ready_flags=False: the up GEMM's spin wait for the pull cannot be "
                              "flattened")
@@ -555,10 +559,15 @@ def _ld_a(a_ptr, a_at, k0, rmask, TMA: tl.constexpr):
 
 
 @triton.jit
-def _ld_w(w_ptr, w_at, k0, TMA: tl.constexpr):
+def _ld_w(w_ptr, w_at, k0, TMA: tl.constexpr, WT: tl.constexpr = False):
     """The [BK, BN] view of W^T at depth k0 (W row-major [N, K]): a TMA load of the [BN, BK] block at row ``w_at``,
-    transposed, or a load from the pointers ``w_at``."""
-    if TMA:
+    transposed, or a load from the pointers ``w_at``. WT (TMA): W in tiles (:func:`tile_weights`): the block of
+    K step k0 is the contiguous [BN, BK] block ``k0 // BK`` after row ``w_at`` of the [*, BK] view."""
+    if WT:
+        BN: tl.constexpr = w_ptr.block_shape[0]
+        BK: tl.constexpr = w_ptr.block_shape[1]
+        tile = w_ptr.load([w_at + (k0 // BK) * BN, 0]).T
+    elif TMA:
         tile = w_ptr.load([w_at, k0]).T
     else:
         tile = tl.load(w_at + k0)
@@ -585,7 +594,7 @@ def _tail_rows(ptr, row0, row_end, n_rows, K, BM: tl.constexpr, BK: tl.constexpr
 def _up_item(a_ptr, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row_end, n, e_tile, n_rows, H, I, limit,
              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FP8: tl.constexpr, HAS_LIMIT: tl.constexpr,
              UPCAST: tl.constexpr, STAGES: tl.constexpr, FP8_MAX_: tl.constexpr, TMA: tl.constexpr,
-             WB: tl.constexpr, TAIL: tl.constexpr):
+             WB: tl.constexpr, TAIL: tl.constexpr, WT: tl.constexpr = False):
     """One work item: rows [row0, min(row0 + BM, row_end)) x hidden columns [n*BN, (n+1)*BN) of expert ``e_tile``
     (rows from row_end on belong to the next tile: computed, not stored). TAIL > 0 (bf16): also the TAIL rows
     after those (``a_tail``: their TMA descriptor), as W @ A^T with the rows in N, off the same weight tiles."""
@@ -593,7 +602,11 @@ def _up_item(a_ptr, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row_end,
     rows = (row0 + tl.arange(0, BM)).to(tl.int64)
     rmask = (rows < n_rows) & (rows < row_end)
     cols = n * BN + tl.arange(0, BN)
-    if TMA:  # block coordinates
+    if WT:  # rows of the tiled weights (tile_weights): H // BK blocks of BN rows per (expert, row tile)
+        a_at = row0
+        g_at = (e_tile * (2 * I // BN) + n) * (H // BK) * BN
+        u_at = g_at + (I // BN) * (H // BK) * BN
+    elif TMA:  # block coordinates
         a_at = row0
         g_at = e_tile * 2 * I + n * BN
         u_at = g_at + I
@@ -613,8 +626,8 @@ def _up_item(a_ptr, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row_end,
             sa = tl.load(as_ptr + rows * (H // BK) + k0 // BK, mask=rmask, other=0.0)
             sg = tl.load(wsb + ((n * BN) // WB) * (H // WB) + k0 // WB)
             su = tl.load(wsb + ((I + n * BN) // WB) * (H // WB) + k0 // WB)
-            acc_g += _mm(a, _ld_w(w_ptr, g_at, k0, TMA), UPCAST) * (sa[:, None] * sg)
-            acc_u += _mm(a, _ld_w(w_ptr, u_at, k0, TMA), UPCAST) * (sa[:, None] * su)
+            acc_g += _mm(a, _ld_w(w_ptr, g_at, k0, TMA, WT), UPCAST) * (sa[:, None] * sg)
+            acc_u += _mm(a, _ld_w(w_ptr, u_at, k0, TMA, WT), UPCAST) * (sa[:, None] * su)
     else:
         if TAIL > 0:  # bf16 only (TileConfig.for_fp8 turns tails off)
             rows_t32, rmask_t, t_at = _tail_rows(a_ptr, row0, row_end, n_rows, H, BM, BK, TAIL, TMA)
@@ -624,15 +637,15 @@ def _up_item(a_ptr, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row_end,
             a = _ld_a(a_ptr, a_at, k0, rmask, TMA)
             if TAIL > 0:  # each weight tile feeds both MMAs
                 at = _ld_a(a_tail, t_at, k0, rmask_t, TMA).T  # [BK, TAIL]
-                wg = _ld_w(w_ptr, g_at, k0, TMA)
-                wu = _ld_w(w_ptr, u_at, k0, TMA)
+                wg = _ld_w(w_ptr, g_at, k0, TMA, WT)
+                wu = _ld_w(w_ptr, u_at, k0, TMA, WT)
                 acc_g = _mma(a, wg, acc_g, UPCAST)
                 acc_u = _mma(a, wu, acc_u, UPCAST)
                 acc_tg = _mma(wg.T, at, acc_tg, UPCAST)
                 acc_tu = _mma(wu.T, at, acc_tu, UPCAST)
             else:
-                acc_g = _mma(a, _ld_w(w_ptr, g_at, k0, TMA), acc_g, UPCAST)
-                acc_u = _mma(a, _ld_w(w_ptr, u_at, k0, TMA), acc_u, UPCAST)
+                acc_g = _mma(a, _ld_w(w_ptr, g_at, k0, TMA, WT), acc_g, UPCAST)
+                acc_u = _mma(a, _ld_w(w_ptr, u_at, k0, TMA, WT), acc_u, UPCAST)
         if TAIL > 0:
             _up_store(acc_tg.T, acc_tu.T, rows_t32.to(tl.int64), rmask_t, n, h_ptr, hs_ptr, I, limit, BN, FP8,
                       HAS_LIMIT, FP8_MAX_)
@@ -676,7 +689,7 @@ def _pair_role(tile_expert_ptr, tile_row_ptr, m, m_lo, m_hi, e_tile, row0, row1,
 @triton.jit
 def _up_pair_item(a_ptr, a_half, w_ptr, h_ptr, row0, row_end, n, e_tile, n_rows, H, I, limit,
                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, HAS_LIMIT: tl.constexpr,
-                  UPCAST: tl.constexpr, STAGES: tl.constexpr, TMA: tl.constexpr):
+                  UPCAST: tl.constexpr, STAGES: tl.constexpr, TMA: tl.constexpr, WT: tl.constexpr = False):
     """bf16: a full tile, rows [row0, row0 + BM), and its expert's trailing half tile, rows [row0 + BM,
     row_end), x hidden columns n of expert ``e_tile``: one gate and one up weight tile per K step for both (four
     accumulators), so the weights cross from L2 into shared memory once instead of twice."""
@@ -686,7 +699,12 @@ def _up_pair_item(a_ptr, a_half, w_ptr, h_ptr, row0, row_end, n, e_tile, n_rows,
     rows2 = (row0 + BM + tl.arange(0, HB)).to(tl.int64)
     rmask = rows < n_rows
     rmask2 = (rows2 < n_rows) & (rows2 < row_end)
-    if TMA:  # block coordinates
+    if WT:  # rows of the tiled weights (see _up_item)
+        a_at = row0
+        a2_at = row0 + BM
+        g_at = (e_tile * (2 * I // BN) + n) * (H // BK) * BN
+        u_at = g_at + (I // BN) * (H // BK) * BN
+    elif TMA:  # block coordinates
         a_at = row0
         a2_at = row0 + BM
         g_at = e_tile * 2 * I + n * BN
@@ -705,8 +723,8 @@ def _up_pair_item(a_ptr, a_half, w_ptr, h_ptr, row0, row_end, n, e_tile, n_rows,
     for k0 in tl.range(0, H, BK, num_stages=STAGES):
         a = _ld_a(a_ptr, a_at, k0, rmask, TMA)
         a2 = _ld_a(a_half, a2_at, k0, rmask2, TMA)
-        wg = _ld_w(w_ptr, g_at, k0, TMA)
-        wu = _ld_w(w_ptr, u_at, k0, TMA)
+        wg = _ld_w(w_ptr, g_at, k0, TMA, WT)
+        wu = _ld_w(w_ptr, u_at, k0, TMA, WT)
         acc_g = _mma(a, wg, acc_g, UPCAST)
         acc_u = _mma(a, wu, acc_u, UPCAST)
         acc_g2 = _mma(a2, wg, acc_g2, UPCAST)
@@ -719,7 +737,7 @@ def _up_pair_item(a_ptr, a_half, w_ptr, h_ptr, row0, row_end, n, e_tile, n_rows,
 def _up_tile(a_ptr, a_half, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row1, n, e_tile, n_rows, H, I,
              limit, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FP8: tl.constexpr,
              HAS_LIMIT: tl.constexpr, UPCAST: tl.constexpr, STAGES: tl.constexpr, FP8_MAX_: tl.constexpr,
-             TMA: tl.constexpr, WB: tl.constexpr, HALF: tl.constexpr, TAIL: tl.constexpr):
+             TMA: tl.constexpr, WB: tl.constexpr, HALF: tl.constexpr, TAIL: tl.constexpr, WT: tl.constexpr = False):
     """The item of one row tile: a BM/2-row MMA for a half tile (HALF), else BM rows; TAIL: a tile whose size is
     not a multiple of BM/2 (BM/2 + TAIL or BM + TAIL rows) adds the swapped TAIL-row MMA."""
     if TAIL > 0:  # (HALF: TileConfig)
@@ -727,26 +745,26 @@ def _up_tile(a_ptr, a_half, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, 
         if size % (BM // 2) != 0:
             if size < BM:
                 _up_item(a_half, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row1, n, e_tile, n_rows, H, I,
-                         limit, BM // 2, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB, TAIL)
+                         limit, BM // 2, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB, TAIL, WT)
             else:
                 _up_item(a_ptr, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row1, n, e_tile, n_rows, H, I,
-                         limit, BM, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB, TAIL)
+                         limit, BM, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB, TAIL, WT)
         elif size < BM:
             _up_item(a_half, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row1, n, e_tile, n_rows, H, I,
-                     limit, BM // 2, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB, 0)
+                     limit, BM // 2, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB, 0, WT)
         else:
             _up_item(a_ptr, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row1, n, e_tile, n_rows, H, I,
-                     limit, BM, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB, 0)
+                     limit, BM, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB, 0, WT)
     elif HALF:
         if row1 - row0 < BM:
             _up_item(a_half, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row1, n, e_tile, n_rows, H, I,
-                     limit, BM // 2, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB, 0)
+                     limit, BM // 2, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB, 0, WT)
         else:
             _up_item(a_ptr, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row1, n, e_tile, n_rows, H, I,
-                     limit, BM, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB, 0)
+                     limit, BM, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB, 0, WT)
     else:
         _up_item(a_ptr, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row1, n, e_tile, n_rows, H, I, limit,
-                 BM, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB, 0)
+                 BM, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB, 0, WT)
 
 
 @triton.jit
@@ -778,7 +796,7 @@ def _up_swiglu_kernel(a_ptr, a_half, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_pt
                       HALF: tl.constexpr = False, READY: tl.constexpr = False, GRAN: tl.constexpr = 64,
                       SPIN: tl.constexpr = True, DYN: tl.constexpr = False, WB: tl.constexpr = 128,
                       FLAT: tl.constexpr = False, PAIR: tl.constexpr = False, PAIR_STAGES: tl.constexpr = 3,
-                      DONE: tl.constexpr = False, TAIL: tl.constexpr = 0):
+                      DONE: tl.constexpr = False, TAIL: tl.constexpr = 0, WT: tl.constexpr = False):
     """TMA: ``a_ptr`` / ``a_half`` / ``a_tail`` / ``w_ptr`` are TMA descriptors over A [R, H] (blocks [BM, BK],
     [BM/2, BK] and [TAIL, BK]) and W13 [L*2I, H] (blocks [BN, BK]), read by Hopper's bulk copy engine; otherwise
     pointers. HALF: tiles of
@@ -795,7 +813,7 @@ def _up_swiglu_kernel(a_ptr, a_half, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_pt
         for wk in tl.range(tl.program_id(0), n_work, NUM_PROGS, flatten=True):
             m, n, e_tile, row0, row1 = _work_tile(wk, tile_expert_ptr, tile_row_ptr, m_lo, m_hi, n_n, GROUP_M)
             _up_item(a_ptr, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row1, n, e_tile, n_rows, H, I,
-                     limit, BM, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB, 0)
+                     limit, BM, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB, 0, WT)
     else:
         wk = _first_work(work_ptr, DYN)
         while wk < n_work:
@@ -807,23 +825,40 @@ def _up_swiglu_kernel(a_ptr, a_half, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_pt
                         _wait_rows(ready_ptr, row0, row_hi, GRAN, SPIN, TMA)
                     if role == 1:
                         _up_pair_item(a_ptr, a_half, w_ptr, h_ptr, row0, row_hi, n, e_tile, n_rows, H, I, limit,
-                                      BM, BN, BK, HAS_LIMIT, UPCAST, PAIR_STAGES, TMA)
+                                      BM, BN, BK, HAS_LIMIT, UPCAST, PAIR_STAGES, TMA, WT)
                         if DONE:
                             _signal_tiles(done_ptr, m, m + 1)
                     else:
                         _up_tile(a_ptr, a_half, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row1, n, e_tile,
                                  n_rows, H, I, limit, BM, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB,
-                                 HALF, 0)
+                                 HALF, 0, WT)
                         if DONE:
                             _signal_tiles(done_ptr, m, m)
             else:
                 if READY:
                     _wait_rows(ready_ptr, row0, row1, GRAN, SPIN, TMA)
                 _up_tile(a_ptr, a_half, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row1, n, e_tile, n_rows,
-                         H, I, limit, BM, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB, HALF, TAIL)
+                         H, I, limit, BM, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB, HALF, TAIL, WT)
                 if DONE:
                     _signal_tiles(done_ptr, m, m)
             wk = _next_work(wk, work_ptr, NUM_PROGS, DYN)
+
+
+def tile_weights(w_LNK: torch.Tensor, bn: int, bk: int) -> torch.Tensor:
+    """W [L, N, K] in the GEMM kernels' block order (``TileConfig.w_tiled``): [L, N/bn, K/bk, bn, bk], so that the
+    [bn, bk] block a K step loads is one contiguous run of memory (a copy)."""
+    L, N, K = w_LNK.shape
+    assert N % bn == 0 and K % bk == 0, f"weights [{N}, {K}] must be multiples of the tile ({bn}, {bk})"
+    return w_LNK.reshape(L, N // bn, bn, K // bk, bk).permute(0, 1, 3, 2, 4).contiguous()
+
+
+def _weights(w: torch.Tensor, bn: int, bk: int, tiled: bool) -> tuple[int, int]:
+    """(N, K) of expert weights given as [L, N, K], or tiled ([L, N/bn, K/bk, bn, bk], see :func:`tile_weights`)."""
+    if not tiled:
+        return w.shape[1], w.shape[2]
+    assert w.dim() == 5 and tuple(w.shape[3:]) == (bn, bk), \
+        f"w_tiled: weights must come from tile_weights(w, {bn}, {bk}), got shape {tuple(w.shape)}"
+    return w.shape[1] * bn, w.shape[2] * bk
 
 
 def _operand(t: torch.Tensor, block: list[int], tma: bool):
@@ -862,6 +897,7 @@ def up_swiglu(a_RH: torch.Tensor, a_scale: Optional[torch.Tensor], w13_LIH: torc
         "flat_up runs a static loop: no ready counters, no queue, no done counters"
     tail = cfg.tail_rows
     assert not (tail and fp8), "tails are bf16 only (TileConfig.for_fp8 turns them off)"
+    assert _weights(w13_LIH, bn, bk, cfg.w_tiled) == (2 * I, H), "w13 must be [L, 2I, H] (or tiled)"
     _up_swiglu_kernel[(programs,)](
         _operand(a_RH, [bm, bk], cfg.tma), _operand(a_RH, [bm // 2, bk], cfg.tma and cfg.half_tiles),
         _operand(a_RH, [tail, bk], cfg.tma and tail > 0),
@@ -874,7 +910,7 @@ def up_swiglu(a_RH: torch.Tensor, a_scale: Optional[torch.Tensor], w13_LIH: torc
         STAGES=cfg.up_stages, FP8_MAX_=FP8_MAX, GROUP_M=cfg.group_m, TMA=cfg.tma, HALF=cfg.half_tiles,
         READY=ready is not None, GRAN=ready_granule(cfg), SPIN=not INTERPRET, DYN=work is not None,
         FLAT=flat, PAIR=cfg.pair_up, PAIR_STAGES=cfg.up_pair_stages, DONE=done is not None, TAIL=tail,
-        num_warps=cfg.up_warps)
+        WT=cfg.w_tiled, num_warps=cfg.up_warps)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -885,7 +921,7 @@ def up_swiglu(a_RH: torch.Tensor, a_scale: Optional[torch.Tensor], w13_LIH: torc
 def _down_item(h_ptr, h_tail, hs_ptr, w_ptr, ws_ptr, code_ptr, rw_ptr, out_ref, out_delta, row0, row_end, n, e_tile,
                n_rows, H, I, TK, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FP8: tl.constexpr,
                APPLY_W: tl.constexpr, UPCAST: tl.constexpr, STAGES: tl.constexpr, TMA: tl.constexpr,
-               WB: tl.constexpr, TAIL: tl.constexpr):
+               WB: tl.constexpr, TAIL: tl.constexpr, WT: tl.constexpr = False):
     """One work item: rows [row0, min(row0 + BM, row_end)) x output columns [n*BN, (n+1)*BN) of expert ``e_tile``,
     pushed (rows from row_end on belong to the next tile: computed, not stored). TAIL > 0 (bf16): also the TAIL
     rows after those, as W @ h^T with the rows in N, off the same weight tiles (see ``_up_item``)."""
@@ -894,7 +930,10 @@ def _down_item(h_ptr, h_tail, hs_ptr, w_ptr, ws_ptr, code_ptr, rw_ptr, out_ref, 
     rows = rows32.to(tl.int64)
     rmask = (rows < n_rows) & (rows32 < row_end)
     cols = n * BN + tl.arange(0, BN)
-    if TMA:  # block coordinates
+    if WT:  # rows of the tiled weights (see _up_item)
+        a_at = row0
+        b_at = (e_tile * (H // BN) + n) * (I // BK) * BN
+    elif TMA:  # block coordinates
         a_at = row0
         b_at = e_tile * H + n * BN
     else:  # pointers
@@ -909,7 +948,7 @@ def _down_item(h_ptr, h_tail, hs_ptr, w_ptr, ws_ptr, code_ptr, rw_ptr, out_ref, 
         a = _ld_a(h_ptr, a_at, k0, rmask, TMA)
         if TAIL > 0:
             at = _ld_a(h_tail, t_at, k0, rmask_t, TMA).T  # [BK, TAIL]
-        b = _ld_w(w_ptr, b_at, k0, TMA)
+        b = _ld_w(w_ptr, b_at, k0, TMA, WT)
         if FP8:  # h scales are 1 x BK (the up GEMM's column tile), weight scales 128 x 128
             sa = tl.load(hs_ptr + rows * (I // BK) + k0 // BK, mask=rmask, other=0.0)
             sb = tl.load(ws_ptr + e * (H // WB) * (I // WB) + ((n * BN) // WB) * (I // WB) + k0 // WB)
@@ -940,7 +979,7 @@ def _down_store(acc, rows32, rmask, cols, code_ptr, rw_ptr, out_ref, out_delta, 
 @triton.jit
 def _down_pair_item(h_ptr, h_half, w_ptr, code_ptr, rw_ptr, out_ref, out_delta, row0, row_end, n, e_tile, n_rows,
                     H, I, TK, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, APPLY_W: tl.constexpr,
-                    UPCAST: tl.constexpr, STAGES: tl.constexpr, TMA: tl.constexpr):
+                    UPCAST: tl.constexpr, STAGES: tl.constexpr, TMA: tl.constexpr, WT: tl.constexpr = False):
     """bf16: a full tile and its expert's trailing half tile (rows [row0, row_end)) x output columns n, one
     weight tile per K step for both (see ``_up_pair_item``)."""
     HB: tl.constexpr = BM // 2
@@ -952,7 +991,11 @@ def _down_pair_item(h_ptr, h_half, w_ptr, code_ptr, rw_ptr, out_ref, out_delta, 
     rmask = rows < n_rows
     rmask2 = (rows2 < n_rows) & (rows2_32 < row_end)
     cols = n * BN + tl.arange(0, BN)
-    if TMA:
+    if WT:  # rows of the tiled weights (see _up_item)
+        a_at = row0
+        a2_at = row0 + BM
+        b_at = (e_tile * (H // BN) + n) * (I // BK) * BN
+    elif TMA:
         a_at = row0
         a2_at = row0 + BM
         b_at = e_tile * H + n * BN
@@ -966,7 +1009,7 @@ def _down_pair_item(h_ptr, h_half, w_ptr, code_ptr, rw_ptr, out_ref, out_delta, 
     for k0 in tl.range(0, I, BK, num_stages=STAGES):
         a = _ld_a(h_ptr, a_at, k0, rmask, TMA)
         a2 = _ld_a(h_half, a2_at, k0, rmask2, TMA)
-        b = _ld_w(w_ptr, b_at, k0, TMA)
+        b = _ld_w(w_ptr, b_at, k0, TMA, WT)
         acc = _mma(a, b, acc, UPCAST)
         acc2 = _mma(a2, b, acc2, UPCAST)
     _down_store(acc, rows32, rmask, cols, code_ptr, rw_ptr, out_ref, out_delta, H, TK, APPLY_W)
@@ -977,33 +1020,33 @@ def _down_pair_item(h_ptr, h_half, w_ptr, code_ptr, rw_ptr, out_ref, out_delta, 
 def _down_tile(h_ptr, h_half, h_tail, hs_ptr, w_ptr, ws_ptr, code_ptr, rw_ptr, out_ref, out_delta, row0, row1, n,
                e_tile, n_rows, H, I, TK, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FP8: tl.constexpr,
                APPLY_W: tl.constexpr, UPCAST: tl.constexpr, STAGES: tl.constexpr, TMA: tl.constexpr,
-               WB: tl.constexpr, HALF: tl.constexpr, TAIL: tl.constexpr):
+               WB: tl.constexpr, HALF: tl.constexpr, TAIL: tl.constexpr, WT: tl.constexpr = False):
     """The item of one row tile: a BM/2-row MMA for a half tile (HALF), else BM rows; TAIL: as in ``_up_tile``."""
     if TAIL > 0:
         size = row1 - row0
         if size % (BM // 2) != 0:
             if size < BM:
                 _down_item(h_half, h_tail, hs_ptr, w_ptr, ws_ptr, code_ptr, rw_ptr, out_ref, out_delta, row0, row1,
-                           n, e_tile, n_rows, H, I, TK, BM // 2, BN, BK, FP8, APPLY_W, UPCAST, STAGES, TMA, WB, TAIL)
+                           n, e_tile, n_rows, H, I, TK, BM // 2, BN, BK, FP8, APPLY_W, UPCAST, STAGES, TMA, WB, TAIL, WT)
             else:
                 _down_item(h_ptr, h_tail, hs_ptr, w_ptr, ws_ptr, code_ptr, rw_ptr, out_ref, out_delta, row0, row1,
-                           n, e_tile, n_rows, H, I, TK, BM, BN, BK, FP8, APPLY_W, UPCAST, STAGES, TMA, WB, TAIL)
+                           n, e_tile, n_rows, H, I, TK, BM, BN, BK, FP8, APPLY_W, UPCAST, STAGES, TMA, WB, TAIL, WT)
         elif size < BM:
             _down_item(h_half, h_tail, hs_ptr, w_ptr, ws_ptr, code_ptr, rw_ptr, out_ref, out_delta, row0, row1, n,
-                       e_tile, n_rows, H, I, TK, BM // 2, BN, BK, FP8, APPLY_W, UPCAST, STAGES, TMA, WB, 0)
+                       e_tile, n_rows, H, I, TK, BM // 2, BN, BK, FP8, APPLY_W, UPCAST, STAGES, TMA, WB, 0, WT)
         else:
             _down_item(h_ptr, h_tail, hs_ptr, w_ptr, ws_ptr, code_ptr, rw_ptr, out_ref, out_delta, row0, row1, n,
-                       e_tile, n_rows, H, I, TK, BM, BN, BK, FP8, APPLY_W, UPCAST, STAGES, TMA, WB, 0)
+                       e_tile, n_rows, H, I, TK, BM, BN, BK, FP8, APPLY_W, UPCAST, STAGES, TMA, WB, 0, WT)
     elif HALF:
         if row1 - row0 < BM:
             _down_item(h_half, h_tail, hs_ptr, w_ptr, ws_ptr, code_ptr, rw_ptr, out_ref, out_delta, row0, row1, n,
-                       e_tile, n_rows, H, I, TK, BM // 2, BN, BK, FP8, APPLY_W, UPCAST, STAGES, TMA, WB, 0)
+                       e_tile, n_rows, H, I, TK, BM // 2, BN, BK, FP8, APPLY_W, UPCAST, STAGES, TMA, WB, 0, WT)
         else:
             _down_item(h_ptr, h_tail, hs_ptr, w_ptr, ws_ptr, code_ptr, rw_ptr, out_ref, out_delta, row0, row1, n,
-                       e_tile, n_rows, H, I, TK, BM, BN, BK, FP8, APPLY_W, UPCAST, STAGES, TMA, WB, 0)
+                       e_tile, n_rows, H, I, TK, BM, BN, BK, FP8, APPLY_W, UPCAST, STAGES, TMA, WB, 0, WT)
     else:
         _down_item(h_ptr, h_tail, hs_ptr, w_ptr, ws_ptr, code_ptr, rw_ptr, out_ref, out_delta, row0, row1, n,
-                   e_tile, n_rows, H, I, TK, BM, BN, BK, FP8, APPLY_W, UPCAST, STAGES, TMA, WB, 0)
+                   e_tile, n_rows, H, I, TK, BM, BN, BK, FP8, APPLY_W, UPCAST, STAGES, TMA, WB, 0, WT)
 
 
 @triton.jit
@@ -1012,7 +1055,7 @@ def _down_work(wk, h_ptr, h_half, h_tail, hs_ptr, w_ptr, ws_ptr, tile_expert_ptr
                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FP8: tl.constexpr, APPLY_W: tl.constexpr,
                UPCAST: tl.constexpr, STAGES: tl.constexpr, GROUP_M: tl.constexpr, TMA: tl.constexpr,
                HALF: tl.constexpr, WB: tl.constexpr, PAIR: tl.constexpr, PAIR_STAGES: tl.constexpr,
-               DONE: tl.constexpr, SPIN: tl.constexpr, TAIL: tl.constexpr):
+               DONE: tl.constexpr, SPIN: tl.constexpr, TAIL: tl.constexpr, WT: tl.constexpr = False):
     """Work item ``wk`` of the (not flattened) down loop; DONE: first wait until the up GEMM has finished its
     row tiles (``N_UP`` column blocks each)."""
     m, n, e_tile, row0, row1 = _work_tile(wk, tile_expert_ptr, tile_row_ptr, m_lo, m_hi, n_n, GROUP_M)
@@ -1022,17 +1065,17 @@ def _down_work(wk, h_ptr, h_half, h_tail, hs_ptr, w_ptr, ws_ptr, tile_expert_ptr
             if DONE:
                 _wait_counts(done_ptr, m, m + 2, N_UP, SPIN, TMA)
             _down_pair_item(h_ptr, h_half, w_ptr, code_ptr, rw_ptr, out_ref, out_delta, row0, row_hi, n,
-                            e_tile, n_rows, H, I, TK, BM, BN, BK, APPLY_W, UPCAST, PAIR_STAGES, TMA)
+                            e_tile, n_rows, H, I, TK, BM, BN, BK, APPLY_W, UPCAST, PAIR_STAGES, TMA, WT)
         elif role == 0:
             if DONE:
                 _wait_counts(done_ptr, m, m + 1, N_UP, SPIN, TMA)
             _down_tile(h_ptr, h_half, h_tail, hs_ptr, w_ptr, ws_ptr, code_ptr, rw_ptr, out_ref, out_delta, row0,
-                       row1, n, e_tile, n_rows, H, I, TK, BM, BN, BK, FP8, APPLY_W, UPCAST, STAGES, TMA, WB, HALF, 0)
+                       row1, n, e_tile, n_rows, H, I, TK, BM, BN, BK, FP8, APPLY_W, UPCAST, STAGES, TMA, WB, HALF, 0, WT)
     else:
         if DONE:
             _wait_counts(done_ptr, m, m + 1, N_UP, SPIN, TMA)
         _down_tile(h_ptr, h_half, h_tail, hs_ptr, w_ptr, ws_ptr, code_ptr, rw_ptr, out_ref, out_delta, row0, row1,
-                   n, e_tile, n_rows, H, I, TK, BM, BN, BK, FP8, APPLY_W, UPCAST, STAGES, TMA, WB, HALF, TAIL)
+                   n, e_tile, n_rows, H, I, TK, BM, BN, BK, FP8, APPLY_W, UPCAST, STAGES, TMA, WB, HALF, TAIL, WT)
 
 
 @triton.jit
@@ -1043,7 +1086,7 @@ def _down_push_kernel(h_ptr, h_half, h_tail, hs_ptr, w_ptr, ws_ptr, tile_expert_
                       GROUP_M: tl.constexpr, TMA: tl.constexpr = False, HALF: tl.constexpr = False,
                       WB: tl.constexpr = 128, FLAT: tl.constexpr = False, PAIR: tl.constexpr = False,
                       PAIR_STAGES: tl.constexpr = 4, DYN: tl.constexpr = False, DONE: tl.constexpr = False,
-                      SPIN: tl.constexpr = True, TAIL: tl.constexpr = 0):
+                      SPIN: tl.constexpr = True, TAIL: tl.constexpr = 0, WT: tl.constexpr = False):
     """TMA: ``h_ptr`` / ``h_half`` / ``h_tail`` / ``w_ptr`` are TMA descriptors over h [R, I] (blocks [BM, BK],
     [BM/2, BK] and [TAIL, BK]) and W2 [L*H, I] (blocks [BN, BK]); otherwise pointers. HALF, PAIR, TAIL: as in the
     up kernel. FLAT: one flattened
@@ -1058,19 +1101,19 @@ def _down_push_kernel(h_ptr, h_half, h_tail, hs_ptr, w_ptr, ws_ptr, tile_expert_
         for wk in tl.range(tl.program_id(0), n_work, NUM_PROGS, flatten=True):
             m, n, e_tile, row0, row1 = _work_tile(wk, tile_expert_ptr, tile_row_ptr, m_lo, m_hi, n_n, GROUP_M)
             _down_item(h_ptr, h_tail, hs_ptr, w_ptr, ws_ptr, code_ptr, rw_ptr, out_ref, out_delta, row0, row1, n,
-                       e_tile, n_rows, H, I, TK, BM, BN, BK, FP8, APPLY_W, UPCAST, STAGES, TMA, WB, 0)
+                       e_tile, n_rows, H, I, TK, BM, BN, BK, FP8, APPLY_W, UPCAST, STAGES, TMA, WB, 0, WT)
     elif DYN:
         wk = _first_work(work_ptr, DYN)
         while wk < n_work:
             _down_work(wk, h_ptr, h_half, h_tail, hs_ptr, w_ptr, ws_ptr, tile_expert_ptr, tile_row_ptr, code_ptr,
                        rw_ptr, out_ref, out_delta, done_ptr, m_lo, m_hi, n_n, n_rows, H, I, TK, N_UP, BM, BN, BK, FP8,
-                       APPLY_W, UPCAST, STAGES, GROUP_M, TMA, HALF, WB, PAIR, PAIR_STAGES, DONE, SPIN, TAIL)
+                       APPLY_W, UPCAST, STAGES, GROUP_M, TMA, HALF, WB, PAIR, PAIR_STAGES, DONE, SPIN, TAIL, WT)
             wk = _next_work(wk, work_ptr, NUM_PROGS, DYN)
     else:
         for wk in range(tl.program_id(0), n_work, NUM_PROGS):
             _down_work(wk, h_ptr, h_half, h_tail, hs_ptr, w_ptr, ws_ptr, tile_expert_ptr, tile_row_ptr, code_ptr,
                        rw_ptr, out_ref, out_delta, done_ptr, m_lo, m_hi, n_n, n_rows, H, I, TK, N_UP, BM, BN, BK, FP8,
-                       APPLY_W, UPCAST, STAGES, GROUP_M, TMA, HALF, WB, PAIR, PAIR_STAGES, DONE, SPIN, TAIL)
+                       APPLY_W, UPCAST, STAGES, GROUP_M, TMA, HALF, WB, PAIR, PAIR_STAGES, DONE, SPIN, TAIL, WT)
 
 
 def down_push(h_RI: torch.Tensor, h_scale: Optional[torch.Tensor], w2_LHI: torch.Tensor,
@@ -1085,10 +1128,11 @@ def down_push(h_RI: torch.Tensor, h_scale: Optional[torch.Tensor], w2_LHI: torch
     :func:`up_swiglu`); an item waits until its tiles reach I / up_n, so this launch may start before the up GEMM
     has finished (``early_down``)."""
     R, I = h_RI.shape
-    H = w2_LHI.shape[1]
     fp8 = h_RI.dtype == torch.float8_e4m3fn
     assert not (cfg.pair_down and fp8), "paired tiles are bf16 only (TileConfig.for_fp8 turns them off)"
     bm, bn, bk = cfg.block_m, cfg.down_n, cfg.down_k
+    H, I_w = _weights(w2_LHI, bn, bk, cfg.w_tiled)
+    assert I_w == I, "w2 must be [L, H, I] (or tiled)"
     assert H % bn == 0 and I % bk == 0, f"hidden {H} / ffn {I} must be multiples of the tile ({bn}, {bk})"
     if fp8:
         assert 128 % bn == 0 and h_scale.shape[1] == I // bk, "fp8 down: BK must be the hidden-activation block, " \
@@ -1107,7 +1151,7 @@ def down_push(h_RI: torch.Tensor, h_scale: Optional[torch.Tensor], w2_LHI: torch
         BM=bm, BN=bn, BK=bk, FP8=fp8, APPLY_W=rw_R is not None, NUM_PROGS=programs, UPCAST=INTERPRET,
         STAGES=cfg.down_stages, GROUP_M=cfg.group_m, TMA=cfg.tma, HALF=cfg.half_tiles, FLAT=cfg.flat_down,
         PAIR=cfg.pair_down, PAIR_STAGES=cfg.down_pair_stages, DYN=work is not None, DONE=done is not None,
-        SPIN=not INTERPRET, TAIL=tail, num_warps=cfg.down_warps)
+        SPIN=not INTERPRET, TAIL=tail, WT=cfg.w_tiled, num_warps=cfg.down_warps)
 
 
 # ---------------------------------------------------------------------------------------------------------------
