@@ -730,6 +730,7 @@ def test_every_kernel_variant_compiles_for_hopper_without_spills():
     assert p.returncode == 0, p.stdout + p.stderr[-3000:]
     assert "up fp8" in p.stdout and "down bf16" in p.stdout and "up bf16 paired" in p.stdout
     assert "up bf16 tails 32 tma" in p.stdout and "down bf16 x w tails 32 tma" in p.stdout
+    assert "up fp8 tma row-major" in p.stdout and "down bf16 x w tma row-major" in p.stdout  # (w_tiled off)
 
 
 def test_a_sweep_variant_is_timed_against_the_default_interleaved(monkeypatch):

@@ -114,6 +114,31 @@ def test_single_gpu_early_down_changes_no_bit(precision):
     assert early.done[:n].tolist() == [1024 // early.cfg.up_n] * n
 
 
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+@pytest.mark.parametrize("rows", [128, 192])  # 192 rows per expert: 32-row tails by default
+def test_single_gpu_tiled_weights_change_no_bit(precision, rows):
+    """``w_tiled`` (the CUDA default since v10): the layer's weights in TMA block order feed the same blocks to
+    the same MMAs as row-major weights, so the output is bitwise the row-major layer's, over 20 repeats."""
+    from dataclasses import replace
+
+    from kernels.mok_hopper.api import MoKHopperLayer, default_tile
+
+    if precision == "fp8" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 needs SM89+")
+    T, K, H, I = 2048, 8, 2048, 1024
+    E = T * K // rows
+    x, idx, w, w13, w2, sh, _ = _inputs("uniform", K, T=T, E=E, H=H, I=I)
+    tile = default_tile(device=x.device, hidden=H, ffn=I, rows_per_expert=rows)
+    assert tile.w_tiled
+    tiled = MoKHopperLayer(w13, w2, topk=K, tokens=T, shared=sh, tile=tile, precision=precision)
+    plain = MoKHopperLayer(w13, w2, topk=K, tokens=T, shared=sh, tile=replace(tile, w_tiled=False),
+                           precision=precision)
+    assert tiled.w13.dim() == 5 and plain.w13.dim() == 3
+    want = plain(x, idx, w)
+    for _ in range(20):
+        assert torch.equal(tiled(x, idx, w), want)
+
+
 @pytest.mark.parametrize("tail", [16, 32])
 def test_single_gpu_tails_match_the_default_per_token(tail):
     """``tail_rows``: an expert's last rows as a second, swapped MMA (rows in N). Same math, another order inside

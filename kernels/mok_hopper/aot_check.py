@@ -31,10 +31,11 @@ class Variant:
 
 
 def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048) -> list[Variant]:
-    """The launches one forward makes (routed and shared GEMMs, bf16 and fp8), at the given tile config."""
+    """The launches one forward makes (routed and shared GEMMs, bf16 and fp8), at the given tile config (by default
+    the CUDA default's: TMA operands over tiled weights, and also the row-major TMA GEMMs)."""
     from kernels.mok_hopper import triton_kernels as tk
 
-    cfg = cfg or tk.TileConfig()
+    cfg = cfg or tk.TileConfig(w_tiled=True)
     f8 = cfg.for_fp8()
     nprog = 108
     out: list[Variant] = []
@@ -127,6 +128,10 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048) -> list[Varia
                         v.num_warps)
                 for v in variants(replace(cfg, tail_rows=TAIL_ROWS), hidden, ffn)
                 if v.label in ("up bf16 tma", "down bf16 x w tma")]
+        if cfg.w_tiled:  # the routed GEMMs over row-major weights (w_tiled off, as before v10)
+            out += [Variant(v.label + " row-major", v.kernel, v.types, v.constexprs, v.num_warps)
+                    for v in variants(replace(cfg, w_tiled=False), hidden, ffn)
+                    if v.label in ("up bf16 tma", "down bf16 x w tma", "up fp8 tma", "down fp8 x w tma")]
     out.append(Variant("epilogue", "_epilogue_kernel",
                        dict(comb_ptr="*bf16", idx_ptr="*i64", rw_ptr="*fp32", shared_ptr="*bf16", out_ptr="*bf16",
                             T="i32", H="i32", K="i32"),
