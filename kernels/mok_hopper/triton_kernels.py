@@ -798,8 +798,8 @@ def _up_swiglu_kernel(a_ptr, a_half, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_pt
                       FLAT: tl.constexpr = False, PAIR: tl.constexpr = False, PAIR_STAGES: tl.constexpr = 3,
                       DONE: tl.constexpr = False, TAIL: tl.constexpr = 0, WT: tl.constexpr = False):
     """TMA: ``a_ptr`` / ``a_half`` / ``a_tail`` / ``w_ptr`` are TMA descriptors over A [R, H] (blocks [BM, BK],
-    [BM/2, BK] and [TAIL, BK]) and W13 [L*2I, H] (blocks [BN, BK]), read by Hopper's bulk copy engine; otherwise
-    pointers. HALF: tiles of
+    [BM/2, BK] and [TAIL, BK]) and W13 [L*2I, H] (blocks [BN, BK]; WT: W13 from :func:`tile_weights`, a
+    [L*2I*H/BK, BK] view), read by Hopper's bulk copy engine; otherwise pointers. HALF: tiles of
     BM/2 rows (the schedule's half tiles) run a BM/2-row MMA. READY: wait for the pull per row granule. DYN: work
     items off the counter at ``work_ptr`` (zero before the first launch that shares it). FLAT (neither READY nor
     DYN): static round robin in one flattened loop nest, as in the down kernel. PAIR (bf16, with HALF): a full
@@ -1088,7 +1088,8 @@ def _down_push_kernel(h_ptr, h_half, h_tail, hs_ptr, w_ptr, ws_ptr, tile_expert_
                       PAIR_STAGES: tl.constexpr = 4, DYN: tl.constexpr = False, DONE: tl.constexpr = False,
                       SPIN: tl.constexpr = True, TAIL: tl.constexpr = 0, WT: tl.constexpr = False):
     """TMA: ``h_ptr`` / ``h_half`` / ``h_tail`` / ``w_ptr`` are TMA descriptors over h [R, I] (blocks [BM, BK],
-    [BM/2, BK] and [TAIL, BK]) and W2 [L*H, I] (blocks [BN, BK]); otherwise pointers. HALF, PAIR, TAIL: as in the
+    [BM/2, BK] and [TAIL, BK]) and W2 [L*H, I] (blocks [BN, BK]; WT: W2 from :func:`tile_weights`, a
+    [L*H*I/BK, BK] view); otherwise pointers. HALF, PAIR, TAIL: as in the
     up kernel. FLAT: one flattened
     loop nest (items x K steps, pipelined across items); every tile runs BM rows, a half tile's rows past its end
     are computed and not stored. DYN: work items off the counter at ``work_ptr`` (launches on several streams
