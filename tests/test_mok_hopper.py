@@ -594,6 +594,25 @@ def test_tile_weights_puts_each_tma_block_in_one_run_of_memory():
         tile_weights(w, 3, 3)
     with pytest.raises(ValueError, match="needs tma=True"):
         TileConfig(tma=False, w_tiled=True)
+    with pytest.raises(ValueError, match="up_fused .* needs w_tiled=True"):
+        TileConfig(up_fused=True)
+    assert not TileConfig(w_tiled=True, up_fused=True).for_fp8().up_fused  # bf16 only
+
+
+def test_tile_weights_gu_interleaves_gate_and_up_rows_in_each_block():
+    from kernels.mok_hopper.triton_kernels import tile_weights_gu
+
+    L, I, H, bn, bk = 2, 8, 12, 4, 3
+    w13 = torch.arange(L * 2 * I * H, dtype=torch.float32).reshape(L, 2 * I, H)
+    t = tile_weights_gu(w13, bn, bk)
+    assert t.shape == (L, I // bn, H // bk, 2 * bn, bk) and t.is_contiguous()
+    for e in range(L):
+        for n in range(I // bn):
+            for k in range(H // bk):
+                blk = t[e, n, k]
+                cols = slice(k * bk, (k + 1) * bk)
+                assert torch.equal(blk[0::2], w13[e, n * bn:(n + 1) * bn, cols])  # gate rows at 2j
+                assert torch.equal(blk[1::2], w13[e, I + n * bn:I + (n + 1) * bn, cols])  # up rows at 2j + 1
 
 
 def test_default_tile_tiles_the_weights_on_cuda_only():
@@ -607,10 +626,12 @@ def test_default_tile_tiles_the_weights_on_cuda_only():
 
 
 @needs_triton
-@pytest.mark.parametrize("layout", ["tails", "pair", "flat", "fp8"])
+@pytest.mark.parametrize("layout", ["tails", "pair", "flat", "fp8", "fused", "fused+tails"])
 def test_tiled_weights_change_no_bit(layout):
     """The weights in TMA block order (w_tiled) feed the same blocks to the same MMAs as row-major weights: both
-    GEMMs, every item kind (tails, pairs, the flattened loops, fp8's scaled steps) give identical bits."""
+    GEMMs, every item kind (tails, pairs, the flattened loops, fp8's scaled steps) give identical bits. The fused
+    gate/up MMA (up_fused: one N = 2 x up_n MMA over interleaved gate and up rows, split after the loop) too, on
+    the interpreter, whose dot sums each output element alone."""
     from dataclasses import replace
 
     from kernels.mok_hopper.triton_kernels import TileConfig
@@ -620,11 +641,12 @@ def test_tiled_weights_change_no_bit(layout):
     tile = TileConfig(block_m=32, up_n=32, up_k=32, down_n=64, down_k=32, num_chunks=1, gemm_programs=3,
                       pull_programs=5, pull_rows=4, group_m=2, tma=True)
     tile = {"tails": replace(tile, block_m=64, tail_rows=16), "pair": replace(tile, pair_up=True, pair_down=True),
-            "flat": replace(tile, flat_up=True, flat_down=True, ready_flags=False), "fp8": tile.for_fp8()}[layout]
+            "flat": replace(tile, flat_up=True, flat_down=True, ready_flags=False), "fp8": tile.for_fp8(),
+            "fused": tile, "fused+tails": replace(tile, block_m=64, tail_rows=16)}[layout]
+    tiled_tile = replace(tile, w_tiled=True, up_fused=layout.startswith("fused"))
     xs, idx, ws, w13, w2, sh = make_layer_inputs(P, T, K, E, H, I, seed=23)
     row_major, _, _ = run_kernels(xs, idx, ws, w13, w2, sh, precision=precision, tile=tile, limit=1.0)
-    tiled, layers, _ = run_kernels(xs, idx, ws, w13, w2, sh, precision=precision, tile=replace(tile, w_tiled=True),
-                                   limit=1.0)
+    tiled, layers, _ = run_kernels(xs, idx, ws, w13, w2, sh, precision=precision, tile=tiled_tile, limit=1.0)
     assert layers[0].w13.dim() == 5 and layers[0].w2.dim() == 5  # the layer's own copy is tiled
     for r in range(P):
         assert torch.equal(tiled[0][r], row_major[0][r])
@@ -731,6 +753,7 @@ def test_every_kernel_variant_compiles_for_hopper_without_spills():
     assert "up fp8" in p.stdout and "down bf16" in p.stdout and "up bf16 paired" in p.stdout
     assert "up bf16 tails 32 tma" in p.stdout and "down bf16 x w tails 32 tma" in p.stdout
     assert "up fp8 tma row-major" in p.stdout and "down bf16 x w tma row-major" in p.stdout  # (w_tiled off)
+    assert "up bf16 fused tma" in p.stdout and "up bf16 fused tails 32 tma" in p.stdout  # (up_fused)
 
 
 def test_a_sweep_variant_is_timed_against_the_default_interleaved(monkeypatch):

@@ -90,7 +90,8 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048) -> list[Varia
                                dict(a_ptr=operand(t, [c.block_m, c.up_k], tma),
                                     a_half=operand(t, [c.block_m // 2, c.up_k], tma),
                                     a_tail=operand(t, [c.tail_rows, c.up_k], tma and c.tail_rows > 0), as_ptr="*fp32",
-                                    w_ptr=operand(t, [c.up_n, c.up_k], tma), ws_ptr="*fp32", h_ptr=t, hs_ptr="*fp32",
+                                    w_ptr=operand(t, [c.up_n * (2 if c.up_fused else 1), c.up_k], tma),
+                                    ws_ptr="*fp32", h_ptr=t, hs_ptr="*fp32",
                                     tile_expert_ptr="*i32", tile_row_ptr="*i32", chunk_ptr="*i32", ready_ptr="*i32",
                                     work_ptr="*i32", done_ptr="*i32", n_rows="i32", H="i32", I="i32", limit="fp32"),
                                dict(BM=c.block_m, BN=c.up_n, BK=c.up_k, FP8=fp8, HAS_LIMIT=limit, NUM_PROGS=nprog,
@@ -98,7 +99,7 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048) -> list[Varia
                                     HALF=c.half_tiles, READY=c.ready_flags, GRAN=tk.ready_granule(c), SPIN=True,
                                     DYN=c.ready_flags, WB=128, FLAT=c.flat_up, PAIR=c.pair_up,
                                     PAIR_STAGES=c.up_pair_stages, DONE=c.early_down, TAIL=c.tail_rows,
-                                    WT=c.w_tiled and tma), c.up_warps))
+                                    WT=(2 if c.up_fused else c.w_tiled) if tma else False), c.up_warps))
         for fp8, apply_w in ((False, True), (False, False), (True, True)):
             c = f8 if fp8 else cfg
             t = "*fp8e4nv" if fp8 else "*bf16"
@@ -116,7 +117,8 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048) -> list[Varia
                                     PAIR_STAGES=c.down_pair_stages, DYN=c.early_down, DONE=c.early_down,
                                     SPIN=True, TAIL=c.tail_rows, WT=c.w_tiled and tma),
                                c.down_warps))
-    plain = cfg.half_tiles and not (cfg.pair_up or cfg.pair_down or cfg.flat_up or cfg.flat_down or cfg.tail_rows)
+    plain = cfg.half_tiles and not (cfg.pair_up or cfg.pair_down or cfg.flat_up or cfg.flat_down or cfg.tail_rows
+                                    or cfg.up_fused)
     if plain:  # the other default tiles' GEMMs (bf16, TMA): v7's paired up GEMM, and glm_5_2's tails (v9)
         from dataclasses import replace
 
@@ -128,6 +130,12 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048) -> list[Varia
                         v.num_warps)
                 for v in variants(replace(cfg, tail_rows=TAIL_ROWS), hidden, ffn)
                 if v.label in ("up bf16 tma", "down bf16 x w tma")]
+        if cfg.w_tiled:  # the fused gate/up MMA (up_fused, off by default), with and without tails
+            out += [Variant(v.label.replace(" tma", f" fused{tails} tma"), v.kernel, v.types, v.constexprs,
+                            v.num_warps)
+                    for tails, tl_rows in (("", 0), (f" tails {TAIL_ROWS}", TAIL_ROWS))
+                    for v in variants(replace(cfg, up_fused=True, tail_rows=tl_rows), hidden, ffn)
+                    if v.label == "up bf16 tma"]
         if cfg.w_tiled:  # the routed GEMMs over row-major weights (w_tiled off, as before v10)
             out += [Variant(v.label + " row-major", v.kernel, v.types, v.constexprs, v.num_warps)
                     for v in variants(replace(cfg, w_tiled=False), hidden, ffn)

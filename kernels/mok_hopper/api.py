@@ -228,7 +228,7 @@ class MoKHopperLayer(torch.nn.Module):
         # the shared expert: one "expert" of T rows in full tiles, nothing to wait for
         self.cfg_bf16 = replace(self.cfg_bf16, block_m=self.cfg.block_m, tma=self.cfg.tma, half_tiles=False,
                                 ready_flags=False, pair_up=False, pair_down=False, early_down=False,
-                                tail_rows=0, w_tiled=False)
+                                tail_rows=0, w_tiled=False, up_fused=False)
         _check_divisible(H, I, self.cfg, self.cfg_bf16, shared is not None)
         BM = self.cfg.block_m
 
@@ -245,7 +245,8 @@ class MoKHopperLayer(torch.nn.Module):
             self.register_buffer("w2", w2_LHI.detach().contiguous(), persistent=False)
             self.w13_scale = self.w2_scale = None
         if self.cfg.w_tiled:  # each TMA block of the weights one contiguous run (a copy, made once)
-            self.w13 = tk.tile_weights(self.w13, self.cfg.up_n, self.cfg.up_k)
+            tile13 = tk.tile_weights_gu if self.cfg.up_fused else tk.tile_weights
+            self.w13 = tile13(self.w13, self.cfg.up_n, self.cfg.up_k)
             self.w2 = tk.tile_weights(self.w2, self.cfg.down_n, self.cfg.down_k)
 
         # workspace and per-layer scratch (allocated here, reused by every forward)

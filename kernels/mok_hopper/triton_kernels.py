@@ -118,6 +118,8 @@ class TileConfig:
     # weight tiles: with 32, an expert of 70 rows costs 96 rows of MMA work instead of 128 (schedule.padded_rows)
     w_tiled: bool = False  # TMA: the expert weights in the tiled layout of tile_weights (each TMA block one
     # contiguous run of memory instead of BN rows of BK elements a row length apart); the layer tiles them once
+    up_fused: bool = False  # bf16, w_tiled: the up GEMM's gate and up weight rows interleaved (tile_weights_gu), one
+    # [2 up_n, up_k] block and one MMA of N = 2 up_n per K step instead of two of up_n (A read once per step)
     fp8: bool = False  # set by for_fp8 (the fp8 GEMM steps and pipeline depths)
 
     def __post_init__(self) -> None:
@@ -129,6 +131,9 @@ class TileConfig:
                              "GEMM's tiles cannot be flattened, and it shares the up GEMM's work-queue setup")
         if self.w_tiled and not self.tma:
             raise ValueError("w_tiled (weights in TMA block order) needs tma=True")
+        if self.up_fused and (not self.w_tiled or self.pair_up):
+            raise ValueError("up_fused (one gate/up MMA over interleaved weight rows) needs w_tiled=True and "
+                             "pair_up=False")
         if self.flat_up and self.ready_flags:
             raise ValueError("flat_up needs ready_flags=False: the up GEMM's spin wait for the pull cannot be "
                              "flattened")
@@ -156,7 +161,7 @@ class TileConfig:
         down_stages = 6 if self.flat_down else self.down_stages  # the bf16 flat tile's 4 stages were 256 wide
         return replace(self, up_n=64, up_k=128, up_stages=self.up_stages + 2, down_n=128, down_k=64,
                        down_stages=down_stages + 2, flat_down=False, pair_up=False, pair_down=False, tail_rows=0,
-                       fp8=True)
+                       up_fused=False, fp8=True)
 
     @property
     def h_block(self) -> int:
@@ -597,12 +602,19 @@ def _up_item(a_ptr, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row_end,
              WB: tl.constexpr, TAIL: tl.constexpr, WT: tl.constexpr = False):
     """One work item: rows [row0, min(row0 + BM, row_end)) x hidden columns [n*BN, (n+1)*BN) of expert ``e_tile``
     (rows from row_end on belong to the next tile: computed, not stored). TAIL > 0 (bf16): also the TAIL rows
-    after those (``a_tail``: their TMA descriptor), as W @ A^T with the rows in N, off the same weight tiles."""
+    after those (``a_tail``: their TMA descriptor), as W @ A^T with the rows in N, off the same weight tiles.
+    WT: 0 row-major weights, 1 tiled (:func:`tile_weights`), 2 (bf16) tiled with gate and up rows interleaved
+    (:func:`tile_weights_gu`): one [2BN, BK] block and one MMA of N = 2BN per K step, split into gate and up after
+    the loop."""
     e = e_tile.to(tl.int64)
     rows = (row0 + tl.arange(0, BM)).to(tl.int64)
     rmask = (rows < n_rows) & (rows < row_end)
     cols = n * BN + tl.arange(0, BN)
-    if WT:  # rows of the tiled weights (tile_weights): H // BK blocks of BN rows per (expert, row tile)
+    if WT == 2:  # rows of tile_weights_gu: H // BK blocks of 2BN rows per (expert, column tile)
+        a_at = row0
+        g_at = (e_tile * (I // BN) + n) * (H // BK) * (2 * BN)
+        u_at = g_at
+    elif WT:  # rows of the tiled weights (tile_weights): H // BK blocks of BN rows per (expert, row tile)
         a_at = row0
         g_at = (e_tile * (2 * I // BN) + n) * (H // BK) * BN
         u_at = g_at + (I // BN) * (H // BK) * BN
@@ -617,7 +629,23 @@ def _up_item(a_ptr, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row_end,
         u_at = g_at + I * H
     acc_g = tl.zeros((BM, BN), dtype=tl.float32)
     acc_u = tl.zeros((BM, BN), dtype=tl.float32)
-    if FP8:
+    if WT == 2:  # (bf16: TileConfig) one MMA for gate and up, columns g0 u0 g1 u1 ...: the split costs no move
+        acc = tl.zeros((BM, 2 * BN), dtype=tl.float32)
+        if TAIL > 0:
+            rows_t32, rmask_t, t_at = _tail_rows(a_ptr, row0, row_end, n_rows, H, BM, BK, TAIL, TMA)
+            acc_t = tl.zeros((2 * BN, TAIL), dtype=tl.float32)
+        for k0 in tl.range(0, H, BK, num_stages=STAGES):
+            a = _ld_a(a_ptr, a_at, k0, rmask, TMA)
+            w = _ld_w(w_ptr, g_at, k0, TMA, WT)  # [BK, 2BN]
+            acc = _mma(a, w, acc, UPCAST)
+            if TAIL > 0:
+                acc_t = _mma(w.T, _ld_a(a_tail, t_at, k0, rmask_t, TMA).T, acc_t, UPCAST)
+        if TAIL > 0:
+            t_g, t_u = tl.split(acc_t.T.reshape(TAIL, BN, 2))
+            _up_store(t_g, t_u, rows_t32.to(tl.int64), rmask_t, n, h_ptr, hs_ptr, I, limit, BN, FP8, HAS_LIMIT,
+                      FP8_MAX_)
+        acc_g, acc_u = tl.split(acc.reshape(BM, BN, 2))
+    elif FP8:
         # Block scales change every K step, so each step's product is scaled before it is added ("promotion").
         # x scales are 1 x BK (BK = 128), weight scales 128 x 128: one scalar per step for gate and for up.
         wsb = ws_ptr + e * (2 * I // WB) * (H // WB)
@@ -852,6 +880,16 @@ def tile_weights(w_LNK: torch.Tensor, bn: int, bk: int) -> torch.Tensor:
     return w_LNK.reshape(L, N // bn, bn, K // bk, bk).permute(0, 1, 3, 2, 4).contiguous()
 
 
+def tile_weights_gu(w13_LNK: torch.Tensor, bn: int, bk: int) -> torch.Tensor:
+    """W13 [L, 2I, H] (gate rows, then up rows) for the fused gate/up MMA (``TileConfig.up_fused``):
+    [L, I/bn, H/bk, 2bn, bk], each [2bn, bk] block one contiguous run holding the gate and up rows of column tile
+    n interleaved (gate row j at 2j, up row j at 2j + 1), so that one MMA's output columns alternate gate, up."""
+    L, N, K = w13_LNK.shape
+    assert N % (2 * bn) == 0 and K % bk == 0, f"w13 [{N}, {K}] must be multiples of the tile (2 x {bn}, {bk})"
+    w = w13_LNK.reshape(L, 2, N // (2 * bn), bn, K // bk, bk)  # [L, gate/up, n, row, k, col]
+    return w.permute(0, 2, 4, 3, 1, 5).reshape(L, N // (2 * bn), K // bk, 2 * bn, bk).contiguous()
+
+
 def _weights(w: torch.Tensor, bn: int, bk: int, tiled: bool) -> tuple[int, int]:
     """(N, K) of expert weights given as [L, N, K], or tiled ([L, N/bn, K/bk, bn, bk], see :func:`tile_weights`)."""
     if not tiled:
@@ -897,11 +935,13 @@ def up_swiglu(a_RH: torch.Tensor, a_scale: Optional[torch.Tensor], w13_LIH: torc
         "flat_up runs a static loop: no ready counters, no queue, no done counters"
     tail = cfg.tail_rows
     assert not (tail and fp8), "tails are bf16 only (TileConfig.for_fp8 turns them off)"
-    assert _weights(w13_LIH, bn, bk, cfg.w_tiled) == (2 * I, H), "w13 must be [L, 2I, H] (or tiled)"
+    fused = cfg.up_fused and not fp8
+    wn = 2 * bn if fused else bn  # rows of a weight block
+    assert _weights(w13_LIH, wn, bk, cfg.w_tiled) == (2 * I, H), "w13 must be [L, 2I, H] (or tiled)"
     _up_swiglu_kernel[(programs,)](
         _operand(a_RH, [bm, bk], cfg.tma), _operand(a_RH, [bm // 2, bk], cfg.tma and cfg.half_tiles),
         _operand(a_RH, [tail, bk], cfg.tma and tail > 0),
-        a_scale if fp8 else a_RH, _operand(w13_LIH, [bn, bk], cfg.tma),
+        a_scale if fp8 else a_RH, _operand(w13_LIH, [wn, bk], cfg.tma),
         w13_scale if fp8 else w13_LIH, h_RI, h_scale if fp8 else h_RI,
         tile_expert_M, tile_row_M1, chunk_2, ready if ready is not None else tile_row_M1,
         work if work is not None else tile_row_M1, done if done is not None else tile_row_M1,
@@ -910,7 +950,7 @@ def up_swiglu(a_RH: torch.Tensor, a_scale: Optional[torch.Tensor], w13_LIH: torc
         STAGES=cfg.up_stages, FP8_MAX_=FP8_MAX, GROUP_M=cfg.group_m, TMA=cfg.tma, HALF=cfg.half_tiles,
         READY=ready is not None, GRAN=ready_granule(cfg), SPIN=not INTERPRET, DYN=work is not None,
         FLAT=flat, PAIR=cfg.pair_up, PAIR_STAGES=cfg.up_pair_stages, DONE=done is not None, TAIL=tail,
-        WT=cfg.w_tiled, num_warps=cfg.up_warps)
+        WT=2 if fused else cfg.w_tiled, num_warps=cfg.up_warps)
 
 
 # ---------------------------------------------------------------------------------------------------------------
