@@ -136,7 +136,7 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048) -> list[Varia
                     for tails, tl_rows in (("", 0), (f" tails {TAIL_ROWS}", TAIL_ROWS))
                     for v in variants(replace(cfg, up_fused=True, tail_rows=tl_rows), hidden, ffn)
                     if v.label == "up bf16 tma"]
-        if cfg.w_tiled:  # the routed GEMMs over row-major weights (w_tiled off, as before v10)
+            # the routed GEMMs over row-major weights (w_tiled off, as before v10)
             out += [Variant(v.label + " row-major", v.kernel, v.types, v.constexprs, v.num_warps)
                     for v in variants(replace(cfg, w_tiled=False), hidden, ffn)
                     if v.label in ("up bf16 tma", "down bf16 x w tma", "up fp8 tma", "down fp8 x w tma")]

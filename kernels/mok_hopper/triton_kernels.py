@@ -613,7 +613,6 @@ def _up_item(a_ptr, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row_end,
     if WT == 2:  # rows of tile_weights_gu: H // BK blocks of 2BN rows per (expert, column tile)
         a_at = row0
         g_at = (e_tile * (I // BN) + n) * (H // BK) * (2 * BN)
-        u_at = g_at
     elif WT:  # rows of the tiled weights (tile_weights): H // BK blocks of BN rows per (expert, row tile)
         a_at = row0
         g_at = (e_tile * (2 * I // BN) + n) * (H // BK) * BN
