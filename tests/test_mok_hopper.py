@@ -754,6 +754,7 @@ def test_every_kernel_variant_compiles_for_hopper_without_spills():
     assert "up bf16 tails 32 tma" in p.stdout and "down bf16 x w tails 32 tma" in p.stdout
     assert "up fp8 tma row-major" in p.stdout and "down bf16 x w tma row-major" in p.stdout  # (w_tiled off)
     assert "up bf16 fused tma" in p.stdout and "up bf16 fused tails 32 tma" in p.stdout  # (up_fused)
+    assert "down bf16 x w 256 tails 32 tma" in p.stdout  # (glm_5_2's v11 down GEMM)
 
 
 def test_a_sweep_variant_is_timed_against_the_default_interleaved(monkeypatch):

@@ -128,7 +128,7 @@ def test_single_gpu_tiled_weights_change_no_bit(precision, rows):
     T, K, H, I = 2048, 8, 2048, 1024
     E = T * K // rows
     x, idx, w, w13, w2, sh, _ = _inputs("uniform", K, T=T, E=E, H=H, I=I)
-    tile = default_tile(device=x.device, hidden=H, ffn=I, rows_per_expert=rows)
+    tile = replace(default_tile(device=x.device, hidden=H, ffn=I, rows_per_expert=rows), up_fused=False)
     assert tile.w_tiled
     tiled = MoKHopperLayer(w13, w2, topk=K, tokens=T, shared=sh, tile=tile, precision=precision)
     plain = MoKHopperLayer(w13, w2, topk=K, tokens=T, shared=sh, tile=replace(tile, w_tiled=False),
@@ -152,7 +152,7 @@ def test_single_gpu_fused_gate_up_mma_matches_the_default_per_token(rows):
     E = T * K // rows
     x, idx, w, w13, w2, sh, _ = _inputs("uniform", K, T=T, E=E, H=H, I=I)
     tile = default_tile(device=x.device, hidden=H, ffn=I, rows_per_expert=rows)
-    base = MoKHopperLayer(w13, w2, topk=K, tokens=T, shared=sh, tile=tile)
+    base = MoKHopperLayer(w13, w2, topk=K, tokens=T, shared=sh, tile=replace(tile, up_fused=False))
     fused = MoKHopperLayer(w13, w2, topk=K, tokens=T, shared=sh, tile=replace(tile, up_fused=True))
     want = base(x, idx, w).float()
     got = fused(x, idx, w)

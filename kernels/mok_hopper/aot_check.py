@@ -136,6 +136,11 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048) -> list[Varia
                     for tails, tl_rows in (("", 0), (f" tails {TAIL_ROWS}", TAIL_ROWS))
                     for v in variants(replace(cfg, up_fused=True, tail_rows=tl_rows), hidden, ffn)
                     if v.label == "up bf16 tma"]
+            # glm_5_2's 256-wide down GEMM with tails (the CUDA default from v11)
+            out += [Variant(v.label.replace(" tma", f" 256 tails {TAIL_ROWS} tma"), v.kernel, v.types, v.constexprs,
+                            v.num_warps)
+                    for v in variants(replace(cfg, tail_rows=TAIL_ROWS, down_n=256, down_stages=4), hidden, ffn)
+                    if v.label == "down bf16 x w tma"]
             # the routed GEMMs over row-major weights (w_tiled off, as before v10)
             out += [Variant(v.label + " row-major", v.kernel, v.types, v.constexprs, v.num_warps)
                     for v in variants(replace(cfg, w_tiled=False), hidden, ffn)

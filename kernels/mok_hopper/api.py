@@ -110,7 +110,7 @@ def default_tile(*, precision: str = "bf16", device: Optional[torch.device] = No
 
     On the CPU (Triton interpreter) the cost is per operation, not per FLOP: few programs, small row tiles and
     the widest column / depth steps that divide ``hidden`` / ``ffn``, and pointer loads (``tma`` off)."""
-    cfg = tk.TileConfig(shared_sms=SHARED_SMS, w_tiled=True)
+    cfg = tk.TileConfig(shared_sms=SHARED_SMS, w_tiled=True, down_n=256, down_stages=4)
     if comm_sms is not None:
         cfg = replace(cfg, comm_sms=comm_sms)
     if n_sm is not None and n_sm - cfg.comm_sms - cfg.shared_sms < SHARED_SMS:
@@ -118,7 +118,7 @@ def default_tile(*, precision: str = "bf16", device: Optional[torch.device] = No
     if rows_per_expert is not None and half_tile_waste(rows_per_expert, cfg.block_m) <= FLAT_DOWN_MAX_WASTE:
         cfg = replace(cfg, flat_down=True, down_n=256, down_stages=4)
     elif rows_per_expert is not None and paired_fraction(rows_per_expert, cfg.block_m) >= PAIR_MIN_FRACTION:
-        cfg = replace(cfg, tail_rows=TAIL_ROWS)
+        cfg = replace(cfg, tail_rows=TAIL_ROWS, up_fused=True)
     if device is not None and torch.device(device).type != "cuda":
         def widest(n: Optional[int], cap: int) -> int:
             return next(b for b in (256, 128, 64, 32, 16) if b <= cap and (n is None or n % b == 0))
@@ -126,7 +126,7 @@ def default_tile(*, precision: str = "bf16", device: Optional[torch.device] = No
         cfg = replace(cfg, block_m=32, up_n=widest(ffn, 128), up_k=widest(hidden, 256), down_n=widest(hidden, 256),
                       down_k=widest(ffn, 256), pull_rows=16, num_chunks=2, gemm_programs=2, pull_programs=2,
                       shared_sms=0, tail_rows=0)
-        cfg = replace(cfg, tma=False, w_tiled=False)
+        cfg = replace(cfg, tma=False, w_tiled=False, up_fused=False)
     return cfg.for_fp8() if precision == "fp8" else cfg
 
 

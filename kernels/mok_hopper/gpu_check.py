@@ -471,12 +471,14 @@ SWEEP = [  # (label, overrides of the base tile, layer options); tiles checked b
     # the default itself, as a second layer: its ratio is what a sweep reads when nothing changes (A/A control)
     ("default again (A/A control)", {}, {}),
     # the expert weights row-major, as given, instead of in TMA block order (w_tiled, the default from session 10)
-    ("row-major weights (v9)", dict(w_tiled=False), {}),
+    ("row-major weights (v9)", dict(w_tiled=False, up_fused=False), {}),
     # one up-GEMM MMA of N = 2 x up_n over gate and up weight rows interleaved (up_fused; not yet measured)
     ("fused gate/up MMA", dict(up_fused=True, pair_up=False), {}),
     # with the down GEMM 256 wide (4 stages): 15% faster alone on glm_5_2's tiled weights (session 11)
     ("fused gate/up MMA + 256-wide down", dict(up_fused=True, pair_up=False, flat_down=False, down_n=256,
                                              down_stages=4), {}),
+    # two up-GEMM MMAs, gate and up blocks apart (v10; with "down v5" below, glm_5_2's v10 GEMMs)
+    ("unfused gate/up MMAs (v10)", dict(up_fused=False), {}),
     ("v3 layout (full tiles, events, 3/4 stages, torch schedule)",  # the reference point of PERF_NOTES v3
      dict(half_tiles=False, ready_flags=False, up_stages=3, down_stages=4, pull_rows=2, pull_warps=8,
           pull_programs=48, shared_sms=0, tail_rows=0), dict(schedule="torch")),
@@ -505,7 +507,7 @@ SWEEP = [  # (label, overrides of the base tile, layer options); tiles checked b
     ("up + down flat, no ready flags", dict(flat_up=True, flat_down=True, ready_flags=False, tail_rows=0), {}),
     ("v6 tiles (no pairs)", dict(pair_up=False, pair_down=False), {}),
     ("paired up + down tiles",
-     dict(pair_up=True, pair_down=True, flat_down=False, down_n=128, down_stages=6, tail_rows=0), {}),
+     dict(pair_up=True, up_fused=False, pair_down=True, flat_down=False, down_n=128, down_stages=6, tail_rows=0), {}),
     ("shared before up, beside the pull (v7)", dict(shared_sms=0), {}),
     ("shared beside up on 16 SMs", dict(shared_sms=16), {}),
     ("shared beside up on 24 SMs", dict(shared_sms=24), {}),

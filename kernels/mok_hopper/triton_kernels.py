@@ -158,7 +158,7 @@ class TileConfig:
 
         if self.fp8:  # idempotent: callers may apply it to a tile that already is one
             return self
-        down_stages = 6 if self.flat_down else self.down_stages  # the bf16 flat tile's 4 stages were 256 wide
+        down_stages = 6 if self.down_n > 128 else self.down_stages  # (the bf16 tile's 4 stages are 256 wide)
         return replace(self, up_n=64, up_k=128, up_stages=self.up_stages + 2, down_n=128, down_k=64,
                        down_stages=down_stages + 2, flat_down=False, pair_up=False, pair_down=False, tail_rows=0,
                        up_fused=False, fp8=True)
