@@ -447,6 +447,9 @@ def published(ctx: Ctx, name: str, args: argparse.Namespace, rates: dict[str, fl
         ctx.log("  stages (ms): " + "  ".join(f"{k} {v:.3f}" for k, v in st.items())
                 + f"  | up {derived['up'][0] / st['up']:.0f} GB/s, down {derived['down'][0] / st['down']:.0f} GB/s,"
                   f" pull {derived['pull'][0] / st['pull']:.0f} GB/s (remote pushed rows {remote_pushed})")
+        if not args.sweep:  # the timeline's layer keeps its own (tiled) copy of the weights: one layer at a time
+            layer = None  # (deepseek_v4_pro at EP=1: 51 GB of bf16 weights a copy)
+            _empty_cache(ctx)
         tline = timeline(ctx, inp, tile, prec, max(5, args.iters // 2))
         if tline:
             ctx.add(section="timeline", shape=name, precision=prec, **{f"{k}_ms": v for k, v in tline.items()})
