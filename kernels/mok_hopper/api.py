@@ -106,7 +106,11 @@ def default_tile(*, precision: str = "bf16", device: Optional[torch.device] = No
     PERF_NOTES v8), unless ``comm_sms`` leaves the up GEMM fewer than ``SHARED_SMS`` SMs of the GPU's ``n_sm``
     (then it runs before the up GEMM, as in v7). The layer keeps its routed expert weights in TMA block order
     (``w_tiled``, :func:`~kernels.mok_hopper.triton_kernels.tile_weights`): each block a GEMM step loads is one
-    contiguous run of memory instead of BN rows a row length apart (PERF_NOTES session 10).
+    contiguous run of memory instead of BN rows a row length apart (PERF_NOTES session 10). Over those weights the
+    down GEMM's tiles are 256 wide with 4 stages whether its loop is flattened or not (glm_5_2's down GEMM 15%
+    faster alone, the layer 5% on 2xH200), and where the tails are the up GEMM runs one MMA of N = 2 x ``up_n``
+    over interleaved gate and up rows (``up_fused``: the layer 3.5% faster on glm_5_2, no gain on the
+    HBM-bound shapes; PERF_NOTES session 11).
 
     On the CPU (Triton interpreter) the cost is per operation, not per FLOP: few programs, small row tiles and
     the widest column / depth steps that divide ``hidden`` / ``ffn``, and pointer loads (``tma`` off)."""
