@@ -475,9 +475,10 @@ SWEEP = [  # (label, overrides of the base tile, layer options); tiles checked b
     ("default again (A/A control)", {}, {}),
     # the expert weights row-major, as given, instead of in TMA block order (w_tiled, the default from session 10)
     ("row-major weights (v9)", dict(w_tiled=False, up_fused=False), {}),
-    # one up-GEMM MMA of N = 2 x up_n over gate and up weight rows interleaved (up_fused; not yet measured)
+    # one up-GEMM MMA of N = 2 x up_n over gate and up weight rows interleaved (up_fused; the default on glm_5_2
+    # from v11, session 11), here on any shape
     ("fused gate/up MMA", dict(up_fused=True, pair_up=False), {}),
-    # with the down GEMM 256 wide (4 stages): 15% faster alone on glm_5_2's tiled weights (session 11)
+    # with the down GEMM 256 wide, 4 stages, not flattened (v11's glm_5_2 tiles, on any shape)
     ("fused gate/up MMA + 256-wide down", dict(up_fused=True, pair_up=False, flat_down=False, down_n=256,
                                              down_stages=4), {}),
     # two up-GEMM MMAs, gate and up blocks apart (v10; with "down v5" below, glm_5_2's v10 GEMMs)
