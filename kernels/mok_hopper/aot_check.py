@@ -124,27 +124,25 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048) -> list[Varia
 
         from kernels.mok_hopper.api import TAIL_ROWS
 
-        out += [Variant("up bf16 paired tma", v.kernel, v.types, v.constexprs, v.num_warps)
-                for v in variants(replace(cfg, pair_up=True), hidden, ffn) if v.label == "up bf16 tma"]
-        out += [Variant(v.label.replace(" tma", f" tails {TAIL_ROWS} tma"), v.kernel, v.types, v.constexprs,
-                        v.num_warps)
-                for v in variants(replace(cfg, tail_rows=TAIL_ROWS), hidden, ffn)
-                if v.label in ("up bf16 tma", "down bf16 x w tma")]
-        if cfg.w_tiled:  # the fused gate/up MMA (up_fused, off by default), with and without tails
-            out += [Variant(v.label.replace(" tma", f" fused{tails} tma"), v.kernel, v.types, v.constexprs,
-                            v.num_warps)
-                    for tails, tl_rows in (("", 0), (f" tails {TAIL_ROWS}", TAIL_ROWS))
-                    for v in variants(replace(cfg, up_fused=True, tail_rows=tl_rows), hidden, ffn)
-                    if v.label == "up bf16 tma"]
+        def extra(over: dict[str, Any], labels: tuple[str, ...], rename: Any) -> list[Variant]:
+            """The launches ``labels`` of the tile with ``over`` applied, renamed."""
+            return [Variant(rename(v.label), v.kernel, v.types, v.constexprs, v.num_warps)
+                    for v in variants(replace(cfg, **over), hidden, ffn) if v.label in labels]
+
+        def tagged(tag: str) -> Any:
+            return lambda label: label.replace(" tma", f" {tag} tma")
+
+        out += extra(dict(pair_up=True), ("up bf16 tma",), tagged("paired"))
+        out += extra(dict(tail_rows=TAIL_ROWS), ("up bf16 tma", "down bf16 x w tma"), tagged(f"tails {TAIL_ROWS}"))
+        if cfg.w_tiled:  # the fused gate/up MMA (up_fused; the default on glm_5_2), with and without tails
+            out += extra(dict(up_fused=True), ("up bf16 tma",), tagged("fused"))
+            out += extra(dict(up_fused=True, tail_rows=TAIL_ROWS), ("up bf16 tma",), tagged(f"fused tails {TAIL_ROWS}"))
             # glm_5_2's 256-wide down GEMM with tails (the CUDA default from v11)
-            out += [Variant(v.label.replace(" tma", f" 256 tails {TAIL_ROWS} tma"), v.kernel, v.types, v.constexprs,
-                            v.num_warps)
-                    for v in variants(replace(cfg, tail_rows=TAIL_ROWS, down_n=256, down_stages=4), hidden, ffn)
-                    if v.label == "down bf16 x w tma"]
+            out += extra(dict(tail_rows=TAIL_ROWS, down_n=256, down_stages=4), ("down bf16 x w tma",),
+                         tagged(f"256 tails {TAIL_ROWS}"))
             # the routed GEMMs over row-major weights (w_tiled off, as before v10)
-            out += [Variant(v.label + " row-major", v.kernel, v.types, v.constexprs, v.num_warps)
-                    for v in variants(replace(cfg, w_tiled=False), hidden, ffn)
-                    if v.label in ("up bf16 tma", "down bf16 x w tma", "up fp8 tma", "down fp8 x w tma")]
+            out += extra(dict(w_tiled=False), ("up bf16 tma", "down bf16 x w tma", "up fp8 tma", "down fp8 x w tma"),
+                         lambda label: label + " row-major")
     out.append(Variant("epilogue", "_epilogue_kernel",
                        dict(comb_ptr="*bf16", idx_ptr="*i64", rw_ptr="*fp32", shared_ptr="*bf16", out_ptr="*bf16",
                             T="i32", H="i32", K="i32"),

@@ -120,7 +120,7 @@ def default_tile(*, precision: str = "bf16", device: Optional[torch.device] = No
     if n_sm is not None and n_sm - cfg.comm_sms - cfg.shared_sms < SHARED_SMS:
         cfg = replace(cfg, shared_sms=0)  # the routed up GEMM keeps at least as many SMs as the shared expert
     if rows_per_expert is not None and half_tile_waste(rows_per_expert, cfg.block_m) <= FLAT_DOWN_MAX_WASTE:
-        cfg = replace(cfg, flat_down=True, down_n=256, down_stages=4)
+        cfg = replace(cfg, flat_down=True)  # (256 wide, 4 stages: as every bf16 down tile)
     elif rows_per_expert is not None and paired_fraction(rows_per_expert, cfg.block_m) >= PAIR_MIN_FRACTION:
         cfg = replace(cfg, tail_rows=TAIL_ROWS, up_fused=True)
     if device is not None and torch.device(device).type != "cuda":
