@@ -11,7 +11,9 @@ It does not run anything. Must run without TRITON_INTERPRET.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -30,9 +32,10 @@ class Variant:
     num_warps: int
 
 
-def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048) -> list[Variant]:
+def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048, extras: bool = True) -> list[Variant]:
     """The launches one forward makes (routed and shared GEMMs, bf16 and fp8), at the given tile config (by default
-    the CUDA default's: TMA operands over tiled weights, and also the row-major TMA GEMMs)."""
+    the CUDA default's: TMA operands over tiled weights). With ``extras``, for a plain tile also the GEMMs of the
+    other default tiles (tails, the fused gate/up MMA, 256-wide down) and the row-major TMA GEMMs."""
     from kernels.mok_hopper import triton_kernels as tk
 
     cfg = cfg or tk.TileConfig(w_tiled=True)
@@ -93,12 +96,11 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048) -> list[Varia
                                     w_ptr=operand(t, [c.up_n * (2 if c.up_fused else 1), c.up_k], tma),
                                     ws_ptr="*fp32", h_ptr=t, hs_ptr="*fp32",
                                     tile_expert_ptr="*i32", tile_row_ptr="*i32", chunk_ptr="*i32", ready_ptr="*i32",
-                                    work_ptr="*i32", done_ptr="*i32", n_rows="i32", H="i32", I="i32", limit="fp32"),
+                                    work_ptr="*i32", n_rows="i32", H="i32", I="i32", limit="fp32"),
                                dict(BM=c.block_m, BN=c.up_n, BK=c.up_k, FP8=fp8, HAS_LIMIT=limit, NUM_PROGS=nprog,
                                     UPCAST=False, STAGES=c.up_stages, FP8_MAX_=tk.FP8_MAX, GROUP_M=c.group_m, TMA=tma,
                                     HALF=c.half_tiles, READY=c.ready_flags, GRAN=tk.ready_granule(c), SPIN=True,
-                                    DYN=c.ready_flags, WB=128, FLAT=c.flat_up, PAIR=c.pair_up,
-                                    PAIR_STAGES=c.up_pair_stages, DONE=c.early_down, TAIL=c.tail_rows,
+                                    DYN=c.ready_flags, WB=128, FLAT=c.flat_up, TAIL=c.tail_rows,
                                     WT=(2 if c.up_fused else c.w_tiled) if tma else False), c.up_warps))
         for fp8, apply_w in ((False, True), (False, False), (True, True)):
             c = f8 if fp8 else cfg
@@ -109,17 +111,15 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048) -> list[Varia
                                     h_tail=operand(t, [c.tail_rows, c.down_k], tma and c.tail_rows > 0), hs_ptr="*fp32",
                                     w_ptr=operand(t, [c.down_n, c.down_k], tma), ws_ptr="*fp32",
                                     tile_expert_ptr="*i32", tile_row_ptr="*i32", chunk_ptr="*i32", code_ptr="*i32",
-                                    rw_ptr="*fp32", out_ref="*bf16", out_delta="*i64", work_ptr="*i32",
-                                    done_ptr="*i32", n_rows="i32", H="i32", I="i32", TK="i32", N_UP="i32"),
+                                    rw_ptr="*fp32", out_ref="*bf16", out_delta="*i64", n_rows="i32", H="i32",
+                                    I="i32", TK="i32"),
                                dict(BM=c.block_m, BN=c.down_n, BK=c.down_k, FP8=fp8, APPLY_W=apply_w,
                                     NUM_PROGS=nprog, UPCAST=False, STAGES=c.down_stages, GROUP_M=c.group_m, TMA=tma,
-                                    HALF=c.half_tiles, WB=128, FLAT=c.flat_down, PAIR=c.pair_down,
-                                    PAIR_STAGES=c.down_pair_stages, DYN=c.early_down, DONE=c.early_down,
-                                    SPIN=True, TAIL=c.tail_rows, WT=c.w_tiled and tma),
+                                    HALF=c.half_tiles, WB=128, FLAT=c.flat_down, TAIL=c.tail_rows,
+                                    WT=c.w_tiled and tma),
                                c.down_warps))
-    plain = cfg.half_tiles and not (cfg.pair_up or cfg.pair_down or cfg.flat_up or cfg.flat_down or cfg.tail_rows
-                                    or cfg.up_fused)
-    if plain:  # the other default tiles' GEMMs (bf16, TMA): v7's paired up GEMM, and glm_5_2's tails (v9)
+    plain = cfg.half_tiles and not (cfg.flat_up or cfg.flat_down or cfg.tail_rows or cfg.up_fused)
+    if plain and extras:  # the other default tiles' GEMMs (bf16, TMA): glm_5_2's tails (v9)
         from dataclasses import replace
 
         from kernels.mok_hopper.api import TAIL_ROWS
@@ -127,12 +127,11 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048) -> list[Varia
         def extra(over: dict[str, Any], labels: tuple[str, ...], rename: Any) -> list[Variant]:
             """The launches ``labels`` of the tile with ``over`` applied, renamed."""
             return [Variant(rename(v.label), v.kernel, v.types, v.constexprs, v.num_warps)
-                    for v in variants(replace(cfg, **over), hidden, ffn) if v.label in labels]
+                    for v in variants(replace(cfg, **over), hidden, ffn, extras=False) if v.label in labels]
 
         def tagged(tag: str) -> Any:
             return lambda label: label.replace(" tma", f" {tag} tma")
 
-        out += extra(dict(pair_up=True), ("up bf16 tma",), tagged("paired"))
         out += extra(dict(tail_rows=TAIL_ROWS), ("up bf16 tma", "down bf16 x w tma"), tagged(f"tails {TAIL_ROWS}"))
         if cfg.w_tiled:  # the fused gate/up MMA (up_fused; the default on glm_5_2), with and without tails
             out += extra(dict(up_fused=True), ("up bf16 tma",), tagged("fused"))
@@ -150,8 +149,10 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048) -> list[Varia
     return out
 
 
-def compile_variant(v: Variant, arch: int = 90) -> dict[str, Any]:
-    """Compile one variant; registers / spills from cuobjdump's resource usage of the cubin."""
+def compile_variant(v: Variant, arch: int = 90, sass: bool = False) -> dict[str, Any]:
+    """Compile one variant; registers / spills from cuobjdump's resource usage of the cubin. With ``sass``, also
+    its machine code as ``res["sass"]``: one instruction a line, without addresses or encodings, so that two
+    builds (two Triton versions, or code before and after a refactor) compare line by line."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -176,11 +177,25 @@ def compile_variant(v: Variant, arch: int = 90) -> dict[str, Any]:
         f.write(k.asm["cubin"])
         f.flush()
         text = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+        if sass:
+            dump = subprocess.run([tool, "--dump-sass", f.name], capture_output=True, text=True).stdout
+            res["sass"] = "\n".join(_sass_lines(dump))
     for line in text.splitlines():
         if "REG:" in line:
             fields = dict(item.split(":") for item in line.split() if ":" in item)
             res.update(regs=int(fields["REG"]), stack=int(fields["STACK"]), local=int(fields["LOCAL"]))
     return res
+
+
+def _sass_lines(dump: str) -> list[str]:
+    """The instructions of a cuobjdump SASS listing: ``/*0040*/  IMAD.MOV.U32 R1, RZ, RZ, c[0x0][0x28] ;`` ->
+    ``IMAD.MOV.U32 R1, RZ, RZ, c[0x0][0x28] ;`` (encoding-only lines and headers dropped)."""
+    out = []
+    for line in dump.splitlines():
+        m = re.match(r"\s*/\*[0-9a-f]{4,}\*/\s*(.*?)\s*(/\*.*\*/)?\s*$", line)
+        if m and m.group(1):
+            out.append(m.group(1))
+    return out
 
 
 def problems(res: dict[str, Any], arch: int = 90) -> Optional[str]:
@@ -201,10 +216,13 @@ def sweep_variants() -> list[Variant]:
     def key(v: Variant) -> tuple:
         return v.kernel, tuple(sorted(v.constexprs.items())), v.num_warps
 
+    from kernels.mok_hopper.api import default_tile
+
     seen = {key(v) for v in variants()}
     out = []
+    base = default_tile()  # the CUDA default the sweep varies (gpu_check's base without a shape's row count)
     for label, over, _ in SWEEP:
-        for v in variants(replace(tk.TileConfig(), **over)):
+        for v in variants(replace(base, **over), extras=False):
             if v.label.startswith(("up ", "down ")) and v.label.endswith(" tma") and key(v) not in seen:
                 seen.add(key(v))
                 out.append(Variant(f"{v.label} [{label[:18]}]", v.kernel, v.types, v.constexprs, v.num_warps))
@@ -218,15 +236,26 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--arch", type=int, default=90)
     ap.add_argument("--sweep", action="store_true", help="also the GEMM kernels of gpu_check's sweep tiles")
+    ap.add_argument("--sass", metavar="DIR", help="write each variant's SASS (instructions only) to DIR/<label>.sass "
+                    "and print its hash, to compare two builds with diff -r")
     args = ap.parse_args(argv)
+    import triton
+
+    print(f"Triton {triton.__version__}, sm_{args.arch}")
     bad = 0
     print(f"{'variant':<44} {'regs':>5} {'spill':>6} {'smem KB':>8}")
     for v in variants() + (sweep_variants() if args.sweep else []):
-        r = compile_variant(v, args.arch)
+        r = compile_variant(v, args.arch, sass=bool(args.sass))
         why = problems(r, args.arch)
         bad += why is not None
+        digest = ""
+        if args.sass:
+            os.makedirs(args.sass, exist_ok=True)
+            with open(os.path.join(args.sass, re.sub(r"[^A-Za-z0-9_.-]+", "_", r["label"]) + ".sass"), "w") as f:
+                f.write(r["sass"] + "\n")
+            digest = hashlib.sha256(r["sass"].encode()).hexdigest()[:12]
         print(f"{r['label']:<44} {r['regs']!s:>5} {(r['stack'] or 0) + (r['local'] or 0):>6} "
-              f"{r['shared'] / 1024:8.1f}  {why or ''}")
+              f"{r['shared'] / 1024:8.1f}  {digest}{'  ' if digest else ''}{why or ''}")
     return 1 if bad else 0
 
 

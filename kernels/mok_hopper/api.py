@@ -20,8 +20,7 @@ One forward, all on the device, no host synchronisation::
 
 The pull overlaps the shared expert and, tile by tile, the up GEMM (MoK's fine-grained overlap: the GEMM programs
 spin on the counters, so they leave ``comm_sms`` SMs to the pull). With ``ready_flags`` off, chunk c's GEMMs wait
-for chunk c's whole pull (a stream event) instead. With ``early_down`` the down GEMM likewise waits per row tile
-for the up GEMM's count of finished items, launched after the up programs of every stream.
+for chunk c's whole pull (a stream event) instead.
 Results are bitwise reproducible: fixed schedule order, no split-K, no atomics on data, fixed-order epilogue.
 
 Example (every rank of ``group``, weights of this rank's experts)::
@@ -81,7 +80,7 @@ def half_tile_waste(rows_per_expert: float, block_m: int = 128) -> float:
 
 def paired_fraction(rows_per_expert: float, block_m: int = 128) -> float:
     """Fraction of experts that end in a full tile followed by a half tile (r > block_m, r mod block_m in
-    [1, block_m/2]): the ones whose two last tiles ``pair_up`` runs off one weight read."""
+    [1, block_m/2]): the ones whose last two tiles ``tail_rows`` turns into one tile and a tail MMA."""
     if rows_per_expert <= 0:
         return 0.0
     return sum(w for r, w in _row_counts(rows_per_expert) if r > block_m and 1 <= r % block_m <= block_m // 2)
@@ -231,8 +230,7 @@ class MoKHopperLayer(torch.nn.Module):
         self.cfg_bf16 = tile if tile is not None and not self.fp8 else default_tile(device=dev, hidden=H, ffn=I)
         # the shared expert: one "expert" of T rows in full tiles, nothing to wait for
         self.cfg_bf16 = replace(self.cfg_bf16, block_m=self.cfg.block_m, tma=self.cfg.tma, half_tiles=False,
-                                ready_flags=False, pair_up=False, pair_down=False, early_down=False,
-                                tail_rows=0, w_tiled=False, up_fused=False)
+                                ready_flags=False, tail_rows=0, w_tiled=False, up_fused=False)
         _check_divisible(H, I, self.cfg, self.cfg_bf16, shared is not None)
         BM = self.cfg.block_m
 
@@ -271,16 +269,11 @@ class MoKHopperLayer(torch.nn.Module):
         self.idx_all = torch.zeros(self.world, tokens * topk, dtype=torch.int32, device=dev)
         self.sched: Schedule = empty_schedule(capacity=R, block_m=BM, local_experts=L, num_chunks=C, device=dev,
                                               half_tiles=self.cfg.half_tiles)  # (tails never add tiles)
-        # pull -> up GEMM ready counters, one per granule of rows; with early_down, after them, up -> down GEMM
-        # counters, one per row tile (the up items finished). Work-item counters: the up GEMM's per chunk, then
-        # (early_down) the down GEMM's. The schedule zeroes them all, every forward.
-        early = self.cfg.early_down
-        n_gran, M = R // tk.ready_granule(self.cfg), self.sched.tile_expert_M.numel()
-        self.ready = (torch.zeros(n_gran + (M if early else 0), dtype=torch.int32, device=dev)
-                      if self.cfg.ready_flags else None)
-        self.done = self.ready[n_gran:] if early else None
-        self.work = (torch.zeros(2 * C if early else C, dtype=torch.int32, device=dev) if self.cfg.ready_flags
-                     else None)
+        # pull -> up GEMM ready counters, one per granule of rows, and the up GEMM's work-item counter per chunk.
+        # The schedule zeroes them, every forward.
+        n_gran = R // tk.ready_granule(self.cfg)
+        self.ready = torch.zeros(n_gran, dtype=torch.int32, device=dev) if self.cfg.ready_flags else None
+        self.work = torch.zeros(C, dtype=torch.int32, device=dev) if self.cfg.ready_flags else None
         self.overflow_total = torch.zeros(1, dtype=torch.int32, device=dev)
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES} (got {schedule!r})")
@@ -309,10 +302,6 @@ class MoKHopperLayer(torch.nn.Module):
         self.shared_programs, self.up_programs = progs["shared"], progs["up"]
         self.up_helper_programs, self.side_programs = progs["up_helper"], progs["side"]
         self.gemm_programs, self.pull_programs = progs["down"], progs["pull"]
-        # early_down on CUDA with one chunk: a down launch after each stream's up launch, every one as wide as the
-        # GPU (programs that find the shared queue empty exit at once), so that SMs left by the up GEMM's last items
-        # on any stream start on the down GEMM
-        self.early = self.overlap and self.cfg.early_down and C == 1 and bool(self.up_helper_programs)
         if self.cuda:
             self.comm_stream = torch.cuda.Stream(device=dev, priority=-1)
             self.side_stream = torch.cuda.Stream(device=dev) if self.side_programs else None
@@ -422,8 +411,6 @@ class MoKHopperLayer(torch.nn.Module):
             if self.up_helper_programs:
                 self.up(0, programs=self.up_helper_programs)
                 self._mark("up helper [comm]")
-                if self.early:
-                    self.down(0)
                 self.ev_helper.record(self.comm_stream)
         if self.side_programs:  # the shared expert on SMs of its own beside the up GEMM, then more up programs
             self.side_stream.wait_event(self.ev_sched)
@@ -431,8 +418,6 @@ class MoKHopperLayer(torch.nn.Module):
                 self.shared_expert(x_TH)
                 self._mark("shared")
                 self.up(0, programs=self.side_programs)
-                if self.early:
-                    self.down(0)
                 self.ev_side.record(self.side_stream)
         elif self.has_shared and not self.cfg.shared_last:
             self.shared_expert(x_TH)
@@ -443,11 +428,8 @@ class MoKHopperLayer(torch.nn.Module):
             self.up(c)
             if c == C - 1:
                 self._mark("up")
-            if not self.early:
-                self._join_up_streams(main)
-            self.down(c)
-        if self.early:  # the other streams' down launches ran beside this one
             self._join_up_streams(main)
+            self.down(c)
         self._mark("down")
         main.wait_event(self.ev_pull[C - 1])  # join the comm stream (pulls done) before barrier 1
         self._mark("join")
@@ -456,8 +438,7 @@ class MoKHopperLayer(torch.nn.Module):
             self._mark("shared")
 
     def _join_up_streams(self, main: Any) -> None:
-        """The main stream waits for the up programs (and, with ``early``, the down programs) of the comm and side
-        streams."""
+        """The main stream waits for the up programs of the comm and side streams."""
         if self.up_helper_programs:
             main.wait_event(self.ev_helper)
         if self.side_programs:
@@ -506,14 +487,13 @@ class MoKHopperLayer(torch.nn.Module):
         tk.up_swiglu(self.x_rows, self.xs_rows, self.w13, self.w13_scale, self.h_rows, self.hs_rows,
                      s.tile_expert_M, s.tile_row_M1, s.chunk_tiles_C1[c : c + 2], limit=self.limit, cfg=self.cfg,
                      programs=programs or self.up_programs, ready=self.ready,
-                     work=self.work[c : c + 1] if self.work is not None else None, done=self.done)
+                     work=self.work[c : c + 1] if self.work is not None else None)
 
     def down(self, c: int) -> None:
-        s, C = self.sched, self.cfg.num_chunks
+        s = self.sched
         tk.down_push(self.h_rows, self.hs_rows, self.w2, self.w2_scale, s.tile_expert_M, s.tile_row_M1,
                      s.chunk_tiles_C1[c : c + 2], s.row_code_R, self.rw_rows, self.ws.comb, self.ws.tables["comb"],
-                     slots_per_rank=self.T * self.K, cfg=self.cfg, programs=self.gemm_programs,
-                     work=self.work[C + c : C + c + 1] if self.done is not None else None, done=self.done)
+                     slots_per_rank=self.T * self.K, cfg=self.cfg, programs=self.gemm_programs)
 
     def shared_expert(self, x_TH: torch.Tensor) -> None:
         x = x_TH.detach().contiguous()

@@ -105,14 +105,6 @@ class TileConfig:
     flat_down: bool = False  # down GEMM: one flattened, software-pipelined loop over (item, K step) (half tiles
     # then run at block_m rows): the next item's loads overlap this item's epilogue (Triton's ``flatten``)
     flat_up: bool = False  # the same for the up GEMM; needs ready_flags off (a spin wait cannot be flattened)
-    pair_up: bool = False  # bf16, half tiles: an expert's last full tile and its trailing half tile run as one up
-    # GEMM work item (BM + BM/2 rows), so each weight tile is loaded into shared memory once for both (PERF_NOTES v7)
-    pair_down: bool = False  # the same in the down GEMM (measured slower on glm_5_2: off by default)
-    up_pair_stages: int = 3  # pipeline depth of the paired items (4 x 56 KB spills registers on sm_90)
-    down_pair_stages: int = 4  # 4 x 40 KB (6 would not fit in shared memory)
-    early_down: bool = False  # the down GEMM takes a row tile as soon as the up GEMM has finished it (per-tile
-    # counters), and (CUDA, one chunk) is launched on every stream that runs up programs, right after them, so the
-    # SMs the up GEMM's last items leave idle start on the down GEMM (measured on 2xH200: no gain, PERF_NOTES session 9)
     tail_rows: int = 0  # bf16, half tiles: an expert's last tile may carry this many rows more (BM/2 + TL, or BM
     # + TL instead of a full tile and a half tile), run as a second MMA with the rows in N ("swap AB") off the same
     # weight tiles: with 32, an expert of 70 rows costs 96 rows of MMA work instead of 128 (schedule.padded_rows)
@@ -126,42 +118,32 @@ class TileConfig:
         if self.shared_sms < 0 or (self.shared_sms and self.shared_last):
             raise ValueError("shared_sms (the shared expert beside the up GEMM) must be >= 0 and cannot be combined "
                              "with shared_last (the shared expert after the routed GEMMs)")
-        if self.early_down and (self.flat_down or not self.ready_flags):
-            raise ValueError("early_down needs ready_flags=True and flat_down=False: the down GEMM's wait for the up "
-                             "GEMM's tiles cannot be flattened, and it shares the up GEMM's work-queue setup")
         if self.w_tiled and not self.tma:
             raise ValueError("w_tiled (weights in TMA block order) needs tma=True")
-        if self.up_fused and (not self.w_tiled or self.pair_up):
-            raise ValueError("up_fused (one gate/up MMA over interleaved weight rows) needs w_tiled=True and "
-                             "pair_up=False")
+        if self.up_fused and not self.w_tiled:
+            raise ValueError("up_fused (one gate/up MMA over interleaved weight rows) needs w_tiled=True")
         if self.flat_up and self.ready_flags:
             raise ValueError("flat_up needs ready_flags=False: the up GEMM's spin wait for the pull cannot be "
                              "flattened")
-        if self.tail_rows and (not self.half_tiles or self.flat_up or self.flat_down or self.pair_up
-                               or self.pair_down or self.tail_rows & (self.tail_rows - 1)
-                               or not 16 <= self.tail_rows < self.block_m // 2):
-            raise ValueError(f"tail_rows={self.tail_rows} needs half_tiles=True, neither flattened nor paired loops "
-                             "(their items have one row count), and a power of two from 16 to below block_m / 2")
-        for kind, pair, flat in (("up", self.pair_up, self.flat_up), ("down", self.pair_down, self.flat_down)):
-            if pair and (flat or not self.half_tiles):
-                raise ValueError(f"pair_{kind} needs half_tiles=True and flat_{kind}=False: it pairs a full tile "
-                                 "with the half tile after it, which a flattened loop (one body, no branch) cannot "
-                                 "run")
+        if self.tail_rows and (not self.half_tiles or self.flat_up or self.flat_down
+                               or self.tail_rows & (self.tail_rows - 1) or not 16 <= self.tail_rows < self.block_m // 2):
+            raise ValueError(f"tail_rows={self.tail_rows} needs half_tiles=True, no flattened loop (its items have "
+                             "one row count), and a power of two from 16 to below block_m / 2")
 
     def for_fp8(self) -> "TileConfig":
         """fp8 tiles: one weight scale per step (BK <= 128, BN <= 128 inside one 128 x 128 block). The up GEMM
         steps over whole 1 x 128 x blocks (BK = 128) and is 64 columns wide, which keeps its two accumulators and
         their promotion temporaries in registers; the hidden activations are quantised in its 1 x 64 column
         tiles, so the down GEMM steps 64 deep. The flattened down loop is off (it ran 0-5% slower in fp8,
-        PERF_NOTES v6); paired tiles and tails are bf16 only."""
+        PERF_NOTES v6); tails are bf16 only."""
         from dataclasses import replace
 
         if self.fp8:  # idempotent: callers may apply it to a tile that already is one
             return self
         down_stages = 6 if self.down_n > 128 else self.down_stages  # (the bf16 tile's 4 stages are 256 wide)
         return replace(self, up_n=64, up_k=128, up_stages=self.up_stages + 2, down_n=128, down_k=64,
-                       down_stages=down_stages + 2, flat_down=False, pair_up=False, pair_down=False, tail_rows=0,
-                       up_fused=False, fp8=True)
+                       down_stages=down_stages + 2, flat_down=False, tail_rows=0, up_fused=False,
+                       fp8=True)
 
     @property
     def h_block(self) -> int:
@@ -539,15 +521,6 @@ def _wait_rows(ready_ptr, row0, row1, GRAN: tl.constexpr, SPIN: tl.constexpr, TM
     _wait_counts(ready_ptr, row0 // GRAN, row1 // GRAN, GRAN, SPIN, TMA)
 
 
-@triton.jit
-def _signal_tiles(done_ptr, m0, m1):
-    """Every thread's stores of this work item, then one release per row tile in [m0, m1]: the up GEMM tells the
-    down GEMM (``early_down``) that one more of the tile's column blocks is written."""
-    tl.debug_barrier()
-    for m in range(m0, m1 + 1):
-        tl.atomic_add(done_ptr + m, 1, sem="release", scope="gpu")
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # grouped gate/up GEMM + SwiGLU (+ fp8 quantisation of the hidden activations)
 
@@ -698,69 +671,6 @@ def _up_store(acc_g, acc_u, rows, rmask, n, h_ptr, hs_ptr, I, limit, BN: tl.cons
 
 
 @triton.jit
-def _pair_role(tile_expert_ptr, tile_row_ptr, m, m_lo, m_hi, e_tile, row0, row1, BM: tl.constexpr):
-    """(role, end) of row tile m with paired tiles: role 1 = a full tile followed by its expert's trailing half
-    tile (the item runs both, rows [row0, end)); 2 = that half tile (already run: skip); 0 = neither."""
-    has_next = m + 1 < m_hi
-    e_next = tl.load(tile_expert_ptr + m + 1, mask=has_next, other=-1)
-    row2 = tl.load(tile_row_ptr + m + 2, mask=has_next, other=0)
-    has_prev = m > m_lo
-    e_prev = tl.load(tile_expert_ptr + m - 1, mask=has_prev, other=-1)
-    row_prev = tl.load(tile_row_ptr + m - 1, mask=has_prev, other=0)
-    lead = (row1 - row0 == BM) & (e_next == e_tile) & (row2 - row1 < BM)
-    absorbed = (row1 - row0 < BM) & (e_prev == e_tile) & (row0 - row_prev == BM)
-    role = tl.where(lead, 1, tl.where(absorbed, 2, 0))
-    return role, tl.where(lead, row2, row1)
-
-
-@triton.jit
-def _up_pair_item(a_ptr, a_half, w_ptr, h_ptr, row0, row_end, n, e_tile, n_rows, H, I, limit,
-                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, HAS_LIMIT: tl.constexpr,
-                  UPCAST: tl.constexpr, STAGES: tl.constexpr, TMA: tl.constexpr, WT: tl.constexpr = False):
-    """bf16: a full tile, rows [row0, row0 + BM), and its expert's trailing half tile, rows [row0 + BM,
-    row_end), x hidden columns n of expert ``e_tile``: one gate and one up weight tile per K step for both (four
-    accumulators), so the weights cross from L2 into shared memory once instead of twice."""
-    HB: tl.constexpr = BM // 2
-    e = e_tile.to(tl.int64)
-    rows = (row0 + tl.arange(0, BM)).to(tl.int64)
-    rows2 = (row0 + BM + tl.arange(0, HB)).to(tl.int64)
-    rmask = rows < n_rows
-    rmask2 = (rows2 < n_rows) & (rows2 < row_end)
-    if WT:  # rows of the tiled weights (see _up_item)
-        a_at = row0
-        a2_at = row0 + BM
-        g_at = (e_tile * (2 * I // BN) + n) * (H // BK) * BN
-        u_at = g_at + (I // BN) * (H // BK) * BN
-    elif TMA:  # block coordinates
-        a_at = row0
-        a2_at = row0 + BM
-        g_at = e_tile * 2 * I + n * BN
-        u_at = g_at + I
-    else:  # pointers
-        kk = tl.arange(0, BK)
-        cols = n * BN + tl.arange(0, BN)
-        a_at = a_ptr + rows[:, None] * H + kk[None, :]
-        a2_at = a_ptr + rows2[:, None] * H + kk[None, :]
-        g_at = w_ptr + e * 2 * I * H + cols[None, :].to(tl.int64) * H + kk[:, None]
-        u_at = g_at + I * H
-    acc_g = tl.zeros((BM, BN), dtype=tl.float32)
-    acc_u = tl.zeros((BM, BN), dtype=tl.float32)
-    acc_g2 = tl.zeros((HB, BN), dtype=tl.float32)
-    acc_u2 = tl.zeros((HB, BN), dtype=tl.float32)
-    for k0 in tl.range(0, H, BK, num_stages=STAGES):
-        a = _ld_a(a_ptr, a_at, k0, rmask, TMA)
-        a2 = _ld_a(a_half, a2_at, k0, rmask2, TMA)
-        wg = _ld_w(w_ptr, g_at, k0, TMA, WT)
-        wu = _ld_w(w_ptr, u_at, k0, TMA, WT)
-        acc_g = _mma(a, wg, acc_g, UPCAST)
-        acc_u = _mma(a, wu, acc_u, UPCAST)
-        acc_g2 = _mma(a2, wg, acc_g2, UPCAST)
-        acc_u2 = _mma(a2, wu, acc_u2, UPCAST)
-    _up_store(acc_g, acc_u, rows, rmask, n, h_ptr, h_ptr, I, limit, BN, False, HAS_LIMIT, 448.0)
-    _up_store(acc_g2, acc_u2, rows2, rmask2, n, h_ptr, h_ptr, I, limit, BN, False, HAS_LIMIT, 448.0)
-
-
-@triton.jit
 def _up_tile(a_ptr, a_half, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row1, n, e_tile, n_rows, H, I,
              limit, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FP8: tl.constexpr,
              HAS_LIMIT: tl.constexpr, UPCAST: tl.constexpr, STAGES: tl.constexpr, FP8_MAX_: tl.constexpr,
@@ -816,22 +726,19 @@ def _next_work(wk, work_ptr, NUM_PROGS: tl.constexpr, DYN: tl.constexpr):
 
 @triton.jit
 def _up_swiglu_kernel(a_ptr, a_half, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, tile_expert_ptr, tile_row_ptr,
-                      chunk_ptr, ready_ptr, work_ptr, done_ptr, n_rows, H, I, limit,
+                      chunk_ptr, ready_ptr, work_ptr, n_rows, H, I, limit,
                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FP8: tl.constexpr,
                       HAS_LIMIT: tl.constexpr, NUM_PROGS: tl.constexpr, UPCAST: tl.constexpr,
                       STAGES: tl.constexpr, FP8_MAX_: tl.constexpr, GROUP_M: tl.constexpr, TMA: tl.constexpr = False,
                       HALF: tl.constexpr = False, READY: tl.constexpr = False, GRAN: tl.constexpr = 64,
                       SPIN: tl.constexpr = True, DYN: tl.constexpr = False, WB: tl.constexpr = 128,
-                      FLAT: tl.constexpr = False, PAIR: tl.constexpr = False, PAIR_STAGES: tl.constexpr = 3,
-                      DONE: tl.constexpr = False, TAIL: tl.constexpr = 0, WT: tl.constexpr = False):
+                      FLAT: tl.constexpr = False, TAIL: tl.constexpr = 0, WT: tl.constexpr = False):
     """TMA: ``a_ptr`` / ``a_half`` / ``a_tail`` / ``w_ptr`` are TMA descriptors over A [R, H] (blocks [BM, BK],
     [BM/2, BK] and [TAIL, BK]) and W13 [L*2I, H] (blocks [BN, BK]; WT: W13 from :func:`tile_weights`, a
     [L*2I*H/BK, BK] view), read by Hopper's bulk copy engine; otherwise pointers. HALF: tiles of
     BM/2 rows (the schedule's half tiles) run a BM/2-row MMA. READY: wait for the pull per row granule. DYN: work
     items off the counter at ``work_ptr`` (zero before the first launch that shares it). FLAT (neither READY nor
-    DYN): static round robin in one flattened loop nest, as in the down kernel. PAIR (bf16, with HALF): a full
-    tile and its expert's trailing half tile run as one item (``_pair_role``); the half tile's own item is
-    skipped. DONE: after each item, one release on ``done_ptr[m]`` per row tile it wrote (``_signal_tiles``)."""
+    DYN): static round robin in one flattened loop nest, as in the down kernel. TAIL: see ``_up_tile``."""
     m_lo = tl.load(chunk_ptr)
     m_hi = tl.load(chunk_ptr + 1)
     n_n = I // BN
@@ -845,29 +752,10 @@ def _up_swiglu_kernel(a_ptr, a_half, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_pt
         wk = _first_work(work_ptr, DYN)
         while wk < n_work:
             m, n, e_tile, row0, row1 = _work_tile(wk, tile_expert_ptr, tile_row_ptr, m_lo, m_hi, n_n, GROUP_M)
-            if PAIR:
-                role, row_hi = _pair_role(tile_expert_ptr, tile_row_ptr, m, m_lo, m_hi, e_tile, row0, row1, BM)
-                if role != 2:
-                    if READY:
-                        _wait_rows(ready_ptr, row0, row_hi, GRAN, SPIN, TMA)
-                    if role == 1:
-                        _up_pair_item(a_ptr, a_half, w_ptr, h_ptr, row0, row_hi, n, e_tile, n_rows, H, I, limit,
-                                      BM, BN, BK, HAS_LIMIT, UPCAST, PAIR_STAGES, TMA, WT)
-                        if DONE:
-                            _signal_tiles(done_ptr, m, m + 1)
-                    else:
-                        _up_tile(a_ptr, a_half, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row1, n, e_tile,
-                                 n_rows, H, I, limit, BM, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB,
-                                 HALF, 0, WT)
-                        if DONE:
-                            _signal_tiles(done_ptr, m, m)
-            else:
-                if READY:
-                    _wait_rows(ready_ptr, row0, row1, GRAN, SPIN, TMA)
-                _up_tile(a_ptr, a_half, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row1, n, e_tile, n_rows,
-                         H, I, limit, BM, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB, HALF, TAIL, WT)
-                if DONE:
-                    _signal_tiles(done_ptr, m, m)
+            if READY:
+                _wait_rows(ready_ptr, row0, row1, GRAN, SPIN, TMA)
+            _up_tile(a_ptr, a_half, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row1, n, e_tile, n_rows,
+                     H, I, limit, BM, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB, HALF, TAIL, WT)
             wk = _next_work(wk, work_ptr, NUM_PROGS, DYN)
 
 
@@ -912,14 +800,11 @@ def up_swiglu(a_RH: torch.Tensor, a_scale: Optional[torch.Tensor], w13_LIH: torc
               w13_scale: Optional[torch.Tensor], h_RI: torch.Tensor, h_scale: Optional[torch.Tensor],
               tile_expert_M: torch.Tensor, tile_row_M1: torch.Tensor, chunk_2: torch.Tensor, *,
               limit: Optional[float], cfg: TileConfig, programs: int, n_rows: Optional[int] = None,
-              ready: Optional[torch.Tensor] = None, work: Optional[torch.Tensor] = None,
-              done: Optional[torch.Tensor] = None) -> None:
+              ready: Optional[torch.Tensor] = None, work: Optional[torch.Tensor] = None) -> None:
     """h = SwiGLU(a @ gate^T, a @ up^T) for tiles [chunk_2[0], chunk_2[1]); a tile's expert from tile_expert_M,
     its rows [tile_row_M1[m], tile_row_M1[m+1]) (BM, or BM/2 with ``cfg.half_tiles``). ``ready``: wait for the
     pull's per-granule counts (see :func:`pull_rows`) before reading a tile's rows. ``work``: an int32 counter,
-    zero before the first launch over these tiles; launches given the same counter share the work items.
-    ``done``: int32 per row tile, zero before; each finished item adds one to its tiles' counts (so a tile is
-    complete at I / up_n), which :func:`down_push` waits for."""
+    zero before the first launch over these tiles; launches given the same counter share the work items."""
     R, H = a_RH.shape
     I = h_RI.shape[1]
     fp8 = a_RH.dtype == torch.float8_e4m3fn
@@ -928,10 +813,8 @@ def up_swiglu(a_RH: torch.Tensor, a_scale: Optional[torch.Tensor], w13_LIH: torc
     if fp8:
         assert bk == 128 and 128 % bn == 0, "fp8 up: BK must be the 128 activation / weight block, BN divide 128"
         assert h_scale.shape[1] == I // bn, "fp8 hidden activations are quantised in 1 x up_n blocks"
-    assert not (cfg.pair_up and fp8), "paired tiles are bf16 only (TileConfig.for_fp8 turns them off)"
     flat = cfg.flat_up  # TileConfig refuses it with ready_flags, so the layer passes neither ready nor work
-    assert not flat or (ready is None and work is None and done is None), \
-        "flat_up runs a static loop: no ready counters, no queue, no done counters"
+    assert not flat or (ready is None and work is None), "flat_up runs a static loop: no ready counters, no queue"
     tail = cfg.tail_rows
     assert not (tail and fp8), "tails are bf16 only (TileConfig.for_fp8 turns them off)"
     fused = cfg.up_fused and not fp8
@@ -943,13 +826,11 @@ def up_swiglu(a_RH: torch.Tensor, a_scale: Optional[torch.Tensor], w13_LIH: torc
         a_scale if fp8 else a_RH, _operand(w13_LIH, [wn, bk], cfg.tma),
         w13_scale if fp8 else w13_LIH, h_RI, h_scale if fp8 else h_RI,
         tile_expert_M, tile_row_M1, chunk_2, ready if ready is not None else tile_row_M1,
-        work if work is not None else tile_row_M1, done if done is not None else tile_row_M1,
-        R if n_rows is None else n_rows, H, I, 0.0 if limit is None else float(limit),
+        work if work is not None else tile_row_M1, R if n_rows is None else n_rows, H, I, 0.0 if limit is None else float(limit),
         BM=bm, BN=bn, BK=bk, FP8=fp8, HAS_LIMIT=limit is not None, NUM_PROGS=programs, UPCAST=INTERPRET,
         STAGES=cfg.up_stages, FP8_MAX_=FP8_MAX, GROUP_M=cfg.group_m, TMA=cfg.tma, HALF=cfg.half_tiles,
         READY=ready is not None, GRAN=ready_granule(cfg), SPIN=not INTERPRET, DYN=work is not None,
-        FLAT=flat, PAIR=cfg.pair_up, PAIR_STAGES=cfg.up_pair_stages, DONE=done is not None, TAIL=tail,
-        WT=2 if fused else cfg.w_tiled, num_warps=cfg.up_warps)
+        FLAT=flat, TAIL=tail, WT=2 if fused else cfg.w_tiled, num_warps=cfg.up_warps)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -1016,46 +897,6 @@ def _down_store(acc, rows32, rmask, cols, code_ptr, rw_ptr, out_ref, out_delta, 
 
 
 @triton.jit
-def _down_pair_item(h_ptr, h_half, w_ptr, code_ptr, rw_ptr, out_ref, out_delta, row0, row_end, n, e_tile, n_rows,
-                    H, I, TK, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, APPLY_W: tl.constexpr,
-                    UPCAST: tl.constexpr, STAGES: tl.constexpr, TMA: tl.constexpr, WT: tl.constexpr = False):
-    """bf16: a full tile and its expert's trailing half tile (rows [row0, row_end)) x output columns n, one
-    weight tile per K step for both (see ``_up_pair_item``)."""
-    HB: tl.constexpr = BM // 2
-    e = e_tile.to(tl.int64)
-    rows32 = row0 + tl.arange(0, BM)
-    rows2_32 = row0 + BM + tl.arange(0, HB)
-    rows = rows32.to(tl.int64)
-    rows2 = rows2_32.to(tl.int64)
-    rmask = rows < n_rows
-    rmask2 = (rows2 < n_rows) & (rows2_32 < row_end)
-    cols = n * BN + tl.arange(0, BN)
-    if WT:  # rows of the tiled weights (see _up_item)
-        a_at = row0
-        a2_at = row0 + BM
-        b_at = (e_tile * (H // BN) + n) * (I // BK) * BN
-    elif TMA:
-        a_at = row0
-        a2_at = row0 + BM
-        b_at = e_tile * H + n * BN
-    else:
-        kk = tl.arange(0, BK)
-        a_at = h_ptr + rows[:, None] * I + kk[None, :]
-        a2_at = h_ptr + rows2[:, None] * I + kk[None, :]
-        b_at = w_ptr + e * H * I + cols[None, :].to(tl.int64) * I + kk[:, None]
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
-    acc2 = tl.zeros((HB, BN), dtype=tl.float32)
-    for k0 in tl.range(0, I, BK, num_stages=STAGES):
-        a = _ld_a(h_ptr, a_at, k0, rmask, TMA)
-        a2 = _ld_a(h_half, a2_at, k0, rmask2, TMA)
-        b = _ld_w(w_ptr, b_at, k0, TMA, WT)
-        acc = _mma(a, b, acc, UPCAST)
-        acc2 = _mma(a2, b, acc2, UPCAST)
-    _down_store(acc, rows32, rmask, cols, code_ptr, rw_ptr, out_ref, out_delta, H, TK, APPLY_W)
-    _down_store(acc2, rows2_32, rmask2, cols, code_ptr, rw_ptr, out_ref, out_delta, H, TK, APPLY_W)
-
-
-@triton.jit
 def _down_tile(h_ptr, h_half, h_tail, hs_ptr, w_ptr, ws_ptr, code_ptr, rw_ptr, out_ref, out_delta, row0, row1, n,
                e_tile, n_rows, H, I, TK, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FP8: tl.constexpr,
                APPLY_W: tl.constexpr, UPCAST: tl.constexpr, STAGES: tl.constexpr, TMA: tl.constexpr,
@@ -1089,50 +930,18 @@ def _down_tile(h_ptr, h_half, h_tail, hs_ptr, w_ptr, ws_ptr, code_ptr, rw_ptr, o
 
 
 @triton.jit
-def _down_work(wk, h_ptr, h_half, h_tail, hs_ptr, w_ptr, ws_ptr, tile_expert_ptr, tile_row_ptr, code_ptr, rw_ptr,
-               out_ref, out_delta, done_ptr, m_lo, m_hi, n_n, n_rows, H, I, TK, N_UP,
-               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FP8: tl.constexpr, APPLY_W: tl.constexpr,
-               UPCAST: tl.constexpr, STAGES: tl.constexpr, GROUP_M: tl.constexpr, TMA: tl.constexpr,
-               HALF: tl.constexpr, WB: tl.constexpr, PAIR: tl.constexpr, PAIR_STAGES: tl.constexpr,
-               DONE: tl.constexpr, SPIN: tl.constexpr, TAIL: tl.constexpr, WT: tl.constexpr = False):
-    """Work item ``wk`` of the (not flattened) down loop; DONE: first wait until the up GEMM has finished its
-    row tiles (``N_UP`` column blocks each)."""
-    m, n, e_tile, row0, row1 = _work_tile(wk, tile_expert_ptr, tile_row_ptr, m_lo, m_hi, n_n, GROUP_M)
-    if PAIR:
-        role, row_hi = _pair_role(tile_expert_ptr, tile_row_ptr, m, m_lo, m_hi, e_tile, row0, row1, BM)
-        if role == 1:
-            if DONE:
-                _wait_counts(done_ptr, m, m + 2, N_UP, SPIN, TMA)
-            _down_pair_item(h_ptr, h_half, w_ptr, code_ptr, rw_ptr, out_ref, out_delta, row0, row_hi, n,
-                            e_tile, n_rows, H, I, TK, BM, BN, BK, APPLY_W, UPCAST, PAIR_STAGES, TMA, WT)
-        elif role == 0:
-            if DONE:
-                _wait_counts(done_ptr, m, m + 1, N_UP, SPIN, TMA)
-            _down_tile(h_ptr, h_half, h_tail, hs_ptr, w_ptr, ws_ptr, code_ptr, rw_ptr, out_ref, out_delta, row0,
-                       row1, n, e_tile, n_rows, H, I, TK, BM, BN, BK, FP8, APPLY_W, UPCAST, STAGES, TMA, WB, HALF, 0, WT)
-    else:
-        if DONE:
-            _wait_counts(done_ptr, m, m + 1, N_UP, SPIN, TMA)
-        _down_tile(h_ptr, h_half, h_tail, hs_ptr, w_ptr, ws_ptr, code_ptr, rw_ptr, out_ref, out_delta, row0, row1,
-                   n, e_tile, n_rows, H, I, TK, BM, BN, BK, FP8, APPLY_W, UPCAST, STAGES, TMA, WB, HALF, TAIL, WT)
-
-
-@triton.jit
 def _down_push_kernel(h_ptr, h_half, h_tail, hs_ptr, w_ptr, ws_ptr, tile_expert_ptr, tile_row_ptr, chunk_ptr, code_ptr,
-                      rw_ptr, out_ref, out_delta, work_ptr, done_ptr, n_rows, H, I, TK, N_UP,
+                      rw_ptr, out_ref, out_delta, n_rows, H, I, TK,
                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FP8: tl.constexpr,
                       APPLY_W: tl.constexpr, NUM_PROGS: tl.constexpr, UPCAST: tl.constexpr, STAGES: tl.constexpr,
                       GROUP_M: tl.constexpr, TMA: tl.constexpr = False, HALF: tl.constexpr = False,
-                      WB: tl.constexpr = 128, FLAT: tl.constexpr = False, PAIR: tl.constexpr = False,
-                      PAIR_STAGES: tl.constexpr = 4, DYN: tl.constexpr = False, DONE: tl.constexpr = False,
-                      SPIN: tl.constexpr = True, TAIL: tl.constexpr = 0, WT: tl.constexpr = False):
+                      WB: tl.constexpr = 128, FLAT: tl.constexpr = False, TAIL: tl.constexpr = 0,
+                      WT: tl.constexpr = False):
     """TMA: ``h_ptr`` / ``h_half`` / ``h_tail`` / ``w_ptr`` are TMA descriptors over h [R, I] (blocks [BM, BK],
     [BM/2, BK] and [TAIL, BK]) and W2 [L*H, I] (blocks [BN, BK]; WT: W2 from :func:`tile_weights`, a
-    [L*H*I/BK, BK] view); otherwise pointers. HALF, PAIR, TAIL: as in the
-    up kernel. FLAT: one flattened
-    loop nest (items x K steps, pipelined across items); every tile runs BM rows, a half tile's rows past its end
-    are computed and not stored. DYN: work items off the counter at ``work_ptr`` (launches on several streams
-    share it). DONE: an item first waits for its row tiles' up-GEMM counts (``done_ptr``, ``N_UP`` each)."""
+    [L*H*I/BK, BK] view); otherwise pointers. HALF, TAIL: as in the up kernel. FLAT: one flattened loop nest
+    (items x K steps, pipelined across items); every tile runs BM rows, a half tile's rows past its end are
+    computed and not stored. Otherwise static round robin over the items."""
     m_lo = tl.load(chunk_ptr)
     m_hi = tl.load(chunk_ptr + 1)
     n_n = H // BN
@@ -1142,34 +951,23 @@ def _down_push_kernel(h_ptr, h_half, h_tail, hs_ptr, w_ptr, ws_ptr, tile_expert_
             m, n, e_tile, row0, row1 = _work_tile(wk, tile_expert_ptr, tile_row_ptr, m_lo, m_hi, n_n, GROUP_M)
             _down_item(h_ptr, h_tail, hs_ptr, w_ptr, ws_ptr, code_ptr, rw_ptr, out_ref, out_delta, row0, row1, n,
                        e_tile, n_rows, H, I, TK, BM, BN, BK, FP8, APPLY_W, UPCAST, STAGES, TMA, WB, 0, WT)
-    elif DYN:
-        wk = _first_work(work_ptr, DYN)
-        while wk < n_work:
-            _down_work(wk, h_ptr, h_half, h_tail, hs_ptr, w_ptr, ws_ptr, tile_expert_ptr, tile_row_ptr, code_ptr,
-                       rw_ptr, out_ref, out_delta, done_ptr, m_lo, m_hi, n_n, n_rows, H, I, TK, N_UP, BM, BN, BK, FP8,
-                       APPLY_W, UPCAST, STAGES, GROUP_M, TMA, HALF, WB, PAIR, PAIR_STAGES, DONE, SPIN, TAIL, WT)
-            wk = _next_work(wk, work_ptr, NUM_PROGS, DYN)
     else:
         for wk in range(tl.program_id(0), n_work, NUM_PROGS):
-            _down_work(wk, h_ptr, h_half, h_tail, hs_ptr, w_ptr, ws_ptr, tile_expert_ptr, tile_row_ptr, code_ptr,
-                       rw_ptr, out_ref, out_delta, done_ptr, m_lo, m_hi, n_n, n_rows, H, I, TK, N_UP, BM, BN, BK, FP8,
-                       APPLY_W, UPCAST, STAGES, GROUP_M, TMA, HALF, WB, PAIR, PAIR_STAGES, DONE, SPIN, TAIL, WT)
+            m, n, e_tile, row0, row1 = _work_tile(wk, tile_expert_ptr, tile_row_ptr, m_lo, m_hi, n_n, GROUP_M)
+            _down_tile(h_ptr, h_half, h_tail, hs_ptr, w_ptr, ws_ptr, code_ptr, rw_ptr, out_ref, out_delta, row0, row1,
+                       n, e_tile, n_rows, H, I, TK, BM, BN, BK, FP8, APPLY_W, UPCAST, STAGES, TMA, WB, HALF, TAIL, WT)
 
 
 def down_push(h_RI: torch.Tensor, h_scale: Optional[torch.Tensor], w2_LHI: torch.Tensor,
               w2_scale: Optional[torch.Tensor], tile_expert_M: torch.Tensor, tile_row_M1: torch.Tensor,
               chunk_2: torch.Tensor, code_R: torch.Tensor, rw_R: Optional[torch.Tensor], out_ref: torch.Tensor,
               out_delta_P: torch.Tensor, *, slots_per_rank: int, cfg: TileConfig, programs: int,
-              n_rows: Optional[int] = None, work: Optional[torch.Tensor] = None,
-              done: Optional[torch.Tensor] = None) -> None:
+              n_rows: Optional[int] = None) -> None:
     """y = h @ down^T (x router weight) stored as bf16 at row ``slot`` of rank ``src``'s copy of ``out_ref``
     (row code = src * slots_per_rank + slot; ``out_delta_P`` locates every rank's copy). Tiles as in
-    :func:`up_swiglu`. ``work``: a shared work counter as there. ``done``: the up GEMM's per-tile counts (see
-    :func:`up_swiglu`); an item waits until its tiles reach I / up_n, so this launch may start before the up GEMM
-    has finished (``early_down``)."""
+    :func:`up_swiglu`."""
     R, I = h_RI.shape
     fp8 = h_RI.dtype == torch.float8_e4m3fn
-    assert not (cfg.pair_down and fp8), "paired tiles are bf16 only (TileConfig.for_fp8 turns them off)"
     bm, bn, bk = cfg.block_m, cfg.down_n, cfg.down_k
     H, I_w = _weights(w2_LHI, bn, bk, cfg.w_tiled)
     assert I_w == I, "w2 must be [L, H, I] (or tiled)"
@@ -1177,8 +975,6 @@ def down_push(h_RI: torch.Tensor, h_scale: Optional[torch.Tensor], w2_LHI: torch
     if fp8:
         assert 128 % bn == 0 and h_scale.shape[1] == I // bk, "fp8 down: BK must be the hidden-activation block, " \
                                                              "BN divide 128"
-    assert not cfg.flat_down or (work is None and done is None), \
-        "flat_down runs a static loop: no queue, no done counters"
     tail = cfg.tail_rows
     assert not (tail and fp8), "tails are bf16 only (TileConfig.for_fp8 turns them off)"
     _down_push_kernel[(programs,)](
@@ -1186,12 +982,11 @@ def down_push(h_RI: torch.Tensor, h_scale: Optional[torch.Tensor], w2_LHI: torch
         _operand(h_RI, [tail, bk], cfg.tma and tail > 0),
         h_scale if fp8 else h_RI, _operand(w2_LHI, [bn, bk], cfg.tma),
         w2_scale if fp8 else w2_LHI, tile_expert_M, tile_row_M1, chunk_2, code_R,
-        rw_R if rw_R is not None else h_RI, out_ref, out_delta_P, work if work is not None else code_R,
-        done if done is not None else code_R, R if n_rows is None else n_rows, H, I, slots_per_rank, I // cfg.up_n,
+        rw_R if rw_R is not None else h_RI, out_ref, out_delta_P, R if n_rows is None else n_rows, H, I,
+        slots_per_rank,
         BM=bm, BN=bn, BK=bk, FP8=fp8, APPLY_W=rw_R is not None, NUM_PROGS=programs, UPCAST=INTERPRET,
         STAGES=cfg.down_stages, GROUP_M=cfg.group_m, TMA=cfg.tma, HALF=cfg.half_tiles, FLAT=cfg.flat_down,
-        PAIR=cfg.pair_down, PAIR_STAGES=cfg.down_pair_stages, DYN=work is not None, DONE=done is not None,
-        SPIN=not INTERPRET, TAIL=tail, WT=cfg.w_tiled, num_warps=cfg.down_warps)
+        TAIL=tail, WT=cfg.w_tiled, num_warps=cfg.down_warps)
 
 
 # ---------------------------------------------------------------------------------------------------------------
