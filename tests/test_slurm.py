@@ -168,7 +168,8 @@ def test_dry_run_of_the_published_sweeps(tmp_path, experiment, jobs, gpus_per_jo
     assert r.returncode == 0, r.stdout + r.stderr
     total = gpus_per_job * jobs
     assert f"{jobs} sweep points -> {jobs} slurm jobs" in r.stdout
-    assert f"total: {jobs} jobs x {gpus_per_job} GPUs = {total} GPUs allocated, at most {total:.1f} GPU-hours" in r.stdout
+    assert (f"total: {jobs} jobs x {gpus_per_job} GPUs = {total} GPUs allocated, at most {total:.1f} GPU-hours"
+            in r.stdout)
     for shape in ("deepseek_v4_pro", "glm_5_2", "kimi_k2_7", "qwen3_5_397b"):
         for prec in precisions:
             assert f"shape={shape} precision={prec}: " in r.stdout
