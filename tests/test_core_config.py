@@ -8,7 +8,7 @@ from conftest import compose_cfg
 from harness.config import Case, ConfigError, make_case, to_container
 from harness.runner import resolve
 
-PUBLISHED = {  # mok-methodology.md section 1: experts, H, I, topk, local experts at EP64
+PUBLISHED = {  # docs/methodology.md section 1: experts, H, I, topk, local experts at EP64
     "kimi_k2_7": (384, 7168, 2048, 8, 6),
     "glm_5_2": (256, 6144, 2048, 8, 4),
     "qwen3_5_397b": (512, 4096, 1024, 10, 8),
@@ -25,7 +25,7 @@ def test_published_shapes(name):
 
 
 def test_published_flops_per_forward():
-    # mok-methodology.md section 6: FLOP per GPU per forward at T=2048.
+    # docs/methodology.md section 6: FLOP per GPU per forward at T=2048.
     want = {"kimi_k2_7": 1.623e12, "glm_5_2": 1.392e12, "qwen3_5_397b": 0.567e12, "deepseek_v4_pro": 1.894e12}
     for name, flops in want.items():
         case = make_case(resolve(compose_cfg(f"shape={name}", "device=cpu")), ep_size=64, device="cpu")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -193,9 +194,50 @@ def _cli(*args, tmp):
 def test_cli_default_runs_and_prints_a_table(results_dir):
     p = _cli("device=cpu", "workload.tokens_per_gpu=64", tmp=results_dir)
     assert p.returncode == 0, p.stderr[-2000:]
-    assert "nccl" in p.stdout and "ok" in p.stdout and "rel_err" in p.stdout
+    assert "nccl" in p.stdout and "ok" in p.stdout and "rel_err" in p.stdout and "routing" in p.stdout
     df = results.load(results_dir)
     assert set(df.status) == {"ok"} and set(df.direction) == {"fwd", "bwd"}
+    # progress on stderr: which point, backend and phase, with seconds (rank 0 only: each line once)
+    point = re.escape("tiny bf16 uniform EP2 T64")
+    lines = p.stderr.splitlines()
+    for phase in (r"inputs: ok", r"reference: ok",
+                  r"nccl \(1/1\) \| setup \(construct, buffers, JIT builds\): ok",
+                  r"nccl \(1/1\) \| check: first call against the reference: ok",
+                  r"nccl \(1/1\) \| timing fwd \(\d+ warmup \+ \d+ timed\): ok",
+                  r"nccl \(1/1\) \| timing bwd \(\d+ warmup \+ \d+ timed\): ok"):
+        rx = re.compile(rf"^mokbench \[\s*\d+\.\d s\] {point} \| {phase} in \d+\.\d s")
+        assert sum(bool(rx.match(ln)) for ln in lines) == 1, (phase, p.stderr[-3000:])
+    assert any(re.match(rf"^mokbench \[\s*\d+\.\d s\] {point} \| nccl \(1/1\) \| timing fwd .* ok in .*, median "
+                        rf"\d", ln) for ln in lines)
+    # the last line: where the rows went, and the command that reports them
+    run_dir = results_dir / df.run_id.iloc[0]
+    assert p.stdout.strip().splitlines()[-1] == (
+        f"mokbench: 2 rows (2 ok) in {run_dir}; report: python -m harness.report {run_dir} --out "
+        f"results/reports/{run_dir.name}")
+
+
+def test_progress_lines():
+    from harness.runner import Progress
+
+    pr = Progress(True, "kimi_k2_7 bf16 uniform EP8 T2048")
+    pr.backend = "deepep (2/6)"
+    assert re.fullmatch(r"mokbench \[\s*\d+\.\d s\] kimi_k2_7 bf16 uniform EP8 T2048 \| deepep \(2/6\) \| check",
+                        pr.line("check"))
+
+
+@pytest.mark.slow
+def test_multirun_table_says_which_point_and_workload(results_dir):
+    """A multirun on this machine (hydra/launcher=node): each point's table names its point and workload, and the
+    progress lines lead with the point's number."""
+    p = _cli("-m", "hydra/launcher=node", f"hydra.sweep.dir={results_dir}/sweep", "device=cpu",
+             "workload.tokens_per_gpu=64", "workload=uniform,zipf", "direction=fwd", "timing.num_iters=2",
+             tmp=results_dir)
+    assert p.returncode == 0, p.stderr[-3000:]
+    titles = [ln for ln in p.stdout.splitlines() if ln.startswith("sweep point #")]
+    assert len(titles) == 2 and "workload=uniform" in titles[0] and "workload=zipf" in titles[1], p.stdout
+    assert "zipf(s=1)" in p.stdout.split("sweep point #1")[1]
+    assert re.search(r"^mokbench \[\s*\d+\.\d s\] point #1 tiny bf16 zipf\(s=1\) EP2 T64 \| nccl", p.stderr, re.M)
+    assert len(results.load(results_dir)) == 2
 
 
 @pytest.mark.parametrize("args,message", [

@@ -17,7 +17,7 @@ from harness import report as R  # noqa: E402
 from harness import results  # noqa: E402
 from harness.roofline import attach_calibration, layer_floors, layer_flops, load_calibration  # noqa: E402
 
-# best baseline per published cell, as read in mok-methodology.md section 10
+# best baseline per published cell, as read in docs/methodology.md section 10 (values: results/published/)
 PUBLISHED_BEST = {
     ("mxfp8", "fwd"): ["hybridep_megatron"] * 4,
     ("mxfp8", "bwd"): ["hybridep_megatron"] * 4,
@@ -50,7 +50,7 @@ def test_published_file_is_labelled_and_not_a_results_file(published):
 
 def test_published_latency_is_implied_by_the_formula(published):
     mok = published[published["backend"] == "mok"].set_index(["precision", "direction", "shape"])
-    # mok-methodology.md section 10: implied MoK latency
+    # docs/methodology.md section 10: implied MoK latency
     assert mok.loc[("mxfp8", "fwd", "qwen3_5_397b"), "latency_ms"] == pytest.approx(1.06, abs=0.01)
     assert mok.loc[("bf16", "bwd", "deepseek_v4_pro"), "latency_ms"] == pytest.approx(3.42, abs=0.01)
     assert mok.loc[("mxfp8", "fwd", "kimi_k2_7"), "flops_per_gpu"] == pytest.approx(1.623e12, rel=1e-3)

@@ -1,13 +1,16 @@
-"""mokbench's Hydra launchers: hydra-submitit-launcher's, with validation, a dry run and failure rows.
+"""mokbench's Hydra launchers: hydra-submitit-launcher's, with validation, a dry run and failure rows, and Hydra's
+basic launcher with the same validation and dry run.
 
 Hydra instantiates launchers only from the ``hydra_plugins`` namespace, so the classes live here; their behaviour
 is in :mod:`harness.slurm`. Hydra's plugin scan imports this module, which also registers the
-``hydra/launcher=mokbench_slurm`` / ``mokbench_local`` schemas that configs/hydra/launcher/* extend.
+``hydra/launcher=mokbench_slurm`` / ``mokbench_local`` / ``mokbench_node`` schemas that configs/hydra/launcher/*
+extend.
 """
 
+from hydra._internal.core_plugins.basic_launcher import BasicLauncher
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import BaseSubmititLauncher
 
-from harness.slurm import MokbenchLauncherMixin, register_launcher_configs
+from harness.slurm import MokbenchLauncherMixin, NodeLauncherMixin, register_launcher_configs
 
 
 class SlurmLauncher(MokbenchLauncherMixin, BaseSubmititLauncher):
@@ -19,6 +22,10 @@ class SlurmLauncher(MokbenchLauncherMixin, BaseSubmititLauncher):
 
 class LocalLauncher(MokbenchLauncherMixin, BaseSubmititLauncher):
     _EXECUTOR = "local"
+
+
+class NodeLauncher(NodeLauncherMixin, BasicLauncher):
+    """This machine, one point after another in this process."""
 
 
 register_launcher_configs()
