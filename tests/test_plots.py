@@ -137,8 +137,12 @@ def test_history_chart(tmp_path):
     df = results.to_frame(rows)
     fig = P.plot_history(df)
     ticks = [t.get_text() for t in fig.axes[0].get_xticklabels()]
-    assert ticks == ["cccc3333", "aaaa1111", "bbbb2222"]  # timestamp order, not alphabetical
-    assert "error" in texts(fig)
+    assert ticks == ["cccc333", "aaaa111", "bbbb222"]  # timestamp order, not alphabetical
+    foot = " ".join(t.get_text() for t in fig.texts).replace("\n", " ")
+    assert "MoK Hopper (ours) backward at bbbb222: error" in foot  # the status in the footnote, not stacked on the axis
+    assert not [t for ax in fig.axes for t in ax.texts if "error" in t.get_text()]
+    title = fig.texts[0].get_text().replace("\n", " ")
+    assert "Qwen3.5-397B, BF16, NVIDIA H200 · EP 8" in title  # named, not a hash alone
     saved(fig, tmp_path, "history")
     with pytest.raises(ValueError):
         P.plot_history(pd.concat([df, results.to_frame([S.row("nccl", "glm_5_2")])]))
@@ -149,13 +153,13 @@ def test_report_charts_names(tmp_path):
     published = R.load_published()
     df = pd.concat([results.to_frame(sweep), published[published["precision"] == "bf16"]], ignore_index=True)
     written = P.report_charts(df, tmp_path, formats=("png",), history=[sweep[0]["config_hash"]])
-    assert set(written) == {"panels_gb300-published-ep-64-2048-tokens-gpu",
-                            "panels_nvidia-h200-ep-8-2048-tokens-gpu-1-node",
-                            "panels_nvidia-h200-ep-8-4096-tokens-gpu-1-node",
-                            "sweep_tokens_per_gpu",
-                            "roofline_nvidia-h200-ep-8-2048-tokens-gpu-1-node",
-                            "roofline_nvidia-h200-ep-8-4096-tokens-gpu-1-node",  # none for the published data
-                            f"history_{sweep[0]['config_hash']}"}
+    assert set(written) == {"panels_published-mok-gb300-figure-gb300-published-ep-64-2048-tokens-gpu",
+                            "panels_run-a-nvidia-h200-ep-8-2048-tokens-gpu-1-node",
+                            "panels_run-a-nvidia-h200-ep-8-4096-tokens-gpu-1-node",
+                            "sweep_tokens_per_gpu_run-a",
+                            "roofline_run-a-nvidia-h200-ep-8-2048-tokens-gpu-1-node",
+                            "roofline_run-a-nvidia-h200-ep-8-4096-tokens-gpu-1-node",  # none for the published data
+                            f"history_qwen3-5-397b-bf16-ep8-2048tok-{sweep[0]['config_hash'][:6]}"}
     assert all(p.exists() and p.suffix == ".png" for ps in written.values() for p in ps)
 
 

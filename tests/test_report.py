@@ -207,7 +207,7 @@ def test_repeated_runs_take_the_median_and_any_ok_row():
     rows.append(S.row("nccl", status="timeout", run_id="r9", timestamp="2026-12-09T00:00:00+00:00"))
     rows += [S.row("deepep", status="oom", run_id="r1"),
              S.row("deepep", status="error", run_id="r2", timestamp="2026-12-05T00:00:00+00:00")]
-    agg = R.aggregate(results.to_frame(rows)).set_index("backend")
+    agg = R.aggregate(R.prepare(results.to_frame(rows), "pooled")).set_index("backend")
     assert agg.loc["nccl", "tflops_per_gpu"] == pytest.approx(110.0)
     assert agg.loc["nccl", "status"] == "ok" and agg.loc["nccl", "num_ok"] == 3
     assert agg.loc["deepep", "status"] == "error"  # the most recent row's status
@@ -264,9 +264,10 @@ def test_cli_charts_calibration_and_history(tmp_path):
                  "--formats", "png", "--history"])
     assert rc == 0
     pngs = sorted(p.name for p in (tmp_path / "out").glob("*.png"))
-    assert pngs == ["history_" + rows[0]["config_hash"] + ".png",
-                    "panels_nvidia-h200-ep-8-4096-tokens-gpu-1-node.png",
-                    "roofline_nvidia-h200-ep-8-4096-tokens-gpu-1-node.png"]
+    # one panel and roofline chart per run (never pooled by default); the history spans both, named by its config
+    assert pngs == ["history_qwen3-5-397b-bf16-ep8-4096tok-" + rows[0]["config_hash"][:6] + ".png",
+                    *[f"{kind}_{run}-nvidia-h200-ep-8-4096-tokens-gpu-1-node.png"
+                      for kind in ("panels", "roofline") for run in ("r0", "r1")]]
     md = (tmp_path / "out" / "claims.md").read_text()
     assert all(f"({p})" in md for p in pngs)
 
