@@ -63,7 +63,7 @@ EXIT_OK, EXIT_REGRESSION, EXIT_USAGE, EXIT_INCONCLUSIVE = 0, 1, 2, 3
 
 
 def pool(df: pd.DataFrame) -> pd.DataFrame:
-    """One row per (config_hash, backend, direction): median latency over ok rows, lowest p20, highest p80, the
+    """One row per (config_hash, backend, direction): median latency, p20 and p80 over ok rows, the
     spread of the per-run medians where the row was measured in several runs (``run_spread``: (max - min) /
     median), the median SM clock, and a status (``ok`` when any row is ok, else the most recent row's), with the
     context columns and row / run counts."""
@@ -79,8 +79,8 @@ def pool(df: pd.DataFrame) -> pd.DataFrame:
     last = d.sort_values(["_g", "timestamp"], na_position="first", kind="stable").drop_duplicates("_g", keep="last")
     out = last.set_index("_g")
     okd = d[d["_ok"]]
-    ok = okd.groupby("_g").agg(latency_ms=("latency_ms", "median"), p20_ms=("latency_p20_ms", "min"),
-                               p80_ms=("latency_p80_ms", "max"), tflops_per_gpu=("tflops_per_gpu", "median"),
+    ok = okd.groupby("_g").agg(latency_ms=("latency_ms", "median"), p20_ms=("latency_p20_ms", "median"),
+                               p80_ms=("latency_p80_ms", "median"), tflops_per_gpu=("tflops_per_gpu", "median"),
                                sm_clock_mhz=("sm_clock_mhz", "median"), num_ok=("_ok", "size"),
                                num_runs=("run_id", "nunique"))
     per_run = okd.groupby(["_g", "run_id"])["latency_ms"].median().groupby(level=0)
