@@ -213,7 +213,7 @@ def plot_panels(df: pd.DataFrame, env: Optional[dict[str, Any]] = None, title: O
 
 def _shape_ticks(ax, shapes: Sequence[str]) -> None:
     labels = [R.shape_label(s) for s in shapes]
-    crowded = len(shapes) > 5 or max((len(t) for t in labels), default=0) > 14 and len(shapes) > 3
+    crowded = len(shapes) > 5
     ax.set_xticks(range(len(shapes)), labels, fontsize=9.5, rotation=25 if crowded else 0,
                   ha="right" if crowded else "center")
     ax.set_xlim(-0.55, len(shapes) - 0.45)
