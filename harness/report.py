@@ -7,8 +7,8 @@
     python -m harness.report --include-published --no-measured   # the published figure alone, as a check
 
 For each panel (precision x direction) and shape, within one run (by default: ``--scope``), one environment (GPU, EP
-size, tokens per GPU, nodes) and routing: each system's TFLOP/s per GPU, the fastest baseline, and each fused kernel's speedup over it. The
-published figure's values (``results/published/``, read off the chart, GB300 NVL72, EP=64, 2048 tokens/GPU) sit
+size, tokens per GPU, nodes) and routing: each system's TFLOP/s per GPU, the fastest baseline, and each fused
+kernel's speedup over it. The published figure's values (``results/published/``, read off the chart, GB300 NVL72, EP=64, 2048 tokens/GPU) sit
 beside them; a measured / published ratio of TFLOP/s is given only where the environment matches the published
 one. Rows that are not ok keep their status in the table and are listed with their error.
 
