@@ -107,7 +107,7 @@ class BenchConfig:
     check: bool = True  # correctness gate against the reference before timing
     time_reference: bool = False  # the reference is not a contender; time it only when asked
     run_id: Optional[str] = None  # rows of one run share it; None: generated per process tree
-    results_dir: str = "results/runs"
+    results_dir: str = "results/local"  # a user's own runs (ignored by git); results/runs holds the committed ones
     results_format: str = "csv"  # csv | parquet
     calibrate: bool = False  # measure GEMM / HBM / interconnect rates and write calibration rows
     print_table: bool = True
