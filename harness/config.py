@@ -79,12 +79,17 @@ class PrecisionConfig:
 
 @dataclass(kw_only=True)
 class TimingConfig:
+    """Iteration counts and alignment. The presets (configs/timing/*.yaml) set every field; ``auto`` sets none
+    (None: OmegaConf does not let a ``???`` in a YAML file override a schema default, so ``auto`` used to inherit
+    the defaults here), and :func:`harness.runner.resolve` fills what the command line left unset from the
+    machine's preset."""
+
     name: str = "quick"
-    num_warmup: int = 2
-    num_iters: int = 5
-    l2_flush: bool = False
-    align: str = "barrier"  # barrier: aligning collective before each iteration | none
-    phase_iters: int = 20  # iterations for per-phase (dispatch / combine) bandwidth timing; 0 disables
+    num_warmup: Optional[int] = None
+    num_iters: Optional[int] = None
+    l2_flush: Optional[bool] = None
+    align: Optional[str] = None  # barrier: aligning collective before each iteration | none
+    phase_iters: Optional[int] = None  # iterations for per-phase (dispatch / combine) bandwidth timing; 0 disables
 
 
 @dataclass(kw_only=True)

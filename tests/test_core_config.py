@@ -46,6 +46,21 @@ def test_cpu_default_resolves_to_tiny_and_quick():
     assert c["backends"] == ["nccl"] and c["directions"] == ["fwd", "bwd"]
 
 
+def test_auto_timing_on_a_gpu_machine_is_the_published_preset(monkeypatch):
+    """``timing: auto`` resolves to the machine's preset with its own counts: on a GPU the published 500 / 100
+    (it used to keep the schema's quick defaults, 2 / 5, under the name ``published``), and a count set on the
+    command line is kept."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    t = resolve(compose_cfg("device=cuda"))["timing"]
+    assert (t["name"], t["num_warmup"], t["num_iters"], t["phase_iters"]) == ("published", 500, 100, 50)
+    t = resolve(compose_cfg("device=cuda", "timing.num_iters=30"))["timing"]
+    assert (t["num_warmup"], t["num_iters"]) == (500, 30)
+    t = resolve(compose_cfg("device=cpu"))["timing"]
+    assert (t["name"], t["num_warmup"], t["num_iters"], t["phase_iters"]) == ("quick", 2, 5, 5)
+
+
 def test_published_timing_preset():
     t = to_container(compose_cfg("timing=published").timing)
     assert (t["num_warmup"], t["num_iters"], t["l2_flush"], t["align"]) == (500, 100, False, "barrier")
