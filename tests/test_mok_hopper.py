@@ -218,7 +218,7 @@ def test_every_sweep_variant_is_a_valid_tile_on_every_published_shape():
 
 
 def test_fp8_tile_is_applied_once():
-    from kernels.mok_hopper.triton_kernels import TileConfig
+    from kernels.mok_hopper.tiles import TileConfig
 
     f8 = TileConfig().for_fp8()
     assert f8.fp8 and f8.for_fp8() == f8 and (f8.up_k, f8.up_n) == (128, 64)
@@ -276,7 +276,7 @@ def test_retired_tile_flags_are_gone():
     from dataclasses import fields, replace
 
     from kernels.mok_hopper.gpu_check import SWEEP
-    from kernels.mok_hopper.triton_kernels import TileConfig
+    from kernels.mok_hopper.tiles import TileConfig
 
     names = {f.name for f in fields(TileConfig)}
     retired = {"pair_up", "pair_down", "up_pair_stages", "down_pair_stages", "early_down"}
@@ -292,7 +292,7 @@ def test_launch_programs_split_the_sms():
     from dataclasses import replace
 
     from kernels.mok_hopper.api import launch_programs
-    from kernels.mok_hopper.triton_kernels import TileConfig
+    from kernels.mok_hopper.tiles import TileConfig
 
     base = TileConfig()
     kw = dict(ready=True, overlap=True, has_shared=True)
@@ -320,7 +320,7 @@ def test_flat_up_refuses_ready_flags():
     from dataclasses import replace
 
     from kernels.mok_hopper.api import MoKHopperLayer
-    from kernels.mok_hopper.triton_kernels import TileConfig
+    from kernels.mok_hopper.tiles import TileConfig
 
     w13, w2 = torch.zeros(2, 64, 32, dtype=torch.bfloat16), torch.zeros(2, 32, 32, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="flat_up needs ready_flags=False"):
@@ -479,7 +479,7 @@ def test_kernels_with_small_tiles_walk_every_loop(precision, tma, layout):
     tile, must not be stored)."""
     from dataclasses import replace
 
-    from kernels.mok_hopper.triton_kernels import TileConfig
+    from kernels.mok_hopper.tiles import TileConfig
 
     if precision == "fp8":  # fp8 steps follow the scale blocks (up 64 x 128, down 128 x 64): two of each here
         P, T, K, E, H, I = 2, 24, 3, 8, 256, 128
@@ -514,7 +514,7 @@ def test_kernels_with_tails_match_the_twin(tma):
     """Tails (bf16): tiles of BM/2 + TL and BM + TL rows run their last TL rows as a second MMA with the rows in N
     (W @ A^T) in both GEMMs. Every tile kind occurs, several column tiles and K steps, the pull's ready counters
     in granules of TL rows (each counted once)."""
-    from kernels.mok_hopper.triton_kernels import TileConfig
+    from kernels.mok_hopper.tiles import TileConfig
 
     P, T, K, E, H, I, BM, TL = 2, 64, 4, 8, 128, 64, 64, 16
     tile = TileConfig(block_m=BM, tail_rows=TL, up_n=32, up_k=32, down_n=32, down_k=32, num_chunks=1,
@@ -538,7 +538,8 @@ def test_kernels_with_tails_match_the_twin(tma):
 
 
 def test_tile_weights_puts_each_tma_block_in_one_run_of_memory():
-    from kernels.mok_hopper.triton_kernels import TileConfig, tile_weights
+    from kernels.mok_hopper.gemm_common import tile_weights
+    from kernels.mok_hopper.tiles import TileConfig
 
     w = torch.arange(2 * 8 * 12, dtype=torch.float32).reshape(2, 8, 12)
     t = tile_weights(w, 4, 3)
@@ -559,7 +560,7 @@ def test_tile_weights_puts_each_tma_block_in_one_run_of_memory():
 
 
 def test_tile_weights_gu_interleaves_gate_and_up_rows_in_each_block():
-    from kernels.mok_hopper.triton_kernels import tile_weights_gu
+    from kernels.mok_hopper.gemm_common import tile_weights_gu
 
     L, I, H, bn, bk = 2, 8, 12, 4, 3
     w13 = torch.arange(L * 2 * I * H, dtype=torch.float32).reshape(L, 2 * I, H)
@@ -593,7 +594,7 @@ def test_tiled_weights_change_no_bit(layout):
     the interpreter, whose dot sums each output element alone."""
     from dataclasses import replace
 
-    from kernels.mok_hopper.triton_kernels import TileConfig
+    from kernels.mok_hopper.tiles import TileConfig
 
     P, T, K, E, H, I = 2, 48, 4, 8, 256, 128
     precision = "fp8" if layout == "fp8" else "bf16"
@@ -678,12 +679,12 @@ def test_functional_form_on_one_rank():
 
 @needs_triton
 def test_quantize_rows_kernel_matches_torch():
-    from kernels.mok_hopper import triton_kernels as tk
+    from kernels.mok_hopper.pull import quantize_rows
 
     x = (torch.randn(8, 256) * torch.logspace(-2, 2, 8)[:, None]).bfloat16()
     q = torch.empty(8, 256, dtype=torch.float8_e4m3fn)
     s = torch.empty(8, 2)
-    tk.quantize_rows(x, q, s)
+    quantize_rows(x, q, s)
     wq, ws_ = quantize_blocks(x, 1, 128)
     assert torch.equal(s, ws_) and torch.equal(q.view(torch.uint8), wq.view(torch.uint8))
 

@@ -21,12 +21,24 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 SMEM_LIMIT = {90: 232448, 100: 232448}  # bytes of dynamic shared memory per block (opt-in maximum)
+KERNEL_MODULES = ("schedule_kernels", "pull", "up_gemm", "down_gemm")  # where the kernels live, by stage
+
+
+def kernel(name: str) -> Any:
+    """The ``@triton.jit`` kernel called ``name`` in one of :data:`KERNEL_MODULES`."""
+    import importlib
+
+    for module in KERNEL_MODULES:
+        fn = getattr(importlib.import_module(f"kernels.mok_hopper.{module}"), name, None)
+        if fn is not None:
+            return fn
+    raise KeyError(f"no kernel {name!r} in kernels.mok_hopper.{{{', '.join(KERNEL_MODULES)}}}")
 
 
 @dataclass
 class Variant:
     label: str
-    kernel: str  # attribute of triton_kernels
+    kernel: str  # a kernel's name in one of KERNEL_MODULES
     types: dict[str, str]  # runtime argument -> Triton type string
     constexprs: dict[str, Any]
     num_warps: int
@@ -36,18 +48,20 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048, extras: bool 
     """The launches one forward makes (routed and shared GEMMs, bf16 and fp8), at the given tile config (by default
     the CUDA default's: TMA operands over tiled weights). With ``extras``, for a plain tile also the GEMMs of the
     other default tiles (tails, the fused gate/up MMA, 256-wide down) and the row-major TMA GEMMs."""
-    from kernels.mok_hopper import triton_kernels as tk
+    from kernels.mok_hopper.fp8 import FP8_MAX
+    from kernels.mok_hopper.schedule_kernels import DeviceScheduler
+    from kernels.mok_hopper.tiles import TileConfig, ready_granule
 
-    cfg = cfg or tk.TileConfig(w_tiled=True)
+    cfg = cfg or TileConfig(w_tiled=True)
     f8 = cfg.for_fp8()
     nprog = 108
     out: list[Variant] = []
     out.append(Variant("quant x 1x128", "_quant_rows_kernel",
                        dict(x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32", H="i32"),
-                       dict(ROWS=8, BLOCK=128, FP8_MAX_=tk.FP8_MAX), 4))
+                       dict(ROWS=8, BLOCK=128, FP8_MAX_=FP8_MAX), 4))
     out.append(Variant("gather idx", "_gather_i32_kernel",
                        dict(ref_ptr="*i32", delta_table="*i64", out_ptr="*i32", N="i32"), dict(BLOCK=1024), 4))
-    sb, lp = tk.DeviceScheduler.SB, 256  # the schedule at 192 local experts (kimi_k2_7 at EP=2)
+    sb, lp = DeviceScheduler.SB, 256  # the schedule at 192 local experts (kimi_k2_7 at EP=2)
     out.append(Variant("schedule hist", "_sched_hist_kernel",
                        dict(idx_ref="*i32", idx_delta="*i64", idx_all="*i32", hist_ptr="*i32", rank_ptr="*i32",
                             S="i32", TK="i32", e_lo="i32", L="i32"), dict(SB=sb, LP=lp), 4))
@@ -79,7 +93,7 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048, extras: bool 
                                 x_out=xt, xs_out="*fp32" if fp8 else xt, w_out="*fp32", TK="i32", K="i32",
                                 H="i32", HS="i32"),
                            dict(BR=cfg.pull_rows, BH=hp, HSP=1 << (hs - 1).bit_length(), FP8=fp8,
-                                PULL_W=pull_w, NUM_PROGS=48, READY=cfg.ready_flags, GRAN=tk.ready_granule(cfg)),
+                                PULL_W=pull_w, NUM_PROGS=48, READY=cfg.ready_flags, GRAN=ready_granule(cfg)),
                            cfg.pull_warps))
     def operand(t: str, block: list[int], tma: bool) -> str:  # a pointer, or a TMA descriptor with its block
         return f"tensordesc<{t[1:]}[{block[0]}, {block[1]}]>" if tma else t
@@ -98,8 +112,8 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048, extras: bool 
                                     tile_expert_ptr="*i32", tile_row_ptr="*i32", chunk_ptr="*i32", ready_ptr="*i32",
                                     work_ptr="*i32", n_rows="i32", H="i32", I="i32", limit="fp32"),
                                dict(BM=c.block_m, BN=c.up_n, BK=c.up_k, FP8=fp8, HAS_LIMIT=limit, NUM_PROGS=nprog,
-                                    UPCAST=False, STAGES=c.up_stages, FP8_MAX_=tk.FP8_MAX, GROUP_M=c.group_m, TMA=tma,
-                                    HALF=c.half_tiles, READY=c.ready_flags, GRAN=tk.ready_granule(c), SPIN=True,
+                                    UPCAST=False, STAGES=c.up_stages, FP8_MAX_=FP8_MAX, GROUP_M=c.group_m, TMA=tma,
+                                    HALF=c.half_tiles, READY=c.ready_flags, GRAN=ready_granule(c), SPIN=True,
                                     DYN=c.ready_flags, WB=128, FLAT=c.flat_up, TAIL=c.tail_rows,
                                     WT=(2 if c.up_fused else c.w_tiled) if tma else False), c.up_warps))
         for fp8, apply_w in ((False, True), (False, False), (True, True)):
@@ -122,7 +136,7 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048, extras: bool 
     if plain and extras:  # the other default tiles' GEMMs (bf16, TMA): glm_5_2's tails (v9)
         from dataclasses import replace
 
-        from kernels.mok_hopper.api import TAIL_ROWS
+        from kernels.mok_hopper.tiles import TAIL_ROWS
 
         def extra(over: dict[str, Any], labels: tuple[str, ...], rename: Any) -> list[Variant]:
             """The launches ``labels`` of the tile with ``over`` applied, renamed."""
@@ -157,9 +171,7 @@ def compile_variant(v: Variant, arch: int = 90, sass: bool = False) -> dict[str,
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from kernels.mok_hopper import triton_kernels as tk
-
-    fn = getattr(tk, v.kernel)
+    fn = kernel(v.kernel)
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in v.constexprs:
@@ -210,13 +222,11 @@ def sweep_variants() -> list[Variant]:
     """The GEMM kernels (TMA operands) of gpu_check's sweep tiles that the default tile does not already build."""
     from dataclasses import replace
 
-    from kernels.mok_hopper import triton_kernels as tk
     from kernels.mok_hopper.gpu_check import SWEEP
+    from kernels.mok_hopper.tiles import default_tile
 
     def key(v: Variant) -> tuple:
         return v.kernel, tuple(sorted(v.constexprs.items())), v.num_warps
-
-    from kernels.mok_hopper.api import default_tile
 
     seen = {key(v) for v in variants()}
     out = []

@@ -63,7 +63,7 @@ class MokHopperBackend:
                                         swiglu_limit=c.swiglu_limit, precision=c.precision)
             return
         from kernels.mok_hopper.api import MoKHopperLayer, default_tile
-        from kernels.mok_hopper.triton_kernels import num_sms
+        from kernels.mok_hopper.tiles import num_sms
 
         dev = inputs.x_TH.device
         self._tile = default_tile(precision=c.precision, device=dev, comm_sms=c.comm_sms,

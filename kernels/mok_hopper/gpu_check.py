@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from kernels.mok_hopper import triton_kernels as tk
+from kernels.mok_hopper.tiles import TileConfig
 from kernels.mok_hopper.api import MoKHopperLayer, default_tile
 from kernels.mok_hopper.workspace import clear_workspace_cache
 
@@ -249,7 +249,7 @@ def time_stages(ctx: Ctx, layer: MoKHopperLayer, inp: dict[str, Any], iters: int
     return out
 
 
-def timeline(ctx: Ctx, inp: dict[str, Any], tile: tk.TileConfig, precision: str, iters: int) -> dict[str, float]:
+def timeline(ctx: Ctx, inp: dict[str, Any], tile: TileConfig, precision: str, iters: int) -> dict[str, float]:
     """Where each phase of the real (overlapped, graph-replayed) forward ends: ms from its start, median over
     iterations, max over ranks, from GPU-timer stamps (a layer built with ``timeline=True``)."""
     from kernels.mok_hopper.api import STAMPS
@@ -534,7 +534,7 @@ def ab_times(ctx: Ctx, base_fn: Callable[[], Any], var_fn: Callable[[], Any], *,
             "ratio_max": max(ratios)}
 
 
-def sweep(ctx: Ctx, name: str, inp: dict[str, Any], base_layer: MoKHopperLayer, base: tk.TileConfig,
+def sweep(ctx: Ctx, name: str, inp: dict[str, Any], base_layer: MoKHopperLayer, base: TileConfig,
           precision: str = "bf16", only: Sequence[str] = (), ab_rounds: int = 3, iters: int = 20,
           warmup: int = 5) -> None:
     """Forward and stage times of tile / pipeline variants on the same inputs (a layer per variant), each forward
@@ -604,7 +604,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = ap.parse_args(argv)
     args.precisions = [p for p in args.precisions.split(",") if p]
     args.tile_over = {k: int(v) for k, _, v in (kv.partition("=") for kv in args.tile.split(",") if kv)}
-    for f in fields(tk.TileConfig):  # the on/off switches (annotations are strings here)
+    for f in fields(TileConfig):  # the on/off switches (annotations are strings here)
         if f.name in args.tile_over and f.type == "bool":
             args.tile_over[f.name] = bool(args.tile_over[f.name])
     if args.watchdog > 0 and not args.smoke:
