@@ -184,6 +184,48 @@ def test_clamped_swiglu_single_rank_and_imbalanced_routing(results_dir):
     assert r.status == "ok" and r.routing == "zipf(s=1.5)" and r.expert_load_max_over_mean > 1.5
 
 
+# A rank whose experts get no token at all: every rank must still run the same collectives (the reference's
+# backward once skipped its all-gather and all-reduce there, and gloo aborted with a collective mismatch).
+TINY_CUSTOM = ("shape=custom", "shape.num_experts=8", "shape.hidden=32", "shape.ffn=16", "shape.topk=2")
+IDLE_RANK_CASES = {
+    "issue20_ep2": (2, ("workload.tokens_per_gpu=1", "workload.seed=16")),
+    "ep4": (4, ("workload.tokens_per_gpu=1", "workload.seed=4")),
+    "hot_rank": (2, ("workload=hot_rank", "workload.tokens_per_gpu=4", "workload.seed=10")),
+    "hot_experts": (2, ("workload=hot_experts", "workload.tokens_per_gpu=1", "workload.seed=0")),
+}
+
+
+def rows_per_rank(ep: int, *overrides: str) -> list[int]:
+    """Routed (token, k) rows each rank's experts receive, from the harness's own routing."""
+    import torch
+    from conftest import compose_cfg
+
+    from harness.config import make_case
+    from harness.inputs import make_routing
+
+    case = make_case(compose_cfg("device=cpu", *overrides), ep_size=ep, device="cpu")
+    idx = torch.cat([make_routing(case, r)[0] for r in range(ep)])
+    return torch.bincount(idx.flatten(), minlength=case.num_experts).view(ep, -1).sum(1).tolist()
+
+
+@pytest.mark.parametrize("case", [pytest.param(k, marks=[] if k == "issue20_ep2" else [pytest.mark.slow])
+                                  for k in IDLE_RANK_CASES])
+def test_a_rank_whose_experts_get_no_token(results_dir, case):
+    ep, workload = IDLE_RANK_CASES[case]
+    loads = rows_per_rank(ep, *TINY_CUSTOM, *workload)
+    assert 0 in loads and sum(loads) > 0, f"the case must leave a rank idle: rows per rank {loads}"
+    df = run_benchmark(cpu_cfg(results_dir, f"ep_size={ep}", *TINY_CUSTOM, *workload,
+                               "backends=[nccl,reference]", "directions=[fwd,bwd]"))
+    for d in ("fwd", "bwd"):
+        r = by(df, "nccl", d)
+        assert r.status == "ok", r.error
+        assert r.max_abs_err < 0.5 and r.rel_err < 0.01 and r.latency_ms > 0
+        # every routed row crosses to the busy ranks: the byte columns count them (idle ranks receive nothing)
+        assert (r.dispatch_bytes + r.dispatch_local_bytes) * ep == sum(loads) * 32 * 2
+        assert by(df, "reference", d).status == "ok"
+    assert by(df, "nccl", "bwd").worst_tensor.startswith("d_")
+
+
 def _cli(*args, tmp):
     env = dict(os.environ, PYTHONPATH=str(ROOT), HYDRA_FULL_ERROR="0")
     return subprocess.run([sys.executable, "-m", "harness.run", *args, f"results_dir={tmp}",
