@@ -11,8 +11,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-# The harness's fp8 format (block-scaled e4m3) has one definition, shared with our fused kernel.
-from kernels.mok_hopper.fp8 import dequantize_blocks, quantize_blocks  # noqa: F401 (re-exported)
+# The harness's fp8 format (block-scaled e4m3) and the weights as autograd leaves: one definition each, in the contract.
+from contract.fp8 import dequantize_blocks, quantize_blocks  # noqa: F401 (re-exported)
+from contract.weights import ExpertLeaves  # noqa: F401 (re-exported)
 
 
 def device_capability(device: torch.device) -> tuple[int, int]:
@@ -149,29 +150,6 @@ def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], gro
 
 
 # ---- expert parameters shared by the PyTorch-expert baselines ------------------------------------------------
-
-
-class ExpertLeaves:
-    """The routed and shared weights as autograd leaves (aliasing the harness inputs, no copy), and their
-    gradients in the harness layout (gate/up [L,I,H], down [L,H,I], shared gate/up [I,H], down [H,I])."""
-
-    def __init__(self, case, inputs) -> None:
-        self.case = case
-        self.w13 = inputs.w13_LIH.detach().requires_grad_()
-        self.w2 = inputs.w2_LHI.detach().requires_grad_()
-        self.shared = None
-        if case.shared_expert:
-            self.shared = [t.detach().requires_grad_() for t in (inputs.ws_gate_IH, inputs.ws_up_IH, inputs.ws_down_HI)]
-
-    def zero_grad(self) -> None:
-        for p in [self.w13, self.w2, *(self.shared or [])]:
-            p.grad = None
-
-    def grads(self) -> dict[str, Optional[torch.Tensor]]:
-        I, g13 = self.case.ffn, self.w13.grad
-        sh = [p.grad for p in self.shared] if self.shared else [None] * 3
-        return {"w_gate": None if g13 is None else g13[:, :I], "w_up": None if g13 is None else g13[:, I:],
-                "w_down": self.w2.grad, "ws_gate": sh[0], "ws_up": sh[1], "ws_down": sh[2]}
 
 
 PUBLISHED_COMPILE_MODE = "published"  # compile_mode value: each backend's own published torch.compile mode

@@ -29,6 +29,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from contract import Case, LayerInputs
 from baselines.common import ExpertParams, dequantize_blocks, grouped_mm_name, precision_unsupported, quantize_blocks
 
 INSTALL_HINT = ("build DeepEP's hybrid-ep branch from source (README, 'Optional backends: DeepEP and HybridEP'): "
@@ -59,7 +60,7 @@ def import_deep_ep() -> Any:
     return deep_ep
 
 
-def deepep_unsupported(case: Any, *, min_ranks: int = 2, mxfp8: bool = False) -> Optional[str]:
+def deepep_unsupported(case: Case, *, min_ranks: int = 2, mxfp8: bool = False) -> Optional[str]:
     """Reasons shared by the DeepEP-based backends (None: can run). ``mxfp8``: the backend has an mxfp8 path."""
     if case.device != "cuda":
         return f"DeepEP needs CUDA GPUs connected by NVLink (this run is on {case.device}); run on a GPU node"
@@ -132,10 +133,10 @@ class DeepEPBackend:
     directions = ("fwd", "bwd", "fwd_bwd")
 
     @classmethod
-    def unsupported_reason(cls, case: Any) -> Optional[str]:
+    def unsupported_reason(cls, case: Case) -> Optional[str]:
         return deepep_unsupported(case)
 
-    def __init__(self, case: Any, group: Any) -> None:
+    def __init__(self, case: Case, group: Any) -> None:
         self.case, self.group = case, group
         self.rank, self.ep = dist.get_rank(group), dist.get_world_size(group)
         L = case.local_experts
@@ -145,7 +146,7 @@ class DeepEPBackend:
         self.fp8_dispatch = case.precision == "fp8"  # tokens travel as e4m3 1x128 blocks (DeepEP's FP8 dispatch)
         self.handle = None
 
-    def setup(self, inputs: Any) -> None:
+    def setup(self, inputs: LayerInputs) -> None:
         self.setup_buffer()
         self.params = ExpertParams(self.case, inputs)
 

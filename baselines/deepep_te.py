@@ -31,6 +31,7 @@ from typing import Any, Optional
 
 import torch
 
+from contract import Case, LayerInputs
 from baselines.common import ExpertParams, swiglu
 from baselines.deepep import DeepEPBackend, deepep_unsupported
 from baselines.te_common import (align_size, grouped_weights, is_delayed, load_grouped, local_routing, make_recipe,
@@ -40,7 +41,7 @@ from baselines.te_common import (align_size, grouped_weights, is_delayed, load_g
 PUBLISHED_COMM_SMS = 32  # bench_deepep_te.py: 32 comm SMs for bf16 and mxfp8
 
 
-def bf16_eager(case: Any) -> Any:
+def bf16_eager(case: Case) -> Any:
     """The case as the shared expert sees it: bf16 and not compiled (no fp8 weight copies, no torch.compile)."""
     if dataclasses.is_dataclass(case):
         return dataclasses.replace(case, precision="bf16", compile=False)
@@ -52,10 +53,10 @@ class DeepEPTEBackend(DeepEPBackend):
     directions = ("fwd", "bwd", "fwd_bwd")
 
     @classmethod
-    def unsupported_reason(cls, case: Any) -> Optional[str]:
+    def unsupported_reason(cls, case: Case) -> Optional[str]:
         return te_unsupported(case) or deepep_unsupported(case, mxfp8=True)
 
-    def __init__(self, case: Any, group: Any) -> None:
+    def __init__(self, case: Case, group: Any) -> None:
         super().__init__(case, group)
         self.num_sms = case.comm_sms or PUBLISHED_COMM_SMS
         self.fp8_dispatch = False  # bf16 on the wire, as published
@@ -64,7 +65,7 @@ class DeepEPTEBackend(DeepEPBackend):
         self.recipe: Any = None
         self.linears: dict[str, torch.nn.Module] = {}
 
-    def setup(self, inputs: Any) -> None:
+    def setup(self, inputs: LayerInputs) -> None:
         import transformer_engine.pytorch as te
 
         self._te = te
@@ -83,7 +84,7 @@ class DeepEPTEBackend(DeepEPBackend):
         if is_delayed(self.recipe):
             self._fill_amax_history(inputs)
 
-    def _fill_amax_history(self, inputs: Any) -> None:
+    def _fill_amax_history(self, inputs: LayerInputs) -> None:
         """DelayedScaling quantizes with the scales of earlier iterations: one untimed step gives it real ones."""
         x = inputs.x_TH.detach().requires_grad_()
         w = inputs.topk_w_TK.detach().requires_grad_()

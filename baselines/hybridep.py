@@ -22,13 +22,14 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from contract import Case, LayerInputs
 from baselines.common import ExpertParams, grouped_mm_name
 from baselines.deepep import deepep_unsupported, import_deep_ep
 
 PAD_MULTIPLE = 64  # Megatron's HYBRIDEP_TOKEN_ALIGNMENT
 
 
-def hybridep_unsupported(case: Any, *, mxfp8: bool = False) -> Optional[str]:
+def hybridep_unsupported(case: Case, *, mxfp8: bool = False) -> Optional[str]:
     """Reasons shared by the HybridEP-based backends (None: can run)."""
     why = deepep_unsupported(case, mxfp8=mxfp8)
     if why:
@@ -106,15 +107,15 @@ class HybridEPBackend:
     directions = ("fwd", "bwd", "fwd_bwd")
 
     @classmethod
-    def unsupported_reason(cls, case: Any) -> Optional[str]:
+    def unsupported_reason(cls, case: Case) -> Optional[str]:
         return hybridep_unsupported(case)
 
-    def __init__(self, case: Any, group: Any) -> None:
+    def __init__(self, case: Case, group: Any) -> None:
         self.case, self.group = case, group
         self.rank, self.ep = dist.get_rank(group), dist.get_world_size(group)
         self.num_sms = case.comm_sms or 24  # HybridEP's single-node default
 
-    def setup(self, inputs: Any) -> None:
+    def setup(self, inputs: LayerInputs) -> None:
         HybridEPBuffer = import_deep_ep().HybridEPBuffer
         c = self.case
         self.buffer = HybridEPBuffer(group=self.group, hidden_dim=c.hidden, max_num_of_tokens_per_rank=c.tokens_per_gpu,

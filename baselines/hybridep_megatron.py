@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from contract import Case, LayerInputs
 from baselines.deepep import import_deep_ep
 from baselines.hybridep import dense_routing, hybridep_unsupported, routing_map_traffic
 from baselines.te_common import (MXFP8_RECIPE, is_delayed, recipe_name, scaling_label, te_autocast, te_fp8_option,
@@ -71,7 +72,7 @@ def attention_heads(hidden: int) -> int:
     return next(h for h in (64, 32, 16, 8, 4, 2, 1) if hidden % h == 0)
 
 
-def config_kwargs(case: Any, fields: Collection[str], num_sms: int,
+def config_kwargs(case: Case, fields: Collection[str], num_sms: int,
                   op_fuser: bool = False) -> tuple[dict[str, Any], list[str]]:
     """``TransformerConfig`` keyword arguments for the published layer, restricted to the ``fields`` this
     megatron-core has, and notes for the row. Raises ValueError when a field the layer needs is missing."""
@@ -221,7 +222,7 @@ class HybridEPMegatronBackend:
     directions = ("fwd", "bwd", "fwd_bwd")
 
     @classmethod
-    def unsupported_reason(cls, case: Any) -> Optional[str]:
+    def unsupported_reason(cls, case: Case) -> Optional[str]:
         if not has_megatron():
             return f"megatron-core is not installed; {MEGATRON_INSTALL_HINT}"
         why = te_unsupported(case) or hybridep_unsupported(case, mxfp8=True)
@@ -240,7 +241,7 @@ class HybridEPMegatronBackend:
                     f"ep_size={case.ep_size}; run with as many ranks as ep_size")
         return None
 
-    def __init__(self, case: Any, group: Any) -> None:
+    def __init__(self, case: Case, group: Any) -> None:
         self.case, self.group = case, group
         self.rank, self.ep = dist.get_rank(group), dist.get_world_size(group)
         self.num_sms = case.comm_sms or PUBLISHED_COMM_SMS
@@ -249,7 +250,7 @@ class HybridEPMegatronBackend:
         self.layer: Any = None
         self.permute_fused = False
 
-    def setup(self, inputs: Any) -> None:
+    def setup(self, inputs: LayerInputs) -> None:
         HybridEPBuffer = import_deep_ep().HybridEPBuffer  # before megatron imports deep_ep itself
         import megatron.core
         from megatron.core import parallel_state

@@ -19,6 +19,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from contract import Case, LayerInputs
 from baselines.common import ExpertParams, all_to_all, grouped_mm_name, precision_unsupported
 
 
@@ -27,7 +28,7 @@ class NcclBackend:
     directions = ("fwd", "bwd", "fwd_bwd")
 
     @classmethod
-    def unsupported_reason(cls, case: Any) -> Optional[str]:
+    def unsupported_reason(cls, case: Case) -> Optional[str]:
         why = precision_unsupported(case.precision, torch.device(case.device))
         if why:
             return why
@@ -35,13 +36,13 @@ class NcclBackend:
             return "the nccl baseline's mxfp8 path (TorchAO scaled_grouped_mm) is not implemented; use precision=bf16"
         return None
 
-    def __init__(self, case: Any, group: Any) -> None:
+    def __init__(self, case: Case, group: Any) -> None:
         self.case, self.group = case, group
         self.rank = dist.get_rank(group)
         self.ep = dist.get_world_size(group)
         self._last: dict[str, Any] = {}
 
-    def setup(self, inputs: Any) -> None:
+    def setup(self, inputs: LayerInputs) -> None:
         self.params = ExpertParams(self.case, inputs, published_mode="max-autotune")  # bench_nccl_torch.py
 
     def forward(self, x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, topk_w_TK: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from contract import Case
 from baselines.common import device_capability
 
 TE_INSTALL_HINT = ("install Transformer Engine with its PyTorch extension: pip install --no-build-isolation "
@@ -37,7 +38,7 @@ RECIPE_LABEL = {
 }
 
 
-def te_fp8_option(case: Any) -> str:
+def te_fp8_option(case: Case) -> str:
     return getattr(case, "te_fp8_recipe", "blockwise")
 
 
@@ -85,7 +86,7 @@ def scaling_label(name: Optional[str], dispatch: str) -> str:
     return f"{RECIPE_LABEL[name]}; dispatch {dispatch}"
 
 
-def te_unsupported(case: Any) -> Optional[str]:
+def te_unsupported(case: Case) -> Optional[str]:
     """Reasons shared by the TE-based backends (None: TE itself can run this case). Off CUDA, only whether TE is
     installed is checked: the caller's device check says why a CPU run cannot work."""
     if importlib.util.find_spec("transformer_engine") is None:

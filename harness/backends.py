@@ -20,9 +20,8 @@ from __future__ import annotations
 
 import importlib
 import os
-from typing import Any, Callable, ClassVar, Optional, Protocol
 
-import torch
+from contract.backend import WEIGHT_GRAD_NAMES, Backend, check_backend  # noqa: F401 (re-exported)
 
 BACKENDS: dict[str, str] = {
     "reference": "harness.reference:ReferenceBackend",
@@ -42,34 +41,6 @@ for _item in filter(None, os.environ.get("MOKBENCH_EXTRA_BACKENDS", "").split(",
     if _key.strip() and ":" in _target:
         BACKENDS[_key.strip()] = _target.strip()
 
-WEIGHT_GRAD_NAMES = ("w_gate", "w_up", "w_down", "ws_gate", "ws_up", "ws_down")
-
-
-class Backend(Protocol):
-    name: ClassVar[str]
-    directions: ClassVar[tuple[str, ...]]  # which of fwd / bwd / fwd_bwd it implements
-
-    @classmethod
-    def unsupported_reason(cls, case: Any) -> Optional[str]: ...
-
-    def __init__(self, case: Any, group: Any) -> None: ...
-
-    def setup(self, inputs: Any) -> None: ...
-
-    def forward(self, x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, topk_w_TK: torch.Tensor) -> torch.Tensor: ...
-
-    def zero_grad(self) -> None: ...
-
-    def weight_grads(self) -> dict[str, Optional[torch.Tensor]]: ...
-
-    def traffic(self) -> dict[str, Any]: ...
-
-    def phases(self) -> dict[str, Callable[[], Any]]: ...
-
-    def info(self) -> dict[str, Any]: ...
-
-    def teardown(self) -> None: ...
-
 
 class BackendImportError(RuntimeError):
     pass
@@ -79,6 +50,8 @@ def load_backend(name: str) -> type:
     """Import the class behind a backend key (a KeyError for unknown keys is a config error raised earlier)."""
     module, _, attr = BACKENDS[name].partition(":")
     try:
-        return getattr(importlib.import_module(module), attr)
+        cls = getattr(importlib.import_module(module), attr)
     except ImportError as e:  # an adapter module whose optional dependency is absent at import time
         raise BackendImportError(f"{name}: {e}") from e
+    check_backend(cls, name)
+    return cls

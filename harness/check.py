@@ -7,16 +7,17 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from contract import LayerInputs
 from harness.backends import WEIGHT_GRAD_NAMES
 
 TENSOR_NAMES = ("out", "d_x", "d_topk_w", *(f"d_{n}" for n in WEIGHT_GRAD_NAMES))
 
 
-def leaves(inputs: Any, need_grads: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def leaves(inputs: LayerInputs, need_grads: bool) -> tuple[torch.Tensor, torch.Tensor]:
     return (inputs.x_TH.detach().requires_grad_(need_grads), inputs.topk_w_TK.detach().requires_grad_(need_grads))
 
 
-def run_once(backend: Any, inputs: Any, need_grads: bool) -> dict[str, Optional[torch.Tensor]]:
+def run_once(backend: Any, inputs: LayerInputs, need_grads: bool) -> dict[str, Optional[torch.Tensor]]:
     """Output and (when asked) the 8 gradients, in the harness layout."""
     backend.zero_grad()
     x, w = leaves(inputs, need_grads)

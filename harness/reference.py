@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from baselines.common import ExpertLeaves
+from contract import Case, LayerInputs
+from contract.weights import ExpertLeaves
 
 
 def _swiglu(gate: torch.Tensor, up: torch.Tensor, limit: Optional[float]) -> torch.Tensor:
@@ -63,14 +64,14 @@ class ReferenceBackend:
     directions = ("fwd", "bwd", "fwd_bwd")
 
     @classmethod
-    def unsupported_reason(cls, case: Any) -> Optional[str]:
+    def unsupported_reason(cls, case: Case) -> Optional[str]:
         return None  # bf16 on any device: it is the ground truth for every precision
 
-    def __init__(self, case: Any, group: Any) -> None:
+    def __init__(self, case: Case, group: Any) -> None:
         self.case, self.group = case, group
         self.rank = dist.get_rank(group)
 
-    def setup(self, inputs: Any) -> None:
+    def setup(self, inputs: LayerInputs) -> None:
         self.leaves = ExpertLeaves(self.case, inputs)  # weight bookkeeping only; the math below is its own
         self.w13, self.w2, self.shared = self.leaves.w13, self.leaves.w2, self.leaves.shared
 

@@ -19,6 +19,7 @@ import pandas as pd
 import torch
 import torch.distributed as dist
 
+from contract import LayerInputs
 from harness import env as envinfo
 from harness import results
 from harness.backends import load_backend
@@ -405,7 +406,7 @@ def run_backend(name, case, c, inputs, ref, group, ctrl, agree, timer, base, dir
     agree(backend.teardown)
 
 
-def _gate(verdict: dict[str, Any], case: Any) -> tuple[str, Optional[str], dict[str, Any]]:
+def _gate(verdict: dict[str, Any], case: Case) -> tuple[str, Optional[str], dict[str, Any]]:
     """(status, error, error columns) of one comparison against the published tolerances of the precision."""
     cols = dict(max_abs_err=verdict["max_abs_err"], rel_err=verdict["rel_err"], worst_tensor=verdict["worst_tensor"])
     if not (verdict["any_missing"] or verdict["max_abs_err"] > case.atol or verdict["rel_err"] > case.rtol):
@@ -464,7 +465,7 @@ def _time_direction(backend, inputs, direction: str, timer: Timer, t: dict):
     return stats
 
 
-def _traffic(backend, case: Case, group, timer: Timer, t: dict, inputs: Any = None) -> dict[str, Any]:
+def _traffic(backend, case: Case, group, timer: Timer, t: dict, inputs: LayerInputs = None) -> dict[str, Any]:
     """Remote / local bytes per rank (mean over ranks) and each phase's bandwidth from its own time, from the
     backend's last forward; ``inputs``: run that forward first, on these inputs (no checked forward ran)."""
     if inputs is not None:

@@ -23,6 +23,8 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from contract import Case, LayerInputs
+
 # Communication SMs of the published benchmark (bench_mok.py defaults), per precision and direction.
 PUBLISHED_COMM_SMS: dict[tuple[str, str], int] = {("bf16", "fwd"): 24, ("bf16", "bwd"): 28,
                                                   ("mxfp8", "fwd"): 36, ("mxfp8", "bwd"): 36}
@@ -56,7 +58,7 @@ def _multicast_missing() -> Optional[str]:
     return None
 
 
-def case_constraints(case: Any) -> Optional[str]:
+def case_constraints(case: Case) -> Optional[str]:
     """Upstream's limits on a sweep point (None when the point is within them)."""
     T, H, I, K, ep = case.tokens_per_gpu, case.hidden, case.ffn, case.topk, case.ep_size
     if ep not in EP_SIZES:
@@ -72,7 +74,7 @@ def case_constraints(case: Any) -> Optional[str]:
     return None
 
 
-def unsupported_here(case: Any) -> Optional[str]:
+def unsupported_here(case: Case) -> Optional[str]:
     """Why this sweep point cannot run the upstream kernels on this machine (None when it can)."""
     if case.precision not in ("bf16", "mxfp8"):
         return (f"precision={case.precision} is not a MoK precision (bf16 or mxfp8); Hopper fp8 is the mok_hopper "
@@ -96,14 +98,14 @@ def unsupported_here(case: Any) -> Optional[str]:
     return None
 
 
-def comm_sms(case: Any) -> tuple[int, int]:
+def comm_sms(case: Case) -> tuple[int, int]:
     """(forward, backward) communication SMs: the published values per precision, or ``case.comm_sms`` for both."""
     if case.comm_sms is not None:
         return case.comm_sms, case.comm_sms
     return PUBLISHED_COMM_SMS[(case.precision, "fwd")], PUBLISHED_COMM_SMS[(case.precision, "bwd")]
 
 
-def make_config(mok: Any, case: Any) -> Any:
+def make_config(mok: Any, case: Case) -> Any:
     fwd, bwd = comm_sms(case)
     return mok.MoKConfig(fwd_num_comm_sms=fwd, bwd_num_comm_sms=bwd)
 
@@ -155,16 +157,16 @@ class MokBackend:
     directions = ("fwd", "bwd", "fwd_bwd")
 
     @classmethod
-    def unsupported_reason(cls, case: Any) -> Optional[str]:
+    def unsupported_reason(cls, case: Case) -> Optional[str]:
         return unsupported_here(case)
 
-    def __init__(self, case: Any, group: Any) -> None:
+    def __init__(self, case: Case, group: Any) -> None:
         self.case, self.group = case, group
         self.rank = dist.get_rank(group)
         self.ep = dist.get_world_size(group)
         self._last_idx: Optional[torch.Tensor] = None
 
-    def setup(self, inputs: Any) -> None:
+    def setup(self, inputs: LayerInputs) -> None:
         c = self.case
         self.mok = import_mok()
         self.config = make_config(self.mok, c)

@@ -205,7 +205,7 @@ def test_every_sweep_variant_is_a_valid_tile_on_every_published_shape():
     (glm_5_2's default has tails, which flattened loops refuse)."""
     from dataclasses import replace
 
-    from kernels.mok_hopper.api import default_tile
+    from kernels.mok_hopper.tiles import default_tile
     from kernels.mok_hopper.gpu_check import SHAPES, SWEEP, SWEEP_FP8
 
     assert set(SWEEP_FP8) <= {label for label, _, _ in SWEEP}
@@ -226,7 +226,7 @@ def test_fp8_tile_is_applied_once():
 
 
 def test_default_tile_flattens_the_down_loop_only_where_half_tiles_are_rare():
-    from kernels.mok_hopper.api import default_tile, half_tile_waste
+    from kernels.mok_hopper.tiles import default_tile, half_tile_waste
 
     assert half_tile_waste(64) == pytest.approx(0.5, abs=0.05)  # half the experts end in a half tile of 64 rows
     assert half_tile_waste(96) < 0.01 and half_tile_waste(128) == pytest.approx(0.25, abs=0.03)
@@ -242,7 +242,7 @@ def test_default_tile_flattens_the_down_loop_only_where_half_tiles_are_rare():
 
 
 def test_default_tile_gives_tails_where_experts_often_end_in_a_full_and_a_half_tile():
-    from kernels.mok_hopper.api import default_tile, paired_fraction
+    from kernels.mok_hopper.tiles import default_tile, paired_fraction
 
     # 128 +- 11 rows: about half the experts have 129-192 rows (a full tile, then a half tile); 64 or 85: none
     assert paired_fraction(128) == pytest.approx(0.48, abs=0.03) and paired_fraction(85) < 0.001
@@ -257,7 +257,7 @@ def test_default_tile_gives_tails_where_experts_often_end_in_a_full_and_a_half_t
 
 
 def test_default_tile_runs_the_shared_expert_beside_the_up_gemm_on_cuda_only():
-    from kernels.mok_hopper.api import SHARED_SMS, default_tile, launch_programs
+    from kernels.mok_hopper.tiles import SHARED_SMS, default_tile, launch_programs
 
     assert SHARED_SMS == 24  # measured best of 16/24/32/40 on 2xH200 (PERF_NOTES v8)
     for precision in ("bf16", "fp8"):
@@ -291,7 +291,7 @@ def test_launch_programs_split_the_sms():
     them), and shared_sms, which moves the shared expert onto SMs of its own beside the up GEMM."""
     from dataclasses import replace
 
-    from kernels.mok_hopper.api import launch_programs
+    from kernels.mok_hopper.tiles import launch_programs
     from kernels.mok_hopper.tiles import TileConfig
 
     base = TileConfig()
@@ -576,7 +576,7 @@ def test_tile_weights_gu_interleaves_gate_and_up_rows_in_each_block():
 
 
 def test_default_tile_tiles_the_weights_on_cuda_only():
-    from kernels.mok_hopper.api import default_tile
+    from kernels.mok_hopper.tiles import default_tile
 
     for precision in ("bf16", "fp8"):
         for rows in (64, 85, 128):

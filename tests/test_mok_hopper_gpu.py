@@ -76,7 +76,8 @@ def test_single_gpu_shared_expert_beside_the_up_gemm_changes_no_bit():
     show as stale or racing shared-expert rows)."""
     from dataclasses import replace
 
-    from kernels.mok_hopper.api import SHARED_SMS, MoKHopperLayer, default_tile
+    from kernels.mok_hopper.api import MoKHopperLayer
+    from kernels.mok_hopper.tiles import SHARED_SMS, default_tile
 
     x, idx, w, w13, w2, sh, _ = _inputs("uniform", 8, T=2048, E=64, H=2048, I=1024)
     side = MoKHopperLayer(w13, w2, topk=8, tokens=2048, shared=sh)

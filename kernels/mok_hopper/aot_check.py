@@ -48,7 +48,7 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048, extras: bool 
     """The launches one forward makes (routed and shared GEMMs, bf16 and fp8), at the given tile config (by default
     the CUDA default's: TMA operands over tiled weights). With ``extras``, for a plain tile also the GEMMs of the
     other default tiles (tails, the fused gate/up MMA, 256-wide down) and the row-major TMA GEMMs."""
-    from kernels.mok_hopper.fp8 import FP8_MAX
+    from contract.fp8 import FP8_MAX
     from kernels.mok_hopper.schedule_kernels import DeviceScheduler
     from kernels.mok_hopper.tiles import TileConfig, ready_granule
 

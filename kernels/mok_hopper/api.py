@@ -40,9 +40,7 @@ import torch
 from kernels.mok_hopper import down_gemm, pull, up_gemm
 from kernels.mok_hopper.gemm_common import tile_weights, tile_weights_gu
 from kernels.mok_hopper.schedule_kernels import DeviceScheduler, gather_peer_i32
-from kernels.mok_hopper.tiles import (  # noqa: F401 (re-exported: the layer's tile API)
-    FLAT_DOWN_MAX_WASTE, PAIR_MIN_FRACTION, SHARED_SMS, TAIL_ROWS, TileConfig, default_tile, half_tile_waste,
-    launch_programs, num_sms, paired_fraction, ready_granule)
+from kernels.mok_hopper.tiles import TileConfig, default_tile, launch_programs, num_sms, ready_granule
 from kernels.mok_hopper.fp8 import quantize_expert_weights
 from kernels.mok_hopper.schedule import Schedule, build_schedule, capacity_rows, empty_schedule
 from kernels.mok_hopper.workspace import Workspace, get_workspace

@@ -15,13 +15,15 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from contract import Case, LayerInputs
+
 
 class MokHopperBackend:
     name = "mok_hopper"
     directions = ("fwd",)
 
     @classmethod
-    def unsupported_reason(cls, case: Any) -> Optional[str]:
+    def unsupported_reason(cls, case: Case) -> Optional[str]:
         if case.precision == "mxfp8":
             return ("mxfp8 (1x32 e8m0 scales) is Blackwell's format: use the `mok` backend on Blackwell; this Hopper "
                     "kernel runs bf16 and fp8 (precision=fp8: e4m3 with 1x128 / 128x128 block scales)")
@@ -45,7 +47,7 @@ class MokHopperBackend:
                     f"pick another shape")
         return None
 
-    def __init__(self, case: Any, group: Any) -> None:
+    def __init__(self, case: Case, group: Any) -> None:
         self.case, self.group = case, group
         self.rank = dist.get_rank(group)
         self.ep = dist.get_world_size(group)
@@ -53,7 +55,7 @@ class MokHopperBackend:
         self._first_forward = True
         self._tile: Any = None
 
-    def setup(self, inputs: Any) -> None:
+    def setup(self, inputs: LayerInputs) -> None:
         c = self.case
         shared = (inputs.ws_gate_IH, inputs.ws_up_IH, inputs.ws_down_HI) if c.shared_expert else None
         if c.device != "cuda":

@@ -6,6 +6,8 @@ only, fixed order: deterministic. Legend: S = P*T*K slots, SB slots per block, N
 
 from __future__ import annotations
 
+from typing import Any, Optional
+
 import torch
 import triton
 import triton.language as tl

@@ -12,7 +12,8 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from kernels.mok_hopper.fp8 import FP8_MAX, dequantize_blocks, quantize_blocks, quantize_expert_weights
+from contract.fp8 import FP8_MAX, dequantize_blocks, quantize_blocks
+from kernels.mok_hopper.fp8 import quantize_expert_weights
 from kernels.mok_hopper.schedule import build_schedule, capacity_rows
 
 

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.mok_hopper.fp8 import FP8_MAX
+from contract.fp8 import FP8_MAX
 from kernels.mok_hopper.gemm_common import (_ld_a, _ld_w, _mm, _mma, _operand, _quant_e4m3, _tail_rows, _wait_rows,
                                             _weights, _work_tile)
 from kernels.mok_hopper.interp import INTERPRET

@@ -1,0 +1,74 @@
+"""The one backend interface (:class:`Backend`), and the check a registry runs on a class it loads.
+
+Lifecycle, per sweep point (every rank runs the same calls): ``cls.unsupported_reason(case)``; ``b = cls(case,
+group)``; ``b.setup(inputs)``; ``out = b.forward(x, topk_idx, topk_w)`` (for backward the harness calls
+``out.backward(grad_out)`` and reads ``x.grad``, ``topk_w.grad`` and ``b.weight_grads()``, keyed by
+:data:`WEIGHT_GRAD_NAMES`); ``b.zero_grad()``, ``b.traffic()``, ``b.phases()``, ``b.info()``; ``b.teardown()``.
+:mod:`harness.backends` says what each step is for.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable, ClassVar, Optional, Protocol
+
+import torch
+
+from contract.case import Case
+from contract.inputs import LayerInputs
+
+WEIGHT_GRAD_NAMES = ("w_gate", "w_up", "w_down", "ws_gate", "ws_up", "ws_down")
+DIRECTIONS = ("fwd", "bwd", "fwd_bwd")
+METHODS = ("setup", "forward", "zero_grad", "weight_grads", "traffic", "phases", "info", "teardown")
+
+
+class Backend(Protocol):
+    name: ClassVar[str]
+    directions: ClassVar[tuple[str, ...]]  # which of fwd / bwd / fwd_bwd it implements
+
+    @classmethod
+    def unsupported_reason(cls, case: Case) -> Optional[str]: ...
+
+    def __init__(self, case: Case, group: Any) -> None: ...
+
+    def setup(self, inputs: LayerInputs) -> None: ...
+
+    def forward(self, x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, topk_w_TK: torch.Tensor) -> torch.Tensor: ...
+
+    def zero_grad(self) -> None: ...
+
+    def weight_grads(self) -> dict[str, Optional[torch.Tensor]]: ...
+
+    def traffic(self) -> dict[str, Any]: ...
+
+    def phases(self) -> dict[str, Callable[[], Any]]: ...
+
+    def info(self) -> dict[str, Any]: ...
+
+    def teardown(self) -> None: ...
+
+
+def check_backend(cls: Any, key: str = "") -> None:
+    """Raise TypeError unless ``cls`` fits :class:`Backend`: a ``name``, ``directions`` drawn from
+    :data:`DIRECTIONS`, a classmethod ``unsupported_reason(case)``, a constructor taking ``(case, group)`` and
+    every method of the lifecycle. Run when the registry loads a backend, so a broken adapter fails by name before
+    any rank starts, not halfway through a sweep."""
+    who = f"backend {key or getattr(cls, '__name__', cls)!r} ({getattr(cls, '__module__', '?')})"
+    problems = []
+    if not isinstance(getattr(cls, "name", None), str):
+        problems.append("no class attribute `name`")
+    dirs = getattr(cls, "directions", None)
+    if not isinstance(dirs, tuple) or not dirs or not set(dirs) <= set(DIRECTIONS):
+        problems.append(f"`directions` must be a non-empty tuple drawn from {DIRECTIONS}, got {dirs!r}")
+    reason = inspect.getattr_static(cls, "unsupported_reason", None)
+    if not isinstance(reason, classmethod):
+        problems.append("`unsupported_reason` must be a classmethod taking the case")
+    try:
+        inspect.signature(cls).bind(None, None)
+    except (TypeError, ValueError):
+        problems.append("the constructor must take (case, group)")
+    for m in METHODS:
+        if not callable(getattr(cls, m, None)):
+            problems.append(f"no method `{m}`")
+    if problems:
+        raise TypeError(f"{who} does not fit the Backend protocol: " + "; ".join(problems))

@@ -1,0 +1,82 @@
+"""The import rules of the layout (README, "Layout"): ``contract`` imports none of the other packages; ``baselines``
+and ``kernels`` import ``contract`` but never the harness or each other; the ground truth (``harness/reference.py``)
+leans on no baseline; no .py file under kernels/ grows past about 500 lines."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("contract", "harness", "baselines", "kernels")
+
+
+def first_party_imports(path: Path) -> set[str]:
+    """The top-level first-party packages a module imports anywhere in it (lazy imports included)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        else:
+            continue
+        out |= {n.split(".")[0] for n in names if n.split(".")[0] in PACKAGES}
+    return out
+
+
+FORBIDDEN = {
+    "contract": {"harness", "baselines", "kernels"},
+    "baselines": {"harness", "kernels"},
+    "kernels": {"harness", "baselines"},
+}
+
+
+@pytest.mark.parametrize("package", sorted(FORBIDDEN))
+def test_packages_import_only_down_the_layers(package):
+    bad = {str(p.relative_to(ROOT)): sorted(first_party_imports(p) & FORBIDDEN[package])
+           for p in (ROOT / package).rglob("*.py")}
+    bad = {k: v for k, v in bad.items() if v}
+    for tool in TOOLS:
+        bad.pop(tool, None)
+    assert not bad, f"imports against the layers: {bad}"
+
+
+def test_the_reference_leans_on_no_baseline():
+    assert "baselines" not in first_party_imports(ROOT / "harness" / "reference.py")
+
+
+TOOLS = {"kernels/mok_hopper/gpu_check.py"}  # a second harness beside the kernels; issue 22 item 5 moves it out
+
+
+def test_kernel_files_stay_small():
+    big = {name: n for p in (ROOT / "kernels").rglob("*.py")
+           if (name := str(p.relative_to(ROOT))) not in TOOLS and (n := len(p.read_text().splitlines())) > 550}
+    assert not big, f"split these by what they do: {big}"
+
+
+def test_a_backend_that_misses_part_of_the_protocol_is_refused_when_loaded():
+    from contract import check_backend
+
+    class Incomplete:
+        name = "incomplete"
+        directions = ("fwd", "sideways")
+
+        def __init__(self, case, group):
+            pass
+
+        def setup(self, inputs):
+            pass
+
+    with pytest.raises(TypeError) as e:
+        check_backend(Incomplete, "incomplete")
+    msg = str(e.value)
+    assert "directions" in msg and "unsupported_reason" in msg and "no method `forward`" in msg
+
+    from harness.backends import BACKENDS, load_backend
+
+    for key in ("reference", "nccl", "mok_hopper"):  # importable everywhere: checked for real
+        check_backend(load_backend(key), key)
+    assert set(BACKENDS) >= {"reference", "nccl", "mok_hopper"}
