@@ -145,6 +145,7 @@ def _launcher_options(config: DictConfig) -> dict:
 def plan_point(config: DictConfig, num: int, overrides: Sequence[str]) -> Point:
     """Validate one composed sweep point (its full config, ``hydra`` node included) for the job it will run in.
     Raises :class:`ConfigError` with the message a local run would give."""
+    from harness import results
     from harness.config import config_hash, make_case
     from harness.run import _run_id_for_sweep
     from harness.runner import resolve
@@ -201,10 +202,21 @@ def plan_point(config: DictConfig, num: int, overrides: Sequence[str]) -> Point:
             raise ConfigError(f"ep_size={ws} needs {ws} GPUs but a job gets {gpn} (hydra.launcher.gpus_per_node): "
                               f"set ep_size<={gpn}, or launch across nodes (hydra.launcher.nodes, tasks_per_node)")
     case = make_case(c, ep_size=ws, device=device)
+    results.check_dir(c["results_dir"])
     sweep_dir = Path(str(config.hydra.sweep.dir))
     return Point(num=num, overrides=overrides, cfg=c, case=case, config_hash=config_hash(c, case),
                  run_id=c.get("run_id") or os.environ.get("MOKBENCH_RUN_ID") or "", launcher=opts, nodes=nodes,
                  tasks_per_node=tpn, gpus_per_node=gpn, world_size=ws, job_dir=sweep_dir / str(num))
+
+
+def _check_local_memory(point: Point) -> None:
+    """A CPU point of the local launcher spawns its gloo ranks on this machine: they must fit its memory."""
+    from harness.config import check_cpu_memory
+    from harness.env import available_memory_bytes
+
+    avail = available_memory_bytes()
+    if avail is not None:
+        check_cpu_memory(point.case, avail)
 
 
 def dry_run_report(points: Sequence[Point], executor: str = "slurm") -> str:
@@ -463,26 +475,33 @@ class MokbenchLauncherMixin:
 
     # -- in the launching process -------------------------------------------------------------------------------
 
-    def _plan_all(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> list[Point]:
+    def plan_points(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> list[Point]:
+        """Compose and validate every point for the job it will run in; on any problem print them all (one line
+        each) and exit 2 before anything is submitted. The sweeper calls it first (harness.cli.check_sweep)."""
+        from harness.cli import hydra_error_line, reject
+
         assert self.hydra_context is not None and self.config is not None
         points, bad = [], []
         labels = _labels(job_overrides)
         for i, overrides in enumerate(job_overrides):
             num = initial_job_idx + i
-            config = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
-            with open_dict(config.hydra.job):
-                config.hydra.job.num = num
             try:
+                config = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
+                with open_dict(config.hydra.job):
+                    config.hydra.job.num = num
                 points.append(plan_point(config, num, overrides))
                 points[-1].label = labels[i]
+                if self._EXECUTOR == "local" and points[-1].case.device == "cpu":
+                    _check_local_memory(points[-1])
             except ConfigError as e:
                 bad.append(f"sweep point #{num} ({labels[i]}): {e}")
+            except Exception as e:  # noqa: BLE001 - Hydra's composition errors; anything else is a bug
+                line = hydra_error_line(e)
+                if line is None:
+                    raise
+                bad.append(f"sweep point #{num} ({labels[i]}): {line}")
         if bad:
-            for msg in bad:
-                print(f"mokbench: invalid configuration: {msg}", file=sys.stderr)
-            print(f"mokbench: {len(bad)} of {len(job_overrides)} sweep points are invalid; nothing was submitted",
-                  file=sys.stderr)
-            sys.exit(2)
+            reject(bad)
         return points
 
     def _executor_params(self, point: Point) -> dict:
@@ -502,7 +521,7 @@ class MokbenchLauncherMixin:
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         assert self.config is not None
-        points = self._plan_all(job_overrides, initial_job_idx)
+        points = self.plan_points(job_overrides, initial_job_idx)
         for p in points:
             if self.nvlink_domain_nodes and p.nodes > int(self.nvlink_domain_nodes):
                 log.warning(f"#{p.num}: {p.nodes} nodes span more than one {self.nvlink_domain_nodes}-node NVLink "

@@ -1,12 +1,15 @@
-"""mokbench's Hydra launchers: hydra-submitit-launcher's, with validation, a dry run and failure rows.
+"""mokbench's Hydra launchers (hydra-submitit-launcher's, with validation, a dry run and failure rows) and sweeper
+(Hydra's basic one, validating every point first).
 
 Hydra instantiates launchers only from the ``hydra_plugins`` namespace, so the classes live here; their behaviour
 is in :mod:`harness.slurm`. Hydra's plugin scan imports this module, which also registers the
 ``hydra/launcher=mokbench_slurm`` / ``mokbench_local`` schemas that configs/hydra/launcher/* extend.
 """
 
+from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import BaseSubmititLauncher
 
+from harness.cli import SweepValidationMixin
 from harness.slurm import MokbenchLauncherMixin, register_launcher_configs
 
 
@@ -19,6 +22,10 @@ class SlurmLauncher(MokbenchLauncherMixin, BaseSubmititLauncher):
 
 class LocalLauncher(MokbenchLauncherMixin, BaseSubmititLauncher):
     _EXECUTOR = "local"
+
+
+class Sweeper(SweepValidationMixin, BasicSweeper):
+    """Hydra's basic sweeper, validating every point before any runs (configs/hydra/sweeper/mokbench.yaml)."""
 
 
 register_launcher_configs()
