@@ -79,12 +79,16 @@ class PrecisionConfig:
 
 @dataclass(kw_only=True)
 class TimingConfig:
-    name: str = "quick"
-    num_warmup: int = 2
-    num_iters: int = 5
-    l2_flush: bool = False
-    align: str = "barrier"  # barrier: aligning collective before each iteration | none
-    phase_iters: int = 20  # iterations for per-phase (dispatch / combine) bandwidth timing; 0 disables
+    """Every field comes from a preset (configs/timing/*.yaml) or the command line. No defaults here: ``timing=auto``
+    leaves the fields open (``???``) so that the run fills them from the preset it picks; a default would survive
+    (merging ``???`` keeps a value) and run, say, 2 / 5 iterations under the name ``published``."""
+
+    name: str = MISSING
+    num_warmup: int = MISSING
+    num_iters: int = MISSING
+    l2_flush: bool = MISSING
+    align: str = MISSING  # barrier: aligning collective before each iteration | none
+    phase_iters: int = MISSING  # iterations for per-phase (dispatch / combine) bandwidth timing; 0 disables
 
 
 @dataclass(kw_only=True)
@@ -146,6 +150,22 @@ def load_group_option(group: str, name: str) -> DictConfig:
     raw = OmegaConf.load(path)
     raw.pop("defaults", None)
     return OmegaConf.merge(OmegaConf.structured(schema), raw)
+
+
+# The fields of a timing preset its name stands for in a row's `timing_preset` (phase_iters only times the
+# per-phase bandwidth columns).
+TIMING_PRESET_FIELDS = ("num_warmup", "num_iters", "l2_flush", "align")
+
+
+def timing_label(timing: dict) -> str:
+    """What a row's ``timing_preset`` says: the preset's name while the timing is that preset's, else ``custom``
+    (e.g. ``timing=published timing.num_warmup=20 timing.num_iters=50`` is not the published 500 / 100 timing;
+    the ``num_warmup`` / ``num_iters`` columns say what ran)."""
+    name = timing.get("name")
+    if not (CONFIG_DIR / "timing" / f"{name}.yaml").exists() or name == "auto":
+        return str(name)
+    preset = to_container(load_group_option("timing", str(name)))
+    return str(name) if all(timing.get(k) == preset[k] for k in TIMING_PRESET_FIELDS) else "custom"
 
 
 def to_container(cfg: Any) -> dict:

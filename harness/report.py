@@ -400,6 +400,34 @@ def not_ok_rows(df: pd.DataFrame) -> pd.DataFrame:
     return out.reset_index(drop=True)
 
 
+def published_counts() -> tuple[int, int]:
+    """(warmup, timed) iterations of the published timing preset (configs/timing/published.yaml)."""
+    from harness.config import load_group_option
+
+    t = load_group_option("timing", "published")
+    return int(t.num_warmup), int(t.num_iters)
+
+
+def timing_counts(df: pd.DataFrame) -> pd.DataFrame:
+    """The ok rows timed with other iteration counts than the published preset's: one line per environment, system
+    and (num_warmup, num_iters), with how many rows and which runs."""
+    cols = [*ENV_KEYS, "backend", "num_warmup", "num_iters", "rows", "runs"]
+    warm, iters = published_counts()
+    ok = df[(df["status"] == "ok") & df["num_iters"].notna()]
+    other = ok[(ok["num_warmup"] != warm) | (ok["num_iters"] != iters)]
+    if other.empty:
+        return pd.DataFrame(columns=cols)
+    keys = [*ENV_KEYS, "backend", "num_warmup", "num_iters"]
+    out = other.groupby(keys, dropna=False, sort=True).agg(
+        rows=("row_id", "size"), runs=("run_id", _runs_label)).reset_index()
+    return _int_columns(out[cols])
+
+
+def _runs_label(run_ids: Iterable[Any]) -> str:
+    runs = sorted(set(map(str, run_ids)))
+    return ", ".join(runs) if len(runs) <= 3 else f"{len(runs)} runs"
+
+
 CLOCK_COLUMNS = ("sm_clock_mhz", "sm_clock_min_mhz", "power_w", "power_capped_fraction")
 
 
@@ -436,7 +464,8 @@ def _md_table(header: list[str], rows: list[list[str]]) -> str:
 
 
 def format_markdown(claims: pd.DataFrame, headline: pd.DataFrame, not_ok: pd.DataFrame, *,
-                    sources: str = "", charts: Sequence[Path] = (), clocks: Optional[pd.DataFrame] = None) -> str:
+                    sources: str = "", charts: Sequence[Path] = (), clocks: Optional[pd.DataFrame] = None,
+                    timing: Optional[pd.DataFrame] = None) -> str:
     """The report as Markdown: headline maxima, one claims table per environment, rows not ok, the GPU clocks the
     rows were timed at (``clocks``: :func:`clock_rows`, where any), chart links."""
     out = ["# MoE layer throughput: claims table", ""]
@@ -496,6 +525,14 @@ def format_markdown(claims: pd.DataFrame, headline: pd.DataFrame, not_ok: pd.Dat
         rows = [[env_label(r), panel_label(r["precision"], r["direction"]), shape_label(r["shape"]),
                  system_label(r["backend"]), r["status"], r["error"], r["run_id"]] for r in not_ok.to_dict("records")]
         out += [_md_table(["environment", "panel", "shape", "system", "status", "error", "run"], rows), ""]
+    if timing is not None and not timing.empty:
+        warm, iters = published_counts()
+        out += ["## Iteration counts other than the published ones", "",
+                f"The published timing is {warm} warmup and {iters} timed iterations per measurement; these ok rows "
+                "were timed with other counts (their `timing_preset` is `custom`, or the preset they ran).", ""]
+        rows = [[env_label(r), system_label(r["backend"]), f"{r['num_warmup']} / {r['num_iters']}", str(r["rows"]),
+                 r["runs"]] for r in timing.to_dict("records")]
+        out += [_md_table(["environment", "system", "warmup / timed", "rows", "runs"], rows), ""]
     if clocks is not None and not clocks.empty:
         out += ["## GPU clocks while timed", "",
                 "Median (lowest) SM clock reading of the timed iterations on the slowest rank, mean board power, "
@@ -551,7 +588,8 @@ def write_report(df: pd.DataFrame, out_dir: Union[str, Path] = DEFAULT_OUT, *,
             for p in paths:
                 written[p.name] = p
     md = out / "claims.md"
-    md.write_text(format_markdown(claims, head, bad, sources=sources, charts=chart_paths, clocks=clocks))
+    md.write_text(format_markdown(claims, head, bad, sources=sources, charts=chart_paths, clocks=clocks,
+                                  timing=timing_counts(df)))
     written["claims.md"] = md
     return written
 

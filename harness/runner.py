@@ -31,6 +31,7 @@ from harness.config import (
     config_hash,
     load_group_option,
     make_case,
+    timing_label,
     to_container,
     validate_run_options,
 )
@@ -61,6 +62,7 @@ def resolve(cfg: Any) -> dict:
             c[group] = {k: (v if c[group].get(k, "???") in ("???", None) else c[group][k]) for k, v in chosen.items()}
             c[group]["name"] = chosen["name"]
     validate_run_options(c)
+    c["timing"]["name"] = timing_label(c["timing"])  # a preset's name only while its counts are the ones run
     return c
 
 

@@ -51,6 +51,31 @@ def test_published_timing_preset():
     assert (t["num_warmup"], t["num_iters"], t["l2_flush"], t["align"]) == (500, 100, False, "barrier")
 
 
+def test_timing_preset_names_only_the_timing_it_stands_for():
+    t = resolve(compose_cfg("device=cpu", "timing=published"))["timing"]
+    assert (t["name"], t["num_warmup"], t["num_iters"]) == ("published", 500, 100)
+    for extra in (["timing.num_warmup=20", "timing.num_iters=50"], ["timing.num_iters=50"], ["timing.l2_flush=true"]):
+        assert resolve(compose_cfg("device=cpu", "timing=published", *extra))["timing"]["name"] == "custom"
+    assert resolve(compose_cfg("device=cpu", "timing=published", "timing.phase_iters=5"))["timing"]["name"] == \
+        "published"  # phase_iters times only the per-phase bandwidth columns
+    t = resolve(compose_cfg("device=cpu"))["timing"]  # timing=auto on a CPU: quick, all of it
+    assert (t["name"], t["num_warmup"], t["num_iters"], t["phase_iters"]) == ("quick", 2, 5, 5)
+    assert resolve(compose_cfg("device=cpu", "timing.num_iters=7"))["timing"]["name"] == "custom"
+
+
+def test_timing_auto_on_a_gpu_is_the_published_timing():
+    """Before, the schema's defaults survived `timing=auto`: a GPU default ran 2 / 5 iterations named published."""
+    from unittest import mock
+
+    import torch
+
+    with mock.patch.object(torch.cuda, "is_available", return_value=True):
+        t = resolve(compose_cfg())["timing"]
+        assert (t["name"], t["num_warmup"], t["num_iters"], t["phase_iters"]) == ("published", 500, 100, 50)
+        t = resolve(compose_cfg("timing.num_warmup=20"))["timing"]
+        assert (t["name"], t["num_warmup"], t["num_iters"]) == ("custom", 20, 100)
+
+
 def test_local_experts_option_sets_experts_per_gpu():
     c = resolve(compose_cfg("device=cpu", "shape=kimi_k2_7", "shape.local_experts=6"))
     case = make_case(c, ep_size=2, device="cpu")

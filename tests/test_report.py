@@ -335,3 +335,20 @@ def test_calibration_lookup(tmp_path):
     bad.write_text("gpu_name,foo\nx,1\n")
     with pytest.raises(ValueError):
         load_calibration(bad)
+
+
+def test_the_report_shows_iteration_counts_other_than_the_published(tmp_path):
+    df = results.to_frame([S.row("nccl", num_warmup=500, num_iters=100, timing_preset="published"),
+                           S.row("mok_hopper", num_warmup=20, num_iters=50, timing_preset="custom"),
+                           S.row("mok_hopper", "glm_5_2", num_warmup=20, num_iters=50, timing_preset="custom"),
+                           S.row("deepep", status="error")])
+    t = R.timing_counts(df)
+    assert t[["backend", "num_warmup", "num_iters", "rows", "runs"]].values.tolist() == [
+        ["mok_hopper", 20, 50, 2, "run-a"]]
+    R.write_report(df, tmp_path, charts=False)
+    text = (tmp_path / "claims.md").read_text()
+    assert "## Iteration counts other than the published ones" in text and "500 warmup and 100 timed" in text
+    assert "| MoK Hopper (ours) | 20 / 50 | 2 | run-a |" in text
+    plain = results.to_frame([S.row("nccl", num_warmup=500, num_iters=100)])
+    R.write_report(plain, tmp_path / "plain", charts=False)
+    assert "Iteration counts" not in (tmp_path / "plain" / "claims.md").read_text()
