@@ -111,6 +111,26 @@ def test_rows_that_cannot_be_written_are_saved_elsewhere_and_said_where(tmp_path
     assert capsys.readouterr().err == ""
 
 
+@pytest.mark.slow
+def test_a_run_whose_results_folder_goes_away_keeps_every_row(results_dir, tmp_path, monkeypatch, capfd):
+    """The folder passes the check, then vanishes after the first backend's rows: all rows go to the rescue file."""
+    import harness.backends as hb
+    from conftest import cpu_cfg
+
+    from harness.runner import run_benchmark
+
+    monkeypatch.setenv("MOKBENCH_EXTRA_BACKENDS", "removes_results=fake_backends:RemovesResults")
+    monkeypatch.setitem(hb.BACKENDS, "removes_results", "fake_backends:RemovesResults")
+    monkeypatch.setenv("MOKBENCH_TEST_RESULTS_DIR", str(results_dir))
+    monkeypatch.setenv("MOKBENCH_RESCUE_DIR", str(tmp_path / "rescue"))
+    df = run_benchmark(cpu_cfg(results_dir, "backends=[nccl,removes_results]", "directions=[fwd]"))
+    assert results_dir.read_text() == "gone\n"
+    assert sorted(df["backend"]) == ["nccl", "removes_results"] and set(df["status"]) == {"ok"}
+    (rescued,) = (tmp_path / "rescue").rglob("*.csv")
+    assert sorted(results.read_file(rescued)["row_id"]) == sorted(df["row_id"])
+    assert f"the rows of this run are in {rescued}" in capfd.readouterr().err
+
+
 def test_results_dir_check_creates_nothing(tmp_path):
     results.check_dir(tmp_path / "new" / "runs")
     assert list(tmp_path.iterdir()) == []
