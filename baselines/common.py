@@ -54,6 +54,12 @@ def grouped_linear(
 ) -> torch.Tensor:
     """y[rows of group j] = x[rows of group j] @ w[j]^T. ``offs_L`` int32 cumulative row ends (device),
     ``counts`` the same sizes on the host (used by the portable fallback)."""
+    if x_MK.shape[0] == 0:
+        # No rows here (this rank's experts got no token): an empty GEMM that still depends on x and w, so backward
+        # reaches the same collectives as on the other ranks and w gets a zero gradient. torch._grouped_mm is kept
+        # out of it: its backward on zero rows failed under torch.compile(mode="default") on H200, torch 2.11
+        # ("Invalid strides/sizes, got [0, 1] for strides and [256, 0] for sizes"; eager and max-autotune ran)
+        return x_MK @ w_LNK[0].t()
     if use_grouped_mm(x_MK):
         return torch._grouped_mm(x_MK, w_LNK.transpose(-2, -1), offs=offs_L)
     outs, start = [], 0

@@ -79,16 +79,17 @@ class PrecisionConfig:
 
 @dataclass(kw_only=True)
 class TimingConfig:
-    """Every field comes from a preset (configs/timing/*.yaml) or the command line. No defaults here: ``timing=auto``
-    leaves the fields open (``???``) so that the run fills them from the preset it picks; a default would survive
-    (merging ``???`` keeps a value) and run, say, 2 / 5 iterations under the name ``published``."""
+    """Iteration counts and alignment. The presets (configs/timing/*.yaml) set every field; ``auto`` sets none
+    (None: OmegaConf does not let a ``???`` in a YAML file override a schema default, so ``auto`` used to inherit
+    the defaults here), and :func:`harness.runner.resolve` fills what the command line left unset from the
+    machine's preset."""
 
-    name: str = MISSING
-    num_warmup: int = MISSING
-    num_iters: int = MISSING
-    l2_flush: bool = MISSING
-    align: str = MISSING  # barrier: aligning collective before each iteration | none
-    phase_iters: int = MISSING  # iterations for per-phase (dispatch / combine) bandwidth timing; 0 disables
+    name: str = "quick"
+    num_warmup: Optional[int] = None
+    num_iters: Optional[int] = None
+    l2_flush: Optional[bool] = None
+    align: Optional[str] = None  # barrier: aligning collective before each iteration | none
+    phase_iters: Optional[int] = None  # iterations for per-phase (dispatch / combine) bandwidth timing; 0 disables
 
 
 @dataclass(kw_only=True)
@@ -111,7 +112,7 @@ class BenchConfig:
     check: bool = True  # correctness gate against the reference before timing
     time_reference: bool = False  # the reference is not a contender; time it only when asked
     run_id: Optional[str] = None  # rows of one run share it; None: generated per process tree
-    results_dir: str = "results/runs"
+    results_dir: str = "results/local"  # a user's own runs (ignored by git); results/runs holds the committed ones
     results_format: str = "csv"  # csv | parquet
     calibrate: bool = False  # measure GEMM / HBM / interconnect rates and write calibration rows
     print_table: bool = True

@@ -71,13 +71,40 @@ def save(fig: Figure, stem: Union[str, Path], formats: Sequence[str] = ("png", "
     return paths
 
 
+MAX_WIDTH_IN = 14.0  # charts wider than this are unreadable at report size (14 in x 150 dpi = 2100 px)
+
+
 def slug(text: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "-", str(text).lower()).strip("-")[:80]
+    return re.sub(r"[^a-z0-9]+", "-", str(text).lower()).strip("-")[:150]
+
+
+def config_name(df: pd.DataFrame, config_hash: str) -> str:
+    """A config as a reader names it: shape, precision, EP size, tokens per GPU, routing, GPU (from its rows)."""
+    d = df[(df["config_hash"] == config_hash).fillna(False)]
+    if d.empty:
+        return str(config_hash)
+    r = d.iloc[0]
+    parts = [R.shape_label(r["shape"]), R.PRECISION_LABELS.get(r["precision"], str(r["precision"])),
+             R.env_label(r.to_dict(), run=False)]
+    return ", ".join(str(x) for x in parts)
+
+
+def config_slug(df: pd.DataFrame, config_hash: str) -> str:
+    """A file name for a config's charts: shape, precision, EP, tokens, routing, then the hash's first 6 digits (two
+    configs may differ only in what the name leaves out, e.g. the SwiGLU limit)."""
+    d = df[(df["config_hash"] == config_hash).fillna(False)]
+    if d.empty:
+        return slug(config_hash)
+    r = d.iloc[0]
+    routing = "" if R._isna(r["routing"]) or r["routing"] == "uniform" else f" {r['routing']}"
+    return slug(f"{r['shape']} {r['precision']} ep{R._int(r['ep_size'])} {R._int(r['tokens_per_gpu'])}tok{routing}"
+                f" {str(config_hash)[:6]}")
 
 
 def _one_env(df: pd.DataFrame, env: Optional[dict[str, Any]], keys: Sequence[str] = (*R.ENV_KEYS, "routing")
              ) -> tuple[pd.DataFrame, dict[str, Any]]:
     """The rows of one environment: ``env`` if given, else the only one present (ValueError if several)."""
+    df = R.with_runs(df)
     if env is None:
         envs = df[list(keys)].drop_duplicates().to_dict("records")
         if len(envs) != 1:
@@ -145,7 +172,8 @@ def plot_panels(df: pd.DataFrame, env: Optional[dict[str, Any]] = None, title: O
         for j, direction in enumerate(directions):
             ax = axes[i][j]
             cell = agg[(agg["precision"] == prec) & (agg["direction"] == direction)]
-            top = float(cell["tflops_per_gpu"].max()) if cell["tflops_per_gpu"].notna().any() else 1.0
+            any_ok = bool(cell["tflops_per_gpu"].notna().any())
+            top = float(cell["tflops_p20"].max()) if any_ok else 1.0
             for k, s in enumerate(systems):
                 for g, shape in enumerate(shapes):
                     r = by_cell.get((prec, direction, shape, s))
@@ -153,12 +181,15 @@ def plot_panels(df: pd.DataFrame, env: Optional[dict[str, Any]] = None, title: O
                         continue
                     x = g - 0.42 + width * (k + 0.5)
                     if r["status"] == "ok" and not R._isna(r["tflops_per_gpu"]):
-                        ax.bar(x, r["tflops_per_gpu"], width * 0.92, color=color(s), zorder=2)
+                        y = r["tflops_per_gpu"]
+                        err = [[max(0.0, y - r["tflops_p80"])], [max(0.0, r["tflops_p20"] - y)]]
+                        ax.bar(x, y, width * 0.92, color=color(s), zorder=2, yerr=err, capsize=2,
+                               error_kw=dict(elinewidth=0.9, ecolor="#333333", capthick=0.9, zorder=3))
                         sp = claims.get(f"speedup_{s}") if R.is_fused(s) else None
                         v = sp.get((prec, direction, shape)) if sp is not None else None
                         if v is not None and not R._isna(v):
-                            ax.text(x, r["tflops_per_gpu"] + top * 0.015, f"{v:.2f}×", ha="center", va="bottom",
-                                    fontsize=8.5, fontweight="bold", color="#222222", zorder=3)
+                            ax.text(x, max(y, r["tflops_p20"]) + top * 0.015, f"{v:.2f}×", ha="center",
+                                    va="bottom", fontsize=8.5, fontweight="bold", color="#222222", zorder=3)
                     else:
                         ax.bar(x, top * 0.04, width * 0.92, color="white", edgecolor=color(s), hatch="////",
                                linewidth=0.8, zorder=2)
@@ -166,17 +197,34 @@ def plot_panels(df: pd.DataFrame, env: Optional[dict[str, Any]] = None, title: O
                                 color="#444444", zorder=3)
                         notes.append(_not_ok_note(r, R.shape_label(shape), R.panel_label(prec, direction)))
             ax.set_title(R.panel_label(prec, direction), fontsize=12, fontweight="bold")
-            ax.set_xticks(range(len(shapes)), [R.shape_label(s) for s in shapes], fontsize=9.5)
-            ax.set_xlim(-0.55, len(shapes) - 0.45)
+            _shape_ticks(ax, shapes)
             ax.set_ylim(0, top * 1.16)
             ax.grid(axis="y", alpha=0.3, zorder=0)
             ax.set_axisbelow(True)
-            if j == 0:
-                ax.set_ylabel("TFLOP/s per GPU")
+            if not any_ok:  # nothing measured: no value axis to read
+                _no_ok_panel(ax)
+            elif j == 0 or len(directions) * len(precisions) > 1:
+                ax.set_ylabel("TFLOP/s per GPU (whiskers: p20-p80)", fontsize=9)
     finish(fig, title or f"Expert-parallel MoE layer throughput — {R.env_label(env)}",
            [_patch(s) for s in systems], [R.system_label(s) for s in systems], notes=notes, ncol=len(systems),
            caption=R.compile_caption(df))
     return fig
+
+
+def _shape_ticks(ax, shapes: Sequence[str]) -> None:
+    labels = [R.shape_label(s) for s in shapes]
+    crowded = len(shapes) > 5
+    ax.set_xticks(range(len(shapes)), labels, fontsize=9.5, rotation=25 if crowded else 0,
+                  ha="right" if crowded else "center")
+    ax.set_xlim(-0.55, len(shapes) - 0.45)
+
+
+def _no_ok_panel(ax) -> None:
+    """A panel where no row is ok: no value axis (a 0-1 scale would read as measured zeros), and a note."""
+    ax.set_yticks([])
+    ax.grid(False)
+    ax.text(0.5, 0.55, "no ok row: nothing measured\n(status of each system at its bar)", transform=ax.transAxes,
+            ha="center", va="center", fontsize=10, color="#555555")
 
 
 def _by_cell(frame: pd.DataFrame) -> dict[tuple, dict[str, Any]]:
@@ -191,8 +239,15 @@ def _panel_grid(agg: pd.DataFrame, extra_height: float):
     precisions = R._order(agg["precision"], R.PRECISION_ORDER)
     directions = R._order(agg["direction"], R.DIRECTION_ORDER)
     shapes = R._order(agg["shape"], R.SHAPE_ORDER)
-    fig = new_figure(_panels_width(len(directions), len(shapes)), 3.9 * len(precisions) + extra_height)
-    axes = fig.subplots(len(precisions), len(directions), squeeze=False)
+    width = _panels_width(len(directions), len(shapes))
+    if width <= MAX_WIDTH_IN or len(directions) == 1:
+        fig = new_figure(min(width, MAX_WIDTH_IN), 3.9 * len(precisions) + extra_height)
+        axes = fig.subplots(len(precisions), len(directions), squeeze=False)
+    else:  # too wide side by side: one panel per row, (precision, direction) in reading order
+        fig = new_figure(min(_panels_width(1, len(shapes)), MAX_WIDTH_IN),
+                         3.9 * len(precisions) * len(directions) + extra_height)
+        flat = fig.subplots(len(precisions) * len(directions), 1, squeeze=False)[:, 0]
+        axes = [list(flat[i * len(directions):(i + 1) * len(directions)]) for i in range(len(precisions))]
     return systems, precisions, directions, shapes, fig, axes, 0.84 / max(len(systems), 1)
 
 
@@ -214,6 +269,7 @@ def _patch(system: str):
 def sweep_axes_present(df: pd.DataFrame) -> list[str]:
     """The sweep axes along which some (system, panel, shape, fixed rest) has more than one value."""
     out = []
+    df = R.with_runs(df)
     for x in SWEEP_AXES:
         fixed = [k for k in (*R.ENV_KEYS, "routing") if k != x and not (x == "ep_size" and k == "num_nodes")]
         n = df.groupby([*fixed, "precision", "direction", "shape", "backend"], dropna=False)[x].nunique()
@@ -236,7 +292,7 @@ def plot_sweep(df: pd.DataFrame, x: str, title: Optional[str] = None) -> Figure:
     where that varies too, e.g. two GPUs). Routing is ordered by measured expert imbalance."""
     if x not in SWEEP_AXES:
         raise ValueError(f"x must be one of {', '.join(SWEEP_AXES)} (got {x!r})")
-    df = df[~df["backend"].isin(R.NOT_CONTENDERS)]
+    df = R.with_runs(df[~df["backend"].isin(R.NOT_CONTENDERS)])
     fixed = [k for k in (*R.ENV_KEYS, "routing") if k != x and not (x == "ep_size" and k == "num_nodes")]
     agg = R.aggregate(df)
     # keep the lines that are a sweep along x (points of other sweeps have one value of x per line)
@@ -244,7 +300,7 @@ def plot_sweep(df: pd.DataFrame, x: str, title: Optional[str] = None) -> Figure:
     agg = agg[lines > 1]
     if agg.empty:
         raise ValueError(f"nothing varies along {x} in these rows")
-    varying = [k for k in fixed if agg[k].nunique(dropna=False) > 1]
+    varying = [k for k in fixed if agg[k].nunique(dropna=False) > 1 and k != "run_started"]
     facets = list(agg[["precision", "direction", "shape"]].drop_duplicates().itertuples(index=False, name=None))
     facets.sort(key=lambda k: (R.PRECISION_ORDER.index(k[0]) if k[0] in R.PRECISION_ORDER else 9,
                                R.DIRECTION_ORDER.index(k[1]) if k[1] in R.DIRECTION_ORDER else 9,
@@ -291,7 +347,7 @@ def plot_sweep(df: pd.DataFrame, x: str, title: Optional[str] = None) -> Figure:
             ax.set_ylabel("TFLOP/s per GPU")
     for n in range(len(facets), nrows * ncols):
         axes[n // ncols][n % ncols].set_visible(False)
-    const = [k for k in fixed if k not in varying]
+    const = [k for k in fixed if k not in varying and k != "run_started"]
     env_txt = ", ".join(_ctx(k, agg[k].iloc[0]) for k in const if not R._isna(agg[k].iloc[0]))
     finish(fig, title or f"Throughput vs {AXIS_LABELS[x]}" + (f" — {env_txt}" if env_txt else ""),
            list(legend.values()), list(legend.keys()), notes=notes, ncol=5)
@@ -302,6 +358,8 @@ def _ctx(key: str, value: Any) -> str:
     """A context value as a reader would say it: ``EP 8``, ``2048 tokens/GPU``, ``2 nodes``."""
     if R._isna(value):
         return f"{key} unknown"
+    if key == "run_started":
+        return f"run of {str(value)[:16]}"
     if key == "ep_size":
         return f"EP {int(value)}"
     if key == "tokens_per_gpu":
@@ -388,9 +446,10 @@ def plot_roofline(df: pd.DataFrame, calibration: Optional[pd.DataFrame] = None,
                               alpha=0.45 if roof else 1, zorder=3 if roof else 4)
                     drawn.add(col)
             ax.set_title(R.panel_label(prec, direction), fontsize=12, fontweight="bold")
-            ax.set_xticks(range(len(shapes)), [R.shape_label(s) for s in shapes], fontsize=9.5)
-            ax.set_xlim(-0.55, len(shapes) - 0.45)
+            _shape_ticks(ax, shapes)
             ax.set_ylim(0, top * 1.14)
+            if cell.empty:
+                _no_ok_panel(ax)
             ax.grid(axis="y", alpha=0.3, zorder=0)
             ax.set_axisbelow(True)
             if j == 0:
@@ -415,7 +474,9 @@ def plot_roofline(df: pd.DataFrame, calibration: Optional[pd.DataFrame] = None,
 
 def plot_history(df: pd.DataFrame, config_hash: Optional[str] = None, title: Optional[str] = None) -> Figure:
     """One config's throughput across git SHAs (ordered by the earliest timestamp of each SHA): one subplot per
-    direction, one line per backend, whiskers from the p20 / p80 latencies; not-ok runs are crosses on the axis."""
+    direction, one line per backend (side by side within a SHA, so markers never stack), whiskers from the p20 /
+    p80 latencies; a SHA where a backend has no ok row is a cross of its colour under the axis, its status in the
+    footnote. The title names the config (shape, precision, environment), not its hash alone."""
     hashes = df["config_hash"].dropna().unique()
     if config_hash is None:
         if len(hashes) != 1:
@@ -428,18 +489,22 @@ def plot_history(df: pd.DataFrame, config_hash: Optional[str] = None, title: Opt
     d["_t"] = pd.to_datetime(d["timestamp"], utc=True, errors="coerce", format="ISO8601")
     order = d.groupby("git_sha")["_t"].min().sort_values(na_position="first").index.tolist()
     dirty = d.groupby("git_sha")["git_dirty"].agg(lambda s: bool(s.fillna(False).any()))
-    ticks = [f"{sha[:8]}{'+' if dirty.get(sha) else ''}" for sha in order]
+    ticks = [f"{sha[:7]}{'+' if dirty.get(sha) else ''}" for sha in order]
     directions = R._order(d["direction"], R.DIRECTION_ORDER)
-    fig = new_figure(max(5.5, 1.0 + 0.9 * len(order)) * len(directions), 4.4)
+    per = min(MAX_WIDTH_IN / len(directions), max(4.5, 1.2 + 0.45 * len(order)))
+    fig = new_figure(per * len(directions), 4.6)
     axes = fig.subplots(1, len(directions), squeeze=False)[0]
+    systems = R.systems_in(d)
+    dodge = {s: (k - (len(systems) - 1) / 2) * min(0.6 / max(len(systems), 1), 0.15) for k, s in enumerate(systems)}
     notes: list[str] = []
     handles: dict[str, Any] = {}
     for ax, direction in zip(axes, directions):
         dd = d[d["direction"] == direction]
-        for s in R.systems_in(dd) + [b for b in dd["backend"].unique() if b in R.NOT_CONTENDERS]:
+        top = 0.0
+        for s in systems:
             rows = dd[dd["backend"] == s]
-            xs, ys, lo, hi = [], [], [], []
-            for sha in order:
+            xs, ys, lo, hi, bad = [], [], [], [], []
+            for i, sha in enumerate(order):
                 r = rows[(rows["git_sha"] == sha)]
                 ok = r[(r["status"] == "ok") & r["tflops_per_gpu"].notna()]
                 if len(ok):
@@ -447,34 +512,41 @@ def plot_history(df: pd.DataFrame, config_hash: Optional[str] = None, title: Opt
                     lat = float(ok["latency_ms"].median())
                     p20 = float(ok["latency_p20_ms"].min()) if ok["latency_p20_ms"].notna().any() else lat
                     p80 = float(ok["latency_p80_ms"].max()) if ok["latency_p80_ms"].notna().any() else lat
-                    xs.append(order.index(sha))
+                    xs.append(i + dodge[s])
                     ys.append(y)
-                    lo.append(y - y * lat / p80)
-                    hi.append(y * lat / p20 - y)
-                elif len(r):  # a gap in the line, and a cross on the axis
-                    xs.append(order.index(sha))
+                    lo.append(max(0.0, y - y * lat / p80))
+                    hi.append(max(0.0, y * lat / p20 - y))
+                    top = max(top, y + hi[-1])
+                elif len(r):
+                    xs.append(i + dodge[s])
                     ys.append(math.nan)
                     lo.append(0.0)
                     hi.append(0.0)
-                    ax.plot(order.index(sha), 0, marker="x", ms=8, mew=2, color=color(s), clip_on=False, zorder=4)
-                    ax.annotate(str(r["status"].iloc[-1]), (order.index(sha), 0), textcoords="offset points",
-                                xytext=(0, 7), ha="center", fontsize=8, color=color(s))
-                    notes.append(f"{R.system_label(s)} {direction} at {sha[:8]}: {r['status'].iloc[-1]}")
-            h = ax.errorbar(xs, ys, yerr=[lo, hi], marker="o", ms=5, capsize=3, color=color(s),
-                            label=R.system_label(s))
-            handles.setdefault(R.system_label(s), h)
-        ax.set_xticks(range(len(order)), ticks, rotation=30, ha="right", fontsize=8.5)
-        ax.set_xlim(-0.5, len(order) - 0.5)
-        ax.set_ylim(bottom=0)
+                    bad.append(i + dodge[s])
+                    notes.append(f"{R.system_label(s)} {R.DIRECTION_LABELS.get(direction, direction)} at {sha[:7]}: "
+                                 f"{r['status'].iloc[-1]}")
+            if xs:
+                h = ax.errorbar(xs, ys, yerr=[lo, hi], marker="o", ms=4.5, capsize=2.5, lw=1.3, color=color(s),
+                                label=R.system_label(s))
+                handles.setdefault(R.system_label(s), h)
+            if bad:  # under the axis, one row per backend, so crosses of several backends never overlap
+                from matplotlib.transforms import blended_transform_factory
+
+                tr = blended_transform_factory(ax.transData, ax.transAxes)
+                ax.plot(bad, [-0.02] * len(bad), transform=tr, marker="x", ms=6, mew=1.8, ls="none", color=color(s),
+                        clip_on=False, zorder=4)
+        ax.set_xticks(range(len(order)), ticks, rotation=45 if len(order) > 6 else 0,
+                      ha="right" if len(order) > 6 else "center", fontsize=8.5)
+        ax.set_xlim(-0.6, len(order) - 0.4)
+        ax.set_ylim(0, top * 1.1 if top > 0 else 1.0)
+        if top == 0:
+            _no_ok_panel(ax)
         ax.grid(alpha=0.3)
         ax.set_title(R.DIRECTION_LABELS.get(direction, direction), fontsize=11)
-        ax.set_xlabel("git SHA (oldest → newest; + = dirty tree)", fontsize=9)
-    axes[0].set_ylabel("TFLOP/s per GPU (p20–p80 whiskers)")
-    first = d.iloc[0]
-    what = (f"{R.shape_label(first['shape'])}, {R.PRECISION_LABELS.get(first['precision'], first['precision'])}, "
-            f"{R.env_label(first.to_dict())}")
-    finish(fig, title or f"History of config {config_hash}: {what}", list(handles.values()), list(handles.keys()),
-           notes=notes, ncol=6)
+        ax.set_xlabel("git SHA, oldest → newest (+ = dirty tree; × = not ok)", fontsize=9)
+    axes[0].set_ylabel("TFLOP/s per GPU (whiskers: p20-p80)")
+    finish(fig, title or f"History of {config_name(d, config_hash)} (config {str(config_hash)[:6]})",
+           list(handles.values()), list(handles.keys()), notes=notes, ncol=6, max_notes=6)
     return fig
 
 
@@ -483,20 +555,26 @@ def plot_history(df: pd.DataFrame, config_hash: Optional[str] = None, title: Opt
 
 
 def report_charts(df: pd.DataFrame, out_dir: Union[str, Path], *, calibration: Optional[pd.DataFrame] = None,
-                  formats: Sequence[str] = ("png", "svg"), history: Sequence[str] = ()) -> dict[str, list[Path]]:
-    """Draw and save every chart the data supports: panels and roofline per environment, each sweep axis that
-    varies, and the history of each config in ``history``. Returns chart name -> written files."""
+                  formats: Sequence[str] = ("png", "svg"), history: Sequence[str] = (),
+                  history_rows: Optional[pd.DataFrame] = None) -> dict[str, list[Path]]:
+    """Draw and save every chart the data supports: panels and roofline per run and environment, each sweep axis
+    that varies within a run, and the history of each config in ``history`` (over ``history_rows``, default
+    ``df``: a history spans runs by nature). Returns chart name -> written files."""
     out = Path(out_dir)
     written: dict[str, list[Path]] = {}
-    contenders = df[~df["backend"].isin(R.NOT_CONTENDERS)]
+    contenders = R.with_runs(df[~df["backend"].isin(R.NOT_CONTENDERS)])
     if contenders.empty:
         return written
     for env in R.environments(contenders):
         name = f"panels_{slug(R.env_label(env))}"
         written[name] = _save_close(plot_panels(contenders, env), out / name, formats)
-    for x in sweep_axes_present(contenders):
-        name = f"sweep_{x}"
-        written[name] = _save_close(plot_sweep(contenders, x), out / name, formats)
+    runs = R.with_runs(contenders)
+    multi = runs["run_id"].nunique() > 1
+    for run in runs["run_id"].dropna().unique():
+        rows = runs[runs["run_id"] == run]
+        for x in sweep_axes_present(rows):
+            name = f"sweep_{x}" + (f"_{slug(run)}" if multi else "")
+            written[name] = _save_close(plot_sweep(rows, x), out / name, formats)
     measured = contenders[~R.is_published(contenders)]
     if len(measured) and has_floors(measured, calibration):
         for env in R.environments(measured):
@@ -504,9 +582,10 @@ def report_charts(df: pd.DataFrame, out_dir: Union[str, Path], *, calibration: O
                 continue
             name = f"roofline_{slug(R.env_label(env))}"
             written[name] = _save_close(plot_roofline(measured, calibration, env), out / name, formats)
+    hist = df if history_rows is None else history_rows
     for h in history:
-        name = f"history_{slug(h)}"
-        written[name] = _save_close(plot_history(df, h), out / name, formats)
+        name = f"history_{config_slug(hist, h)}"
+        written[name] = _save_close(plot_history(hist, h), out / name, formats)
     return written
 
 

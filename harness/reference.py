@@ -81,10 +81,11 @@ class ReferenceBackend:
         idx_all = _AllGather.apply(topk_idx_TK, g)
         w_all = _AllGather.apply(topk_w_TK, g)
         acc = x_all.new_zeros(x_all.shape, dtype=torch.float32)
+        # Every expert runs, on zero rows too: acc then always depends on x_all and w_all, so every rank's backward
+        # runs the same collectives in the same order whatever the routing (a rank whose experts got no tokens
+        # would otherwise skip them and leave the others waiting). Empty rows add nothing to any value.
         for j in range(L):
             tok, kk = torch.nonzero(idx_all == self.rank * L + j, as_tuple=True)
-            if tok.numel() == 0:
-                continue
             xe = x_all[tok]
             h = _swiglu(xe @ self.w13[j, :I].t(), xe @ self.w13[j, I:].t(), c.swiglu_limit)
             ye = h @ self.w2[j].t()

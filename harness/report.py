@@ -1,12 +1,14 @@
 """Claims table and report: does the published claim reproduce on these results?
 
-    python -m harness.report                                  # every result under results/ -> results/reports/
+    python -m harness.report                          # the committed runs (results/runs) -> results/reports/
+    python -m harness.report results/local            # your own runs -> results/local/reports/ (ignored by git)
+    python -m harness.report results/runs --pool      # the median over every run, labelled POOLED
     python -m harness.report results/runs/2026* --out /tmp/rep --calibration calib.csv
     python -m harness.report --include-published --no-measured   # the published figure alone, as a check
 
-For each panel (precision x direction) and shape, within one environment (GPU, EP size, tokens per GPU, nodes) and
-routing: each system's TFLOP/s per GPU, the fastest baseline, and each fused kernel's speedup over it. The
-published figure's values (``results/published/``, read off the chart, GB300 NVL72, EP=64, 2048 tokens/GPU) sit
+For each panel (precision x direction) and shape, within one run (by default: ``--scope``), one environment (GPU, EP
+size, tokens per GPU, nodes) and routing: each system's TFLOP/s per GPU, the fastest baseline, and each fused
+kernel's speedup over it. The published figure's values (``results/published/``, read off the chart, GB300 NVL72, EP=64, 2048 tokens/GPU) sit
 beside them; a measured / published ratio of TFLOP/s is given only where the environment matches the published
 one. Rows that are not ok keep their status in the table and are listed with their error.
 
@@ -37,9 +39,13 @@ PUBLISHED_RUN_ID = "published:mok_gb300_figure"
 PUBLISHED_ENV = {"gpu_name": "GB300 (published)", "ep_size": 64, "tokens_per_gpu": 2048, "routing": "uniform"}
 READ_ERROR_TFLOPS = 3.0  # reading precision of the published chart
 
-FUSED = ("mok", "mok_hopper")
+FUSED = ("mok", "mok_hopper", "mok_hopper_cpu_twin")
+# mok_hopper rows measured on the CPU run its pure-torch twin (kernels/mok_hopper/twin.py), not the Triton kernel:
+# the report renames their backend so that no table or chart draws them as the kernel
+CPU_TWIN = {"mok_hopper": "mok_hopper_cpu_twin"}
 NOT_CONTENDERS = ("reference",)
-SYSTEM_ORDER = ("nccl", "deepep", "deepep_te", "hybridep_megatron", "hybridep", "mok", "mok_hopper")
+SYSTEM_ORDER = ("nccl", "deepep", "deepep_te", "hybridep_megatron", "hybridep", "mok", "mok_hopper",
+                "mok_hopper_cpu_twin")
 SYSTEM_LABELS = {
     "nccl": "NCCL+PyTorch",
     "deepep": "DeepEP+PyTorch",
@@ -48,6 +54,7 @@ SYSTEM_LABELS = {
     "hybridep": "HybridEP",
     "mok": "MoK",
     "mok_hopper": "MoK Hopper (ours)",
+    "mok_hopper_cpu_twin": "MoK Hopper CPU twin (pure torch, not the kernel)",
     "reference": "reference",
 }
 SHAPE_ORDER = ("kimi_k2_7", "glm_5_2", "qwen3_5_397b", "deepseek_v4_pro")
@@ -58,8 +65,12 @@ PRECISION_LABELS = {"bf16": "BF16", "fp8": "FP8", "mxfp8": "MXFP8"}
 DIRECTION_ORDER = ("fwd", "bwd", "fwd_bwd")
 DIRECTION_LABELS = {"fwd": "forward", "bwd": "backward", "fwd_bwd": "fwd+bwd"}
 
-# Speedups compare systems only within one environment, and only on the same routing.
-ENV_KEYS = ("gpu_name", "ep_size", "tokens_per_gpu", "num_nodes")
+# Speedups compare systems only within one run and one environment, and only on the same routing. ``run_started``
+# (the run's first timestamp) orders the runs, newest first; with ``scope="pooled"`` (:func:`prepare`) every
+# measured run becomes one labelled pseudo-run.
+RUN_KEYS = ("run_started", "run_id")
+ENV_KEYS = (*RUN_KEYS, "gpu_name", "ep_size", "tokens_per_gpu", "num_nodes")
+SCOPES = ("run", "latest", "pooled")
 CELL_KEYS = (*ENV_KEYS, "routing", "precision", "direction", "shape")
 
 
@@ -105,9 +116,11 @@ def panel_label(precision: str, direction: str) -> str:
     return f"{PRECISION_LABELS.get(precision, precision)} {DIRECTION_LABELS.get(direction, direction)}"
 
 
-def env_label(env: dict[str, Any]) -> str:
+def env_label(env: dict[str, Any], *, run: bool = True) -> str:
+    """``run · GPU · EP n · t tokens/GPU · n node(s)[ · routing r]``; ``run=False`` leaves the run out."""
     gpu = env.get("gpu_name")
-    parts = ["unknown GPU" if _isna(gpu) else str(gpu), f"EP {_int(env.get('ep_size'))}",
+    parts = [str(env["run_id"])] if run and not _isna(env.get("run_id")) else []
+    parts += ["unknown GPU" if _isna(gpu) else str(gpu), f"EP {_int(env.get('ep_size'))}",
              f"{_int(env.get('tokens_per_gpu'))} tokens/GPU"]
     if not _isna(env.get("num_nodes")):
         parts.append(f"{_int(env['num_nodes'])} node{'s' if _int(env['num_nodes']) != '1' else ''}")
@@ -204,6 +217,60 @@ def env_matches_published(env: dict[str, Any]) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# scope: which rows are compared with which
+
+
+def is_cpu_twin(df: pd.DataFrame) -> pd.Series:
+    """mok_hopper rows timed on the CPU: the pure-torch twin ran, not the Triton kernel."""
+    dev = df["device"].astype("string").fillna("").str.lower() if "device" in df else pd.Series("", index=df.index)
+    notes = df["notes"].astype("string").fillna("") if "notes" in df else pd.Series("", index=df.index)
+    return (df["backend"].isin(list(CPU_TWIN)) & ((dev == "cpu") | notes.str.contains("CPU twin"))).fillna(False)
+
+
+def with_runs(df: pd.DataFrame) -> pd.DataFrame:
+    """``df`` with the ``run_started`` column (each run's first timestamp) that orders runs; unchanged if present."""
+    if "run_started" in df.columns:
+        return df
+    d = df.copy()
+    t = d["timestamp"].astype("string") if "timestamp" in d else pd.Series(pd.NA, index=d.index, dtype="string")
+    d["run_started"] = t.groupby(d["run_id"].astype("string").fillna(""), dropna=False).transform("min")
+    return d
+
+
+def prepare(df: pd.DataFrame, scope: str = "run") -> pd.DataFrame:
+    """The rows a report compares, for a scope:
+
+    * ``run`` (default): every run on its own: a speedup compares systems measured in the same run;
+    * ``latest``: for each environment (GPU, EP size, tokens per GPU, nodes, routing), only its most recent run;
+    * ``pooled``: every measured run as one pseudo-run labelled ``POOLED over N runs``: the median over runs of
+      different code, leases and baseline builds, an explicit choice (``--pool``).
+
+    CPU-twin rows of mok_hopper are renamed (:data:`CPU_TWIN`); ``source_run_id`` keeps each row's own run."""
+    if scope not in SCOPES:
+        raise ValueError(f"scope must be one of {', '.join(SCOPES)} (got {scope!r})")
+    d = df.copy()
+    twin = is_cpu_twin(d)
+    if twin.any():
+        d["backend"] = d["backend"].astype(object).where(~twin, d["backend"].map(CPU_TWIN)).astype("string")
+    d["source_run_id"] = d["run_id"]
+    d = with_runs(d.drop(columns=["run_started"], errors="ignore"))
+    measured = ~is_published(d)
+    if scope == "latest" and measured.any():
+        keys = [k for k in ENV_KEYS if k not in RUN_KEYS] + ["routing"]
+        m = d[measured]
+        latest = m.groupby(keys, dropna=False)["run_started"].transform("max")
+        keep = pd.Series(True, index=d.index)
+        keep[m.index] = (m["run_started"] == latest).fillna(True)
+        d = d[keep]
+    elif scope == "pooled" and measured.any():
+        m = d[measured]
+        n = m["run_id"].nunique()
+        d.loc[measured, "run_id"] = f"POOLED over {n} run{'s' if n != 1 else ''}"
+        d.loc[measured, "run_started"] = m["run_started"].max()
+    return d
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # tables
 
 
@@ -211,12 +278,18 @@ def aggregate(df: pd.DataFrame) -> pd.DataFrame:
     """One row per cell and backend: the median TFLOP/s and latency over its ok rows (repeated runs), and a status:
     ``ok`` when any row is ok and timed, else the status of the most recent row, with its error."""
     cols = [*CELL_KEYS, "backend"]
-    d = df[[*cols, "tflops_per_gpu", "latency_ms", "status", "error", "timestamp"]].copy()
+    df = with_runs(df)
+    d = df[[*cols, "tflops_per_gpu", "latency_ms", "latency_p20_ms", "latency_p80_ms", "status", "error",
+            "timestamp"]].copy()
     d["_g"] = d.groupby(cols, dropna=False, sort=False).ngroup()
     d["_ok"] = (d["status"] == "ok").fillna(False) & d["tflops_per_gpu"].notna()
     last = d.sort_values(["_g", "timestamp"], na_position="first", kind="stable").drop_duplicates("_g", keep="last")
     out = last.set_index("_g")[cols].copy()
+    # the TFLOP/s at each row's p80 and p20 latency (no spread recorded: its median)
+    d["_lo"] = (d["tflops_per_gpu"] * d["latency_ms"] / d["latency_p80_ms"]).fillna(d["tflops_per_gpu"])
+    d["_hi"] = (d["tflops_per_gpu"] * d["latency_ms"] / d["latency_p20_ms"]).fillna(d["tflops_per_gpu"])
     ok = d[d["_ok"]].groupby("_g").agg(tflops_per_gpu=("tflops_per_gpu", "median"),
+                                       tflops_p80=("_lo", "min"), tflops_p20=("_hi", "max"),
                                        latency_ms=("latency_ms", "median"), num_ok=("_ok", "size"))
     out = out.join(ok)
     out["num_ok"] = out["num_ok"].fillna(0).astype(int)
@@ -226,20 +299,27 @@ def aggregate(df: pd.DataFrame) -> pd.DataFrame:
     out["error"] = lst["error"].astype(object).where(~has_ok, "").fillna("").astype(str)
     out["num_rows"] = d.groupby("_g").size()
     out = out.sort_index().reset_index(drop=True)
-    for c in ("tflops_per_gpu", "latency_ms"):
+    for c in ("tflops_per_gpu", "tflops_p80", "tflops_p20", "latency_ms"):
         out[c] = out[c].astype("float64")
-    return out[[*cols, "tflops_per_gpu", "latency_ms", "status", "error", "num_rows", "num_ok"]]
+    # the spread never excludes the median (a single sample has p20 = p80 = median, up to rounding)
+    out["tflops_p80"] = out[["tflops_p80", "tflops_per_gpu"]].min(axis=1, skipna=False)
+    out["tflops_p20"] = out[["tflops_p20", "tflops_per_gpu"]].max(axis=1, skipna=False)
+    return out[[*cols, "tflops_per_gpu", "tflops_p80", "tflops_p20", "latency_ms", "status", "error", "num_rows",
+                "num_ok"]]
 
 
 def environments(df: pd.DataFrame) -> list[dict[str, Any]]:
-    """The distinct (environment, routing) combinations in ``df``, in a stable order."""
+    """The distinct (run, environment, routing) combinations in ``df``: runs newest first, then a stable order."""
     keys = [*ENV_KEYS, "routing"]
-    envs = df[keys].drop_duplicates().to_dict("records")
-    return sorted(envs, key=lambda e: tuple("" if _isna(e[k]) else f"{e[k]:>12}" for k in keys))
+    envs = with_runs(df)[keys].drop_duplicates().to_dict("records")
+    envs = sorted(envs, key=lambda e: tuple("" if _isna(e[k]) else f"{e[k]!s:>12}" for k in keys[1:]))
+    return sorted(envs, key=lambda e: "" if _isna(e["run_started"]) else str(e["run_started"]), reverse=True)
 
 
 def select_env(df: pd.DataFrame, env: dict[str, Any]) -> pd.DataFrame:
     """The rows of ``df`` in one environment (NA-aware)."""
+    if "run_started" in env:
+        df = with_runs(df)
     mask = pd.Series(True, index=df.index)
     for k, v in env.items():
         mask &= df[k].isna() if _isna(v) else (df[k] == v).fillna(False)
@@ -256,7 +336,7 @@ def claims_table(df: pd.DataFrame, published: Optional[pd.DataFrame] = None) -> 
     figure's readings), ``env_matches_published`` and, only where it does, ``ratio_<system>`` = measured /
     published TFLOP/s.
     """
-    agg = aggregate(df[~df["backend"].isin(NOT_CONTENDERS)])
+    agg = aggregate(with_runs(df)[~df["backend"].isin(NOT_CONTENDERS)])
     systems = systems_in(agg)
     fused = [s for s in systems if is_fused(s)]
     pub = _published_cells(published) if published is not None else {}
@@ -330,11 +410,14 @@ def _sort_cells(table: pd.DataFrame) -> pd.DataFrame:
 
     def key(i: Any) -> tuple:
         r = table.loc[i]
-        env = tuple("" if _isna(r[k]) else f"{r[k]!s:>12}" for k in ENV_KEYS)
+        env = tuple("" if _isna(r[k]) else f"{r[k]!s:>12}" for k in ENV_KEYS[1:])
         return (env, (r["routing"] != "uniform", str(r["routing"])), pos(r["precision"], PRECISION_ORDER),
                 pos(r["direction"], DIRECTION_ORDER), pos(r["shape"], SHAPE_ORDER))
 
-    return table.loc[sorted(table.index, key=key)]
+    order = sorted(table.index, key=key)
+    order = sorted(order, key=lambda i: "" if _isna(table.loc[i, "run_started"]) else str(table.loc[i, "run_started"]),
+                   reverse=True)  # stable: runs newest first, the rest in order
+    return table.loc[order]
 
 
 def headline_table(claims: pd.DataFrame, readme_claims: Optional[pd.DataFrame] = None) -> pd.DataFrame:
@@ -392,9 +475,11 @@ def _verdict(rec: dict[str, Any], comparable: bool) -> str:
 
 def not_ok_rows(df: pd.DataFrame) -> pd.DataFrame:
     """Every row whose status is not ok, with its error (first line, 160 characters)."""
-    bad = df[df["status"].fillna("missing") != "ok"]
-    cols = [*CELL_KEYS, "backend", "status", "error", "run_id", "row_id"]
+    bad = with_runs(df)[df["status"].fillna("missing") != "ok"]
+    cols = [*CELL_KEYS, "backend", "status", "error", "row_id"]
     out = bad[cols].copy()
+    if "source_run_id" in bad:  # pooled: the row's own run
+        out["run_id"] = bad["source_run_id"]
     out["error"] = out["error"].fillna("").map(lambda e: str(e).strip().splitlines()[0][:160] if str(e).strip()
                                                 else "")
     return out.reset_index(drop=True)
@@ -435,10 +520,12 @@ def clock_rows(df: pd.DataFrame) -> pd.DataFrame:
     """The GPU clock each ok row was timed at (rows that recorded one: GPU runs since the clock columns exist), and
     ``energy_mj``: one GPU's energy per layer call, its mean board power times the latency (W x ms = mJ); at a
     power limit this, not the latency, is what a faster layer spends."""
-    cols = [*CELL_KEYS, "backend", *CLOCK_COLUMNS, "latency_ms", "energy_mj", "run_id"]
+    cols = [*CELL_KEYS, "backend", *CLOCK_COLUMNS, "latency_ms", "energy_mj"]
     if "sm_clock_mhz" not in df.columns:
         return pd.DataFrame(columns=cols)
-    ok = df[(df["status"] == "ok") & df["sm_clock_mhz"].notna()].copy()
+    ok = with_runs(df)[(df["status"] == "ok") & df["sm_clock_mhz"].notna()].copy()
+    if "source_run_id" in ok:  # pooled: the row's own run
+        ok["run_id"] = ok["source_run_id"]
     if "power_w" in ok.columns and "latency_ms" in ok.columns:
         ok["energy_mj"] = ok["power_w"] * ok["latency_ms"]
     return ok[[c for c in cols if c in ok.columns]].reset_index(drop=True)
@@ -463,18 +550,32 @@ def _md_table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
+SCOPE_TEXT = {
+    "run": "Scope: each run on its own. A speedup compares systems measured in the same run (same lease, code and "
+           "baseline builds); runs are listed newest first. `--pool` pools runs, `--scope latest` keeps each "
+           "environment's latest run.",
+    "latest": "Scope: for each environment, its latest run only. A speedup compares systems measured in that run.",
+    "pooled": "**Scope: POOLED across runs** (`--pool`): each cell is the median over every run that measured it: "
+              "kernel versions, leases, compiled and eager baselines mixed. Not a comparison made in one run.",
+}
+
+
 def format_markdown(claims: pd.DataFrame, headline: pd.DataFrame, not_ok: pd.DataFrame, *,
                     sources: str = "", charts: Sequence[Path] = (), clocks: Optional[pd.DataFrame] = None,
+                    scope: str = "run", out_dir: Optional[Path] = None,
                     timing: Optional[pd.DataFrame] = None) -> str:
-    """The report as Markdown: headline maxima, one claims table per environment, rows not ok, the GPU clocks the
-    rows were timed at (``clocks``: :func:`clock_rows`, where any), chart links."""
+    """The report as Markdown: headline maxima, one claims table per run and environment, rows not ok, iteration
+    counts other than the published ones (``timing``: :func:`timing_counts`, where any), the GPU clocks the rows
+    were timed at (``clocks``: :func:`clock_rows`, where any), chart links (relative to ``out_dir``)."""
     out = ["# MoE layer throughput: claims table", ""]
     if sources:
         out += [sources, ""]
+    out += [SCOPE_TEXT[scope], ""]
     out += [
         "TFLOP/s per GPU by the published formula 6·(T + T·topk)·H·I (×2 backward, ×3 fwd+bwd). Speedup = fused "
-        "kernel / fastest ok baseline, computed only within one environment (GPU, EP size, tokens per GPU, nodes) "
-        "and routing. Published values were read off the published figure (GB300 NVL72, EP=64, 2048 tokens/GPU, "
+        "kernel / fastest ok baseline, computed only within one run, one environment (GPU, EP size, tokens per "
+        "GPU, nodes) and routing. Rows of the MoK Hopper CPU twin ran the pure-torch twin on the CPU, not the "
+        "kernel. Published values were read off the published figure (GB300 NVL72, EP=64, 2048 tokens/GPU, "
         f"±{READ_ERROR_TFLOPS:.0f} TFLOP/s); they are shown beside measured ones, and a measured / published "
         "TFLOP/s ratio only where the environment matches. Cells show a status instead of a number when the row is "
         "not ok; — means no row.", ""]
@@ -549,7 +650,9 @@ def format_markdown(claims: pd.DataFrame, headline: pd.DataFrame, not_ok: pd.Dat
         out += [_md_table(["environment", "panel", "shape", "system", "SM clock MHz", "power W", "power-capped",
                            "energy mJ", "run"], rows), ""]
     if charts:
-        out += ["## Charts", ""] + [f"![{p.stem}]({p.name})" for p in charts if p.suffix == ".png"] + [""]
+        rel = [p.relative_to(out_dir).as_posix() if out_dir and p.is_relative_to(out_dir) else p.name
+               for p in charts if p.suffix == ".png"]
+        out += ["## Charts", ""] + [f"![{Path(r).stem}]({r})" for r in rel] + [""]
     return "\n".join(out)
 
 
@@ -561,10 +664,13 @@ def write_report(df: pd.DataFrame, out_dir: Union[str, Path] = DEFAULT_OUT, *,
                  published: Optional[pd.DataFrame] = None, readme_claims: Optional[pd.DataFrame] = None,
                  calibration: Optional[pd.DataFrame] = None, charts: bool = True,
                  formats: Sequence[str] = ("png", "svg"), history: Sequence[str] = (),
-                 sources: str = "") -> dict[str, Path]:
+                 sources: str = "", scope: str = "run") -> dict[str, Path]:
     """Write ``claims.md``, ``claims.csv``, ``headline.csv``, ``not_ok.csv``, ``clocks.csv`` (where rows recorded
-    a GPU clock) and (``charts=True``) every chart the data supports into ``out_dir``. ``history``: config hashes
-    to draw a git-SHA history for. Returns name -> path."""
+    a GPU clock) and (``charts=True``) every chart the data supports into ``out_dir``, comparing within each run
+    (``scope``: see :func:`prepare`). ``history``: config hashes to draw a git-SHA history for (across runs, by
+    nature). Returns name -> path."""
+    history_rows = prepare(df, "pooled")
+    df = prepare(df, scope)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     claims = claims_table(df, published)
@@ -583,30 +689,60 @@ def write_report(df: pd.DataFrame, out_dir: Union[str, Path] = DEFAULT_OUT, *,
         from harness import plots
 
         for name, paths in plots.report_charts(df, out, calibration=calibration, formats=formats,
-                                               history=history).items():
+                                               history=history, history_rows=history_rows).items():
             chart_paths += paths
             for p in paths:
                 written[p.name] = p
     md = out / "claims.md"
     md.write_text(format_markdown(claims, head, bad, sources=sources, charts=chart_paths, clocks=clocks,
-                                  timing=timing_counts(df)))
+                                  scope=scope, out_dir=out, timing=timing_counts(df)))
     written["claims.md"] = md
     return written
 
 
-def _describe(df: pd.DataFrame, paths: Sequence[str], with_published: bool) -> str:
+def _describe(df: pd.DataFrame, paths: Sequence[str], with_published: bool, skipped: str = "") -> str:
     measured = df[~is_published(df)] if len(df) else df
     parts = [f"{len(measured)} measured rows from {measured['run_id'].nunique()} runs"
-             + (f" ({', '.join(map(str, paths))})" if paths else "")]
+             + (f" ({', '.join(map(str, paths))})" if paths else f" ({_rel(results.REFERENCE_RUNS)})")]
     if with_published:
         parts.append("plus the published figure's values as their own environment, GPU 'GB300 (published)'")
+    if skipped:
+        parts.append(skipped)
     return "Data: " + "; ".join(parts) + "."
 
 
+def _rel(p: Path) -> str:
+    try:
+        return p.resolve().relative_to(REPO_ROOT).as_posix()
+    except ValueError:
+        return str(p)
+
+
+def default_out(paths: Sequence[str], measured: bool = True) -> Path:
+    """``results/reports`` (committed) for a report of the committed reference runs (``results/runs``, the default
+    input); ``results/local/reports`` (ignored by git) for anything else, so that a report of your own runs never
+    lands in the committed folder unless ``--out`` says so."""
+    ref = results.REFERENCE_RUNS.resolve()
+    inputs = [Path(p).resolve() for p in paths] or [ref]
+    if measured and all(p == ref or p.is_relative_to(ref) for p in inputs):
+        return DEFAULT_OUT
+    return results.LOCAL_RUNS / "reports"
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m harness.report", description=__doc__.split("\n\n")[0])
-    ap.add_argument("paths", nargs="*", help="result files or folders (default: results/)")
-    ap.add_argument("--out", default=str(DEFAULT_OUT), help="output folder (default: results/reports)")
+    ap = argparse.ArgumentParser(
+        prog="python -m harness.report", description=__doc__.split("\n\n")[0],
+        epilog="exit codes: 0 report written; 2 bad arguments, an unreadable or damaged results file, or no rows")
+    ap.add_argument("paths", nargs="*", help="result files or folders (default: results/runs, the committed "
+                                             "reference runs; your own runs are under results/local)")
+    ap.add_argument("--out", help="output folder (default: results/reports for the reference runs, else "
+                                  "results/local/reports)")
+    scope = ap.add_mutually_exclusive_group()
+    scope.add_argument("--scope", choices=SCOPES, default="run",
+                       help="run: each run on its own (default); latest: each environment's latest run; pooled: "
+                            "the median over all runs, labelled as pooled")
+    scope.add_argument("--pool", dest="scope", action="store_const", const="pooled",
+                       help="same as --scope pooled: pool every run (labelled POOLED in every table and chart)")
     ap.add_argument("--calibration", help="calibration CSV with calib_gemm_tflops, calib_hbm_gb_s, calib_link_gb_s "
                                           "(optionally keyed by gpu_name, precision) for the roofline chart")
     ap.add_argument("--published", default=str(PUBLISHED_FIGURE), help="published figure values (CSV)")
@@ -622,21 +758,28 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     a = ap.parse_args(argv)
 
     frames = []
-    if not a.no_measured:
-        measured = results.load(*a.paths)
-        if is_published(measured).any():
-            print("harness.report: rows labelled published found among result files; refusing to treat them as "
-                  "measured", file=sys.stderr)
-            return 2
-        frames.append(measured)
-    published = None if a.no_published and not a.include_published else load_published(a.published)
+    skipped = ""
+    try:
+        if not a.no_measured:
+            measured = results.load(*a.paths)
+            skipped = results.skipped_note(measured.attrs.get("skipped", {}))
+            if is_published(measured).any():
+                raise ValueError("rows labelled published found among result files; refusing to treat them as "
+                                 "measured")
+            frames.append(measured)
+        published = None if a.no_published and not a.include_published else load_published(a.published)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"harness.report: {e}", file=sys.stderr)
+        return 2
     if a.include_published:
         frames.append(published)
     df = pd.concat(frames, ignore_index=True) if frames else results.to_frame([])
     if df.empty:
-        print("harness.report: no rows to report (pass result files or folders, or --include-published)",
-              file=sys.stderr)
+        where = ", ".join(a.paths) or _rel(results.REFERENCE_RUNS)
+        print(f"harness.report: no rows to report in {where}" + (f" ({skipped})" if skipped else "")
+              + " (pass result files or folders, or --include-published)", file=sys.stderr)
         return 2
+    out = Path(a.out) if a.out else default_out(a.paths, not a.no_measured)
     calibration = None
     if a.calibration:
         from harness.roofline import load_calibration
@@ -645,15 +788,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     history: Sequence[str] = ()
     if a.history is not None:
         history = a.history or _configs_with_history(df)
-    written = write_report(df, a.out, published=None if a.no_published else published,
+    written = write_report(df, out, published=None if a.no_published else published,
                            readme_claims=None if a.no_published else load_claims(a.claims),
                            calibration=calibration, charts=not a.no_charts,
                            formats=[f.strip() for f in a.formats.split(",") if f.strip()], history=history,
-                           sources=_describe(df, a.paths, a.include_published))
+                           sources=_describe(df, a.paths, a.include_published, skipped), scope=a.scope)
     text = written["claims.md"].read_text()
     if "## Headline" in text:
         print(text[text.index("## Headline"):].split("\n## ", 1)[0].rstrip() + "\n")
-    print(f"wrote {len(written)} files to {a.out}: {', '.join(sorted(written))}")
+    if skipped:
+        print(skipped)
+    print(f"wrote {len(written)} files to {out}: {', '.join(sorted(written))}")
     return 0
 
 

@@ -1,10 +1,16 @@
-"""The short table ``python -m harness.run`` prints."""
+"""The short table ``python -m harness.run`` prints, and the line after it: where the rows went, how to report them."""
 
 from __future__ import annotations
 
+import shlex
+from pathlib import Path
+from typing import Iterable, Optional
+
 import pandas as pd
 
-SHORT = ["backend", "shape", "precision", "direction", "ep_size", "tokens_per_gpu", "status", "latency_ms",
+# `routing` is the workload (uniform, zipf(s=1), hot_experts(...), hot_rank(...)): with `shape`, `precision`,
+# `ep_size` and `tokens_per_gpu` it says which sweep point a row belongs to.
+SHORT = ["backend", "shape", "precision", "routing", "direction", "ep_size", "tokens_per_gpu", "status", "latency_ms",
          "tflops_per_gpu", "dispatch_gb_s", "combine_gb_s", "max_abs_err", "rel_err"]
 
 
@@ -24,5 +30,36 @@ def format_rows(df: pd.DataFrame) -> str:
     return text
 
 
-def print_rows(df: pd.DataFrame) -> None:
-    print(format_rows(df), flush=True)
+def print_rows(df: pd.DataFrame, title: Optional[str] = None) -> None:
+    print((f"{title}\n" if title else "") + format_rows(df), flush=True)
+
+
+def report_command(run_dirs: Iterable[str]) -> str:
+    """The command that turns these run folders into a claims table and charts (``harness.report``)."""
+    dirs = sorted({str(d) for d in run_dirs})
+    name = Path(dirs[0]).name if len(dirs) == 1 else "sweep"
+    return shlex.join(["python", "-m", "harness.report", *dirs, "--out", f"results/reports/{name}"])
+
+
+def summary_line(df: pd.DataFrame, results_dir: str) -> str:
+    """One line: how many rows went where (the run folder, one file per job), and the command that reports them."""
+    dirs = sorted({str(Path(results_dir) / r) for r in df["run_id"].dropna().unique()})
+    counts = df["status"].value_counts()
+    statuses = ", ".join(f"{n} {s}" for s, n in counts.items())
+    return f"mokbench: {len(df)} rows ({statuses}) in {', '.join(dirs)}; report: {report_command(dirs)}"
+
+
+def point_title() -> Optional[str]:
+    """``sweep point #N: <overrides>`` inside a Hydra multirun job (None otherwise), printed above its table."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.core.utils import filter_overrides
+        from hydra.types import RunMode
+
+        hc = HydraConfig.get()
+        if hc.mode != RunMode.MULTIRUN:
+            return None
+        overrides = " ".join(filter_overrides(list(hc.overrides.task))) or "(defaults)"
+        return f"sweep point #{hc.job.num}: {overrides}"
+    except (ValueError, ImportError, AttributeError):
+        return None

@@ -9,6 +9,8 @@ finds and keeps repeated runs apart by ``(run_id, row_id)``.
 from __future__ import annotations
 
 import contextlib
+import csv
+import io
 import os
 import socket
 import sys
@@ -224,41 +226,134 @@ def _write_atomic(path: Path, df: pd.DataFrame) -> Path:
     return path
 
 
+class ResultsFileError(ValueError):
+    """A results file that cannot be read as one: the message names the file and what is wrong with it."""
+
+
+REPO_RESULTS = Path(__file__).resolve().parent.parent / "results"
+REFERENCE_RUNS = REPO_RESULTS / "runs"  # the measured runs the project commits (reports and notebook read these)
+LOCAL_RUNS = REPO_RESULTS / "local"  # a user's own runs: harness.run's default results_dir, ignored by git
+HEADER_START = "run_id,row_id,"
+
+
 def read_file(path: Union[str, Path]) -> pd.DataFrame:
+    """One results file (CSV or Parquet) as a typed frame. Raises :class:`ResultsFileError` naming the file when
+    it is empty, not a results table of this schema (no ``run_id`` / ``row_id`` header), truncated (a row with
+    fewer or more fields than the header) or has rows without a ``run_id`` / ``row_id``."""
     path = Path(path)
-    df = pd.read_parquet(path) if path.suffix == ".parquet" else pd.read_csv(path, dtype=str, keep_default_na=False,
-                                                                              na_values=[""])
+    if path.suffix == ".parquet":
+        try:
+            df = pd.read_parquet(path)
+        except Exception as e:  # noqa: BLE001 - pyarrow raises several types for a damaged file
+            raise ResultsFileError(f"{path}: not a readable Parquet file ({type(e).__name__}: "
+                                   f"{str(e).splitlines()[0][:120] if str(e) else ''})") from None
+    else:
+        df = _read_csv(path)
+    if missing := [c for c in KEY if c not in df.columns]:
+        raise ResultsFileError(f"{path}: not a results file: no {' / '.join(missing)} column")
+    if len(df):
+        blank = df[list(KEY)].isna().any(axis=1) | (df[list(KEY)].astype(str).apply(lambda s: s.str.strip()) == ""
+                                                     ).any(axis=1)
+        if blank.any():
+            raise ResultsFileError(f"{path}: {int(blank.sum())} row(s) without a run_id / row_id (first at data row "
+                                   f"{int(blank.to_numpy().argmax()) + 1}): a damaged or hand-edited file")
     return to_frame(df.to_dict("records"))
 
 
-def load(*paths: Union[str, Path]) -> pd.DataFrame:
-    """Every row under the given files or folders (default: results/), as one DataFrame. Repeated runs are kept:
-    the key is (run_id, row_id)."""
-    if not paths:
-        paths = (Path(__file__).resolve().parent.parent / "results",)
+def _read_csv(path: Path) -> pd.DataFrame:
+    try:
+        text = path.read_text()
+    except UnicodeDecodeError:
+        raise ResultsFileError(f"{path}: not a CSV file (not UTF-8 text)") from None
+    if not text.strip():
+        raise ResultsFileError(f"{path}: empty file, no header and no rows")
+    if "\x00" in text:
+        raise ResultsFileError(f"{path}: not a CSV file (binary content)")
+    try:
+        records = list(csv.reader(io.StringIO(text)))  # quoted fields may hold newlines (error messages)
+    except csv.Error as e:
+        raise ResultsFileError(f"{path}: not a CSV file ({e})") from None
+    while records and not records[-1]:
+        records.pop()  # blank trailing lines
+    header = records[0]
+    if missing := [c for c in KEY if c not in header]:
+        raise ResultsFileError(f"{path}: not a results file: its header has no {' / '.join(missing)} column "
+                               f"(it starts '{','.join(header)[:60]}')")
+    for i, rec in enumerate(records[1:], start=2):
+        if len(rec) != len(header):
+            raise ResultsFileError(f"{path}: line {i} has {len(rec)} fields, the header {len(header)}: a truncated "
+                                   "or damaged file (rerun, or restore it)")
+    return pd.read_csv(path, dtype=str, keep_default_na=False, na_values=[""])
+
+
+def find_files(*paths: Union[str, Path]) -> tuple[list[Path], dict[str, list[Path]]]:
+    """The results files under the given files or folders, and the files in those folders that were skipped, by
+    reason. A file named explicitly is always returned (``read_file`` then says what is wrong with it); in a folder,
+    CSVs without the schema's header (reports, published values, diagnostics) and empty CSVs are skipped."""
     files: list[Path] = []
+    skipped: dict[str, list[Path]] = {}
     for p in map(Path, paths):
         if p.is_dir():
-            files += sorted(f for f in p.rglob("*") if f.suffix in (".csv", ".parquet") and not f.name.startswith(".")
-                            and _is_results_file(f))
+            for f in sorted(p.rglob("*")):
+                if f.suffix not in (".csv", ".parquet") or f.name.startswith(".") or not f.is_file():
+                    continue
+                why = _skip_reason(f)
+                if why:
+                    skipped.setdefault(why, []).append(f)
+                else:
+                    files.append(f)
         elif p.exists():
             files.append(p)
         else:
             raise FileNotFoundError(f"no results at {p}")
+    seen: set[Path] = set()
+    unique = [f for f in files if not (f.resolve() in seen or seen.add(f.resolve()))]  # a file named twice
+    return unique, skipped
+
+
+def skipped_note(skipped: dict[str, list[Path]]) -> str:
+    """One line: how many CSVs in the given folders were skipped, and why ('' when none)."""
+    if not skipped:
+        return ""
+    n = sum(map(len, skipped.values()))
+    return f"skipped {n} file{'s' if n != 1 else ''} that hold no results: " + "; ".join(
+        f"{len(v)} {why}" for why, v in sorted(skipped.items(), key=lambda kv: -len(kv[1])))
+
+
+def load(*paths: Union[str, Path]) -> pd.DataFrame:
+    """Every row under the given files or folders (default: results/runs, the committed reference runs), as one
+    DataFrame. Repeated runs are kept: the key is (run_id, row_id). A damaged file raises
+    :class:`ResultsFileError` naming it; ``df.attrs["skipped"]`` maps each reason a file in a folder was skipped
+    to those files (see :func:`skipped_note`)."""
+    if not paths:
+        paths = (REFERENCE_RUNS,)
+    files, skipped = find_files(*paths)
     frames = [read_file(f) for f in files]
     if not frames:
-        return to_frame([])
+        df = to_frame([])
+        df.attrs["skipped"] = skipped
+        return df
     df = pd.concat(frames, ignore_index=True)
     dup = df.duplicated(list(KEY), keep=False)
     if dup.any():
-        raise ValueError(f"{int(dup.sum())} rows share a (run_id, row_id) key: a results file was copied twice")
+        where = pd.Series([f for f, fr in zip(files, frames) for _ in range(len(fr))])[dup.to_numpy()]
+        names = ", ".join(dict.fromkeys(map(str, where)))
+        raise ResultsFileError(f"{int(dup.sum())} rows share a (run_id, row_id) key, in {names[:300]}: a results "
+                               "file copied twice (keep one copy)")
+    df.attrs["skipped"] = skipped
     return df
 
 
-def _is_results_file(f: Path) -> bool:
-    """Result files carry the schema's header; other tables under results/ (reports, published data) are skipped."""
+def _skip_reason(f: Path) -> str:
+    """Why a file found in a folder is not a results file ('' when it is one: a CSV with the schema's header, or
+    a Parquet file)."""
     if f.suffix == ".parquet":
-        return True
-    with open(f) as fh:
-        head = fh.readline()
-    return head.startswith("run_id,row_id,")
+        return ""
+    try:
+        with open(f, encoding="utf-8") as fh:
+            head = fh.readline()
+    except UnicodeDecodeError:
+        return "not text"
+    if not head.strip():
+        return "empty"
+    return "" if head.startswith(HEADER_START) else "without the results header (other tables)"

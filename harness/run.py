@@ -36,7 +36,7 @@ def _run_id_for_sweep(cfg: DictConfig) -> None:
 
 @hydra.main(version_base=None, config_path="../configs", config_name="config")
 def main(cfg: DictConfig) -> None:
-    from harness.report_table import print_rows
+    from harness.report_table import point_title, print_rows, summary_line
     from harness.runner import run_benchmark
 
     global _task_started
@@ -48,7 +48,9 @@ def main(cfg: DictConfig) -> None:
         print(f"mokbench: invalid configuration: {e}", file=sys.stderr)
         sys.exit(2)
     if cfg.print_table and len(df):
-        print_rows(df)
+        print_rows(df, point_title())
+    if len(df):  # rank 0 (and the launching process): where the rows went
+        print(summary_line(df, cfg.results_dir), flush=True)
 
 
 def cli() -> None:

@@ -167,6 +167,40 @@ class _Agree:
         return worst[0], worst[1][:2000], value
 
 
+class Progress:
+    """Rank 0's progress lines on stderr: which point, backend and phase is running, and for how long. Compiling
+    and autotuning can take minutes with no other output; these lines tell that apart from a hang. One line when a
+    phase starts, one when it ends (with its status and seconds); the bracket is the time since the point started."""
+
+    def __init__(self, enabled: bool, point: str) -> None:
+        self.enabled, self.point = enabled, point
+        self.backend = ""  # "deepep (2/6)" while a backend runs
+        self.t0 = self.t_phase = time.perf_counter()
+        self.what = ""
+
+    def line(self, text: str) -> str:
+        where = f"{self.point} | {self.backend}" if self.backend else self.point
+        return f"mokbench [{time.perf_counter() - self.t0:7.1f} s] {where} | {text}"
+
+    def note(self, text: str) -> None:
+        if self.enabled:
+            print(self.line(text), file=sys.stderr, flush=True)
+
+    def start(self, what: str) -> None:
+        self.what, self.t_phase = what, time.perf_counter()
+        self.note(f"{what} ...")
+
+    def end(self, status: str, detail: str = "") -> None:
+        took = time.perf_counter() - self.t_phase
+        self.note(f"{self.what}: {status} in {took:.1f} s" + (f", {detail}" if detail else ""))
+
+
+def point_label(case: Case, num: Optional[int] = None) -> str:
+    """The sweep point in a progress line: number (in a multirun), shape, precision, workload, EP, tokens per GPU."""
+    where = f"point #{num} " if num is not None else ""
+    return f"{where}{case.shape} {case.precision} {case.routing_label} EP{case.ep_size} T{case.tokens_per_gpu}"
+
+
 def worker(payload: dict, renv: RankEnv) -> None:
     c, device = payload["cfg"], payload["device"]
     if device == "cpu":  # ranks share the machine's cores: oversubscribed intra-op threads distort the timings
@@ -179,6 +213,7 @@ def worker(payload: dict, renv: RankEnv) -> None:
     case = make_case(c, ep_size=renv.world_size, device=device)
     base = base_row(case, c, renv, payload["run_id"], payload["config_hash"])
     rows: list[dict] = []
+    progress = Progress(rank0, point_label(case, payload.get("point")))
 
     def emit(row: dict) -> None:
         if rank0:
@@ -190,7 +225,9 @@ def worker(payload: dict, renv: RankEnv) -> None:
     directions = list(c["directions"])
     need_grads = any(d != "fwd" for d in directions)
 
+    progress.start("inputs")
     status, err, inputs = agree(lambda: make_inputs(case, renv.rank, dev))
+    progress.end(status)
     if status != "ok":
         for b in c["backends"]:
             for d in directions:
@@ -203,7 +240,9 @@ def worker(payload: dict, renv: RankEnv) -> None:
     if c["calibrate"]:
         from harness.calibrate import measure
 
+        progress.start("calibration (GEMM, HBM, all-to-all rates)")
         status, err, calib = agree(lambda: measure(dev, group, case.precision))
+        progress.end(status)
         base.update(calib or {})
         if status != "ok":
             base["notes"] = f"calibration failed: {err}"
@@ -219,28 +258,25 @@ def worker(payload: dict, renv: RankEnv) -> None:
             b.teardown()
             return out
 
+        progress.start("reference")
         status, err, ref = agree(_ref)
+        progress.end(status)
         if status != "ok":
             for b in c["backends"]:
                 for d in directions:
                     emit(make_row(base, b, d, status, error=f"reference failed: {err}"))
             return
 
-    progress = None
-    if rank0 and sys.stderr.isatty():
-        from tqdm import tqdm
-
-        progress = tqdm(total=len(c["backends"]) * len(directions), desc=case.shape, file=sys.stderr)
     order = backend_order(list(c["backends"]), c.get("backend_order", "given"), case.seed)
     for pos, name in enumerate(order):
         here = dict(base, backend_position=pos)
-        for row in run_backend(name, case, c, inputs, ref, group, ctrl, agree, timer, here, directions, need_grads):
+        progress.backend = f"{name} ({pos + 1}/{len(order)})"
+        for row in run_backend(name, case, c, inputs, ref, group, ctrl, agree, timer, here, directions, need_grads,
+                               progress):
             emit(row)
-            if progress:
-                progress.update(1)
         _release_memory()  # the next backend must not inherit this one's cached blocks (fp8 dsv4 ran out of memory)
-    if progress:
-        progress.close()
+    progress.backend = ""
+    progress.note(f"done: {len(rows)} rows")
     inputs = ref = None  # free the layer inputs and reference tensors before the final barrier
     dist.barrier(group=ctrl)
 
@@ -258,9 +294,10 @@ def _release_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def run_backend(name, case, c, inputs, ref, group, ctrl, agree, timer, base, directions, need_grads):
+def run_backend(name, case, c, inputs, ref, group, ctrl, agree, timer, base, directions, need_grads, progress=None):
     """Yield one row per direction for one backend. Never raises for backend failures."""
     t = c["timing"]
+    progress = progress or Progress(False, "")
 
     status, err, cls = agree(lambda: load_backend(name))
     if status != "ok":
@@ -281,7 +318,9 @@ def run_backend(name, case, c, inputs, ref, group, ctrl, agree, timer, base, dir
         backend = cls(case, group)
         backend.setup(inputs)
 
+    progress.start("setup (construct, buffers, JIT builds)")
     status, err, _ = agree(_setup)
+    progress.end(status)
     info: dict[str, Any] = {}
     if status == "ok":
         _, _, info = agree(backend.info)
@@ -301,16 +340,19 @@ def run_backend(name, case, c, inputs, ref, group, ctrl, agree, timer, base, dir
             out_only = compare({"out": got["out"]}, {"out": ref["out"]}, ctrl) if with_grads else full
             return full, out_only
 
+        compiling = " (torch.compile and its autotuning run here)" if info.get("compiled") else ""
+        progress.start(f"check: first call against the reference{compiling}")
         status, err, verdicts = agree(_check)
         extra["setup_s"] = round(time.perf_counter() - t_setup, 2)
         if status == "ok":
             for d in directions:
                 gate[d] = _gate(verdicts[1] if d == "fwd" else verdicts[0], case)
-            if all(g[0] != "ok" for g in gate.values()):
-                for d in directions:
-                    yield make_row(base, name, d, gate[d][0], error=gate[d][1], **extra, **gate[d][2])
-                agree(backend.teardown)
-                return
+        progress.end(status, ", ".join(f"{d} {g[0]}" for d, g in gate.items()))
+        if status == "ok" and all(g[0] != "ok" for g in gate.values()):
+            for d in directions:
+                yield make_row(base, name, d, gate[d][0], error=gate[d][1], **extra, **gate[d][2])
+            agree(backend.teardown)
+            return
     if status != "ok":
         for d in directions:
             yield make_row(base, name, d, status, error=err, **extra)
@@ -328,8 +370,11 @@ def run_backend(name, case, c, inputs, ref, group, ctrl, agree, timer, base, dir
         agree(backend.teardown)
         return
 
-    # Byte counts and per-phase bandwidth (communication kernels alone, on the last forward's rows).
-    status, err, traffic = agree(lambda: _traffic(backend, case, group, timer, t))
+    # Byte counts and per-phase bandwidth (communication kernels alone, on the last forward's rows; without the
+    # check no forward has run yet, so _traffic runs one, untimed).
+    progress.start("bytes and per-phase bandwidth")
+    status, err, traffic = agree(lambda: _traffic(backend, case, group, timer, t, inputs if ref is None else None))
+    progress.end(status)
     if status == "ok":
         extra.update(traffic)
     else:  # the layer itself may still time fine: keep going, and say why the byte columns are empty
@@ -344,7 +389,9 @@ def run_backend(name, case, c, inputs, ref, group, ctrl, agree, timer, base, dir
         if d in gate and gate[d][0] != "ok":
             yield make_row(base, name, d, gate[d][0], error=gate[d][1], **extra, **checked)  # mismatches: not timed
             continue
+        progress.start(f"timing {d} ({t['num_warmup']} warmup + {t['num_iters']} timed)")
         status, err, stats = agree(lambda: _time_direction(backend, inputs, d, timer, t))
+        progress.end(status, f"median {stats.median_ms:.4g} ms" if status == "ok" else "")
         if status != "ok":
             yield make_row(base, name, d, status, error=err, **extra, **checked)
             continue
@@ -420,8 +467,12 @@ def _time_direction(backend, inputs, direction: str, timer: Timer, t: dict):
     return stats
 
 
-def _traffic(backend, case: Case, group, timer: Timer, t: dict) -> dict[str, Any]:
-    """Remote / local bytes per rank (mean over ranks) and each phase's bandwidth from its own time."""
+def _traffic(backend, case: Case, group, timer: Timer, t: dict, inputs: Any = None) -> dict[str, Any]:
+    """Remote / local bytes per rank (mean over ranks) and each phase's bandwidth from its own time, from the
+    backend's last forward; ``inputs``: run that forward first, on these inputs (no checked forward ran)."""
+    if inputs is not None:
+        x, w = leaves(inputs, True)  # as the timed forward takes them (no other torch.compile variant)
+        backend.forward(x, inputs.topk_idx_TK, w)
     tr = backend.traffic()
     if not tr:
         return {}
@@ -507,7 +558,8 @@ def run_benchmark(cfg: Any) -> pd.DataFrame:
     run_id = c.get("run_id") or os.environ.get("MOKBENCH_RUN_ID") or new_run_id()
     chash = config_hash(c, case)
     path = results.job_file(c["results_dir"], run_id, chash, c["results_format"])
-    payload = {"cfg": c, "device": c["device"], "run_id": run_id, "config_hash": chash, "path": str(path)}
+    payload = {"cfg": c, "device": c["device"], "run_id": run_id, "config_hash": chash, "path": str(path),
+               "point": _sweep_point_num()}
 
     failure: Optional[str] = None
     if renv is not None:
@@ -531,6 +583,18 @@ def run_benchmark(cfg: Any) -> pd.DataFrame:
         print(f"mokbench: the rows of this run are in {results.written_path(path)} (the results folder could not be "
               f"written)", file=sys.stderr)
     return done
+
+
+def _sweep_point_num() -> Optional[int]:
+    """This job's number in a Hydra multirun (None outside one), for the progress lines."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+
+        hc = HydraConfig.get()
+        return int(hc.job.num) if hc.mode == RunMode.MULTIRUN else None
+    except (ValueError, ImportError, AttributeError, TypeError):
+        return None
 
 
 def _fill_missing(done: pd.DataFrame, c: dict, case: Case, renv: RankEnv, run_id: str, chash: str, path,

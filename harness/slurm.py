@@ -75,14 +75,26 @@ class MokbenchLocalConf(LocalQueueConf):
     nvlink_domain_nodes: Optional[int] = None
 
 
+@dataclass
+class MokbenchNodeConf:
+    """This machine, one point after another in this process (Hydra's basic launcher), every point validated first."""
+
+    _target_: str = "hydra_plugins.mokbench_launcher.NodeLauncher"
+    dry_run: bool = False
+    # GPUs the points run on (each spawns its ranks on them); None: the GPUs this machine sees. Set it to plan a
+    # GPU run from a machine without GPUs (hydra.launcher.dry_run=true hydra.launcher.gpus_per_node=2).
+    gpus_per_node: Optional[int] = None
+
+
 def register_launcher_configs() -> None:
-    """``hydra/launcher=mokbench_slurm`` / ``mokbench_local``: the schemas the presets in configs/hydra/launcher
-    extend. Called when Hydra's plugin scan imports ``hydra_plugins.mokbench_launcher``."""
+    """``hydra/launcher=mokbench_slurm`` / ``mokbench_local`` / ``mokbench_node``: the schemas the presets in
+    configs/hydra/launcher extend. Called when Hydra's plugin scan imports ``hydra_plugins.mokbench_launcher``."""
     from hydra.core.config_store import ConfigStore
 
     cs = ConfigStore.instance()
     cs.store(group="hydra/launcher", name="mokbench_slurm", node=MokbenchSlurmConf, provider="mokbench")
     cs.store(group="hydra/launcher", name="mokbench_local", node=MokbenchLocalConf, provider="mokbench")
+    cs.store(group="hydra/launcher", name="mokbench_node", node=MokbenchNodeConf, provider="mokbench")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -220,7 +232,9 @@ def _check_local_memory(point: Point) -> None:
 
 
 def dry_run_report(points: Sequence[Point], executor: str = "slurm") -> str:
-    lines = [f"mokbench dry run: {len(points)} sweep points -> {len(points)} {executor} jobs"]
+    """The plan: one line per job (its resources, then the backends and directions it runs), and the total."""
+    where = "run one after another on this machine" if executor == "node" else f"{executor} jobs"
+    lines = [f"mokbench dry run: {len(points)} sweep points -> {len(points)} {where}"]
     gpu_hours = cpu_hours = 0.0
     gpus = 0
     for p in points:
@@ -229,12 +243,17 @@ def dry_run_report(points: Sequence[Point], executor: str = "slurm") -> str:
         gpu_hours += p.gpus * minutes / 60
         cpus = p.world_size * int(p.launcher.get("cpus_per_task") or 1)
         cpu_hours += cpus * minutes / 60
+        limit = f"time limit {minutes:g} min" if minutes else "no time limit"
         lines.append(f"  #{p.num:<3} {p.label}: {p.nodes} node(s) x {p.tasks_per_node} task(s), EP {p.world_size}, "
-                     f"{p.gpus} GPUs, {p.case.device}, time limit {minutes:g} min")
+                     f"{p.gpus} GPUs, {p.case.device}, {limit}")
+        lines.append(f"        backends: {', '.join(p.cfg['backends'])}; directions: {', '.join(p.cfg['directions'])}")
     per_job = sorted({p.gpus for p in points})
     span = f"{per_job[0]}" if len(per_job) == 1 else f"{per_job[0]}-{per_job[-1]}"
-    lines.append(f"total: {len(points)} jobs x {span} GPUs = {gpus} GPUs allocated, at most {gpu_hours:.1f} GPU-hours "
-                 f"(time limit x GPUs" + (f"; {cpu_hours:.1f} CPU-hours)" if gpus == 0 else ")"))
+    if executor == "node":
+        lines.append(f"total: {len(points)} points x {span} GPUs, one after another in this process")
+    else:
+        lines.append(f"total: {len(points)} jobs x {span} GPUs = {gpus} GPUs allocated, at most {gpu_hours:.1f} "
+                     f"GPU-hours (time limit x GPUs" + (f"; {cpu_hours:.1f} CPU-hours)" if gpus == 0 else ")"))
     return "\n".join(lines)
 
 
@@ -378,6 +397,41 @@ def _tail(path: Path, n: int = 6) -> str:
     return " | ".join(lines[-n:])
 
 
+def plan_all(hydra_context: Any, config: DictConfig, job_overrides: Sequence[Sequence[str]], initial_job_idx: int,
+             launcher: Optional[dict] = None, local: bool = False) -> list[Point]:
+    """Compose and validate every point of a sweep before any runs; any bad point: one line on stderr for each
+    (Hydra's composition errors included, harness.cli), and exit code 2 with nothing started. ``launcher``: options
+    set on every point's ``hydra.launcher``; ``local``: the points run on this machine, so a CPU point's gloo ranks
+    must fit its memory."""
+    from harness.cli import hydra_error_line, reject
+
+    points, bad = [], []
+    labels = _labels(job_overrides)
+    for i, overrides in enumerate(job_overrides):
+        num = initial_job_idx + i
+        try:
+            point_config = hydra_context.config_loader.load_sweep_config(config, list(overrides))
+            with open_dict(point_config.hydra.job):
+                point_config.hydra.job.num = num
+            if launcher:
+                with open_dict(point_config.hydra.launcher):
+                    point_config.hydra.launcher.update(launcher)
+            points.append(plan_point(point_config, num, overrides))
+            points[-1].label = labels[i]
+            if local and points[-1].case.device == "cpu":
+                _check_local_memory(points[-1])
+        except ConfigError as e:
+            bad.append(f"sweep point #{num} ({labels[i]}): {e}")
+        except Exception as e:  # noqa: BLE001 - Hydra's composition errors; anything else is a bug: raise it
+            line = hydra_error_line(e)
+            if line is None:
+                raise
+            bad.append(f"sweep point #{num} ({labels[i]}): {line}")
+    if bad:
+        reject(bad)
+    return points
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # in each task
 
@@ -476,33 +530,11 @@ class MokbenchLauncherMixin:
     # -- in the launching process -------------------------------------------------------------------------------
 
     def plan_points(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> list[Point]:
-        """Compose and validate every point for the job it will run in; on any problem print them all (one line
-        each) and exit 2 before anything is submitted. The sweeper calls it first (harness.cli.check_sweep)."""
-        from harness.cli import hydra_error_line, reject
-
+        """Every point validated for the job it will run in (:func:`plan_all`); the sweeper calls it first
+        (harness.cli.check_sweep)."""
         assert self.hydra_context is not None and self.config is not None
-        points, bad = [], []
-        labels = _labels(job_overrides)
-        for i, overrides in enumerate(job_overrides):
-            num = initial_job_idx + i
-            try:
-                config = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
-                with open_dict(config.hydra.job):
-                    config.hydra.job.num = num
-                points.append(plan_point(config, num, overrides))
-                points[-1].label = labels[i]
-                if self._EXECUTOR == "local" and points[-1].case.device == "cpu":
-                    _check_local_memory(points[-1])
-            except ConfigError as e:
-                bad.append(f"sweep point #{num} ({labels[i]}): {e}")
-            except Exception as e:  # noqa: BLE001 - Hydra's composition errors; anything else is a bug
-                line = hydra_error_line(e)
-                if line is None:
-                    raise
-                bad.append(f"sweep point #{num} ({labels[i]}): {line}")
-        if bad:
-            reject(bad)
-        return points
+        return plan_all(self.hydra_context, self.config, job_overrides, initial_job_idx,
+                        local=self._EXECUTOR == "local")
 
     def _executor_params(self, point: Point) -> dict:
         return {k: v for k, v in point.launcher.items() if k not in _OWN_KEYS}
@@ -663,6 +695,37 @@ class MokbenchLauncherMixin:
         return ret, summary
 
 
+class NodeLauncherMixin:
+    """``hydra/launcher=node``: Hydra's basic launcher (every point in turn in this process, each spawning its ranks
+    on this machine's GPUs, as a plain ``python -m harness.run`` does) that validates every point before the first
+    starts and has the same dry run as the Slurm launchers. Mixed in before Hydra's ``BasicLauncher`` by
+    ``hydra_plugins.mokbench_launcher.NodeLauncher``."""
+
+    config: Optional[DictConfig]
+    hydra_context: Any
+
+    def __init__(self, dry_run: bool = False, gpus_per_node: Optional[int] = None) -> None:
+        self.dry_run = bool(dry_run)
+        self.gpus_per_node = gpus_per_node
+        super().__init__()
+
+    def plan_points(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> list[Point]:
+        import torch
+
+        assert self.hydra_context is not None and self.config is not None
+        gpus = self.gpus_per_node if self.gpus_per_node is not None else torch.cuda.device_count()
+        return plan_all(self.hydra_context, self.config, job_overrides, initial_job_idx,
+                        launcher={"nodes": 1, "tasks_per_node": 1, "gpus_per_node": gpus}, local=True)
+
+    def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
+        points = self.plan_points(job_overrides, initial_job_idx)
+        if self.dry_run:
+            print(dry_run_report(points, "node"))
+            print("nothing run (hydra.launcher.dry_run=true)", flush=True)
+            return []
+        return super().launch(job_overrides, initial_job_idx)  # type: ignore[misc]
+
+
 def _result_path(job: Any, task: int) -> Path:
     from submitit.core.utils import JobPaths
 
@@ -796,6 +859,9 @@ def _print_summary(points: Sequence[Point], summary: list[dict]) -> None:
             print(f"  #{s['num']} {s['overrides']}: {s['status']}: {s['error']}")
     dirs = sorted({str(Path(p.cfg["results_dir"]) / p.run_id) for p in points})
     print("rows: " + ", ".join(dirs), flush=True)
+    from harness.report_table import report_command
+
+    print(f"report: {report_command(dirs)}", flush=True)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -6,7 +6,7 @@ by 256. Anywhere else :meth:`MokBackend.unsupported_reason` says which of these 
 (weight layouts, MXFP8 prequantisation through the package, the MoKConfig of a sweep point) is plain functions, so
 it can be tested without the package.
 
-Upstream API used (see notes/mok-methodology.md section 12): ``MoKConfig``, ``get_workspace``, ``build_schedule``,
+Upstream API used (see docs/methodology.md section 12): ``MoKConfig``, ``get_workspace``, ``build_schedule``,
 ``forward``, ``backward``, ``ops.mxfp8_quantize``; ``clear_workspace_cache`` when present.
 
 Legend: T tokens per rank, K top-k, H hidden, I ffn, L local experts.

@@ -8,7 +8,7 @@ from conftest import compose_cfg
 from harness.config import Case, ConfigError, make_case, to_container
 from harness.runner import resolve
 
-PUBLISHED = {  # mok-methodology.md section 1: experts, H, I, topk, local experts at EP64
+PUBLISHED = {  # docs/methodology.md section 1: experts, H, I, topk, local experts at EP64
     "kimi_k2_7": (384, 7168, 2048, 8, 6),
     "glm_5_2": (256, 6144, 2048, 8, 4),
     "qwen3_5_397b": (512, 4096, 1024, 10, 8),
@@ -25,7 +25,7 @@ def test_published_shapes(name):
 
 
 def test_published_flops_per_forward():
-    # mok-methodology.md section 6: FLOP per GPU per forward at T=2048.
+    # docs/methodology.md section 6: FLOP per GPU per forward at T=2048.
     want = {"kimi_k2_7": 1.623e12, "glm_5_2": 1.392e12, "qwen3_5_397b": 0.567e12, "deepseek_v4_pro": 1.894e12}
     for name, flops in want.items():
         case = make_case(resolve(compose_cfg(f"shape={name}", "device=cpu")), ep_size=64, device="cpu")
@@ -46,6 +46,21 @@ def test_cpu_default_resolves_to_tiny_and_quick():
     assert c["backends"] == ["nccl"] and c["directions"] == ["fwd", "bwd"]
 
 
+def test_auto_timing_on_a_gpu_machine_is_the_published_preset(monkeypatch):
+    """``timing: auto`` resolves to the machine's preset with its own counts: on a GPU the published 500 / 100
+    (it used to keep the schema's quick defaults, 2 / 5, under the name ``published``), and a count set on the
+    command line is kept."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    t = resolve(compose_cfg("device=cuda"))["timing"]
+    assert (t["name"], t["num_warmup"], t["num_iters"], t["phase_iters"]) == ("published", 500, 100, 50)
+    t = resolve(compose_cfg("device=cuda", "timing.num_iters=30"))["timing"]
+    assert (t["name"], t["num_warmup"], t["num_iters"]) == ("custom", 500, 30)  # not the published 500 / 100
+    t = resolve(compose_cfg("device=cpu"))["timing"]
+    assert (t["name"], t["num_warmup"], t["num_iters"], t["phase_iters"]) == ("quick", 2, 5, 5)
+
+
 def test_published_timing_preset():
     t = to_container(compose_cfg("timing=published").timing)
     assert (t["num_warmup"], t["num_iters"], t["l2_flush"], t["align"]) == (500, 100, False, "barrier")
@@ -61,19 +76,6 @@ def test_timing_preset_names_only_the_timing_it_stands_for():
     t = resolve(compose_cfg("device=cpu"))["timing"]  # timing=auto on a CPU: quick, all of it
     assert (t["name"], t["num_warmup"], t["num_iters"], t["phase_iters"]) == ("quick", 2, 5, 5)
     assert resolve(compose_cfg("device=cpu", "timing.num_iters=7"))["timing"]["name"] == "custom"
-
-
-def test_timing_auto_on_a_gpu_is_the_published_timing():
-    """Before, the schema's defaults survived `timing=auto`: a GPU default ran 2 / 5 iterations named published."""
-    from unittest import mock
-
-    import torch
-
-    with mock.patch.object(torch.cuda, "is_available", return_value=True):
-        t = resolve(compose_cfg())["timing"]
-        assert (t["name"], t["num_warmup"], t["num_iters"], t["phase_iters"]) == ("published", 500, 100, 50)
-        t = resolve(compose_cfg("timing.num_warmup=20"))["timing"]
-        assert (t["name"], t["num_warmup"], t["num_iters"]) == ("custom", 20, 100)
 
 
 def test_local_experts_option_sets_experts_per_gpu():

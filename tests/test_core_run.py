@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -183,6 +184,75 @@ def test_clamped_swiglu_single_rank_and_imbalanced_routing(results_dir):
     assert r.status == "ok" and r.routing == "zipf(s=1.5)" and r.expert_load_max_over_mean > 1.5
 
 
+# A rank whose experts get no token at all: every rank must still run the same collectives (the reference's
+# backward once skipped its all-gather and all-reduce there, and gloo aborted with a collective mismatch).
+TINY_CUSTOM = ("shape=custom", "shape.num_experts=8", "shape.hidden=32", "shape.ffn=16", "shape.topk=2")
+IDLE_RANK_CASES = {  # name: (EP, routing, other options)
+    "issue20_ep2": (2, ("workload.tokens_per_gpu=1", "workload.seed=16"), ()),
+    "ep4": (4, ("workload.tokens_per_gpu=1", "workload.seed=4"), ()),
+    "hot_rank": (2, ("workload=hot_rank", "workload.tokens_per_gpu=4", "workload.seed=10"), ()),
+    "hot_experts": (2, ("workload=hot_experts", "workload.tokens_per_gpu=1", "workload.seed=0"), ()),
+    "compiled": (2, ("workload.tokens_per_gpu=1", "workload.seed=16"), ("compile=true", "compile_mode=default")),
+    "fp8": (2, ("workload.tokens_per_gpu=1", "workload.seed=16"),
+            ("precision=fp8", "shape.hidden=128", "shape.ffn=128")),
+}
+
+
+def rows_per_rank(ep: int, *overrides: str) -> list[int]:
+    """Routed (token, k) rows each rank's experts receive, from the harness's own routing."""
+    import torch
+    from conftest import compose_cfg
+
+    from harness.config import make_case
+    from harness.inputs import make_routing
+
+    case = make_case(compose_cfg("device=cpu", *overrides), ep_size=ep, device="cpu")
+    idx = torch.cat([make_routing(case, r)[0] for r in range(ep)])
+    return torch.bincount(idx.flatten(), minlength=case.num_experts).view(ep, -1).sum(1).tolist()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(IDLE_RANK_CASES))
+def test_a_rank_whose_experts_get_no_token(results_dir, case):
+    ep, workload, other = IDLE_RANK_CASES[case]
+    loads = rows_per_rank(ep, *TINY_CUSTOM, *workload)
+    assert 0 in loads and sum(loads) > 0, f"the case must leave a rank idle: rows per rank {loads}"
+    df = run_benchmark(cpu_cfg(results_dir, f"ep_size={ep}", *TINY_CUSTOM, *workload, *other,
+                               "backends=[nccl,mok_hopper,reference]", "directions=[fwd,bwd]"))
+    atol, rtol = (1.0, 0.1) if case == "fp8" else (0.5, 0.01)
+    for d in ("fwd", "bwd"):
+        r = by(df, "nccl", d)
+        assert r.status == "ok", r.error
+        assert r.max_abs_err < atol and r.rel_err < rtol and r.latency_ms > 0
+        # every routed row crosses to the busy ranks: the byte columns count them (idle ranks receive nothing)
+        assert (r.dispatch_bytes + r.dispatch_local_bytes) * ep == sum(loads) * r.hidden * 2
+        assert by(df, "reference", d).status == "ok"
+    assert by(df, "nccl", "bwd").worst_tensor.startswith("d_")
+    m = by(df, "mok_hopper", "fwd")  # the CPU twin of the fused kernel: forward only
+    assert m.status == "ok" and m.rel_err < rtol, m.error
+
+
+def test_zero_rows_stay_in_the_autograd_graph():
+    """An idle rank's experts get [0, H] rows: their output must still depend on x and the weights, so that backward
+    reaches that rank's collectives and the weights get a zero gradient, on either GEMM path (counts=[]: the
+    torch._grouped_mm calling convention)."""
+    import torch
+
+    from baselines.common import expert_mlp
+
+    L, H, I = 3, 8, 4
+    w13 = torch.randn(L, 2 * I, H, dtype=torch.bfloat16, requires_grad=True)
+    w2 = torch.randn(L, H, I, dtype=torch.bfloat16, requires_grad=True)
+    for counts in ([0] * L, []):
+        x = torch.zeros(0, H, dtype=torch.bfloat16, requires_grad=True)
+        y = expert_mlp(x, w13, w2, torch.zeros(L, dtype=torch.int32), counts, None)
+        assert y.shape == (0, H) and y.requires_grad
+        y.float().sum().backward()
+        assert x.grad.shape == (0, H)
+        assert w13.grad is not None and not w13.grad.any() and w2.grad is not None and not w2.grad.any()
+        w13.grad = w2.grad = None
+
+
 def _cli(*args, tmp):
     env = dict(os.environ, PYTHONPATH=str(ROOT), HYDRA_FULL_ERROR="0")
     return subprocess.run([sys.executable, "-m", "harness.run", *args, f"results_dir={tmp}",
@@ -193,9 +263,71 @@ def _cli(*args, tmp):
 def test_cli_default_runs_and_prints_a_table(results_dir):
     p = _cli("device=cpu", "workload.tokens_per_gpu=64", tmp=results_dir)
     assert p.returncode == 0, p.stderr[-2000:]
-    assert "nccl" in p.stdout and "ok" in p.stdout and "rel_err" in p.stdout
+    assert "nccl" in p.stdout and "ok" in p.stdout and "rel_err" in p.stdout and "routing" in p.stdout
     df = results.load(results_dir)
     assert set(df.status) == {"ok"} and set(df.direction) == {"fwd", "bwd"}
+    # progress on stderr: which point, backend and phase, with seconds (rank 0 only: each line once)
+    point = re.escape("tiny bf16 uniform EP2 T64")
+    lines = p.stderr.splitlines()
+    for phase in (r"inputs: ok", r"reference: ok",
+                  r"nccl \(1/1\) \| setup \(construct, buffers, JIT builds\): ok",
+                  r"nccl \(1/1\) \| check: first call against the reference: ok",
+                  r"nccl \(1/1\) \| timing fwd \(\d+ warmup \+ \d+ timed\): ok",
+                  r"nccl \(1/1\) \| timing bwd \(\d+ warmup \+ \d+ timed\): ok"):
+        rx = re.compile(rf"^mokbench \[\s*\d+\.\d s\] {point} \| {phase} in \d+\.\d s")
+        assert sum(bool(rx.match(ln)) for ln in lines) == 1, (phase, p.stderr[-3000:])
+    assert any(re.match(rf"^mokbench \[\s*\d+\.\d s\] {point} \| nccl \(1/1\) \| timing fwd .* ok in .*, median "
+                        rf"\d", ln) for ln in lines)
+    # the last line: where the rows went, and the command that reports them
+    run_dir = results_dir / df.run_id.iloc[0]
+    assert p.stdout.strip().splitlines()[-1] == (
+        f"mokbench: 2 rows (2 ok) in {run_dir}; report: python -m harness.report {run_dir} --out "
+        f"results/reports/{run_dir.name}")
+
+
+def test_progress_lines():
+    from harness.runner import Progress
+
+    pr = Progress(True, "kimi_k2_7 bf16 uniform EP8 T2048")
+    pr.backend = "deepep (2/6)"
+    assert re.fullmatch(r"mokbench \[\s*\d+\.\d s\] kimi_k2_7 bf16 uniform EP8 T2048 \| deepep \(2/6\) \| check",
+                        pr.line("check"))
+
+
+@pytest.mark.slow
+def test_multirun_table_says_which_point_and_workload(results_dir):
+    """A multirun on this machine (hydra/launcher=node): each point's table names its point and workload, and the
+    progress lines lead with the point's number."""
+    p = _cli("-m", "hydra/launcher=node", f"hydra.sweep.dir={results_dir}/sweep", "device=cpu",
+             "workload.tokens_per_gpu=64", "workload=uniform,zipf", "direction=fwd", "timing.num_iters=2",
+             tmp=results_dir)
+    assert p.returncode == 0, p.stderr[-3000:]
+    titles = [ln for ln in p.stdout.splitlines() if ln.startswith("sweep point #")]
+    assert len(titles) == 2 and "workload=uniform" in titles[0] and "workload=zipf" in titles[1], p.stdout
+    assert "zipf(s=1)" in p.stdout.split("sweep point #1")[1]
+    assert re.search(r"^mokbench \[\s*\d+\.\d s\] point #1 tiny bf16 zipf\(s=1\) EP2 T64 \| nccl", p.stderr, re.M)
+    assert len(results.load(results_dir)) == 2
+
+
+@pytest.mark.slow
+def test_traffic_is_measured_without_the_check(results_dir):
+    """check=false: no checked forward has run when the byte counts are taken, so the runner runs one (untimed);
+    the columns equal the checked run's for the same seed, and no rank prints a traceback."""
+    cols = ["dispatch_bytes", "dispatch_local_bytes", "combine_bytes", "combine_local_bytes"]
+    runs = {}
+    for check in ("true", "false"):
+        p = _cli("device=cpu", "shape=tiny", "timing=quick", "timing.num_warmup=1", "timing.num_iters=2",
+                 "timing.phase_iters=2", "workload.tokens_per_gpu=64", "workload.seed=3", f"check={check}",
+                 tmp=results_dir / check)
+        assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr[-3000:]
+        runs[check] = df = results.load(results_dir / check)
+        assert set(df.status) == {"ok"} and len(df) == 2
+    for d in ("fwd", "bwd"):
+        on, off = by(runs["true"], "nccl", d), by(runs["false"], "nccl", d)
+        assert pd_isna(off.rel_err) and not pd_isna(on.rel_err)  # the second run really skipped the check
+        assert [off[c] for c in cols] == [on[c] for c in cols] and off.dispatch_bytes > 0
+        assert off.dispatch_gb_s > 0 and off.combine_gb_s > 0 and off.raw_a2a_gb_s > 0
+        assert "traffic" not in str(off.get("notes", ""))
 
 
 @pytest.mark.parametrize("args,message", [

@@ -202,7 +202,7 @@ def test_schedule_counts_overflow_instead_of_dropping_silently():
 
 def test_every_sweep_variant_is_a_valid_tile_on_every_published_shape():
     """gpu_check applies each sweep variant's overrides to the shape's default tile: none may be refused there
-    (glm_5_2's default has tails, which flattened or paired loops refuse)."""
+    (glm_5_2's default has tails, which flattened loops refuse)."""
     from dataclasses import replace
 
     from kernels.mok_hopper.api import default_tile
@@ -218,7 +218,7 @@ def test_every_sweep_variant_is_a_valid_tile_on_every_published_shape():
 
 
 def test_fp8_tile_is_applied_once():
-    from kernels.mok_hopper.triton_kernels import TileConfig
+    from kernels.mok_hopper.tiles import TileConfig
 
     f8 = TileConfig().for_fp8()
     assert f8.fp8 and f8.for_fp8() == f8 and (f8.up_k, f8.up_n) == (128, 64)
@@ -252,8 +252,6 @@ def test_default_tile_gives_tails_where_experts_often_end_in_a_full_and_a_half_t
     tails = {name: default_tile(rows_per_expert=m).tail_rows for name, m in rows.items()}
     # (at 4 experts per GPU the flattened down loop wins: a tail is 1 item in 32)
     assert tails == {"kimi_k2_7": 0, "glm_5_2": 32, "qwen3_5_397b": 0, "deepseek_v4_pro": 0, "glm_5_2@4epg": 0}
-    assert not any(default_tile(rows_per_expert=m).pair_up or default_tile(rows_per_expert=m).pair_down
-                   for m in rows.values())  # v7's paired up tiles: replaced by tails (PERF_NOTES session 9)
     assert not default_tile(precision="fp8", rows_per_expert=128).tail_rows  # bf16 only
     assert not default_tile(device=torch.device("cpu"), rows_per_expert=128).tail_rows  # (the CPU's 32-row tiles)
 
@@ -272,17 +270,20 @@ def test_default_tile_runs_the_shared_expert_beside_the_up_gemm_on_cuda_only():
     assert wide.shared_sms == 0 and launch_programs(132, wide, ready=True, overlap=True, has_shared=True)["up"] == 32
 
 
-def test_paired_tiles_refuse_what_cannot_pair():
-    from dataclasses import replace
+def test_retired_tile_flags_are_gone():
+    """v7's paired tiles (replaced by tails in v9; the paired up GEMM spilled registers under Triton 3.8) and
+    session 9's early down GEMM (no gain) were retired: a sweep that still names them fails loudly."""
+    from dataclasses import fields, replace
 
-    from kernels.mok_hopper.triton_kernels import TileConfig
+    from kernels.mok_hopper.gpu_check import SWEEP
+    from kernels.mok_hopper.tiles import TileConfig
 
-    for kind, bad in (("up", dict(half_tiles=False)), ("up", dict(flat_up=True, ready_flags=False)),
-                      ("down", dict(half_tiles=False)), ("down", dict(flat_down=True))):
-        with pytest.raises(ValueError, match=f"pair_{kind} needs half_tiles=True and flat_{kind}=False"):
-            replace(TileConfig(), **{f"pair_{kind}": True}, **bad)
-    f8 = replace(TileConfig(), pair_up=True, pair_down=True).for_fp8()
-    assert not (f8.pair_up or f8.pair_down)
+    names = {f.name for f in fields(TileConfig)}
+    retired = {"pair_up", "pair_down", "up_pair_stages", "down_pair_stages", "early_down"}
+    assert not names & retired
+    assert not any(set(over) & retired for _, over, _ in SWEEP)
+    with pytest.raises(TypeError):
+        replace(TileConfig(), pair_up=True)
 
 
 def test_launch_programs_split_the_sms():
@@ -291,7 +292,7 @@ def test_launch_programs_split_the_sms():
     from dataclasses import replace
 
     from kernels.mok_hopper.api import launch_programs
-    from kernels.mok_hopper.triton_kernels import TileConfig
+    from kernels.mok_hopper.tiles import TileConfig
 
     base = TileConfig()
     kw = dict(ready=True, overlap=True, has_shared=True)
@@ -319,25 +320,11 @@ def test_flat_up_refuses_ready_flags():
     from dataclasses import replace
 
     from kernels.mok_hopper.api import MoKHopperLayer
-    from kernels.mok_hopper.triton_kernels import TileConfig
+    from kernels.mok_hopper.tiles import TileConfig
 
     w13, w2 = torch.zeros(2, 64, 32, dtype=torch.bfloat16), torch.zeros(2, 32, 32, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="flat_up needs ready_flags=False"):
         MoKHopperLayer(w13, w2, topk=1, tokens=4, tile=replace(TileConfig(), flat_up=True), rank=0, world=1)
-
-
-def test_early_down_refuses_what_cannot_wait():
-    from dataclasses import replace
-
-    from kernels.mok_hopper.api import launch_programs
-    from kernels.mok_hopper.triton_kernels import TileConfig
-
-    for over in (dict(flat_down=True), dict(ready_flags=False)):
-        with pytest.raises(ValueError, match="early_down needs ready_flags=True and flat_down=False"):
-            replace(TileConfig(), early_down=True, **over)
-    t = replace(TileConfig(), early_down=True, shared_sms=24)  # the SM split is that of the default
-    assert launch_programs(132, t, ready=True, overlap=True, has_shared=True) == launch_programs(
-        132, replace(t, early_down=False), ready=True, overlap=True, has_shared=True)
 
 
 def test_capacity_is_the_worst_case_up_to_ep2_and_moks_rule_beyond():
@@ -417,8 +404,8 @@ try:
     HAS_TRITON = True
 except ImportError:
     HAS_TRITON = False
-needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (pip install 'mokbench[triton]'): "
-                                                         "the interpreter kernel tests need it")
+needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (it comes with torch on Linux; "
+                                                         "pip install -e '.[test]'): the interpreter kernel tests need it")
 
 
 def run_kernels(xs, idx, ws, w13, w2, sh, *, precision="bf16", limit=None, rw_in="expert", capacity=None,
@@ -481,9 +468,7 @@ def test_kernels_edge_cases(mode, K, P):
 
 @needs_triton
 @pytest.mark.parametrize("precision,layout", [(p, lay) for p in ("bf16", "fp8")
-                                              for lay in ("half_tiles+ready", "full_tiles+events", "half_tiles+flat",
-                                                          "half_tiles+early")]
-                         + [("bf16", "half_tiles+pair"), ("bf16", "half_tiles+pair+early")])  # pairs: bf16 only
+                                              for lay in ("half_tiles+ready", "full_tiles+events", "half_tiles+flat")])
 @pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
 def test_kernels_with_small_tiles_walk_every_loop(precision, tma, layout):
     """Tiles much smaller than the matrices: several column tiles, several K steps, several tiles per expert and
@@ -491,12 +476,10 @@ def test_kernels_with_small_tiles_walk_every_loop(precision, tma, layout):
     paths: pointer loads, and TMA tensor descriptors. Three tile layouts: half tiles with the pull's ready
     counters (every granule of the used rows counted exactly once); full tiles only, without counters; half tiles
     run by the flattened GEMM loops at full height (the rows past a half tile's end, which belong to the next
-    tile, must not be stored); half tiles paired with the full tile before them (one item for both, the half
-    tile's own item skipped). With ``early``, the down GEMM takes its items off a work queue and waits per row tile
-    for the up GEMM's count of finished items, which must end at exactly I / up_n for every tile in use."""
+    tile, must not be stored)."""
     from dataclasses import replace
 
-    from kernels.mok_hopper.triton_kernels import TileConfig
+    from kernels.mok_hopper.tiles import TileConfig
 
     if precision == "fp8":  # fp8 steps follow the scale blocks (up 64 x 128, down 128 x 64): two of each here
         P, T, K, E, H, I = 2, 24, 3, 8, 256, 128
@@ -506,11 +489,8 @@ def test_kernels_with_small_tiles_walk_every_loop(precision, tma, layout):
         P, T, K, E, H, I = 4, 16, 3, 16, 128, 64
         tile = TileConfig(block_m=16, up_n=32, up_k=32, down_n=32, down_k=16, num_chunks=3, gemm_programs=3,
                           pull_programs=5, pull_rows=4, group_m=2)
-    half, flat, pair, early = (layout.startswith("half"), layout.endswith("flat"), "+pair" in layout,
-                               layout.endswith("early"))
-    tile = replace(tile, tma=tma, half_tiles=half, ready_flags=half and not flat, flat_up=flat, flat_down=flat,
-                   pair_up=pair, pair_down=pair, early_down=early,
-                   num_chunks=1 if pair else tile.num_chunks)  # (a pair never spans two chunks)
+    half, flat = layout.startswith("half"), layout.endswith("flat")
+    tile = replace(tile, tma=tma, half_tiles=half, ready_flags=half and not flat, flat_up=flat, flat_down=flat)
     xs, idx, ws, w13, w2, sh = make_layer_inputs(P, T, K, E, H, I, seed=13)
     runs, layers, _ = run_kernels(xs, idx, ws, w13, w2, sh, precision=precision, tile=tile, limit=1.0)
     want = twin.simulate(xs, idx, ws, w13, w2, shared=sh, fp8=precision == "fp8", block_m=16, limit=1.0)
@@ -520,43 +500,25 @@ def test_kernels_with_small_tiles_walk_every_loop(precision, tma, layout):
     sizes = {b - a for layer in layers for a, b in zip(layer.sched.tile_row_M1[: int(layer.sched.num_tiles)].tolist(),
                                                          layer.sched.tile_row_M1[1 : int(layer.sched.num_tiles) + 1].tolist())}
     assert sizes == ({8, 16} if half else {16})  # both tile kinds ran
-    if pair:  # some experts end in a full tile and a half tile: the pair items ran (and their half tiles' skipped)
-        pairs = 0
-        for layer in layers:
-            n = int(layer.sched.num_tiles)
-            rows, ex = layer.sched.tile_row_M1[: n + 1].tolist(), layer.sched.tile_expert_M[:n].tolist()
-            pairs += sum(rows[m + 1] - rows[m] == 16 and ex[m + 1] == ex[m] and rows[m + 2] - rows[m + 1] == 8
-                         for m in range(n - 1))
-        assert pairs > 0
     for layer in layers:
         if half and not flat:
             used = int(layer.sched.tile_row_M1[int(layer.sched.num_tiles)]) // 8
-            gran = layer.ready if layer.done is None else layer.ready[: -layer.done.numel()]
-            assert gran[:used].tolist() == [8] * used and not gran[used:].any()
+            assert layer.ready[:used].tolist() == [8] * used and not layer.ready[used:].any()
         else:
             assert layer.ready is None
-        n = int(layer.sched.num_tiles)
-        if early:  # every tile in use finished by the up GEMM exactly once per column block; the down queues drained
-            assert layer.done[:n].tolist() == [I // tile.up_n] * n and not layer.done[n:].any()
-            C, chunks = tile.num_chunks, layer.sched.chunk_tiles_C1.tolist()
-            drained = [(chunks[c + 1] - chunks[c]) * (H // tile.down_n) + tile.gemm_programs for c in range(C)]
-            assert layer.work[C:].tolist() == drained
-        else:
-            assert layer.done is None
 
 
 @needs_triton
-@pytest.mark.parametrize("early", [False, True], ids=["", "early"])
 @pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
-def test_kernels_with_tails_match_the_twin(tma, early):
+def test_kernels_with_tails_match_the_twin(tma):
     """Tails (bf16): tiles of BM/2 + TL and BM + TL rows run their last TL rows as a second MMA with the rows in N
     (W @ A^T) in both GEMMs. Every tile kind occurs, several column tiles and K steps, the pull's ready counters
-    in granules of TL rows (each counted once), with and without the early down GEMM."""
-    from kernels.mok_hopper.triton_kernels import TileConfig
+    in granules of TL rows (each counted once)."""
+    from kernels.mok_hopper.tiles import TileConfig
 
     P, T, K, E, H, I, BM, TL = 2, 64, 4, 8, 128, 64, 64, 16
     tile = TileConfig(block_m=BM, tail_rows=TL, up_n=32, up_k=32, down_n=32, down_k=32, num_chunks=1,
-                      gemm_programs=3, pull_programs=5, pull_rows=4, group_m=2, tma=tma, early_down=early)
+                      gemm_programs=3, pull_programs=5, pull_rows=4, group_m=2, tma=tma)
     xs, _, ws, w13, w2, sh = make_layer_inputs(P, T, K, E, H, I, seed=21)
     g = torch.Generator().manual_seed(0)  # uneven expert loads (24-94 rows): every tile kind below occurs
     load = torch.tensor([4.0, 7.0, 2.0, 6.0, 5.0, 7.5, 1.5, 6.0])
@@ -571,15 +533,13 @@ def test_kernels_with_tails_match_the_twin(tma, early):
         rows = layer.sched.tile_row_M1[: n + 1].tolist()
         sizes |= {b - a for a, b in zip(rows[:-1], rows[1:])}
         used = rows[n] // TL
-        gran = layer.ready if layer.done is None else layer.ready[: -layer.done.numel()]
-        assert gran[:used].tolist() == [TL] * used and not gran[used:].any()
-        if early:
-            assert layer.done[:n].tolist() == [I // tile.up_n] * n
+        assert layer.ready[:used].tolist() == [TL] * used and not layer.ready[used:].any()
     assert sizes == {BM // 2, BM // 2 + TL, BM, BM + TL}  # tails of both kinds, and plain tiles
 
 
 def test_tile_weights_puts_each_tma_block_in_one_run_of_memory():
-    from kernels.mok_hopper.triton_kernels import TileConfig, tile_weights
+    from kernels.mok_hopper.gemm_common import tile_weights
+    from kernels.mok_hopper.tiles import TileConfig
 
     w = torch.arange(2 * 8 * 12, dtype=torch.float32).reshape(2, 8, 12)
     t = tile_weights(w, 4, 3)
@@ -600,7 +560,7 @@ def test_tile_weights_puts_each_tma_block_in_one_run_of_memory():
 
 
 def test_tile_weights_gu_interleaves_gate_and_up_rows_in_each_block():
-    from kernels.mok_hopper.triton_kernels import tile_weights_gu
+    from kernels.mok_hopper.gemm_common import tile_weights_gu
 
     L, I, H, bn, bk = 2, 8, 12, 4, 3
     w13 = torch.arange(L * 2 * I * H, dtype=torch.float32).reshape(L, 2 * I, H)
@@ -626,21 +586,21 @@ def test_default_tile_tiles_the_weights_on_cuda_only():
 
 
 @needs_triton
-@pytest.mark.parametrize("layout", ["tails", "pair", "flat", "fp8", "fused", "fused+tails"])
+@pytest.mark.parametrize("layout", ["tails", "flat", "fp8", "fused", "fused+tails"])
 def test_tiled_weights_change_no_bit(layout):
     """The weights in TMA block order (w_tiled) feed the same blocks to the same MMAs as row-major weights: both
-    GEMMs, every item kind (tails, pairs, the flattened loops, fp8's scaled steps) give identical bits. The fused
+    GEMMs, every item kind (tails, the flattened loops, fp8's scaled steps) give identical bits. The fused
     gate/up MMA (up_fused: one N = 2 x up_n MMA over interleaved gate and up rows, split after the loop) too, on
     the interpreter, whose dot sums each output element alone."""
     from dataclasses import replace
 
-    from kernels.mok_hopper.triton_kernels import TileConfig
+    from kernels.mok_hopper.tiles import TileConfig
 
     P, T, K, E, H, I = 2, 48, 4, 8, 256, 128
     precision = "fp8" if layout == "fp8" else "bf16"
     tile = TileConfig(block_m=32, up_n=32, up_k=32, down_n=64, down_k=32, num_chunks=1, gemm_programs=3,
                       pull_programs=5, pull_rows=4, group_m=2, tma=True)
-    tile = {"tails": replace(tile, block_m=64, tail_rows=16), "pair": replace(tile, pair_up=True, pair_down=True),
+    tile = {"tails": replace(tile, block_m=64, tail_rows=16),
             "flat": replace(tile, flat_up=True, flat_down=True, ready_flags=False), "fp8": tile.for_fp8(),
             "fused": tile, "fused+tails": replace(tile, block_m=64, tail_rows=16)}[layout]
     tiled_tile = replace(tile, w_tiled=True, up_fused=layout.startswith("fused"))
@@ -719,12 +679,12 @@ def test_functional_form_on_one_rank():
 
 @needs_triton
 def test_quantize_rows_kernel_matches_torch():
-    from kernels.mok_hopper import triton_kernels as tk
+    from kernels.mok_hopper.pull import quantize_rows
 
     x = (torch.randn(8, 256) * torch.logspace(-2, 2, 8)[:, None]).bfloat16()
     q = torch.empty(8, 256, dtype=torch.float8_e4m3fn)
     s = torch.empty(8, 2)
-    tk.quantize_rows(x, q, s)
+    quantize_rows(x, q, s)
     wq, ws_ = quantize_blocks(x, 1, 128)
     assert torch.equal(s, ws_) and torch.equal(q.view(torch.uint8), wq.view(torch.uint8))
 
@@ -750,11 +710,44 @@ def test_every_kernel_variant_compiles_for_hopper_without_spills():
     p = subprocess.run([sys.executable, "-m", "kernels.mok_hopper.aot_check", "--arch", "90"], capture_output=True,
                        text=True, env=env, cwd=Path(__file__).resolve().parent.parent, timeout=300)
     assert p.returncode == 0, p.stdout + p.stderr[-3000:]
-    assert "up fp8" in p.stdout and "down bf16" in p.stdout and "up bf16 paired" in p.stdout
+    assert "up fp8" in p.stdout and "down bf16" in p.stdout and "Triton " in p.stdout
     assert "up bf16 tails 32 tma" in p.stdout and "down bf16 x w tails 32 tma" in p.stdout
     assert "up fp8 tma row-major" in p.stdout and "down bf16 x w tma row-major" in p.stdout  # (w_tiled off)
     assert "up bf16 fused tma" in p.stdout and "up bf16 fused tails 32 tma" in p.stdout  # (up_fused)
     assert "down bf16 x w 256 tails 32 tma" in p.stdout  # (glm_5_2's v11 down GEMM)
+
+
+@needs_triton
+@pytest.mark.slow
+@pytest.mark.skipif(not _has_nvidia_backend(), reason="Triton has no NVIDIA backend (ptxas) here")
+def test_every_sweep_variant_compiles_for_hopper_without_spills():
+    """gpu_check's sweep tiles too: a variant that cannot compile would only fail on a leased GPU."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    p = subprocess.run([sys.executable, "-m", "kernels.mok_hopper.aot_check", "--arch", "90", "--sweep"],
+                       capture_output=True, text=True, env=env, cwd=Path(__file__).resolve().parent.parent,
+                       timeout=600)
+    assert p.returncode == 0, p.stdout + p.stderr[-3000:]
+    assert "[down BK 128 x 3 st]" in p.stdout and "[tails of 16 rows (]" in p.stdout
+
+
+def test_the_triton_range_has_one_source():
+    """pyproject's Triton dependency is the range the kernels are checked on, and the backend refuses others."""
+    import tomllib
+    from pathlib import Path
+
+    from kernels.mok_hopper import TRITON_SPEC, triton_unsupported
+
+    meta = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())["project"]
+    (dep,) = [d for d in meta["dependencies"] if d.startswith("triton")]
+    assert dep.split(";")[0].strip() == f"triton{TRITON_SPEC}"
+    for ok in ("3.6.0", "3.7.1", "3.8.0", "3.8.0+git1234"):
+        assert triton_unsupported(ok) is None
+    for bad in ("3.5.1", "3.9.0", "4.0.0"):
+        assert f"pip install 'triton{TRITON_SPEC}'" in triton_unsupported(bad)
 
 
 def test_a_sweep_variant_is_timed_against_the_default_interleaved(monkeypatch):

@@ -137,8 +137,12 @@ def test_history_chart(tmp_path):
     df = results.to_frame(rows)
     fig = P.plot_history(df)
     ticks = [t.get_text() for t in fig.axes[0].get_xticklabels()]
-    assert ticks == ["cccc3333", "aaaa1111", "bbbb2222"]  # timestamp order, not alphabetical
-    assert "error" in texts(fig)
+    assert ticks == ["cccc333", "aaaa111", "bbbb222"]  # timestamp order, not alphabetical
+    foot = " ".join(t.get_text() for t in fig.texts).replace("\n", " ")
+    assert "MoK Hopper (ours) backward at bbbb222: error" in foot  # the status in the footnote, not stacked on the axis
+    assert not [t for ax in fig.axes for t in ax.texts if "error" in t.get_text()]
+    title = fig.texts[0].get_text().replace("\n", " ")
+    assert "Qwen3.5-397B, BF16, NVIDIA H200 · EP 8" in title  # named, not a hash alone
     saved(fig, tmp_path, "history")
     with pytest.raises(ValueError):
         P.plot_history(pd.concat([df, results.to_frame([S.row("nccl", "glm_5_2")])]))
@@ -149,36 +153,94 @@ def test_report_charts_names(tmp_path):
     published = R.load_published()
     df = pd.concat([results.to_frame(sweep), published[published["precision"] == "bf16"]], ignore_index=True)
     written = P.report_charts(df, tmp_path, formats=("png",), history=[sweep[0]["config_hash"]])
-    assert set(written) == {"panels_gb300-published-ep-64-2048-tokens-gpu",
-                            "panels_nvidia-h200-ep-8-2048-tokens-gpu-1-node",
-                            "panels_nvidia-h200-ep-8-4096-tokens-gpu-1-node",
-                            "sweep_tokens_per_gpu",
-                            "roofline_nvidia-h200-ep-8-2048-tokens-gpu-1-node",
-                            "roofline_nvidia-h200-ep-8-4096-tokens-gpu-1-node",  # none for the published data
-                            f"history_{sweep[0]['config_hash']}"}
+    assert set(written) == {"panels_published-mok-gb300-figure-gb300-published-ep-64-2048-tokens-gpu",
+                            "panels_run-a-nvidia-h200-ep-8-2048-tokens-gpu-1-node",
+                            "panels_run-a-nvidia-h200-ep-8-4096-tokens-gpu-1-node",
+                            "sweep_tokens_per_gpu_run-a",
+                            "roofline_run-a-nvidia-h200-ep-8-2048-tokens-gpu-1-node",
+                            "roofline_run-a-nvidia-h200-ep-8-4096-tokens-gpu-1-node",  # none for the published data
+                            f"history_qwen3-5-397b-bf16-ep8-2048tok-{sweep[0]['config_hash'][:6]}"}
     assert all(p.exists() and p.suffix == ".png" for ps in written.values() for p in ps)
 
 
-def test_analysis_notebook_runs_headless(tmp_path, monkeypatch):
-    nbformat = pytest.importorskip("nbformat")
-    nbclient = pytest.importorskip("nbclient")
-    pytest.importorskip("ipykernel")
-    rows = pd.concat([S.mixed_environments(), results.to_frame([S.row("deepep_te", status="oom")])],
-                     ignore_index=True)
-    results.write_rows(tmp_path / "results" / "run" / "rows.csv", rows.to_dict("records"))
-    monkeypatch.setenv("MOKBENCH_RESULTS", str(tmp_path / "results"))
-    monkeypatch.setenv("MOKBENCH_NOTEBOOK_OUT", str(tmp_path / "charts"))
+def _run_notebook(monkeypatch, results_path: Path, out: Path):
+    nbformat = pytest.importorskip("nbformat", reason="nbformat is not installed: pip install nbformat nbclient")
+    nbclient = pytest.importorskip("nbclient", reason="nbclient is not installed: pip install nbclient")
+    pytest.importorskip("ipykernel", reason="ipykernel is not installed: pip install ipykernel")
+    monkeypatch.setenv("MOKBENCH_RESULTS", str(results_path))
+    monkeypatch.setenv("MOKBENCH_NOTEBOOK_OUT", str(out))
     monkeypatch.setenv("MPLBACKEND", "Agg")
     monkeypatch.setenv("MOKBENCH_NOTEBOOK_FORMATS", "png")
+    monkeypatch.setenv("PYTHONPATH", str(REPO) + ":" + __import__("os").environ.get("PYTHONPATH", ""))
     nb = nbformat.read(REPO / "notebooks" / "analysis.ipynb", as_version=4)
-    nbclient.NotebookClient(nb, timeout=120, kernel_name="python3",
+    nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
                             resources={"metadata": {"path": str(REPO / "notebooks")}}).execute()
-    errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
-    assert not errors
-    out = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
-    assert f"{len(rows)} measured rows" in out
+    errors = [f"{o.get('ename')}: {o.get('evalue')}" for c in nb.cells if c.cell_type == "code" for o in c.outputs
+              if o.output_type == "error"]
+    assert not errors, errors
+    out_text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
     images = sum("image/png" in o.get("data", {}) for c in nb.cells if c.cell_type == "code" for o in c.outputs)
-    charts = {p.name for p in (tmp_path / "charts").glob("*.png")}
+    return out_text, images, {p.name for p in out.glob("*.png")}
+
+
+def test_analysis_notebook_runs_headless(tmp_path, monkeypatch):
+    rows = pd.concat([S.mixed_environments(), results.to_frame([S.row("deepep_te", status="oom"),
+                                                                 S.row("mok_hopper", "glm_5_2", run_id="h200",
+                                                                       latency_p20_ms=None, latency_p80_ms=None)])],
+                     ignore_index=True)
+    results.write_rows(tmp_path / "results" / "run" / "rows.csv", rows.to_dict("records"))
+    out, images, charts = _run_notebook(monkeypatch, tmp_path / "results", tmp_path / "charts")
+    assert f"{len(rows)} measured rows" in out
     assert images == len(charts) >= 5
     assert "published_panels.png" in charts
-    assert any(n.startswith("roofline_nvidia-h200") for n in charts)
+    assert any(n.startswith("roofline_h200-nvidia-h200") for n in charts)  # one per run and environment
+
+
+@pytest.mark.slow
+def test_analysis_notebook_runs_on_the_committed_results(tmp_path, monkeypatch):
+    """The notebook on what a clean clone holds (results/runs, as harness.report reads it): single-sample rows
+    (p20 = p80 = median), failed rows, several runs and environments."""
+    committed = results.load(results.REFERENCE_RUNS)
+    assert len(committed), "results/runs holds no rows"
+    out, images, charts = _run_notebook(monkeypatch, results.REFERENCE_RUNS, tmp_path / "charts")
+    assert f"{len(committed)} measured rows, {committed['run_id'].nunique()} runs" in out
+    assert images == len(charts) and any(n.startswith("panels_h200x2-v11-compiled") for n in charts)
+
+
+def test_panels_draw_p20_p80_whiskers_and_no_axis_without_an_ok_row(tmp_path):
+    rows = [S.row("nccl", spread=0.05), S.row("mok_hopper", spread=0.0),  # one sample: p20 = p80 = median
+            S.row("nccl", direction="bwd", status="error"), S.row("mok_hopper", direction="bwd", status="oom")]
+    fig = P.plot_panels(results.to_frame(rows))
+    fwd, bwd = fig.axes[0], fig.axes[1]
+    lines = [c for c in fwd.collections if c.__class__.__name__ == "LineCollection"]
+    segs = [seg for c in lines for seg in c.get_segments()]
+    assert len(segs) == 2  # a whisker per bar
+    nccl = S.tflops_for("nccl", "qwen3_5_397b", "bf16", "fwd")
+    lo, hi = sorted(segs, key=lambda s: -abs(s[1][1] - s[0][1]))[0][:, 1]
+    assert sorted((lo, hi)) == pytest.approx([nccl / 1.05, nccl / 0.95])
+    assert list(bwd.get_yticks()) == [] and any("no ok row" in t.get_text() for t in bwd.texts)
+    assert len(fwd.get_yticks()) > 0
+    saved(fig, tmp_path, "whiskers")
+
+
+def test_cpu_twin_rows_are_labelled_as_the_twin_not_the_kernel():
+    cpu = {"gpu_name": None, "device": "cpu"}
+    df = R.prepare(results.to_frame([S.row("nccl", env=cpu), S.row("mok_hopper", env=cpu, notes="CPU twin (pure "
+                                                                                                   "torch, gloo)"),
+                                     S.row("mok_hopper")]))  # the H200 row is the kernel
+    assert sorted(df["backend"]) == ["mok_hopper", "mok_hopper_cpu_twin", "nccl"]
+    envs = R.environments(df)
+    cpu_env = next(e for e in envs if R._isna(e["gpu_name"]))
+    labels = legend_labels(P.plot_panels(df, cpu_env))
+    assert "MoK Hopper CPU twin (pure torch, not the kernel)" in labels and "MoK Hopper (ours)" not in labels
+
+
+def test_wide_panels_stay_legible(tmp_path):
+    shapes = [f"{s}@{n}epg" for s in S.SHAPES for n in (4, 8)]  # eight shape groups, two directions
+    rows = [dict(S.row(b, "kimi_k2_7", "bf16", d), shape=s) for b in ("nccl", "deepep", "mok_hopper") for s in shapes
+            for d in ("fwd", "bwd")]
+    fig = P.plot_panels(results.to_frame(rows))
+    width, _ = fig.get_size_inches()
+    assert width <= P.MAX_WIDTH_IN
+    assert [ax.get_title() for ax in fig.axes] == ["BF16 forward", "BF16 backward"]  # stacked, one per row
+    saved(fig, tmp_path, "wide")

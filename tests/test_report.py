@@ -17,7 +17,7 @@ from harness import report as R  # noqa: E402
 from harness import results  # noqa: E402
 from harness.roofline import attach_calibration, layer_floors, layer_flops, load_calibration  # noqa: E402
 
-# best baseline per published cell, as read in mok-methodology.md section 10
+# best baseline per published cell, as read in docs/methodology.md section 10 (values: results/published/)
 PUBLISHED_BEST = {
     ("mxfp8", "fwd"): ["hybridep_megatron"] * 4,
     ("mxfp8", "bwd"): ["hybridep_megatron"] * 4,
@@ -50,7 +50,7 @@ def test_published_file_is_labelled_and_not_a_results_file(published):
 
 def test_published_latency_is_implied_by_the_formula(published):
     mok = published[published["backend"] == "mok"].set_index(["precision", "direction", "shape"])
-    # mok-methodology.md section 10: implied MoK latency
+    # docs/methodology.md section 10: implied MoK latency
     assert mok.loc[("mxfp8", "fwd", "qwen3_5_397b"), "latency_ms"] == pytest.approx(1.06, abs=0.01)
     assert mok.loc[("bf16", "bwd", "deepseek_v4_pro"), "latency_ms"] == pytest.approx(3.42, abs=0.01)
     assert mok.loc[("mxfp8", "fwd", "kimi_k2_7"), "flops_per_gpu"] == pytest.approx(1.623e12, rel=1e-3)
@@ -207,7 +207,7 @@ def test_repeated_runs_take_the_median_and_any_ok_row():
     rows.append(S.row("nccl", status="timeout", run_id="r9", timestamp="2026-12-09T00:00:00+00:00"))
     rows += [S.row("deepep", status="oom", run_id="r1"),
              S.row("deepep", status="error", run_id="r2", timestamp="2026-12-05T00:00:00+00:00")]
-    agg = R.aggregate(results.to_frame(rows)).set_index("backend")
+    agg = R.aggregate(R.prepare(results.to_frame(rows), "pooled")).set_index("backend")
     assert agg.loc["nccl", "tflops_per_gpu"] == pytest.approx(110.0)
     assert agg.loc["nccl", "status"] == "ok" and agg.loc["nccl", "num_ok"] == 3
     assert agg.loc["deepep", "status"] == "error"  # the most recent row's status
@@ -264,9 +264,10 @@ def test_cli_charts_calibration_and_history(tmp_path):
                  "--formats", "png", "--history"])
     assert rc == 0
     pngs = sorted(p.name for p in (tmp_path / "out").glob("*.png"))
-    assert pngs == ["history_" + rows[0]["config_hash"] + ".png",
-                    "panels_nvidia-h200-ep-8-4096-tokens-gpu-1-node.png",
-                    "roofline_nvidia-h200-ep-8-4096-tokens-gpu-1-node.png"]
+    # one panel and roofline chart per run (never pooled by default); the history spans both, named by its config
+    assert pngs == ["history_qwen3-5-397b-bf16-ep8-4096tok-" + rows[0]["config_hash"][:6] + ".png",
+                    *[f"{kind}_{run}-nvidia-h200-ep-8-4096-tokens-gpu-1-node.png"
+                      for kind in ("panels", "roofline") for run in ("r0", "r1")]]
     md = (tmp_path / "out" / "claims.md").read_text()
     assert all(f"({p})" in md for p in pngs)
 
@@ -335,6 +336,107 @@ def test_calibration_lookup(tmp_path):
     bad.write_text("gpu_name,foo\nx,1\n")
     with pytest.raises(ValueError):
         load_calibration(bad)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# scope: a report never pools runs unless asked
+
+
+def _two_runs() -> pd.DataFrame:
+    """The same cell measured in two runs: the kernel 2.0x its baseline in the old run, 1.2x in the new one."""
+    rows = []
+    for run, t, speed in (("old", "2026-12-01T00:00:00+00:00", 2.0), ("new", "2026-12-02T00:00:00+00:00", 1.2)):
+        rows += [S.row("nccl", tflops=100.0, run_id=run, timestamp=t),
+                 S.row("mok_hopper", tflops=100.0 * speed, run_id=run, timestamp=t)]
+    rows.append(S.row("deepep", tflops=150.0, run_id="old", timestamp="2026-12-01T00:00:00+00:00"))
+    return results.to_frame(rows)
+
+
+def test_report_never_pools_by_default(tmp_path):
+    df = _two_runs()
+    head = R.headline_table(R.claims_table(R.prepare(df)))
+    got = {r["run_id"]: r["max_speedup"] for r in head.to_dict("records")}
+    assert got == {"new": pytest.approx(1.2), "old": pytest.approx(200 / 150)}  # each over its own run's best
+    assert list(head["run_id"]) == ["new", "old"]  # newest first
+    pooled = R.headline_table(R.claims_table(R.prepare(df, "pooled")))
+    assert list(pooled["run_id"]) == ["POOLED over 2 runs"]
+    assert pooled["max_speedup"].iloc[0] == pytest.approx(160 / 150)  # median 160 over deepep 150, across runs
+    latest = R.headline_table(R.claims_table(R.prepare(df, "latest")))
+    assert list(latest["run_id"]) == ["new"]
+
+    results.write_rows(tmp_path / "in" / "a.csv", df.to_dict("records"))
+    assert R.main([str(tmp_path / "in"), "--out", str(tmp_path / "run"), "--no-charts"]) == 0
+    md = (tmp_path / "run" / "claims.md").read_text()
+    assert "Scope: each run on its own" in md and "POOLED" not in md
+    assert md.index("## new · NVIDIA H200") < md.index("## old · NVIDIA H200")
+    assert R.main([str(tmp_path / "in"), "--out", str(tmp_path / "pool"), "--pool", "--formats", "png"]) == 0
+    md = (tmp_path / "pool" / "claims.md").read_text()
+    assert "Scope: POOLED across runs" in md and "## POOLED over 2 runs · NVIDIA H200" in md
+    charts = [p.name for p in (tmp_path / "pool").glob("*.png")]
+    assert charts and all("pooled-over-2-runs" in n for n in charts)  # the chart says so too
+    assert len(pd.read_csv(tmp_path / "pool" / "claims.csv")) == 1
+
+
+def test_default_output_keeps_your_runs_out_of_the_committed_reports(tmp_path):
+    assert R.default_out([]) == R.DEFAULT_OUT  # the committed reference runs -> results/reports
+    assert R.default_out([str(results.REFERENCE_RUNS / "h200x2-v11-compiled-20261130T174618")]) == R.DEFAULT_OUT
+    assert R.default_out([str(results.LOCAL_RUNS)]) == results.LOCAL_RUNS / "reports"
+    assert R.default_out([str(tmp_path)]) == results.LOCAL_RUNS / "reports"
+    from harness.config import BenchConfig
+
+    assert Path(BenchConfig.results_dir) == Path("results/local")  # harness.run writes there by default
+    ignored = (REPO / ".gitignore").read_text().split()
+    assert "results/local/" in ignored
+
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _bad(tmp_path: Path, case: str) -> tuple[Path, str]:
+    good = results.to_frame([S.row("nccl"), S.row("mok_hopper"), S.row("deepep")]).to_csv(index=False)
+    lines = good.splitlines()
+    d = tmp_path / "in"
+    d.mkdir()
+    f = d / "r.csv"
+    if case == "empty":
+        f.write_text("")
+        return f, "empty file"
+    if case == "not csv":
+        f.write_bytes(b"PK\x03\x04\x00\x00binary")
+        return f, "not a CSV file"
+    if case == "no row_id":
+        f.write_text(good.replace("run_id,row_id,", "run_id,id,", 1))
+        return f, "no row_id column"
+    if case == "truncated":
+        f.write_text("\n".join(lines[:2]) + "\n" + lines[2][:40] + "\n")
+        return f, "line 3 has"
+    raise AssertionError(case)
+
+
+@pytest.mark.parametrize("case", ["empty", "not csv", "no row_id", "truncated"])
+def test_cli_bad_input_is_one_line_and_exit_2(tmp_path, capsys, case):
+    f, words = _bad(tmp_path, case)
+    out = tmp_path / "out"
+    assert R.main([str(f), "--out", str(out), "--no-charts"]) == 2
+    cap = capsys.readouterr()
+    assert cap.out == "" and len(cap.err.strip().splitlines()) == 1, cap.err
+    assert str(f) in cap.err and words in cap.err
+    assert not out.exists()
+
+
+def test_cli_says_how_many_files_it_skipped(tmp_path, capsys):
+    results.write_rows(tmp_path / "in" / "a.csv", [S.row("nccl"), S.row("mok_hopper")])
+    (tmp_path / "in" / "smi.csv").write_text("timestamp,power.draw\n1,2\n")
+    (tmp_path / "in" / "empty.csv").write_text("")
+    assert R.main([str(tmp_path / "in"), "--out", str(tmp_path / "out"), "--no-charts"]) == 0
+    assert "skipped 2 files that hold no results" in capsys.readouterr().out
+    assert "skipped 2 files" in (tmp_path / "out" / "claims.md").read_text()
+    only = tmp_path / "only"
+    only.mkdir()
+    (only / "smi.csv").write_text("timestamp,power.draw\n1,2\n")
+    assert R.main([str(only), "--out", str(tmp_path / "o2"), "--no-charts"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "skipped 1 file" in err and not (tmp_path / "o2").exists()
 
 
 def test_the_report_shows_iteration_counts_other_than_the_published(tmp_path):

@@ -155,25 +155,46 @@ def test_dry_run_rejects_bad_point_like_a_local_run(tmp_path):
     assert not (tmp_path / "results").exists()
 
 
-@pytest.mark.parametrize("experiment,jobs,gpus_per_job,precisions", [
-    ("gb300_published", 16, 64, ("bf16", "mxfp8")),
-    ("h200_published", 16, 8, ("bf16", "fp8")),
+@pytest.mark.parametrize("experiment,jobs,gpus_per_job,precisions,contender", [
+    ("gb300_published", 8, 64, ("bf16", "mxfp8"), "mok"),
+    ("h200_published", 8, 8, ("bf16", "fp8"), "mok_hopper"),
 ])
-def test_dry_run_of_the_published_sweeps(tmp_path, experiment, jobs, gpus_per_job, precisions):
-    """The README's sweeps: four shapes x two precisions x fwd/bwd, validated for GPU jobs from a CPU machine."""
+def test_dry_run_of_the_published_sweeps(tmp_path, experiment, jobs, gpus_per_job, precisions, contender):
+    """The published sweeps: four shapes x two precisions, forward and backward in one job, every backend of the
+    figure, validated for GPU jobs from a CPU machine. (tests/test_reproduce.py runs the README's commands.)"""
     r = subprocess.run([sys.executable, "-m", "harness.run", "-m", f"+experiment={experiment}",
                         "hydra.launcher.dry_run=true", f"hydra.sweep.dir={tmp_path}/sweep"], cwd=REPO,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     total = gpus_per_job * jobs
     assert f"{jobs} sweep points -> {jobs} slurm jobs" in r.stdout
-    assert f"total: {jobs} jobs x {gpus_per_job} GPUs = {total} GPUs allocated, at most {total:.1f} GPU-hours" in r.stdout
+    assert (f"total: {jobs} jobs x {gpus_per_job} GPUs = {total} GPUs allocated, at most {total:.1f} GPU-hours"
+            in r.stdout)
     for shape in ("deepseek_v4_pro", "glm_5_2", "kimi_k2_7", "qwen3_5_397b"):
         for prec in precisions:
-            for d in ("fwd", "bwd"):
-                assert f"shape={shape} precision={prec} direction={d}" in r.stdout
+            assert f"shape={shape} precision={prec}: " in r.stdout
+    backends = f"backends: nccl, deepep, hybridep, deepep_te, hybridep_megatron, {contender}; directions: fwd, bwd"
+    assert r.stdout.count(backends) == jobs, r.stdout
     assert f"EP {gpus_per_job}," in r.stdout
     assert not (tmp_path / "sweep" / ".submitit").exists()
+
+
+def test_node_launcher_dry_run_and_up_front_validation(tmp_path):
+    """hydra/launcher=node: a bad point stops the sweep before the first point runs; a dry run plans and runs
+    nothing."""
+    base = [sys.executable, "-m", "harness.run", "-m", "hydra/launcher=node", f"hydra.sweep.dir={tmp_path}/sweep",
+            f"results_dir={tmp_path}/results", "device=cpu", "workload.routing=hot_rank"]
+    r = subprocess.run(base + ["workload.hot_rank=0,5"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "sweep point #1 (workload.hot_rank=5): workload.hot_rank=5 is not a rank of ep_size=2" in r.stderr
+    assert not (tmp_path / "results").exists()  # point #0 did not run either
+    r = subprocess.run(base + ["workload.hot_rank=0,1", "backends=[nccl,reference]", "hydra.launcher.dry_run=true"],
+                       cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "2 sweep points -> 2 run one after another on this machine" in r.stdout
+    assert r.stdout.count("backends: nccl, reference; directions: fwd, bwd") == 2
+    assert "EP 2, 0 GPUs, cpu, no time limit" in r.stdout
+    assert not (tmp_path / "results").exists()
 
 
 def test_dry_run_ep_size_sets_the_node_count(tmp_path):

@@ -11,6 +11,25 @@ from typing import Any
 
 __all__ = ["MoKHopperLayer", "mok_hopper_forward"]
 
+# The Triton releases the kernels are checked on: every default and sweep kernel compiles for sm_90 without register
+# spills on both ends (``python -m kernels.mok_hopper.aot_check --sweep``), and the GPU tests pass on 3.6 (the GPU
+# image's). pyproject.toml's dependency names the same range (tests/test_mok_hopper.py checks that they agree).
+TRITON_SPEC = ">=3.6,<3.9"
+TRITON_RANGE = ((3, 6), (3, 9))  # [lowest, first unsupported) (major, minor)
+
+
+def triton_unsupported(version: str) -> str | None:
+    """Why this Triton version is outside :data:`TRITON_SPEC`, or None."""
+    try:
+        got = tuple(int(p) for p in version.split("+")[0].split(".")[:2])
+    except ValueError:
+        return f"cannot read the Triton version {version!r}; the kernels need triton{TRITON_SPEC}"
+    lo, hi = TRITON_RANGE
+    if lo <= got < hi:
+        return None
+    return (f"Triton {version} is outside the checked range triton{TRITON_SPEC} (register use and spills change "
+            f"between releases): pip install 'triton{TRITON_SPEC}'")
+
 
 def __getattr__(name: str) -> Any:
     if name in __all__:

@@ -11,7 +11,9 @@ It does not run anything. Must run without TRITON_INTERPRET.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -19,32 +21,47 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 SMEM_LIMIT = {90: 232448, 100: 232448}  # bytes of dynamic shared memory per block (opt-in maximum)
+KERNEL_MODULES = ("schedule_kernels", "pull", "up_gemm", "down_gemm")  # where the kernels live, by stage
+
+
+def kernel(name: str) -> Any:
+    """The ``@triton.jit`` kernel called ``name`` in one of :data:`KERNEL_MODULES`."""
+    import importlib
+
+    for module in KERNEL_MODULES:
+        fn = getattr(importlib.import_module(f"kernels.mok_hopper.{module}"), name, None)
+        if fn is not None:
+            return fn
+    raise KeyError(f"no kernel {name!r} in kernels.mok_hopper.{{{', '.join(KERNEL_MODULES)}}}")
 
 
 @dataclass
 class Variant:
     label: str
-    kernel: str  # attribute of triton_kernels
+    kernel: str  # a kernel's name in one of KERNEL_MODULES
     types: dict[str, str]  # runtime argument -> Triton type string
     constexprs: dict[str, Any]
     num_warps: int
 
 
-def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048) -> list[Variant]:
+def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048, extras: bool = True) -> list[Variant]:
     """The launches one forward makes (routed and shared GEMMs, bf16 and fp8), at the given tile config (by default
-    the CUDA default's: TMA operands over tiled weights, and also the row-major TMA GEMMs)."""
-    from kernels.mok_hopper import triton_kernels as tk
+    the CUDA default's: TMA operands over tiled weights). With ``extras``, for a plain tile also the GEMMs of the
+    other default tiles (tails, the fused gate/up MMA, 256-wide down) and the row-major TMA GEMMs."""
+    from kernels.mok_hopper.fp8 import FP8_MAX
+    from kernels.mok_hopper.schedule_kernels import DeviceScheduler
+    from kernels.mok_hopper.tiles import TileConfig, ready_granule
 
-    cfg = cfg or tk.TileConfig(w_tiled=True)
+    cfg = cfg or TileConfig(w_tiled=True)
     f8 = cfg.for_fp8()
     nprog = 108
     out: list[Variant] = []
     out.append(Variant("quant x 1x128", "_quant_rows_kernel",
                        dict(x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32", H="i32"),
-                       dict(ROWS=8, BLOCK=128, FP8_MAX_=tk.FP8_MAX), 4))
+                       dict(ROWS=8, BLOCK=128, FP8_MAX_=FP8_MAX), 4))
     out.append(Variant("gather idx", "_gather_i32_kernel",
                        dict(ref_ptr="*i32", delta_table="*i64", out_ptr="*i32", N="i32"), dict(BLOCK=1024), 4))
-    sb, lp = tk.DeviceScheduler.SB, 256  # the schedule at 192 local experts (kimi_k2_7 at EP=2)
+    sb, lp = DeviceScheduler.SB, 256  # the schedule at 192 local experts (kimi_k2_7 at EP=2)
     out.append(Variant("schedule hist", "_sched_hist_kernel",
                        dict(idx_ref="*i32", idx_delta="*i64", idx_all="*i32", hist_ptr="*i32", rank_ptr="*i32",
                             S="i32", TK="i32", e_lo="i32", L="i32"), dict(SB=sb, LP=lp), 4))
@@ -76,7 +93,7 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048) -> list[Varia
                                 x_out=xt, xs_out="*fp32" if fp8 else xt, w_out="*fp32", TK="i32", K="i32",
                                 H="i32", HS="i32"),
                            dict(BR=cfg.pull_rows, BH=hp, HSP=1 << (hs - 1).bit_length(), FP8=fp8,
-                                PULL_W=pull_w, NUM_PROGS=48, READY=cfg.ready_flags, GRAN=tk.ready_granule(cfg)),
+                                PULL_W=pull_w, NUM_PROGS=48, READY=cfg.ready_flags, GRAN=ready_granule(cfg)),
                            cfg.pull_warps))
     def operand(t: str, block: list[int], tma: bool) -> str:  # a pointer, or a TMA descriptor with its block
         return f"tensordesc<{t[1:]}[{block[0]}, {block[1]}]>" if tma else t
@@ -93,12 +110,11 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048) -> list[Varia
                                     w_ptr=operand(t, [c.up_n * (2 if c.up_fused else 1), c.up_k], tma),
                                     ws_ptr="*fp32", h_ptr=t, hs_ptr="*fp32",
                                     tile_expert_ptr="*i32", tile_row_ptr="*i32", chunk_ptr="*i32", ready_ptr="*i32",
-                                    work_ptr="*i32", done_ptr="*i32", n_rows="i32", H="i32", I="i32", limit="fp32"),
+                                    work_ptr="*i32", n_rows="i32", H="i32", I="i32", limit="fp32"),
                                dict(BM=c.block_m, BN=c.up_n, BK=c.up_k, FP8=fp8, HAS_LIMIT=limit, NUM_PROGS=nprog,
-                                    UPCAST=False, STAGES=c.up_stages, FP8_MAX_=tk.FP8_MAX, GROUP_M=c.group_m, TMA=tma,
-                                    HALF=c.half_tiles, READY=c.ready_flags, GRAN=tk.ready_granule(c), SPIN=True,
-                                    DYN=c.ready_flags, WB=128, FLAT=c.flat_up, PAIR=c.pair_up,
-                                    PAIR_STAGES=c.up_pair_stages, DONE=c.early_down, TAIL=c.tail_rows,
+                                    UPCAST=False, STAGES=c.up_stages, FP8_MAX_=FP8_MAX, GROUP_M=c.group_m, TMA=tma,
+                                    HALF=c.half_tiles, READY=c.ready_flags, GRAN=ready_granule(c), SPIN=True,
+                                    DYN=c.ready_flags, WB=128, FLAT=c.flat_up, TAIL=c.tail_rows,
                                     WT=(2 if c.up_fused else c.w_tiled) if tma else False), c.up_warps))
         for fp8, apply_w in ((False, True), (False, False), (True, True)):
             c = f8 if fp8 else cfg
@@ -109,30 +125,27 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048) -> list[Varia
                                     h_tail=operand(t, [c.tail_rows, c.down_k], tma and c.tail_rows > 0), hs_ptr="*fp32",
                                     w_ptr=operand(t, [c.down_n, c.down_k], tma), ws_ptr="*fp32",
                                     tile_expert_ptr="*i32", tile_row_ptr="*i32", chunk_ptr="*i32", code_ptr="*i32",
-                                    rw_ptr="*fp32", out_ref="*bf16", out_delta="*i64", work_ptr="*i32",
-                                    done_ptr="*i32", n_rows="i32", H="i32", I="i32", TK="i32", N_UP="i32"),
+                                    rw_ptr="*fp32", out_ref="*bf16", out_delta="*i64", n_rows="i32", H="i32",
+                                    I="i32", TK="i32"),
                                dict(BM=c.block_m, BN=c.down_n, BK=c.down_k, FP8=fp8, APPLY_W=apply_w,
                                     NUM_PROGS=nprog, UPCAST=False, STAGES=c.down_stages, GROUP_M=c.group_m, TMA=tma,
-                                    HALF=c.half_tiles, WB=128, FLAT=c.flat_down, PAIR=c.pair_down,
-                                    PAIR_STAGES=c.down_pair_stages, DYN=c.early_down, DONE=c.early_down,
-                                    SPIN=True, TAIL=c.tail_rows, WT=c.w_tiled and tma),
+                                    HALF=c.half_tiles, WB=128, FLAT=c.flat_down, TAIL=c.tail_rows,
+                                    WT=c.w_tiled and tma),
                                c.down_warps))
-    plain = cfg.half_tiles and not (cfg.pair_up or cfg.pair_down or cfg.flat_up or cfg.flat_down or cfg.tail_rows
-                                    or cfg.up_fused)
-    if plain:  # the other default tiles' GEMMs (bf16, TMA): v7's paired up GEMM, and glm_5_2's tails (v9)
+    plain = cfg.half_tiles and not (cfg.flat_up or cfg.flat_down or cfg.tail_rows or cfg.up_fused)
+    if plain and extras:  # the other default tiles' GEMMs (bf16, TMA): glm_5_2's tails (v9)
         from dataclasses import replace
 
-        from kernels.mok_hopper.api import TAIL_ROWS
+        from kernels.mok_hopper.tiles import TAIL_ROWS
 
         def extra(over: dict[str, Any], labels: tuple[str, ...], rename: Any) -> list[Variant]:
             """The launches ``labels`` of the tile with ``over`` applied, renamed."""
             return [Variant(rename(v.label), v.kernel, v.types, v.constexprs, v.num_warps)
-                    for v in variants(replace(cfg, **over), hidden, ffn) if v.label in labels]
+                    for v in variants(replace(cfg, **over), hidden, ffn, extras=False) if v.label in labels]
 
         def tagged(tag: str) -> Any:
             return lambda label: label.replace(" tma", f" {tag} tma")
 
-        out += extra(dict(pair_up=True), ("up bf16 tma",), tagged("paired"))
         out += extra(dict(tail_rows=TAIL_ROWS), ("up bf16 tma", "down bf16 x w tma"), tagged(f"tails {TAIL_ROWS}"))
         if cfg.w_tiled:  # the fused gate/up MMA (up_fused; the default on glm_5_2), with and without tails
             out += extra(dict(up_fused=True), ("up bf16 tma",), tagged("fused"))
@@ -150,15 +163,15 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048) -> list[Varia
     return out
 
 
-def compile_variant(v: Variant, arch: int = 90) -> dict[str, Any]:
-    """Compile one variant; registers / spills from cuobjdump's resource usage of the cubin."""
+def compile_variant(v: Variant, arch: int = 90, sass: bool = False) -> dict[str, Any]:
+    """Compile one variant; registers / spills from cuobjdump's resource usage of the cubin. With ``sass``, also
+    its machine code as ``res["sass"]``: one instruction a line, without addresses or encodings, so that two
+    builds (two Triton versions, or code before and after a refactor) compare line by line."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from kernels.mok_hopper import triton_kernels as tk
-
-    fn = getattr(tk, v.kernel)
+    fn = kernel(v.kernel)
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in v.constexprs:
@@ -176,11 +189,25 @@ def compile_variant(v: Variant, arch: int = 90) -> dict[str, Any]:
         f.write(k.asm["cubin"])
         f.flush()
         text = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+        if sass:
+            dump = subprocess.run([tool, "--dump-sass", f.name], capture_output=True, text=True).stdout
+            res["sass"] = "\n".join(_sass_lines(dump))
     for line in text.splitlines():
         if "REG:" in line:
             fields = dict(item.split(":") for item in line.split() if ":" in item)
             res.update(regs=int(fields["REG"]), stack=int(fields["STACK"]), local=int(fields["LOCAL"]))
     return res
+
+
+def _sass_lines(dump: str) -> list[str]:
+    """The instructions of a cuobjdump SASS listing: ``/*0040*/  IMAD.MOV.U32 R1, RZ, RZ, c[0x0][0x28] ;`` ->
+    ``IMAD.MOV.U32 R1, RZ, RZ, c[0x0][0x28] ;`` (encoding-only lines and headers dropped)."""
+    out = []
+    for line in dump.splitlines():
+        m = re.match(r"\s*/\*[0-9a-f]{4,}\*/\s*(.*?)\s*(/\*.*\*/)?\s*$", line)
+        if m and m.group(1):
+            out.append(m.group(1))
+    return out
 
 
 def problems(res: dict[str, Any], arch: int = 90) -> Optional[str]:
@@ -195,16 +222,17 @@ def sweep_variants() -> list[Variant]:
     """The GEMM kernels (TMA operands) of gpu_check's sweep tiles that the default tile does not already build."""
     from dataclasses import replace
 
-    from kernels.mok_hopper import triton_kernels as tk
     from kernels.mok_hopper.gpu_check import SWEEP
+    from kernels.mok_hopper.tiles import default_tile
 
     def key(v: Variant) -> tuple:
         return v.kernel, tuple(sorted(v.constexprs.items())), v.num_warps
 
     seen = {key(v) for v in variants()}
     out = []
+    base = default_tile()  # the CUDA default the sweep varies (gpu_check's base without a shape's row count)
     for label, over, _ in SWEEP:
-        for v in variants(replace(tk.TileConfig(), **over)):
+        for v in variants(replace(base, **over), extras=False):
             if v.label.startswith(("up ", "down ")) and v.label.endswith(" tma") and key(v) not in seen:
                 seen.add(key(v))
                 out.append(Variant(f"{v.label} [{label[:18]}]", v.kernel, v.types, v.constexprs, v.num_warps))
@@ -218,15 +246,26 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--arch", type=int, default=90)
     ap.add_argument("--sweep", action="store_true", help="also the GEMM kernels of gpu_check's sweep tiles")
+    ap.add_argument("--sass", metavar="DIR", help="write each variant's SASS (instructions only) to DIR/<label>.sass "
+                    "and print its hash, to compare two builds with diff -r")
     args = ap.parse_args(argv)
+    import triton
+
+    print(f"Triton {triton.__version__}, sm_{args.arch}")
     bad = 0
     print(f"{'variant':<44} {'regs':>5} {'spill':>6} {'smem KB':>8}")
     for v in variants() + (sweep_variants() if args.sweep else []):
-        r = compile_variant(v, args.arch)
+        r = compile_variant(v, args.arch, sass=bool(args.sass))
         why = problems(r, args.arch)
         bad += why is not None
+        digest = ""
+        if args.sass:
+            os.makedirs(args.sass, exist_ok=True)
+            with open(os.path.join(args.sass, re.sub(r"[^A-Za-z0-9_.-]+", "_", r["label"]) + ".sass"), "w") as f:
+                f.write(r["sass"] + "\n")
+            digest = hashlib.sha256(r["sass"].encode()).hexdigest()[:12]
         print(f"{r['label']:<44} {r['regs']!s:>5} {(r['stack'] or 0) + (r['local'] or 0):>6} "
-              f"{r['shared'] / 1024:8.1f}  {why or ''}")
+              f"{r['shared'] / 1024:8.1f}  {digest}{'  ' if digest else ''}{why or ''}")
     return 1 if bad else 0
 
 

@@ -20,8 +20,7 @@ One forward, all on the device, no host synchronisation::
 
 The pull overlaps the shared expert and, tile by tile, the up GEMM (MoK's fine-grained overlap: the GEMM programs
 spin on the counters, so they leave ``comm_sms`` SMs to the pull). With ``ready_flags`` off, chunk c's GEMMs wait
-for chunk c's whole pull (a stream event) instead. With ``early_down`` the down GEMM likewise waits per row tile
-for the up GEMM's count of finished items, launched after the up programs of every stream.
+for chunk c's whole pull (a stream event) instead.
 Results are bitwise reproducible: fixed schedule order, no split-K, no atomics on data, fixed-order epilogue.
 
 Example (every rank of ``group``, weights of this rank's experts)::
@@ -32,14 +31,18 @@ Example (every rank of ``group``, weights of this rank's experts)::
 
 from __future__ import annotations
 
-import math
 from collections import OrderedDict
 from dataclasses import replace
 from typing import Any, Optional, Sequence
 
 import torch
 
-from kernels.mok_hopper import triton_kernels as tk
+from kernels.mok_hopper import down_gemm, pull, up_gemm
+from kernels.mok_hopper.gemm_common import tile_weights, tile_weights_gu
+from kernels.mok_hopper.schedule_kernels import DeviceScheduler, gather_peer_i32
+from kernels.mok_hopper.tiles import (  # noqa: F401 (re-exported: the layer's tile API)
+    FLAT_DOWN_MAX_WASTE, PAIR_MIN_FRACTION, SHARED_SMS, TAIL_ROWS, TileConfig, default_tile, half_tile_waste,
+    launch_programs, num_sms, paired_fraction, ready_granule)
 from kernels.mok_hopper.fp8 import quantize_expert_weights
 from kernels.mok_hopper.schedule import Schedule, build_schedule, capacity_rows, empty_schedule
 from kernels.mok_hopper.workspace import Workspace, get_workspace
@@ -51,123 +54,6 @@ STAMPS = ("start", "stage", "barrier0", "schedule", "shared", "up", "down", "joi
 MAX_GRAPHS = 4  # captured forwards kept per layer (one per set of input tensors)
 ROUTER_WEIGHT_IN = ("expert", "epilogue")
 SCHEDULES = ("triton", "torch")
-
-
-FLAT_DOWN_MAX_WASTE = 0.05  # extra MMA rows per routed row that the flattened down loop may add (default_tile)
-PAIR_MIN_FRACTION = 0.2  # experts ending in a full + a half tile above which default_tile gives them tails (bf16)
-TAIL_ROWS = 32  # default_tile's tails there (16 and 32 measured on glm_5_2, PERF_NOTES session 9)
-SHARED_SMS = 24  # SMs of the shared expert beside the routed up GEMM (16-40 swept on 2xH200, PERF_NOTES v8)
-
-
-def _row_counts(rows_per_expert: float) -> list[tuple[int, float]]:
-    """(rows, weight) of one expert's row count under uniform routing: binomial-like, sd = sqrt of the mean."""
-    m = float(rows_per_expert)
-    sd = max(1.0, math.sqrt(m))
-    lo, hi = max(1, int(m - 5 * sd)), int(m + 5 * sd) + 1
-    wts = [math.exp(-0.5 * ((r - m) / sd) ** 2) for r in range(lo, hi + 1)]
-    total = sum(wts)
-    return [(r, w / total) for r, w in zip(range(lo, hi + 1), wts)]
-
-
-def half_tile_waste(rows_per_expert: float, block_m: int = 128) -> float:
-    """Extra MMA rows per routed row when every expert's last half tile runs at full height (as in the flattened
-    GEMM loops), for experts getting ``rows_per_expert`` rows on average with a binomial-like spread (sd = sqrt of
-    the mean; uniform routing). An expert of r rows ends in a half tile when r mod block_m is in [1, block_m/2]."""
-    if rows_per_expert <= 0:
-        return 0.0
-    half = sum(w for r, w in _row_counts(rows_per_expert) if 1 <= r % block_m <= block_m // 2)
-    return half * (block_m // 2) / float(rows_per_expert)
-
-
-def paired_fraction(rows_per_expert: float, block_m: int = 128) -> float:
-    """Fraction of experts that end in a full tile followed by a half tile (r > block_m, r mod block_m in
-    [1, block_m/2]): the ones whose two last tiles ``pair_up`` runs off one weight read."""
-    if rows_per_expert <= 0:
-        return 0.0
-    return sum(w for r, w in _row_counts(rows_per_expert) if r > block_m and 1 <= r % block_m <= block_m // 2)
-
-
-def default_tile(*, precision: str = "bf16", device: Optional[torch.device] = None, comm_sms: Optional[int] = None,
-                 hidden: Optional[int] = None, ffn: Optional[int] = None,
-                 rows_per_expert: Optional[float] = None, n_sm: Optional[int] = None) -> tk.TileConfig:
-    """The tile configuration used unless one is given (fp8 forces its own GEMM steps, see ``for_fp8``).
-
-    ``rows_per_expert`` (uniform routing: EP * T * K / E) picks the down GEMM's loop: the flattened loop with
-    256-wide tiles (``flat_down``; 4-6% faster at qwen3_5_397b's 8 experts per GPU, 1-2% on kimi_k2_7, 0-5% on
-    qwen3_5_397b in two sweeps, PERF_NOTES v6) runs an expert's last half tile at full height, so it is used only
-    where that wastes under 5% of the MMA rows (:func:`half_tile_waste`): not on glm_5_2 (128 rows per expert) or
-    deepseek_v4_pro (64), whose experts often end in a half tile. Where at least a fifth of the experts end in a
-    full tile and a half tile (:func:`paired_fraction`; glm_5_2, about half), both GEMMs run an expert's last
-    ``TAIL_ROWS`` rows as a swapped MMA beside its last tile (``tail_rows``: 2.6-3.3% faster on glm_5_2 in two
-    interleaved sweeps, where v7's paired up tiles were the default; no gain on deepseek_v4_pro, slower on
-    kimi_k2_7 and qwen3_5_397b, whose flattened down loop it would replace; PERF_NOTES session 9). BM stays 128:
-    64-row tiles ran 30% slower on 2xH200 (PERF_NOTES v1). The shared expert runs on ``SHARED_SMS`` SMs of its own
-    stream beside the routed up GEMM (``shared_sms``; 2-4% faster in bf16 on the four shapes, within 1% in fp8,
-    PERF_NOTES v8), unless ``comm_sms`` leaves the up GEMM fewer than ``SHARED_SMS`` SMs of the GPU's ``n_sm``
-    (then it runs before the up GEMM, as in v7). The layer keeps its routed expert weights in TMA block order
-    (``w_tiled``, :func:`~kernels.mok_hopper.triton_kernels.tile_weights`): each block a GEMM step loads is one
-    contiguous run of memory instead of BN rows a row length apart (PERF_NOTES session 10). Over those weights the
-    down GEMM's tiles are 256 wide with 4 stages whether its loop is flattened or not (glm_5_2's down GEMM 15%
-    faster alone, the layer 5% on 2xH200), and where the tails are the up GEMM runs one MMA of N = 2 x ``up_n``
-    over interleaved gate and up rows (``up_fused``: the layer 3.5% faster on glm_5_2, no gain on the
-    HBM-bound shapes; PERF_NOTES session 11).
-
-    On the CPU (Triton interpreter) the cost is per operation, not per FLOP: few programs, small row tiles and
-    the widest column / depth steps that divide ``hidden`` / ``ffn``, and pointer loads (``tma`` off)."""
-    cfg = tk.TileConfig(shared_sms=SHARED_SMS, w_tiled=True, down_n=256, down_stages=4)
-    if comm_sms is not None:
-        cfg = replace(cfg, comm_sms=comm_sms)
-    if n_sm is not None and n_sm - cfg.comm_sms - cfg.shared_sms < SHARED_SMS:
-        cfg = replace(cfg, shared_sms=0)  # the routed up GEMM keeps at least as many SMs as the shared expert
-    if rows_per_expert is not None and half_tile_waste(rows_per_expert, cfg.block_m) <= FLAT_DOWN_MAX_WASTE:
-        cfg = replace(cfg, flat_down=True)  # (256 wide, 4 stages: as every bf16 down tile)
-    elif rows_per_expert is not None and paired_fraction(rows_per_expert, cfg.block_m) >= PAIR_MIN_FRACTION:
-        cfg = replace(cfg, tail_rows=TAIL_ROWS, up_fused=True)
-    if device is not None and torch.device(device).type != "cuda":
-        def widest(n: Optional[int], cap: int) -> int:
-            return next(b for b in (256, 128, 64, 32, 16) if b <= cap and (n is None or n % b == 0))
-
-        cfg = replace(cfg, block_m=32, up_n=widest(ffn, 128), up_k=widest(hidden, 256), down_n=widest(hidden, 256),
-                      down_k=widest(ffn, 256), pull_rows=16, num_chunks=2, gemm_programs=2, pull_programs=2,
-                      shared_sms=0, tail_rows=0)
-        cfg = replace(cfg, tma=False, w_tiled=False, up_fused=False)
-    return cfg.for_fp8() if precision == "fp8" else cfg
-
-
-def launch_programs(n_sm: int, cfg: tk.TileConfig, *, ready: bool, overlap: bool,
-                    has_shared: bool) -> dict[str, int]:
-    """Programs per launch of one forward on ``n_sm`` SMs: ``pull``, ``shared`` (both shared-expert GEMMs), ``up``
-    (the routed up GEMM on the main stream), ``up_helper`` (a second up launch after the pull, on the comm
-    stream), ``side`` (``shared_sms``: the shared expert's stream, then a third up launch there), ``down``.
-
-    With ``overlap`` (CUDA) the pulls run on their own stream with ``comm_sms`` programs, beside the shared expert
-    and the up GEMM (ready counters) or the previous chunk's GEMMs (chunks). A GEMM that can run while pulls still
-    run leaves those SMs free: the up GEMM with ready counters must (its programs wait for the pull). The down GEMM
-    runs after every pull it depends on when there is one chunk, so it takes every SM. With ready counters and one
-    chunk the up launches after the pull (and after the side stream's shared expert) take work items off the same
-    counter, so the up GEMM gets every SM once the pull is done."""
-    C = cfg.num_chunks
-    comm = cfg.comm_sms if overlap else 0
-    helpers = ready and C == 1 and overlap
-    side = cfg.shared_sms if (helpers and has_shared and not cfg.shared_last) else 0
-    if ready and overlap:
-        # the up programs spin until the pull has written their rows: they must never fill every SM
-        if not 1 <= comm < n_sm:
-            raise ValueError(f"ready_flags need 1 <= comm_sms < {n_sm} SMs (got comm_sms={comm}): the up GEMM "
-                             f"waits for the pull, which needs SMs of its own; or set ready_flags=False")
-        if side and not 1 <= side < n_sm - comm:
-            raise ValueError(f"shared_sms={side} leaves no SM to the up GEMM beside comm_sms={comm} on {n_sm} SMs")
-    busy = C > 1 or ready
-    up = cfg.gemm_programs or (max(1, n_sm - comm) if busy else n_sm)
-    if ready and overlap:
-        up = min(up, n_sm - comm - side)
-    if side:
-        shared = side
-    else:
-        shared = cfg.gemm_programs or (n_sm if cfg.shared_last else max(1, n_sm - comm))
-    return {"pull": cfg.pull_programs or (comm if overlap else n_sm), "shared": shared, "up": up,
-            "up_helper": comm if helpers else 0, "side": side,
-            "down": cfg.gemm_programs or (n_sm if C == 1 else max(1, n_sm - comm))}
 
 
 class MoKHopperLayer(torch.nn.Module):
@@ -183,7 +69,7 @@ class MoKHopperLayer(torch.nn.Module):
         precision: "bf16" or "fp8" (e4m3, 128x128 weight blocks quantised here, 1x128 activation blocks
             quantised in the dispatch path, fp32 accumulation).
         group: the EP process group (None: the default group if initialised, else one rank).
-        tile: launch parameters (:class:`~kernels.mok_hopper.triton_kernels.TileConfig`).
+        tile: launch parameters (:class:`~kernels.mok_hopper.tiles.TileConfig`).
         capacity_multiplier: routed-row capacity rule (see :func:`~kernels.mok_hopper.schedule.capacity_rows`);
             None = worst case. Overflow is counted on the device: check :meth:`overflow_rows` outside timing.
         capacity: explicit capacity in rows (overrides the rule; rounded up to the tile).
@@ -202,7 +88,7 @@ class MoKHopperLayer(torch.nn.Module):
 
     def __init__(self, w13_LIH: torch.Tensor, w2_LHI: torch.Tensor, *, topk: int, tokens: int,
                  shared: Optional[Sequence[torch.Tensor]] = None, swiglu_limit: Optional[float] = None,
-                 precision: str = "bf16", group: Any = None, tile: Optional[tk.TileConfig] = None,
+                 precision: str = "bf16", group: Any = None, tile: Optional[TileConfig] = None,
                  capacity_multiplier: Optional[float] = 0.5, capacity: Optional[int] = None,
                  router_weight_in: str = "expert", cuda_graph: bool = True, rank: Optional[int] = None,
                  world: Optional[int] = None, workspace: Optional[Workspace] = None, timeline: bool = False,
@@ -231,8 +117,7 @@ class MoKHopperLayer(torch.nn.Module):
         self.cfg_bf16 = tile if tile is not None and not self.fp8 else default_tile(device=dev, hidden=H, ffn=I)
         # the shared expert: one "expert" of T rows in full tiles, nothing to wait for
         self.cfg_bf16 = replace(self.cfg_bf16, block_m=self.cfg.block_m, tma=self.cfg.tma, half_tiles=False,
-                                ready_flags=False, pair_up=False, pair_down=False, early_down=False,
-                                tail_rows=0, w_tiled=False, up_fused=False)
+                                ready_flags=False, tail_rows=0, w_tiled=False, up_fused=False)
         _check_divisible(H, I, self.cfg, self.cfg_bf16, shared is not None)
         BM = self.cfg.block_m
 
@@ -249,9 +134,9 @@ class MoKHopperLayer(torch.nn.Module):
             self.register_buffer("w2", w2_LHI.detach().contiguous(), persistent=False)
             self.w13_scale = self.w2_scale = None
         if self.cfg.w_tiled:  # each TMA block of the weights one contiguous run (a copy, made once)
-            tile13 = tk.tile_weights_gu if self.cfg.up_fused else tk.tile_weights
+            tile13 = tile_weights_gu if self.cfg.up_fused else tile_weights
             self.w13 = tile13(self.w13, self.cfg.up_n, self.cfg.up_k)
-            self.w2 = tk.tile_weights(self.w2, self.cfg.down_n, self.cfg.down_k)
+            self.w2 = tile_weights(self.w2, self.cfg.down_n, self.cfg.down_k)
 
         # workspace and per-layer scratch (allocated here, reused by every forward)
         self.ws = workspace if workspace is not None else get_workspace(
@@ -271,20 +156,15 @@ class MoKHopperLayer(torch.nn.Module):
         self.idx_all = torch.zeros(self.world, tokens * topk, dtype=torch.int32, device=dev)
         self.sched: Schedule = empty_schedule(capacity=R, block_m=BM, local_experts=L, num_chunks=C, device=dev,
                                               half_tiles=self.cfg.half_tiles)  # (tails never add tiles)
-        # pull -> up GEMM ready counters, one per granule of rows; with early_down, after them, up -> down GEMM
-        # counters, one per row tile (the up items finished). Work-item counters: the up GEMM's per chunk, then
-        # (early_down) the down GEMM's. The schedule zeroes them all, every forward.
-        early = self.cfg.early_down
-        n_gran, M = R // tk.ready_granule(self.cfg), self.sched.tile_expert_M.numel()
-        self.ready = (torch.zeros(n_gran + (M if early else 0), dtype=torch.int32, device=dev)
-                      if self.cfg.ready_flags else None)
-        self.done = self.ready[n_gran:] if early else None
-        self.work = (torch.zeros(2 * C if early else C, dtype=torch.int32, device=dev) if self.cfg.ready_flags
-                     else None)
+        # pull -> up GEMM ready counters, one per granule of rows, and the up GEMM's work-item counter per chunk.
+        # The schedule zeroes them, every forward.
+        n_gran = R // ready_granule(self.cfg)
+        self.ready = torch.zeros(n_gran, dtype=torch.int32, device=dev) if self.cfg.ready_flags else None
+        self.work = torch.zeros(C, dtype=torch.int32, device=dev) if self.cfg.ready_flags else None
         self.overflow_total = torch.zeros(1, dtype=torch.int32, device=dev)
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES} (got {schedule!r})")
-        self.scheduler = tk.DeviceScheduler(
+        self.scheduler = DeviceScheduler(
             world=self.world, tokens=tokens, topk=topk, local_experts=L, block_m=BM, capacity=R,
             half_tiles=self.cfg.half_tiles, num_chunks=C, device=dev,
             tail_rows=self.cfg.tail_rows) if schedule == "triton" else None
@@ -304,15 +184,11 @@ class MoKHopperLayer(torch.nn.Module):
             self.sh_delta = torch.zeros(1, dtype=torch.int64, device=dev)  # the "combine buffer" is sh_y itself
 
         self.overlap = self.cuda  # on CUDA the pulls (and with shared_sms the shared expert) get streams of their own
-        progs = launch_programs(tk.num_sms(dev), self.cfg, ready=self.cfg.ready_flags, overlap=self.overlap,
+        progs = launch_programs(num_sms(dev), self.cfg, ready=self.cfg.ready_flags, overlap=self.overlap,
                                 has_shared=self.has_shared)
         self.shared_programs, self.up_programs = progs["shared"], progs["up"]
         self.up_helper_programs, self.side_programs = progs["up_helper"], progs["side"]
         self.gemm_programs, self.pull_programs = progs["down"], progs["pull"]
-        # early_down on CUDA with one chunk: a down launch after each stream's up launch, every one as wide as the
-        # GPU (programs that find the shared queue empty exit at once), so that SMs left by the up GEMM's last items
-        # on any stream start on the down GEMM
-        self.early = self.overlap and self.cfg.early_down and C == 1 and bool(self.up_helper_programs)
         if self.cuda:
             self.comm_stream = torch.cuda.Stream(device=dev, priority=-1)
             self.side_stream = torch.cuda.Stream(device=dev) if self.side_programs else None
@@ -352,7 +228,7 @@ class MoKHopperLayer(torch.nn.Module):
 
     def _mark(self, name: str) -> None:
         if self.stamps is not None:
-            tk.stamp(self.stamps, STAMPS.index(name))
+            pull.stamp(self.stamps, STAMPS.index(name))
 
     def timeline_ms(self) -> dict[str, float]:
         """Of the last forward (host sync): ms from its start to the end of each phase (``timeline=True``)."""
@@ -392,7 +268,7 @@ class MoKHopperLayer(torch.nn.Module):
             f"topk {tuple(topk_idx_TK.shape)}"
         ws = self.ws
         if self.fp8:
-            tk.quantize_rows(x_TH.detach().contiguous(), ws.x, ws.xs)
+            pull.quantize_rows(x_TH.detach().contiguous(), ws.x, ws.xs)
         else:
             ws.x.copy_(x_TH.detach())
         ws.idx.copy_(topk_idx_TK)
@@ -422,8 +298,6 @@ class MoKHopperLayer(torch.nn.Module):
             if self.up_helper_programs:
                 self.up(0, programs=self.up_helper_programs)
                 self._mark("up helper [comm]")
-                if self.early:
-                    self.down(0)
                 self.ev_helper.record(self.comm_stream)
         if self.side_programs:  # the shared expert on SMs of its own beside the up GEMM, then more up programs
             self.side_stream.wait_event(self.ev_sched)
@@ -431,8 +305,6 @@ class MoKHopperLayer(torch.nn.Module):
                 self.shared_expert(x_TH)
                 self._mark("shared")
                 self.up(0, programs=self.side_programs)
-                if self.early:
-                    self.down(0)
                 self.ev_side.record(self.side_stream)
         elif self.has_shared and not self.cfg.shared_last:
             self.shared_expert(x_TH)
@@ -443,11 +315,8 @@ class MoKHopperLayer(torch.nn.Module):
             self.up(c)
             if c == C - 1:
                 self._mark("up")
-            if not self.early:
-                self._join_up_streams(main)
-            self.down(c)
-        if self.early:  # the other streams' down launches ran beside this one
             self._join_up_streams(main)
+            self.down(c)
         self._mark("down")
         main.wait_event(self.ev_pull[C - 1])  # join the comm stream (pulls done) before barrier 1
         self._mark("join")
@@ -456,8 +325,7 @@ class MoKHopperLayer(torch.nn.Module):
             self._mark("shared")
 
     def _join_up_streams(self, main: Any) -> None:
-        """The main stream waits for the up programs (and, with ``early``, the down programs) of the comm and side
-        streams."""
+        """The main stream waits for the up programs of the comm and side streams."""
         if self.up_helper_programs:
             main.wait_event(self.ev_helper)
         if self.side_programs:
@@ -468,7 +336,7 @@ class MoKHopperLayer(torch.nn.Module):
         if out is None:
             out = torch.empty(self.T, self.H, dtype=torch.bfloat16, device=self.device)
         ws = self.ws
-        tk.combine_epilogue(ws.comb, ws.idx, None if self.weights_in_expert else ws.w,
+        pull.combine_epilogue(ws.comb, ws.idx, None if self.weights_in_expert else ws.w,
                             self.sh_y if self.has_shared else None, out)
         return out
 
@@ -479,7 +347,7 @@ class MoKHopperLayer(torch.nn.Module):
             self.scheduler(self.ws.idx, self.ws.tables["idx"], self.idx_all, rank=self.rank, out=self.sched,
                            overflow_total=self.overflow_total, ready=self.ready, work=self.work)
             return self.sched
-        tk.gather_peer_i32(self.ws.idx, self.ws.tables["idx"], self.idx_all)  # the torch twin: ~20 launches
+        gather_peer_i32(self.ws.idx, self.ws.tables["idx"], self.idx_all)  # the torch twin: ~20 launches
         build_schedule(self.idx_all, rank=self.rank, local_experts=self.L, block_m=self.cfg.block_m,
                        capacity=self.R, num_chunks=self.cfg.num_chunks, half_tiles=self.cfg.half_tiles,
                        tail_rows=self.cfg.tail_rows, out=self.sched)
@@ -492,7 +360,7 @@ class MoKHopperLayer(torch.nn.Module):
     def pull(self, c: int) -> None:
         ws, s = self.ws, self.sched
         pw = self.weights_in_expert
-        tk.pull_rows(s.row_code_R, s.chunk_tiles_C1[c : c + 2], s.tile_row_M1, ws.x, ws.tables["x"], ws.xs,
+        pull.pull_rows(s.row_code_R, s.chunk_tiles_C1[c : c + 2], s.tile_row_M1, ws.x, ws.tables["x"], ws.xs,
                      ws.tables.get("xs"), ws.w if pw else None, ws.tables["w"] if pw else None, self.x_rows,
                      self.xs_rows, self.rw_rows, tokens=self.T, topk=self.K, cfg=self.cfg,
                      programs=self.pull_programs, ready=self.ready)
@@ -503,23 +371,22 @@ class MoKHopperLayer(torch.nn.Module):
 
     def up(self, c: int, programs: Optional[int] = None) -> None:
         s = self.sched
-        tk.up_swiglu(self.x_rows, self.xs_rows, self.w13, self.w13_scale, self.h_rows, self.hs_rows,
+        up_gemm.up_swiglu(self.x_rows, self.xs_rows, self.w13, self.w13_scale, self.h_rows, self.hs_rows,
                      s.tile_expert_M, s.tile_row_M1, s.chunk_tiles_C1[c : c + 2], limit=self.limit, cfg=self.cfg,
                      programs=programs or self.up_programs, ready=self.ready,
-                     work=self.work[c : c + 1] if self.work is not None else None, done=self.done)
+                     work=self.work[c : c + 1] if self.work is not None else None)
 
     def down(self, c: int) -> None:
-        s, C = self.sched, self.cfg.num_chunks
-        tk.down_push(self.h_rows, self.hs_rows, self.w2, self.w2_scale, s.tile_expert_M, s.tile_row_M1,
+        s = self.sched
+        down_gemm.down_push(self.h_rows, self.hs_rows, self.w2, self.w2_scale, s.tile_expert_M, s.tile_row_M1,
                      s.chunk_tiles_C1[c : c + 2], s.row_code_R, self.rw_rows, self.ws.comb, self.ws.tables["comb"],
-                     slots_per_rank=self.T * self.K, cfg=self.cfg, programs=self.gemm_programs,
-                     work=self.work[C + c : C + c + 1] if self.done is not None else None, done=self.done)
+                     slots_per_rank=self.T * self.K, cfg=self.cfg, programs=self.gemm_programs)
 
     def shared_expert(self, x_TH: torch.Tensor) -> None:
         x = x_TH.detach().contiguous()
-        tk.up_swiglu(x, None, self.sh_w13, None, self.sh_h, None, self.sh_tiles, self.sh_rows, self.sh_chunk,
+        up_gemm.up_swiglu(x, None, self.sh_w13, None, self.sh_h, None, self.sh_tiles, self.sh_rows, self.sh_chunk,
                      limit=self.limit, cfg=self.cfg_bf16, programs=self.shared_programs, n_rows=self.T)
-        tk.down_push(self.sh_h, None, self.sh_w2, None, self.sh_tiles, self.sh_rows, self.sh_chunk, self.sh_code,
+        down_gemm.down_push(self.sh_h, None, self.sh_w2, None, self.sh_tiles, self.sh_rows, self.sh_chunk, self.sh_code,
                      None, self.sh_y, self.sh_delta, slots_per_rank=1 << 30, cfg=self.cfg_bf16,
                      programs=self.shared_programs, n_rows=self.T)
 
@@ -555,7 +422,7 @@ def _rank_world(group: Any, rank: Optional[int], world: Optional[int]) -> tuple[
     return 0, 1
 
 
-def _check_divisible(H: int, I: int, cfg: tk.TileConfig, cfg_bf16: tk.TileConfig, shared: bool) -> None:
+def _check_divisible(H: int, I: int, cfg: TileConfig, cfg_bf16: TileConfig, shared: bool) -> None:
     need = [(I, cfg.up_n, "ffn", "up_n"), (H, cfg.up_k, "hidden", "up_k"), (H, cfg.down_n, "hidden", "down_n"),
             (I, cfg.down_k, "ffn", "down_k")]
     if shared:

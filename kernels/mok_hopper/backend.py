@@ -27,10 +27,14 @@ class MokHopperBackend:
                     "kernel runs bf16 and fp8 (precision=fp8: e4m3 with 1x128 / 128x128 block scales)")
         if case.device != "cuda":
             return None  # the CPU twin (pure torch) runs anywhere
+        from kernels.mok_hopper import TRITON_SPEC, triton_unsupported
+
         try:
-            import triton  # noqa: F401
+            import triton
         except ImportError:
-            return "needs Triton for its CUDA kernels: pip install 'mokbench[triton]' (triton>=3.2)"
+            return f"needs Triton for its CUDA kernels: pip install 'triton{TRITON_SPEC}'"
+        if (why := triton_unsupported(triton.__version__)) is not None:
+            return why
         cap = torch.cuda.get_device_capability()
         if cap < (8, 0):
             return f"needs a CUDA GPU with Triton, SM80+ (built for SM90 Hopper); this is SM{cap[0]}{cap[1]}"
@@ -59,7 +63,7 @@ class MokHopperBackend:
                                         swiglu_limit=c.swiglu_limit, precision=c.precision)
             return
         from kernels.mok_hopper.api import MoKHopperLayer, default_tile
-        from kernels.mok_hopper.triton_kernels import num_sms
+        from kernels.mok_hopper.tiles import num_sms
 
         dev = inputs.x_TH.device
         self._tile = default_tile(precision=c.precision, device=dev, comm_sms=c.comm_sms,
@@ -125,7 +129,7 @@ class MokHopperBackend:
                           f"{' (weights in TMA block order)' if t.w_tiled else ''}; BM={t.block_m} "
                           f"{'+ BM/2 half tiles ' if t.half_tiles else ''}"
                           f"{f'+ {t.tail_rows}-row swapped tails ' if t.tail_rows else ''}"
-                          f"{'(paired up) ' if t.pair_up else ''}{'(flat down) ' if t.flat_down else ''}"
+                          f"{'(flat down) ' if t.flat_down else ''}"
                           f"up {t.up_n}x{t.up_k}x{t.up_stages} stages, down {t.down_n}x{t.down_k}x{t.down_stages}; "
                           f"{t.num_chunks} chunk(s), pull -> up "
                           f"{'ready counters' if layer.ready is not None else 'stream events'}; programs: "

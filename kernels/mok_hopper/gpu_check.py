@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from kernels.mok_hopper import triton_kernels as tk
+from kernels.mok_hopper.tiles import TileConfig
 from kernels.mok_hopper.api import MoKHopperLayer, default_tile
 from kernels.mok_hopper.workspace import clear_workspace_cache
 
@@ -249,7 +249,7 @@ def time_stages(ctx: Ctx, layer: MoKHopperLayer, inp: dict[str, Any], iters: int
     return out
 
 
-def timeline(ctx: Ctx, inp: dict[str, Any], tile: tk.TileConfig, precision: str, iters: int) -> dict[str, float]:
+def timeline(ctx: Ctx, inp: dict[str, Any], tile: TileConfig, precision: str, iters: int) -> dict[str, float]:
     """Where each phase of the real (overlapped, graph-replayed) forward ends: ms from its start, median over
     iterations, max over ranks, from GPU-timer stamps (a layer built with ``timeline=True``)."""
     from kernels.mok_hopper.api import STAMPS
@@ -477,9 +477,9 @@ SWEEP = [  # (label, overrides of the base tile, layer options); tiles checked b
     ("row-major weights (v9)", dict(w_tiled=False, up_fused=False), {}),
     # one up-GEMM MMA of N = 2 x up_n over gate and up weight rows interleaved (up_fused; the default on glm_5_2
     # from v11, session 11), here on any shape
-    ("fused gate/up MMA", dict(up_fused=True, pair_up=False), {}),
+    ("fused gate/up MMA", dict(up_fused=True), {}),
     # with the down GEMM 256 wide, 4 stages, not flattened (v11's glm_5_2 tiles, on any shape)
-    ("fused gate/up MMA + 256-wide down", dict(up_fused=True, pair_up=False, flat_down=False, down_n=256,
+    ("fused gate/up MMA + 256-wide down", dict(up_fused=True, flat_down=False, down_n=256,
                                              down_stages=4), {}),
     # two up-GEMM MMAs, gate and up blocks apart (v10; with "down v5" below, glm_5_2's v10 GEMMs)
     ("unfused gate/up MMAs (v10)", dict(up_fused=False), {}),
@@ -496,22 +496,14 @@ SWEEP = [  # (label, overrides of the base tile, layer options); tiles checked b
     ("down flat 256 wide x 4 stages", dict(flat_down=True, down_n=256, down_stages=4, tail_rows=0), {}),
     ("down flat 128 wide x 6 stages", dict(flat_down=True, down_n=128, down_stages=6, tail_rows=0), {}),
     ("down 256 wide x 4 stages, not flat", dict(flat_down=False, down_n=256, down_stages=4), {}),
-    ("down BK 128 x 3 stages, not flat", dict(flat_down=False, down_k=128, down_stages=3), {}),
-    # the down GEMM per row tile as soon as the up GEMM has finished it, launched after the up programs of every
-    # stream (no gain on 2xH200, PERF_NOTES session 9); kimi / qwen's flattened down loop cannot wait, so it runs
-    # 128 wide there
-    ("early down (per-tile up counters, 128 wide x 6, not flat)",
-     dict(early_down=True, flat_down=False, down_n=128, down_stages=6), {}),
+    ("down BK 128 x 3 stages, not flat", dict(flat_down=False, down_n=128, down_k=128, down_stages=3), {}),
     # an expert's last rows as a second MMA with the rows in N, off the same weight tiles (tail_rows; PERF_NOTES
     # session 9)
     ("tails of 16 rows (swapped MMA, 128 wide x 6, not flat)",
-     dict(tail_rows=16, pair_up=False, pair_down=False, flat_down=False, down_n=128, down_stages=6), {}),
+     dict(tail_rows=16, flat_down=False, down_n=128, down_stages=6), {}),
     ("tails of 32 rows (swapped MMA, 128 wide x 6, not flat)",
-     dict(tail_rows=32, pair_up=False, pair_down=False, flat_down=False, down_n=128, down_stages=6), {}),
+     dict(tail_rows=32, flat_down=False, down_n=128, down_stages=6), {}),
     ("up + down flat, no ready flags", dict(flat_up=True, flat_down=True, ready_flags=False, tail_rows=0), {}),
-    ("v6 tiles (no pairs)", dict(pair_up=False, pair_down=False), {}),
-    ("paired up + down tiles",
-     dict(pair_up=True, up_fused=False, pair_down=True, flat_down=False, down_n=128, down_stages=6, tail_rows=0), {}),
     ("shared before up, beside the pull (v7)", dict(shared_sms=0), {}),
     ("shared beside up on 16 SMs", dict(shared_sms=16), {}),
     ("shared beside up on 24 SMs", dict(shared_sms=24), {}),
@@ -520,7 +512,6 @@ SWEEP = [  # (label, overrides of the base tile, layer options); tiles checked b
 ]
 SWEEP_FP8 = ("default again (A/A control)", "pull 24 x 16 warps x 8 rows", "shared last",
              "shared before up, beside the pull (v7)",
-             "early down (per-tile up counters, 128 wide x 6, not flat)",
              "shared beside up on 16 SMs", "shared beside up on 24 SMs",
              "shared beside up on 32 SMs", "shared beside up on 40 SMs")
 TIMELINE_VARIANTS = ("v3 layout (full tiles, events, 3/4 stages, torch schedule)",)  # also get a timeline
@@ -543,7 +534,7 @@ def ab_times(ctx: Ctx, base_fn: Callable[[], Any], var_fn: Callable[[], Any], *,
             "ratio_max": max(ratios)}
 
 
-def sweep(ctx: Ctx, name: str, inp: dict[str, Any], base_layer: MoKHopperLayer, base: tk.TileConfig,
+def sweep(ctx: Ctx, name: str, inp: dict[str, Any], base_layer: MoKHopperLayer, base: TileConfig,
           precision: str = "bf16", only: Sequence[str] = (), ab_rounds: int = 3, iters: int = 20,
           warmup: int = 5) -> None:
     """Forward and stage times of tile / pipeline variants on the same inputs (a layer per variant), each forward
@@ -613,7 +604,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = ap.parse_args(argv)
     args.precisions = [p for p in args.precisions.split(",") if p]
     args.tile_over = {k: int(v) for k, _, v in (kv.partition("=") for kv in args.tile.split(",") if kv)}
-    for f in fields(tk.TileConfig):  # the on/off switches (annotations are strings here)
+    for f in fields(TileConfig):  # the on/off switches (annotations are strings here)
         if f.name in args.tile_over and f.type == "bool":
             args.tile_over[f.name] = bool(args.tile_over[f.name])
     if args.watchdog > 0 and not args.smoke:

@@ -1,0 +1,243 @@
+"""The grouped gate/up GEMM + SwiGLU (+ fp8 quantisation of the hidden activations): persistent programs over
+(row tile, column tile) work items, each row tile's rows waited for on the pull's ready counters."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.mok_hopper.fp8 import FP8_MAX
+from kernels.mok_hopper.gemm_common import (_ld_a, _ld_w, _mm, _mma, _operand, _quant_e4m3, _tail_rows, _wait_rows,
+                                            _weights, _work_tile)
+from kernels.mok_hopper.interp import INTERPRET
+from kernels.mok_hopper.tiles import TileConfig, ready_granule
+
+@triton.jit
+def _up_item(a_ptr, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row_end, n, e_tile, n_rows, H, I, limit,
+             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FP8: tl.constexpr, HAS_LIMIT: tl.constexpr,
+             UPCAST: tl.constexpr, STAGES: tl.constexpr, FP8_MAX_: tl.constexpr, TMA: tl.constexpr,
+             WB: tl.constexpr, TAIL: tl.constexpr, WT: tl.constexpr = False):
+    """One work item: rows [row0, min(row0 + BM, row_end)) x hidden columns [n*BN, (n+1)*BN) of expert ``e_tile``
+    (rows from row_end on belong to the next tile: computed, not stored). TAIL > 0 (bf16): also the TAIL rows
+    after those (``a_tail``: their TMA descriptor), as W @ A^T with the rows in N, off the same weight tiles.
+    WT: 0 row-major weights, 1 tiled (:func:`tile_weights`), 2 (bf16) tiled with gate and up rows interleaved
+    (:func:`tile_weights_gu`): one [2BN, BK] block and one MMA of N = 2BN per K step, split into gate and up after
+    the loop."""
+    e = e_tile.to(tl.int64)
+    rows = (row0 + tl.arange(0, BM)).to(tl.int64)
+    rmask = (rows < n_rows) & (rows < row_end)
+    cols = n * BN + tl.arange(0, BN)
+    if WT == 2:  # rows of tile_weights_gu: H // BK blocks of 2BN rows per (expert, column tile)
+        a_at = row0
+        g_at = (e_tile * (I // BN) + n) * (H // BK) * (2 * BN)
+    elif WT:  # rows of the tiled weights (tile_weights): H // BK blocks of BN rows per (expert, row tile)
+        a_at = row0
+        g_at = (e_tile * (2 * I // BN) + n) * (H // BK) * BN
+        u_at = g_at + (I // BN) * (H // BK) * BN
+    elif TMA:  # block coordinates
+        a_at = row0
+        g_at = e_tile * 2 * I + n * BN
+        u_at = g_at + I
+    else:  # pointers
+        kk = tl.arange(0, BK)
+        a_at = a_ptr + rows[:, None] * H + kk[None, :]
+        g_at = w_ptr + e * 2 * I * H + cols[None, :].to(tl.int64) * H + kk[:, None]  # [BK, BN] view of W^T
+        u_at = g_at + I * H
+    acc_g = tl.zeros((BM, BN), dtype=tl.float32)
+    acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+    if WT == 2:  # (bf16: TileConfig) one MMA for gate and up, columns g0 u0 g1 u1 ...: the split costs no move
+        acc = tl.zeros((BM, 2 * BN), dtype=tl.float32)
+        if TAIL > 0:
+            rows_t32, rmask_t, t_at = _tail_rows(a_ptr, row0, row_end, n_rows, H, BM, BK, TAIL, TMA)
+            acc_t = tl.zeros((2 * BN, TAIL), dtype=tl.float32)
+        for k0 in tl.range(0, H, BK, num_stages=STAGES):
+            a = _ld_a(a_ptr, a_at, k0, rmask, TMA)
+            w = _ld_w(w_ptr, g_at, k0, TMA, WT)  # [BK, 2BN]
+            acc = _mma(a, w, acc, UPCAST)
+            if TAIL > 0:
+                acc_t = _mma(w.T, _ld_a(a_tail, t_at, k0, rmask_t, TMA).T, acc_t, UPCAST)
+        if TAIL > 0:
+            t_g, t_u = tl.split(acc_t.T.reshape(TAIL, BN, 2))
+            _up_store(t_g, t_u, rows_t32.to(tl.int64), rmask_t, n, h_ptr, hs_ptr, I, limit, BN, FP8, HAS_LIMIT,
+                      FP8_MAX_)
+        acc_g, acc_u = tl.split(acc.reshape(BM, BN, 2))
+    elif FP8:
+        # Block scales change every K step, so each step's product is scaled before it is added ("promotion").
+        # x scales are 1 x BK (BK = 128), weight scales 128 x 128: one scalar per step for gate and for up.
+        wsb = ws_ptr + e * (2 * I // WB) * (H // WB)
+        for k0 in tl.range(0, H, BK, num_stages=STAGES):
+            a = _ld_a(a_ptr, a_at, k0, rmask, TMA)
+            sa = tl.load(as_ptr + rows * (H // BK) + k0 // BK, mask=rmask, other=0.0)
+            sg = tl.load(wsb + ((n * BN) // WB) * (H // WB) + k0 // WB)
+            su = tl.load(wsb + ((I + n * BN) // WB) * (H // WB) + k0 // WB)
+            acc_g += _mm(a, _ld_w(w_ptr, g_at, k0, TMA, WT), UPCAST) * (sa[:, None] * sg)
+            acc_u += _mm(a, _ld_w(w_ptr, u_at, k0, TMA, WT), UPCAST) * (sa[:, None] * su)
+    else:
+        if TAIL > 0:  # bf16 only (TileConfig.for_fp8 turns tails off)
+            rows_t32, rmask_t, t_at = _tail_rows(a_ptr, row0, row_end, n_rows, H, BM, BK, TAIL, TMA)
+            acc_tg = tl.zeros((BN, TAIL), dtype=tl.float32)
+            acc_tu = tl.zeros((BN, TAIL), dtype=tl.float32)
+        for k0 in tl.range(0, H, BK, num_stages=STAGES):
+            a = _ld_a(a_ptr, a_at, k0, rmask, TMA)
+            if TAIL > 0:  # each weight tile feeds both MMAs
+                at = _ld_a(a_tail, t_at, k0, rmask_t, TMA).T  # [BK, TAIL]
+                wg = _ld_w(w_ptr, g_at, k0, TMA, WT)
+                wu = _ld_w(w_ptr, u_at, k0, TMA, WT)
+                acc_g = _mma(a, wg, acc_g, UPCAST)
+                acc_u = _mma(a, wu, acc_u, UPCAST)
+                acc_tg = _mma(wg.T, at, acc_tg, UPCAST)
+                acc_tu = _mma(wu.T, at, acc_tu, UPCAST)
+            else:
+                acc_g = _mma(a, _ld_w(w_ptr, g_at, k0, TMA, WT), acc_g, UPCAST)
+                acc_u = _mma(a, _ld_w(w_ptr, u_at, k0, TMA, WT), acc_u, UPCAST)
+        if TAIL > 0:
+            _up_store(acc_tg.T, acc_tu.T, rows_t32.to(tl.int64), rmask_t, n, h_ptr, hs_ptr, I, limit, BN, FP8,
+                      HAS_LIMIT, FP8_MAX_)
+    _up_store(acc_g, acc_u, rows, rmask, n, h_ptr, hs_ptr, I, limit, BN, FP8, HAS_LIMIT, FP8_MAX_)
+
+
+@triton.jit
+def _up_store(acc_g, acc_u, rows, rmask, n, h_ptr, hs_ptr, I, limit, BN: tl.constexpr, FP8: tl.constexpr,
+              HAS_LIMIT: tl.constexpr, FP8_MAX_: tl.constexpr):
+    """h[rows, column tile n] = SwiGLU(gate, up) (clamped with HAS_LIMIT), bf16 or e4m3 + its 1 x BN scale."""
+    if HAS_LIMIT:
+        acc_g = tl.minimum(acc_g, limit)
+        acc_u = tl.minimum(tl.maximum(acc_u, -limit), limit)
+    hv = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    cols = n * BN + tl.arange(0, BN)
+    h_off = rows[:, None] * I + cols[None, :]
+    if FP8:
+        q, s = _quant_e4m3(hv, FP8_MAX_)
+        tl.store(h_ptr + h_off, q, mask=rmask[:, None])
+        tl.store(hs_ptr + rows * (I // BN) + n, s, mask=rmask)
+    else:
+        tl.store(h_ptr + h_off, hv.to(tl.bfloat16), mask=rmask[:, None])
+
+
+@triton.jit
+def _up_tile(a_ptr, a_half, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row1, n, e_tile, n_rows, H, I,
+             limit, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FP8: tl.constexpr,
+             HAS_LIMIT: tl.constexpr, UPCAST: tl.constexpr, STAGES: tl.constexpr, FP8_MAX_: tl.constexpr,
+             TMA: tl.constexpr, WB: tl.constexpr, HALF: tl.constexpr, TAIL: tl.constexpr, WT: tl.constexpr = False):
+    """The item of one row tile: a BM/2-row MMA for a half tile (HALF), else BM rows; TAIL: a tile whose size is
+    not a multiple of BM/2 (BM/2 + TAIL or BM + TAIL rows) adds the swapped TAIL-row MMA."""
+    if TAIL > 0:  # (HALF: TileConfig)
+        size = row1 - row0
+        if size % (BM // 2) != 0:
+            if size < BM:
+                _up_item(a_half, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row1, n, e_tile, n_rows, H, I,
+                         limit, BM // 2, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB, TAIL, WT)
+            else:
+                _up_item(a_ptr, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row1, n, e_tile, n_rows, H, I,
+                         limit, BM, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB, TAIL, WT)
+        elif size < BM:
+            _up_item(a_half, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row1, n, e_tile, n_rows, H, I,
+                     limit, BM // 2, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB, 0, WT)
+        else:
+            _up_item(a_ptr, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row1, n, e_tile, n_rows, H, I,
+                     limit, BM, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB, 0, WT)
+    elif HALF:
+        if row1 - row0 < BM:
+            _up_item(a_half, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row1, n, e_tile, n_rows, H, I,
+                     limit, BM // 2, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB, 0, WT)
+        else:
+            _up_item(a_ptr, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row1, n, e_tile, n_rows, H, I,
+                     limit, BM, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB, 0, WT)
+    else:
+        _up_item(a_ptr, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row1, n, e_tile, n_rows, H, I, limit,
+                 BM, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB, 0, WT)
+
+
+@triton.jit
+def _first_work(work_ptr, DYN: tl.constexpr):
+    if DYN:
+        wk = tl.atomic_add(work_ptr, 1, sem="relaxed", scope="gpu")
+    else:
+        wk = tl.program_id(0)
+    return wk
+
+
+@triton.jit
+def _next_work(wk, work_ptr, NUM_PROGS: tl.constexpr, DYN: tl.constexpr):
+    """Static round robin, or (DYN) the next item off a shared counter: then several launches (on different
+    streams) can share one queue, and a launch that starts late takes what is left."""
+    if DYN:
+        wk = tl.atomic_add(work_ptr, 1, sem="relaxed", scope="gpu")
+    else:
+        wk += NUM_PROGS
+    return wk
+
+
+@triton.jit
+def _up_swiglu_kernel(a_ptr, a_half, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, tile_expert_ptr, tile_row_ptr,
+                      chunk_ptr, ready_ptr, work_ptr, n_rows, H, I, limit,
+                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FP8: tl.constexpr,
+                      HAS_LIMIT: tl.constexpr, NUM_PROGS: tl.constexpr, UPCAST: tl.constexpr,
+                      STAGES: tl.constexpr, FP8_MAX_: tl.constexpr, GROUP_M: tl.constexpr, TMA: tl.constexpr = False,
+                      HALF: tl.constexpr = False, READY: tl.constexpr = False, GRAN: tl.constexpr = 64,
+                      SPIN: tl.constexpr = True, DYN: tl.constexpr = False, WB: tl.constexpr = 128,
+                      FLAT: tl.constexpr = False, TAIL: tl.constexpr = 0, WT: tl.constexpr = False):
+    """TMA: ``a_ptr`` / ``a_half`` / ``a_tail`` / ``w_ptr`` are TMA descriptors over A [R, H] (blocks [BM, BK],
+    [BM/2, BK] and [TAIL, BK]) and W13 [L*2I, H] (blocks [BN, BK]; WT: W13 from :func:`tile_weights`, a
+    [L*2I*H/BK, BK] view), read by Hopper's bulk copy engine; otherwise pointers. HALF: tiles of
+    BM/2 rows (the schedule's half tiles) run a BM/2-row MMA. READY: wait for the pull per row granule. DYN: work
+    items off the counter at ``work_ptr`` (zero before the first launch that shares it). FLAT (neither READY nor
+    DYN): static round robin in one flattened loop nest, as in the down kernel. TAIL: see ``_up_tile``."""
+    m_lo = tl.load(chunk_ptr)
+    m_hi = tl.load(chunk_ptr + 1)
+    n_n = I // BN
+    n_work = (m_hi - m_lo) * n_n
+    if FLAT:  # static round robin, one flattened loop nest; every tile runs BM rows (see _down_push_kernel)
+        for wk in tl.range(tl.program_id(0), n_work, NUM_PROGS, flatten=True):
+            m, n, e_tile, row0, row1 = _work_tile(wk, tile_expert_ptr, tile_row_ptr, m_lo, m_hi, n_n, GROUP_M)
+            _up_item(a_ptr, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row1, n, e_tile, n_rows, H, I,
+                     limit, BM, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB, 0, WT)
+    else:
+        wk = _first_work(work_ptr, DYN)
+        while wk < n_work:
+            m, n, e_tile, row0, row1 = _work_tile(wk, tile_expert_ptr, tile_row_ptr, m_lo, m_hi, n_n, GROUP_M)
+            if READY:
+                _wait_rows(ready_ptr, row0, row1, GRAN, SPIN, TMA)
+            _up_tile(a_ptr, a_half, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row1, n, e_tile, n_rows,
+                     H, I, limit, BM, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB, HALF, TAIL, WT)
+            wk = _next_work(wk, work_ptr, NUM_PROGS, DYN)
+
+
+def up_swiglu(a_RH: torch.Tensor, a_scale: Optional[torch.Tensor], w13_LIH: torch.Tensor,
+              w13_scale: Optional[torch.Tensor], h_RI: torch.Tensor, h_scale: Optional[torch.Tensor],
+              tile_expert_M: torch.Tensor, tile_row_M1: torch.Tensor, chunk_2: torch.Tensor, *,
+              limit: Optional[float], cfg: TileConfig, programs: int, n_rows: Optional[int] = None,
+              ready: Optional[torch.Tensor] = None, work: Optional[torch.Tensor] = None) -> None:
+    """h = SwiGLU(a @ gate^T, a @ up^T) for tiles [chunk_2[0], chunk_2[1]); a tile's expert from tile_expert_M,
+    its rows [tile_row_M1[m], tile_row_M1[m+1]) (BM, or BM/2 with ``cfg.half_tiles``). ``ready``: wait for the
+    pull's per-granule counts (see :func:`pull_rows`) before reading a tile's rows. ``work``: an int32 counter,
+    zero before the first launch over these tiles; launches given the same counter share the work items."""
+    R, H = a_RH.shape
+    I = h_RI.shape[1]
+    fp8 = a_RH.dtype == torch.float8_e4m3fn
+    bm, bn, bk = cfg.block_m, cfg.up_n, cfg.up_k
+    assert I % bn == 0 and H % bk == 0, f"ffn {I} / hidden {H} must be multiples of the tile ({bn}, {bk})"
+    if fp8:
+        assert bk == 128 and 128 % bn == 0, "fp8 up: BK must be the 128 activation / weight block, BN divide 128"
+        assert h_scale.shape[1] == I // bn, "fp8 hidden activations are quantised in 1 x up_n blocks"
+    flat = cfg.flat_up  # TileConfig refuses it with ready_flags, so the layer passes neither ready nor work
+    assert not flat or (ready is None and work is None), "flat_up runs a static loop: no ready counters, no queue"
+    tail = cfg.tail_rows
+    assert not (tail and fp8), "tails are bf16 only (TileConfig.for_fp8 turns them off)"
+    fused = cfg.up_fused and not fp8
+    wn = 2 * bn if fused else bn  # rows of a weight block
+    assert _weights(w13_LIH, wn, bk, cfg.w_tiled) == (2 * I, H), "w13 must be [L, 2I, H] (or tiled)"
+    _up_swiglu_kernel[(programs,)](
+        _operand(a_RH, [bm, bk], cfg.tma), _operand(a_RH, [bm // 2, bk], cfg.tma and cfg.half_tiles),
+        _operand(a_RH, [tail, bk], cfg.tma and tail > 0),
+        a_scale if fp8 else a_RH, _operand(w13_LIH, [wn, bk], cfg.tma),
+        w13_scale if fp8 else w13_LIH, h_RI, h_scale if fp8 else h_RI,
+        tile_expert_M, tile_row_M1, chunk_2, ready if ready is not None else tile_row_M1,
+        work if work is not None else tile_row_M1, R if n_rows is None else n_rows, H, I, 0.0 if limit is None else float(limit),
+        BM=bm, BN=bn, BK=bk, FP8=fp8, HAS_LIMIT=limit is not None, NUM_PROGS=programs, UPCAST=INTERPRET,
+        STAGES=cfg.up_stages, FP8_MAX_=FP8_MAX, GROUP_M=cfg.group_m, TMA=cfg.tma, HALF=cfg.half_tiles,
+        READY=ready is not None, GRAN=ready_granule(cfg), SPIN=not INTERPRET, DYN=work is not None,
+        FLAT=flat, TAIL=tail, WT=2 if fused else cfg.w_tiled, num_warps=cfg.up_warps)
