@@ -494,23 +494,20 @@ def published_counts() -> tuple[int, int]:
 
 
 def timing_counts(df: pd.DataFrame) -> pd.DataFrame:
-    """The ok rows timed with other iteration counts than the published preset's: one line per environment, system
-    and (num_warmup, num_iters), with how many rows and which runs."""
-    cols = [*ENV_KEYS, "backend", "num_warmup", "num_iters", "rows", "runs"]
+    """The ok rows timed with other iteration counts than the published preset's: one line per run and
+    environment and (num_warmup, num_iters), with the systems and how many rows; newest run first."""
+    cols = [*ENV_KEYS, "num_warmup", "num_iters", "backends", "rows"]
     warm, iters = published_counts()
-    ok = df[(df["status"] == "ok") & df["num_iters"].notna()]
+    d = with_runs(df)
+    ok = d[(d["status"] == "ok") & d["num_iters"].notna()]
     other = ok[(ok["num_warmup"] != warm) | (ok["num_iters"] != iters)]
     if other.empty:
         return pd.DataFrame(columns=cols)
-    keys = [*ENV_KEYS, "backend", "num_warmup", "num_iters"]
-    out = other.groupby(keys, dropna=False, sort=True).agg(
-        rows=("row_id", "size"), runs=("run_id", _runs_label)).reset_index()
+    other = other.sort_values("run_started", ascending=False, kind="stable")
+    keys = [*ENV_KEYS, "num_warmup", "num_iters"]
+    out = other.groupby(keys, dropna=False, sort=False).agg(
+        backends=("backend", lambda b: ", ".join(_order(b, SYSTEM_ORDER))), rows=("status", "size")).reset_index()
     return _int_columns(out[cols])
-
-
-def _runs_label(run_ids: Iterable[Any]) -> str:
-    runs = sorted(set(map(str, run_ids)))
-    return ", ".join(runs) if len(runs) <= 3 else f"{len(runs)} runs"
 
 
 CLOCK_COLUMNS = ("sm_clock_mhz", "sm_clock_min_mhz", "power_w", "power_capped_fraction")
@@ -631,9 +628,10 @@ def format_markdown(claims: pd.DataFrame, headline: pd.DataFrame, not_ok: pd.Dat
         out += ["## Iteration counts other than the published ones", "",
                 f"The published timing is {warm} warmup and {iters} timed iterations per measurement; these ok rows "
                 "were timed with other counts (their `timing_preset` is `custom`, or the preset they ran).", ""]
-        rows = [[env_label(r), system_label(r["backend"]), f"{r['num_warmup']} / {r['num_iters']}", str(r["rows"]),
-                 r["runs"]] for r in timing.to_dict("records")]
-        out += [_md_table(["environment", "system", "warmup / timed", "rows", "runs"], rows), ""]
+        rows = [[env_label(r), f"{r['num_warmup']} / {r['num_iters']}",
+                 ", ".join(system_label(b) for b in r["backends"].split(", ")), str(r["rows"])]
+                for r in timing.to_dict("records")]
+        out += [_md_table(["run and environment", "warmup / timed", "systems", "rows"], rows), ""]
     if clocks is not None and not clocks.empty:
         out += ["## GPU clocks while timed", "",
                 "Median (lowest) SM clock reading of the timed iterations on the slowest rank, mean board power, "

@@ -445,12 +445,12 @@ def test_the_report_shows_iteration_counts_other_than_the_published(tmp_path):
                            S.row("mok_hopper", "glm_5_2", num_warmup=20, num_iters=50, timing_preset="custom"),
                            S.row("deepep", status="error")])
     t = R.timing_counts(df)
-    assert t[["backend", "num_warmup", "num_iters", "rows", "runs"]].values.tolist() == [
-        ["mok_hopper", 20, 50, 2, "run-a"]]
+    assert t[["run_id", "num_warmup", "num_iters", "backends", "rows"]].values.tolist() == [
+        ["run-a", 20, 50, "mok_hopper", 2]]
     R.write_report(df, tmp_path, charts=False)
     text = (tmp_path / "claims.md").read_text()
     assert "## Iteration counts other than the published ones" in text and "500 warmup and 100 timed" in text
-    assert "| MoK Hopper (ours) | 20 / 50 | 2 | run-a |" in text
+    assert "| run-a · NVIDIA H200 · EP 8 · 4096 tokens/GPU · 1 node | 20 / 50 | MoK Hopper (ours) | 2 |" in text
     plain = results.to_frame([S.row("nccl", num_warmup=500, num_iters=100)])
     R.write_report(plain, tmp_path / "plain", charts=False)
     assert "Iteration counts" not in (tmp_path / "plain" / "claims.md").read_text()
