@@ -130,6 +130,12 @@ def register_configs() -> None:
     cs.store(group="workload", name="base_workload", node=WorkloadConfig)
     cs.store(group="precision", name="base_precision", node=PrecisionConfig)
     cs.store(group="timing", name="base_timing", node=TimingConfig)
+    # backend=<key> for every key of the registry (harness/backends.py), no file per backend: the same as
+    # backends=[<key>]
+    from harness.backends import BACKENDS
+
+    for key in BACKENDS:
+        cs.store(group="backend", name=key, node={"backends": [key]}, package="_global_")
 
 
 def load_group_option(group: str, name: str) -> DictConfig:
@@ -149,6 +155,22 @@ def load_group_option(group: str, name: str) -> DictConfig:
     return OmegaConf.merge(OmegaConf.structured(schema), raw)
 
 
+# The fields of a timing preset its name stands for in a row's `timing_preset` (phase_iters only times the
+# per-phase bandwidth columns).
+TIMING_PRESET_FIELDS = ("num_warmup", "num_iters", "l2_flush", "align")
+
+
+def timing_label(timing: dict) -> str:
+    """What a row's ``timing_preset`` says: the preset's name while the timing is that preset's, else ``custom``
+    (e.g. ``timing=published timing.num_warmup=20 timing.num_iters=50`` is not the published 500 / 100 timing;
+    the ``num_warmup`` / ``num_iters`` columns say what ran)."""
+    name = timing.get("name")
+    if not (CONFIG_DIR / "timing" / f"{name}.yaml").exists() or name == "auto":
+        return str(name)
+    preset = to_container(load_group_option("timing", str(name)))
+    return str(name) if all(timing.get(k) == preset[k] for k in TIMING_PRESET_FIELDS) else "custom"
+
+
 def to_container(cfg: Any) -> dict:
     if isinstance(cfg, DictConfig):
         return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
@@ -164,6 +186,9 @@ def make_case(cfg: Any, *, ep_size: int, device: str) -> Case:
     c = to_container(cfg)
     shape, wl, prec = c["shape"], c["workload"], c["precision"]
     local = shape.get("local_experts")
+    if local is not None and local < 1:
+        raise ConfigError(f"shape.local_experts must be >= 1 (got {local}): the experts on each GPU; leave it unset "
+                          f"(shape.local_experts=null) for the shape's own {shape['num_experts']} experts")
     num_experts = local * ep_size if local else shape["num_experts"]
     compile_ = c.get("compile")
     if compile_ is None:
@@ -258,6 +283,57 @@ def validate_case(case: Case) -> None:
          f"unknown te_fp8_recipe '{case.te_fp8_recipe}'; choose one of: {', '.join(TE_FP8_RECIPES)}")
 
 
+# Memory of one CPU (gloo) rank, for the check that the ranks of a local run fit this machine. Measured with torch
+# 2.14 on CPU: a rank of the tiny shape at 64 tokens peaks at 0.79 GB resident, of which 0.28 GB are library pages
+# shared by every rank (torch's code) and ~0.52 GB its own (interpreter, imports, gloo, allocator arenas).
+_RANK_BASE_BYTES = 530 * 2**20
+_SHARED_LIB_BYTES = 280 * 2**20
+
+
+def cpu_rank_bytes(case: Case, ranks: int) -> int:
+    """Estimated peak memory of one CPU rank of ``case`` run on ``ranks`` ranks (bytes, its own pages only).
+
+    The base process, plus five copies of the rank's bf16 weights (the inputs, the reference's and the backend's
+    leaves, and the gradients of both), plus the larger of two phases that do not overlap: the reference, which
+    all-gathers every rank's tokens (bf16 copy, fp32 accumulator and its sum, and their gradients: ~16 bytes per
+    token x hidden, growing with the rank count), and the backend's routed and shared rows (tokens x (topk + 1)
+    x (hidden + ffn), ~16 bytes each: activations, dispatch buffers and their gradients). With the shared library
+    pages, 0.93-1.12x the peak resident memory measured for ten nccl runs of 0.79-2.1 GB per rank (tiny shape,
+    64 to 65536 tokens, EP 1-8, 1-64 experts per rank, hidden up to 1024).
+    """
+    h, i, t, k = case.hidden, case.ffn, case.tokens_per_gpu, case.topk
+    weights = (case.local_experts + (1 if case.shared_expert else 0)) * 3 * h * i * 2 * 5
+    reference = ranks * t * h * 16
+    rows = t * (k + 1) * (h + i) * 16
+    return _RANK_BASE_BYTES + weights + max(reference, rows)
+
+
+def check_cpu_memory(case: Case, available_bytes: int) -> None:
+    """Raise :class:`ConfigError` when ``case.ep_size`` CPU ranks cannot fit in ``available_bytes`` (with 10% left
+    to the rest of the machine); the message says how many ranks fit."""
+    budget = 0.9 * available_bytes - _SHARED_LIB_BYTES
+
+    def total(n: int) -> int:
+        return n * cpu_rank_bytes(dataclasses.replace(case, ep_size=n, local_experts=_local(case, n)), n)
+
+    need = total(case.ep_size)
+    if need <= budget:
+        return
+    fit = [n for n in range(1, case.ep_size) if total(n) <= budget and (case.experts_override
+                                                                       or case.num_experts % n == 0)]
+    gb = 1e9
+    advice = (f"use ep_size<={fit[-1]}" + ("" if case.experts_override else f" (one that divides {case.num_experts})")
+              if fit else "not even one rank fits: pick a smaller shape or fewer workload.tokens_per_gpu")
+    raise ConfigError(f"ep_size={case.ep_size} on CPU needs about {need / gb:.1f} GB ({case.ep_size} gloo ranks x "
+                      f"{need / case.ep_size / gb:.2f} GB, estimated from the shape) but this machine has "
+                      f"{available_bytes / gb:.1f} GB available: {advice}, or run on GPUs")
+
+
+def _local(case: Case, n: int) -> int:
+    """Experts per rank of ``case`` on ``n`` ranks."""
+    return case.local_experts if case.experts_override else max(1, case.num_experts // n)
+
+
 BACKEND_ORDERS = ("given", "reverse", "shuffle")
 
 
@@ -278,6 +354,14 @@ def validate_run_options(c: dict) -> None:
     """Checks on the run-level options (backends, directions, timing, device)."""
     from harness.backends import BACKENDS
 
+    missing = [f"{g}.{k}" for g in ("shape", "workload", "precision", "timing") for k, v in c[g].items() if v == "???"]
+    missing += [k for k, v in c.items() if v == "???"]
+    if missing:
+        name = c["shape"].get("name", "")
+        example = (" (e.g. shape=custom shape.num_experts=64 shape.hidden=4096 shape.ffn=1536 shape.topk=6)"
+                   if name == "custom" and all(m.startswith("shape.") for m in missing) else "")
+        raise ConfigError(f"{', '.join(missing)} not set: give {'it' if len(missing) == 1 else 'each'} a value on the "
+                          f"command line{example}")
     if not c.get("backends"):
         raise ConfigError("no backend selected: set backend=<name> or backends=[a,b]")
     for b in c["backends"]:

@@ -81,3 +81,37 @@ def collect(device: str) -> dict[str, Any]:
     for col, names in OPTIONAL_PACKAGES.items():
         info[col] = _version(names)
     return info
+
+
+def available_memory_bytes() -> Optional[int]:
+    """Memory this machine can still give new processes: the kernel's MemAvailable, or less where a cgroup (a
+    container, a Slurm job) caps this process tree lower. None when neither can be read."""
+    avail: Optional[int] = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail = int(line.split()[1]) * 1024
+                    break
+    except (OSError, ValueError):
+        pass
+    # (limit, usage, stat file, the stat's reclaimable page cache) for cgroup v2 and v1
+    for limit_file, usage_file, stat_file, cache_key in (
+            ("memory.max", "memory.current", "memory.stat", "inactive_file"),
+            ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes", "memory/memory.stat",
+             "total_inactive_file")):
+        root = "/sys/fs/cgroup/"
+        try:
+            with open(root + limit_file) as f:
+                limit = f.read().strip()
+            with open(root + usage_file) as f:
+                used = int(f.read().strip())
+            with open(root + stat_file) as f:
+                stat = dict(line.split() for line in f if len(line.split()) == 2)
+        except (OSError, ValueError):
+            continue
+        if limit.isdigit() and int(limit) < 2**60:
+            left = max(0, int(limit) - used + int(stat.get(cache_key, 0)))
+            avail = left if avail is None else min(avail, left)
+        break
+    return avail

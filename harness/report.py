@@ -485,6 +485,31 @@ def not_ok_rows(df: pd.DataFrame) -> pd.DataFrame:
     return out.reset_index(drop=True)
 
 
+def published_counts() -> tuple[int, int]:
+    """(warmup, timed) iterations of the published timing preset (configs/timing/published.yaml)."""
+    from harness.config import load_group_option
+
+    t = load_group_option("timing", "published")
+    return int(t.num_warmup), int(t.num_iters)
+
+
+def timing_counts(df: pd.DataFrame) -> pd.DataFrame:
+    """The ok rows timed with other iteration counts than the published preset's: one line per run and
+    environment and (num_warmup, num_iters), with the systems and how many rows; newest run first."""
+    cols = [*ENV_KEYS, "num_warmup", "num_iters", "backends", "rows"]
+    warm, iters = published_counts()
+    d = with_runs(df)
+    ok = d[(d["status"] == "ok") & d["num_iters"].notna()]
+    other = ok[(ok["num_warmup"] != warm) | (ok["num_iters"] != iters)]
+    if other.empty:
+        return pd.DataFrame(columns=cols)
+    other = other.sort_values("run_started", ascending=False, kind="stable")
+    keys = [*ENV_KEYS, "num_warmup", "num_iters"]
+    out = other.groupby(keys, dropna=False, sort=False).agg(
+        backends=("backend", lambda b: ", ".join(_order(b, SYSTEM_ORDER))), rows=("status", "size")).reset_index()
+    return _int_columns(out[cols])
+
+
 CLOCK_COLUMNS = ("sm_clock_mhz", "sm_clock_min_mhz", "power_w", "power_capped_fraction")
 
 
@@ -534,10 +559,11 @@ SCOPE_TEXT = {
 
 def format_markdown(claims: pd.DataFrame, headline: pd.DataFrame, not_ok: pd.DataFrame, *,
                     sources: str = "", charts: Sequence[Path] = (), clocks: Optional[pd.DataFrame] = None,
-                    scope: str = "run", out_dir: Optional[Path] = None) -> str:
-    """The report as Markdown: headline maxima, one claims table per run and environment, rows not ok, the GPU
-    clocks the rows were timed at (``clocks``: :func:`clock_rows`, where any), chart links (relative to
-    ``out_dir``)."""
+                    scope: str = "run", out_dir: Optional[Path] = None,
+                    timing: Optional[pd.DataFrame] = None) -> str:
+    """The report as Markdown: headline maxima, one claims table per run and environment, rows not ok, iteration
+    counts other than the published ones (``timing``: :func:`timing_counts`, where any), the GPU clocks the rows
+    were timed at (``clocks``: :func:`clock_rows`, where any), chart links (relative to ``out_dir``)."""
     out = ["# MoE layer throughput: claims table", ""]
     if sources:
         out += [sources, ""]
@@ -597,6 +623,15 @@ def format_markdown(claims: pd.DataFrame, headline: pd.DataFrame, not_ok: pd.Dat
         rows = [[env_label(r), panel_label(r["precision"], r["direction"]), shape_label(r["shape"]),
                  system_label(r["backend"]), r["status"], r["error"], r["run_id"]] for r in not_ok.to_dict("records")]
         out += [_md_table(["environment", "panel", "shape", "system", "status", "error", "run"], rows), ""]
+    if timing is not None and not timing.empty:
+        warm, iters = published_counts()
+        out += ["## Iteration counts other than the published ones", "",
+                f"The published timing is {warm} warmup and {iters} timed iterations per measurement; these ok rows "
+                "were timed with other counts (their `timing_preset` is `custom`, or the preset they ran).", ""]
+        rows = [[env_label(r), f"{r['num_warmup']} / {r['num_iters']}",
+                 ", ".join(system_label(b) for b in r["backends"].split(", ")), str(r["rows"])]
+                for r in timing.to_dict("records")]
+        out += [_md_table(["run and environment", "warmup / timed", "systems", "rows"], rows), ""]
     if clocks is not None and not clocks.empty:
         out += ["## GPU clocks while timed", "",
                 "Median (lowest) SM clock reading of the timed iterations on the slowest rank, mean board power, "
@@ -658,7 +693,7 @@ def write_report(df: pd.DataFrame, out_dir: Union[str, Path] = DEFAULT_OUT, *,
                 written[p.name] = p
     md = out / "claims.md"
     md.write_text(format_markdown(claims, head, bad, sources=sources, charts=chart_paths, clocks=clocks,
-                                  scope=scope, out_dir=out))
+                                  scope=scope, out_dir=out, timing=timing_counts(df)))
     written["claims.md"] = md
     return written
 

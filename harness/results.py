@@ -8,10 +8,13 @@ finds and keeps repeated runs apart by ``(run_id, row_id)``.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import os
 import socket
+import sys
+import tempfile
 import uuid
 from pathlib import Path
 from typing import Any, Iterable, Union
@@ -154,17 +157,72 @@ def _to_bool(v: Any) -> Any:
     return {"true": True, "false": False, "1": True, "0": False}.get(str(v).strip().lower(), pd.NA)
 
 
-def write_rows(path: Union[str, Path], rows: list[dict[str, Any]]) -> Path:
-    """Atomically (re)write this job's own file with all its rows so far."""
+def check_dir(results_dir: Union[str, Path]) -> None:
+    """Raise ``ConfigError`` (naming the fix) unless rows can be written under ``results_dir``: it, or the folder
+    it would be made in, must be a writable folder. Probes with a temporary file that is removed at once; creates
+    nothing."""
+    from harness.config import ConfigError
+
+    p = Path(results_dir)
+    existing = p
+    while not existing.exists() and existing != existing.parent:
+        if existing.is_symlink():  # a dangling link: mkdir would fail on it
+            break
+        existing = existing.parent
+    fix = "give results_dir=<a folder you can write> (default results/runs)"
+    if existing.exists() and not existing.is_dir():
+        what = "is a file" if existing == p else f"is under {existing}, which is a file"
+        raise ConfigError(f"results_dir={results_dir} {what}: {fix}")
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as e:
+        where = "" if existing == p else f" (it would be made in {existing})"
+        raise ConfigError(f"results_dir={results_dir} cannot be written{where}: {e.strerror or e}: {fix}") from None
+
+
+def rescue_path(path: Union[str, Path]) -> Path:
+    """Where :func:`write_rows` saves a job's rows when their own file cannot be written: the same run folder and
+    file name under ``$MOKBENCH_RESCUE_DIR`` (default: ``mokbench-rescued-results`` in the temp folder)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    root = Path(os.environ.get("MOKBENCH_RESCUE_DIR") or Path(tempfile.gettempdir()) / "mokbench-rescued-results")
+    return root / path.parent.name / path.name
+
+
+def written_path(path: Union[str, Path]) -> Path:
+    """The file a job's rows are in: its own, or the rescue file once writing its own failed."""
+    rescue = rescue_path(path)
+    return rescue if rescue.exists() else Path(path)
+
+
+def write_rows(path: Union[str, Path], rows: list[dict[str, Any]]) -> Path:
+    """Atomically (re)write this job's own file with all its rows so far. Returns the file written. If it cannot be
+    written (the results folder vanished, a full disk, lost permissions), the rows go to :func:`rescue_path` instead,
+    and stay there for the rest of the job; stderr says where."""
+    path = Path(path)
     df = to_frame(rows)
+    rescue = rescue_path(path)
+    if not rescue.exists():
+        try:
+            return _write_atomic(path, df)
+        except OSError as e:
+            print(f"mokbench: cannot write results to {path} ({e.strerror or e}); the rows are saved in {rescue}",
+                  file=sys.stderr, flush=True)
+    return _write_atomic(rescue, df)
+
+
+def _write_atomic(path: Path, df: pd.DataFrame) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:6]}.tmp")
-    if path.suffix == ".parquet":
-        df.to_parquet(tmp, index=False)
-    else:
-        df.to_csv(tmp, index=False)
-    os.replace(tmp, path)
+    try:
+        if path.suffix == ".parquet":
+            df.to_parquet(tmp, index=False)
+        else:
+            df.to_csv(tmp, index=False)
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
     return path
 
 

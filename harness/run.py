@@ -16,6 +16,7 @@ from omegaconf import DictConfig
 from harness.config import ConfigError, register_configs
 
 register_configs()
+_task_started = False  # set once the task function runs: later errors are not Hydra's composition errors
 
 
 def _run_id_for_sweep(cfg: DictConfig) -> None:
@@ -38,6 +39,8 @@ def main(cfg: DictConfig) -> None:
     from harness.report_table import point_title, print_rows, summary_line
     from harness.runner import run_benchmark
 
+    global _task_started
+    _task_started = True
     _run_id_for_sweep(cfg)
     try:
         df = run_benchmark(cfg)
@@ -50,5 +53,20 @@ def main(cfg: DictConfig) -> None:
         print(summary_line(df, cfg.results_dir), flush=True)
 
 
+def cli() -> None:
+    """``main`` with Hydra's composition errors (unknown option, misspelled key, wrong type, unparsable override) as
+    one line naming the fix and exit code 2, like every other invalid configuration (harness.cli)."""
+    from harness.cli import hydra_error_line, reject
+
+    os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises them instead of printing its own multi-line report
+    try:
+        main()
+    except Exception as e:  # noqa: BLE001 - only composition errors are translated; the rest propagates
+        line = None if _task_started else hydra_error_line(e)
+        if line is None:
+            raise
+        reject([line])
+
+
 if __name__ == "__main__":
-    main()
+    cli()

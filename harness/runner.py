@@ -28,9 +28,11 @@ from harness.config import (
     Case,
     ConfigError,
     backend_order,
+    check_cpu_memory,
     config_hash,
     load_group_option,
     make_case,
+    timing_label,
     to_container,
     validate_run_options,
 )
@@ -61,6 +63,7 @@ def resolve(cfg: Any) -> dict:
             c[group] = {k: (v if c[group].get(k, "???") in ("???", None) else c[group][k]) for k, v in chosen.items()}
             c[group]["name"] = chosen["name"]
     validate_run_options(c)
+    c["timing"]["name"] = timing_label(c["timing"])  # a preset's name only while its counts are the ones run
     return c
 
 
@@ -535,12 +538,24 @@ def _spawn_entry(local_rank: int, payload: dict, renv: RankEnv) -> None:
             dist.destroy_process_group()
 
 
-def run_benchmark(cfg: Any) -> pd.DataFrame:
-    """Validate, run every rank, and return this sweep point's rows (rank 0 and the launcher; others: empty)."""
+def prepare(cfg: Any) -> tuple[dict, Optional[RankEnv], int, Case]:
+    """Every check a run makes before anything starts (raises :class:`ConfigError`): the resolved config, the rank
+    layout (None: this process spawns the ranks), the rank count and the case. Sweeps call it for each point first."""
     c = resolve(cfg)
     renv = from_environment()
     ws = world_size_for(c, renv)
-    case = make_case(c, ep_size=ws, device=c["device"])  # raises ConfigError before anything starts
+    case = make_case(c, ep_size=ws, device=c["device"])
+    if renv is None and case.device == "cpu":  # the ranks this process spawns share this machine's memory
+        avail = envinfo.available_memory_bytes()
+        if avail is not None:
+            check_cpu_memory(case, avail)
+    results.check_dir(c["results_dir"])
+    return c, renv, ws, case
+
+
+def run_benchmark(cfg: Any) -> pd.DataFrame:
+    """Validate, run every rank, and return this sweep point's rows (rank 0 and the launcher; others: empty)."""
+    c, renv, ws, case = prepare(cfg)  # raises ConfigError before anything starts
     run_id = c.get("run_id") or os.environ.get("MOKBENCH_RUN_ID") or new_run_id()
     chash = config_hash(c, case)
     path = results.job_file(c["results_dir"], run_id, chash, c["results_format"])
@@ -561,9 +576,13 @@ def run_benchmark(cfg: Any) -> pd.DataFrame:
         except Exception as e:  # noqa: BLE001 - a rank died: record what did not report
             failure = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
         renv = spawn_env
-    done = results.read_file(path) if path.exists() else results.to_frame([])
+    written = results.written_path(path)
+    done = results.read_file(written) if written.exists() else results.to_frame([])
     if failure or len(done) < len(c["backends"]) * len(c["directions"]):
         done = _fill_missing(done, c, case, renv, run_id, chash, path, failure or "a rank exited early")
+    if results.written_path(path) != path:
+        print(f"mokbench: the rows of this run are in {results.written_path(path)} (the results folder could not be "
+              f"written)", file=sys.stderr)
     return done
 
 
@@ -589,5 +608,4 @@ def _fill_missing(done: pd.DataFrame, c: dict, case: Case, renv: RankEnv, run_id
         for d in c["directions"]:
             if (b, d) not in have:
                 rows.append(make_row(base, b, d, status, error=f"no row reported: {why}"))
-    results.write_rows(path, rows)
-    return results.read_file(path)
+    return results.read_file(results.write_rows(path, rows))

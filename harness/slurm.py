@@ -157,6 +157,7 @@ def _launcher_options(config: DictConfig) -> dict:
 def plan_point(config: DictConfig, num: int, overrides: Sequence[str]) -> Point:
     """Validate one composed sweep point (its full config, ``hydra`` node included) for the job it will run in.
     Raises :class:`ConfigError` with the message a local run would give."""
+    from harness import results
     from harness.config import config_hash, make_case
     from harness.run import _run_id_for_sweep
     from harness.runner import resolve
@@ -213,10 +214,21 @@ def plan_point(config: DictConfig, num: int, overrides: Sequence[str]) -> Point:
             raise ConfigError(f"ep_size={ws} needs {ws} GPUs but a job gets {gpn} (hydra.launcher.gpus_per_node): "
                               f"set ep_size<={gpn}, or launch across nodes (hydra.launcher.nodes, tasks_per_node)")
     case = make_case(c, ep_size=ws, device=device)
+    results.check_dir(c["results_dir"])
     sweep_dir = Path(str(config.hydra.sweep.dir))
     return Point(num=num, overrides=overrides, cfg=c, case=case, config_hash=config_hash(c, case),
                  run_id=c.get("run_id") or os.environ.get("MOKBENCH_RUN_ID") or "", launcher=opts, nodes=nodes,
                  tasks_per_node=tpn, gpus_per_node=gpn, world_size=ws, job_dir=sweep_dir / str(num))
+
+
+def _check_local_memory(point: Point) -> None:
+    """A CPU point of the local launcher spawns its gloo ranks on this machine: they must fit its memory."""
+    from harness.config import check_cpu_memory
+    from harness.env import available_memory_bytes
+
+    avail = available_memory_bytes()
+    if avail is not None:
+        check_cpu_memory(point.case, avail)
 
 
 def dry_run_report(points: Sequence[Point], executor: str = "slurm") -> str:
@@ -386,30 +398,37 @@ def _tail(path: Path, n: int = 6) -> str:
 
 
 def plan_all(hydra_context: Any, config: DictConfig, job_overrides: Sequence[Sequence[str]], initial_job_idx: int,
-             launcher: Optional[dict] = None) -> list[Point]:
-    """Compose and validate every point of a sweep before any runs; one bad point: its message on stderr for each,
-    and exit code 2 with nothing started. ``launcher``: options set on every point's ``hydra.launcher``."""
+             launcher: Optional[dict] = None, local: bool = False) -> list[Point]:
+    """Compose and validate every point of a sweep before any runs; any bad point: one line on stderr for each
+    (Hydra's composition errors included, harness.cli), and exit code 2 with nothing started. ``launcher``: options
+    set on every point's ``hydra.launcher``; ``local``: the points run on this machine, so a CPU point's gloo ranks
+    must fit its memory."""
+    from harness.cli import hydra_error_line, reject
+
     points, bad = [], []
     labels = _labels(job_overrides)
     for i, overrides in enumerate(job_overrides):
         num = initial_job_idx + i
-        point_config = hydra_context.config_loader.load_sweep_config(config, list(overrides))
-        with open_dict(point_config.hydra.job):
-            point_config.hydra.job.num = num
-        if launcher:
-            with open_dict(point_config.hydra.launcher):
-                point_config.hydra.launcher.update(launcher)
         try:
+            point_config = hydra_context.config_loader.load_sweep_config(config, list(overrides))
+            with open_dict(point_config.hydra.job):
+                point_config.hydra.job.num = num
+            if launcher:
+                with open_dict(point_config.hydra.launcher):
+                    point_config.hydra.launcher.update(launcher)
             points.append(plan_point(point_config, num, overrides))
             points[-1].label = labels[i]
+            if local and points[-1].case.device == "cpu":
+                _check_local_memory(points[-1])
         except ConfigError as e:
             bad.append(f"sweep point #{num} ({labels[i]}): {e}")
+        except Exception as e:  # noqa: BLE001 - Hydra's composition errors; anything else is a bug: raise it
+            line = hydra_error_line(e)
+            if line is None:
+                raise
+            bad.append(f"sweep point #{num} ({labels[i]}): {line}")
     if bad:
-        for msg in bad:
-            print(f"mokbench: invalid configuration: {msg}", file=sys.stderr)
-        print(f"mokbench: {len(bad)} of {len(job_overrides)} sweep points are invalid; nothing was submitted",
-              file=sys.stderr)
-        sys.exit(2)
+        reject(bad)
     return points
 
 
@@ -510,9 +529,12 @@ class MokbenchLauncherMixin:
 
     # -- in the launching process -------------------------------------------------------------------------------
 
-    def _plan_all(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> list[Point]:
+    def plan_points(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> list[Point]:
+        """Every point validated for the job it will run in (:func:`plan_all`); the sweeper calls it first
+        (harness.cli.check_sweep)."""
         assert self.hydra_context is not None and self.config is not None
-        return plan_all(self.hydra_context, self.config, job_overrides, initial_job_idx)
+        return plan_all(self.hydra_context, self.config, job_overrides, initial_job_idx,
+                        local=self._EXECUTOR == "local")
 
     def _executor_params(self, point: Point) -> dict:
         return {k: v for k, v in point.launcher.items() if k not in _OWN_KEYS}
@@ -531,7 +553,7 @@ class MokbenchLauncherMixin:
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         assert self.config is not None
-        points = self._plan_all(job_overrides, initial_job_idx)
+        points = self.plan_points(job_overrides, initial_job_idx)
         for p in points:
             if self.nvlink_domain_nodes and p.nodes > int(self.nvlink_domain_nodes):
                 log.warning(f"#{p.num}: {p.nodes} nodes span more than one {self.nvlink_domain_nodes}-node NVLink "
@@ -687,13 +709,16 @@ class NodeLauncherMixin:
         self.gpus_per_node = gpus_per_node
         super().__init__()
 
-    def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
+    def plan_points(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> list[Point]:
         import torch
 
         assert self.hydra_context is not None and self.config is not None
         gpus = self.gpus_per_node if self.gpus_per_node is not None else torch.cuda.device_count()
-        points = plan_all(self.hydra_context, self.config, job_overrides, initial_job_idx,
-                          launcher={"nodes": 1, "tasks_per_node": 1, "gpus_per_node": gpus})
+        return plan_all(self.hydra_context, self.config, job_overrides, initial_job_idx,
+                        launcher={"nodes": 1, "tasks_per_node": 1, "gpus_per_node": gpus}, local=True)
+
+    def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
+        points = self.plan_points(job_overrides, initial_job_idx)
         if self.dry_run:
             print(dry_run_report(points, "node"))
             print("nothing run (hydra.launcher.dry_run=true)", flush=True)

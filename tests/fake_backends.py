@@ -58,3 +58,20 @@ class NanGrad(NcclBackend):
         if g["w_down"] is not None:
             g["w_down"] = torch.full_like(g["w_down"], float("nan"))
         return g
+
+
+class RemovesResults(NcclBackend):
+    """Rank 0 replaces the results folder ($MOKBENCH_TEST_RESULTS_DIR) with a file during setup: a results disk that
+    went away in the middle of a run."""
+
+    name = "removes_results"
+
+    def setup(self, inputs):
+        if dist.get_rank() == 0:
+            import shutil
+            from pathlib import Path
+
+            p = Path(os.environ["MOKBENCH_TEST_RESULTS_DIR"])
+            shutil.rmtree(p, ignore_errors=True)
+            p.write_text("gone\n")
+        super().setup(inputs)

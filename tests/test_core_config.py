@@ -56,7 +56,7 @@ def test_auto_timing_on_a_gpu_machine_is_the_published_preset(monkeypatch):
     t = resolve(compose_cfg("device=cuda"))["timing"]
     assert (t["name"], t["num_warmup"], t["num_iters"], t["phase_iters"]) == ("published", 500, 100, 50)
     t = resolve(compose_cfg("device=cuda", "timing.num_iters=30"))["timing"]
-    assert (t["num_warmup"], t["num_iters"]) == (500, 30)
+    assert (t["name"], t["num_warmup"], t["num_iters"]) == ("custom", 500, 30)  # not the published 500 / 100
     t = resolve(compose_cfg("device=cpu"))["timing"]
     assert (t["name"], t["num_warmup"], t["num_iters"], t["phase_iters"]) == ("quick", 2, 5, 5)
 
@@ -64,6 +64,18 @@ def test_auto_timing_on_a_gpu_machine_is_the_published_preset(monkeypatch):
 def test_published_timing_preset():
     t = to_container(compose_cfg("timing=published").timing)
     assert (t["num_warmup"], t["num_iters"], t["l2_flush"], t["align"]) == (500, 100, False, "barrier")
+
+
+def test_timing_preset_names_only_the_timing_it_stands_for():
+    t = resolve(compose_cfg("device=cpu", "timing=published"))["timing"]
+    assert (t["name"], t["num_warmup"], t["num_iters"]) == ("published", 500, 100)
+    for extra in (["timing.num_warmup=20", "timing.num_iters=50"], ["timing.num_iters=50"], ["timing.l2_flush=true"]):
+        assert resolve(compose_cfg("device=cpu", "timing=published", *extra))["timing"]["name"] == "custom"
+    assert resolve(compose_cfg("device=cpu", "timing=published", "timing.phase_iters=5"))["timing"]["name"] == \
+        "published"  # phase_iters times only the per-phase bandwidth columns
+    t = resolve(compose_cfg("device=cpu"))["timing"]  # timing=auto on a CPU: quick, all of it
+    assert (t["name"], t["num_warmup"], t["num_iters"], t["phase_iters"]) == ("quick", 2, 5, 5)
+    assert resolve(compose_cfg("device=cpu", "timing.num_iters=7"))["timing"]["name"] == "custom"
 
 
 def test_local_experts_option_sets_experts_per_gpu():

@@ -437,3 +437,20 @@ def test_cli_says_how_many_files_it_skipped(tmp_path, capsys):
     assert R.main([str(only), "--out", str(tmp_path / "o2"), "--no-charts"]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "skipped 1 file" in err and not (tmp_path / "o2").exists()
+
+
+def test_the_report_shows_iteration_counts_other_than_the_published(tmp_path):
+    df = results.to_frame([S.row("nccl", num_warmup=500, num_iters=100, timing_preset="published"),
+                           S.row("mok_hopper", num_warmup=20, num_iters=50, timing_preset="custom"),
+                           S.row("mok_hopper", "glm_5_2", num_warmup=20, num_iters=50, timing_preset="custom"),
+                           S.row("deepep", status="error")])
+    t = R.timing_counts(df)
+    assert t[["run_id", "num_warmup", "num_iters", "backends", "rows"]].values.tolist() == [
+        ["run-a", 20, 50, "mok_hopper", 2]]
+    R.write_report(df, tmp_path, charts=False)
+    text = (tmp_path / "claims.md").read_text()
+    assert "## Iteration counts other than the published ones" in text and "500 warmup and 100 timed" in text
+    assert "| run-a · NVIDIA H200 · EP 8 · 4096 tokens/GPU · 1 node | 20 / 50 | MoK Hopper (ours) | 2 |" in text
+    plain = results.to_frame([S.row("nccl", num_warmup=500, num_iters=100)])
+    R.write_report(plain, tmp_path / "plain", charts=False)
+    assert "Iteration counts" not in (tmp_path / "plain" / "claims.md").read_text()

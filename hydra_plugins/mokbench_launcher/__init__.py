@@ -1,15 +1,18 @@
 """mokbench's Hydra launchers: hydra-submitit-launcher's, with validation, a dry run and failure rows, and Hydra's
-basic launcher with the same validation and dry run.
+basic launcher with the same validation and dry run; and its sweeper: Hydra's basic one, validating every point of
+a sweep before any runs, whatever the launcher.
 
-Hydra instantiates launchers only from the ``hydra_plugins`` namespace, so the classes live here; their behaviour
-is in :mod:`harness.slurm`. Hydra's plugin scan imports this module, which also registers the
-``hydra/launcher=mokbench_slurm`` / ``mokbench_local`` / ``mokbench_node`` schemas that configs/hydra/launcher/*
-extend.
+Hydra instantiates launchers and sweepers only from the ``hydra_plugins`` namespace, so the classes live here; their
+behaviour is in :mod:`harness.slurm` and :mod:`harness.cli`. Hydra's plugin scan imports this module, which also
+registers the ``hydra/launcher=mokbench_slurm`` / ``mokbench_local`` / ``mokbench_node`` schemas that
+configs/hydra/launcher/* extend.
 """
 
 from hydra._internal.core_plugins.basic_launcher import BasicLauncher
+from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import BaseSubmititLauncher
 
+from harness.cli import SweepValidationMixin
 from harness.slurm import MokbenchLauncherMixin, NodeLauncherMixin, register_launcher_configs
 
 
@@ -26,6 +29,10 @@ class LocalLauncher(MokbenchLauncherMixin, BaseSubmititLauncher):
 
 class NodeLauncher(NodeLauncherMixin, BasicLauncher):
     """This machine, one point after another in this process."""
+
+
+class Sweeper(SweepValidationMixin, BasicSweeper):
+    """Hydra's basic sweeper, validating every point before any runs (configs/hydra/sweeper/mokbench.yaml)."""
 
 
 register_launcher_configs()
