@@ -335,7 +335,8 @@ def claims_table(df: pd.DataFrame, published: Optional[pd.DataFrame] = None) -> 
     ``baselines_ok`` ("3/4": ok baselines / baselines seen in this environment); ``best_anchor`` /
     ``best_anchor_tflops`` (fastest ok anchor); ``best_overall`` / ``best_overall_tflops`` (fastest ok system that
     is not a contender: baselines and anchors); ``speedup_<fused>`` per fused kernel over the fastest baseline (what
-    the published-claim verdicts use) and ``speedup_all_<fused>`` over the fastest of all; then the published side: ``published_best_baseline``, ``published_speedup`` (MoK / best, from the
+    the published-claim verdicts use) and ``speedup_all_<fused>`` over the fastest of all; then the published
+    side: ``published_best_baseline``, ``published_speedup`` (MoK / best, from the
     figure's readings), ``env_matches_published`` and, only where it does, ``ratio_<system>`` = measured /
     published TFLOP/s.
     """
@@ -576,7 +577,8 @@ def format_markdown(claims: pd.DataFrame, headline: pd.DataFrame, not_ok: pd.Dat
         "GPU, nodes) and routing. Anchors (marked \"(anchor)\": fused MoE layers a user could pick instead, "
         "Liger-Kernel and SonicMoE) are shown beside the baselines but never counted as one, so the published-claim "
         "verdicts stay against the baselines; where a run has anchors, \"× all\" is the fused kernel over the "
-        "fastest of all (baselines and anchors). Rows of the MoK Hopper CPU twin ran the pure-torch twin on the CPU, not the "
+        "fastest of all (baselines and anchors). Rows of the MoK Hopper CPU twin ran the pure-torch twin on the CPU, "
+        "not the "
         "kernel. Published values were read off the published figure (GB300 NVL72, EP=64, 2048 tokens/GPU, "
         f"±{READ_ERROR_TFLOPS:.0f} TFLOP/s); they are shown beside measured ones, and a measured / published "
         "TFLOP/s ratio only where the environment matches. Cells show a status instead of a number when the row is "

@@ -137,8 +137,8 @@ def _case(*overrides: str, ep_size: int = 1, device: str = "cpu"):
 
 def _fp32_inputs(case):
     inp = make_inputs(case, 0, torch.device("cpu"))
-    return dataclasses.replace(inp, **{f.name: getattr(inp, f.name).float() for f in dataclasses.fields(inp)
-                                       if getattr(inp, f.name) is not None and getattr(inp, f.name).is_floating_point()})
+    floats = {f.name: getattr(inp, f.name) for f in dataclasses.fields(inp)}
+    return dataclasses.replace(inp, **{k: t.float() for k, t in floats.items() if t is not None and t.is_floating_point()})
 
 
 def _reference(case, inp):
@@ -300,3 +300,18 @@ def test_sonicmoe_torch_pin(version, ok):
     from baselines.sonicmoe import torch_within_pin
 
     assert torch_within_pin(version) is ok
+
+
+@pytest.mark.slow
+def test_anchors_on_the_cpu_are_unsupported_rows_beside_ok_rows(results_dir):
+    """A CPU sweep point with both anchors: each gets an unsupported row per direction with its reason, nccl runs."""
+    from conftest import cpu_cfg
+    from harness.runner import run_benchmark
+
+    df = run_benchmark(cpu_cfg(results_dir, "ep_size=1", "backends=[nccl,liger,sonicmoe]", "directions=[fwd,bwd]"))
+    st = {(r.backend, r.direction): (r.status, str(r.error)) for r in df.itertuples()}
+    assert st[("nccl", "fwd")][0] == "ok" and st[("nccl", "bwd")][0] == "ok"
+    for d in ("fwd", "bwd"):
+        assert st[("liger", d)][0] == "unsupported"
+        assert ("CUDA GPU" if HAS_LIGER else "pip install liger-kernel") in st[("liger", d)][1]
+        assert st[("sonicmoe", d)][0] == "unsupported" and "sonic" in st[("sonicmoe", d)][1].lower()
