@@ -10,9 +10,10 @@ group)``; ``b.setup(inputs)``; ``out = b.forward(x, topk_idx, topk_w)`` (for bac
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable, ClassVar, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Optional, Protocol
 
-import torch
+if TYPE_CHECKING:  # annotations only: the registry and reports load the contract without torch
+    import torch
 
 from contract.case import Case
 from contract.inputs import LayerInputs

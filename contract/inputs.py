@@ -6,9 +6,10 @@ Shape legend: T tokens on this rank, K top-k, H hidden, I expert ffn, L local ex
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
-import torch
+if TYPE_CHECKING:  # annotations only: the registry and reports load the contract without torch
+    import torch
 
 
 @dataclass

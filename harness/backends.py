@@ -1,8 +1,9 @@
 """The one backend interface, and the registry from backend key to implementation.
 
 Backends live in ``baselines/`` and ``kernels/`` and never import the harness: they fit :class:`Backend`
-structurally and are imported lazily from this table, so a backend whose library is missing costs nothing until it
-is asked for (and then becomes an ``unsupported`` row).
+structurally and are imported lazily from the registry (:data:`REGISTRY`: key -> import target, label, role and
+colour, the one table of backend names, which reports and charts read too), so a backend whose library is missing
+costs nothing until it is asked for (and then becomes an ``unsupported`` row).
 
 Lifecycle, per sweep point (every rank runs the same calls):
 
@@ -20,26 +21,91 @@ from __future__ import annotations
 
 import importlib
 import os
+from dataclasses import dataclass
 
 from contract.backend import WEIGHT_GRAD_NAMES, Backend, check_backend  # noqa: F401 (re-exported)
 
-BACKENDS: dict[str, str] = {
-    "reference": "harness.reference:ReferenceBackend",
-    "nccl": "baselines.nccl:NcclBackend",
-    "deepep": "baselines.deepep:DeepEPBackend",
-    "hybridep": "baselines.hybridep:HybridEPBackend",
-    "deepep_te": "baselines.deepep_te:DeepEPTEBackend",
-    "hybridep_megatron": "baselines.hybridep_megatron:HybridEPMegatronBackend",
-    "mok_hopper": "kernels.mok_hopper.backend:MokHopperBackend",
-    "mok": "kernels.mok_upstream:MokBackend",
+ROLES = ("reference", "published baseline", "baseline", "anchor", "contender")
+"""What a backend is in a comparison:
+
+* ``reference``: the ground truth, never a contender;
+* ``published baseline``: a baseline of the published figure (PyTorch+NCCL, DeepEP+PyTorch, DeepEP+TE,
+  HybridEP+Megatron); the published-claim verdicts are computed against these;
+* ``baseline``: a baseline that the published figure does not have (HybridEP+PyTorch); counted with the published
+  baselines (the fastest baseline of a cell is the fastest of both), so out-of-tree backends default to it;
+* ``anchor``: a fused MoE layer a user would pick instead of the contender (Liger-Kernel, SonicMoE); shown in every
+  table and chart, marked as an anchor, never counted as a baseline;
+* ``contender``: a fused kernel whose speedup the reports compute (MoK, this project's mok_hopper)."""
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """One registry entry: the import target (``package.module:Class``, empty for a name that only reports use),
+    the label reports print, its role (:data:`ROLES`) and its colour in charts."""
+
+    target: str
+    label: str
+    role: str
+    color: str
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)} (got {self.role!r})")
+
+
+# The one table of backend names, in the order reports show them (baselines first, then anchors, then the fused
+# contenders). A new backend adds one line here.
+REGISTRY: dict[str, BackendSpec] = {
+    "nccl": BackendSpec("baselines.nccl:NcclBackend", "NCCL+PyTorch", "published baseline", "#8c8c8c"),
+    "deepep": BackendSpec("baselines.deepep:DeepEPBackend", "DeepEP+PyTorch", "published baseline", "#1f77b4"),
+    "deepep_te": BackendSpec("baselines.deepep_te:DeepEPTEBackend", "DeepEP+TE", "published baseline", "#9467bd"),
+    "hybridep_megatron": BackendSpec("baselines.hybridep_megatron:HybridEPMegatronBackend", "HybridEP+Megatron",
+                                     "published baseline", "#2ca02c"),
+    "hybridep": BackendSpec("baselines.hybridep:HybridEPBackend", "HybridEP", "baseline", "#17becf"),
+    "liger": BackendSpec("baselines.liger:LigerBackend", "Liger fused MoE (anchor)", "anchor", "#bcbd22"),
+    "sonicmoe": BackendSpec("baselines.sonicmoe:SonicMoEBackend", "SonicMoE (anchor)", "anchor", "#e377c2"),
+    "mok": BackendSpec("kernels.mok_upstream:MokBackend", "MoK", "contender", "#d62728"),
+    "mok_hopper": BackendSpec("kernels.mok_hopper.backend:MokHopperBackend", "MoK Hopper (ours)", "contender",
+                              "#ff7f0e"),
+    # mok_hopper rows timed on the CPU ran its pure-torch twin (kernels/mok_hopper/twin.py): reports rename them
+    # to this name, so that no table or chart draws them as the kernel (not a backend of its own: no target)
+    "mok_hopper_cpu_twin": BackendSpec("", "MoK Hopper CPU twin (pure torch, not the kernel)", "contender",
+                                       "#ffbb78"),
+    "reference": BackendSpec("harness.reference:ReferenceBackend", "reference", "reference", "#000000"),
 }
 
+# backend key -> import target, for every backend that can run (``backends=[...]`` takes these keys)
+BACKENDS: dict[str, str] = {k: s.target for k, s in REGISTRY.items() if s.target}
+
+_FALLBACK_COLORS = ("#8c564b", "#7f7f7f", "#aec7e8", "#98df8a")
+DEFAULT_ROLE = "baseline"  # an out-of-tree or unknown backend: counted with the baselines, as before the roles
+
 # Out-of-tree backends: MOKBENCH_EXTRA_BACKENDS="name=package.module:Class,other=pkg.mod:Cls". Read at import, so
-# ranks spawned by the harness (which inherit the environment) see them too.
+# ranks spawned by the harness (which inherit the environment) see them too. They get the default label (their
+# key), role (``baseline``) and a colour of their own (:func:`spec`).
 for _item in filter(None, os.environ.get("MOKBENCH_EXTRA_BACKENDS", "").split(",")):
     _key, _, _target = _item.partition("=")
     if _key.strip() and ":" in _target:
         BACKENDS[_key.strip()] = _target.strip()
+
+
+def spec(name: str) -> BackendSpec:
+    """The registry entry of a backend key; for a key the registry does not know (an out-of-tree backend, a name
+    in an old result file) a default one: its key as label, role ``baseline``, a fallback colour fixed by the
+    name."""
+    if name in REGISTRY:
+        return REGISTRY[name]
+    return BackendSpec(BACKENDS.get(name, ""), str(name), DEFAULT_ROLE,
+                       _FALLBACK_COLORS[sum(map(ord, str(name))) % len(_FALLBACK_COLORS)])
+
+
+def role(name: str) -> str:
+    return spec(name).role
+
+
+def names_with_role(*roles: str) -> tuple[str, ...]:
+    """Registry keys with one of ``roles``, in registry (display) order."""
+    return tuple(k for k, s in REGISTRY.items() if s.role in roles)
 
 
 class BackendImportError(RuntimeError):

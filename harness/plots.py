@@ -24,18 +24,10 @@ import pandas as pd
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from harness import backends
 from harness import report as R
 
-COLORS = {
-    "nccl": "#8c8c8c",
-    "deepep": "#1f77b4",
-    "deepep_te": "#9467bd",
-    "hybridep_megatron": "#2ca02c",
-    "hybridep": "#17becf",
-    "mok": "#d62728",
-    "mok_hopper": "#ff7f0e",
-}
-_FALLBACK = ["#8c564b", "#e377c2", "#bcbd22", "#7f7f7f"]
+ANCHOR_HATCH = ".."  # anchors' bars are dotted: fused layers a user could pick, not baselines
 SWEEP_AXES = ("tokens_per_gpu", "ep_size", "routing")
 AXIS_LABELS = {"tokens_per_gpu": "tokens per GPU", "ep_size": "EP size", "routing": "routing"}
 FLOOR_STYLE = {  # floor -> (label, color, linestyle)
@@ -47,9 +39,13 @@ FLOOR_STYLE = {  # floor -> (label, color, linestyle)
 
 
 def color(system: str) -> str:
-    if system in COLORS:
-        return COLORS[system]
-    return _FALLBACK[sum(map(ord, system)) % len(_FALLBACK)]
+    """The system's colour, from the backend registry (a fixed fallback colour for names it does not know)."""
+    return backends.spec(system).color
+
+
+def hatch(system: str) -> Optional[str]:
+    """Anchors are drawn hatched, so that no chart passes them off as baselines."""
+    return ANCHOR_HATCH if R.is_anchor(system) else None
 
 
 def new_figure(width: float, height: float) -> Figure:
@@ -184,11 +180,11 @@ def plot_panels(df: pd.DataFrame, env: Optional[dict[str, Any]] = None, title: O
                         y = r["tflops_per_gpu"]
                         err = [[max(0.0, y - r["tflops_p80"])], [max(0.0, r["tflops_p20"] - y)]]
                         ax.bar(x, y, width * 0.92, color=color(s), zorder=2, yerr=err, capsize=2,
+                               hatch=hatch(s), edgecolor="white" if hatch(s) else None,
                                error_kw=dict(elinewidth=0.9, ecolor="#333333", capthick=0.9, zorder=3))
-                        sp = claims.get(f"speedup_{s}") if R.is_fused(s) else None
-                        v = sp.get((prec, direction, shape)) if sp is not None else None
-                        if v is not None and not R._isna(v):
-                            ax.text(x, max(y, r["tflops_p20"]) + top * 0.015, f"{v:.2f}×", ha="center",
+                        text = _speedup_text(claims, s, (prec, direction, shape))
+                        if text:
+                            ax.text(x, max(y, r["tflops_p20"]) + top * 0.015, text, ha="center",
                                     va="bottom", fontsize=8.5, fontweight="bold", color="#222222", zorder=3)
                     else:
                         ax.bar(x, top * 0.04, width * 0.92, color="white", edgecolor=color(s), hatch="////",
@@ -205,10 +201,30 @@ def plot_panels(df: pd.DataFrame, env: Optional[dict[str, Any]] = None, title: O
                 _no_ok_panel(ax)
             elif j == 0 or len(directions) * len(precisions) > 1:
                 ax.set_ylabel("TFLOP/s per GPU (whiskers: p20-p80)", fontsize=9)
+    caption = R.compile_caption(df)
+    if any(R.is_anchor(s) for s in systems):
+        caption = ("Dotted bars: anchors (fused MoE layers a user could pick), not baselines; a fused kernel's label "
+                   "is its speedup over the fastest baseline, then over the fastest of all. " + caption).strip()
     finish(fig, title or f"Expert-parallel MoE layer throughput — {R.env_label(env)}",
            [_patch(s) for s in systems], [R.system_label(s) for s in systems], notes=notes, ncol=len(systems),
-           caption=R.compile_caption(df))
+           caption=caption)
     return fig
+
+
+def _speedup_text(claims: pd.DataFrame, system: str, cell: tuple[str, str, str]) -> str:
+    """A fused kernel's label: its speedup over the fastest baseline, and under it (where the run has anchors and
+    the fastest of all is another system) over the fastest of all."""
+    if not R.is_fused(system):
+        return ""
+    v = claims[f"speedup_{system}"].get(cell) if f"speedup_{system}" in claims else None
+    if v is None or R._isna(v):
+        return ""
+    text = f"{v:.2f}×"
+    va = claims[f"speedup_all_{system}"].get(cell) if f"speedup_all_{system}" in claims else None
+    anchored = "best_anchor" in claims and str(claims["best_anchor"].get(cell, "")) not in ("", "nan")
+    if anchored and va is not None and not R._isna(va) and abs(va - v) > 5e-3:
+        text += f"\n{va:.2f}× all"
+    return text
 
 
 def _shape_ticks(ax, shapes: Sequence[str]) -> None:
@@ -259,7 +275,8 @@ def _panels_width(ncols: int, nshapes: int) -> float:
 def _patch(system: str):
     from matplotlib.patches import Patch
 
-    return Patch(facecolor=color(system), label=R.system_label(system))
+    return Patch(facecolor=color(system), label=R.system_label(system), hatch=hatch(system),
+                 edgecolor="white" if hatch(system) else None)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -423,7 +440,8 @@ def plot_roofline(df: pd.DataFrame, calibration: Optional[pd.DataFrame] = None,
                     x = g - 0.42 + width * (k + 0.5)
                     r = by_med.get((prec, direction, shape, s))
                     if r is not None:
-                        ax.bar(x, r["latency_ms"], width * 0.92, color=color(s), alpha=0.85, zorder=2)
+                        ax.bar(x, r["latency_ms"], width * 0.92, color=color(s), alpha=0.85, zorder=2, hatch=hatch(s),
+                               edgecolor="white" if hatch(s) else None)
                         for col in FLOOR_STYLE:
                             v = r[f"floor_{col}"]
                             if not R._isna(v):

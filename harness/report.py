@@ -28,6 +28,7 @@ from typing import Any, Iterable, Optional, Sequence, Union
 import pandas as pd
 
 from harness import results
+from harness.backends import REGISTRY, names_with_role, role
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PUBLISHED_DIR = REPO_ROOT / "results" / "published"
@@ -39,24 +40,15 @@ PUBLISHED_RUN_ID = "published:mok_gb300_figure"
 PUBLISHED_ENV = {"gpu_name": "GB300 (published)", "ep_size": 64, "tokens_per_gpu": 2048, "routing": "uniform"}
 READ_ERROR_TFLOPS = 3.0  # reading precision of the published chart
 
-FUSED = ("mok", "mok_hopper", "mok_hopper_cpu_twin")
+# Backend names, labels and roles come from the one registry (harness.backends.REGISTRY)
+FUSED = names_with_role("contender")
+ANCHORS = names_with_role("anchor")
 # mok_hopper rows measured on the CPU run its pure-torch twin (kernels/mok_hopper/twin.py), not the Triton kernel:
 # the report renames their backend so that no table or chart draws them as the kernel
 CPU_TWIN = {"mok_hopper": "mok_hopper_cpu_twin"}
-NOT_CONTENDERS = ("reference",)
-SYSTEM_ORDER = ("nccl", "deepep", "deepep_te", "hybridep_megatron", "hybridep", "mok", "mok_hopper",
-                "mok_hopper_cpu_twin")
-SYSTEM_LABELS = {
-    "nccl": "NCCL+PyTorch",
-    "deepep": "DeepEP+PyTorch",
-    "deepep_te": "DeepEP+TE",
-    "hybridep_megatron": "HybridEP+Megatron",
-    "hybridep": "HybridEP",
-    "mok": "MoK",
-    "mok_hopper": "MoK Hopper (ours)",
-    "mok_hopper_cpu_twin": "MoK Hopper CPU twin (pure torch, not the kernel)",
-    "reference": "reference",
-}
+NOT_CONTENDERS = names_with_role("reference")
+SYSTEM_ORDER = tuple(k for k in REGISTRY if k not in NOT_CONTENDERS)
+SYSTEM_LABELS = {k: s.label for k, s in REGISTRY.items()}
 SHAPE_ORDER = ("kimi_k2_7", "glm_5_2", "qwen3_5_397b", "deepseek_v4_pro")
 SHAPE_LABELS = {"kimi_k2_7": "Kimi K2.7", "glm_5_2": "GLM 5.2", "qwen3_5_397b": "Qwen3.5-397B",
                 "deepseek_v4_pro": "DeepSeek V4 Pro"}
@@ -79,11 +71,19 @@ CELL_KEYS = (*ENV_KEYS, "routing", "precision", "direction", "shape")
 
 
 def is_fused(backend: str) -> bool:
-    return backend in FUSED
+    """A contender: a fused kernel whose speedups the report computes."""
+    return role(backend) == "contender"
 
 
 def is_baseline(backend: str) -> bool:
-    return backend not in FUSED and backend not in NOT_CONTENDERS
+    """A baseline (published, or HybridEP+PyTorch, or an out-of-tree backend): the speedups and the published-claim
+    verdicts are computed over the fastest of these."""
+    return role(backend) in ("published baseline", "baseline")
+
+
+def is_anchor(backend: str) -> bool:
+    """An anchor (Liger, SonicMoE): shown beside the baselines, never counted as one."""
+    return role(backend) == "anchor"
 
 
 def system_label(backend: str) -> str:
@@ -96,7 +96,8 @@ def compile_caption(df: pd.DataFrame) -> str:
     compiled rows lists both: the aggregate's medians mix them."""
     if "compiled" not in df or "compile_mode" not in df:
         return ""
-    d = df[(df["status"] == "ok") & df["backend"].map(is_baseline) & df["compiled"].notna()]  # NA: not recorded
+    others = df["backend"].map(lambda b: is_baseline(b) or is_anchor(b))
+    d = df[(df["status"] == "ok") & others & df["compiled"].notna()]  # NA: not recorded
     parts = []
     for b in [x for x in SYSTEM_ORDER if x in set(d["backend"])] + sorted(set(d["backend"]) - set(SYSTEM_ORDER)):
         rows = d[d["backend"] == b]
@@ -331,8 +332,11 @@ def claims_table(df: pd.DataFrame, published: Optional[pd.DataFrame] = None) -> 
 
     Columns: the cell keys; ``tflops_<system>`` and ``status_<system>`` per contending system (status ``missing``
     where the system has no row in that cell); ``best_baseline`` / ``best_baseline_tflops`` (fastest ok baseline);
-    ``baselines_ok`` ("3/4": ok baselines / baselines seen in this environment); ``speedup_<fused>`` per fused
-    kernel; then the published side: ``published_best_baseline``, ``published_speedup`` (MoK / best, from the
+    ``baselines_ok`` ("3/4": ok baselines / baselines seen in this environment); ``best_anchor`` /
+    ``best_anchor_tflops`` (fastest ok anchor); ``best_overall`` / ``best_overall_tflops`` (fastest ok system that
+    is not a contender: baselines and anchors); ``speedup_<fused>`` per fused kernel over the fastest baseline (what
+    the published-claim verdicts use) and ``speedup_all_<fused>`` over the fastest of all; then the published
+    side: ``published_best_baseline``, ``published_speedup`` (MoK / best, from the
     figure's readings), ``env_matches_published`` and, only where it does, ``ratio_<system>`` = measured /
     published TFLOP/s.
     """
@@ -360,10 +364,20 @@ def claims_table(df: pd.DataFrame, published: Optional[pd.DataFrame] = None) -> 
         rec["best_baseline_tflops"] = base[best] if best else math.nan
         seen = base_seen[_norm(tuple(rec[k] for k in (*ENV_KEYS, "routing")))]
         rec["baselines_ok"] = f"{len(base)}/{len(seen)}"
+        anchors = {s: r["tflops_per_gpu"] for s, r in by.items()
+                   if is_anchor(s) and r["status"] == "ok" and not _isna(r["tflops_per_gpu"])}
+        best_anchor = max(anchors, key=anchors.__getitem__) if anchors else None
+        rec["best_anchor"] = best_anchor or ""
+        rec["best_anchor_tflops"] = anchors[best_anchor] if best_anchor else math.nan
+        every = {**base, **anchors}
+        best_all = max(every, key=every.__getitem__) if every else None
+        rec["best_overall"] = best_all or ""
+        rec["best_overall_tflops"] = every[best_all] if best_all else math.nan
         for f in fused:
             r = by.get(f)
             ok = r is not None and r["status"] == "ok" and not _isna(r["tflops_per_gpu"])
             rec[f"speedup_{f}"] = r["tflops_per_gpu"] / base[best] if ok and best else math.nan
+            rec[f"speedup_all_{f}"] = r["tflops_per_gpu"] / every[best_all] if ok and best_all else math.nan
         p = pub.get((rec["precision"], rec["direction"], str(rec["shape"])), {})
         pbase = {s: v for s, v in p.items() if is_baseline(s)}
         pbest = max(pbase, key=pbase.__getitem__) if pbase else None
@@ -420,13 +434,21 @@ def _sort_cells(table: pd.DataFrame) -> pd.DataFrame:
     return table.loc[order]
 
 
+def fused_columns(claims: pd.DataFrame) -> list[str]:
+    """The fused kernels of a claims table (its ``speedup_<fused>`` columns)."""
+    return [c.removeprefix("speedup_") for c in claims.columns
+            if c.startswith("speedup_") and not c.startswith("speedup_all_")]
+
+
 def headline_table(claims: pd.DataFrame, readme_claims: Optional[pd.DataFrame] = None) -> pd.DataFrame:
     """Per environment, panel and fused kernel: the maximum measured speedup over the fastest baseline and its
     shape, beside the published figure's maximum and the README claim. ``measured_over_claim`` is set only where
-    the environment matches the published one (otherwise the numbers are side by side, not compared)."""
+    the environment matches the published one (otherwise the numbers are side by side, not compared). Where the
+    claims table has anchors: ``min_speedup_all`` / ``max_speedup_all`` over the fastest of all (baselines and
+    anchors) and ``min_all_at_shape`` / ``min_all_over`` where the smallest one is (the verdicts never use them)."""
     if claims.empty:
         return pd.DataFrame()
-    fused = [c.removeprefix("speedup_") for c in claims.columns if c.startswith("speedup_")]
+    fused = fused_columns(claims)
     claimed = {}
     if readme_claims is not None:
         claimed = {(r["precision"], r["direction"]): r["claimed_max_speedup"] for r in readme_claims.to_dict("records")}
@@ -447,6 +469,13 @@ def headline_table(claims: pd.DataFrame, readme_claims: Optional[pd.DataFrame] =
             else:
                 rec.update(max_speedup=math.nan, at_shape="", best_baseline="")
             rec["cells_with_speedup"] = f"{int(s.notna().sum())}/{len(g)}"
+            sa = g[f"speedup_all_{f}"] if f"speedup_all_{f}" in g else pd.Series(dtype="float64")
+            if sa.notna().any():
+                lo = g.loc[sa.idxmin()]
+                rec.update(min_speedup_all=float(sa.min()), max_speedup_all=float(sa.max()),
+                           min_all_at_shape=lo["shape"], min_all_over=lo["best_overall"])
+            else:
+                rec.update(min_speedup_all=math.nan, max_speedup_all=math.nan, min_all_at_shape="", min_all_over="")
             rec["published_max_speedup"] = float(pub_max["published_speedup"]) if pub_max is not None else math.nan
             rec["published_at_shape"] = pub_max["shape"] if pub_max is not None else ""
             rec["claimed_max_speedup"] = claimed.get((rec["precision"], rec["direction"]), math.nan)
@@ -571,7 +600,11 @@ def format_markdown(claims: pd.DataFrame, headline: pd.DataFrame, not_ok: pd.Dat
     out += [
         "TFLOP/s per GPU by the published formula 6·(T + T·topk)·H·I (×2 backward, ×3 fwd+bwd). Speedup = fused "
         "kernel / fastest ok baseline, computed only within one run, one environment (GPU, EP size, tokens per "
-        "GPU, nodes) and routing. Rows of the MoK Hopper CPU twin ran the pure-torch twin on the CPU, not the "
+        "GPU, nodes) and routing. Anchors (marked \"(anchor)\": fused MoE layers a user could pick instead, "
+        "Liger-Kernel and SonicMoE) are shown beside the baselines but never counted as one, so the published-claim "
+        "verdicts stay against the baselines; where a run has anchors, \"× all\" is the fused kernel over the "
+        "fastest of all (baselines and anchors). Rows of the MoK Hopper CPU twin ran the pure-torch twin on the CPU, "
+        "not the "
         "kernel. Published values were read off the published figure (GB300 NVL72, EP=64, 2048 tokens/GPU, "
         f"±{READ_ERROR_TFLOPS:.0f} TFLOP/s); they are shown beside measured ones, and a measured / published "
         "TFLOP/s ratio only where the environment matches. Cells show a status instead of a number when the row is "
@@ -589,15 +622,27 @@ def format_markdown(claims: pd.DataFrame, headline: pd.DataFrame, not_ok: pd.Dat
         out += [_md_table(["environment", "panel", "fused kernel", "max speedup", "at shape", "over", "cells",
                            "published max (same shapes)", "README claim", "measured / claim", "verdict"], rows),
                 ""]
+        with_all = [r for r in headline.to_dict("records") if not _isna(r.get("min_speedup_all"))]
+        if with_all and claims["best_anchor"].astype(str).ne("").any():
+            out += ["### Against the fastest of all (baselines and anchors)", ""]
+            rows = [[env_label(r), panel_label(r["precision"], r["direction"]), system_label(r["fused"]),
+                     _fmt_x(r["min_speedup_all"]), shape_label(r["min_all_at_shape"]),
+                     system_label(r["min_all_over"]), _fmt_x(r["max_speedup_all"])] for r in with_all]
+            out += [_md_table(["environment", "panel", "fused kernel", "min speedup", "at shape", "over",
+                               "max speedup"], rows), ""]
     if not claims.empty:
         systems = [c.removeprefix("tflops_") for c in claims.columns if c.startswith("tflops_")]
-        fused = [c.removeprefix("speedup_") for c in claims.columns if c.startswith("speedup_")]
+        fused = fused_columns(claims)
         for key, g in claims.groupby([*ENV_KEYS, "routing"], dropna=False, sort=False):
             env = dict(zip([*ENV_KEYS, "routing"], key))
             here = [s for s in systems if not g[f"status_{s}"].eq("missing").all()]
             out += [f"## {env_label(env)}", ""]
+            anchored = any(is_anchor(s) for s in here)
+            all_cols = [f for f in fused if f in here] if anchored else []
             header = ["panel", "shape", *[system_label(s) for s in here], "best baseline", "baselines ok",
-                      *[f"{system_label(f)} ×" for f in fused if f in here], "published best", "published MoK ×"]
+                      *[f"{system_label(f)} ×" for f in fused if f in here],
+                      *(["fastest of all"] if anchored else []), *[f"{system_label(f)} × all" for f in all_cols],
+                      "published best", "published MoK ×"]
             rows = []
             for r in g.to_dict("records"):
                 cells = [_fmt_tflops(r[f"tflops_{s}"]) if r[f"status_{s}"] == "ok"
@@ -605,6 +650,9 @@ def format_markdown(claims: pd.DataFrame, headline: pd.DataFrame, not_ok: pd.Dat
                 rows.append([panel_label(r["precision"], r["direction"]), shape_label(r["shape"]), *cells,
                              system_label(r["best_baseline"]) if r["best_baseline"] else "none ok",
                              r["baselines_ok"], *[_fmt_x(r[f"speedup_{f}"]) for f in fused if f in here],
+                             *([system_label(r["best_overall"]) if r["best_overall"] else "none ok"]
+                               if anchored else []),
+                             *[_fmt_x(r[f"speedup_all_{f}"]) for f in all_cols],
                              system_label(r["published_best_baseline"]) if r["published_best_baseline"] else "",
                              _fmt_x(r["published_speedup"])])
             out += [_md_table(header, rows), ""]

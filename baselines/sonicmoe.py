@@ -1,0 +1,143 @@
+"""SonicMoE (Dao-AILab, ``sonic-moe``) as an anchor: the strongest published fused MoE forward + backward on Hopper.
+
+SonicMoE's layer (``sonicmoe.MoE``) routes with its own softmax top-k router. The harness instead gives every
+backend the same precomputed top-k, so this adapter calls SonicMoE's public functional entry for precomputed routing,
+``sonicmoe.moe_general_routing_inputs`` (the one ``MoE`` uses after its router), as the Megatron adapter replaces
+Megatron's router with the harness's top-k:
+
+* routing as SonicMoE's flat lists: ``token_indices`` (int32, ascending, as it requires: token t repeated K times),
+  ``expert_indices`` (the harness's top-k ids, int32) and ``router_scores`` (the harness's fp32 router weights,
+  flattened: a view, so their gradient is the harness leaf's);
+* weights: SonicMoE wants ``w1`` of shape (2I, H, E) with stride order (2, 0, 1) and ``w2`` (H, I, E) with the same
+  order, which are exactly ``w13.permute(1, 2, 0)`` and ``w2.permute(1, 2, 0)`` of the harness's [E, 2I, H] and
+  [E, H, I] tensors: views, no copy; ``concat_layout=True`` says gate rows come before up rows (the harness's order;
+  SonicMoE's default interleaves them); no biases; ``ActivationType.SWIGLU``;
+* the shared expert: the PyTorch baselines' dense SwiGLU (``baselines.common``), added to SonicMoE's output.
+
+Environment: ``sonic-moe`` 0.1.2.post1 requires torch <= 2.9.1, ``nvidia-cutlass-dsl == 4.4.2`` (about 150 MB of
+libraries) and ``quack-kernels``; its GEMMs are CuTe DSL kernels for SM90 / SM100. Where it does not import (not
+installed, or its CuTe DSL stack does not load with this torch) the rows are ``unsupported`` with the error and the
+environment it runs in (README, 'Anchors: Liger-Kernel and SonicMoE'). With another torch than its pin it is tried
+as installed, and ``notes`` says so.
+
+Not supported, as ``unsupported`` rows: precisions other than bf16 (its fp8 is an open pull request); the clamped
+SwiGLU (SonicMoE's SWIGLU has no clamp); EP >= 2 (SonicMoE 0.1.2 is a single-GPU layer; expert parallelism is open
+work upstream, through DeepEP and through sentinel experts); GPUs other than Hopper / Blackwell.
+
+Legend: T tokens, K top-k, E = L experts (EP = 1), H hidden, I expert ffn.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+from typing import Any, Callable, Optional
+
+import torch
+
+from baselines.common import ExpertParams, device_capability
+
+PINNED_TORCH = "2.9.1"  # sonic-moe 0.1.2.post1: torch>=2.7.1,<=2.9.1
+INSTALL_HINT = (f"SonicMoE 0.1.2.post1 pins torch<={PINNED_TORCH} and nvidia-cutlass-dsl==4.4.2: in a Python 3.12 "
+                f"environment with torch {PINNED_TORCH} (CUDA 12.8 or 13.0 build), pip install sonic-moe==0.1.2.post1 "
+                "(README, 'Anchors: Liger-Kernel and SonicMoE')")
+
+
+def sonic_version() -> str:
+    try:
+        return importlib.metadata.version("sonic-moe")
+    except importlib.metadata.PackageNotFoundError:
+        return "?"
+
+
+def torch_within_pin(version: str = torch.__version__) -> bool:
+    """Whether this torch satisfies sonic-moe's pin (torch <= 2.9.1; local tags such as +cu130 ignored)."""
+    nums = []
+    for part in version.split("+")[0].split(".")[:3]:
+        digits = "".join(c for c in part if c.isdigit())
+        nums.append(int(digits) if digits else 0)
+    return tuple(nums) <= tuple(int(p) for p in PINNED_TORCH.split("."))
+
+
+def _import_sonic() -> tuple[Callable, Any]:
+    from sonicmoe import moe_general_routing_inputs
+    from sonicmoe.enums import ActivationType
+
+    return moe_general_routing_inputs, ActivationType
+
+
+class SonicMoEBackend:
+    name = "sonicmoe"
+    directions = ("fwd", "bwd", "fwd_bwd")
+
+    @classmethod
+    def unsupported_reason(cls, case: Any) -> Optional[str]:
+        if importlib.util.find_spec("sonicmoe") is None:
+            return f"sonic-moe is not installed (this is torch {torch.__version__}); {INSTALL_HINT}"
+        if case.precision != "bf16":
+            return "SonicMoE 0.1.2 is bf16 only (fp8 is an open pull request upstream); use precision=bf16"
+        if case.swiglu_limit is not None:
+            return "SonicMoE's SwiGLU has no clamp (shape.swiglu_limit); use a shape without swiglu_limit"
+        if case.ep_size != 1:
+            return ("SonicMoE 0.1.2 is a single-GPU layer (no expert parallelism; EP through DeepEP is open work "
+                    "upstream): run it at ep_size=1")
+        cap = device_capability(torch.device(case.device))
+        if cap[0] not in (9, 10):
+            where = "the CPU" if case.device != "cuda" else f"SM{cap[0]}{cap[1]}"
+            return f"SonicMoE's CuTe DSL GEMMs need a Hopper (SM90) or Blackwell (SM100) GPU; this is {where}"
+        try:
+            _import_sonic()
+        except Exception as e:  # noqa: BLE001 (its CuTe DSL / QuACK stack may not load with this torch)
+            return (f"sonicmoe does not import with torch {torch.__version__} ({type(e).__name__}: {e}); "
+                    f"{INSTALL_HINT}")
+        return None
+
+    def __init__(self, case: Any, group: Any) -> None:
+        self.case, self.group = case, group
+        self._tokens: dict[tuple[int, int, str], torch.Tensor] = {}
+
+    def setup(self, inputs: Any) -> None:
+        self._moe, activation = _import_sonic()
+        self._swiglu = activation.SWIGLU
+        self.params = ExpertParams(self.case, inputs)  # leaves aliasing the inputs; the shared expert's compile
+
+    def token_indices(self, T: int, K: int, device: torch.device) -> torch.Tensor:
+        """Token t repeated K times, ascending (what SonicMoE requires); a constant of the shape, made once."""
+        key = (T, K, str(device))
+        if key not in self._tokens:
+            self._tokens[key] = torch.arange(T, device=device, dtype=torch.int32).repeat_interleave(K)
+        return self._tokens[key]
+
+    def forward(self, x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, topk_w_TK: torch.Tensor) -> torch.Tensor:
+        T, K = topk_idx_TK.shape
+        w1 = self.params.w13.permute(1, 2, 0)  # (2I, H, E), stride order (2, 0, 1): gate rows, then up rows
+        w2 = self.params.w2.permute(1, 2, 0)  # (H, I, E), stride order (2, 0, 1)
+        stream = torch.cuda.current_stream().cuda_stream if x_TH.is_cuda else 0
+        out, _ = self._moe(x_TH, topk_w_TK.reshape(-1), self.token_indices(T, K, x_TH.device),
+                           topk_idx_TK.reshape(-1).to(torch.int32), w1, None, w2, None, self.case.num_experts, stream,
+                           self._swiglu, False, True)  # is_inference_mode_enabled=False, concat_layout=True
+        return self.params.add_shared(out, x_TH)
+
+    def zero_grad(self) -> None:
+        self.params.zero_grad()
+
+    def weight_grads(self) -> dict[str, Optional[torch.Tensor]]:
+        return self.params.grads()
+
+    def traffic(self) -> dict[str, Any]:
+        return {}  # EP = 1: no token leaves the GPU
+
+    def phases(self) -> dict[str, Callable[[], Any]]:
+        return {}
+
+    def info(self) -> dict[str, Any]:
+        pin = "" if torch_within_pin() else f" (its pin is torch<={PINNED_TORCH}; run as installed)"
+        notes = [f"SonicMoE {sonic_version()} moe_general_routing_inputs with the harness's top-k (its router "
+                 f"replaced), concat gate/up layout, torch {torch.__version__}{pin}",
+                 "shared expert: the PyTorch baselines' dense SwiGLU, added to SonicMoE's output",
+                 "EP=1 only (single-GPU layer)"]
+        return {**self.params.columns(), "notes": "; ".join(notes)}
+
+    def teardown(self) -> None:
+        self.params = None
+        self._tokens = {}

@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# The Hopper anchors on one H200 (issue 26): nccl, liger (Liger-Kernel's fused MoE), sonicmoe (SonicMoE) and
+# mok_hopper, bf16, EP=1, 2048 tokens per GPU, forward and backward timed in one process per point
+# (direction=fwd_and_bwd), published timing (500 warmup / 100 timed), published compile modes, calibrated roofline.
+#
+# Usage (repo root, GPU machine):  bash scripts/h200_anchors_run.sh OUTDIR [PART]
+#   PART glm  : glm_5_2 and the compute-bound point glm_5_2 shape.local_experts=16 (16 experts on the GPU)
+#   PART kq   : kimi_k2_7 and qwen3_5_397b
+#   PART all  : both, one after another (default)
+# Each part is one harness invocation; every part uses the same run_id (MOKBENCH_RUN_ID, default
+# h200-anchors-<UTC time>), so rows of two calls on two leases still form one run in the report: pass the same
+# MOKBENCH_RUN_ID to both calls. glm and glm@16 share one call because Liger's autotuning is keyed on (H, I) and the
+# second point reuses the first's through the Triton cache below.
+#
+# Environment, set here:
+# * Wheels from WHEELS (default .whl: hydra-core, omegaconf, antlr4, submitit, liger-kernel 0.8.5) are installed
+#   without network into /tmp/site, as
+#     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+#         .whl/*.whl && export PYTHONPATH=/tmp/site
+#   (--target: nothing of the image's site-packages changes; --no-deps: the image's torch 2.11 and Triton 3.6 stay
+#   the ones that run). SONIC_WHEELS=DIR adds SonicMoE's wheels the same way (sonic-moe, quack-kernels,
+#   nvidia-cutlass-dsl and its libs): to try SonicMoE with torch 2.11; parts made with `split` (NAME.whl.part-aa,
+#   -ab, ...) are joined first. Without them the sonicmoe rows are `unsupported` with the reason.
+# * NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 (no NVLink multicast).
+# * TRITON_CACHE_DIR and TORCHINDUCTOR_CACHE_DIR under /tmp (one folder each for the whole call), so Liger's
+#   autotuning results (TRITON_CACHE_AUTOTUNING=1, set by the liger backend where TRITON_CACHE_DIR is set) and
+#   inductor's are reused between the points of a call.
+# Rows go to OUTDIR/runs/<run_id>/; the log of each part to OUTDIR/anchors-<part>.log.
+set -uo pipefail
+OUTDIR=${1:?output folder}
+PART=${2:-all}
+mkdir -p "$OUTDIR"
+WHEELS=${WHEELS:-.whl}
+SITE=/tmp/site
+if ls "$WHEELS"/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
+    "$WHEELS"/*.whl || exit 1
+fi
+if [ -n "${SONIC_WHEELS:-}" ]; then
+  for first in "$SONIC_WHEELS"/*.whl.part-aa; do
+    [ -e "$first" ] || continue
+    whl=${first%.part-aa}
+    [ -e "$whl" ] || cat "$whl".part-* > "$whl"
+  done
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
+    "$SONIC_WHEELS"/*.whl || exit 1
+fi
+export PYTHONPATH=$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/mokbench-triton-cache}
+export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/mokbench-inductor-cache}
+export MOKBENCH_RUN_ID=${MOKBENCH_RUN_ID:-h200-anchors-$(date -u +%Y%m%dT%H%M%S)}
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
+python3 -c "import liger_kernel, importlib.metadata as m; print('liger-kernel', m.version('liger-kernel'))" \
+  || echo "liger-kernel is not importable: its rows will be unsupported"
+
+COMMON=(-m hydra/launcher=node ep_size=1 precision=bf16 direction=fwd_and_bwd workload.tokens_per_gpu=2048
+        'backends=[nccl,liger,sonicmoe,mok_hopper]' compile=true compile_mode=published timing=published
+        calibrate=true dist_timeout_s=900 "run_id=$MOKBENCH_RUN_ID" "results_dir=$OUTDIR/runs"
+        hydra.sweep.dir=/tmp/mokbench-sweep hydra.run.dir=/tmp/mokbench-run)
+run() {  # part name, then the point's overrides
+  local name=$1; shift
+  echo "+ python3 -m harness.run ${COMMON[*]} $*"
+  python3 -m harness.run "${COMMON[@]}" "$@" 2>&1 | grep -v -e Warning -e warnings.warn | tee "$OUTDIR/anchors-$name.log"
+}
+case $PART in
+  glm) run glm shape=glm_5_2 'shape.local_experts=null,16' ;;
+  kq) run kq shape=kimi_k2_7,qwen3_5_397b ;;
+  all) run glm shape=glm_5_2 'shape.local_experts=null,16'; run kq shape=kimi_k2_7,qwen3_5_397b ;;
+  *) echo "PART must be glm, kq or all (got $PART)" >&2; exit 2 ;;
+esac
+echo "rows: $OUTDIR/runs/$MOKBENCH_RUN_ID; report: python3 -m harness.report $OUTDIR/runs/$MOKBENCH_RUN_ID --out $OUTDIR/report"

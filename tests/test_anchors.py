@@ -1,0 +1,317 @@
+"""The backend registry (one table of names, labels, roles, colours), the anchors in reports and charts, and the two
+anchor adapters: Liger-Kernel's fused MoE (its real Triton kernels under Triton's CPU interpreter, in fp32: the
+interpreter's bf16 results are wrong) and SonicMoE (a stand-in ``sonicmoe`` module that checks the documented
+weight and routing contract and does the math in torch)."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+import subprocess
+import sys
+import types
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before liger_kernel (its @triton.jit) is imported
+os.environ.setdefault("LIGER_FUSED_MOE_AUTOTUNE", "0")  # the interpreter cannot benchmark configs
+
+import pandas as pd  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from conftest import ROOT, compose_cfg  # noqa: E402
+from harness import backends as hb  # noqa: E402
+from harness import report as R  # noqa: E402
+from harness.config import make_case  # noqa: E402
+from harness.inputs import make_inputs  # noqa: E402
+from synthetic_results import row  # noqa: E402
+
+HAS_LIGER = importlib.util.find_spec("liger_kernel") is not None
+
+
+# ---- the registry ----------------------------------------------------------------------------------------------
+
+
+def test_registry_is_the_one_table_of_names():
+    from harness import plots
+
+    assert set(hb.BACKENDS) == {k for k, s in hb.REGISTRY.items() if s.target}
+    for key, s in hb.REGISTRY.items():
+        assert s.role in hb.ROLES and s.label and s.color.startswith("#"), key
+        assert R.system_label(key) == s.label and plots.color(key) == s.color
+    assert hb.names_with_role("anchor") == ("liger", "sonicmoe")
+    assert set(hb.names_with_role("published baseline")) == {"nccl", "deepep", "deepep_te", "hybridep_megatron"}
+    assert R.FUSED == ("mok", "mok_hopper", "mok_hopper_cpu_twin") and R.NOT_CONTENDERS == ("reference",)
+    assert R.is_anchor("liger") and not R.is_baseline("liger") and not R.is_fused("sonicmoe")
+    assert R.is_baseline("hybridep") and R.is_baseline("nccl") and R.is_fused("mok_hopper")
+    assert plots.hatch("liger") and plots.hatch("nccl") is None
+    with pytest.raises(ValueError, match="role"):
+        hb.BackendSpec("a:B", "A", "rival", "#000000")
+
+
+def test_unknown_and_extra_backends_get_defaults():
+    s = hb.spec("my_backend")
+    assert (s.label, s.role) == ("my_backend", "baseline") and s.color.startswith("#")
+    assert R.is_baseline("my_backend") and R.system_label("my_backend") == "my_backend"
+    code = ("import harness.backends as b, harness.report as R; s = b.spec('extra1'); "
+            "print(b.BACKENDS['extra1'], s.role, s.label, R.is_baseline('extra1'))")
+    env = dict(os.environ, MOKBENCH_EXTRA_BACKENDS="extra1=fake_backends:WrongOutput", PYTHONPATH=str(ROOT))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["fake_backends:WrongOutput", "baseline", "extra1", "True"]
+
+
+def test_reports_import_the_registry_without_torch():
+    code = "import sys, harness.report, harness.backends; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_anchor_backends_are_valid_config_choices():
+    cfg = compose_cfg("device=cpu", "backends=[nccl,liger,sonicmoe]")
+    assert list(cfg.backends) == ["nccl", "liger", "sonicmoe"]
+    for name in ("liger", "sonicmoe"):  # the adapters import without their libraries (those load in setup)
+        assert hb.load_backend(name).name == name
+
+
+# ---- reports: anchors beside the baselines, never counted as one -------------------------------------------------
+
+
+def _anchored_rows() -> pd.DataFrame:
+    from harness import results
+
+    rows = []
+    for shape, (nccl, liger, sonic, mok) in {"kimi_k2_7": (300.0, 420.0, 380.0, 504.0),
+                                             "glm_5_2": (250.0, 200.0, 260.0, 375.0)}.items():
+        for b, tf in (("nccl", nccl), ("liger", liger), ("sonicmoe", sonic), ("mok_hopper", mok)):
+            rows.append(row(b, shape, "bf16", "fwd", tflops=tf, ep_size=1))
+    rows.append(row("sonicmoe", "kimi_k2_7", "bf16", "bwd", ep_size=1, status="unsupported",
+                    error="sonic-moe is not installed"))
+    rows.append(row("nccl", "kimi_k2_7", "bf16", "bwd", tflops=280.0, ep_size=1))
+    return results.to_frame(rows)
+
+
+def test_claims_speedups_over_baselines_and_over_all():
+    claims = R.claims_table(R.prepare(_anchored_rows())).set_index(["direction", "shape"])
+    kimi, glm = claims.loc[("fwd", "kimi_k2_7")], claims.loc[("fwd", "glm_5_2")]
+    assert kimi["best_baseline"] == "nccl" and kimi["baselines_ok"] == "1/1"  # anchors are no baselines
+    assert kimi["speedup_mok_hopper"] == pytest.approx(504 / 300)
+    assert (kimi["best_anchor"], kimi["best_overall"]) == ("liger", "liger")
+    assert kimi["speedup_all_mok_hopper"] == pytest.approx(504 / 420)
+    assert (glm["best_anchor"], glm["best_overall"]) == ("sonicmoe", "sonicmoe")
+    assert glm["speedup_all_mok_hopper"] == pytest.approx(375 / 260)
+    assert claims.loc[("bwd", "kimi_k2_7")]["status_sonicmoe"] == "unsupported"
+    assert "speedup_all_mok_hopper" in claims and "speedup_all" not in R.fused_columns(claims.reset_index())
+    head = R.headline_table(claims.reset_index())
+    fwd = head[head["direction"] == "fwd"].iloc[0]
+    assert fwd["max_speedup"] == pytest.approx(1.68) and fwd["best_baseline"] == "nccl"
+    assert fwd["min_speedup_all"] == pytest.approx(504 / 420) and fwd["min_all_over"] == "liger"
+    assert fwd["max_speedup_all"] == pytest.approx(375 / 260)
+
+
+def test_report_and_chart_mark_the_anchors(tmp_path):
+    written = R.write_report(_anchored_rows(), tmp_path, formats=("png",))
+    md = written["claims.md"].read_text()
+    assert "Liger fused MoE (anchor)" in md and "SonicMoE (anchor)" in md
+    assert "fastest of all" in md and "MoK Hopper (ours) × all" in md
+    assert "Against the fastest of all (baselines and anchors)" in md and "1.20×" in md
+    assert any(p.name.startswith("panels_") for p in written.values())
+
+
+def test_no_anchor_columns_without_anchors(tmp_path):
+    from harness import results
+
+    df = results.to_frame([row(b, "glm_5_2", "bf16", "fwd", ep_size=1) for b in ("nccl", "mok_hopper")])
+    md = R.format_markdown(R.claims_table(R.prepare(df)), pd.DataFrame(), R.not_ok_rows(df))
+    assert "| fastest of all |" not in md and "× all |" not in md and "### Against" not in md
+
+
+# ---- adapters --------------------------------------------------------------------------------------------------
+
+
+def _case(*overrides: str, ep_size: int = 1, device: str = "cpu"):
+    cfg = compose_cfg("device=cpu", "shape=tiny", "workload.tokens_per_gpu=64", *overrides)
+    return make_case(cfg, ep_size=ep_size, device=device)
+
+
+def _fp32_inputs(case):
+    inp = make_inputs(case, 0, torch.device("cpu"))
+    floats = {f.name: getattr(inp, f.name) for f in dataclasses.fields(inp)}
+    return dataclasses.replace(inp, **{k: t.float() for k, t in floats.items() if t is not None and t.is_floating_point()})
+
+
+def _reference(case, inp):
+    """fp32 autograd through a per-expert loop: output and the 8 gradients in the harness layout."""
+    x = inp.x_TH.detach().clone().requires_grad_()
+    w = inp.topk_w_TK.detach().clone().requires_grad_()
+    w13 = inp.w13_LIH.detach().clone().requires_grad_()
+    w2 = inp.w2_LHI.detach().clone().requires_grad_()
+    shared = [t.detach().clone().requires_grad_() for t in (inp.ws_gate_IH, inp.ws_up_IH, inp.ws_down_HI)]
+    out = F.silu(x @ shared[0].t()) * (x @ shared[1].t()) @ shared[2].t()
+    for e in range(case.num_experts):
+        t, k = (inp.topk_idx_TK == e).nonzero(as_tuple=True)
+        g, u = (x[t] @ w13[e].t()).chunk(2, dim=-1)
+        out = out.index_add(0, t, (F.silu(g) * u @ w2[e].t()) * w[t, k].unsqueeze(-1))
+    out.backward(inp.grad_out_TH)
+    I = case.ffn
+    return out.detach(), {"x": x.grad, "topk_w": w.grad, "w_gate": w13.grad[:, :I], "w_up": w13.grad[:, I:],
+                          "w_down": w2.grad, "ws_gate": shared[0].grad, "ws_up": shared[1].grad,
+                          "ws_down": shared[2].grad}
+
+
+def _check_backend(b, case, inp):
+    ref_out, ref_grads = _reference(case, inp)
+    x = inp.x_TH.detach().clone().requires_grad_()
+    w = inp.topk_w_TK.detach().clone().requires_grad_()
+    out = b.forward(x, inp.topk_idx_TK, w)
+    assert out.dtype == torch.bfloat16 and out.shape == ref_out.shape
+    torch.testing.assert_close(out.float(), ref_out, atol=2e-2, rtol=2e-2)  # bf16 rounding of the output
+    out.float().backward(inp.grad_out_TH)
+    got = {"x": x.grad, "topk_w": w.grad, **b.weight_grads()}
+    assert set(got) == set(ref_grads)
+    for name, g in ref_grads.items():
+        assert got[name] is not None and got[name].shape == g.shape, name
+        torch.testing.assert_close(got[name].float(), g, atol=1e-4, rtol=1e-3, msg=name)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_LIGER, reason="liger-kernel not installed (pip install liger-kernel==0.8.5)")
+def test_liger_adapter_matches_the_reference_output_and_all_gradients():
+    """Liger's own Triton kernels (interpreted, fp32) behind the adapter: routing, gate/up layout, router weights,
+    shared expert and the gradients' harness layout; a second call after zero_grad gives the same gradients."""
+    from baselines.liger import LigerBackend
+
+    case = _case()
+    inp = _fp32_inputs(case)
+    b = LigerBackend(case, None)
+    b.setup(inp)  # the untimed forward + backward of setup
+    assert all(g is None for g in b.weight_grads().values())
+    _check_backend(b, case, inp)
+    b.zero_grad()
+    _check_backend(b, case, inp)
+    info = b.info()
+    assert "LigerFusedMoEFunction" in info["notes"] and "LIGER_FUSED_MOE_AUTOTUNE=0" in info["notes"]
+
+
+def test_liger_unsupported_reasons(monkeypatch):
+    from baselines import liger
+
+    cpu = _case()
+    gpu = dataclasses.replace(cpu, device="cuda")
+    if not HAS_LIGER:
+        assert "pip install liger-kernel" in liger.LigerBackend.unsupported_reason(gpu)
+        monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())
+    assert "bf16 only" in liger.LigerBackend.unsupported_reason(dataclasses.replace(gpu, precision="fp8"))
+    assert "clamped SwiGLU" in liger.LigerBackend.unsupported_reason(dataclasses.replace(gpu, swiglu_limit=7.0))
+    assert "ep_size=1" in liger.LigerBackend.unsupported_reason(dataclasses.replace(gpu, ep_size=2))
+    assert "CUDA GPU" in liger.LigerBackend.unsupported_reason(cpu)
+
+
+def test_liger_reuses_a_user_triton_cache(monkeypatch):
+    from baselines.liger import prepare_environment
+
+    monkeypatch.delenv("TRITON_CACHE_AUTOTUNING", raising=False)
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    prepare_environment("cuda")
+    assert "TRITON_CACHE_AUTOTUNING" not in os.environ  # no cache set by the user: nothing persisted for them
+    monkeypatch.setenv("TRITON_CACHE_DIR", "/tmp/some-cache")
+    prepare_environment("cuda")
+    assert os.environ["TRITON_CACHE_AUTOTUNING"] == "1"
+
+
+# ---- SonicMoE through a stand-in module ---------------------------------------------------------------------------
+
+
+def _fake_sonic(calls: list) -> types.ModuleType:
+    """``sonicmoe`` with ``moe_general_routing_inputs`` as documented in sonic-moe 0.1.2.post1 (w1 (2I, H, E) and
+    w2 (H, I, E) in stride order (2, 0, 1), token_indices ascending, concat_layout = gate rows then up rows), done in
+    torch; it asserts the contract instead of trusting the adapter."""
+    mod = types.ModuleType("sonicmoe")
+    enums = types.ModuleType("sonicmoe.enums")
+
+    class ActivationType:
+        SWIGLU = "swiglu"
+
+    enums.ActivationType = ActivationType
+
+    def moe_general_routing_inputs(x, router_scores, token_indices, expert_indices, w1, b1, w2, b2, E, stream_id,
+                                   activation_type, is_inference_mode_enabled=False, concat_layout=False):
+        I2, H, E_ = w1.shape
+        assert (H, I2 // 2, E_) == tuple(w2.shape) and E == E_ and x.shape[1] == H
+        for w in (w1, w2):  # stride order (2, 0, 1): E slowest, dim 1 fastest
+            assert w.stride(1) == 1 and w.stride(0) == w.shape[1] and w.stride(2) == w.shape[0] * w.shape[1]
+        assert token_indices.dtype == torch.int32 and expert_indices.dtype == torch.int32
+        assert bool((token_indices.diff() >= 0).all()), "token_indices must be sorted"
+        assert router_scores.dtype == torch.float32 and router_scores.shape == token_indices.shape
+        assert b1 is None and b2 is None and activation_type == "swiglu" and not is_inference_mode_enabled
+        calls.append(concat_layout)
+        out = torch.zeros_like(x, dtype=torch.float32)
+        for e in range(E):
+            sel = (expert_indices == e).nonzero(as_tuple=True)[0]
+            t = token_indices[sel].long()
+            h = x[t] @ w1[:, :, e].t()
+            g, u = (h[:, : I2 // 2], h[:, I2 // 2:]) if concat_layout else (h[:, 0::2], h[:, 1::2])
+            out = out.index_add(0, t, (F.silu(g) * u @ w2[:, :, e].t()) * router_scores[sel].unsqueeze(-1))
+        return out.to(x.dtype), torch.bincount(expert_indices.long(), minlength=E).int()
+
+    mod.moe_general_routing_inputs = moe_general_routing_inputs
+    mod.enums = enums
+    return mod
+
+
+def test_sonicmoe_adapter_against_a_stand_in(monkeypatch):
+    from baselines import sonicmoe
+
+    calls: list = []
+    mod = _fake_sonic(calls)
+    monkeypatch.setitem(sys.modules, "sonicmoe", mod)
+    monkeypatch.setitem(sys.modules, "sonicmoe.enums", mod.enums)
+    case = _case()
+    inp = _fp32_inputs(case)
+    b = sonicmoe.SonicMoEBackend(case, None)
+    b.setup(inp)
+    _check_backend(b, case, inp)
+    assert calls == [True]  # concat_layout: the harness's gate-then-up rows
+    assert "moe_general_routing_inputs" in b.info()["notes"]
+
+
+def test_sonicmoe_unsupported_reasons(monkeypatch):
+    from baselines import sonicmoe
+
+    gpu = dataclasses.replace(_case(), device="cuda")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    why = sonicmoe.SonicMoEBackend.unsupported_reason(gpu)
+    assert "not installed" in why and "torch<=2.9.1" in why and "pip install sonic-moe==0.1.2.post1" in why
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())
+    assert "bf16 only" in sonicmoe.SonicMoEBackend.unsupported_reason(dataclasses.replace(gpu, precision="fp8"))
+    assert "no clamp" in sonicmoe.SonicMoEBackend.unsupported_reason(dataclasses.replace(gpu, swiglu_limit=7.0))
+    assert "ep_size=1" in sonicmoe.SonicMoEBackend.unsupported_reason(dataclasses.replace(gpu, ep_size=2))
+    assert "Hopper (SM90)" in sonicmoe.SonicMoEBackend.unsupported_reason(_case())
+    monkeypatch.setattr(sonicmoe, "device_capability", lambda dev: (9, 0))
+    monkeypatch.setitem(sys.modules, "sonicmoe", None)  # installed but does not import
+    why = sonicmoe.SonicMoEBackend.unsupported_reason(gpu)
+    assert "does not import with torch" in why and "torch<=2.9.1" in why
+
+
+@pytest.mark.parametrize("version,ok", [("2.9.1", True), ("2.9.1+cu128", True), ("2.8.0", True),
+                                        ("2.11.0+cu130", False), ("2.10.0a0", False)])
+def test_sonicmoe_torch_pin(version, ok):
+    from baselines.sonicmoe import torch_within_pin
+
+    assert torch_within_pin(version) is ok
+
+
+@pytest.mark.slow
+def test_anchors_on_the_cpu_are_unsupported_rows_beside_ok_rows(results_dir):
+    """A CPU sweep point with both anchors: each gets an unsupported row per direction with its reason, nccl runs."""
+    from conftest import cpu_cfg
+    from harness.runner import run_benchmark
+
+    df = run_benchmark(cpu_cfg(results_dir, "ep_size=1", "backends=[nccl,liger,sonicmoe]", "directions=[fwd,bwd]"))
+    st = {(r.backend, r.direction): (r.status, str(r.error)) for r in df.itertuples()}
+    assert st[("nccl", "fwd")][0] == "ok" and st[("nccl", "bwd")][0] == "ok"
+    for d in ("fwd", "bwd"):
+        assert st[("liger", d)][0] == "unsupported"
+        assert ("CUDA GPU" if HAS_LIGER else "pip install liger-kernel") in st[("liger", d)][1]
+        assert st[("sonicmoe", d)][0] == "unsupported" and "sonic" in st[("sonicmoe", d)][1].lower()
