@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from baselines import fp8_gemm
 # The harness's fp8 format (block-scaled e4m3) and the weights as autograd leaves: one definition each, in the contract.
 from contract.fp8 import dequantize_blocks, quantize_blocks  # noqa: F401 (re-exported)
 from contract.weights import ExpertLeaves  # noqa: F401 (re-exported)
@@ -166,8 +167,15 @@ class ExpertParams(ExpertLeaves):
         super().__init__(case, inputs)
         self.mlp, self.dense = expert_mlp, dense_mlp
         self.compile_mode = published_mode if case.compile_mode == PUBLISHED_COMPILE_MODE else case.compile_mode
-        self._quantized = None  # fp8: the weights' dequantized e4m3 values (bf16), computed once
-        if case.precision == "fp8":
+        self._quantized = None  # fp8 emulated: the weights' dequantized e4m3 values (bf16), computed once
+        self._fp8 = None  # fp8 rowwise / blockwise: real fp8 GEMMs on weights quantized once (baselines/fp8_gemm.py)
+        self.fp8_path, why = fp8_gemm.resolve(case)
+        if why:
+            raise RuntimeError(why)
+        if self.fp8_path in ("rowwise", "blockwise"):
+            self._fp8 = fp8_gemm.Fp8Experts(self.fp8_path, self.w13, self.w2)
+            self.mlp = self._fp8_mlp
+        elif case.precision == "fp8":
             b = case.weight_block
             self._quantized = []
             for w in (self.w13, self.w2):
@@ -178,14 +186,18 @@ class ExpertParams(ExpertLeaves):
             # that CUDA graphs (max-autotune) use them in place instead of copying every weight into the graph's
             # input buffers on each call (on 2xH200 the compiled nccl forward took 11.47 ms on glm_5_2 unmarked,
             # 6.47 ms marked: runs h200x2-compiled-20261130T084636 and h200x2-nccl-static-20261130T100905)
-            for t in [self.w13, self.w2, *(self.shared or []), *(self._quantized or [])]:
+            for t in [self.w13, self.w2, *(self.shared or []), *(self._quantized or []),
+                      *(self._fp8.tensors() if self._fp8 else [])]:
                 torch._dynamo.mark_static_address(t)
-            self.mlp = torch.compile(expert_mlp, mode=self.compile_mode, dynamic=False)
+            if self.fp8_path != "blockwise":  # DeepGEMM's experts run eagerly (host-side group sizes, JIT kernels)
+                self.mlp = torch.compile(self.mlp, mode=self.compile_mode, dynamic=False)
             self.dense = torch.compile(dense_mlp, mode=self.compile_mode, dynamic=False)
 
     def experts(self, x_MH: torch.Tensor, counts_L: torch.Tensor) -> torch.Tensor:
         """Grouped SwiGLU experts on rows sorted by local expert; ``counts_L`` rows per expert (device)."""
         c = self.case
+        if self._fp8 is not None:
+            return self.mlp(x_MH, self.w13, self.w2, counts_L, c.swiglu_limit)
         offs = torch.cumsum(counts_L, 0).to(torch.int32)
         counts = [] if use_grouped_mm(x_MH) else counts_L.tolist()
         if c.precision == "fp8":
@@ -193,17 +205,24 @@ class ExpertParams(ExpertLeaves):
         quantized = tuple(self._quantized) if self._quantized is not None else None
         return self.mlp(x_MH, self.w13, self.w2, offs, counts, c.swiglu_limit, quantized)
 
+    def _fp8_mlp(self, x_MH, w13_LIH, w2_LHI, counts_L, limit):
+        return self._fp8(x_MH, w13_LIH, w2_LHI, counts_L, swiglu, limit)
+
     def add_shared(self, out_TH: torch.Tensor, x_TH: torch.Tensor) -> torch.Tensor:
         """fp32 out + the bf16 shared expert of x, cast to bf16."""
         if self.shared is not None:
             out_TH = out_TH + self.dense(x_TH, *self.shared, self.case.swiglu_limit).float()
         return out_TH.to(torch.bfloat16)
 
+    def gemm_name(self) -> str:
+        """The expert GEMMs that ran, for a row's notes."""
+        return {"rowwise": "torch._scaled_grouped_mm (fp8 rowwise)",
+                "blockwise": f"{fp8_gemm.deep_gemm_version()} grouped fp8 (1x128/128x128)"}.get(
+            self.fp8_path, grouped_mm_name(self.case.device) + (" (bf16, emulated fp8)" if self.fp8_path == "emulated"
+                                                                 else ""))
+
     def columns(self, dispatch: str = "bf16") -> dict[str, object]:
         """The row columns these experts decide: ``scaling``, ``compiled``, ``compile_mode``."""
         c = self.case
-        scaling = "none"
-        if c.precision == "fp8":
-            scaling = (f"block 1x{c.act_block}/{c.weight_block}x{c.weight_block} emulated (bf16 GEMM on e4m3 "
-                       f"values); dispatch {dispatch}")
+        scaling = fp8_gemm.scaling_label(self.fp8_path, c, dispatch) if c.precision == "fp8" else "none"
         return {"scaling": scaling, "compiled": c.compile, "compile_mode": self.compile_mode if c.compile else ""}

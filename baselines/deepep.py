@@ -15,7 +15,8 @@ adapter uses the V1 intranode ``Buffer`` from DeepEP's ``hybrid-ep`` branch (the
   then looked up in an all-gather of the [T, K] top-k table through the dispatch handle (source rank from the rank
   prefix matrix, source token from ``recv_src_idx``). Rows record it in ``notes``.
 * fp8: tokens are quantized in 1x128 blocks before the dispatch (DeepEP's own FP8 dispatch format, so the wire
-  carries e4m3 + scales); expert GEMMs are emulated as in the nccl baseline (``scaling`` says so).
+  carries e4m3 + scales); the expert GEMMs are real fp8 (rowwise or DeepGEMM blockwise) or emulated by the
+  ``fp8_gemm`` option, as in the nccl baseline (``scaling`` says which).
 * Comm SMs: published DeepEP+PyTorch used 32 (bf16) / 24 (fp8); ``comm_sms`` overrides. DeepEP V1 has no
   deterministic mode (V2's ``deterministic=True`` has no V1 counterpart): ``notes`` says so.
 """
@@ -30,7 +31,8 @@ import torch
 import torch.distributed as dist
 
 from contract import Case, LayerInputs
-from baselines.common import ExpertParams, dequantize_blocks, grouped_mm_name, precision_unsupported, quantize_blocks
+from baselines import fp8_gemm
+from baselines.common import ExpertParams, dequantize_blocks, precision_unsupported, quantize_blocks
 
 INSTALL_HINT = ("build DeepEP's hybrid-ep branch from source (README, 'Optional backends: DeepEP and HybridEP'): "
                 "TORCH_CUDA_ARCH_LIST=9.0 pip install --no-build-isolation .")
@@ -134,7 +136,7 @@ class DeepEPBackend:
 
     @classmethod
     def unsupported_reason(cls, case: Case) -> Optional[str]:
-        return deepep_unsupported(case)
+        return deepep_unsupported(case) or fp8_gemm.resolve(case)[1]
 
     def __init__(self, case: Case, group: Any) -> None:
         self.case, self.group = case, group
@@ -240,7 +242,7 @@ class DeepEPBackend:
 
     def info(self) -> dict[str, Any]:
         notes = [f"DeepEP V1 Buffer (hybrid-ep branch), {self.num_sms} comm SMs, no deterministic mode in V1",
-                 f"grouped GEMM: {grouped_mm_name(self.case.device)}"]
+                 f"grouped GEMM: {self.params.gemm_name()}"]
         if self.coarse:
             notes.append(f"expert ids coarsened to {self.groups} groups/rank for DeepEP's layout; true experts "
                          "recovered from an all-gathered top-k table")

@@ -12,7 +12,8 @@ combine-with-unpermute around the same grouped PyTorch experts as the other base
 * HybridEP compiles its kernels at run time (``CUDA_HOME`` must point at the CUDA toolkit); the first call of each
   process happens in ``setup`` / the correctness check, outside the timed region.
 * fp8: HybridEP is used with bf16 on the wire, as in Megatron (which rejects FP8 dispatch there); the expert GEMMs
-  are emulated fp8 as in the nccl baseline (``scaling`` says so).
+  run real fp8 (rowwise or DeepGEMM blockwise) or emulated fp8 by the ``fp8_gemm`` option, as in the nccl baseline
+  (``scaling`` says which).
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ import torch
 import torch.distributed as dist
 
 from contract import Case, LayerInputs
-from baselines.common import ExpertParams, grouped_mm_name
+from baselines import fp8_gemm
+from baselines.common import ExpertParams
 from baselines.deepep import deepep_unsupported, import_deep_ep
 
 PAD_MULTIPLE = 64  # Megatron's HYBRIDEP_TOKEN_ALIGNMENT
@@ -108,7 +110,7 @@ class HybridEPBackend:
 
     @classmethod
     def unsupported_reason(cls, case: Case) -> Optional[str]:
-        return hybridep_unsupported(case)
+        return hybridep_unsupported(case) or fp8_gemm.resolve(case)[1]
 
     def __init__(self, case: Case, group: Any) -> None:
         self.case, self.group = case, group
@@ -154,7 +156,7 @@ class HybridEPBackend:
     def info(self) -> dict[str, Any]:
         return {**self.params.columns("bf16"), "comm_sms": self.num_sms,
                 "notes": f"HybridEP dispatch_with_permute / combine_with_unpermute, pad {PAD_MULTIPLE}, "
-                         f"{self.num_sms} SMs; grouped GEMM: {grouped_mm_name(self.case.device)}"}
+                         f"{self.num_sms} SMs; grouped GEMM: {self.params.gemm_name()}"}
 
     def teardown(self) -> None:
         self.buffer = None

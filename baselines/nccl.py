@@ -6,10 +6,12 @@ regrouped by local expert; grouped SwiGLU GEMMs (gate+up fused into one [L, 2I, 
 on SM90+, a per-expert loop elsewhere); rows sent back; router-weighted sum in fp32 plus the shared expert.
 Backward is autograd through the same graph (the all-to-alls reverse).
 
-fp8: the harness format is block-scaled e4m3 (1x128 activations quantized after dispatch, 128x128 weights
-quantized once in ``setup``). This baseline emulates the fp8 GEMMs: operands round-trip through e4m3 and the
-GEMMs run in bf16 on the dequantized values (``scaling`` says so), so its fp8 numbers measure accuracy, not fp8
-GEMM speed. Known gap against the published script: the shared expert is not overlapped with the dispatch.
+fp8 (option ``fp8_gemm``, ``baselines/fp8_gemm.py``; ``scaling`` records the path): real fp8 grouped GEMMs in the
+forward and backward, ``rowwise`` (``torch._scaled_grouped_mm``) or ``blockwise`` (DeepGEMM, the harness's 1x128 /
+128x128 format); weights are quantized once in ``setup``, activations and gradients inside the timed call.
+``emulated`` (operands round-trip through e4m3, GEMMs in bf16) measures accuracy only; ``auto`` takes the fastest
+real path installed, and on a CPU the emulated one, labelled so. Known gap against the published script: the
+shared expert is not overlapped with the dispatch.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ import torch
 import torch.distributed as dist
 
 from contract import Case, LayerInputs
-from baselines.common import ExpertParams, all_to_all, grouped_mm_name, precision_unsupported
+from baselines import fp8_gemm
+from baselines.common import ExpertParams, all_to_all, precision_unsupported
 
 
 class NcclBackend:
@@ -34,7 +37,7 @@ class NcclBackend:
             return why
         if case.precision == "mxfp8":
             return "the nccl baseline's mxfp8 path (TorchAO scaled_grouped_mm) is not implemented; use precision=bf16"
-        return None
+        return fp8_gemm.resolve(case)[1]
 
     def __init__(self, case: Case, group: Any) -> None:
         self.case, self.group = case, group
@@ -102,7 +105,7 @@ class NcclBackend:
 
     def info(self) -> dict[str, Any]:
         return {**self.params.columns("bf16"),
-                "notes": f"grouped GEMM: {grouped_mm_name(self.case.device)}; shared expert not overlapped with dispatch"}
+                "notes": f"grouped GEMM: {self.params.gemm_name()}; shared expert not overlapped with dispatch"}
 
     def teardown(self) -> None:
         self._last = {}

@@ -39,6 +39,7 @@ class Case:
     compile_mode: str
     comm_sms: Optional[int]
     te_fp8_recipe: str = "blockwise"
+    fp8_gemm: str = "auto"
 
     @property
     def routing_label(self) -> str:

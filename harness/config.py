@@ -32,6 +32,11 @@ DEVICES = ("auto", "cpu", "cuda")
 # Megatron's names: blockwise = Float8BlockScaling (the harness format: 1x128 activation, 128x128 weight blocks),
 # tensorwise = Float8CurrentScaling, delayed = DelayedScaling. Recorded in those rows' `scaling` column.
 TE_FP8_RECIPES = ("blockwise", "tensorwise", "delayed")
+# fp8 GEMMs of the PyTorch-expert baselines (nccl, deepep, hybridep) at precision=fp8 (baselines/fp8_gemm.py):
+# rowwise = torch._scaled_grouped_mm (per-row activation / per-channel weight scales), blockwise = DeepGEMM's grouped
+# GEMMs in the harness format (1x128 / 128x128), emulated = bf16 GEMMs on e4m3-rounded operands (accuracy only),
+# auto = the fastest real path installed (on a CPU: emulated, labelled as accuracy only). Recorded in `scaling`.
+FP8_GEMMS = ("auto", "rowwise", "blockwise", "emulated")
 # torch.compile modes, and "published": each PyTorch baseline's mode in the published scripts (nccl max-autotune,
 # DeepEP / HybridEP max-autotune-no-cudagraphs)
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs", "published")
@@ -111,6 +116,7 @@ class BenchConfig:
     compile_mode: str = "max-autotune-no-cudagraphs"
     comm_sms: Optional[int] = None  # SMs for communication kernels, for backends that take it (None: its default)
     te_fp8_recipe: str = "blockwise"  # fp8 recipe of the TE-based backends (TE_FP8_RECIPES); others ignore it
+    fp8_gemm: str = "auto"  # fp8 GEMMs of the PyTorch-expert baselines (FP8_GEMMS); others ignore it
     check: bool = True  # correctness gate against the reference before timing
     time_reference: bool = False  # the reference is not a contender; time it only when asked
     run_id: Optional[str] = None  # rows of one run share it; None: generated per process tree
@@ -222,6 +228,7 @@ def make_case(cfg: Any, *, ep_size: int, device: str) -> Case:
         compile_mode=c.get("compile_mode", "default"),
         comm_sms=c.get("comm_sms"),
         te_fp8_recipe=c.get("te_fp8_recipe", "blockwise"),
+        fp8_gemm=c.get("fp8_gemm", "auto"),
     )
     validate_case(case)
     return case
@@ -281,6 +288,7 @@ def validate_case(case: Case) -> None:
          f"unknown compile_mode '{case.compile_mode}'; choose one of: {', '.join(COMPILE_MODES)} (or compile=false)")
     need(case.te_fp8_recipe in TE_FP8_RECIPES,
          f"unknown te_fp8_recipe '{case.te_fp8_recipe}'; choose one of: {', '.join(TE_FP8_RECIPES)}")
+    need(case.fp8_gemm in FP8_GEMMS, f"unknown fp8_gemm '{case.fp8_gemm}'; choose one of: {', '.join(FP8_GEMMS)}")
 
 
 # Memory of one CPU (gloo) rank, for the check that the ranks of a local run fit this machine. Measured with torch
@@ -389,7 +397,8 @@ def validate_run_options(c: dict) -> None:
 
 # Fields that identify a measurement, not the run that made it (compare matches rows on this hash).
 _HASH_EXCLUDE = {"run_id", "dist_timeout_s", "results_dir", "results_format", "print_table", "timing", "check", "calibrate",
-                 "time_reference", "backends", "directions", "te_fp8_recipe", "backend_order"}
+                 "time_reference", "backends", "directions", "te_fp8_recipe", "backend_order",
+                 "fp8_gemm"}
 
 
 def config_hash(c: dict, case: Case) -> str:
@@ -399,6 +408,8 @@ def config_hash(c: dict, case: Case) -> str:
         # the recipe only changes fp8 measurements: the default (and every bf16/mxfp8 point) keeps the hash it had
         # before the option existed, so compare still matches those rows
         kept["case"].pop("te_fp8_recipe")
+    if case.precision != "fp8":
+        kept["case"].pop("fp8_gemm")  # only fp8 rows depend on it: bf16/mxfp8 points keep their hashes
     blob = OmegaConf.to_yaml(OmegaConf.create(kept), sort_keys=True)
     return hashlib.sha1(blob.encode()).hexdigest()[:12]
 

@@ -1,0 +1,474 @@
+"""Real fp8 grouped GEMMs for the PyTorch-expert baselines (nccl, deepep, hybridep) at ``precision=fp8``.
+
+The option ``fp8_gemm`` picks the path, recorded in each row's ``scaling``:
+
+* ``rowwise``: ``torch._scaled_grouped_mm`` (the only grouped fp8 layout torch takes on SM90; torchao's MoE training
+  uses it). Forward: per-row activation scales x per-output-channel weight scales. dgrad (dX = dY W): per-row scales
+  of dY x a second copy of the weight quantized per input channel (W^T rows). wgrad (dW_e = dY_e^T X_e, a sum over
+  expert e's tokens): the 2d x 2d grouped form with per-expert, per-channel scales taken along the tokens. Each
+  expert's rows are padded to a multiple of 16 (fp8 TMA alignment of the token-grouped wgrad operands).
+* ``blockwise``: the harness's own format (e4m3, 1x128 activation / 128x128 weight blocks) in DeepGEMM (the
+  ``sgl-deep-gemm`` package): m-grouped contiguous GEMMs for the forward and dgrad (the 128x128 weight blocks of W^T
+  are those of W, transposed), k-grouped contiguous for the wgrad with 1x128 blocks along the tokens. Each expert's
+  rows are padded to DeepGEMM's alignment (``get_mk_alignment_for_contiguous_layout``, 128).
+* ``emulated``: bf16 GEMMs on e4m3-rounded operands (``baselines.common.fake_quant``): measures accuracy, never fp8
+  speed.
+* ``auto``: the first real path of ``AUTO_ORDER`` that this machine has; on a CPU ``emulated`` (labelled so).
+
+Weights are quantized once in setup (outside the timed region, as published); activations and gradients are
+quantized inside the timed call. Every function here also runs on a CPU through pure-torch references of the same GEMM
+semantics (``reference_*``), which the tests use to check the operand bookkeeping; the GPU test checks the real GEMMs
+against the same references.
+
+Legend: M rows (sorted by expert), P padded rows, G experts, N output features, K input features.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Optional, Sequence
+
+import torch
+
+from contract.fp8 import FP8_MAX, dequantize_blocks, quantize_blocks
+
+E4M3 = torch.float8_e4m3fn
+ROWWISE_ALIGN = 16  # rows per expert, rowwise path (16-byte TMA alignment of the token-grouped wgrad operands)
+BLOCK = 128  # DeepGEMM's block (1x128 / 128x128) on SM90
+WGRAD_SCRATCH_ELEMS = 1 << 28  # fp32 elements of DeepGEMM wgrad accumulator per step (1 GiB)
+# auto's preference among the real paths: the harness's own format first (what the fused fp8 kernel computes, and
+# DeepEP + DeepGEMM is the production fp8 MoE setup on Hopper), then torch's rowwise grouped GEMM.
+AUTO_ORDER = ("blockwise", "rowwise")
+DEEPGEMM_HINT = ("install DeepGEMM: pip install sgl-deep-gemm (CUDA 13 build; README, 'Optional: DeepGEMM for real "
+                 "fp8 GEMMs'), or use fp8_gemm=rowwise")
+
+
+# ---- which path ---------------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def load_deep_gemm() -> tuple[Optional[Any], Optional[str]]:
+    """(the deep_gemm module, None) or (None, why it does not load)."""
+    try:
+        import deep_gemm
+    except Exception as e:  # noqa: BLE001 (an ABI mismatch raises OSError / RuntimeError, not ImportError)
+        return None, f"DeepGEMM does not load ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+    for name in ("m_grouped_fp8_gemm_nt_contiguous", "k_grouped_fp8_gemm_nt_contiguous",
+                 "get_mk_alignment_for_contiguous_layout"):
+        if not hasattr(deep_gemm, name):
+            return None, f"this DeepGEMM has no {name}"
+    return deep_gemm, None
+
+
+def deep_gemm_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return f"sgl-deep-gemm {version('sgl-deep-gemm')}"
+    except Exception:  # noqa: BLE001
+        return "deep_gemm"
+
+
+def _capability(device: str) -> tuple[int, int]:
+    if device != "cuda" or not torch.cuda.is_available():
+        return (0, 0)
+    return torch.cuda.get_device_capability()
+
+
+def path_unavailable(path: str, device: str) -> Optional[str]:
+    """Why ``path`` (rowwise | blockwise) cannot run here (None: it can)."""
+    if device != "cuda":
+        return (f"fp8_gemm={path} runs real fp8 GEMMs on a Hopper GPU; this run is on {device}: use "
+                "fp8_gemm=emulated (accuracy only) or run on a GPU")
+    cap = _capability(device)
+    if path == "rowwise":
+        if not hasattr(torch, "_scaled_grouped_mm"):
+            return f"torch {torch.__version__} has no torch._scaled_grouped_mm; use fp8_gemm=blockwise or emulated"
+        if cap < (9, 0):
+            return f"torch._scaled_grouped_mm needs SM90+, this is SM{cap[0]}{cap[1]}; use fp8_gemm=emulated"
+        return None
+    if cap != (9, 0):
+        return (f"fp8_gemm=blockwise is wired for SM90 (fp32 block scales), this is SM{cap[0]}{cap[1]}; "
+                "use fp8_gemm=rowwise")
+    _, why = load_deep_gemm()
+    return f"{why}; {DEEPGEMM_HINT}" if why else None
+
+
+def resolve(case: Any) -> tuple[str, Optional[str]]:
+    """(the fp8 GEMM path this case runs, why it cannot run or None). bf16 / mxfp8: ("none", None)."""
+    if case.precision != "fp8":
+        return "none", None
+    opt, device = getattr(case, "fp8_gemm", "auto"), getattr(case, "device", "cpu")
+    if opt == "emulated":
+        return "emulated", None
+    if opt == "auto":
+        if device != "cuda":
+            return "emulated", None  # a CPU has no fp8 GEMM: the row says it measures accuracy only
+        whys = []
+        for p in AUTO_ORDER:
+            why = path_unavailable(p, device)
+            if why is None:
+                return p, None
+            whys.append(f"{p}: {why}")
+        return "auto", ("no real fp8 grouped GEMM on this machine (" + "; ".join(whys) +
+                        "); fp8_gemm=emulated measures accuracy only")
+    return opt, path_unavailable(opt, device)
+
+
+def scaling_label(path: str, case: Any, dispatch: str) -> str:
+    if path == "rowwise":
+        return ("e4m3 rowwise (per-row activation / per-channel weight scales), torch._scaled_grouped_mm: forward, "
+                f"dgrad and wgrad in fp8 (wgrad scales per expert and channel along the tokens); dispatch {dispatch}")
+    if path == "blockwise":
+        return (f"e4m3 block 1x{BLOCK}/{BLOCK}x{BLOCK}, DeepGEMM ({deep_gemm_version()}): forward and dgrad m-grouped "
+                f"contiguous, wgrad k-grouped (1x{BLOCK} along tokens), all in fp8, experts eager (not compiled); "
+                f"dispatch {dispatch}")
+    return (f"block 1x{case.act_block}/{case.weight_block}x{case.weight_block} emulated (bf16 GEMM on e4m3 values): "
+            f"measures accuracy, not fp8 GEMM speed; dispatch {dispatch}")
+
+
+# ---- quantization -------------------------------------------------------------------------------------------------
+
+
+def _q(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return (x.float() / scale).to(E4M3)
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 [..., R, C] with one scale per row (over the last dim): fp32 [..., R]."""
+    scale = x.float().abs().amax(-1).clamp(min=1e-12) / FP8_MAX
+    return _q(x, scale.unsqueeze(-1)), scale
+
+
+def quantize_token_groups(x_PC: torch.Tensor, group_P: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 [P, C] with one scale per (group, column), over the rows of the group: fp32 [groups, C]. Rows of group
+    id ``groups`` (padding slack past the last group) get a scale of their own, dropped from the result."""
+    C = x_PC.shape[1]
+    amax = torch.zeros(groups + 1, C, dtype=torch.float32, device=x_PC.device)
+    amax.scatter_reduce_(0, group_P.unsqueeze(1).expand(-1, C), x_PC.float().abs(), "amax")
+    scale = amax.clamp(min=1e-12) / FP8_MAX
+    return _q(x_PC, scale.index_select(0, group_P)), scale[:groups]
+
+
+# ---- grouped layout (padding) -------------------------------------------------------------------------------------
+
+
+class GroupLayout:
+    """Rows sorted by expert, each expert's rows padded to ``align`` (zero rows), on the device.
+
+    ``dest`` [M]: each row's place in the padded buffer; ``offs`` [G] int32 padded cumulative ends; ``group`` [P]:
+    the expert of each padded row (G for slack rows past the last expert); ``rows``: P. ``host_counts`` given: P is
+    exact (DeepGEMM's k-grouped GEMM needs the sizes on the host); otherwise P = M + (align - 1) * G, a static bound
+    (no host sync; the GEMMs only read up to ``offs[-1]``)."""
+
+    def __init__(self, counts_G: torch.Tensor, M: int, align: int,
+                 host_counts: Optional[Sequence[int]] = None) -> None:
+        dev, G = counts_G.device, counts_G.numel()
+        counts = counts_G.to(torch.int64)
+        padded = (counts + align - 1) // align * align
+        ends = torch.cumsum(padded, 0)
+        pstart = ends - padded
+        start = torch.cumsum(counts, 0) - counts
+        if host_counts is not None:
+            self.padded_host = [-(-int(n) // align) * align for n in host_counts]
+            self.rows = sum(self.padded_host)
+        else:
+            self.padded_host = None
+            self.rows = M + (align - 1) * G
+        ids = torch.arange(G, device=dev)
+        e_M = torch.repeat_interleave(ids, counts, output_size=M)
+        self.dest = pstart.index_select(0, e_M) + torch.arange(M, device=dev) - start.index_select(0, e_M)
+        slack = torch.clamp(self.rows - ends[-1:], min=0) if G else torch.tensor([self.rows], device=dev)
+        self.group = torch.repeat_interleave(torch.cat([ids, ids.new_full((1,), G)]), torch.cat([padded, slack]),
+                                             output_size=self.rows)
+        self.offs = ends.to(torch.int32)
+        self.G = G
+        # DeepGEMM's m-grouped layout: the expert of each padded row, -1 on padding rows
+        pos = torch.arange(self.rows, device=dev) - torch.cat([pstart, ends[-1:]]).index_select(0, self.group)
+        real = pos < torch.cat([counts, counts.new_zeros(1)]).index_select(0, self.group)
+        self.m_indices = torch.where(real, self.group, torch.full_like(self.group, -1)).to(torch.int32)
+
+    def pad(self, x_MC: torch.Tensor) -> torch.Tensor:
+        return x_MC.new_zeros(self.rows, x_MC.shape[1]).index_copy(0, self.dest, x_MC)
+
+    def unpad(self, y_PC: torch.Tensor) -> torch.Tensor:
+        return y_PC.index_select(0, self.dest)
+
+
+# ---- rowwise: torch._scaled_grouped_mm ----------------------------------------------------------------------------
+
+
+def reference_scaled_grouped_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+                                offs: torch.Tensor) -> torch.Tensor:
+    """``torch._scaled_grouped_mm(a, b, scale_a, scale_b, offs=offs, out_dtype=bf16)`` in plain torch (fp32 math),
+    for the two layouts used here: 2d x 3d (groups along M: a [M, K], b [G, K, N], scales [M] / [G, N]) and 2d x 2d
+    (groups along K: a [M, Ktot], b [Ktot, N], scales [G*M] / [G*N], out [G, M, N]). Rows past ``offs[-1]`` are 0."""
+    ends = [int(e) for e in offs.tolist()]
+    af, bf = a.float(), b.float()
+    if b.dim() == 3:
+        out = torch.zeros(a.shape[0], b.shape[2], dtype=torch.float32, device=a.device)
+        s = 0
+        for g, e in enumerate(ends):
+            out[s:e] = (af[s:e] * scale_a[s:e, None]) @ (bf[g] * scale_b[g][None, :])
+            s = e
+        return out.to(torch.bfloat16)
+    G, M, N = len(ends), a.shape[0], b.shape[1]
+    sa, sb = scale_a.view(G, M), scale_b.view(G, N)
+    out = torch.zeros(G, M, N, dtype=torch.float32, device=a.device)
+    s = 0
+    for g, e in enumerate(ends):
+        out[g] = (af[:, s:e] * sa[g][:, None]) @ (bf[s:e] * sb[g][None, :])
+        s = e
+    return out.to(torch.bfloat16)
+
+
+def scaled_grouped_mm(a, b, scale_a, scale_b, offs) -> torch.Tensor:
+    if a.is_cuda:
+        return torch._scaled_grouped_mm(a, b, scale_a, scale_b, offs=offs, out_dtype=torch.bfloat16)
+    return reference_scaled_grouped_mm(a, b, scale_a, scale_b, offs)
+
+
+class RowwiseWeight:
+    """One stacked weight [G, N, K] quantized once: per-output-channel (forward) and per-input-channel (dgrad)."""
+
+    def __init__(self, w_GNK: torch.Tensor) -> None:
+        w = w_GNK.detach()
+        self.q, self.s = quantize_rows(w)  # [G, N, K], [G, N]
+        self.q_t, self.s_t = quantize_rows(w.transpose(-2, -1))  # [G, K, N] contiguous, [G, K]
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.q, self.s, self.q_t, self.s_t]
+
+
+class _RowwiseLinear(torch.autograd.Function):
+    """y [P, N] = x [P, K] @ w[g]^T per expert, every GEMM in fp8 (``torch._scaled_grouped_mm``)."""
+
+    @staticmethod
+    def forward(ctx, x_PK, w_GNK, q, s, q_t, s_t, offs, group_P):  # type: ignore[override]
+        xq, xs = quantize_rows(x_PK)
+        ctx.save_for_backward(x_PK, q_t, s_t, offs, group_P)
+        ctx.groups = w_GNK.shape[0]
+        return scaled_grouped_mm(xq, q.transpose(-2, -1), xs, s, offs)
+
+    @staticmethod
+    def backward(ctx, dy_PN):  # type: ignore[override]
+        x_PK, q_t, s_t, offs, group_P = ctx.saved_tensors
+        G = ctx.groups
+        dyq, dys = quantize_rows(dy_PN)
+        dx = scaled_grouped_mm(dyq, q_t.transpose(-2, -1), dys, s_t, offs)
+        gq, gs = quantize_token_groups(dy_PN, group_P, G)  # [P, N], [G, N]
+        xq, xs = quantize_token_groups(x_PK, group_P, G)  # [P, K], [G, K]
+        dw = scaled_grouped_mm(gq.t().contiguous(), xq.t().contiguous().t(), gs.reshape(-1), xs.reshape(-1), offs)
+        return dx, dw, None, None, None, None, None, None
+
+
+# ---- blockwise: DeepGEMM ------------------------------------------------------------------------------------------
+
+
+def reference_m_grouped_nt(a, b, d: torch.Tensor, m_indices: torch.Tensor) -> None:
+    """DeepGEMM ``m_grouped_fp8_gemm_nt_contiguous((aq, as), (bq, bs), d, m_indices)`` in plain torch: row r of d is
+    A[r] @ B[m_indices[r]]^T (1x128 blocks on A [P, K], 128x128 on B [G, N, K]); rows of index -1 are left alone."""
+
+    A = dequantize_blocks(a[0], a[1], 1, BLOCK)
+    B = dequantize_blocks(b[0], b[1], BLOCK, BLOCK)
+    for g in range(B.shape[0]):
+        rows = torch.nonzero(m_indices == g).flatten()
+        if rows.numel():
+            d[rows] = (A[rows] @ B[g].t()).to(d.dtype)
+
+
+def reference_k_grouped_nt(a, b, d: torch.Tensor, ks: Sequence[int], ks_tensor, c: Optional[torch.Tensor]) -> None:
+    """DeepGEMM ``k_grouped_fp8_gemm_nt_contiguous((a, sfa), (b, sfb), d, ks, ks_tensor, c)`` in plain torch: group g
+    owns ``ks[g]`` of the K positions (in order); its A block [M, k_g] and B block [N, k_g] lie row-major one after
+    the other in the flat data; ``sfa`` [M, Ktot/128] and ``sfb`` [N, Ktot/128] scale 1x128 blocks along K.
+    d[g] = c[g] + A_g @ B_g^T (fp32)."""
+    (aq, sfa), (bq, sfb) = a, b
+    M, N = d.shape[1], d.shape[2]
+    k0 = 0
+    for g, k in enumerate(ks):
+        A = aq[k0 * M:(k0 + k) * M].float().view(M, k) * sfa[:, k0 // BLOCK:(k0 + k) // BLOCK].repeat_interleave(
+            BLOCK, 1)
+        B = bq[k0 * N:(k0 + k) * N].float().view(N, k) * sfb[:, k0 // BLOCK:(k0 + k) // BLOCK].repeat_interleave(
+            BLOCK, 1)
+        d[g] = (c[g] if c is not None else 0) + A @ B.t()
+        k0 += k
+
+
+def reference_k_grouped_operand(z_PC: torch.Tensor, ks: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k-grouped GEMM operand of ``z`` (rows = tokens, grouped by expert in ``ks``-row blocks, each a multiple
+    of 128): flat e4m3 data with each group's [C, k_g] block row-major, and fp32 scales [P/128, C], one per 128
+    tokens and channel."""
+    P, C = z_PC.shape
+    zb = z_PC.float().view(P // BLOCK, BLOCK, C)
+    scale = zb.abs().amax(1).clamp(min=1e-12) / FP8_MAX  # [P/128, C]
+    q = (zb / scale[:, None, :]).to(E4M3).view(P, C)
+    flat = torch.empty(P * C, dtype=E4M3, device=z_PC.device)
+    k0 = 0
+    for k in ks:
+        flat[k0 * C:(k0 + k) * C] = q[k0:k0 + k].t().reshape(-1)
+        k0 += k
+    return flat, scale
+
+
+try:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _k_grouped_operand_kernel(z_ptr, out_ptr, sf_ptr, blk_start_ptr, blk_len_ptr, C,
+                                  BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+        b = tl.program_id(0)
+        c0 = tl.program_id(1) * BLOCK_C
+        start = tl.load(blk_start_ptr + b).to(tl.int64)
+        length = tl.load(blk_len_ptr + b).to(tl.int64)
+        t = b.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
+        c = c0 + tl.arange(0, BLOCK_C)
+        cm = c < C
+        z = tl.load(z_ptr + t[:, None] * C + c[None, :], mask=cm[None, :], other=0.0).to(tl.float32)
+        scale = tl.maximum(tl.max(tl.abs(z), axis=0), 1e-12) / 448.0
+        q = (z / scale[None, :]).to(out_ptr.dtype.element_ty)
+        dst = start * C + c[None, :].to(tl.int64) * length + (t[:, None] - start)
+        tl.store(out_ptr + dst, q, mask=cm[None, :])
+        tl.store(sf_ptr + b.to(tl.int64) * C + c, scale, mask=cm)
+except ImportError:  # pragma: no cover (Triton ships with torch on Linux)
+    triton = None
+
+
+def k_grouped_operand(z_PC: torch.Tensor, layout: GroupLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    """``reference_k_grouped_operand`` in one Triton kernel (CUDA), or the reference (CPU)."""
+    if not z_PC.is_cuda or triton is None:
+        return reference_k_grouped_operand(z_PC, layout.padded_host)
+    P, C = z_PC.shape
+    out = torch.empty(P * C, dtype=E4M3, device=z_PC.device)
+    sf = torch.empty(P // BLOCK, C, dtype=torch.float32, device=z_PC.device)
+    blk_start, blk_len = layout.block_tables()
+    grid = (P // BLOCK, triton.cdiv(C, 64))
+    _k_grouped_operand_kernel[grid](z_PC.contiguous(), out, sf, blk_start, blk_len, C, BLOCK_T=BLOCK, BLOCK_C=64)
+    return out, sf
+
+
+def _block_tables(self: GroupLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per 128-row block: the start row and padded length of its expert (exact layouts only)."""
+    if not hasattr(self, "_blocks"):
+        dev = self.offs.device
+        padded = torch.tensor(self.padded_host, dtype=torch.int64, device=dev)
+        starts = torch.cumsum(padded, 0) - padded
+        nblk = padded // BLOCK
+        self._blocks = (torch.repeat_interleave(starts, nblk, output_size=self.rows // BLOCK),
+                        torch.repeat_interleave(padded, nblk, output_size=self.rows // BLOCK))
+    return self._blocks
+
+
+GroupLayout.block_tables = _block_tables  # type: ignore[attr-defined]
+
+
+class BlockwiseWeight:
+    """One stacked weight [G, N, K] in 128x128 blocks, once; the dgrad operand W^T reuses the same blocks."""
+
+    def __init__(self, w_GNK: torch.Tensor) -> None:
+        w, G, N, K = w_GNK.detach(), *w_GNK.shape
+        self.q = torch.empty(G, N, K, dtype=E4M3, device=w.device)  # [G, N, K] and [G, N/128, K/128]
+        self.s = torch.empty(G, N // BLOCK, K // BLOCK, dtype=torch.float32, device=w.device)
+        for lo in range(0, G, 8):  # a few experts at a time: bounded fp32 scratch
+            self.q[lo:lo + 8], self.s[lo:lo + 8] = quantize_blocks(w[lo:lo + 8], BLOCK, BLOCK)
+        self.q_t = self.q.transpose(-2, -1).contiguous()
+        self.s_t = self.s.transpose(-2, -1).contiguous()
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.q, self.s, self.q_t, self.s_t]
+
+
+def blockwise_align(device_is_cuda: bool) -> int:
+    """Rows per expert for DeepGEMM's contiguous layouts (a multiple of the 128-token wgrad blocks)."""
+    align = load_deep_gemm()[0].get_mk_alignment_for_contiguous_layout() if device_is_cuda else BLOCK
+    assert align % BLOCK == 0, f"DeepGEMM's alignment {align} is not a multiple of {BLOCK}"
+    return align
+
+
+def _deep_gemm_ops(device_is_cuda: bool):
+    if device_is_cuda:
+        dg, why = load_deep_gemm()
+        if dg is None:
+            raise RuntimeError(f"{why}; {DEEPGEMM_HINT}")
+        return dg.m_grouped_fp8_gemm_nt_contiguous, dg.k_grouped_fp8_gemm_nt_contiguous
+    return reference_m_grouped_nt, reference_k_grouped_nt
+
+
+class _BlockwiseLinear(torch.autograd.Function):
+    """y [P, N] = x [P, K] @ w[g]^T per expert, every GEMM in block-scaled fp8 (DeepGEMM)."""
+
+    @staticmethod
+    def forward(ctx, x_PK, w_GNK, q, s, q_t, s_t, layout):  # type: ignore[override]
+        m_grouped, _ = _deep_gemm_ops(x_PK.is_cuda)
+        xq = quantize_blocks(x_PK, 1, BLOCK)
+        y = torch.zeros(x_PK.shape[0], q.shape[1], dtype=torch.bfloat16, device=x_PK.device)
+        m_grouped(xq, (q, s), y, layout.m_indices)
+        ctx.save_for_backward(x_PK, q_t, s_t)
+        ctx.layout = layout
+        return y
+
+    @staticmethod
+    def backward(ctx, dy_PN):  # type: ignore[override]
+        x_PK, q_t, s_t = ctx.saved_tensors
+        layout = ctx.layout
+        m_grouped, k_grouped = _deep_gemm_ops(dy_PN.is_cuda)
+        dy_PN = dy_PN.contiguous()
+        dx = torch.zeros_like(x_PK)
+        m_grouped(quantize_blocks(dy_PN, 1, BLOCK), (q_t, s_t), dx, layout.m_indices)
+        ga, gsf = k_grouped_operand(dy_PN, layout)
+        xa, xsf = k_grouped_operand(x_PK, layout)
+        N, K = dy_PN.shape[1], x_PK.shape[1]
+        dw = torch.empty(layout.G, N, K, dtype=torch.bfloat16, device=dy_PN.device)
+        ks = layout.padded_host
+        # DeepGEMM accumulates the wgrad in fp32: a few experts at a time bounds that scratch (kimi_k2_7's w13 at EP=1
+        # would need 45 GB at once); each step's groups own a contiguous slice of the operands
+        step = max(1, WGRAD_SCRATCH_ELEMS // (N * K))
+        k0 = 0
+        for g0 in range(0, layout.G, step):
+            kc = ks[g0:g0 + step]
+            k1 = k0 + sum(kc)
+            acc = torch.zeros(len(kc), N, K, dtype=torch.float32, device=dy_PN.device)
+            k_grouped((ga[k0 * N:k1 * N], gsf[k0 // BLOCK:k1 // BLOCK].t()),
+                      (xa[k0 * K:k1 * K], xsf[k0 // BLOCK:k1 // BLOCK].t()),
+                      acc, kc, torch.tensor(kc, dtype=torch.int32, device=dw.device), acc)
+            dw[g0:g0 + len(kc)] = acc
+            k0 = k1
+        return dx, dw, None, None, None, None, None
+
+
+# ---- the expert MLP -----------------------------------------------------------------------------------------------
+
+
+class Fp8Experts:
+    """Grouped SwiGLU experts with real fp8 GEMMs (``path`` rowwise | blockwise); weights quantized here, once."""
+
+    def __init__(self, path: str, w13_LIH: torch.Tensor, w2_LHI: torch.Tensor) -> None:
+        assert path in ("rowwise", "blockwise"), path
+        self.path = path
+        make = RowwiseWeight if path == "rowwise" else BlockwiseWeight
+        self.w13, self.w2 = make(w13_LIH), make(w2_LHI)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return self.w13.tensors() + self.w2.tensors()
+
+    def __call__(self, x_MH, w13_LIH, w2_LHI, counts_L, swiglu_fn, limit) -> torch.Tensor:
+        M = x_MH.shape[0]
+        if M == 0:
+            # no rows here (an idle rank): the empty bf16 GEMMs of baselines.common.grouped_linear, which keep x and
+            # the weights in the graph (zero gradients, the same collectives in the backward as on the other ranks)
+            gate, up = (x_MH @ w13_LIH[0].t()).chunk(2, dim=-1)
+            return swiglu_fn(gate, up, limit) @ w2_LHI[0].t()
+        if self.path == "rowwise":
+            lay = GroupLayout(counts_L, M, ROWWISE_ALIGN)
+            x = lay.pad(x_MH)
+            h = _RowwiseLinear.apply(x, w13_LIH, *self.w13.tensors(), lay.offs, lay.group)
+            gate, up = h.chunk(2, dim=-1)
+            y = _RowwiseLinear.apply(swiglu_fn(gate, up, limit), w2_LHI, *self.w2.tensors(), lay.offs, lay.group)
+            return lay.unpad(y)
+        # DeepGEMM's k-grouped GEMM takes the group sizes on the host
+        lay = GroupLayout(counts_L, M, blockwise_align(x_MH.is_cuda), host_counts=counts_L.tolist())
+        x = lay.pad(x_MH)
+        h = _BlockwiseLinear.apply(x, w13_LIH, *self.w13.tensors(), lay)
+        gate, up = h.chunk(2, dim=-1)
+        y = _BlockwiseLinear.apply(swiglu_fn(gate, up, limit).contiguous(), w2_LHI, *self.w2.tensors(), lay)
+        return lay.unpad(y)
