@@ -203,6 +203,12 @@ def reference_scaled_grouped_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch
     """``torch._scaled_grouped_mm(a, b, scale_a, scale_b, offs=offs, out_dtype=bf16)`` in plain torch (fp32 math),
     for the two layouts used here: 2d x 3d (groups along M: a [M, K], b [G, K, N], scales [M] / [G, N]) and 2d x 2d
     (groups along K: a [M, Ktot], b [Ktot, N], scales [G*M] / [G*N], out [G, M, N]). Rows past ``offs[-1]`` are 0."""
+    # the layouts torch checks on SM90 (seen on an H200, torch 2.11: "Expected mat2 to be transposed"): A row-major,
+    # B column-major (the transpose of a contiguous [.., N, K] tensor)
+    if a.stride(-1) != 1:
+        raise ValueError("Expected mat1 to be row-major (the reference checks what torch._scaled_grouped_mm checks)")
+    if b.stride(-2) != 1:
+        raise ValueError("Expected mat2 to be transposed (the reference checks what torch._scaled_grouped_mm checks)")
     ends = [int(e) for e in offs.tolist()]
     af, bf = a.float(), b.float()
     if b.dim() == 3:
@@ -231,10 +237,17 @@ def scaled_grouped_mm(a, b, scale_a, scale_b, offs) -> torch.Tensor:
 class RowwiseWeight:
     """One stacked weight [G, N, K] quantized once: per-output-channel (forward) and per-input-channel (dgrad)."""
 
-    def __init__(self, w_GNK: torch.Tensor) -> None:
+    def __init__(self, w_GNK: torch.Tensor, experts_per_step: int = 8) -> None:
         w = w_GNK.detach()
-        self.q, self.s = quantize_rows(w)  # [G, N, K], [G, N]
-        self.q_t, self.s_t = quantize_rows(w.transpose(-2, -1))  # [G, K, N] contiguous, [G, K]
+        G, N, K = w.shape
+        self.q = torch.empty(G, N, K, dtype=E4M3, device=w.device)
+        self.q_t = torch.empty(G, K, N, dtype=E4M3, device=w.device)  # [G, K, N] contiguous: dgrad's weight
+        self.s = torch.empty(G, N, dtype=torch.float32, device=w.device)
+        self.s_t = torch.empty(G, K, dtype=torch.float32, device=w.device)
+        for lo in range(0, G, experts_per_step):  # a few experts at a time: bounded fp32 scratch
+            hi = min(G, lo + experts_per_step)
+            self.q[lo:hi], self.s[lo:hi] = quantize_rows(w[lo:hi])
+            self.q_t[lo:hi], self.s_t[lo:hi] = quantize_rows(w[lo:hi].transpose(-2, -1).contiguous())
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.q, self.s, self.q_t, self.s_t]
