@@ -539,7 +539,8 @@ def unrunnable(shapes: Sequence[str], args: argparse.Namespace) -> Optional[str]
         try:
             shape_cases(name, world, "cpu" if args.smoke else "cuda", args.tokens, args.precisions)
         except (ConfigError, ValueError) as e:
-            return f"--shapes {name}: {e}"
+            return f"--shapes {name}: {e}" + (f" (here: --shapes {name.partition('@')[0]}@<N>epg)"
+                                              if "local_experts" in str(e) else "")
     return None
 
 
@@ -573,10 +574,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     for f in fields(TileConfig):  # the on/off switches (annotations are strings here)
         if f.name in args.tile_over and f.type == "bool":
             args.tile_over[f.name] = bool(args.tile_over[f.name])
-    if args.watchdog > 0 and not args.smoke:
-        import faulthandler
-
-        faulthandler.dump_traceback_later(args.watchdog, repeat=True)
     shapes = [s for s in args.shapes.split(",") if s]
     if args.quick:
         shapes, args.precisions, args.iters, args.warmup, args.sweep = shapes[:1], ["bf16"], 10, 3, False
@@ -587,6 +584,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"gpu_check: {why}", file=sys.stderr)
         return 2
+    if args.watchdog > 0 and not args.smoke:
+        import faulthandler
+
+        faulthandler.dump_traceback_later(args.watchdog, repeat=True)
     ctx = Ctx(smoke=args.smoke)
     t0 = time.time()
     gpu = "cpu (smoke)" if ctx.smoke else torch.cuda.get_device_name()
