@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from harness.config import CONFIG_DIR, load_group_option, make_case, to_container
 from contract import Case
+from harness.config import CONFIG_DIR, load_group_option, make_case, to_container
 
 
 def published_shapes() -> list[str]:
