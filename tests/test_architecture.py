@@ -1,6 +1,7 @@
 """The import rules of the layout (README, "Layout"): ``contract`` imports none of the other packages; ``baselines``
 and ``kernels`` import ``contract`` but never the harness or each other; the ground truth (``harness/reference.py``)
-leans on no baseline; no .py file under kernels/ grows past about 500 lines."""
+leans on no baseline; nothing imports ``benchmarks`` (the tools that use both the kernels and the harness); no .py file
+under kernels/ grows past about 500 lines."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("contract", "harness", "baselines", "kernels")
+PACKAGES = ("contract", "harness", "baselines", "kernels", "benchmarks")
 
 
 def first_party_imports(path: Path) -> set[str]:
@@ -28,9 +29,10 @@ def first_party_imports(path: Path) -> set[str]:
 
 
 FORBIDDEN = {
-    "contract": {"harness", "baselines", "kernels"},
-    "baselines": {"harness", "kernels"},
-    "kernels": {"harness", "baselines"},
+    "contract": {"harness", "baselines", "kernels", "benchmarks"},
+    "baselines": {"harness", "kernels", "benchmarks"},
+    "kernels": {"harness", "baselines", "benchmarks"},
+    "harness": {"benchmarks"},
 }
 
 
@@ -39,8 +41,6 @@ def test_packages_import_only_down_the_layers(package):
     bad = {str(p.relative_to(ROOT)): sorted(first_party_imports(p) & FORBIDDEN[package])
            for p in (ROOT / package).rglob("*.py")}
     bad = {k: v for k, v in bad.items() if v}
-    for tool in TOOLS:
-        bad.pop(tool, None)
     assert not bad, f"imports against the layers: {bad}"
 
 
@@ -48,12 +48,9 @@ def test_the_reference_leans_on_no_baseline():
     assert "baselines" not in first_party_imports(ROOT / "harness" / "reference.py")
 
 
-TOOLS = {"kernels/mok_hopper/gpu_check.py"}  # a second harness beside the kernels; issue 22 item 5 moves it out
-
-
 def test_kernel_files_stay_small():
     big = {name: n for p in (ROOT / "kernels").rglob("*.py")
-           if (name := str(p.relative_to(ROOT))) not in TOOLS and (n := len(p.read_text().splitlines())) > 550}
+           if (name := str(p.relative_to(ROOT))) and (n := len(p.read_text().splitlines())) > 550}
     assert not big, f"split these by what they do: {big}"
 
 
@@ -80,3 +77,18 @@ def test_a_backend_that_misses_part_of_the_protocol_is_refused_when_loaded():
     for key in ("reference", "nccl", "mok_hopper"):  # importable everywhere: checked for real
         check_backend(load_backend(key), key)
     assert set(BACKENDS) >= {"reference", "nccl", "mok_hopper"}
+
+
+def test_results_hold_no_code():
+    """results/ is evidence (logs, CSVs, notes): scripts live in the packages, where the tests import them."""
+    assert not [str(p.relative_to(ROOT)) for p in (ROOT / "results").rglob("*") if p.suffix in (".py", ".sh")]
+
+
+@pytest.mark.parametrize("module", sorted(p.stem for p in (ROOT / "benchmarks" / "experiments").glob("*.py")
+                                          if p.stem != "__init__"))
+def test_experiments_import(module):
+    """Each probe in benchmarks/experiments imports (its GPU-only dependencies load inside main) and has a main."""
+    import importlib
+
+    mod = importlib.import_module(f"benchmarks.experiments.{module}")
+    assert callable(mod.main)

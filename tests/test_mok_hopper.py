@@ -205,11 +205,14 @@ def test_every_sweep_variant_is_a_valid_tile_on_every_published_shape():
     (glm_5_2's default has tails, which flattened loops refuse)."""
     from dataclasses import replace
 
+    from benchmarks.shapes import published_shapes, shape_config
     from kernels.mok_hopper.tiles import default_tile
-    from kernels.mok_hopper.gpu_check import SHAPES, SWEEP, SWEEP_FP8
+    from kernels.mok_hopper.variants import SWEEP, SWEEP_FP8
 
     assert set(SWEEP_FP8) <= {label for label, _, _ in SWEEP}
-    for E, H, I, K in SHAPES.values():
+    shapes = [shape_config(n) for n in published_shapes()]
+    assert len(shapes) == 4
+    for E, H, I, K in ((s["num_experts"], s["hidden"], s["ffn"], s["topk"]) for s in shapes):
         base = default_tile(hidden=H, ffn=I, rows_per_expert=2 * 2048 * K / E)
         for label, over, _ in SWEEP:
             tile = replace(base, **over)
@@ -275,8 +278,8 @@ def test_retired_tile_flags_are_gone():
     session 9's early down GEMM (no gain) were retired: a sweep that still names them fails loudly."""
     from dataclasses import fields, replace
 
-    from kernels.mok_hopper.gpu_check import SWEEP
     from kernels.mok_hopper.tiles import TileConfig
+    from kernels.mok_hopper.variants import SWEEP
 
     names = {f.name for f in fields(TileConfig)}
     retired = {"pair_up", "pair_down", "up_pair_stages", "down_pair_stages", "early_down"}
@@ -753,23 +756,38 @@ def test_the_triton_range_has_one_source():
 def test_a_sweep_variant_is_timed_against_the_default_interleaved(monkeypatch):
     """gpu_check's A/B: rounds alternate which side goes first, and the ratio is taken per round, so a clock drift
     shared by both sides of a round cancels."""
-    from kernels.mok_hopper import gpu_check as gc
+    from benchmarks.mok_hopper import gpu_check as gc
 
     calls = []
     drift = iter([1.0, 1.0, 2.0, 2.0, 4.0, 4.0])  # the board slows down round by round
 
-    def fake_time_iters(ctx, fn, iters, warmup):
+    def fake_forward_ms(ctx, fn, iters, warmup):
         calls.append(fn())
-        return [next(drift) * (1.1 if calls[-1] == "var" else 1.0)] * iters
+        return next(drift) * (1.1 if calls[-1] == "var" else 1.0)
 
-    monkeypatch.setattr(gc, "time_iters", fake_time_iters)
+    monkeypatch.setattr(gc, "forward_ms", fake_forward_ms)
     ab = gc.ab_times(None, lambda: "base", lambda: "var", rounds=3, iters=4, warmup=1)
     assert calls == ["base", "var", "var", "base", "base", "var"]
     assert ab["ratio"] == ab["ratio_min"] == ab["ratio_max"] == pytest.approx(1.1)  # the drift is gone
     assert ab["base_forward_ms"] == 2.0 and ab["forward_ms"] == pytest.approx(2.2)
 
 
-def test_gpu_check_smoke_runs_a_sweep_variant_on_the_cpu(tmp_path):
+def test_gpu_check_refuses_what_cannot_run_in_one_line_before_anything_runs(tmp_path, monkeypatch, capsys):
+    """Shapes come from configs/shape and are checked as the harness checks them, before any process group."""
+    from benchmarks.mok_hopper import gpu_check as gc
+
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    for args, said in ((["--shapes", "nope"], "unknown shape 'nope'"), (["--shapes", "glm_5_2"], "glm_5_2@<N>epg"),
+                       (["--precisions", "mxfp8"], "mok_hopper runs bf16, fp8")):
+        assert gc.main(["--out", str(tmp_path / "out"), *args]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and said in err[0], err
+    assert not (tmp_path / "out").exists()
+    assert gc.unrunnable(["glm_5_2@4epg", "kimi_k2_7"], gc.argparse.Namespace(
+        precisions=["bf16", "fp8"], smoke=False, tokens=2048)) is None  # 4 per GPU; 384 experts split over 3
+
+
+
     """gpu_check end to end under the interpreter (one rank, tiny shape): checks, stage timing and one sweep
     variant with its interleaved ratio to the default. Measures nothing; guards the script the GPU runs use."""
     import csv
@@ -780,7 +798,7 @@ def test_gpu_check_smoke_runs_a_sweep_variant_on_the_cpu(tmp_path):
     root = Path(__file__).resolve().parent.parent
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(root))
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1", "-m",
-                        "kernels.mok_hopper.gpu_check", "--smoke", "--out", str(tmp_path), "--precisions", "bf16",
+                        "benchmarks.mok_hopper.gpu_check", "--smoke", "--out", str(tmp_path), "--precisions", "bf16",
                         "--no-edge", "--variants", "down 256", "--ab-rounds", "2"],
                        cwd=root, env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]

@@ -3,7 +3,7 @@
     python -m pytest -m gpu tests/test_mok_hopper_gpu.py -q
 
 Single GPU (EP=1, in process): edge cases against the plain reference, 20 repeats bit-identical, bf16 and fp8.
-Two GPUs: the four published shapes and the edge cases through ``kernels.mok_hopper.gpu_check`` under torchrun
+Two GPUs: the four published shapes and the edge cases through ``benchmarks.mok_hopper.gpu_check`` under torchrun
 (correctness, 20x determinism), and the harness (mok_hopper vs the reference, forward only).
 """
 
@@ -190,7 +190,7 @@ def test_gpu_check(tmp_path, nproc):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     env.pop("TRITON_INTERPRET", None)
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "-m",
-                        "kernels.mok_hopper.gpu_check", "--out", str(tmp_path), "--no-sweep", "--iters", "5",
+                        "benchmarks.mok_hopper.gpu_check", "--out", str(tmp_path), "--no-sweep", "--iters", "5",
                         "--warmup", "2"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
     with open(tmp_path / "mok_hopper_gpu_check.csv") as f:

@@ -222,7 +222,7 @@ def sweep_variants() -> list[Variant]:
     """The GEMM kernels (TMA operands) of gpu_check's sweep tiles that the default tile does not already build."""
     from dataclasses import replace
 
-    from kernels.mok_hopper.gpu_check import SWEEP
+    from kernels.mok_hopper.variants import SWEEP
     from kernels.mok_hopper.tiles import default_tile
 
     def key(v: Variant) -> tuple:

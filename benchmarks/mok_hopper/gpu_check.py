@@ -1,28 +1,35 @@
-"""GPU check of mok_hopper: correctness against a plain torch reference, 20x determinism, per-stage timing.
+"""GPU check of mok_hopper: correctness against the harness's reference, 20x determinism, per-stage timing, sweeps.
 
 Run (repository root; 2 GPUs, then 1)::
 
-    torchrun --nproc-per-node=2 -m kernels.mok_hopper.gpu_check --out /tmp/mokh
-    torchrun --nproc-per-node=1 -m kernels.mok_hopper.gpu_check --out /tmp/mokh1 --shapes glm_5_2
-    # the published experts per GPU: shape@Nepg
-    torchrun --nproc-per-node=2 -m kernels.mok_hopper.gpu_check --out /tmp/mokh --shapes qwen3_5_397b@8epg
+    torchrun --nproc-per-node=2 -m benchmarks.mok_hopper.gpu_check --out /tmp/mokh
+    torchrun --nproc-per-node=1 -m benchmarks.mok_hopper.gpu_check --out /tmp/mokh1 --shapes glm_5_2
+    # the published experts per GPU: shape@Nepg (the harness's shape.local_experts=N)
+    torchrun --nproc-per-node=2 -m benchmarks.mok_hopper.gpu_check --out /tmp/mokh --shapes qwen3_5_397b@8epg
 
-What it does, every rank in lockstep (self-contained: no harness imports):
+The layer's definitions are the harness's: shapes from ``configs/shape/*.yaml`` (any of them by name; the default is
+the published ones), gates (atol, rtol) from ``configs/precision/*.yaml``, inputs from ``harness.inputs`` (the
+harness's seed: the same tokens, routing and weights as a harness run of the shape at this EP and token count), the
+reference from ``harness.reference`` and forward times from ``harness.timing.Timer``. What stays here is the
+kernel's own: edge-case routings, the stages timed one by one, the timeline stamps, and the sweep of tile variants
+(``kernels.mok_hopper.variants``) timed against the default in interleaved rounds.
+
+What it does, every rank in lockstep:
 
 1. edge cases on a small shape (bf16, and fp8 for the first two): uniform routing, an expert with no tokens,
    every token's first choice on one expert, every token on rank 0's experts, top-1, masked ids (-1),
    clamped SwiGLU, router weights applied in the epilogue; each checked against the reference;
-2. the four published shapes at ``--tokens`` per GPU (EP = world size), bf16 and fp8: check against the
-   reference (bf16 gate abs 0.5 / rel-L1 0.01, fp8 gate 1.0 / 0.1), 20 repeats must give identical bits, then
-   the whole forward timed (median of per-iteration max over ranks, CUDA events, aligned by an all-reduce), then
-   every stage timed alone (non-overlapped), with bandwidths and FLOP rates, and torch._grouped_mm on the same
-   rows for comparison;
+2. the published shapes at ``--tokens`` per GPU (EP = world size), bf16 and fp8: check against the reference
+   (the precision's gate), 20 repeats must give identical bits, then the whole forward timed (the harness's
+   timer: median of per-iteration max over ranks), then every stage timed alone (non-overlapped), with bandwidths
+   and FLOP rates, and torch._grouped_mm on the same rows for comparison;
    then a timeline of the real forward (GPU-timer stamps at every phase end, both streams, graph replayed);
 3. a sweep of tile / pipeline variants against the defaults (``SWEEP``; fp8 runs ``SWEEP_FP8``; ``--no-sweep``
    skips it);
-4. rates of this machine for the floors: HBM copy, dense bf16 GEMM.
+4. rates of this machine for the floors (``harness.calibrate``): HBM copy, dense bf16 GEMM, link.
 
-Prints a compact table and writes ``DIR/mok_hopper_gpu_check.csv`` (rank 0). Exit code 1 if any check failed.
+Prints a compact table and writes ``DIR/mok_hopper_gpu_check.csv`` (rank 0). Exit code 1 if any check failed, 2
+(one line, before anything runs) for a shape or precision that cannot run here.
 Budget: about 3-5 minutes on 2xH200 (most of it Triton compilation and weight generation).
 
 Legend: P ranks, T tokens per rank, K top-k, E experts, L = E / P local experts, H hidden, I ffn.
@@ -38,24 +45,28 @@ import sys
 import time
 import traceback
 from dataclasses import fields, replace
+from functools import partial
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from kernels.mok_hopper.tiles import TileConfig
+from benchmarks.shapes import make_shape_case, published_shapes, shape_config
+from contract import Case, LayerInputs
+from harness.calibrate import measure
+from harness.check import compare
+from harness.config import ConfigError
+from harness.inputs import make_inputs
+from harness.reference import ReferenceBackend
+from harness.timing import Timer
 from kernels.mok_hopper.api import MoKHopperLayer, default_tile
+from kernels.mok_hopper.tiles import TileConfig
+from kernels.mok_hopper.variants import SWEEP, SWEEP_FP8, TIMELINE_VARIANTS
 from kernels.mok_hopper.workspace import clear_workspace_cache
 
-SHAPES = {  # name: (E, H, I, K); each has one shared expert with the same I
-    "kimi_k2_7": (384, 7168, 2048, 8),
-    "glm_5_2": (256, 6144, 2048, 8),
-    "qwen3_5_397b": (512, 4096, 1024, 10),
-    "deepseek_v4_pro": (384, 7168, 3072, 6),
-}
-SMOKE_SHAPES = {"tiny": (8, 256, 128, 2)}  # --smoke (CPU interpreter)
-GATES = {"bf16": (0.5, 0.01), "fp8": (1.0, 0.1)}  # (abs-max, rel-L1), the published gates
+PRECISIONS = ("bf16", "fp8")  # the layer's (configs/precision/<name>.yaml gives each one's gate)
+SMOKE_SHAPE = "tiny"  # --smoke (CPU interpreter)
 
 
 class Ctx:
@@ -74,6 +85,9 @@ class Ctx:
             self.dev = torch.device("cuda", local)
             dist.init_process_group("nccl", device_id=self.dev)
         self.group = dist.group.WORLD
+        # host-side verdicts (harness.check.compare reduces CPU tensors), as the harness's runner does
+        self.ctrl = dist.new_group(backend="gloo") if not smoke else self.group
+        self.timer = Timer(self.dev, self.group, align="barrier")  # the harness's one timing path
         self.rows: list[dict[str, Any]] = []
         self.failed = 0
 
@@ -92,18 +106,30 @@ class Ctx:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# inputs and the reference
+# inputs and the reference (the harness's), the kernel's edge-case routings
 
 
-def make_routing(T: int, K: int, E: int, P: int, rank: int, mode: str, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed * 1000 + rank)
+EDGE_ROUTINGS = ("uniform", "empty_expert", "one_expert", "one_rank", "masked")
+
+
+def edge_routing(case: Case, rank: int, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k ids and router weights of an edge case: the harness's uniform routing, or top-k of per-rank logits
+    (seeded as the harness seeds a rank) bent to the case: expert 0 never chosen (``empty_expert``), every token's
+    first choice on expert 1 (``one_expert``), every token to rank 0's experts (``one_rank``), 20% of the ids -1
+    (``masked``: dropped tokens)."""
+    from harness.inputs import make_routing
+
+    if mode == "uniform":
+        return make_routing(case, rank)
+    T, E, K, P = case.tokens_per_gpu, case.num_experts, case.topk, case.ep_size
+    g = torch.Generator().manual_seed(case.seed + rank)
     logits = torch.randn(T, E, generator=g)
     if mode == "empty_expert":
-        logits[:, 0] = -1e9  # expert 0 never chosen
+        logits[:, 0] = -1e9
     elif mode == "one_expert":
-        logits[:, 1] = 1e9  # every token's first choice is expert 1
+        logits[:, 1] = 1e9
     elif mode == "one_rank":
-        logits[:, E // P :] = -1e9  # every token to rank 0's experts
+        logits[:, E // P :] = -1e9
     vals, idx = logits.topk(K, dim=-1)
     w = torch.softmax(vals, dim=-1)
     if mode == "masked":
@@ -111,93 +137,44 @@ def make_routing(T: int, K: int, E: int, P: int, rank: int, mode: str, seed: int
     return idx, w
 
 
-def make_inputs(ctx: Ctx, E: int, H: int, I: int, K: int, T: int, mode: str, seed: int) -> dict[str, Any]:
-    P, L = ctx.world, E // ctx.world
-    idx, w = make_routing(T, K, E, P, ctx.rank, mode, seed)
-    g = torch.Generator(device=ctx.dev).manual_seed(seed * 7 + 11)  # same shared weights everywhere
-    gr = torch.Generator(device=ctx.dev).manual_seed(seed * 7 + 1000 + ctx.rank)  # this rank's experts
-
-    def rnd(shape, scale, gen):
-        return torch.randn(shape, generator=gen, device=ctx.dev, dtype=torch.bfloat16).mul_(scale)
-
-    xg = torch.Generator(device=ctx.dev).manual_seed(seed * 7 + 2000 + ctx.rank)
-    return dict(x=rnd((T, H), 1.0, xg), idx=idx.to(ctx.dev), w=w.to(ctx.dev),
-                w13=rnd((L, 2 * I, H), H ** -0.5, gr), w2=rnd((L, H, I), I ** -0.5, gr),
-                shared=(rnd((I, H), H ** -0.5, g), rnd((I, H), H ** -0.5, g), rnd((H, I), I ** -0.5, g)))
+def layer_inputs(ctx: Ctx, case: Case, mode: str = "uniform") -> LayerInputs:
+    """The harness's inputs of ``case`` on this rank, with an edge case's routing in place of the harness's."""
+    inp = make_inputs(case, ctx.rank, ctx.dev)
+    if mode != "uniform":
+        idx, w = edge_routing(case, ctx.rank, mode)
+        inp = replace(inp, topk_idx_TK=idx.to(ctx.dev), topk_w_TK=w.to(ctx.dev))
+    return inp
 
 
-def _swiglu(g: torch.Tensor, u: torch.Tensor, limit: Optional[float]) -> torch.Tensor:
-    if limit is not None:
-        g, u = g.clamp(max=limit), u.clamp(min=-limit, max=limit)
-    return F.silu(g) * u
+def shared_weights(inp: LayerInputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return inp.ws_gate_IH, inp.ws_up_IH, inp.ws_down_HI
+
+
+def call(layer: MoKHopperLayer, inp: LayerInputs) -> torch.Tensor:
+    return layer(inp.x_TH, inp.topk_idx_TK, inp.topk_w_TK)
 
 
 @torch.no_grad()
-def reference(ctx: Ctx, inp: dict[str, Any], limit: Optional[float]) -> torch.Tensor:
-    """All-gather tokens, routing and router weights; each rank runs its experts with per-expert bf16 GEMMs and
-    adds router-weighted rows in fp32; sum over ranks; plus the shared expert."""
-    x, idx, w, w13, w2 = inp["x"], inp["idx"], inp["w"], inp["w13"], inp["w2"]
-    P, T, L, I = ctx.world, x.shape[0], w13.shape[0], w2.shape[2]
-
-    def gather(t: torch.Tensor) -> torch.Tensor:
-        parts = [torch.empty_like(t) for _ in range(P)]
-        dist.all_gather(parts, t.contiguous())
-        return torch.cat(parts)
-
-    x_all, idx_all, w_all = gather(x), gather(idx), gather(w)
-    acc = torch.zeros(x_all.shape, dtype=torch.float32, device=x.device)
-    for j in range(L):
-        tok, kk = torch.nonzero(idx_all == ctx.rank * L + j, as_tuple=True)
-        if tok.numel() == 0:
-            continue
-        xe = x_all[tok]
-        ye = _swiglu(xe @ w13[j, :I].t(), xe @ w13[j, I:].t(), limit) @ w2[j].t()
-        acc.index_add_(0, tok, w_all[tok, kk].unsqueeze(-1) * ye.float())
-    dist.all_reduce(acc)
-    out = acc[ctx.rank * T : (ctx.rank + 1) * T]
-    sg, su, sd = inp["shared"]
-    out = out + (_swiglu(x @ sg.t(), x @ su.t(), limit) @ sd.t()).float()
-    return out.to(torch.bfloat16)
+def reference(ctx: Ctx, case: Case, inp: LayerInputs) -> torch.Tensor:
+    """The harness's ground truth (all-gather, per-expert loop, all-reduce) on the same inputs."""
+    ref = ReferenceBackend(case, ctx.group)
+    ref.setup(inp)
+    return ref.forward(inp.x_TH, inp.topk_idx_TK, inp.topk_w_TK)
 
 
-def errors(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
-    d = (got.float() - want.float()).abs()
-    return float(d.max()), float(d.sum() / want.float().abs().sum().clamp(min=1e-30))
-
-
-def worst(ctx: Ctx, a: float, r: float) -> tuple[float, float]:
-    t = torch.tensor([a, r], device=ctx.dev, dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t[0]), float(t[1])
+def errors(ctx: Ctx, got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
+    """abs-max and relative-L1 error of the output, worst over ranks (``harness.check.compare``)."""
+    c = compare({"out": got}, {"out": want}, ctx.ctrl)
+    return c["max_abs_err"], c["rel_err"]
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# timing
+# timing: whole forwards through the harness's timer; the kernel's stages and timeline stamps here
 
 
-def time_iters(ctx: Ctx, fn: Callable[[], Any], iters: int, warmup: int) -> list[float]:
-    """Per-iteration ms, max over ranks (aligned by an all-reduce before each iteration)."""
-    align = torch.zeros(1, device=ctx.dev)
-    for _ in range(warmup):
-        dist.all_reduce(align)
-        fn()
-    if ctx.smoke:
-        times = []
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-        return times
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
-    for s, e in ev:
-        dist.all_reduce(align)
-        s.record()
-        fn()
-        e.record()
-    torch.cuda.synchronize()
-    t = torch.tensor([s.elapsed_time(e) for s, e in ev], device=ctx.dev)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.tolist()
+def forward_ms(ctx: Ctx, fn: Callable[[], Any], iters: int, warmup: int) -> float:
+    """Median ms of ``fn`` through ``harness.timing.Timer`` (per-iteration events, aligned, max over ranks)."""
+    return ctx.timer.run(fn, num_warmup=warmup, num_iters=iters).median_ms
 
 
 class _HostEvent:
@@ -216,10 +193,10 @@ def med(v: list[float]) -> float:
 STAGES = ("stage", "barrier0", "schedule", "pull", "shared", "up", "down", "barrier1", "epilogue")
 
 
-def time_stages(ctx: Ctx, layer: MoKHopperLayer, inp: dict[str, Any], iters: int) -> dict[str, float]:
-    """Median ms of each stage run alone, in order, on the main stream (no overlap)."""
+def time_stages(ctx: Ctx, layer: MoKHopperLayer, inp: LayerInputs, iters: int) -> dict[str, float]:
+    """Median ms of each stage run alone, in order, on the main stream (no overlap), max over ranks."""
     C = layer.cfg.num_chunks
-    x, idx, w = inp["x"], inp["idx"], inp["w"]
+    x, idx, w = inp.x_TH, inp.topk_idx_TK, inp.topk_w_TK
     steps: list[Callable[[], Any]] = [
         lambda: layer.stage(x, idx, w), lambda: layer.ws.barrier(0), layer.schedule,
         lambda: [layer.pull(c) for c in range(C)],
@@ -249,21 +226,21 @@ def time_stages(ctx: Ctx, layer: MoKHopperLayer, inp: dict[str, Any], iters: int
     return out
 
 
-def timeline(ctx: Ctx, inp: dict[str, Any], tile: TileConfig, precision: str, iters: int) -> dict[str, float]:
+def timeline(ctx: Ctx, inp: LayerInputs, tile: TileConfig, precision: str, iters: int) -> dict[str, float]:
     """Where each phase of the real (overlapped, graph-replayed) forward ends: ms from its start, median over
     iterations, max over ranks, from GPU-timer stamps (a layer built with ``timeline=True``)."""
     from kernels.mok_hopper.api import STAMPS
 
     if ctx.smoke:
         return {}
-    T, K = inp["idx"].shape
-    layer = MoKHopperLayer(inp["w13"], inp["w2"], topk=K, tokens=T, shared=inp["shared"], group=ctx.group,
+    T, K = inp.topk_idx_TK.shape
+    layer = MoKHopperLayer(inp.w13_LIH, inp.w2_LHI, topk=K, tokens=T, shared=shared_weights(inp), group=ctx.group,
                            tile=tile, precision=precision, timeline=True)
     samples: dict[str, list[float]] = {s: [] for s in STAMPS}
     align = torch.zeros(1, device=ctx.dev)
     for it in range(iters + 3):
         dist.all_reduce(align)
-        layer(inp["x"], inp["idx"], inp["w"])
+        call(layer, inp)
         ms = layer.timeline_ms()
         if it >= 3:
             for k, v in ms.items():
@@ -273,7 +250,7 @@ def timeline(ctx: Ctx, inp: dict[str, Any], tile: TileConfig, precision: str, it
     return dict(zip(STAMPS, t.tolist()))
 
 
-def grouped_mm_ms(ctx: Ctx, layer: MoKHopperLayer, inp: dict[str, Any], iters: int) -> Optional[float]:
+def grouped_mm_ms(ctx: Ctx, layer: MoKHopperLayer, inp: LayerInputs, iters: int) -> Optional[float]:
     """torch._grouped_mm gate/up + SwiGLU + down on the same (padded) rows and the layer's weights as given
     (``inp``; the layer's own copy may be tiled), for comparison (bf16 only)."""
     if not hasattr(torch, "_grouped_mm") or layer.fp8 or ctx.smoke:
@@ -283,53 +260,55 @@ def grouped_mm_ms(ctx: Ctx, layer: MoKHopperLayer, inp: dict[str, Any], iters: i
     offs = torch.cumsum(padded, 0).to(torch.int32)
     n = int(offs[-1])
     x = layer.x_rows[:n]
-    w13t, w2t = inp["w13"].transpose(-2, -1), inp["w2"].transpose(-2, -1)
+    w13t, w2t = inp.w13_LIH.transpose(-2, -1), inp.w2_LHI.transpose(-2, -1)
 
     def run() -> None:
         h = torch._grouped_mm(x, w13t, offs=offs)
         g, u = h.chunk(2, dim=-1)
         torch._grouped_mm(F.silu(g) * u, w2t, offs=offs)
 
-    return med(time_iters(ctx, run, iters, 3))
+    return forward_ms(ctx, run, iters, 3)
 
 
 def machine_rates(ctx: Ctx) -> dict[str, float]:
-    """HBM copy GB/s (read + write bytes) and dense bf16 GEMM TFLOP/s on this GPU."""
-    if ctx.smoke:
-        return {"hbm_gb_s": 1.0, "gemm_tflops": 1.0}
-    a = torch.empty(1 << 30, dtype=torch.uint8, device=ctx.dev)
-    b = torch.empty_like(a)
-    hbm = 2 * a.numel() / (med(time_iters(ctx, lambda: b.copy_(a), 10, 3)) / 1e3) / 1e9
-    m = torch.randn(8192, 8192, device=ctx.dev, dtype=torch.bfloat16)
-    gemm = 2 * 8192 ** 3 / (med(time_iters(ctx, lambda: m @ m, 10, 3)) / 1e3) / 1e12
-    return {"hbm_gb_s": hbm, "gemm_tflops": gemm}
+    """This machine's rates for the floors, from ``harness.calibrate`` (bf16 dense GEMM TFLOP/s, HBM copy GB/s
+    counting bytes read and written, and with 2+ ranks NCCL all-to-all GB/s; on the CPU of --smoke they are the
+    CPU's, and mean nothing for the GPU)."""
+    r = measure(ctx.dev, ctx.group, "bf16")
+    out = {"hbm_gb_s": r["calib_hbm_gb_s"], "gemm_tflops": r["calib_gemm_tflops"]}
+    if "calib_link_gb_s" in r:
+        out["link_gb_s"] = r["calib_link_gb_s"]
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # checks
 
 
-def check_layer(ctx: Ctx, label: str, inp: dict[str, Any], *, precision: str, limit: Optional[float] = None,
-                repeats: int = 0, **layer_kw: Any) -> tuple[Optional[MoKHopperLayer], dict[str, Any]]:
-    T, K = inp["idx"].shape
+def check_layer(ctx: Ctx, label: str, case: Case, inp: LayerInputs, *, repeats: int = 0,
+                **layer_kw: Any) -> tuple[Optional[MoKHopperLayer], dict[str, Any]]:
+    """The layer in ``case.precision`` against the harness's reference, gated by the precision's (atol, rtol) from
+    configs/precision; ``repeats`` more forwards must give identical bits."""
+    T, K = inp.topk_idx_TK.shape
+    precision = case.precision
     res: dict[str, Any] = {"check": label, "precision": precision}
     layer = None
     try:
-        layer = MoKHopperLayer(inp["w13"], inp["w2"], topk=K, tokens=T, shared=inp["shared"], swiglu_limit=limit,
-                               precision=precision, group=ctx.group, **layer_kw)
-        out = layer(inp["x"], inp["idx"], inp["w"])
+        layer = MoKHopperLayer(inp.w13_LIH, inp.w2_LHI, topk=K, tokens=T, shared=shared_weights(inp),
+                               swiglu_limit=case.swiglu_limit, precision=precision, group=ctx.group, **layer_kw)
+        out = call(layer, inp)
         if not ctx.smoke:
             torch.cuda.synchronize()
-        want = reference(ctx, inp, limit)
-        a, r = worst(ctx, *errors(out, want))
+        want = reference(ctx, case, inp)
+        a, r = errors(ctx, out, want)
         overflow = layer.overflow_rows()
-        atol, rtol = GATES[precision]
+        atol, rtol = case.atol, case.rtol
         ok = a <= atol and r <= rtol and overflow == 0 and bool(torch.isfinite(out.float()).all())
         res.update(max_abs_err=a, rel_err=r, overflow_rows=overflow)
         if repeats:
             same = True
             for _ in range(repeats):  # every rank runs every repeat (each forward has barriers)
-                same &= torch.equal(out, layer(inp["x"], inp["idx"], inp["w"]))
+                same &= torch.equal(out, call(layer, inp))
             res["deterministic"] = ctx.all_ok(same)
             ok = ok and res["deterministic"]
         ok = ctx.all_ok(ok)
@@ -348,58 +327,74 @@ def check_layer(ctx: Ctx, label: str, inp: dict[str, Any], *, precision: str, li
     return layer, res
 
 
+EDGE_CASES = [("uniform", 0, {}), ("empty_expert", 0, {}), ("one_expert", 0, {}), ("one_rank", 0, {}),
+              ("uniform", 1, {}), ("masked", 0, {}), ("uniform", 0, {"limit": 0.05}),
+              ("uniform", 0, {"router_weight_in": "epilogue"}), ("uniform", 0, {"tile_chunks": 1})]  # K 0: the shape's
+
+
+def edge_case_shape(ctx: Ctx) -> dict[str, Any]:
+    """A small layer for the edge cases: the tiny shape (configs/shape/tiny.yaml) on the CPU, 16 experts per rank of
+    H 1024, I 512, top-4 on a GPU."""
+    shape = shape_config(SMOKE_SHAPE)
+    if not ctx.smoke:
+        shape.update(name="edge", num_experts=16 * ctx.world, hidden=1024, ffn=512, topk=4)
+    return shape
+
+
 def edge_cases(ctx: Ctx, tile_over: Optional[dict[str, Any]] = None) -> None:
-    P = ctx.world
-    E, H, I, K, T = (8, 256, 128, 2, 32) if ctx.smoke else (16 * P, 1024, 512, 4, 512)
-    ctx.log(f"edge cases: E={E} H={H} I={I} K={K} T={T} EP={P}")
-    cases = [("uniform", K, {}), ("empty_expert", K, {}), ("one_expert", K, {}), ("one_rank", K, {}),
-             ("uniform", 1, {}), ("masked", K, {}), ("uniform", K, {"limit": 0.05}),
-             ("uniform", K, {"router_weight_in": "epilogue"}), ("uniform", K, {"tile_chunks": 1})]
-    for n, (mode, k, extra) in enumerate(cases):
-        inp = make_inputs(ctx, E, H, I, k, T, mode, seed=100 + n)
+    shape = edge_case_shape(ctx)
+    T = 32 if ctx.smoke else 512
+    E, H, I, K = shape["num_experts"], shape["hidden"], shape["ffn"], shape["topk"]
+    ctx.log(f"edge cases: E={E} H={H} I={I} K={K} T={T} EP={ctx.world}")
+    for n, (mode, k, extra) in enumerate(EDGE_CASES):
         extra = dict(extra)
         limit = extra.pop("limit", None)
+        sh = dict(shape, topk=k or K, swiglu_limit=limit)
+        cases = {prec: make_shape_case(sh, ep_size=ctx.world, device=ctx.dev.type, tokens=T, precision=prec,
+                                       seed=100 + n) for prec in (("bf16", "fp8") if n < 2 else ("bf16",))}
+        inp = layer_inputs(ctx, cases["bf16"], mode)
         kw: dict[str, Any] = {}
         if "router_weight_in" in extra:
             kw["router_weight_in"] = extra["router_weight_in"]
-        label = f"edge {mode} K={k}" + "".join(f" {a}={b}" for a, b in extra.items()) + \
+        label = f"edge {mode} K={k or K}" + "".join(f" {a}={b}" for a, b in extra.items()) + \
                 (f" limit={limit}" if limit else "")
-        for prec in (("bf16", "fp8") if n < 2 else ("bf16",)):
+        for prec, case in cases.items():
             tile = replace(default_tile(precision=prec, device=ctx.dev, hidden=H, ffn=I), **(tile_over or {}))
             if prec == "fp8":
                 tile = tile.for_fp8()
             if "tile_chunks" in extra:
                 tile = replace(tile, num_chunks=extra["tile_chunks"])
-            layer, _ = check_layer(ctx, label, inp, precision=prec, limit=limit, repeats=3, tile=tile, **kw)
+            layer, _ = check_layer(ctx, label, case, inp, repeats=3, tile=tile, **kw)
             del layer
         del inp
         clear_workspace_cache()
 
 
+def shape_cases(name: str, world: int, device: str, tokens: int, precisions: Sequence[str]) -> dict[str, Case]:
+    """The harness's case of a shape (``name`` or ``name@Nepg``) in each precision at EP = ``world`` (raises
+    ``ConfigError`` where it cannot run, e.g. experts that do not split over the ranks)."""
+    shape = shape_config(name)
+    return {p: make_shape_case(shape, ep_size=world, device=device, tokens=tokens, precision=p) for p in precisions}
+
+
 def published(ctx: Ctx, name: str, args: argparse.Namespace, rates: dict[str, float]) -> None:
-    base_name, _, per_gpu = name.partition("@")  # "shape@6epg": the published experts per GPU
-    E, H, I, K = {**SHAPES, **SMOKE_SHAPES}[base_name]
-    P, T = ctx.world, args.tokens
-    if per_gpu:
-        E = int(per_gpu.removesuffix("epg")) * P
-    if E % P:
-        ctx.log(f"{name}: {E} experts do not split over {P} ranks, skipped")
-        return
-    L = E // P
+    cases = shape_cases(name, ctx.world, ctx.dev.type, args.tokens, args.precisions)
+    c = next(iter(cases.values()))
+    E, H, I, K, L = c.num_experts, c.hidden, c.ffn, c.topk, c.local_experts
+    P, T = ctx.world, c.tokens_per_gpu
     ctx.log(f"{name}: E={E} (L={L}/GPU) H={H} I={I} K={K} T={T} EP={P}")
     t0 = time.time()
-    inp = make_inputs(ctx, E, H, I, K, T, "uniform", seed=1)
-    flops = 6.0 * (T + T * K) * H * I  # published formula
-    for prec in args.precisions:
+    inp = layer_inputs(ctx, c)  # the inputs do not depend on the precision
+    flops = c.flops("fwd")  # the published formula
+    for prec, case in cases.items():
         base = default_tile(device=ctx.dev, comm_sms=args.comm_sms, hidden=H, ffn=I, rows_per_expert=P * T * K / E)
         base = replace(base, **args.tile_over)  # bf16; the sweep's overrides apply to it before for_fp8
         tile = base.for_fp8() if prec == "fp8" else base
-        layer, res = check_layer(ctx, f"{name}", inp, precision=prec, repeats=args.repeats, tile=tile)
+        layer, res = check_layer(ctx, f"{name}", case, inp, repeats=args.repeats, tile=tile)
         if layer is None or res["status"] != "ok":
             layer = None
             continue
-        x, idx, w = inp["x"], inp["idx"], inp["w"]
-        fwd = time_iters(ctx, lambda: layer(x, idx, w), args.iters, args.warmup)
+        fwd = ctx.timer.run(partial(call, layer, inp), num_warmup=args.warmup, num_iters=args.iters)
         st = time_stages(ctx, layer, inp, max(5, args.iters // 2))
         gmm = grouped_mm_ms(ctx, layer, inp, max(5, args.iters // 2))
         bpw = 1 if prec == "fp8" else 2
@@ -413,14 +408,14 @@ def published(ctx: Ctx, name: str, args: argparse.Namespace, rates: dict[str, fl
         weights = 3 * L * H * I * bpw + 3 * H * I * 2
         mem_floor = (weights + T * H * 2 * (2 + 2 * K)) / (rates["hbm_gb_s"] * 1e9) * 1e3
         comp_floor = flops / (rates["gemm_tflops"] * 1e12) * 1e3
-        lat = med(fwd)
-        s = sorted(fwd)
+        lat = fwd.median_ms
         ctx.add(section="forward", shape=name, precision=prec, ep=P, tokens=T, latency_ms=lat,
-                p20_ms=s[len(s) // 5], p80_ms=s[(4 * len(s)) // 5], tflops_per_gpu=flops / lat / 1e9,
+                p20_ms=fwd.p20_ms, p80_ms=fwd.p80_ms, tflops_per_gpu=flops / lat / 1e9,
                 memory_floor_ms=mem_floor, compute_floor_ms=comp_floor,
                 roofline_fraction=max(mem_floor, comp_floor) / lat, tiles=n_tiles, block_m=BM, gemm_rows=exec_rows,
                 routed_rows=int(layer.sched.counts_L.sum()), half_tiles=tile.half_tiles, ready_flags=tile.ready_flags,
-                comm_sms=tile.comm_sms, chunks=tile.num_chunks, grouped_mm_ms=gmm, graph_error=layer.graph_error)
+                comm_sms=tile.comm_sms, chunks=tile.num_chunks, grouped_mm_ms=gmm, graph_error=layer.graph_error,
+                **fwd.clocks)
         ctx.log(f"  forward {prec}: {lat:.3f} ms  {flops / lat / 1e9:.0f} TF/s/GPU  floor {max(mem_floor, comp_floor):.3f}"
                 f" ms ({max(mem_floor, comp_floor) / lat:.0%})" + (f"  [torch grouped_mm GEMMs alone {gmm:.3f} ms]"
                                                                   if gmm else ""))
@@ -470,53 +465,6 @@ def _empty_cache(ctx: Ctx) -> None:
         torch.cuda.empty_cache()
 
 
-SWEEP = [  # (label, overrides of the base tile, layer options); tiles checked by aot_check to fit on sm_90
-    # the default itself, as a second layer: its ratio is what a sweep reads when nothing changes (A/A control)
-    ("default again (A/A control)", {}, {}),
-    # the expert weights row-major, as given, instead of in TMA block order (w_tiled, the default from session 10)
-    ("row-major weights (v9)", dict(w_tiled=False, up_fused=False), {}),
-    # one up-GEMM MMA of N = 2 x up_n over gate and up weight rows interleaved (up_fused; the default on glm_5_2
-    # from v11, session 11), here on any shape
-    ("fused gate/up MMA", dict(up_fused=True), {}),
-    # with the down GEMM 256 wide, 4 stages, not flattened (v11's glm_5_2 tiles, on any shape)
-    ("fused gate/up MMA + 256-wide down", dict(up_fused=True, flat_down=False, down_n=256,
-                                             down_stages=4), {}),
-    # two up-GEMM MMAs, gate and up blocks apart (v10; with "down v5" below, glm_5_2's v10 GEMMs)
-    ("unfused gate/up MMAs (v10)", dict(up_fused=False), {}),
-    ("v3 layout (full tiles, events, 3/4 stages, torch schedule)",  # the reference point of PERF_NOTES v3
-     dict(half_tiles=False, ready_flags=False, up_stages=3, down_stages=4, pull_rows=2, pull_warps=8,
-          pull_programs=48, shared_sms=0, tail_rows=0), dict(schedule="torch")),
-    ("pull 48 x 8 warps x 2 rows", dict(pull_programs=48, pull_warps=8, pull_rows=2), {}),
-    ("pull 48 x 16 warps x 4 rows", dict(pull_programs=48), {}),
-    ("pull 24 x 16 warps x 8 rows", dict(pull_rows=8), {}),
-    ("comm 16", dict(comm_sms=16), {}),
-    ("shared last", dict(shared_last=True, shared_sms=0), {}),
-    ("no ready flags", dict(ready_flags=False), {}),
-    ("down v5 (128 wide, 6 stages, not flat)", dict(flat_down=False, down_n=128, down_stages=6), {}),
-    ("down flat 256 wide x 4 stages", dict(flat_down=True, down_n=256, down_stages=4, tail_rows=0), {}),
-    ("down flat 128 wide x 6 stages", dict(flat_down=True, down_n=128, down_stages=6, tail_rows=0), {}),
-    ("down 256 wide x 4 stages, not flat", dict(flat_down=False, down_n=256, down_stages=4), {}),
-    ("down BK 128 x 3 stages, not flat", dict(flat_down=False, down_n=128, down_k=128, down_stages=3), {}),
-    # an expert's last rows as a second MMA with the rows in N, off the same weight tiles (tail_rows; PERF_NOTES
-    # session 9)
-    ("tails of 16 rows (swapped MMA, 128 wide x 6, not flat)",
-     dict(tail_rows=16, flat_down=False, down_n=128, down_stages=6), {}),
-    ("tails of 32 rows (swapped MMA, 128 wide x 6, not flat)",
-     dict(tail_rows=32, flat_down=False, down_n=128, down_stages=6), {}),
-    ("up + down flat, no ready flags", dict(flat_up=True, flat_down=True, ready_flags=False, tail_rows=0), {}),
-    ("shared before up, beside the pull (v7)", dict(shared_sms=0), {}),
-    ("shared beside up on 16 SMs", dict(shared_sms=16), {}),
-    ("shared beside up on 24 SMs", dict(shared_sms=24), {}),
-    ("shared beside up on 32 SMs", dict(shared_sms=32), {}),
-    ("shared beside up on 40 SMs", dict(shared_sms=40), {}),
-]
-SWEEP_FP8 = ("default again (A/A control)", "pull 24 x 16 warps x 8 rows", "shared last",
-             "shared before up, beside the pull (v7)",
-             "shared beside up on 16 SMs", "shared beside up on 24 SMs",
-             "shared beside up on 32 SMs", "shared beside up on 40 SMs")
-TIMELINE_VARIANTS = ("v3 layout (full tiles, events, 3/4 stages, torch schedule)",)  # also get a timeline
-
-
 def ab_times(ctx: Ctx, base_fn: Callable[[], Any], var_fn: Callable[[], Any], *, rounds: int, iters: int,
              warmup: int) -> dict[str, float]:
     """A variant against the default, interleaved: ``rounds`` rounds of ``iters`` forwards of each, the order
@@ -528,19 +476,19 @@ def ab_times(ctx: Ctx, base_fn: Callable[[], Any], var_fn: Callable[[], Any], *,
     var, base = [], []
     for r in range(max(1, rounds)):
         for fn, out in ((base_fn, base), (var_fn, var)) if r % 2 == 0 else ((var_fn, var), (base_fn, base)):
-            out.append(med(time_iters(ctx, fn, iters, warmup)))
+            out.append(forward_ms(ctx, fn, iters, warmup))
     ratios = [v / b for v, b in zip(var, base)]
     return {"forward_ms": med(var), "base_forward_ms": med(base), "ratio": med(ratios), "ratio_min": min(ratios),
             "ratio_max": max(ratios)}
 
 
-def sweep(ctx: Ctx, name: str, inp: dict[str, Any], base_layer: MoKHopperLayer, base: TileConfig,
+def sweep(ctx: Ctx, name: str, inp: LayerInputs, base_layer: MoKHopperLayer, base: TileConfig,
           precision: str = "bf16", only: Sequence[str] = (), ab_rounds: int = 3, iters: int = 20,
           warmup: int = 5) -> None:
     """Forward and stage times of tile / pipeline variants on the same inputs (a layer per variant), each forward
     timed against the default interleaved (:func:`ab_times`). ``only``: the variants whose label contains one of
     these (lower case); fp8 runs the ``SWEEP_FP8`` ones."""
-    T, K = inp["idx"].shape
+    T, K = inp.topk_idx_TK.shape
     for label, over, layer_kw in SWEEP:
         if precision == "fp8" and label not in SWEEP_FP8:
             continue
@@ -550,12 +498,12 @@ def sweep(ctx: Ctx, name: str, inp: dict[str, Any], base_layer: MoKHopperLayer, 
             tile = replace(base, **over)
             if precision == "fp8":
                 tile = tile.for_fp8()
-            layer = MoKHopperLayer(inp["w13"], inp["w2"], topk=K, tokens=T, shared=inp["shared"], group=ctx.group,
-                                   tile=tile, precision=precision, **layer_kw)
-            out = layer(inp["x"], inp["idx"], inp["w"])
-            ok = ctx.all_ok(errors(out, base_layer(inp["x"], inp["idx"], inp["w"]))[1] < 0.01)
-            ab = ab_times(ctx, lambda: base_layer(inp["x"], inp["idx"], inp["w"]),
-                          lambda: layer(inp["x"], inp["idx"], inp["w"]), rounds=ab_rounds, iters=iters, warmup=warmup)
+            layer = MoKHopperLayer(inp.w13_LIH, inp.w2_LHI, topk=K, tokens=T, shared=shared_weights(inp),
+                                   group=ctx.group, tile=tile, precision=precision, **layer_kw)
+            out = call(layer, inp)
+            ok = ctx.all_ok(errors(ctx, out, call(base_layer, inp))[1] < 0.01)
+            ab = ab_times(ctx, lambda: call(base_layer, inp), lambda: call(layer, inp), rounds=ab_rounds,
+                          iters=iters, warmup=warmup)
             st = time_stages(ctx, layer, inp, 5)
             ctx.add(section="sweep", shape=name, precision=precision, variant=label, ok=ok, forward_ms=ab["forward_ms"],
                     base_forward_ms=ab["base_forward_ms"], ratio=ab["ratio"], ratio_min=ab["ratio_min"],
@@ -579,10 +527,29 @@ def sweep(ctx: Ctx, name: str, inp: dict[str, Any], base_layer: MoKHopperLayer, 
             ctx.add(section="sweep", shape=name, precision=precision, variant=label, ok=False, error=str(e)[:200])
 
 
+def unrunnable(shapes: Sequence[str], args: argparse.Namespace) -> Optional[str]:
+    """Why these shapes and precisions can never run at this world size (the harness's own checks), or None."""
+    bad = [p for p in args.precisions if p not in PRECISIONS]
+    if bad or not args.precisions:
+        return f"--precisions {','.join(bad) or '(none)'}: mok_hopper runs {', '.join(PRECISIONS)}"
+    if not shapes:
+        return "--shapes is empty: name one of configs/shape, e.g. --shapes glm_5_2"
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    for name in shapes:
+        try:
+            shape_cases(name, world, "cpu" if args.smoke else "cuda", args.tokens, args.precisions)
+        except (ConfigError, ValueError) as e:
+            return f"--shapes {name}: {e}" + (f" (here: --shapes {name.partition('@')[0]}@<N>epg)"
+                                              if "local_experts" in str(e) else "")
+    return None
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="folder for mok_hopper_gpu_check.csv")
-    ap.add_argument("--shapes", default=",".join(SHAPES), help="comma list of published shapes")
+    ap.add_argument("--shapes", default=",".join(published_shapes()),
+                    help="comma list of shapes of configs/shape (name or name@Nepg: N experts per GPU); default: the "
+                         "published ones")
     ap.add_argument("--precisions", default="bf16,fp8")
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--iters", type=int, default=30)
@@ -598,7 +565,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--ab-rounds", type=int, default=3,
                     help="sweep: rounds of default / variant forwards, interleaved (their per-round ratio is reported)")
     ap.add_argument("--no-edge", dest="edge", action="store_false")
-    ap.add_argument("--quick", action="store_true", help="edge cases + one shape, bf16, few iterations")
+    ap.add_argument("--quick", action="store_true", help="edge cases + the first of --shapes, bf16, few iterations")
     ap.add_argument("--smoke", action="store_true",
                     help="CPU, 1 rank, TRITON_INTERPRET=1, tiny shapes: tests this script, measures nothing")
     args = ap.parse_args(argv)
@@ -607,15 +574,20 @@ def main(argv: Optional[list[str]] = None) -> int:
     for f in fields(TileConfig):  # the on/off switches (annotations are strings here)
         if f.name in args.tile_over and f.type == "bool":
             args.tile_over[f.name] = bool(args.tile_over[f.name])
-    if args.watchdog > 0 and not args.smoke:
-        import faulthandler
-
-        faulthandler.dump_traceback_later(args.watchdog, repeat=True)
     shapes = [s for s in args.shapes.split(",") if s]
     if args.quick:
         shapes, args.precisions, args.iters, args.warmup, args.sweep = shapes[:1], ["bf16"], 10, 3, False
     if args.smoke:
-        shapes, args.tokens, args.iters, args.warmup, args.repeats = ["tiny"], 32, 2, 1, 2
+        shapes, args.tokens, args.iters, args.warmup, args.repeats = [SMOKE_SHAPE], 32, 2, 1, 2
+    why = unrunnable(shapes, args)
+    if why:  # one line, exit 2, before any rank initialises anything
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"gpu_check: {why}", file=sys.stderr)
+        return 2
+    if args.watchdog > 0 and not args.smoke:
+        import faulthandler
+
+        faulthandler.dump_traceback_later(args.watchdog, repeat=True)
     ctx = Ctx(smoke=args.smoke)
     t0 = time.time()
     gpu = "cpu (smoke)" if ctx.smoke else torch.cuda.get_device_name()
@@ -658,9 +630,10 @@ def print_table(rows: list[dict[str, Any]]) -> None:
     st = [r for r in rows if r["section"] == "stage"]
     if st:
         print(f"\n{'shape':<16} {'prec':<5} " + " ".join(f"{s:>9}" for s in STAGES))
-        order = list(SHAPES) + list(SMOKE_SHAPES)
+        order = published_shapes() + [SMOKE_SHAPE]
         keys = sorted({(r["shape"], r["precision"]) for r in st},
-                      key=lambda k: (order.index(k[0].partition("@")[0]), k[0], k[1]))
+                      key=lambda k: (order.index(b) if (b := k[0].partition("@")[0]) in order else len(order), k[0],
+                                     k[1]))
         for shape, prec in keys:
             ms = {r["stage"]: r["ms"] for r in st if r["shape"] == shape and r["precision"] == prec}
             print(f"{shape:<16} {prec:<5} " + " ".join(f"{ms.get(s, math.nan):9.3f}" for s in STAGES))

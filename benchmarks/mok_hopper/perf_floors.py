@@ -1,13 +1,13 @@
 """Floors, targets and the v1 cost model of PERF_NOTES.md, from a results CSV (the measured rates are read, not
 copied).
 
-    python -m kernels.mok_hopper.perf_floors results/runs/h200x2-nccl-20261130T005701/h200x2-nccl-20261130T005701.csv \
+    python -m benchmarks.mok_hopper.perf_floors results/runs/h200x2-nccl-20261130T005701/h200x2-nccl-20261130T005701.csv \
         [results/runs/h200x2-ep-20261130T010910/h200x2-ep-20261130T010910.csv]
 
 The first CSV gives the calibrated rates (``calib_gemm_tflops``, ``calib_hbm_gb_s``, ``calib_link_gb_s``; median over
 its bf16 rows) and the remote bytes of each published shape (bf16 fwd, EP=2, 2048 tokens/GPU, uniform routing);
 every CSV given contributes baseline latencies (fastest ``ok`` row per shape, any backend but mok*). Markdown on
-stdout. Plain ``csv`` (no pandas, no harness).
+stdout. Plain ``csv`` (no pandas); the shapes are the published ones of ``configs/shape/*.yaml``.
 """
 
 from __future__ import annotations
@@ -18,8 +18,15 @@ import statistics
 import sys
 from typing import Any
 
-SHAPES = {"kimi_k2_7": (384, 7168, 2048, 8), "glm_5_2": (256, 6144, 2048, 8),
-          "qwen3_5_397b": (512, 4096, 1024, 10), "deepseek_v4_pro": (384, 7168, 3072, 6)}
+from benchmarks.shapes import published_shapes, shape_config
+
+
+def published_dims() -> dict[str, tuple[int, int, int, int]]:
+    """(E, H, I, K) of each published shape, from configs/shape."""
+    return {n: (c["num_experts"], c["hidden"], c["ffn"], c["topk"]) for n in published_shapes()
+            for c in (shape_config(n),)}
+
+
 T, EP, BM = 2048, 2, 128
 
 # v1 model knobs (assumptions, to be replaced by measurements)
@@ -56,6 +63,7 @@ def main(argv: list[str]) -> None:
     if not argv:
         print(__doc__)
         return
+    SHAPES = published_dims()
     calib = rows(argv[0])
     base = [r for r in calib if r.get("status") == "ok" and r.get("direction") == "fwd" and r.get("precision") == "bf16"]
     gemm = statistics.median(num(r["calib_gemm_tflops"]) for r in base if r.get("calib_gemm_tflops"))

@@ -1,0 +1,38 @@
+"""The layer shapes of the benchmark tools, from the harness's one table of them (``configs/shape/*.yaml``)."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from contract import Case
+from harness.config import CONFIG_DIR, load_group_option, make_case, to_container
+
+
+def published_shapes() -> list[str]:
+    """The shapes of the published figure: every ``configs/shape/*.yaml`` with ``published_local_experts``, by name."""
+    names = sorted(p.stem for p in (CONFIG_DIR / "shape").glob("*.yaml"))
+    return [n for n in names if n not in ("auto", "custom")
+            and to_container(load_group_option("shape", n)).get("published_local_experts") is not None]
+
+
+def shape_config(name: str) -> dict[str, Any]:
+    """``configs/shape/<name>.yaml`` as a dict; ``name@Nepg`` sets ``local_experts`` to N (N experts per GPU, as
+    ``shape.local_experts=N`` does in the harness). Raises ``harness.config.ConfigError`` for an unknown shape."""
+    base, _, per_gpu = name.partition("@")
+    shape = to_container(load_group_option("shape", base))
+    if per_gpu:
+        shape["local_experts"] = int(per_gpu.removesuffix("epg"))
+    return shape
+
+
+def make_shape_case(shape: dict[str, Any], *, ep_size: int, device: str, tokens: int, precision: str,
+                    seed: Optional[int] = None) -> Case:
+    """A harness :class:`Case` for one shape (uniform routing, the workload's seed unless given), validated as the
+    harness validates it (``harness.config.ConfigError`` names what does not fit, e.g. experts over ranks)."""
+    workload = to_container(load_group_option("workload", "uniform"))
+    workload["tokens_per_gpu"] = tokens
+    if seed is not None:
+        workload["seed"] = seed
+    cfg = {"shape": shape, "workload": workload, "precision": to_container(load_group_option("precision", precision)),
+           "compile": False}
+    return make_case(cfg, ep_size=ep_size, device=device)

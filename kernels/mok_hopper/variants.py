@@ -1,0 +1,51 @@
+"""The tile and pipeline variants gpu_check's sweep runs against the default tile (kernel-specific: each is a set of
+:class:`~kernels.mok_hopper.tiles.TileConfig` overrides and layer options). ``aot_check --sweep`` compiles their
+GEMM kernels for sm_90; ``benchmarks/mok_hopper/gpu_check.py`` runs and times them on the GPU."""
+
+from __future__ import annotations
+
+SWEEP = [  # (label, overrides of the base tile, layer options); tiles checked by aot_check to fit on sm_90
+    # the default itself, as a second layer: its ratio is what a sweep reads when nothing changes (A/A control)
+    ("default again (A/A control)", {}, {}),
+    # the expert weights row-major, as given, instead of in TMA block order (w_tiled, the default from session 10)
+    ("row-major weights (v9)", dict(w_tiled=False, up_fused=False), {}),
+    # one up-GEMM MMA of N = 2 x up_n over gate and up weight rows interleaved (up_fused; the default on glm_5_2
+    # from v11, session 11), here on any shape
+    ("fused gate/up MMA", dict(up_fused=True), {}),
+    # with the down GEMM 256 wide, 4 stages, not flattened (v11's glm_5_2 tiles, on any shape)
+    ("fused gate/up MMA + 256-wide down", dict(up_fused=True, flat_down=False, down_n=256,
+                                             down_stages=4), {}),
+    # two up-GEMM MMAs, gate and up blocks apart (v10; with "down v5" below, glm_5_2's v10 GEMMs)
+    ("unfused gate/up MMAs (v10)", dict(up_fused=False), {}),
+    ("v3 layout (full tiles, events, 3/4 stages, torch schedule)",  # the reference point of PERF_NOTES v3
+     dict(half_tiles=False, ready_flags=False, up_stages=3, down_stages=4, pull_rows=2, pull_warps=8,
+          pull_programs=48, shared_sms=0, tail_rows=0), dict(schedule="torch")),
+    ("pull 48 x 8 warps x 2 rows", dict(pull_programs=48, pull_warps=8, pull_rows=2), {}),
+    ("pull 48 x 16 warps x 4 rows", dict(pull_programs=48), {}),
+    ("pull 24 x 16 warps x 8 rows", dict(pull_rows=8), {}),
+    ("comm 16", dict(comm_sms=16), {}),
+    ("shared last", dict(shared_last=True, shared_sms=0), {}),
+    ("no ready flags", dict(ready_flags=False), {}),
+    ("down v5 (128 wide, 6 stages, not flat)", dict(flat_down=False, down_n=128, down_stages=6), {}),
+    ("down flat 256 wide x 4 stages", dict(flat_down=True, down_n=256, down_stages=4, tail_rows=0), {}),
+    ("down flat 128 wide x 6 stages", dict(flat_down=True, down_n=128, down_stages=6, tail_rows=0), {}),
+    ("down 256 wide x 4 stages, not flat", dict(flat_down=False, down_n=256, down_stages=4), {}),
+    ("down BK 128 x 3 stages, not flat", dict(flat_down=False, down_n=128, down_k=128, down_stages=3), {}),
+    # an expert's last rows as a second MMA with the rows in N, off the same weight tiles (tail_rows; PERF_NOTES
+    # session 9)
+    ("tails of 16 rows (swapped MMA, 128 wide x 6, not flat)",
+     dict(tail_rows=16, flat_down=False, down_n=128, down_stages=6), {}),
+    ("tails of 32 rows (swapped MMA, 128 wide x 6, not flat)",
+     dict(tail_rows=32, flat_down=False, down_n=128, down_stages=6), {}),
+    ("up + down flat, no ready flags", dict(flat_up=True, flat_down=True, ready_flags=False, tail_rows=0), {}),
+    ("shared before up, beside the pull (v7)", dict(shared_sms=0), {}),
+    ("shared beside up on 16 SMs", dict(shared_sms=16), {}),
+    ("shared beside up on 24 SMs", dict(shared_sms=24), {}),
+    ("shared beside up on 32 SMs", dict(shared_sms=32), {}),
+    ("shared beside up on 40 SMs", dict(shared_sms=40), {}),
+]
+SWEEP_FP8 = ("default again (A/A control)", "pull 24 x 16 warps x 8 rows", "shared last",
+             "shared before up, beside the pull (v7)",
+             "shared beside up on 16 SMs", "shared beside up on 24 SMs",
+             "shared beside up on 32 SMs", "shared beside up on 40 SMs")
+TIMELINE_VARIANTS = ("v3 layout (full tiles, events, 3/4 stages, torch schedule)",)  # also get a timeline
