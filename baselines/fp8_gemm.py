@@ -158,7 +158,7 @@ class GroupLayout:
 
     ``dest`` [M]: each row's place in the padded buffer; ``offs`` [G] int32 padded cumulative ends; ``group`` [P]:
     the expert of each padded row (G for slack rows past the last expert); ``rows``: P. ``host_counts`` given: P is
-    exact (DeepGEMM's k-grouped GEMM needs the sizes on the host); otherwise P = M + (align - 1) * G, a static bound
+    exact (DeepGEMM's k-grouped GEMM needs the sizes on the host); otherwise P = M + (align - 1) * G rounded up to align, a static bound
     (no host sync; the GEMMs only read up to ``offs[-1]``)."""
 
     def __init__(self, counts_G: torch.Tensor, M: int, align: int,
@@ -174,7 +174,9 @@ class GroupLayout:
             self.rows = sum(self.padded_host)
         else:
             self.padded_host = None
-            self.rows = M + (align - 1) * G
+            # a static bound, rounded up to ``align`` rows: torch._scaled_grouped_mm needs every non-unit stride to be
+            # a multiple of 16 bytes, and the wgrad's operands are [P, C] read column-major (stride P)
+            self.rows = -(-(M + (align - 1) * G) // align) * align
         ids = torch.arange(G, device=dev)
         e_M = torch.repeat_interleave(ids, counts, output_size=M)
         self.dest = pstart.index_select(0, e_M) + torch.arange(M, device=dev) - start.index_select(0, e_M)
@@ -209,6 +211,10 @@ def reference_scaled_grouped_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch
         raise ValueError("Expected mat1 to be row-major (the reference checks what torch._scaled_grouped_mm checks)")
     if b.stride(-2) != 1:
         raise ValueError("Expected mat2 to be transposed (the reference checks what torch._scaled_grouped_mm checks)")
+    for t in (a, b):
+        if any(st != 1 and st * t.element_size() % 16 for st in t.stride()):
+            raise RuntimeError("strides should be multiple of 16 bytes (the reference checks what "
+                               "torch._scaled_grouped_mm checks)")
     ends = [int(e) for e in offs.tolist()]
     af, bf = a.float(), b.float()
     if b.dim() == 3:
