@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -194,6 +195,23 @@ def timing_label(timing: dict) -> str:
         return str(name)
     preset = to_container(load_group_option("timing", str(name)))
     return str(name) if all(timing.get(k) == preset[k] for k in TIMING_PRESET_FIELDS) else "custom"
+
+
+def run_id_for_sweep(cfg: DictConfig) -> None:
+    """Jobs of one multirun share a run_id (from the sweep folder) unless one was given (``run_id=`` or
+    ``MOKBENCH_RUN_ID``): sets ``cfg.run_id`` inside a Hydra multirun job, leaves it alone elsewhere. The Hydra main
+    calls it for each job; the sweep checks (harness.cli, harness.slurm) call it to validate the job as it will run."""
+    if cfg.get("run_id") or os.environ.get("MOKBENCH_RUN_ID"):
+        return
+    try:
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+
+        hc = HydraConfig.get()
+        if hc.mode == RunMode.MULTIRUN:
+            cfg.run_id = "sweep-" + "".join(ch for ch in hc.sweep.dir if ch.isalnum())[-14:]
+    except ValueError:
+        pass
 
 
 def to_container(cfg: Any) -> dict:
