@@ -5,14 +5,13 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from contract import Case
-from harness.config import CONFIG_DIR, load_group_option, make_case, to_container
+from harness.config import load_group_option, make_case, shape_table, to_container
 
 
 def published_shapes() -> list[str]:
-    """The shapes of the published figure: every ``configs/shape/*.yaml`` with ``published_local_experts``, by name."""
-    names = sorted(p.stem for p in (CONFIG_DIR / "shape").glob("*.yaml"))
-    return [n for n in names if n not in ("auto", "custom")
-            and to_container(load_group_option("shape", n)).get("published_local_experts") is not None]
+    """The shapes of the published figure: every ``configs/shape/*.yaml`` with ``published_local_experts``, in the
+    harness's display order (:func:`harness.config.shape_table`, the order of the report)."""
+    return [n for n, s in shape_table().items() if s["published_local_experts"] is not None]
 
 
 def shape_config(name: str) -> dict[str, Any]:

@@ -15,12 +15,13 @@ process, exactly as a plain run checks it (:func:`harness.runner.prepare`).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import difflib
 import re
 import sys
-from typing import Any, NoReturn, Optional, Sequence
+from typing import Any, Iterator, NoReturn, Optional, Sequence
 
 from omegaconf import DictConfig, open_dict, read_write
 
@@ -146,9 +147,7 @@ def check_sweep(loader: Any, master: DictConfig, launcher: Any, job_overrides: S
     if plan is not None:
         plan(job_overrides, initial_job_idx)  # prints and exits 2 on a problem
         return
-    from harness.slurm import _labels
-
-    labels = _labels(job_overrides)
+    labels = point_labels(job_overrides)
     problems = []
     for i, overrides in enumerate(job_overrides):
         try:
@@ -168,16 +167,40 @@ def check_sweep(loader: Any, master: DictConfig, launcher: Any, job_overrides: S
 
 def check_local_point(config: DictConfig) -> None:
     """Check one composed sweep point (``hydra`` node included) exactly as ``harness.run`` would check it here."""
-    from harness.run import _run_id_for_sweep
+    from harness.config import run_id_for_sweep
     from harness.runner import prepare
-    from harness.slurm import _hydra_config
 
     task_cfg = copy.deepcopy(config)
-    with _hydra_config(config):
+    with hydra_config(config):
         with read_write(task_cfg), open_dict(task_cfg):
             del task_cfg["hydra"]
-            _run_id_for_sweep(task_cfg)
+            run_id_for_sweep(task_cfg)
         prepare(task_cfg)
+
+
+def point_labels(job_overrides: Sequence[Sequence[str]]) -> list[str]:
+    """Each sweep point's overrides less those every point shares (and Hydra's own): what tells it from the others,
+    in problem lines and job names."""
+    from hydra.core.utils import filter_overrides
+
+    lists = [filter_overrides(list(o)) for o in job_overrides]
+    common = set.intersection(*(set(o) for o in lists)) if len(lists) > 1 else set()
+    return [" ".join(o for o in ov if o not in common) or "(defaults)" for ov in lists]
+
+
+@contextlib.contextmanager
+def hydra_config(config: DictConfig) -> Iterator[None]:
+    """HydraConfig set to one point's config, as Hydra's run_job sets it in the job (interpolations, run_id), to
+    check the point as its job will run."""
+    from hydra.core.hydra_config import HydraConfig
+
+    hc = HydraConfig.instance()
+    saved = hc.cfg
+    hc.set_config(config)
+    try:
+        yield
+    finally:
+        hc.cfg = saved
 
 
 class SweepValidationMixin:

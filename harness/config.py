@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -61,6 +62,11 @@ class ShapeConfig:
     local_experts: Optional[int] = None
     # Experts per GPU in the published EP=64 run (informational; recorded in rows).
     published_local_experts: Optional[int] = None
+    # How reports and tools show the shape (shape_table): its place in the published figure's order (None: after
+    # the ordered shapes, by name) and its display name (None: the config name). Not part of the sweep point: left
+    # out of config_hash.
+    display_order: Optional[int] = None
+    label: Optional[str] = None
 
 
 @dataclass(kw_only=True)
@@ -166,6 +172,20 @@ def load_group_option(group: str, name: str) -> DictConfig:
 TIMING_PRESET_FIELDS = ("num_warmup", "num_iters", "l2_flush", "align")
 
 
+# ShapeConfig fields that only say how a shape is shown: config_hash leaves them out
+SHAPE_DISPLAY_FIELDS = ("display_order", "label")
+
+
+def shape_table() -> dict[str, dict[str, Any]]:
+    """Every named shape (``configs/shape/*.yaml`` but ``auto`` and ``custom``) as name -> its config dict, in
+    display order: the shapes with a ``display_order`` by it, then the others by name. The one table of shapes:
+    the report's order and labels and the published shapes of the benchmark tools come from it."""
+    shapes = {p.stem: to_container(load_group_option("shape", p.stem))
+              for p in sorted((CONFIG_DIR / "shape").glob("*.yaml")) if p.stem not in ("auto", "custom")}
+    return dict(sorted(shapes.items(), key=lambda kv: (kv[1]["display_order"] is None,
+                                                       kv[1]["display_order"] or 0, kv[0])))
+
+
 def timing_label(timing: dict) -> str:
     """What a row's ``timing_preset`` says: the preset's name while the timing is that preset's, else ``custom``
     (e.g. ``timing=published timing.num_warmup=20 timing.num_iters=50`` is not the published 500 / 100 timing;
@@ -175,6 +195,23 @@ def timing_label(timing: dict) -> str:
         return str(name)
     preset = to_container(load_group_option("timing", str(name)))
     return str(name) if all(timing.get(k) == preset[k] for k in TIMING_PRESET_FIELDS) else "custom"
+
+
+def run_id_for_sweep(cfg: DictConfig) -> None:
+    """Jobs of one multirun share a run_id (from the sweep folder) unless one was given (``run_id=`` or
+    ``MOKBENCH_RUN_ID``): sets ``cfg.run_id`` inside a Hydra multirun job, leaves it alone elsewhere. The Hydra main
+    calls it for each job; the sweep checks (harness.cli, harness.slurm) call it to validate the job as it will run."""
+    if cfg.get("run_id") or os.environ.get("MOKBENCH_RUN_ID"):
+        return
+    try:
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+
+        hc = HydraConfig.get()
+        if hc.mode == RunMode.MULTIRUN:
+            cfg.run_id = "sweep-" + "".join(ch for ch in hc.sweep.dir if ch.isalnum())[-14:]
+    except ValueError:
+        pass
 
 
 def to_container(cfg: Any) -> dict:
@@ -403,6 +440,8 @@ _HASH_EXCLUDE = {"run_id", "dist_timeout_s", "results_dir", "results_format", "p
 
 def config_hash(c: dict, case: Case) -> str:
     kept = {k: v for k, v in c.items() if k not in _HASH_EXCLUDE}
+    if isinstance(kept.get("shape"), dict):  # how a shape is shown is not what ran
+        kept["shape"] = {k: v for k, v in kept["shape"].items() if k not in SHAPE_DISPLAY_FIELDS}
     kept["case"] = dataclasses.asdict(case)
     if case.precision != "fp8" or case.te_fp8_recipe == "blockwise":
         # the recipe only changes fp8 measurements: the default (and every bf16/mxfp8 point) keeps the hash it had

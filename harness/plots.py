@@ -25,7 +25,8 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from harness import backends
-from harness import report as R
+from harness import claims as C
+from harness import labels as L
 
 ANCHOR_HATCH = ".."  # anchors' bars are dotted: fused layers a user could pick, not baselines
 SWEEP_AXES = ("tokens_per_gpu", "ep_size", "routing")
@@ -45,7 +46,7 @@ def color(system: str) -> str:
 
 def hatch(system: str) -> Optional[str]:
     """Anchors are drawn hatched, so that no chart passes them off as baselines."""
-    return ANCHOR_HATCH if R.is_anchor(system) else None
+    return ANCHOR_HATCH if L.is_anchor(system) else None
 
 
 def new_figure(width: float, height: float) -> Figure:
@@ -80,8 +81,8 @@ def config_name(df: pd.DataFrame, config_hash: str) -> str:
     if d.empty:
         return str(config_hash)
     r = d.iloc[0]
-    parts = [R.shape_label(r["shape"]), R.PRECISION_LABELS.get(r["precision"], str(r["precision"])),
-             R.env_label(r.to_dict(), run=False)]
+    parts = [L.shape_label(r["shape"]), L.PRECISION_LABELS.get(r["precision"], str(r["precision"])),
+             L.env_label(r.to_dict(), run=False)]
     return ", ".join(str(x) for x in parts)
 
 
@@ -92,22 +93,22 @@ def config_slug(df: pd.DataFrame, config_hash: str) -> str:
     if d.empty:
         return slug(config_hash)
     r = d.iloc[0]
-    routing = "" if R._isna(r["routing"]) or r["routing"] == "uniform" else f" {r['routing']}"
-    return slug(f"{r['shape']} {r['precision']} ep{R._int(r['ep_size'])} {R._int(r['tokens_per_gpu'])}tok{routing}"
-                f" {str(config_hash)[:6]}")
+    routing = "" if L.isna(r["routing"]) or r["routing"] == "uniform" else f" {r['routing']}"
+    return slug(f"{r['shape']} {r['precision']} ep{L.int_text(r['ep_size'])} "
+                f"{L.int_text(r['tokens_per_gpu'])}tok{routing} {str(config_hash)[:6]}")
 
 
-def _one_env(df: pd.DataFrame, env: Optional[dict[str, Any]], keys: Sequence[str] = (*R.ENV_KEYS, "routing")
+def _one_env(df: pd.DataFrame, env: Optional[dict[str, Any]], keys: Sequence[str] = (*C.ENV_KEYS, "routing")
              ) -> tuple[pd.DataFrame, dict[str, Any]]:
     """The rows of one environment: ``env`` if given, else the only one present (ValueError if several)."""
-    df = R.with_runs(df)
+    df = C.with_runs(df)
     if env is None:
         envs = df[list(keys)].drop_duplicates().to_dict("records")
         if len(envs) != 1:
             raise ValueError(f"{len(envs)} environments in the data; pick one with env= "
-                             f"(see harness.report.environments): {[R.env_label(e) for e in envs][:6]}")
+                             f"(see harness.claims.environments): {[L.env_label(e) for e in envs][:6]}")
         env = envs[0]
-    return R.select_env(df, {k: env[k] for k in keys if k in env}), env
+    return C.select_env(df, {k: env[k] for k in keys if k in env}), env
 
 
 Legend = tuple[Sequence[Any], Sequence[str]]
@@ -146,7 +147,7 @@ def finish(fig: Figure, title: str, handles: Sequence[Any] = (), labels: Sequenc
 
 
 def _not_ok_note(r: dict[str, Any], *extra: str) -> str:
-    where = " ".join(x for x in (R.system_label(r["backend"]), *extra) if x)
+    where = " ".join(x for x in (L.system_label(r["backend"]), *extra) if x)
     return f"{where}: {r['status']}"
 
 
@@ -157,11 +158,11 @@ def _not_ok_note(r: dict[str, Any], *extra: str) -> str:
 def plot_panels(df: pd.DataFrame, env: Optional[dict[str, Any]] = None, title: Optional[str] = None) -> Figure:
     """Four-panel grouped bars (rows: precision, columns: direction) for one environment, like the published
     figure; each fused kernel's bar carries its speedup over the fastest baseline of its group."""
-    df = df[~df["backend"].isin(R.NOT_CONTENDERS)]
+    df = df[~df["backend"].isin(L.NOT_CONTENDERS)]
     df, env = _one_env(df, env)
-    agg = R.aggregate(df)
+    agg = C.aggregate(df)
     by_cell = _by_cell(agg)
-    claims = R.claims_table(df).set_index(["precision", "direction", "shape"])
+    claims = C.claims_table(df).set_index(["precision", "direction", "shape"])
     systems, precisions, directions, shapes, fig, axes, width = _panel_grid(agg, extra_height=1.0)
     notes: list[str] = []
     for i, prec in enumerate(precisions):
@@ -176,7 +177,7 @@ def plot_panels(df: pd.DataFrame, env: Optional[dict[str, Any]] = None, title: O
                     if r is None:
                         continue
                     x = g - 0.42 + width * (k + 0.5)
-                    if r["status"] == "ok" and not R._isna(r["tflops_per_gpu"]):
+                    if r["status"] == "ok" and not L.isna(r["tflops_per_gpu"]):
                         y = r["tflops_per_gpu"]
                         err = [[max(0.0, y - r["tflops_p80"])], [max(0.0, r["tflops_p20"] - y)]]
                         ax.bar(x, y, width * 0.92, color=color(s), zorder=2, yerr=err, capsize=2,
@@ -191,8 +192,8 @@ def plot_panels(df: pd.DataFrame, env: Optional[dict[str, Any]] = None, title: O
                                linewidth=0.8, zorder=2)
                         ax.text(x, top * 0.06, r["status"], rotation=90, ha="center", va="bottom", fontsize=7.5,
                                 color="#444444", zorder=3)
-                        notes.append(_not_ok_note(r, R.shape_label(shape), R.panel_label(prec, direction)))
-            ax.set_title(R.panel_label(prec, direction), fontsize=12, fontweight="bold")
+                        notes.append(_not_ok_note(r, L.shape_label(shape), L.panel_label(prec, direction)))
+            ax.set_title(L.panel_label(prec, direction), fontsize=12, fontweight="bold")
             _shape_ticks(ax, shapes)
             ax.set_ylim(0, top * 1.16)
             ax.grid(axis="y", alpha=0.3, zorder=0)
@@ -201,12 +202,12 @@ def plot_panels(df: pd.DataFrame, env: Optional[dict[str, Any]] = None, title: O
                 _no_ok_panel(ax)
             elif j == 0 or len(directions) * len(precisions) > 1:
                 ax.set_ylabel("TFLOP/s per GPU (whiskers: p20-p80)", fontsize=9)
-    caption = R.compile_caption(df)
-    if any(R.is_anchor(s) for s in systems):
+    caption = L.compile_caption(df)
+    if any(L.is_anchor(s) for s in systems):
         caption = ("Dotted bars: anchors (fused MoE layers a user could pick), not baselines; a fused kernel's label "
                    "is its speedup over the fastest baseline, then over the fastest of all. " + caption).strip()
-    finish(fig, title or f"Expert-parallel MoE layer throughput — {R.env_label(env)}",
-           [_patch(s) for s in systems], [R.system_label(s) for s in systems], notes=notes, ncol=len(systems),
+    finish(fig, title or f"Expert-parallel MoE layer throughput — {L.env_label(env)}",
+           [_patch(s) for s in systems], [L.system_label(s) for s in systems], notes=notes, ncol=len(systems),
            caption=caption)
     return fig
 
@@ -214,21 +215,21 @@ def plot_panels(df: pd.DataFrame, env: Optional[dict[str, Any]] = None, title: O
 def _speedup_text(claims: pd.DataFrame, system: str, cell: tuple[str, str, str]) -> str:
     """A fused kernel's label: its speedup over the fastest baseline, and under it (where the run has anchors and
     the fastest of all is another system) over the fastest of all."""
-    if not R.is_fused(system):
+    if not L.is_fused(system):
         return ""
     v = claims[f"speedup_{system}"].get(cell) if f"speedup_{system}" in claims else None
-    if v is None or R._isna(v):
+    if v is None or L.isna(v):
         return ""
     text = f"{v:.2f}×"
     va = claims[f"speedup_all_{system}"].get(cell) if f"speedup_all_{system}" in claims else None
     anchored = "best_anchor" in claims and str(claims["best_anchor"].get(cell, "")) not in ("", "nan")
-    if anchored and va is not None and not R._isna(va) and abs(va - v) > 5e-3:
+    if anchored and va is not None and not L.isna(va) and abs(va - v) > 5e-3:
         text += f"\n{va:.2f}× all"
     return text
 
 
 def _shape_ticks(ax, shapes: Sequence[str]) -> None:
-    labels = [R.shape_label(s) for s in shapes]
+    labels = [L.shape_label(s) for s in shapes]
     crowded = len(shapes) > 5
     ax.set_xticks(range(len(shapes)), labels, fontsize=9.5, rotation=25 if crowded else 0,
                   ha="right" if crowded else "center")
@@ -251,10 +252,10 @@ def _by_cell(frame: pd.DataFrame) -> dict[tuple, dict[str, Any]]:
 def _panel_grid(agg: pd.DataFrame, extra_height: float):
     """The published layout's axes: systems, panel rows (precision) and columns (direction), shape groups, the
     figure with one subplot per panel, and the bar width."""
-    systems = R.systems_in(agg)
-    precisions = R._order(agg["precision"], R.PRECISION_ORDER)
-    directions = R._order(agg["direction"], R.DIRECTION_ORDER)
-    shapes = R._order(agg["shape"], R.SHAPE_ORDER)
+    systems = L.systems_in(agg)
+    precisions = L.in_order(agg["precision"], L.PRECISION_ORDER)
+    directions = L.in_order(agg["direction"], L.DIRECTION_ORDER)
+    shapes = L.in_order(agg["shape"], L.SHAPE_ORDER)
     width = _panels_width(len(directions), len(shapes))
     if width <= MAX_WIDTH_IN or len(directions) == 1:
         fig = new_figure(min(width, MAX_WIDTH_IN), 3.9 * len(precisions) + extra_height)
@@ -275,7 +276,7 @@ def _panels_width(ncols: int, nshapes: int) -> float:
 def _patch(system: str):
     from matplotlib.patches import Patch
 
-    return Patch(facecolor=color(system), label=R.system_label(system), hatch=hatch(system),
+    return Patch(facecolor=color(system), label=L.system_label(system), hatch=hatch(system),
                  edgecolor="white" if hatch(system) else None)
 
 
@@ -286,9 +287,9 @@ def _patch(system: str):
 def sweep_axes_present(df: pd.DataFrame) -> list[str]:
     """The sweep axes along which some (system, panel, shape, fixed rest) has more than one value."""
     out = []
-    df = R.with_runs(df)
+    df = C.with_runs(df)
     for x in SWEEP_AXES:
-        fixed = [k for k in (*R.ENV_KEYS, "routing") if k != x and not (x == "ep_size" and k == "num_nodes")]
+        fixed = [k for k in (*C.ENV_KEYS, "routing") if k != x and not (x == "ep_size" and k == "num_nodes")]
         n = df.groupby([*fixed, "precision", "direction", "shape", "backend"], dropna=False)[x].nunique()
         if len(n) and n.max() > 1:
             out.append(x)
@@ -299,7 +300,7 @@ def _routing_order(df: pd.DataFrame) -> list[str]:
     """Routing labels from balanced to most imbalanced (by the measured expert load max/mean)."""
     imb = df.groupby("routing", dropna=True)["expert_load_max_over_mean"].mean()
     labels = list(df["routing"].dropna().unique())
-    return sorted(labels, key=lambda r: (r != "uniform", imb.get(r, math.inf) if not R._isna(imb.get(r)) else 0, r))
+    return sorted(labels, key=lambda r: (r != "uniform", imb.get(r, math.inf) if not L.isna(imb.get(r)) else 0, r))
 
 
 def plot_sweep(df: pd.DataFrame, x: str, title: Optional[str] = None) -> Figure:
@@ -309,9 +310,9 @@ def plot_sweep(df: pd.DataFrame, x: str, title: Optional[str] = None) -> Figure:
     where that varies too, e.g. two GPUs). Routing is ordered by measured expert imbalance."""
     if x not in SWEEP_AXES:
         raise ValueError(f"x must be one of {', '.join(SWEEP_AXES)} (got {x!r})")
-    df = R.with_runs(df[~df["backend"].isin(R.NOT_CONTENDERS)])
-    fixed = [k for k in (*R.ENV_KEYS, "routing") if k != x and not (x == "ep_size" and k == "num_nodes")]
-    agg = R.aggregate(df)
+    df = C.with_runs(df[~df["backend"].isin(L.NOT_CONTENDERS)])
+    fixed = [k for k in (*C.ENV_KEYS, "routing") if k != x and not (x == "ep_size" and k == "num_nodes")]
+    agg = C.aggregate(df)
     # keep the lines that are a sweep along x (points of other sweeps have one value of x per line)
     lines = agg.groupby([*fixed, "precision", "direction", "shape", "backend"], dropna=False)[x].transform("nunique")
     agg = agg[lines > 1]
@@ -319,8 +320,8 @@ def plot_sweep(df: pd.DataFrame, x: str, title: Optional[str] = None) -> Figure:
         raise ValueError(f"nothing varies along {x} in these rows")
     varying = [k for k in fixed if agg[k].nunique(dropna=False) > 1 and k != "run_started"]
     facets = list(agg[["precision", "direction", "shape"]].drop_duplicates().itertuples(index=False, name=None))
-    facets.sort(key=lambda k: (R.PRECISION_ORDER.index(k[0]) if k[0] in R.PRECISION_ORDER else 9,
-                               R.DIRECTION_ORDER.index(k[1]) if k[1] in R.DIRECTION_ORDER else 9,
+    facets.sort(key=lambda k: (L.PRECISION_ORDER.index(k[0]) if k[0] in L.PRECISION_ORDER else 9,
+                               L.DIRECTION_ORDER.index(k[1]) if k[1] in L.DIRECTION_ORDER else 9,
                                _shape_pos(k[2]), str(k[2])))
     ncols = min(len(facets), 4)
     nrows = math.ceil(len(facets) / ncols)
@@ -335,20 +336,20 @@ def plot_sweep(df: pd.DataFrame, x: str, title: Optional[str] = None) -> Figure:
         g = agg[(agg["precision"] == prec) & (agg["direction"] == direction) & (agg["shape"] == shape)]
         contexts = g[varying].drop_duplicates().to_dict("records") if varying else [{}]
         for ci, ctx in enumerate(contexts):
-            gc = R.select_env(g, ctx) if ctx else g
-            for s in R.systems_in(gc):
+            gc = C.select_env(g, ctx) if ctx else g
+            for s in L.systems_in(gc):
                 line = gc[gc["backend"] == s]
                 xs = line[x].map(cats.index) if cats else line[x].astype("float64")
                 line = line.assign(_x=xs.to_numpy()).sort_values("_x")
                 ok = line[(line["status"] == "ok") & line["tflops_per_gpu"].notna()]
-                label = R.system_label(s) + (" · " + ", ".join(_ctx(k, ctx[k]) for k in varying) if ctx else "")
+                label = L.system_label(s) + (" · " + ", ".join(_ctx(k, ctx[k]) for k in varying) if ctx else "")
                 (h,) = ax.plot(ok["_x"], ok["tflops_per_gpu"], marker="o", ms=4, color=color(s),
                                linestyle=styles[ci % len(styles)], label=label)
                 legend.setdefault(label, h)
                 for r in line[line["status"] != "ok"].to_dict("records"):
                     ax.plot(r["_x"], 0, marker="x", ms=7, mew=2, color=color(s), clip_on=False, zorder=4)
-                    notes.append(_not_ok_note(r, R.shape_label(shape), f"{x}={r[x]}"))
-        ax.set_title(f"{R.panel_label(prec, direction)} · {R.shape_label(shape)}", fontsize=10)
+                    notes.append(_not_ok_note(r, L.shape_label(shape), f"{x}={r[x]}"))
+        ax.set_title(f"{L.panel_label(prec, direction)} · {L.shape_label(shape)}", fontsize=10)
         if cats:
             ax.set_xticks(range(len(cats)), cats, rotation=25, ha="right", fontsize=8)
             ax.set_xlim(-0.3, len(cats) - 0.7)
@@ -365,7 +366,7 @@ def plot_sweep(df: pd.DataFrame, x: str, title: Optional[str] = None) -> Figure:
     for n in range(len(facets), nrows * ncols):
         axes[n // ncols][n % ncols].set_visible(False)
     const = [k for k in fixed if k not in varying and k != "run_started"]
-    env_txt = ", ".join(_ctx(k, agg[k].iloc[0]) for k in const if not R._isna(agg[k].iloc[0]))
+    env_txt = ", ".join(_ctx(k, agg[k].iloc[0]) for k in const if not L.isna(agg[k].iloc[0]))
     finish(fig, title or f"Throughput vs {AXIS_LABELS[x]}" + (f" — {env_txt}" if env_txt else ""),
            list(legend.values()), list(legend.keys()), notes=notes, ncol=5)
     return fig
@@ -373,7 +374,7 @@ def plot_sweep(df: pd.DataFrame, x: str, title: Optional[str] = None) -> Figure:
 
 def _ctx(key: str, value: Any) -> str:
     """A context value as a reader would say it: ``EP 8``, ``2048 tokens/GPU``, ``2 nodes``."""
-    if R._isna(value):
+    if L.isna(value):
         return f"{key} unknown"
     if key == "run_started":
         return f"run of {str(value)[:16]}"
@@ -388,7 +389,7 @@ def _ctx(key: str, value: Any) -> str:
 
 def _shape_pos(shape: str) -> int:
     base = str(shape).partition("@")[0]
-    return R.SHAPE_ORDER.index(base) if base in R.SHAPE_ORDER else len(R.SHAPE_ORDER)
+    return L.SHAPE_ORDER.index(base) if base in L.SHAPE_ORDER else len(L.SHAPE_ORDER)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -412,17 +413,17 @@ def plot_roofline(df: pd.DataFrame, calibration: Optional[pd.DataFrame] = None,
     measured link bandwidth) and their max, the roofline. The label over a bar is roofline / latency."""
     from harness.roofline import floors_frame
 
-    df = df[~df["backend"].isin(R.NOT_CONTENDERS)]
+    df = df[~df["backend"].isin(L.NOT_CONTENDERS)]
     df, env = _one_env(df, env)
     fl = floors_frame(df, calibration)
     # a row may carry the harness' own roofline_ms without the rates
     fl["floor_roofline_ms"] = fl["floor_roofline_ms"].fillna(fl["roofline_ms"])
     ok = fl[(fl["status"] == "ok") & fl["latency_ms"].notna()]
-    cells = [*R.CELL_KEYS, "backend"]
+    cells = [*C.CELL_KEYS, "backend"]
     med = ok.groupby(cells, dropna=False, sort=False)[
         ["latency_ms", "floor_compute_ms", "floor_memory_ms", "floor_link_ms", "floor_roofline_ms"]].median()
     med = med.reset_index()
-    agg = R.aggregate(df)
+    agg = C.aggregate(df)
     by_cell, by_med = _by_cell(agg), _by_cell(med)
     systems, precisions, directions, shapes, fig, axes, width = _panel_grid(agg, extra_height=1.2)
     notes: list[str] = []
@@ -444,9 +445,9 @@ def plot_roofline(df: pd.DataFrame, calibration: Optional[pd.DataFrame] = None,
                                edgecolor="white" if hatch(s) else None)
                         for col in FLOOR_STYLE:
                             v = r[f"floor_{col}"]
-                            if not R._isna(v):
+                            if not L.isna(v):
                                 ticks.setdefault(col, []).append((v, x - width / 2, x + width / 2))
-                        if not R._isna(r["floor_roofline_ms"]):
+                        if not L.isna(r["floor_roofline_ms"]):
                             frac = r["floor_roofline_ms"] / r["latency_ms"]
                             ax.text(x, r["latency_ms"] + top * 0.015, f"{frac:.0%}", ha="center", va="bottom",
                                     fontsize=7.5, zorder=4)
@@ -455,7 +456,7 @@ def plot_roofline(df: pd.DataFrame, calibration: Optional[pd.DataFrame] = None,
                     if r is not None and r["status"] != "ok":
                         ax.text(x, top * 0.02, r["status"], rotation=90, ha="center", va="bottom", fontsize=7.5,
                                 color="#444444")
-                        notes.append(_not_ok_note(r, R.shape_label(shape), R.panel_label(prec, direction)))
+                        notes.append(_not_ok_note(r, L.shape_label(shape), L.panel_label(prec, direction)))
             for col, (label, c, ls) in FLOOR_STYLE.items():  # the roofline as a wide pale band, floors on top
                 if ticks.get(col):
                     y, x0, x1 = zip(*ticks[col])
@@ -463,7 +464,7 @@ def plot_roofline(df: pd.DataFrame, calibration: Optional[pd.DataFrame] = None,
                     ax.hlines(y, x0, x1, colors=c, linestyles=ls, linewidth=5 if roof else 1.8,
                               alpha=0.45 if roof else 1, zorder=3 if roof else 4)
                     drawn.add(col)
-            ax.set_title(R.panel_label(prec, direction), fontsize=12, fontweight="bold")
+            ax.set_title(L.panel_label(prec, direction), fontsize=12, fontweight="bold")
             _shape_ticks(ax, shapes)
             ax.set_ylim(0, top * 1.14)
             if cell.empty:
@@ -478,11 +479,11 @@ def plot_roofline(df: pd.DataFrame, calibration: Optional[pd.DataFrame] = None,
                      alpha=0.45 if col == "roofline_ms" else 1) for col, (_, c, ls) in FLOOR_STYLE.items()
               if col in drawn]
     floor_labels = [label for col, (label, _, _) in FLOOR_STYLE.items() if col in drawn]
-    default = f"Latency against the layer's floors — {R.env_label(env)} — label over a bar: roofline / latency"
+    default = f"Latency against the layer's floors — {L.env_label(env)} — label over a bar: roofline / latency"
     if not drawn:
         default += " (no calibration rates matched: floors not drawn)"
-    finish(fig, title or default, [_patch(s) for s in systems], [R.system_label(s) for s in systems], notes=notes,
-           extra_legend=(floors, floor_labels), caption=R.compile_caption(df))
+    finish(fig, title or default, [_patch(s) for s in systems], [L.system_label(s) for s in systems], notes=notes,
+           extra_legend=(floors, floor_labels), caption=L.compile_caption(df))
     return fig
 
 
@@ -500,7 +501,7 @@ def plot_history(df: pd.DataFrame, config_hash: Optional[str] = None, title: Opt
         if len(hashes) != 1:
             raise ValueError(f"{len(hashes)} configs in the data; pick one with config_hash=")
         config_hash = str(hashes[0])
-    d = df[(df["config_hash"] == config_hash).fillna(False) & ~df["backend"].isin(R.NOT_CONTENDERS)].copy()
+    d = df[(df["config_hash"] == config_hash).fillna(False) & ~df["backend"].isin(L.NOT_CONTENDERS)].copy()
     if d.empty:
         raise ValueError(f"no rows for config {config_hash}")
     d["git_sha"] = d["git_sha"].fillna("unknown")
@@ -508,11 +509,11 @@ def plot_history(df: pd.DataFrame, config_hash: Optional[str] = None, title: Opt
     order = d.groupby("git_sha")["_t"].min().sort_values(na_position="first").index.tolist()
     dirty = d.groupby("git_sha")["git_dirty"].agg(lambda s: bool(s.fillna(False).any()))
     ticks = [f"{sha[:7]}{'+' if dirty.get(sha) else ''}" for sha in order]
-    directions = R._order(d["direction"], R.DIRECTION_ORDER)
+    directions = L.in_order(d["direction"], L.DIRECTION_ORDER)
     per = min(MAX_WIDTH_IN / len(directions), max(4.5, 1.2 + 0.45 * len(order)))
     fig = new_figure(per * len(directions), 4.6)
     axes = fig.subplots(1, len(directions), squeeze=False)[0]
-    systems = R.systems_in(d)
+    systems = L.systems_in(d)
     dodge = {s: (k - (len(systems) - 1) / 2) * min(0.6 / max(len(systems), 1), 0.15) for k, s in enumerate(systems)}
     notes: list[str] = []
     handles: dict[str, Any] = {}
@@ -541,12 +542,12 @@ def plot_history(df: pd.DataFrame, config_hash: Optional[str] = None, title: Opt
                     lo.append(0.0)
                     hi.append(0.0)
                     bad.append(i + dodge[s])
-                    notes.append(f"{R.system_label(s)} {R.DIRECTION_LABELS.get(direction, direction)} at {sha[:7]}: "
+                    notes.append(f"{L.system_label(s)} {L.DIRECTION_LABELS.get(direction, direction)} at {sha[:7]}: "
                                  f"{r['status'].iloc[-1]}")
             if xs:
                 h = ax.errorbar(xs, ys, yerr=[lo, hi], marker="o", ms=4.5, capsize=2.5, lw=1.3, color=color(s),
-                                label=R.system_label(s))
-                handles.setdefault(R.system_label(s), h)
+                                label=L.system_label(s))
+                handles.setdefault(L.system_label(s), h)
             if bad:  # under the axis, one row per backend, so crosses of several backends never overlap
                 from matplotlib.transforms import blended_transform_factory
 
@@ -560,7 +561,7 @@ def plot_history(df: pd.DataFrame, config_hash: Optional[str] = None, title: Opt
         if top == 0:
             _no_ok_panel(ax)
         ax.grid(alpha=0.3)
-        ax.set_title(R.DIRECTION_LABELS.get(direction, direction), fontsize=11)
+        ax.set_title(L.DIRECTION_LABELS.get(direction, direction), fontsize=11)
         ax.set_xlabel("git SHA, oldest → newest (+ = dirty tree; × = not ok)", fontsize=9)
     axes[0].set_ylabel("TFLOP/s per GPU (whiskers: p20-p80)")
     finish(fig, title or f"History of {config_name(d, config_hash)} (config {str(config_hash)[:6]})",
@@ -580,25 +581,25 @@ def report_charts(df: pd.DataFrame, out_dir: Union[str, Path], *, calibration: O
     ``df``: a history spans runs by nature). Returns chart name -> written files."""
     out = Path(out_dir)
     written: dict[str, list[Path]] = {}
-    contenders = R.with_runs(df[~df["backend"].isin(R.NOT_CONTENDERS)])
+    contenders = C.with_runs(df[~df["backend"].isin(L.NOT_CONTENDERS)])
     if contenders.empty:
         return written
-    for env in R.environments(contenders):
-        name = f"panels_{slug(R.env_label(env))}"
+    for env in C.environments(contenders):
+        name = f"panels_{slug(L.env_label(env))}"
         written[name] = _save_close(plot_panels(contenders, env), out / name, formats)
-    runs = R.with_runs(contenders)
+    runs = C.with_runs(contenders)
     multi = runs["run_id"].nunique() > 1
     for run in runs["run_id"].dropna().unique():
         rows = runs[runs["run_id"] == run]
         for x in sweep_axes_present(rows):
             name = f"sweep_{x}" + (f"_{slug(run)}" if multi else "")
             written[name] = _save_close(plot_sweep(rows, x), out / name, formats)
-    measured = contenders[~R.is_published(contenders)]
+    measured = contenders[~C.is_published(contenders)]
     if len(measured) and has_floors(measured, calibration):
-        for env in R.environments(measured):
-            if not has_floors(R.select_env(measured, env), calibration):
+        for env in C.environments(measured):
+            if not has_floors(C.select_env(measured, env), calibration):
                 continue
-            name = f"roofline_{slug(R.env_label(env))}"
+            name = f"roofline_{slug(L.env_label(env))}"
             written[name] = _save_close(plot_roofline(measured, calibration, env), out / name, formats)
     hist = df if history_rows is None else history_rows
     for h in history:

@@ -17,9 +17,12 @@ import sys
 import tempfile
 import uuid
 from pathlib import Path
-from typing import Any, Iterable, Union
+from typing import TYPE_CHECKING, Any, Iterable, Union
 
 import pandas as pd
+
+if TYPE_CHECKING:
+    from contract import Case
 
 STATUSES = ("ok", "unsupported", "mismatch", "error", "oom", "timeout", "cancelled")
 
@@ -124,6 +127,52 @@ KEY = ("run_id", "row_id")
 
 def new_row_id() -> str:
     return uuid.uuid4().hex[:12]
+
+
+def base_row(case: Case, c: dict, *, run_id: str, config_hash: str, num_nodes: int, world_size: int,
+             env: dict[str, Any]) -> dict[str, Any]:
+    """The columns every row of a sweep point shares: the point (``case``, the resolved config ``c``), where it ran
+    (``num_nodes``, ``world_size``) and the environment columns (``env``: :func:`harness.env.collect`)."""
+    t = c["timing"]
+    row = {
+        "run_id": run_id,
+        "config_hash": config_hash,
+        "shape": case.shape,
+        "num_experts": case.num_experts,
+        "local_experts": case.local_experts,
+        "experts_override": case.experts_override,
+        "published_local_experts": case.published_local_experts,
+        "hidden": case.hidden,
+        "ffn": case.ffn,
+        "topk": case.topk,
+        "shared_expert": case.shared_expert,
+        "swiglu_limit": case.swiglu_limit,
+        "precision": case.precision,
+        "tokens_per_gpu": case.tokens_per_gpu,
+        "ep_size": case.ep_size,
+        "num_nodes": num_nodes,
+        "world_size": world_size,
+        "routing": case.routing_label,
+        "seed": case.seed,
+        "timing_preset": t["name"],
+        "l2_flush": t["l2_flush"],
+        "align": t["align"],
+        "atol": case.atol,
+        "rtol": case.rtol,
+        "comm_sms": case.comm_sms,
+        "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+    }
+    row.update(env)
+    return row
+
+
+def make_row(base: dict, backend: str, direction: str, status: str, **kw: Any) -> dict[str, Any]:
+    """One row: the point's shared columns (:func:`base_row`), the backend, direction and status, a fresh row id and
+    timestamp, then ``kw`` (measurements, errors, notes)."""
+    row = dict(base, backend=backend, direction=direction, status=status, row_id=new_row_id(),
+               timestamp=pd.Timestamp.now(tz="UTC").isoformat())
+    row.update(kw)
+    return row
 
 
 def job_file(results_dir: Union[str, Path], run_id: str, config_hash: str, fmt: str = "csv") -> Path:

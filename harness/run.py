@@ -13,25 +13,10 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from harness.config import ConfigError, register_configs
+from harness.config import ConfigError, register_configs, run_id_for_sweep
 
 register_configs()
 _task_started = False  # set once the task function runs: later errors are not Hydra's composition errors
-
-
-def _run_id_for_sweep(cfg: DictConfig) -> None:
-    """Jobs of one multirun share a run_id (from the sweep folder) unless one was given."""
-    if cfg.get("run_id") or os.environ.get("MOKBENCH_RUN_ID"):
-        return
-    try:
-        from hydra.core.hydra_config import HydraConfig
-        from hydra.types import RunMode
-
-        hc = HydraConfig.get()
-        if hc.mode == RunMode.MULTIRUN:
-            cfg.run_id = "sweep-" + "".join(ch for ch in hc.sweep.dir if ch.isalnum())[-14:]
-    except ValueError:
-        pass
 
 
 @hydra.main(version_base=None, config_path="../configs", config_name="config")
@@ -41,7 +26,7 @@ def main(cfg: DictConfig) -> None:
 
     global _task_started
     _task_started = True
-    _run_id_for_sweep(cfg)
+    run_id_for_sweep(cfg)
     try:
         df = run_benchmark(cfg)
     except ConfigError as e:

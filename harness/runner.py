@@ -8,12 +8,14 @@ the launching process to write ``error`` rows for whatever was not reported.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import sys
 import time
 import traceback
-from typing import Any, Callable, Optional
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Optional
 
 import pandas as pd
 import torch
@@ -38,6 +40,7 @@ from harness.config import (
 )
 from harness.dist import RankEnv, free_port, from_environment, init
 from harness.inputs import load_stats, make_inputs
+from harness.results import base_row, make_row
 from harness.timing import Timer
 
 SEVERITY = {s: i for i, s in enumerate(("ok", "unsupported", "mismatch", "timeout", "cancelled", "oom", "error"))}
@@ -82,51 +85,6 @@ def world_size_for(c: dict, renv: Optional[RankEnv]) -> int:
 
 def new_run_id() -> str:
     return pd.Timestamp.now(tz="UTC").strftime("%Y%m%dT%H%M%S") + "-" + os.urandom(3).hex()
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# rows
-
-
-def base_row(case: Case, c: dict, renv: RankEnv, run_id: str, chash: str) -> dict[str, Any]:
-    t = c["timing"]
-    row = {
-        "run_id": run_id,
-        "config_hash": chash,
-        "shape": case.shape,
-        "num_experts": case.num_experts,
-        "local_experts": case.local_experts,
-        "experts_override": case.experts_override,
-        "published_local_experts": case.published_local_experts,
-        "hidden": case.hidden,
-        "ffn": case.ffn,
-        "topk": case.topk,
-        "shared_expert": case.shared_expert,
-        "swiglu_limit": case.swiglu_limit,
-        "precision": case.precision,
-        "tokens_per_gpu": case.tokens_per_gpu,
-        "ep_size": case.ep_size,
-        "num_nodes": renv.num_nodes,
-        "world_size": renv.world_size,
-        "routing": case.routing_label,
-        "seed": case.seed,
-        "timing_preset": t["name"],
-        "l2_flush": t["l2_flush"],
-        "align": t["align"],
-        "atol": case.atol,
-        "rtol": case.rtol,
-        "comm_sms": case.comm_sms,
-        "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
-    }
-    row.update(envinfo.collect(case.device))
-    return row
-
-
-def make_row(base: dict, backend: str, direction: str, status: str, **kw: Any) -> dict[str, Any]:
-    row = dict(base, backend=backend, direction=direction, status=status, row_id=results.new_row_id(),
-               timestamp=pd.Timestamp.now(tz="UTC").isoformat())
-    row.update(kw)
-    return row
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -202,6 +160,28 @@ def point_label(case: Case, num: Optional[int] = None) -> str:
     return f"{where}{case.shape} {case.precision} {case.routing_label} EP{case.ep_size} T{case.tokens_per_gpu}"
 
 
+@dataclass
+class PointContext:
+    """What every backend of one sweep point runs against (on each rank): the point (``case``, the resolved config
+    ``cfg``), its inputs and the reference outputs (``ref``: None without the check), the process groups (``group``
+    for the layer, ``ctrl``: gloo, for verdicts), the step runner that agrees on the outcome across ranks (``agree``),
+    the timer, the columns every row shares (``base``), the directions to run, whether any needs gradients, and the
+    progress lines."""
+
+    case: Case
+    cfg: dict
+    inputs: LayerInputs
+    ref: Optional[dict]
+    group: Any
+    ctrl: Any
+    agree: Callable[[Callable[[], Any]], tuple[str, str, Any]]
+    timer: Timer
+    base: dict[str, Any]
+    directions: list[str]
+    need_grads: bool
+    progress: Progress = field(default_factory=lambda: Progress(False, ""))
+
+
 def worker(payload: dict, renv: RankEnv) -> None:
     c, device = payload["cfg"], payload["device"]
     if device == "cpu":  # ranks share the machine's cores: oversubscribed intra-op threads distort the timings
@@ -212,7 +192,8 @@ def worker(payload: dict, renv: RankEnv) -> None:
     agree = _Agree(ctrl)
     rank0 = renv.rank == 0
     case = make_case(c, ep_size=renv.world_size, device=device)
-    base = base_row(case, c, renv, payload["run_id"], payload["config_hash"])
+    base = base_row(case, c, run_id=payload["run_id"], config_hash=payload["config_hash"], num_nodes=renv.num_nodes,
+                    world_size=renv.world_size, env=envinfo.collect(case.device))
     rows: list[dict] = []
     progress = Progress(rank0, point_label(case, payload.get("point")))
 
@@ -268,17 +249,17 @@ def worker(payload: dict, renv: RankEnv) -> None:
                     emit(make_row(base, b, d, status, error=f"reference failed: {err}"))
             return
 
+    point = PointContext(case=case, cfg=c, inputs=inputs, ref=ref, group=group, ctrl=ctrl, agree=agree, timer=timer,
+                         base=base, directions=directions, need_grads=need_grads, progress=progress)
     order = backend_order(list(c["backends"]), c.get("backend_order", "given"), case.seed)
     for pos, name in enumerate(order):
-        here = dict(base, backend_position=pos)
         progress.backend = f"{name} ({pos + 1}/{len(order)})"
-        for row in run_backend(name, case, c, inputs, ref, group, ctrl, agree, timer, here, directions, need_grads,
-                               progress):
+        for row in run_backend(name, dataclasses.replace(point, base=dict(base, backend_position=pos))):
             emit(row)
         _release_memory()  # the next backend must not inherit this one's cached blocks (fp8 dsv4 ran out of memory)
     progress.backend = ""
     progress.note(f"done: {len(rows)} rows")
-    inputs = ref = None  # free the layer inputs and reference tensors before the final barrier
+    inputs = ref = point = None  # free the layer inputs and reference tensors before the final barrier
     dist.barrier(group=ctrl)
 
 
@@ -295,10 +276,12 @@ def _release_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def run_backend(name, case, c, inputs, ref, group, ctrl, agree, timer, base, directions, need_grads, progress=None):
-    """Yield one row per direction for one backend. Never raises for backend failures."""
+def run_backend(name: str, point: PointContext) -> Iterator[dict[str, Any]]:
+    """Yield one row per direction for one backend at one sweep point. Never raises for backend failures."""
+    case, c, inputs, ref, group, ctrl = point.case, point.cfg, point.inputs, point.ref, point.group, point.ctrl
+    agree, timer, base, directions, progress = point.agree, point.timer, point.base, point.directions, point.progress
+    need_grads = point.need_grads
     t = c["timing"]
-    progress = progress or Progress(False, "")
 
     status, err, cls = agree(lambda: load_backend(name))
     if status != "ok":
@@ -601,7 +584,8 @@ def _sweep_point_num() -> Optional[int]:
 def _fill_missing(done: pd.DataFrame, c: dict, case: Case, renv: RankEnv, run_id: str, chash: str, path,
                   why: str) -> pd.DataFrame:
     have = set(zip(done["backend"], done["direction"])) if len(done) else set()
-    base = base_row(case, c, renv, run_id, chash)
+    base = base_row(case, c, run_id=run_id, config_hash=chash, num_nodes=renv.num_nodes, world_size=renv.world_size,
+                    env=envinfo.collect(case.device))
     rows = done.to_dict("records")
     status = "timeout" if "timeout" in why.lower() or "timed out" in why.lower() else "error"
     for b in c["backends"]:

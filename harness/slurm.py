@@ -41,12 +41,12 @@ from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
 import pandas as pd
-from hydra.core.hydra_config import HydraConfig
 from hydra.core.singleton import Singleton
-from hydra.core.utils import JobReturn, JobStatus, filter_overrides, run_job, setup_globals
+from hydra.core.utils import JobReturn, JobStatus, run_job, setup_globals
 from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf, LocalQueueConf, SlurmQueueConf
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
+from harness.cli import hydra_config, point_labels
 from harness.config import ConfigError
 
 log = logging.getLogger(__name__)
@@ -123,18 +123,6 @@ class Point:
 
 
 @contextlib.contextmanager
-def _hydra_config(config: DictConfig) -> Iterator[None]:
-    """HydraConfig set to one point's config, as run_job sets it in the job (interpolations, run_id)."""
-    hc = HydraConfig.instance()
-    saved = hc.cfg
-    hc.set_config(config)
-    try:
-        yield
-    finally:
-        hc.cfg = saved
-
-
-@contextlib.contextmanager
 def _assume_cuda(on: bool) -> Iterator[None]:
     """Validate a GPU job from a login node without GPUs: resolve() only asks whether CUDA is visible."""
     import torch
@@ -158,8 +146,7 @@ def plan_point(config: DictConfig, num: int, overrides: Sequence[str]) -> Point:
     """Validate one composed sweep point (its full config, ``hydra`` node included) for the job it will run in.
     Raises :class:`ConfigError` with the message a local run would give."""
     from harness import results
-    from harness.config import config_hash, make_case
-    from harness.run import _run_id_for_sweep
+    from harness.config import config_hash, make_case, run_id_for_sweep
     from harness.runner import resolve
 
     opts = _launcher_options(config)
@@ -178,8 +165,8 @@ def plan_point(config: DictConfig, num: int, overrides: Sequence[str]) -> Point:
             device = "cuda" if gpn > 0 else "cpu"
             task_cfg.device = device
             overrides = [o for o in overrides if not o.lstrip("+~").startswith("device=")] + [f"device={device}"]
-        with _hydra_config(config):
-            _run_id_for_sweep(task_cfg)
+        with hydra_config(config):
+            run_id_for_sweep(task_cfg)
             with _assume_cuda(device == "cuda"):
                 c = resolve(task_cfg)
 
@@ -290,21 +277,21 @@ def write_status_rows(point: Point, status: str, error: str, slurm_job_id: Optio
                       hostname: Optional[str] = None) -> Optional[Path]:
     """Rows with ``status`` for every (backend, direction) of ``point`` its job did not report. Written by the
     launching process into a file of its own under ``<results_dir>/<run_id>/``. Returns the file, or None."""
+    from harness import env as envinfo
     from harness import results
-    from harness.dist import RankEnv
-    from harness.runner import base_row, make_row
 
     have = reported_pairs(point, slurm_job_id)
     missing = [(b, d) for b in point.cfg["backends"] for d in point.cfg["directions"] if (b, d) not in have]
     if not missing:
         return None
-    renv = RankEnv(0, point.world_size, 0, point.nodes, "", 0, "slurm")
     # The environment columns describe this (launching) machine; the GPU ones would be wrong, so they are replaced.
-    base = base_row(dataclasses.replace(point.case, device="cpu"), point.cfg, renv, point.run_id, point.config_hash)
+    base = results.base_row(dataclasses.replace(point.case, device="cpu"), point.cfg, run_id=point.run_id,
+                            config_hash=point.config_hash, num_nodes=point.nodes, world_size=point.world_size,
+                            env=envinfo.collect("cpu"))
     base.update(device=point.case.device, gpu_name=None, driver_version=None, num_gpus=point.gpus_per_node,
                 hostname=hostname, slurm_job_id=slurm_job_id)
     note = f"row written by the launching process on {socket.gethostname()}: the job's rank 0 did not report it"
-    rows = [make_row(base, b, d, status, error=error, notes=note) for b, d in missing]
+    rows = [results.make_row(base, b, d, status, error=error, notes=note) for b, d in missing]
     path = results.job_file(point.cfg["results_dir"], point.run_id, point.config_hash, point.cfg["results_format"])
     return results.write_rows(path, rows)
 
@@ -406,7 +393,7 @@ def plan_all(hydra_context: Any, config: DictConfig, job_overrides: Sequence[Seq
     from harness.cli import hydra_error_line, reject
 
     points, bad = [], []
-    labels = _labels(job_overrides)
+    labels = point_labels(job_overrides)
     for i, overrides in enumerate(job_overrides):
         num = initial_job_idx + i
         try:
@@ -812,13 +799,6 @@ def collect(sweep_dir: Path) -> int:
     _write_manifest(sweep_dir / "jobs.csv", summary)
     _print_summary(list(points.values()), summary)
     return 0
-
-
-def _labels(job_overrides: Sequence[Sequence[str]]) -> list[str]:
-    """Each point's overrides less those every point shares (and Hydra's own)."""
-    lists = [filter_overrides(list(o)) for o in job_overrides]
-    common = set.intersection(*(set(o) for o in lists)) if len(lists) > 1 else set()
-    return [" ".join(o for o in ov if o not in common) or "(defaults)" for ov in lists]
 
 
 def _write_yaml(path: Path, data: dict) -> None:

@@ -22,6 +22,8 @@ import torch.nn.functional as F  # noqa: E402
 
 from conftest import ROOT, compose_cfg  # noqa: E402
 from harness import backends as hb  # noqa: E402
+from harness import claims as C  # noqa: E402
+from harness import labels as L  # noqa: E402
 from harness import report as R  # noqa: E402
 from harness.config import make_case  # noqa: E402
 from harness.inputs import make_inputs  # noqa: E402
@@ -39,12 +41,12 @@ def test_registry_is_the_one_table_of_names():
     assert set(hb.BACKENDS) == {k for k, s in hb.REGISTRY.items() if s.target}
     for key, s in hb.REGISTRY.items():
         assert s.role in hb.ROLES and s.label and s.color.startswith("#"), key
-        assert R.system_label(key) == s.label and plots.color(key) == s.color
+        assert L.system_label(key) == s.label and plots.color(key) == s.color
     assert hb.names_with_role("anchor") == ("liger", "sonicmoe")
     assert set(hb.names_with_role("published baseline")) == {"nccl", "deepep", "deepep_te", "hybridep_megatron"}
-    assert R.FUSED == ("mok", "mok_hopper", "mok_hopper_cpu_twin") and R.NOT_CONTENDERS == ("reference",)
-    assert R.is_anchor("liger") and not R.is_baseline("liger") and not R.is_fused("sonicmoe")
-    assert R.is_baseline("hybridep") and R.is_baseline("nccl") and R.is_fused("mok_hopper")
+    assert L.FUSED == ("mok", "mok_hopper", "mok_hopper_cpu_twin") and L.NOT_CONTENDERS == ("reference",)
+    assert L.is_anchor("liger") and not L.is_baseline("liger") and not L.is_fused("sonicmoe")
+    assert L.is_baseline("hybridep") and L.is_baseline("nccl") and L.is_fused("mok_hopper")
     assert plots.hatch("liger") and plots.hatch("nccl") is None
     with pytest.raises(ValueError, match="role"):
         hb.BackendSpec("a:B", "A", "rival", "#000000")
@@ -53,9 +55,9 @@ def test_registry_is_the_one_table_of_names():
 def test_unknown_and_extra_backends_get_defaults():
     s = hb.spec("my_backend")
     assert (s.label, s.role) == ("my_backend", "baseline") and s.color.startswith("#")
-    assert R.is_baseline("my_backend") and R.system_label("my_backend") == "my_backend"
-    code = ("import harness.backends as b, harness.report as R; s = b.spec('extra1'); "
-            "print(b.BACKENDS['extra1'], s.role, s.label, R.is_baseline('extra1'))")
+    assert L.is_baseline("my_backend") and L.system_label("my_backend") == "my_backend"
+    code = ("import harness.backends as b, harness.labels as L; s = b.spec('extra1'); "
+            "print(b.BACKENDS['extra1'], s.role, s.label, L.is_baseline('extra1'))")
     env = dict(os.environ, MOKBENCH_EXTRA_BACKENDS="extra1=fake_backends:WrongOutput", PYTHONPATH=str(ROOT))
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["fake_backends:WrongOutput", "baseline", "extra1", "True"]
@@ -93,7 +95,7 @@ def _anchored_rows() -> pd.DataFrame:
 
 
 def test_claims_speedups_over_baselines_and_over_all():
-    claims = R.claims_table(R.prepare(_anchored_rows())).set_index(["direction", "shape"])
+    claims = C.claims_table(C.prepare(_anchored_rows())).set_index(["direction", "shape"])
     kimi, glm = claims.loc[("fwd", "kimi_k2_7")], claims.loc[("fwd", "glm_5_2")]
     assert kimi["best_baseline"] == "nccl" and kimi["baselines_ok"] == "1/1"  # anchors are no baselines
     assert kimi["speedup_mok_hopper"] == pytest.approx(504 / 300)
@@ -102,8 +104,8 @@ def test_claims_speedups_over_baselines_and_over_all():
     assert (glm["best_anchor"], glm["best_overall"]) == ("sonicmoe", "sonicmoe")
     assert glm["speedup_all_mok_hopper"] == pytest.approx(375 / 260)
     assert claims.loc[("bwd", "kimi_k2_7")]["status_sonicmoe"] == "unsupported"
-    assert "speedup_all_mok_hopper" in claims and "speedup_all" not in R.fused_columns(claims.reset_index())
-    head = R.headline_table(claims.reset_index())
+    assert "speedup_all_mok_hopper" in claims and "speedup_all" not in C.fused_columns(claims.reset_index())
+    head = C.headline_table(claims.reset_index())
     fwd = head[head["direction"] == "fwd"].iloc[0]
     assert fwd["max_speedup"] == pytest.approx(1.68) and fwd["best_baseline"] == "nccl"
     assert fwd["min_speedup_all"] == pytest.approx(504 / 420) and fwd["min_all_over"] == "liger"
@@ -123,7 +125,7 @@ def test_no_anchor_columns_without_anchors(tmp_path):
     from harness import results
 
     df = results.to_frame([row(b, "glm_5_2", "bf16", "fwd", ep_size=1) for b in ("nccl", "mok_hopper")])
-    md = R.format_markdown(R.claims_table(R.prepare(df)), pd.DataFrame(), R.not_ok_rows(df))
+    md = R.format_markdown(C.claims_table(C.prepare(df)), pd.DataFrame(), C.not_ok_rows(df))
     assert "| fastest of all |" not in md and "× all |" not in md and "### Against" not in md
 
 

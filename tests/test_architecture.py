@@ -92,3 +92,59 @@ def test_experiments_import(module):
 
     mod = importlib.import_module(f"benchmarks.experiments.{module}")
     assert callable(mod.main)
+
+
+def _module_level_imports(path: Path) -> set[str]:
+    """The modules a file imports at module level (not inside a function)."""
+    out = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+        elif isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+    return out
+
+
+def test_the_charts_do_not_import_the_report():
+    """harness.plots draws what harness.claims computes, with harness.labels's names; the report writes both. No
+    cycle: plots imports neither the report nor anything that imports it."""
+    assert not {"harness.report"} & first_party_modules(ROOT / "harness" / "plots.py")
+    for name in ("labels", "claims"):
+        assert not {"harness.report", "harness.plots"} & first_party_modules(ROOT / "harness" / f"{name}.py"), name
+    assert "harness.plots" not in _module_level_imports(ROOT / "harness" / "report.py")
+
+
+def first_party_modules(path: Path) -> set[str]:
+    """The harness modules a file imports anywhere (``from harness import x`` counts as ``harness.x``)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out |= {node.module} | ({f"{node.module}.{a.name}" for a in node.names} if node.module == "harness"
+                                    else set())
+        elif isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+    return {m for m in out if m.startswith("harness.")}
+
+
+def test_no_private_name_crosses_modules():
+    """A name with a leading underscore stays in its module: no ``from harness.x import _y`` and no ``x._y`` on an
+    imported first-party module, in the harness or the benchmarks (a shared helper gets a public name in
+    the module it belongs to)."""
+    bad = []
+    files = [*(ROOT / "harness").rglob("*.py"), *(ROOT / "benchmarks").rglob("*.py")]
+    for path in files:
+        tree = ast.parse(path.read_text())
+        aliases = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in PACKAGES:
+                bad += [f"{path.relative_to(ROOT)}: from {node.module} import {a.name}" for a in node.names
+                        if a.name.startswith("_") and not a.name.startswith("__")]
+                aliases |= {a.asname or a.name for a in node.names}
+            elif isinstance(node, ast.Import):
+                aliases |= {(a.asname or a.name).split(".")[0] for a in node.names
+                            if a.name.split(".")[0] in PACKAGES}
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases
+                    and node.attr.startswith("_") and not node.attr.startswith("__")):
+                bad.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.value.id}.{node.attr}")
+    assert not bad, bad

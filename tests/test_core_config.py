@@ -216,3 +216,58 @@ def test_backend_order():
     s1, s2 = backend_order(b, "shuffle", 1), backend_order(b, "shuffle", 1)
     assert s1 == s2 and sorted(s1) == sorted(b)  # the same on every rank for one seed
     assert any(backend_order(b, "shuffle", seed) != b for seed in range(5))
+
+
+def test_shape_table_is_the_one_order_of_shapes():
+    """configs/shape/*.yaml order and label the shapes: the report's order and the benchmark tools' published shapes
+    both come from harness.config.shape_table."""
+    from benchmarks.shapes import published_shapes
+    from harness.config import shape_table
+    from harness.labels import SHAPE_LABELS, SHAPE_ORDER, shape_label
+
+    table = shape_table()
+    assert "auto" not in table and "custom" not in table and "tiny" in table
+    assert SHAPE_ORDER == ("kimi_k2_7", "glm_5_2", "qwen3_5_397b", "deepseek_v4_pro")
+    assert list(table)[:4] == list(SHAPE_ORDER) and published_shapes() == list(SHAPE_ORDER)
+    assert shape_label("glm_5_2@8epg") == "GLM 5.2 @8epg" and shape_label("tiny") == "tiny"
+    assert set(SHAPE_LABELS) == set(PUBLISHED)
+
+
+def test_a_new_shape_file_joins_the_report_order(tmp_path):
+    """A shape added as one YAML file (with a display_order) takes its place in the report's tables and charts."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    configs = tmp_path / "configs"
+    shutil.copytree(ROOT / "configs", configs)
+    (configs / "shape" / "my_moe.yaml").write_text(
+        "defaults:\n  - base_shape\nname: my_moe\nnum_experts: 64\nhidden: 2048\nffn: 768\ntopk: 4\n"
+        "display_order: 0\nlabel: My MoE\n")
+    code = f"""
+import harness.config as C
+C.CONFIG_DIR = __import__("pathlib").Path({str(configs)!r})
+from harness import labels, claims, plots
+import pandas as pd
+print(",".join(labels.SHAPE_ORDER), labels.shape_label("my_moe@2epg"), sep="|")
+t = pd.DataFrame({{"shape": ["glm_5_2", "tiny", "my_moe", "kimi_k2_7"]}})
+print(",".join(labels.in_order(t["shape"], labels.SHAPE_ORDER)))
+"""
+    out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                         capture_output=True, text=True, check=True).stdout.splitlines()
+    assert out[0] == "my_moe,kimi_k2_7,glm_5_2,qwen3_5_397b,deepseek_v4_pro|My MoE @2epg"
+    assert out[1] == "my_moe,kimi_k2_7,glm_5_2,tiny"
+
+
+def test_how_a_shape_is_shown_is_not_in_its_config_hash():
+    from harness.config import config_hash
+
+    c = resolve(compose_cfg("shape=kimi_k2_7", "device=cpu"))
+    case = make_case(c, ep_size=2, device="cpu")
+    relabelled = dict(c, shape=dict(c["shape"], display_order=9, label="renamed"))
+    unlabelled = dict(c, shape={k: v for k, v in c["shape"].items() if k not in ("display_order", "label")})
+    assert config_hash(c, case) == config_hash(relabelled, case) == config_hash(unlabelled, case)
+    assert config_hash(c, case) != config_hash(dict(c, shape=dict(c["shape"], hidden=4096)), case)

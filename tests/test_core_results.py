@@ -117,3 +117,24 @@ def test_merge_results_adds_to_a_run_spanning_several_commands(tmp_path):
     r1 = results.read_file(dst / "r1.csv")
     assert sorted(r1["shape"]) == ["glm_5_2", "tiny", "tiny"] and r1.row_id.is_unique
     assert len(results.read_file(dst / "r2.csv")) == 1
+
+
+def test_base_row_and_make_row_build_schema_rows():
+    """The row builders live with the schema: every column they set is a schema column, each row gets its own id and
+    timestamp, and a row's own values override the point's."""
+    from conftest import compose_cfg
+
+    from harness.config import make_case
+    from harness.runner import resolve
+
+    c = resolve(compose_cfg("device=cpu", "shape=tiny"))
+    case = make_case(c, ep_size=2, device="cpu")
+    base = results.base_row(case, c, run_id="r1", config_hash="abc", num_nodes=1, world_size=2,
+                            env={"gpu_name": None, "hostname": "h"})
+    assert (base["shape"], base["ep_size"], base["world_size"], base["hostname"]) == ("tiny", 2, 2, "h")
+    a = results.make_row(base, "nccl", "fwd", "ok", latency_ms=1.0, hostname="other")
+    b = results.make_row(base, "nccl", "bwd", "error", error="boom")
+    assert a["row_id"] != b["row_id"] and a["timestamp"] and a["hostname"] == "other" and base["hostname"] == "h"
+    assert set(a) | set(b) <= set(results.COLUMNS), (set(a) | set(b)) - set(results.COLUMNS)
+    df = results.to_frame([a, b])
+    assert list(df["status"]) == ["ok", "error"] and df["config_hash"].eq("abc").all()

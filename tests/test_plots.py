@@ -14,7 +14,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import synthetic_results as S  # noqa: E402
 
 from harness import plots as P  # noqa: E402
-from harness import report as R  # noqa: E402
+from harness import claims as C  # noqa: E402
+from harness import labels as L  # noqa: E402
 from harness import results  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -40,7 +41,7 @@ def saved(fig, tmp_path: Path, name: str, formats: tuple[str, ...] = ("png",)) -
 
 
 def test_published_four_panel_chart(tmp_path):
-    fig = P.plot_panels(R.load_published())
+    fig = P.plot_panels(C.load_published())
     assert isinstance(fig.canvas, FigureCanvasAgg)
     assert [ax.get_title() for ax in fig.axes] == ["MXFP8 forward", "MXFP8 backward", "BF16 forward",
                                                    "BF16 backward"]
@@ -73,18 +74,18 @@ def test_charts_say_how_the_baselines_ran():
     df = results.to_frame(rows)
     want = ("torch.compile: NCCL+PyTorch max-autotune + eager; DeepEP+PyTorch max-autotune-no-cudagraphs; "
             "DeepEP+TE eager")
-    assert R.compile_caption(df) == want
+    assert L.compile_caption(df) == want
     for fig in (P.plot_panels(df), P.plot_roofline(df)):
         foot = " ".join(t.get_text() for t in fig.texts).replace("\n", " ")
         assert want in foot and "Not ok" in foot and foot.index("torch.compile") < foot.index("Not ok")
-    assert R.compile_caption(results.to_frame([S.row("mok_hopper")])) == ""
+    assert L.compile_caption(results.to_frame([S.row("mok_hopper")])) == ""
 
 
 def test_panels_need_one_environment():
     df = S.mixed_environments()
     with pytest.raises(ValueError, match="environments"):
         P.plot_panels(df)
-    env = R.environments(df)[0]
+    env = C.environments(df)[0]
     assert P.plot_panels(df, env).axes
 
 
@@ -150,7 +151,7 @@ def test_history_chart(tmp_path):
 
 def test_report_charts_names(tmp_path):
     sweep = [S.row(b, tokens_per_gpu=t) for b in ("nccl", "mok_hopper") for t in (2048, 4096)]
-    published = R.load_published()
+    published = C.load_published()
     df = pd.concat([results.to_frame(sweep), published[published["precision"] == "bf16"]], ignore_index=True)
     written = P.report_charts(df, tmp_path, formats=("png",), history=[sweep[0]["config_hash"]])
     assert set(written) == {"panels_published-mok-gb300-figure-gb300-published-ep-64-2048-tokens-gpu",
@@ -225,12 +226,12 @@ def test_panels_draw_p20_p80_whiskers_and_no_axis_without_an_ok_row(tmp_path):
 
 def test_cpu_twin_rows_are_labelled_as_the_twin_not_the_kernel():
     cpu = {"gpu_name": None, "device": "cpu"}
-    df = R.prepare(results.to_frame([S.row("nccl", env=cpu), S.row("mok_hopper", env=cpu, notes="CPU twin (pure "
+    df = C.prepare(results.to_frame([S.row("nccl", env=cpu), S.row("mok_hopper", env=cpu, notes="CPU twin (pure "
                                                                                                    "torch, gloo)"),
                                      S.row("mok_hopper")]))  # the H200 row is the kernel
     assert sorted(df["backend"]) == ["mok_hopper", "mok_hopper_cpu_twin", "nccl"]
-    envs = R.environments(df)
-    cpu_env = next(e for e in envs if R._isna(e["gpu_name"]))
+    envs = C.environments(df)
+    cpu_env = next(e for e in envs if L.isna(e["gpu_name"]))
     labels = legend_labels(P.plot_panels(df, cpu_env))
     assert "MoK Hopper CPU twin (pure torch, not the kernel)" in labels and "MoK Hopper (ours)" not in labels
 

@@ -13,6 +13,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import synthetic_results as S  # noqa: E402
 
+from harness import claims as C  # noqa: E402
+from harness import labels as L  # noqa: E402
 from harness import report as R  # noqa: E402
 from harness import results  # noqa: E402
 from harness.roofline import attach_calibration, layer_floors, layer_flops, load_calibration  # noqa: E402
@@ -29,7 +31,7 @@ CLAIMED = {("mxfp8", "fwd"): 2.37, ("mxfp8", "bwd"): 1.78, ("bf16", "fwd"): 1.92
 
 @pytest.fixture(scope="module")
 def published() -> pd.DataFrame:
-    return R.load_published()
+    return C.load_published()
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -43,9 +45,9 @@ def test_published_file_is_labelled_and_not_a_results_file(published):
     assert published["run_id"].str.startswith("published:").all()
     assert published["source"].str.contains("read off published figure").all()
     assert (published["ep_size"] == 64).all() and (published["tokens_per_gpu"] == 2048).all()
-    assert R.is_published(published).all()
+    assert C.is_published(published).all()
     # the loader never mistakes it for measurements
-    assert len(results.load(R.PUBLISHED_DIR)) == 0
+    assert len(results.load(C.PUBLISHED_DIR)) == 0
 
 
 def test_published_latency_is_implied_by_the_formula(published):
@@ -59,11 +61,11 @@ def test_published_latency_is_implied_by_the_formula(published):
 def test_load_published_refuses_a_results_file(tmp_path):
     p = results.write_rows(tmp_path / "r.csv", [S.row("nccl")])
     with pytest.raises(ValueError):
-        R.load_published(p)
+        C.load_published(p)
 
 
 def test_claims_file():
-    c = R.load_claims()
+    c = C.load_claims()
     got = {(r["precision"], r["direction"]): r["claimed_max_speedup"] for r in c.to_dict("records")}
     assert got == CLAIMED
 
@@ -73,12 +75,12 @@ def test_claims_file():
 
 
 def test_report_reproduces_published_maxima_and_best_baselines(published):
-    claims = R.claims_table(published, published)
+    claims = C.claims_table(published, published)
     assert len(claims) == 16
     for (prec, d), best in PUBLISHED_BEST.items():
         cells = claims[(claims["precision"] == prec) & (claims["direction"] == d)].set_index("shape")
-        assert list(cells.loc[list(R.SHAPE_ORDER), "best_baseline"]) == best, (prec, d)
-    head = R.headline_table(claims, R.load_claims())
+        assert list(cells.loc[list(L.SHAPE_ORDER), "best_baseline"]) == best, (prec, d)
+    head = C.headline_table(claims, C.load_claims())
     assert len(head) == 4
     for r in head.to_dict("records"):
         claim = CLAIMED[(r["precision"], r["direction"])]
@@ -100,10 +102,10 @@ def test_measured_run_in_published_environment_reproduces(published):
         rows.append(S.row(r["backend"], r["shape"], r["precision"], r["direction"], tokens_per_gpu=2048,
                           ep_size=64, tflops=r["tflops_per_gpu"] * wobble, env={"gpu_name": "NVIDIA GB300"}))
     measured = results.to_frame(rows)
-    claims = R.claims_table(measured, published)
+    claims = C.claims_table(measured, published)
     assert claims["env_matches_published"].all()
     assert claims["ratio_mok"].between(0.99, 1.01).all()
-    head = R.headline_table(claims, R.load_claims())
+    head = C.headline_table(claims, C.load_claims())
     assert (head["verdict"] == "reproduces").all()
     assert head["measured_over_claim"].between(0.97, 1.03).all()
 
@@ -114,7 +116,7 @@ def test_measured_run_in_published_environment_reproduces(published):
 
 def test_failed_and_missing_systems_keep_their_status():
     df = S.measured_h200()
-    claims = R.claims_table(df).set_index(["precision", "direction", "shape"])
+    claims = C.claims_table(df).set_index(["precision", "direction", "shape"])
     assert "tflops_reference" not in claims and "reference" not in set(claims["best_baseline"])
     q = claims.loc[("fp8", "fwd", "qwen3_5_397b")]
     assert q["status_deepep_te"] == "oom" and math.isnan(q["tflops_deepep_te"])
@@ -126,9 +128,9 @@ def test_failed_and_missing_systems_keep_their_status():
     assert g["status_mok_hopper"] == "mismatch" and math.isnan(g["speedup_mok_hopper"])
     assert g["best_baseline"] == "hybridep_megatron"
 
-    bad = R.not_ok_rows(df)
+    bad = C.not_ok_rows(df)
     assert sorted(bad["status"]) == ["mismatch", "oom", "oom"]
-    md = R.format_markdown(R.claims_table(df), R.headline_table(R.claims_table(df)), bad)
+    md = R.format_markdown(C.claims_table(df), C.headline_table(C.claims_table(df)), bad)
     assert "| oom |" in md and "mismatch" in md and "d_w_down" in md and "—" in md
 
 
@@ -140,7 +142,7 @@ def test_the_report_lists_the_clock_each_row_was_timed_at(tmp_path):
                                  power_capped_fraction=0.8, latency_ms=5.0),
                            S.row("deepep", status="error"), S.row("hybridep", sm_clock_mhz=nan),
                            S.row("deepep_te", sm_clock_mhz=1700.0, sm_clock_min_mhz=nan, power_w=nan)])
-    c = R.clock_rows(df)
+    c = C.clock_rows(df)
     assert list(c["backend"]) == ["nccl", "mok_hopper", "deepep_te"]  # ok rows that recorded a clock
     assert c["energy_mj"][1] == pytest.approx(697.0 * 5.0) and math.isnan(c["energy_mj"][2])  # W x ms = mJ
     md = (tmp_path / "claims.md")
@@ -150,21 +152,21 @@ def test_the_report_lists_the_clock_each_row_was_timed_at(tmp_path):
     assert "| 1700 |  |  |  |" in text and "nan" not in text  # a row with its clock alone: no empty readings shown
     assert "clocks.csv" in written
     plain = results.to_frame([S.row("nccl"), S.row("mok_hopper")])  # no clock recorded: no section, no file
-    assert "GPU clocks" not in R.format_markdown(R.claims_table(plain), pd.DataFrame(), R.not_ok_rows(plain),
-                                                 clocks=R.clock_rows(plain))
+    assert "GPU clocks" not in R.format_markdown(C.claims_table(plain), pd.DataFrame(), C.not_ok_rows(plain),
+                                                 clocks=C.clock_rows(plain))
     assert "clocks.csv" not in R.write_report(plain, tmp_path / "plain", charts=False)
 
 
 def test_no_baseline_ok_gives_no_speedup():
     df = results.to_frame([S.row("nccl", status="error"), S.row("mok_hopper")])
-    c = R.claims_table(df).iloc[0]
+    c = C.claims_table(df).iloc[0]
     assert c["best_baseline"] == "" and c["baselines_ok"] == "0/1" and math.isnan(c["speedup_mok_hopper"])
-    assert "none ok" in R.format_markdown(R.claims_table(df), pd.DataFrame(), R.not_ok_rows(df))
+    assert "none ok" in R.format_markdown(C.claims_table(df), pd.DataFrame(), C.not_ok_rows(df))
 
 
 def test_speedups_stay_within_one_environment():
     df = S.mixed_environments()
-    claims = R.claims_table(df)
+    claims = C.claims_table(df)
     assert len(claims) == 2
     h100 = claims[claims["gpu_name"].str.contains("H100")].iloc[0]
     h200 = claims[claims["gpu_name"] == "NVIDIA H200"].iloc[0]
@@ -180,7 +182,7 @@ def test_ratio_to_published_only_where_environment_matches(published):
         rows = [S.row(b, "qwen3_5_397b", "mxfp8", "fwd", tokens_per_gpu=2048, ep_size=ep_size, routing=routing,
                       tflops=t, env={"gpu_name": gpu})
                 for b, t in (("hybridep_megatron", 200.0), ("mok", 480.0))]
-        return R.claims_table(results.to_frame(rows), published).iloc[0]
+        return C.claims_table(results.to_frame(rows), published).iloc[0]
 
     same = table(64)
     assert same["env_matches_published"] and same["ratio_mok"] == pytest.approx(480 / 533)
@@ -189,17 +191,17 @@ def test_ratio_to_published_only_where_environment_matches(published):
         assert not other["env_matches_published"]
         assert math.isnan(other["ratio_mok"])
         assert other["published_speedup"] == pytest.approx(533 / 225)  # still side by side
-    head = R.headline_table(R.claims_table(results.to_frame([S.row("mok", "qwen3_5_397b", "mxfp8", "fwd",
+    head = C.headline_table(C.claims_table(results.to_frame([S.row("mok", "qwen3_5_397b", "mxfp8", "fwd",
                                                                     tokens_per_gpu=2048, ep_size=32)])),
-                            R.load_claims())
+                            C.load_claims())
     assert head.empty or (head["verdict"] != "reproduces").all()
 
 
 def test_same_gpu():
-    assert R.same_gpu("NVIDIA GB300", "GB300 (published)")
-    assert not R.same_gpu("NVIDIA GB200", "GB300 (published)")
-    assert not R.same_gpu("NVIDIA H200", "GB300 (published)")
-    assert not R.same_gpu(pd.NA, "GB300 (published)")
+    assert C.same_gpu("NVIDIA GB300", "GB300 (published)")
+    assert not C.same_gpu("NVIDIA GB200", "GB300 (published)")
+    assert not C.same_gpu("NVIDIA H200", "GB300 (published)")
+    assert not C.same_gpu(pd.NA, "GB300 (published)")
 
 
 def test_repeated_runs_take_the_median_and_any_ok_row():
@@ -207,16 +209,16 @@ def test_repeated_runs_take_the_median_and_any_ok_row():
     rows.append(S.row("nccl", status="timeout", run_id="r9", timestamp="2026-12-09T00:00:00+00:00"))
     rows += [S.row("deepep", status="oom", run_id="r1"),
              S.row("deepep", status="error", run_id="r2", timestamp="2026-12-05T00:00:00+00:00")]
-    agg = R.aggregate(R.prepare(results.to_frame(rows), "pooled")).set_index("backend")
+    agg = C.aggregate(C.prepare(results.to_frame(rows), "pooled")).set_index("backend")
     assert agg.loc["nccl", "tflops_per_gpu"] == pytest.approx(110.0)
     assert agg.loc["nccl", "status"] == "ok" and agg.loc["nccl", "num_ok"] == 3
     assert agg.loc["deepep", "status"] == "error"  # the most recent row's status
 
 
 def test_shape_labels():
-    assert R.shape_label("qwen3_5_397b") == "Qwen3.5-397B"
-    assert R.shape_label("kimi_k2_7@6epg") == "Kimi K2.7 @6epg"
-    assert R.panel_label("mxfp8", "bwd") == "MXFP8 backward"
+    assert L.shape_label("qwen3_5_397b") == "Qwen3.5-397B"
+    assert L.shape_label("kimi_k2_7@6epg") == "Kimi K2.7 @6epg"
+    assert L.panel_label("mxfp8", "bwd") == "MXFP8 backward"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -248,7 +250,7 @@ def test_cli_published_only_reproduces_claims(tmp_path):
 
 
 def test_cli_refuses_published_rows_among_results(tmp_path):
-    pub = R.load_published()
+    pub = C.load_published()
     results.write_rows(tmp_path / "in" / "x.csv", pub.to_dict("records"))
     assert R.main([str(tmp_path / "in"), "--out", str(tmp_path / "out"), "--no-charts"]) == 2
 
@@ -354,14 +356,14 @@ def _two_runs() -> pd.DataFrame:
 
 def test_report_never_pools_by_default(tmp_path):
     df = _two_runs()
-    head = R.headline_table(R.claims_table(R.prepare(df)))
+    head = C.headline_table(C.claims_table(C.prepare(df)))
     got = {r["run_id"]: r["max_speedup"] for r in head.to_dict("records")}
     assert got == {"new": pytest.approx(1.2), "old": pytest.approx(200 / 150)}  # each over its own run's best
     assert list(head["run_id"]) == ["new", "old"]  # newest first
-    pooled = R.headline_table(R.claims_table(R.prepare(df, "pooled")))
+    pooled = C.headline_table(C.claims_table(C.prepare(df, "pooled")))
     assert list(pooled["run_id"]) == ["POOLED over 2 runs"]
     assert pooled["max_speedup"].iloc[0] == pytest.approx(160 / 150)  # median 160 over deepep 150, across runs
-    latest = R.headline_table(R.claims_table(R.prepare(df, "latest")))
+    latest = C.headline_table(C.claims_table(C.prepare(df, "latest")))
     assert list(latest["run_id"]) == ["new"]
 
     results.write_rows(tmp_path / "in" / "a.csv", df.to_dict("records"))
@@ -444,7 +446,7 @@ def test_the_report_shows_iteration_counts_other_than_the_published(tmp_path):
                            S.row("mok_hopper", num_warmup=20, num_iters=50, timing_preset="custom"),
                            S.row("mok_hopper", "glm_5_2", num_warmup=20, num_iters=50, timing_preset="custom"),
                            S.row("deepep", status="error")])
-    t = R.timing_counts(df)
+    t = C.timing_counts(df)
     assert t[["run_id", "num_warmup", "num_iters", "backends", "rows"]].values.tolist() == [
         ["run-a", 20, 50, "mok_hopper", 2]]
     R.write_report(df, tmp_path, charts=False)

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from harness.report import SHAPE_ORDER, load_published
+from harness.claims import load_published
+from harness.labels import SHAPE_ORDER
 
 REPO = Path(__file__).resolve().parents[1]
 SECTION = "## Reproduce the published comparison"

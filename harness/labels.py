@@ -1,0 +1,114 @@
+"""Names and order for reports and charts: the systems' labels, roles and order (from the backend registry,
+:data:`harness.backends.REGISTRY`), the shapes' order and labels (from ``configs/shape/*.yaml``, through
+:func:`harness.config.shape_table`), the precisions and directions; and the small helpers that format them.
+
+``harness.claims`` (the tables), ``harness.plots`` (the charts) and ``harness.report`` (the Markdown report) all read
+them from here, so that a new backend or shape touches one place: its registry entry or its config file.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Sequence
+
+import pandas as pd
+
+from harness.backends import REGISTRY, names_with_role, role
+from harness.config import shape_table
+
+# Backend names, labels and roles come from the one registry (harness.backends.REGISTRY)
+FUSED = names_with_role("contender")
+ANCHORS = names_with_role("anchor")
+NOT_CONTENDERS = names_with_role("reference")
+SYSTEM_ORDER = tuple(k for k in REGISTRY if k not in NOT_CONTENDERS)
+SYSTEM_LABELS = {k: s.label for k, s in REGISTRY.items()}
+# Shapes: those with a `display_order` in their config, in that order (the published figure's), and every label
+_SHAPES = shape_table()
+SHAPE_ORDER = tuple(n for n, s in _SHAPES.items() if s["display_order"] is not None)
+SHAPE_LABELS = {n: s["label"] for n, s in _SHAPES.items() if s["label"]}
+PRECISION_ORDER = ("mxfp8", "fp8", "bf16")
+PRECISION_LABELS = {"bf16": "BF16", "fp8": "FP8", "mxfp8": "MXFP8"}
+DIRECTION_ORDER = ("fwd", "bwd", "fwd_bwd")
+DIRECTION_LABELS = {"fwd": "forward", "bwd": "backward", "fwd_bwd": "fwd+bwd"}
+
+
+def is_fused(backend: str) -> bool:
+    """A contender: a fused kernel whose speedups the report computes."""
+    return role(backend) == "contender"
+
+
+def is_baseline(backend: str) -> bool:
+    """A baseline (published, or HybridEP+PyTorch, or an out-of-tree backend): the speedups and the published-claim
+    verdicts are computed over the fastest of these."""
+    return role(backend) in ("published baseline", "baseline")
+
+
+def is_anchor(backend: str) -> bool:
+    """An anchor (Liger, SonicMoE): shown beside the baselines, never counted as one."""
+    return role(backend) == "anchor"
+
+
+def system_label(backend: str) -> str:
+    return SYSTEM_LABELS.get(backend, backend)
+
+
+def compile_caption(df: pd.DataFrame) -> str:
+    """How the baselines' PyTorch compute ran in these rows (``ok`` rows that record it; modes in order of first
+    appearance), e.g. ``torch.compile: NCCL+PyTorch max-autotune; DeepEP+TE eager``. A system with both eager and
+    compiled rows lists both: the aggregate's medians mix them."""
+    if "compiled" not in df or "compile_mode" not in df:
+        return ""
+    others = df["backend"].map(lambda b: is_baseline(b) or is_anchor(b))
+    d = df[(df["status"] == "ok") & others & df["compiled"].notna()]  # NA: not recorded
+    parts = []
+    for b in [x for x in SYSTEM_ORDER if x in set(d["backend"])] + sorted(set(d["backend"]) - set(SYSTEM_ORDER)):
+        rows = d[d["backend"] == b]
+        modes = [str(m) if bool(c) and not isna(m) and str(m) else "eager"
+                 for c, m in zip(rows["compiled"], rows["compile_mode"])]
+        parts.append(f"{system_label(b)} {' + '.join(dict.fromkeys(modes))}")
+    return "torch.compile: " + "; ".join(parts) if parts else ""
+
+
+def shape_label(shape: str) -> str:
+    """``kimi_k2_7`` -> ``Kimi K2.7``; an experts-per-GPU override keeps its suffix (``Kimi K2.7 @6epg``)."""
+    base, _, suffix = str(shape).partition("@")
+    return SHAPE_LABELS.get(base, base) + (f" @{suffix}" if suffix else "")
+
+
+def panel_label(precision: str, direction: str) -> str:
+    return f"{PRECISION_LABELS.get(precision, precision)} {DIRECTION_LABELS.get(direction, direction)}"
+
+
+def env_label(env: dict[str, Any], *, run: bool = True) -> str:
+    """``run · GPU · EP n · t tokens/GPU · n node(s)[ · routing r]``; ``run=False`` leaves the run out."""
+    gpu = env.get("gpu_name")
+    parts = [str(env["run_id"])] if run and not isna(env.get("run_id")) else []
+    parts += ["unknown GPU" if isna(gpu) else str(gpu), f"EP {int_text(env.get('ep_size'))}",
+             f"{int_text(env.get('tokens_per_gpu'))} tokens/GPU"]
+    if not isna(env.get("num_nodes")):
+        parts.append(f"{int_text(env['num_nodes'])} node{'s' if int_text(env['num_nodes']) != '1' else ''}")
+    if not isna(env.get("routing")) and env.get("routing") != "uniform":
+        parts.append(f"routing {env['routing']}")
+    return " · ".join(parts)
+
+
+def in_order(values: Iterable[Any], order: Sequence[str]) -> list[Any]:
+    vals = list(dict.fromkeys(v for v in values if not isna(v)))
+    rank = {v: i for i, v in enumerate(order)}
+    return sorted(vals, key=lambda v: (rank.get(str(v).partition("@")[0], len(rank)), str(v)))
+
+
+def systems_in(df: pd.DataFrame) -> list[str]:
+    """Contending systems present, baselines first, fused kernels last (the published order)."""
+    present = [b for b in df["backend"].dropna().unique() if b not in NOT_CONTENDERS]
+    return in_order(present, SYSTEM_ORDER)
+
+
+def isna(v: Any) -> bool:
+    try:
+        return v is None or bool(pd.isna(v))
+    except (TypeError, ValueError):
+        return False
+
+
+def int_text(v: Any) -> str:
+    return "?" if isna(v) else str(int(v))
