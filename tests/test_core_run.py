@@ -34,6 +34,7 @@ def by(df, backend, direction):
     return sel.iloc[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ep", [2, 4])
 def test_nccl_matches_reference_output_and_all_gradients(results_dir, ep):
     cfg = cpu_cfg(results_dir, f"ep_size={ep}", "backends=[nccl,reference]", "directions=[fwd,bwd,fwd_bwd]")
@@ -66,6 +67,7 @@ def pd_isna(v) -> bool:
     return bool(pd.isna(v))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
 def test_compiled_nccl_matches_reference(results_dir, precision):
     """``compile_mode=published`` through the harness on gloo ranks: nccl's expert math under
@@ -103,6 +105,7 @@ def test_a_finished_backend_leaves_no_compiled_state():
     assert len(compiles) == 2
 
 
+@pytest.mark.slow
 def test_backends_run_in_the_order_asked_and_rows_say_where(results_dir):
     df = run_benchmark(cpu_cfg(results_dir, "ep_size=2", "backends=[nccl,fwd_only]", "directions=[fwd]",
                                "backend_order=reverse"))
@@ -110,6 +113,7 @@ def test_backends_run_in_the_order_asked_and_rows_say_where(results_dir):
     assert list(df.backend) == ["fwd_only", "nccl"] and (df.status == "ok").all()
 
 
+@pytest.mark.slow
 def test_bytes_follow_the_routing(results_dir):
     """nccl sends one row per (token, k) routed to another rank: remote + local rows = T * topk."""
     df = run_benchmark(cpu_cfg(results_dir, "ep_size=2", "directions=[fwd]"))
@@ -118,6 +122,7 @@ def test_bytes_follow_the_routing(results_dir):
     assert r.combine_bytes + r.combine_local_bytes == r.dispatch_bytes + r.dispatch_local_bytes
 
 
+@pytest.mark.slow
 def test_failures_become_rows_and_the_sweep_goes_on(results_dir):
     cfg = cpu_cfg(results_dir, "ep_size=2",
                   "backends=[fails_setup,not_installed,wrong,fwd_only,nan_grad,nccl]", "directions=[fwd,bwd]")
@@ -142,6 +147,7 @@ def test_failures_become_rows_and_the_sweep_goes_on(results_dir):
         assert by(df, "nccl", d).status == "ok"
 
 
+@pytest.mark.slow
 def test_forward_only_backend_gets_unsupported_backward(results_dir):
     df = run_benchmark(cpu_cfg(results_dir, "ep_size=2", "backends=[fwd_only]", "directions=[fwd]"))
     assert by(df, "fwd_only", "fwd").status == "ok"
@@ -159,6 +165,7 @@ def test_a_rank_that_dies_leaves_rows_from_the_launcher(results_dir):
     assert len(results.load(results_dir)) == 2
 
 
+@pytest.mark.slow
 def test_fp8_is_checked_with_fp8_tolerances_and_mxfp8_is_unsupported_on_cpu(results_dir):
     df = run_benchmark(cpu_cfg(results_dir, "ep_size=2", "precision=fp8", "directions=[fwd]"))
     r = by(df, "nccl", "fwd")
@@ -175,6 +182,7 @@ def test_fp8_is_checked_with_fp8_tolerances_and_mxfp8_is_unsupported_on_cpu(resu
     assert r.status == "unsupported" and "Blackwell" in r.error and "precision=fp8" in r.error
 
 
+@pytest.mark.slow
 def test_clamped_swiglu_single_rank_and_imbalanced_routing(results_dir):
     df = run_benchmark(cpu_cfg(results_dir, "ep_size=1", "shape.swiglu_limit=0.05", "directions=[fwd,bwd]"))
     assert (df.status == "ok").all() and df.swiglu_limit.iloc[0] == 0.05
@@ -260,6 +268,7 @@ def _cli(*args, tmp):
                           timeout=300)
 
 
+@pytest.mark.slow
 def test_cli_default_runs_and_prints_a_table(results_dir):
     p = _cli("device=cpu", "workload.tokens_per_gpu=64", tmp=results_dir)
     assert p.returncode == 0, p.stderr[-2000:]
@@ -350,6 +359,7 @@ def test_cli_unknown_shape_is_rejected_by_hydra_with_the_options(results_dir):
     assert not results_dir.exists()
 
 
+@pytest.mark.slow
 def test_deepep_backends_are_unsupported_rows_with_the_install_hint_on_cpu(results_dir):
     df = run_benchmark(cpu_cfg(results_dir, "ep_size=2", "backends=[deepep,hybridep,nccl]", "directions=[fwd]"))
     for b in ("deepep", "hybridep"):

@@ -149,6 +149,7 @@ def test_fp8_gemm_enters_the_fp8_config_hash_only():
     assert h("precision=fp8", "fp8_gemm=rowwise") != h("precision=fp8", "fp8_gemm=blockwise")
 
 
+@pytest.mark.slow
 def test_cpu_rows_say_emulated_and_a_real_path_is_unsupported(results_dir):
     from harness.runner import run_benchmark
 

@@ -588,6 +588,7 @@ def test_default_tile_tiles_the_weights_on_cuda_only():
     assert not cpu.tma and not cpu.w_tiled  # (pointer loads under the interpreter)
 
 
+@pytest.mark.slow
 @needs_triton
 @pytest.mark.parametrize("layout", ["tails", "flat", "fp8", "fused", "fused+tails"])
 def test_tiled_weights_change_no_bit(layout):
@@ -700,6 +701,7 @@ def _has_nvidia_backend() -> bool:
     return True
 
 
+@pytest.mark.slow
 @needs_triton
 @pytest.mark.skipif(not _has_nvidia_backend(), reason="Triton has no NVIDIA backend (ptxas) here")
 def test_every_kernel_variant_compiles_for_hopper_without_spills():
@@ -772,6 +774,7 @@ def test_a_sweep_variant_is_timed_against_the_default_interleaved(monkeypatch):
     assert ab["base_forward_ms"] == 2.0 and ab["forward_ms"] == pytest.approx(2.2)
 
 
+@pytest.mark.slow
 def test_gpu_check_refuses_what_cannot_run_in_one_line_before_anything_runs(tmp_path, monkeypatch, capsys):
     """Shapes come from configs/shape and are checked as the harness checks them, before any process group."""
     from benchmarks.mok_hopper import gpu_check as gc

@@ -19,6 +19,7 @@ def by(df, backend, direction):
     return sel.iloc[0]
 
 
+@pytest.mark.slow
 def test_cpu_twin_passes_the_reference_gate_and_mok_is_unsupported(results_dir):
     df = run_benchmark(cpu_cfg(results_dir, "ep_size=2", "backends=[mok_hopper,mok]", "directions=[fwd,bwd]"))
     r = by(df, "mok_hopper", "fwd")

@@ -206,6 +206,7 @@ def test_dry_run_ep_size_sets_the_node_count(tmp_path):
     assert "16 node(s) x 4 task(s), EP 64, 64 GPUs" in r.stdout
 
 
+@pytest.mark.slow
 def test_local_launcher_sweep(tmp_path):
     """hydra/launcher=local: submitit on this machine, one job per point, each spawning its 2 gloo ranks."""
     log = tmp_path / "sweep.log"
