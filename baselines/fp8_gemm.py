@@ -30,6 +30,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from contract import Case
 from contract.fp8 import FP8_MAX, dequantize_blocks, quantize_blocks
 
 E4M3 = torch.float8_e4m3fn
@@ -94,7 +95,7 @@ def path_unavailable(path: str, device: str) -> Optional[str]:
     return f"{why}; {DEEPGEMM_HINT}" if why else None
 
 
-def resolve(case: Any) -> tuple[str, Optional[str]]:
+def resolve(case: Case) -> tuple[str, Optional[str]]:
     """(the fp8 GEMM path this case runs, why it cannot run or None). bf16 / mxfp8: ("none", None)."""
     if case.precision != "fp8":
         return "none", None
@@ -115,7 +116,7 @@ def resolve(case: Any) -> tuple[str, Optional[str]]:
     return opt, path_unavailable(opt, device)
 
 
-def scaling_label(path: str, case: Any, dispatch: str) -> str:
+def scaling_label(path: str, case: Case, dispatch: str) -> str:
     if path == "rowwise":
         return ("e4m3 rowwise (per-row activation / per-channel weight scales), torch._scaled_grouped_mm: forward, "
                 f"dgrad and wgrad in fp8 (wgrad scales per expert and channel along the tokens); dispatch {dispatch}")

@@ -48,6 +48,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from contract import Case, LayerInputs
 from baselines.common import ExpertParams
 
 INSTALL_HINT = "pip install liger-kernel (0.8.5 tested; README, 'Anchors: Liger-Kernel and SonicMoE')"
@@ -87,7 +88,7 @@ class LigerBackend:
     directions = ("fwd", "bwd", "fwd_bwd")
 
     @classmethod
-    def unsupported_reason(cls, case: Any) -> Optional[str]:
+    def unsupported_reason(cls, case: Case) -> Optional[str]:
         if importlib.util.find_spec("liger_kernel") is None:
             return f"liger-kernel is not installed; {INSTALL_HINT}"
         if case.precision != "bf16":
@@ -109,12 +110,12 @@ class LigerBackend:
             return f"liger_kernel.ops.fused_moe does not import ({type(e).__name__}: {e}); {INSTALL_HINT}"
         return None
 
-    def __init__(self, case: Any, group: Any) -> None:
+    def __init__(self, case: Case, group: Any) -> None:
         self.case, self.group = case, group
         self.autotune_s: Optional[float] = None
         self.tuned: dict[str, int] = {}  # kernel -> configs it chose from
 
-    def setup(self, inputs: Any) -> None:
+    def setup(self, inputs: LayerInputs) -> None:
         prepare_environment(self.case.device)
         from liger_kernel.ops.fused_moe import LigerFusedMoEFunction
 

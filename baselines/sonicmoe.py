@@ -35,6 +35,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from contract import Case, LayerInputs
 from baselines.common import ExpertParams, device_capability
 
 PINNED_TORCH = "2.9.1"  # sonic-moe 0.1.2.post1: torch>=2.7.1,<=2.9.1
@@ -71,7 +72,7 @@ class SonicMoEBackend:
     directions = ("fwd", "bwd", "fwd_bwd")
 
     @classmethod
-    def unsupported_reason(cls, case: Any) -> Optional[str]:
+    def unsupported_reason(cls, case: Case) -> Optional[str]:
         if importlib.util.find_spec("sonicmoe") is None:
             return f"sonic-moe is not installed (this is torch {torch.__version__}); {INSTALL_HINT}"
         if case.precision != "bf16":
@@ -92,11 +93,11 @@ class SonicMoEBackend:
                     f"{INSTALL_HINT}")
         return None
 
-    def __init__(self, case: Any, group: Any) -> None:
+    def __init__(self, case: Case, group: Any) -> None:
         self.case, self.group = case, group
         self._tokens: dict[tuple[int, int, str], torch.Tensor] = {}
 
-    def setup(self, inputs: Any) -> None:
+    def setup(self, inputs: LayerInputs) -> None:
         self._moe, activation = _import_sonic()
         self._swiglu = activation.SWIGLU
         self.params = ExpertParams(self.case, inputs)  # leaves aliasing the inputs; the shared expert's compile

@@ -148,3 +148,22 @@ def test_no_private_name_crosses_modules():
                     and node.attr.startswith("_") and not node.attr.startswith("__")):
                 bad.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.value.id}.{node.attr}")
     assert not bad, bad
+
+
+def test_every_backend_signature_is_typed_with_the_contract():
+    """Each registered backend class takes a ``contract.Case`` and ``contract.LayerInputs``, not ``Any``."""
+    from harness.backends import BACKENDS
+
+    untyped = []
+    for key, target in BACKENDS.items():
+        module, _, cls_name = target.partition(":")
+        tree = ast.parse((ROOT / (module.replace(".", "/") + ".py")).read_text())
+        cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls_name)
+        want = {"unsupported_reason": ("case", "Case"), "__init__": ("case", "Case"), "setup": ("inputs", "LayerInputs")}
+        for fn in cls.body:
+            if isinstance(fn, ast.FunctionDef) and fn.name in want:
+                arg, ann = want[fn.name]
+                got = next((a.annotation for a in fn.args.args if a.arg == arg), None)
+                if got is None or ast.unparse(got) != ann:
+                    untyped.append(f"{key}.{fn.name}({arg}: {ast.unparse(got) if got is not None else '-'})")
+    assert not untyped, untyped
