@@ -99,3 +99,85 @@ def test_the_clamp_decisions_must_be_the_forwards():
     finally:
         twin_bwd.saved = saved
     assert rel_l1(unmasked[0]["x"], want[0]["x"]) > 1e-2
+
+
+try:
+    import triton  # noqa: F401
+
+    HAS_TRITON = True
+except ImportError:
+    HAS_TRITON = False
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (it comes with torch on Linux; pip install -e "
+                                           "'.[test]'): the interpreter kernel tests need it")
+@pytest.mark.parametrize("limit", [None, 0.5], ids=["plain", "clamped"])
+def test_backward_gemms_match_the_twin_under_the_interpreter(limit, monkeypatch):
+    """The v0 backward GEMMs (kernels/mok_hopper/bwd_gemm.py) against the twin's stages, expert by expert: dH, s*A,
+    the router-weight gradient, dX rows, dW13 and dW2 (several row tiles per expert, an expert with no row,
+    padding rows, several column tiles and K steps)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    import importlib
+
+    from kernels.mok_hopper import bwd_gemm, interp
+    from kernels.mok_hopper.schedule import build_schedule
+
+    if not interp.INTERPRET:  # the kernel modules read TRITON_INTERPRET at import
+        pytest.skip("run with TRITON_INTERPRET=1 from the start (tests/conftest.py sets it on CPU machines)")
+    importlib.reload(bwd_gemm)
+    T, K, E, H, I, BM = 40, 3, 8, 128, 64, 16
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(T, H, generator=g).bfloat16()
+    dO = (torch.randn(T, H, generator=g) * H ** -0.5).bfloat16()
+    load = torch.tensor([6.0, 1.0, 0.0, 3.0, 2.0, 4.0, 1.0, 5.0])  # expert 2 gets no row
+    idx = torch.stack([torch.multinomial(load, K, generator=g) for _ in range(T)])
+    w = torch.softmax(torch.randn(T, K, generator=g), -1)
+    w13 = (torch.randn(E, 2 * I, H, generator=g) * H ** -0.5).bfloat16()
+    w2 = (torch.randn(E, H, I, generator=g) * I ** -0.5).bfloat16()
+    R = 256
+    sch = build_schedule(idx.reshape(1, -1), rank=0, local_experts=E, block_m=BM, capacity=R)
+    codes = sch.row_code_R.long()
+    valid = codes >= 0
+    c = torch.where(valid, codes, 0)
+    tok = c // K
+    x_rows = torch.where(valid[:, None], x[tok], 0).bfloat16()
+    dO_rows = torch.where(valid[:, None], dO[tok], 0).bfloat16()
+    s_rows = torch.where(valid, w.reshape(-1)[c], 0.0)
+    expert = sch.tile_expert_M.long().repeat_interleave(BM)[:R]
+    h_rows = torch.zeros(R, 2 * I, dtype=torch.bfloat16)
+    clip_rows = torch.zeros(R, 2 * I, dtype=torch.uint8)
+    want = {}
+    for e in range(E):
+        r = (valid & (expert == e)).nonzero().flatten()
+        if r.numel() == 0:
+            continue
+        h, clip = twin_bwd.saved(x_rows[r], w13[e], limit)
+        h_rows[r] = h
+        if clip is not None:
+            clip_rows[r] = clip.to(torch.uint8)
+        want[e] = (r, twin_bwd.expert_backward(x_rows[r], h, dO_rows[r], s_rows[r], w13[e], w2[e], limit=limit,
+                                               clip_r2I=clip))
+    assert 2 not in want and any(r.numel() > BM for r, _ in want.values())  # an idle expert; multi-tile experts
+    chunk = torch.tensor([0, int(sch.num_tiles)], dtype=torch.int32)
+    dH = torch.zeros(R, 2 * I, dtype=torch.bfloat16)
+    sA = torch.zeros(R, I, dtype=torch.bfloat16)
+    ds_parts = torch.zeros(R, I // 32, dtype=torch.float32)
+    bwd_gemm.bwd_rows(dO_rows, w2, dH, sch.tile_expert_M, sch.tile_row_M1, chunk, block_m=BM, programs=3,
+                      block_n=32, block_k=32, dgate=dict(h=h_rows, clip=clip_rows, s=s_rows, sa=sA, ds=ds_parts),
+                      limit=limit)
+    dX = torch.zeros(R, H, dtype=torch.bfloat16)
+    bwd_gemm.bwd_rows(dH, w13, dX, sch.tile_expert_M, sch.tile_row_M1, chunk, block_m=BM, programs=3, block_n=32,
+                      block_k=32)
+    starts = bwd_gemm.expert_rows(sch.tile_expert_M, sch.tile_row_M1, E)
+    dW13 = torch.zeros_like(w13)
+    dW2 = torch.zeros_like(w2)
+    bwd_gemm.bwd_wgrad(dH, x_rows, dW13, sch.row_code_R, starts, programs=5, block_n=32, block_k=32, block_r=32)
+    bwd_gemm.bwd_wgrad(dO_rows, sA, dW2, sch.row_code_R, starts, programs=5, block_n=32, block_k=32, block_r=32)
+    ds = bwd_gemm.router_grad(ds_parts)
+    for e, (r, out) in want.items():
+        assert rel_l1(dX[r], out["dX"]) < 2e-3, (e, "dX")
+        assert rel_l1(ds[r], out["ds"]) < 1e-4, (e, "ds")
+        assert rel_l1(dW13[e], out["dW13"]) < 2e-3, (e, "dW13")
+        assert rel_l1(dW2[e], out["dW2"]) < 2e-3, (e, "dW2")
+    assert not dW13[2].any() and not dW2[2].any()  # the idle expert: zero gradients, written
+    assert not dH[~valid].any() and not dX[~valid].any()  # padding rows stay zero

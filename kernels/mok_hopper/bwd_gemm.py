@@ -1,0 +1,161 @@
+"""The bf16 backward's GEMMs, v0 (issue 23; the stages of :mod:`kernels.mok_hopper.twin_bwd`, PERF_NOTES "Next: the
+bf16 backward"). Not yet wired into the layer, the autograd function or the harness: this version is checked
+against the twin under the Triton interpreter and compiled for sm_90 by ``aot_check``; it has not run on a GPU.
+Pointer loads of row-major weights (TMA over the forward's tiled weights comes next).
+
+* :func:`bwd_rows` - a grouped GEMM over the forward's row tiles, out[r] = A[r] @ W[e] with W[e] read [K, N]
+  through strides, two epilogues:
+  - ``dgate``: A = dO rows, W = W2 ([H, I]: K = H, N = I). From G = dO @ W2[e], the saved pre-SwiGLU H and clamp
+    masks and the router weight s of each row: dH = [s G SwiGLU'_gate, s G SwiGLU'_up] (bf16 [R, 2I]), s*A (bf16
+    [R, I], for dW2) and the router-weight gradient's partial sum over this column tile (fp32 [R, I / BN], summed
+    over the tiles in a fixed order by :func:`router_grad`);
+  - ``plain``: A = dH rows, W = W13 ([2I, H]: K = 2I, N = H): the dX rows (bf16 [R, H]).
+* :func:`bwd_wgrad` - dW[e] = P_e^T @ Q_e, each expert's rows in schedule order (no split-K, no atomics: bitwise
+  deterministic): dW13 (P = dH, Q = X rows) and dW2 (P = dO rows, Q = s*A).
+
+Legend: R routed rows, M row tiles (BM rows each, or BM/2 with half tiles), L local experts, H hidden, I ffn.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.mok_hopper.gemm_common import _mma, _work_tile
+from kernels.mok_hopper.interp import INTERPRET
+
+
+@triton.jit
+def _bwd_rows_kernel(a_ptr, w_ptr, out_ptr, h_ptr, clip_ptr, s_ptr, sa_ptr, ds_ptr, tile_expert_ptr, tile_row_ptr,
+                     chunk_ptr, n_rows, K, N, stride_we, stride_wk, limit,
+                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NUM_PROGS: tl.constexpr,
+                     UPCAST: tl.constexpr, GROUP_M: tl.constexpr, STAGES: tl.constexpr, DGATE: tl.constexpr,
+                     HAS_LIMIT: tl.constexpr):
+    m_lo = tl.load(chunk_ptr)
+    m_hi = tl.load(chunk_ptr + 1)
+    n_n = N // BN
+    n_work = (m_hi - m_lo) * n_n
+    for wk in range(tl.program_id(0), n_work, NUM_PROGS):
+        m, n, e_tile, row0, row1 = _work_tile(wk, tile_expert_ptr, tile_row_ptr, m_lo, m_hi, n_n, GROUP_M)
+        rows = (row0 + tl.arange(0, BM)).to(tl.int64)
+        rmask = (rows < n_rows) & (rows < row1)
+        cols = n * BN + tl.arange(0, BN)
+        kk = tl.arange(0, BK)
+        e = e_tile.to(tl.int64)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for k0 in tl.range(0, K, BK, num_stages=STAGES):
+            a = tl.load(a_ptr + rows[:, None] * K + (k0 + kk)[None, :], mask=rmask[:, None], other=0.0)
+            b = tl.load(w_ptr + e * stride_we + (k0 + kk)[:, None].to(tl.int64) * stride_wk + cols[None, :])
+            acc = _mma(a, b, acc, UPCAST)
+        if DGATE:  # N = I: G = dO @ W2[e]; H and the masks are [R, 2I] (gate columns, then up columns)
+            h_off = rows[:, None] * (2 * N) + cols[None, :]
+            g = tl.load(h_ptr + h_off, mask=rmask[:, None], other=0.0).to(tl.float32)
+            u = tl.load(h_ptr + h_off + N, mask=rmask[:, None], other=0.0).to(tl.float32)
+            s = tl.load(s_ptr + rows, mask=rmask, other=0.0)
+            if HAS_LIMIT:
+                clip_g = tl.load(clip_ptr + h_off, mask=rmask[:, None], other=0) != 0
+                clip_u = tl.load(clip_ptr + h_off + N, mask=rmask[:, None], other=0) != 0
+                g = tl.where(clip_g, limit, tl.minimum(g, limit))
+                u = tl.where(clip_u, tl.where(u > 0, limit, -limit), tl.minimum(tl.maximum(u, -limit), limit))
+            sig = tl.sigmoid(g)
+            silu = g * sig
+            act = silu * u
+            d_act = acc * s[:, None]
+            dg = d_act * u * (sig * (1.0 + g * (1.0 - sig)))
+            du = d_act * silu
+            if HAS_LIMIT:
+                dg = tl.where(clip_g, 0.0, dg)
+                du = tl.where(clip_u, 0.0, du)
+            tl.store(out_ptr + h_off, dg.to(tl.bfloat16), mask=rmask[:, None])
+            tl.store(out_ptr + h_off + N, du.to(tl.bfloat16), mask=rmask[:, None])
+            tl.store(sa_ptr + rows[:, None] * N + cols[None, :], (act * s[:, None]).to(tl.bfloat16),
+                     mask=rmask[:, None])
+            tl.store(ds_ptr + rows * n_n + n, tl.sum(acc * act, axis=1), mask=rmask)
+        else:
+            tl.store(out_ptr + rows[:, None] * N + cols[None, :], acc.to(tl.bfloat16), mask=rmask[:, None])
+
+
+def bwd_rows(a_RK: torch.Tensor, w_LKN: torch.Tensor, out: torch.Tensor, tile_expert_M: torch.Tensor,
+             tile_row_M1: torch.Tensor, chunk_2: torch.Tensor, *, block_m: int, programs: int,
+             block_n: Optional[int] = None, block_k: int = 64, stages: int = 3, group_m: int = 4,
+             dgate: Optional[dict] = None, limit: Optional[float] = None) -> None:
+    """out[r] = a[r] @ w[e(r)] over the row tiles [chunk_2[0], chunk_2[1]) (``w`` [L, K, N] with any strides whose
+    last is 1: W2 [L, H, I] as is, W13 [L, 2I, H] as is). ``dgate`` = dict(h=[R, 2I] bf16, clip=[R, 2I] uint8 or
+    None, s=[R] fp32, sa=[R, N] bf16 out, ds=[R, N / block_n] fp32 out): the dgate epilogue, ``out`` [R, 2N] is dH.
+    ``block_n``: 32 for dgate (its epilogue holds eight [BM, BN] fp32 tiles: 64 wide spilled at BM 128, aot_check),
+    else 64."""
+    R, K = a_RK.shape
+    N = w_LKN.shape[2]
+    block_n = block_n or (32 if dgate is not None else 64)
+    assert w_LKN.shape[1] == K and w_LKN.stride(2) == 1, "w must be [L, K, N] with unit stride along N"
+    assert K % block_k == 0 and N % block_n == 0, f"K {K} / N {N} must be multiples of the tile ({block_k}, {block_n})"
+    d = dgate or {}
+    if dgate is not None:
+        assert out.shape == (R, 2 * N) and d["ds"].shape == (R, N // block_n)
+    clip = d.get("clip") if limit is not None else None
+    _bwd_rows_kernel[(programs,)](
+        a_RK, w_LKN, out, d.get("h", out), clip if clip is not None else out, d.get("s", out), d.get("sa", out),
+        d.get("ds", out), tile_expert_M, tile_row_M1, chunk_2, R, K, N, w_LKN.stride(0), w_LKN.stride(1),
+        0.0 if limit is None else float(limit), BM=block_m, BN=block_n, BK=block_k, NUM_PROGS=programs,
+        UPCAST=INTERPRET, GROUP_M=group_m, STAGES=stages, DGATE=dgate is not None,
+        HAS_LIMIT=dgate is not None and limit is not None, num_warps=8)
+
+
+def router_grad(ds_parts_RN: torch.Tensor) -> torch.Tensor:
+    """The router-weight gradient of every row: the dgate epilogue's partial sums over its column tiles, added in
+    ascending tile order (fp32, deterministic)."""
+    out = torch.zeros(ds_parts_RN.shape[0], dtype=torch.float32, device=ds_parts_RN.device)
+    for j in range(ds_parts_RN.shape[1]):
+        out += ds_parts_RN[:, j]
+    return out
+
+
+@triton.jit
+def _bwd_wgrad_kernel(p_ptr, q_ptr, dw_ptr, code_ptr, expert_row_ptr, N, K, L,
+                      BN: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, NUM_PROGS: tl.constexpr,
+                      UPCAST: tl.constexpr, STAGES: tl.constexpr):
+    n_n = N // BN
+    n_k = K // BK
+    n_work = L * n_n * n_k
+    for wk in range(tl.program_id(0), n_work, NUM_PROGS):
+        e = wk // (n_n * n_k)
+        n = (wk // n_k) % n_n
+        k = wk % n_k
+        r_lo = tl.load(expert_row_ptr + e)
+        r_hi = tl.load(expert_row_ptr + e + 1)
+        ncols = n * BN + tl.arange(0, BN)
+        kcols = k * BK + tl.arange(0, BK)
+        acc = tl.zeros((BN, BK), dtype=tl.float32)
+        for r0 in tl.range(r_lo, r_hi, BR, num_stages=STAGES):
+            rows = (r0 + tl.arange(0, BR)).to(tl.int64)
+            live = (rows < r_hi) & (tl.load(code_ptr + rows, mask=rows < r_hi, other=-1) >= 0)  # padding rows: 0
+            p = tl.load(p_ptr + rows[None, :] * N + ncols[:, None], mask=live[None, :], other=0.0)  # [BN, BR]
+            q = tl.load(q_ptr + rows[:, None] * K + kcols[None, :], mask=live[:, None], other=0.0)  # [BR, BK]
+            acc = _mma(p, q, acc, UPCAST)
+        tl.store(dw_ptr + e.to(tl.int64) * N * K + ncols[:, None].to(tl.int64) * K + kcols[None, :],
+                 acc.to(dw_ptr.dtype.element_ty))
+
+
+def expert_rows(tile_expert_M: torch.Tensor, tile_row_M1: torch.Tensor, local_experts: int) -> torch.Tensor:
+    """int32 [L+1]: the first row of each local expert's tiles (and the end of the last), from the schedule's tile
+    tables on the device (no host sync). An expert without rows gets an empty range."""
+    first = torch.searchsorted(tile_expert_M.contiguous(),
+                               torch.arange(local_experts + 1, device=tile_expert_M.device, dtype=torch.int32))
+    return tile_row_M1.index_select(0, first.clamp(max=tile_row_M1.numel() - 1)).to(torch.int32)
+
+
+def bwd_wgrad(p_RN: torch.Tensor, q_RK: torch.Tensor, dw_LNK: torch.Tensor, row_code_R: torch.Tensor,
+              expert_row_L1: torch.Tensor, *, programs: int, block_n: int = 64, block_k: int = 64,
+              block_r: int = 32, stages: int = 3) -> None:
+    """dw[e] = p[rows of e]^T @ q[rows of e] (fp32 accumulation, the rows in schedule order; rows whose code is
+    negative are padding and add nothing). ``dw`` [L, N, K] (bf16, or fp32 for a main-grad accumulator)."""
+    R, N = p_RN.shape
+    K = q_RK.shape[1]
+    L = dw_LNK.shape[0]
+    assert dw_LNK.shape == (L, N, K) and q_RK.shape[0] == R
+    assert N % block_n == 0 and K % block_k == 0, f"N {N} / K {K} must be multiples of ({block_n}, {block_k})"
+    _bwd_wgrad_kernel[(programs,)](p_RN, q_RK, dw_LNK, row_code_R, expert_row_L1, N, K, L, BN=block_n, BK=block_k,
+                                   BR=block_r, NUM_PROGS=programs, UPCAST=INTERPRET, STAGES=stages, num_warps=8)
