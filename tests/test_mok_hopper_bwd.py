@@ -159,6 +159,15 @@ def test_backward_gemms_match_the_twin_under_the_interpreter(limit, monkeypatch)
                                                clip_r2I=clip))
     assert 2 not in want and any(r.numel() > BM for r, _ in want.values())  # an idle expert; multi-tile experts
     chunk = torch.tensor([0, int(sch.num_tiles)], dtype=torch.int32)
+    # H recomputed from the X rows (the recompute path), in 8-row blocks of the 16-row tiles, clamp decisions included
+    h_re = torch.zeros(R, 2 * I, dtype=torch.bfloat16)
+    clip_re = torch.zeros(R, 2 * I, dtype=torch.uint8)
+    bwd_gemm.bwd_rows(x_rows, w13.transpose(1, 2), h_re, sch.tile_expert_M, sch.tile_row_M1, chunk, block_m=BM // 2,
+                      programs=3, block_n=32, block_k=32, limit=limit if limit is not None else 1e30,
+                      save_clip=clip_re)
+    assert rel_l1(h_re[valid], h_rows[valid]) < 1e-3
+    if limit is not None:
+        assert torch.equal(clip_re[valid], clip_rows[valid]) and clip_rows[valid].any()
     dH = torch.zeros(R, 2 * I, dtype=torch.bfloat16)
     sA = torch.zeros(R, I, dtype=torch.bfloat16)
     ds_parts = torch.zeros(R, I // 32, dtype=torch.float32)

@@ -30,78 +30,100 @@ from kernels.mok_hopper.interp import INTERPRET
 
 @triton.jit
 def _bwd_rows_kernel(a_ptr, w_ptr, out_ptr, h_ptr, clip_ptr, s_ptr, sa_ptr, ds_ptr, tile_expert_ptr, tile_row_ptr,
-                     chunk_ptr, n_rows, K, N, stride_we, stride_wk, limit,
+                     chunk_ptr, n_rows, K, N, stride_we, stride_wk, stride_wn, limit,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NUM_PROGS: tl.constexpr,
                      UPCAST: tl.constexpr, GROUP_M: tl.constexpr, STAGES: tl.constexpr, DGATE: tl.constexpr,
-                     HAS_LIMIT: tl.constexpr):
+                     HAS_LIMIT: tl.constexpr, SAVE_H: tl.constexpr = False):
+    """Work items (row tile, column tile); a tile of any size (half tiles, tails) runs in BM-row blocks."""
     m_lo = tl.load(chunk_ptr)
     m_hi = tl.load(chunk_ptr + 1)
     n_n = N // BN
     n_work = (m_hi - m_lo) * n_n
     for wk in range(tl.program_id(0), n_work, NUM_PROGS):
         m, n, e_tile, row0, row1 = _work_tile(wk, tile_expert_ptr, tile_row_ptr, m_lo, m_hi, n_n, GROUP_M)
-        rows = (row0 + tl.arange(0, BM)).to(tl.int64)
-        rmask = (rows < n_rows) & (rows < row1)
-        cols = n * BN + tl.arange(0, BN)
-        kk = tl.arange(0, BK)
-        e = e_tile.to(tl.int64)
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for k0 in tl.range(0, K, BK, num_stages=STAGES):
-            a = tl.load(a_ptr + rows[:, None] * K + (k0 + kk)[None, :], mask=rmask[:, None], other=0.0)
-            b = tl.load(w_ptr + e * stride_we + (k0 + kk)[:, None].to(tl.int64) * stride_wk + cols[None, :])
-            acc = _mma(a, b, acc, UPCAST)
-        if DGATE:  # N = I: G = dO @ W2[e]; H and the masks are [R, 2I] (gate columns, then up columns)
-            h_off = rows[:, None] * (2 * N) + cols[None, :]
-            g = tl.load(h_ptr + h_off, mask=rmask[:, None], other=0.0).to(tl.float32)
-            u = tl.load(h_ptr + h_off + N, mask=rmask[:, None], other=0.0).to(tl.float32)
-            s = tl.load(s_ptr + rows, mask=rmask, other=0.0)
-            if HAS_LIMIT:
-                clip_g = tl.load(clip_ptr + h_off, mask=rmask[:, None], other=0) != 0
-                clip_u = tl.load(clip_ptr + h_off + N, mask=rmask[:, None], other=0) != 0
-                g = tl.where(clip_g, limit, tl.minimum(g, limit))
-                u = tl.where(clip_u, tl.where(u > 0, limit, -limit), tl.minimum(tl.maximum(u, -limit), limit))
-            sig = tl.sigmoid(g)
-            silu = g * sig
-            act = silu * u
-            d_act = acc * s[:, None]
-            dg = d_act * u * (sig * (1.0 + g * (1.0 - sig)))
-            du = d_act * silu
-            if HAS_LIMIT:
-                dg = tl.where(clip_g, 0.0, dg)
-                du = tl.where(clip_u, 0.0, du)
-            tl.store(out_ptr + h_off, dg.to(tl.bfloat16), mask=rmask[:, None])
-            tl.store(out_ptr + h_off + N, du.to(tl.bfloat16), mask=rmask[:, None])
-            tl.store(sa_ptr + rows[:, None] * N + cols[None, :], (act * s[:, None]).to(tl.bfloat16),
-                     mask=rmask[:, None])
-            tl.store(ds_ptr + rows * n_n + n, tl.sum(acc * act, axis=1), mask=rmask)
-        else:
-            tl.store(out_ptr + rows[:, None] * N + cols[None, :], acc.to(tl.bfloat16), mask=rmask[:, None])
+        for rb in range(row0, row1, BM):
+            _bwd_rows_block(a_ptr, w_ptr, out_ptr, h_ptr, clip_ptr, s_ptr, sa_ptr, ds_ptr, rb, row1, n, n_n,
+                            e_tile, n_rows, K, N, stride_we, stride_wk, stride_wn, limit, BM, BN, BK, UPCAST, STAGES,
+                            DGATE, HAS_LIMIT, SAVE_H)
+
+
+@triton.jit
+def _bwd_rows_block(a_ptr, w_ptr, out_ptr, h_ptr, clip_ptr, s_ptr, sa_ptr, ds_ptr, row0, row1, n, n_n, e_tile,
+                    n_rows, K, N, stride_we, stride_wk, stride_wn, limit, BM: tl.constexpr, BN: tl.constexpr,
+                    BK: tl.constexpr, UPCAST: tl.constexpr, STAGES: tl.constexpr, DGATE: tl.constexpr,
+                    HAS_LIMIT: tl.constexpr, SAVE_H: tl.constexpr):
+    """Rows [row0, min(row0 + BM, row1)) x columns [n BN, (n + 1) BN) of expert ``e_tile``."""
+    rows = (row0 + tl.arange(0, BM)).to(tl.int64)
+    rmask = (rows < n_rows) & (rows < row1)
+    cols = n * BN + tl.arange(0, BN)
+    kk = tl.arange(0, BK)
+    e = e_tile.to(tl.int64)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in tl.range(0, K, BK, num_stages=STAGES):
+        a = tl.load(a_ptr + rows[:, None] * K + (k0 + kk)[None, :], mask=rmask[:, None], other=0.0)
+        b = tl.load(w_ptr + e * stride_we + (k0 + kk)[:, None].to(tl.int64) * stride_wk
+                    + cols[None, :].to(tl.int64) * stride_wn)
+        acc = _mma(a, b, acc, UPCAST)
+    if DGATE:  # N = I: G = dO @ W2[e]; H and the masks are [R, 2I] (gate columns, then up columns)
+        h_off = rows[:, None] * (2 * N) + cols[None, :]
+        g = tl.load(h_ptr + h_off, mask=rmask[:, None], other=0.0).to(tl.float32)
+        u = tl.load(h_ptr + h_off + N, mask=rmask[:, None], other=0.0).to(tl.float32)
+        s = tl.load(s_ptr + rows, mask=rmask, other=0.0)
+        if HAS_LIMIT:
+            clip_g = tl.load(clip_ptr + h_off, mask=rmask[:, None], other=0) != 0
+            clip_u = tl.load(clip_ptr + h_off + N, mask=rmask[:, None], other=0) != 0
+            g = tl.where(clip_g, limit, tl.minimum(g, limit))
+            u = tl.where(clip_u, tl.where(u > 0, limit, -limit), tl.minimum(tl.maximum(u, -limit), limit))
+        sig = tl.sigmoid(g)
+        silu = g * sig
+        act = silu * u
+        d_act = acc * s[:, None]
+        dg = d_act * u * (sig * (1.0 + g * (1.0 - sig)))
+        du = d_act * silu
+        if HAS_LIMIT:
+            dg = tl.where(clip_g, 0.0, dg)
+            du = tl.where(clip_u, 0.0, du)
+        tl.store(out_ptr + h_off, dg.to(tl.bfloat16), mask=rmask[:, None])
+        tl.store(out_ptr + h_off + N, du.to(tl.bfloat16), mask=rmask[:, None])
+        tl.store(sa_ptr + rows[:, None] * N + cols[None, :], (act * s[:, None]).to(tl.bfloat16),
+                 mask=rmask[:, None])
+        tl.store(ds_ptr + rows * n_n + n, tl.sum(acc * act, axis=1), mask=rmask)
+    else:
+        tl.store(out_ptr + rows[:, None] * N + cols[None, :], acc.to(tl.bfloat16), mask=rmask[:, None])
+        if SAVE_H:  # N = 2I: the recomputed pre-SwiGLU H, and where the forward's clamp clipped it (fp32 decisions)
+            up = cols >= N // 2
+            clipped = tl.where(up[None, :], (acc > limit) | (acc < -limit), acc > limit)
+            tl.store(clip_ptr + rows[:, None] * N + cols[None, :], clipped.to(tl.uint8), mask=rmask[:, None])
 
 
 def bwd_rows(a_RK: torch.Tensor, w_LKN: torch.Tensor, out: torch.Tensor, tile_expert_M: torch.Tensor,
              tile_row_M1: torch.Tensor, chunk_2: torch.Tensor, *, block_m: int, programs: int,
              block_n: Optional[int] = None, block_k: int = 64, stages: int = 3, group_m: int = 4,
-             dgate: Optional[dict] = None, limit: Optional[float] = None) -> None:
-    """out[r] = a[r] @ w[e(r)] over the row tiles [chunk_2[0], chunk_2[1]) (``w`` [L, K, N] with any strides whose
-    last is 1: W2 [L, H, I] as is, W13 [L, 2I, H] as is). ``dgate`` = dict(h=[R, 2I] bf16, clip=[R, 2I] uint8 or
-    None, s=[R] fp32, sa=[R, N] bf16 out, ds=[R, N / block_n] fp32 out): the dgate epilogue, ``out`` [R, 2N] is dH.
+             dgate: Optional[dict] = None, limit: Optional[float] = None,
+             save_clip: Optional[torch.Tensor] = None) -> None:
+    """out[r] = a[r] @ w[e(r)] over the row tiles [chunk_2[0], chunk_2[1]) (``w`` [L, K, N], any strides: W2
+    [L, H, I] as is, W13 [L, 2I, H] as is, W13.transpose(1, 2) to recompute H). ``dgate`` = dict(h=[R, 2I] bf16,
+    clip=[R, 2I] uint8 or None, s=[R] fp32, sa=[R, N] bf16 out, ds=[R, N / block_n] fp32 out): the dgate epilogue,
+    ``out`` [R, 2N] is dH. ``save_clip`` (uint8 [R, N], with ``limit``; N = 2I): out is the recomputed H and this
+    gets the clamp's decisions, made on the fp32 accumulators as the forward makes them.
     ``block_n``: 32 for dgate (its epilogue holds eight [BM, BN] fp32 tiles: 64 wide spilled at BM 128, aot_check),
     else 64."""
     R, K = a_RK.shape
     N = w_LKN.shape[2]
     block_n = block_n or (32 if dgate is not None else 64)
-    assert w_LKN.shape[1] == K and w_LKN.stride(2) == 1, "w must be [L, K, N] with unit stride along N"
+    assert w_LKN.shape[1] == K, "w must be [L, K, N]"
+    assert save_clip is None or (dgate is None and limit is not None and save_clip.shape == (R, N))
     assert K % block_k == 0 and N % block_n == 0, f"K {K} / N {N} must be multiples of the tile ({block_k}, {block_n})"
     d = dgate or {}
     if dgate is not None:
         assert out.shape == (R, 2 * N) and d["ds"].shape == (R, N // block_n)
-    clip = d.get("clip") if limit is not None else None
+    clip = save_clip if save_clip is not None else (d.get("clip") if limit is not None else None)
     _bwd_rows_kernel[(programs,)](
         a_RK, w_LKN, out, d.get("h", out), clip if clip is not None else out, d.get("s", out), d.get("sa", out),
         d.get("ds", out), tile_expert_M, tile_row_M1, chunk_2, R, K, N, w_LKN.stride(0), w_LKN.stride(1),
-        0.0 if limit is None else float(limit), BM=block_m, BN=block_n, BK=block_k, NUM_PROGS=programs,
-        UPCAST=INTERPRET, GROUP_M=group_m, STAGES=stages, DGATE=dgate is not None,
-        HAS_LIMIT=dgate is not None and limit is not None, num_warps=8)
+        w_LKN.stride(2), 0.0 if limit is None else float(limit), BM=block_m, BN=block_n, BK=block_k,
+        NUM_PROGS=programs, UPCAST=INTERPRET, GROUP_M=group_m, STAGES=stages, DGATE=dgate is not None,
+        HAS_LIMIT=dgate is not None and limit is not None, SAVE_H=save_clip is not None, num_warps=8)
 
 
 def router_grad(ds_parts_RN: torch.Tensor) -> torch.Tensor:
