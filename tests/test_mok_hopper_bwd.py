@@ -190,3 +190,36 @@ def test_backward_gemms_match_the_twin_under_the_interpreter(limit, monkeypatch)
         assert rel_l1(dW2[e], out["dW2"]) < 2e-3, (e, "dW2")
     assert not dW13[2].any() and not dW2[2].any()  # the idle expert: zero gradients, written
     assert not dH[~valid].any() and not dX[~valid].any()  # padding rows stay zero
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (it comes with torch on Linux; pip install -e "
+                                           "'.[test]'): the interpreter kernel tests need it")
+@pytest.mark.parametrize("limit", [None, 0.5], ids=["plain", "clamped"])
+def test_a_training_step_through_the_kernels_matches_autograd(limit):
+    """kernels/mok_hopper/train.py at EP=1: the fused forward, then the v0 backward GEMMs (H recomputed), against
+    torch autograd over a plain per-expert loop: every gradient, the shared expert's too; twice (the layer's
+    buffers reused), with different inputs."""
+    from kernels.mok_hopper import interp
+    from kernels.mok_hopper.api import MoKHopperLayer
+    from kernels.mok_hopper.train import mok_hopper_train
+    from kernels.mok_hopper.workspace import Workspace, link_local
+
+    if not interp.INTERPRET:
+        pytest.skip("the kernels run on the CPU under TRITON_INTERPRET=1 (tests/conftest.py sets it on CPU machines)")
+    T, K, E, H, I = 24, 3, 8, 128, 64
+    (ws_,) = link_local([Workspace(rank=0, world=1, device=torch.device("cpu"), tokens=T, hidden=H, topk=K, fp8=False,
+                                   symmetric=False)])
+    _, _, _, _, w13, w2, shared = make(1, T, K, E, H, I, seed=9)
+    layer = MoKHopperLayer(w13[0], w2[0], topk=K, tokens=T, shared=tuple(shared), swiglu_limit=limit, rank=0,
+                           world=1, workspace=ws_)
+    for seed in (1, 2):
+        xs, idx, ws, dOs, _, _, _ = make(1, T, K, E, H, I, seed=seed)
+        leaves = [t.detach().clone().requires_grad_() for t in (xs[0], ws[0], w13[0], w2[0], *shared)]
+        x, w, a13, a2, sg, su, sd = leaves
+        out = mok_hopper_train(layer, x, idx[0], w, a13, a2, (sg, su, sd))
+        out.backward(dOs[0])
+        want = twin_bwd.autograd_reference(xs, idx, ws, dOs, w13, w2, shared=shared, limit=limit)[0]
+        for name, got in (("x", x.grad), ("topk_w", w.grad), ("w13", a13.grad), ("w2", a2.grad)):
+            assert rel_l1(got, want[name]) < 1e-2, (seed, name, rel_l1(got, want[name]))
+        for i, (got, ref) in enumerate(zip((sg.grad, su.grad, sd.grad), want["shared"])):
+            assert rel_l1(got, ref) < 1e-2, (seed, "shared", i)

@@ -1,0 +1,114 @@
+"""A training step through mok_hopper at EP=1, v0 (issue 23, in progress): :func:`mok_hopper_train` runs the fused
+forward and records a backward made of the v0 backward GEMMs (:mod:`kernels.mok_hopper.bwd_gemm`), in the
+recompute mode: the forward saves nothing beyond what the layer keeps (its pulled X rows and its schedule), and the
+backward recomputes H (+1 read of W13). Checked against torch autograd under the Triton interpreter; not run on a
+GPU, not yet a ``torch.library`` custom op or an ``nn.Module`` with parameters, not wired into the harness, EP=1
+only (EP >= 2 needs the pull of dO rows and the push of dX rows across ranks). The shared expert's backward is
+plain torch (:func:`kernels.mok_hopper.twin_bwd.shared_backward`).
+
+Legend: T tokens, K top-k, H hidden, I ffn, L local experts, R capacity rows.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import torch
+
+from kernels.mok_hopper import bwd_gemm
+from kernels.mok_hopper.api import MoKHopperLayer
+from kernels.mok_hopper.tiles import num_sms
+from kernels.mok_hopper.twin_bwd import shared_backward
+
+
+def _blocks(n: int, cap: int) -> int:
+    return next(b for b in (cap, 64, 32, 16) if b <= cap and n % b == 0)
+
+
+def layer_backward(layer: MoKHopperLayer, dO_TH: torch.Tensor, x_TH: torch.Tensor, topk_idx_TK: torch.Tensor,
+                   topk_w_TK: torch.Tensor, w13_LIH: torch.Tensor, w2_LHI: torch.Tensor,
+                   shared: Optional[Sequence[torch.Tensor]]) -> dict[str, Any]:
+    """The gradients of the layer's last forward (EP=1): x (bf16 [T, H]), topk_w (fp32 [T, K]), w13 (bf16
+    [L, 2I, H]), w2 (bf16 [L, H, I]) and, with a shared expert, its (gate, up, down) gradients."""
+    assert layer.world == 1, "the v0 backward runs at EP=1 (issue 23: the cross-rank dO pull and dX push are next)"
+    T, K, H, I, L = layer.T, layer.K, layer.H, layer.I, layer.L
+    s = layer.sched
+    R = layer.R
+    codes = s.row_code_R.long()
+    valid = codes >= 0
+    c = torch.where(valid, codes, torch.zeros_like(codes))
+    tok = c // K
+    zero = torch.zeros((), dtype=torch.bfloat16, device=dO_TH.device)
+    dO_rows = torch.where(valid[:, None], dO_TH.to(torch.bfloat16)[tok], zero)
+    s_rows = torch.where(valid, topk_w_TK.reshape(-1).float()[c], torch.zeros((), device=dO_TH.device))
+    x_rows = torch.where(valid[:, None], layer.x_rows, zero)  # the forward's pulled rows (padding rows: zero)
+    bm, progs = layer.cfg.block_m, num_sms(dO_TH.device)
+    chunk = torch.stack([torch.zeros_like(s.num_tiles.reshape(())), s.num_tiles.reshape(())]).to(torch.int32)
+    limit = layer.limit
+    kw = dict(block_m=bm, programs=progs)
+    # recompute H (and, clamped, the clamp's decisions) from the X rows
+    h = torch.empty(R, 2 * I, dtype=torch.bfloat16, device=dO_TH.device)
+    clip = torch.zeros(R, 2 * I, dtype=torch.uint8, device=dO_TH.device) if limit is not None else None
+    bwd_gemm.bwd_rows(x_rows, w13_LIH.transpose(1, 2), h, s.tile_expert_M, s.tile_row_M1, chunk,
+                      block_n=_blocks(2 * I, 64), block_k=_blocks(H, 64), limit=limit, save_clip=clip, **kw)
+    # dgate: dH, s*A, the router-weight partials
+    bn = _blocks(I, 32)
+    dH = torch.zeros(R, 2 * I, dtype=torch.bfloat16, device=dO_TH.device)
+    sA = torch.zeros(R, I, dtype=torch.bfloat16, device=dO_TH.device)
+    ds_parts = torch.zeros(R, I // bn, dtype=torch.float32, device=dO_TH.device)
+    bwd_gemm.bwd_rows(dO_rows, w2_LHI, dH, s.tile_expert_M, s.tile_row_M1, chunk, block_n=bn,
+                      block_k=_blocks(H, 64), dgate=dict(h=h, clip=clip, s=s_rows, sa=sA, ds=ds_parts), limit=limit,
+                      **kw)
+    # dX rows, then each to its slot and summed per token, k ascending (the forward's epilogue order)
+    dX = torch.zeros(R, H, dtype=torch.bfloat16, device=dO_TH.device)
+    bwd_gemm.bwd_rows(dH, w13_LIH, dX, s.tile_expert_M, s.tile_row_M1, chunk, block_n=_blocks(H, 64),
+                      block_k=_blocks(2 * I, 64), **kw)
+    slots = torch.zeros(T * K, H, dtype=torch.bfloat16, device=dO_TH.device)
+    slots[codes[valid]] = dX[valid]
+    dx = torch.zeros(T, H, dtype=torch.float32, device=dO_TH.device)
+    live = topk_idx_TK >= 0
+    for k in range(K):
+        dx = dx + slots.view(T, K, H)[:, k].float() * live[:, k, None]
+    dtopk = torch.zeros(T * K, dtype=torch.float32, device=dO_TH.device)
+    dtopk[codes[valid]] = bwd_gemm.router_grad(ds_parts)[valid]
+    # weight gradients, each expert's rows in schedule order
+    starts = bwd_gemm.expert_rows(s.tile_expert_M, s.tile_row_M1, L)
+    dW13 = torch.empty_like(w13_LIH)
+    dW2 = torch.empty_like(w2_LHI)
+    bwd_gemm.bwd_wgrad(dH, x_rows, dW13, s.row_code_R, starts, programs=progs, block_n=_blocks(2 * I, 64),
+                       block_k=_blocks(H, 64))
+    bwd_gemm.bwd_wgrad(dO_rows, sA, dW2, s.row_code_R, starts, programs=progs, block_n=_blocks(H, 64),
+                       block_k=_blocks(I, 64))
+    out = {"w13": dW13, "w2": dW2, "topk_w": dtopk.view(T, K) * live}
+    if shared is not None:
+        sh = shared_backward(x_TH, dO_TH, shared, limit)
+        dx = dx + sh["dx"]
+        out["shared"] = (sh["gate"], sh["up"], sh["down"])
+    out["x"] = dx.to(torch.bfloat16)
+    return out
+
+
+class _MoKHopperTrain(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, layer, x_TH, topk_idx_TK, topk_w_TK, w13_LIH, w2_LHI, *shared):  # type: ignore[override]
+        out = layer(x_TH, topk_idx_TK, topk_w_TK)
+        ctx.layer = layer
+        ctx.has_shared = bool(shared)
+        ctx.save_for_backward(x_TH, topk_idx_TK, topk_w_TK, w13_LIH, w2_LHI, *shared)
+        return out
+
+    @staticmethod
+    def backward(ctx, dO_TH):  # type: ignore[override]
+        x, idx, w, w13, w2, *shared = ctx.saved_tensors
+        g = layer_backward(ctx.layer, dO_TH, x, idx, w, w13, w2, shared if ctx.has_shared else None)
+        sh = list(g["shared"]) if ctx.has_shared else []
+        return (None, g["x"], None, g["topk_w"].to(w.dtype), g["w13"], g["w2"], *sh)
+
+
+def mok_hopper_train(layer: MoKHopperLayer, x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, topk_w_TK: torch.Tensor,
+                     w13_LIH: torch.Tensor, w2_LHI: torch.Tensor,
+                     shared: Optional[Sequence[torch.Tensor]] = None) -> torch.Tensor:
+    """The layer's forward, recorded for autograd: gradients flow to ``x_TH``, ``topk_w_TK``, the routed weights
+    ``w13_LIH`` / ``w2_LHI`` (the tensors the layer was built from) and the shared expert's (gate, up, down). The
+    backward must follow the forward before the layer runs again (it reads the layer's X rows and schedule)."""
+    return _MoKHopperTrain.apply(layer, x_TH, topk_idx_TK, topk_w_TK, w13_LIH, w2_LHI, *(shared or ()))
