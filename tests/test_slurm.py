@@ -227,9 +227,12 @@ def test_slurm_sweep_rows_ids_and_cancelled_jobs(tmp_path):
     finish. Every point ends with one row per (backend, direction)."""
     name = f"mbt-{uuid.uuid4().hex[:6]}"
     log = tmp_path / "sweep.log"
-    # 100 timed iterations keep each point busy for ~15 s, so point #0 is still running when it is cancelled
-    # (with quick timing a point can finish within the polling interval, and the cancel then misses it)
-    proc = _start(_sweep(tmp_path, name, "workload.seed=1,2,3,4", "timing.num_iters=100"), log)
+    # 200 timed iterations and 20 per-phase ones keep each point busy for well over 15 s, so point #0 is still running
+    # when it is cancelled (with quick timing a point can finish within the polling interval, and the cancel then
+    # misses it; since timing=auto takes the quick preset's 5 phase iterations, not the schema's 20, 100 timed
+    # iterations were no longer enough)
+    proc = _start(_sweep(tmp_path, name, "workload.seed=1,2,3,4", "timing.num_iters=200", "timing.phase_iters=20"),
+                  log)
     sweep = tmp_path / "sweep"
     ids = _wait_for("the sweep's jobs in the queue", lambda: _job_ids(name))
     array = ids[0].split("_")[0]
