@@ -193,6 +193,48 @@ class DistributedTwin:
             rw = None if self.rw_in == "expert" else topk_w_TK.detach().float()
             return epilogue(comb, topk_idx_TK, rw, sh)
 
+    def backward(self, x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, topk_w_TK: torch.Tensor,
+                 dO_TH: torch.Tensor) -> dict[str, Any]:
+        """This rank's gradients of the planned bf16 backward (:mod:`kernels.mok_hopper.twin_bwd`) on real ranks:
+        all-gather x, dO, ids and router weights; this rank's experts' rows (H recomputed); the dX rows and
+        router-weight gradients delivered to their source ranks with one all-reduce each (one writer per slot, so
+        the sums are exact); dx summed per token, k ascending. Keys as :func:`twin_bwd.simulate_backward`."""
+        from kernels.mok_hopper import twin_bwd
+
+        assert not self.fp8 and self.rw_in == "expert", "the backward twin covers bf16, router weight in the expert"
+        with torch.no_grad():
+            T, K = topk_idx_TK.shape
+            H = x_TH.shape[1]
+            x_all = self._all_gather(x_TH.detach().float()).to(torch.bfloat16).reshape(-1, H)
+            dO_all = self._all_gather(dO_TH.detach().float()).to(torch.bfloat16).reshape(-1, H)
+            idx_all = self._all_gather(topk_idx_TK.to(torch.int64)).reshape(self.world, T * K)
+            w_all = self._all_gather(topk_w_TK.detach().float()).reshape(-1)
+            out = twin_bwd.rank_backward(x_all, dO_all, idx_all, w_all, self.w13, self.w2, rank=self.rank,
+                                         limit=self.limit, block_m=self.block_m,
+                                         capacity_multiplier=self.cap_mult)
+            dx_all = torch.zeros(self.world * T * K, H, dtype=torch.float32)
+            ds_all = torch.zeros(self.world * T * K, dtype=torch.float32)
+            if out["rows"]:
+                codes = torch.tensor([c for c, _, _ in out["rows"]])
+                dx_all[codes] = torch.stack([d for _, d, _ in out["rows"]]).float()
+                ds_all[codes] = torch.stack([d for _, _, d in out["rows"]])
+            self.dist.all_reduce(dx_all, group=self.group)
+            self.dist.all_reduce(ds_all, group=self.group)
+            mine = slice(self.rank * T * K, (self.rank + 1) * T * K)
+            rows = dx_all[mine].to(torch.bfloat16).view(T, K, H)
+            live = topk_idx_TK >= 0
+            dx = torch.zeros(T, H, dtype=torch.float32)
+            for k in range(K):
+                dx = dx + rows[:, k].float() * live[:, k, None]
+            g = {"w13": out["dW13"], "w2": out["dW2"],
+                 "topk_w": torch.where(live, ds_all[mine].view(T, K), torch.zeros(()))}
+            if self.shared is not None:
+                sh = twin_bwd.shared_backward(x_TH.detach(), dO_TH.detach(), self.shared, self.limit)
+                dx = dx + sh["dx"]
+                g["shared"] = (sh["gate"], sh["up"], sh["down"])
+            g["x"] = dx.to(torch.bfloat16)
+            return g
+
     def rows_per_peer(self) -> tuple[list[int], list[int]]:
         L = self.w13.shape[0]
         idx = self.idx_all
