@@ -227,11 +227,11 @@ def test_slurm_sweep_rows_ids_and_cancelled_jobs(tmp_path):
     finish. Every point ends with one row per (backend, direction)."""
     name = f"mbt-{uuid.uuid4().hex[:6]}"
     log = tmp_path / "sweep.log"
-    # 200 timed iterations and 20 per-phase ones keep each point busy for well over 15 s, so point #0 is still running
-    # when it is cancelled (with quick timing a point can finish within the polling interval, and the cancel then
-    # misses it; since timing=auto takes the quick preset's 5 phase iterations, not the schema's 20, 100 timed
-    # iterations were no longer enough)
-    proc = _start(_sweep(tmp_path, name, "workload.seed=1,2,3,4", "timing.num_iters=200", "timing.phase_iters=20"),
+    # 2000 timed iterations keep each point busy long enough that point #0 is still running when it is cancelled
+    # (a point that finishes between its start line and the cancel makes the cancel miss it: 100 timed iterations
+    # did in CI once timing=auto took the quick preset's 5 per-phase iterations instead of the schema's 20, and 200
+    # did in one of two fresh-clone runs)
+    proc = _start(_sweep(tmp_path, name, "workload.seed=1,2,3,4", "timing.num_iters=2000", "timing.phase_iters=20"),
                   log)
     sweep = tmp_path / "sweep"
     ids = _wait_for("the sweep's jobs in the queue", lambda: _job_ids(name))
