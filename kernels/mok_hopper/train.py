@@ -18,6 +18,7 @@ import torch
 from kernels.mok_hopper import bwd_gemm
 from kernels.mok_hopper.api import MoKHopperLayer
 from kernels.mok_hopper.tiles import num_sms
+from kernels.mok_hopper.twin import epilogue
 from kernels.mok_hopper.twin_bwd import shared_backward
 
 
@@ -59,16 +60,13 @@ def layer_backward(layer: MoKHopperLayer, dO_TH: torch.Tensor, x_TH: torch.Tenso
     bwd_gemm.bwd_rows(dO_rows, w2_LHI, dH, s.tile_expert_M, s.tile_row_M1, chunk, block_n=bn,
                       block_k=_blocks(H, 64), dgate=dict(h=h, clip=clip, s=s_rows, sa=sA, ds=ds_parts), limit=limit,
                       **kw)
-    # dX rows, then each to its slot and summed per token, k ascending (the forward's epilogue order)
+    # dX rows, then each to its slot and summed per token by the forward's epilogue order (k ascending, fp32)
     dX = torch.zeros(R, H, dtype=torch.bfloat16, device=dO_TH.device)
     bwd_gemm.bwd_rows(dH, w13_LIH, dX, s.tile_expert_M, s.tile_row_M1, chunk, block_n=_blocks(H, 64),
                       block_k=_blocks(2 * I, 64), **kw)
     slots = torch.zeros(T * K, H, dtype=torch.bfloat16, device=dO_TH.device)
     slots[codes[valid]] = dX[valid]
-    dx = torch.zeros(T, H, dtype=torch.float32, device=dO_TH.device)
     live = topk_idx_TK >= 0
-    for k in range(K):
-        dx = dx + slots.view(T, K, H)[:, k].float() * live[:, k, None]
     dtopk = torch.zeros(T * K, dtype=torch.float32, device=dO_TH.device)
     dtopk[codes[valid]] = bwd_gemm.router_grad(ds_parts)[valid]
     # weight gradients, each expert's rows in schedule order
@@ -80,11 +78,10 @@ def layer_backward(layer: MoKHopperLayer, dO_TH: torch.Tensor, x_TH: torch.Tenso
     bwd_gemm.bwd_wgrad(dO_rows, sA, dW2, s.row_code_R, starts, programs=progs, block_n=_blocks(H, 64),
                        block_k=_blocks(I, 64))
     out = {"w13": dW13, "w2": dW2, "topk_w": dtopk.view(T, K) * live}
-    if shared is not None:
-        sh = shared_backward(x_TH, dO_TH, shared, limit)
-        dx = dx + sh["dx"]
+    sh = shared_backward(x_TH, dO_TH, shared, limit) if shared is not None else None
+    if sh is not None:
         out["shared"] = (sh["gate"], sh["up"], sh["down"])
-    out["x"] = dx.to(torch.bfloat16)
+    out["x"] = epilogue(slots, topk_idx_TK, None, sh["dx"] if sh is not None else None)
     return out
 
 

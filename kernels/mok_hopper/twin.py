@@ -221,18 +221,14 @@ class DistributedTwin:
             self.dist.all_reduce(dx_all, group=self.group)
             self.dist.all_reduce(ds_all, group=self.group)
             mine = slice(self.rank * T * K, (self.rank + 1) * T * K)
-            rows = dx_all[mine].to(torch.bfloat16).view(T, K, H)
             live = topk_idx_TK >= 0
-            dx = torch.zeros(T, H, dtype=torch.float32)
-            for k in range(K):
-                dx = dx + rows[:, k].float() * live[:, k, None]
             g = {"w13": out["dW13"], "w2": out["dW2"],
                  "topk_w": torch.where(live, ds_all[mine].view(T, K), torch.zeros(()))}
+            sh = None
             if self.shared is not None:
                 sh = twin_bwd.shared_backward(x_TH.detach(), dO_TH.detach(), self.shared, self.limit)
-                dx = dx + sh["dx"]
                 g["shared"] = (sh["gate"], sh["up"], sh["down"])
-            g["x"] = dx.to(torch.bfloat16)
+            g["x"] = epilogue(dx_all[mine].to(torch.bfloat16), topk_idx_TK, None, sh["dx"] if sh else None)
             return g
 
     def rows_per_peer(self) -> tuple[list[int], list[int]]:

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.mok_hopper.schedule import build_schedule, capacity_rows
+from kernels.mok_hopper.twin import epilogue
 
 
 def swiglu_grads(g: torch.Tensor, u: torch.Tensor, dA: torch.Tensor, limit: Optional[float],
@@ -122,14 +123,14 @@ def rank_backward(x_all: torch.Tensor, dO_all: torch.Tensor, idx_all_PS: torch.T
 
 def shared_backward(x_TH: torch.Tensor, dO_TH: torch.Tensor, shared: Sequence[torch.Tensor],
                     limit: Optional[float]) -> dict[str, torch.Tensor]:
-    """The shared expert's gradients (one expert over every token, router weight 1): dx fp32 [T, H] and bf16
-    (gate [I, H], up [I, H], down [H, I])."""
+    """The shared expert's gradients (one expert over every token, router weight 1), all bf16: dx [T, H], gate
+    [I, H], up [I, H], down [H, I]."""
     g, u, d = shared
     I = g.shape[0]
     w13 = torch.cat([g, u])
     h, clip = saved(x_TH, w13, limit)
     out = expert_backward(x_TH, h, dO_TH, torch.ones(x_TH.shape[0]), w13, d, limit=limit, clip_r2I=clip)
-    return {"dx": out["dX"].float(), "gate": out["dW13"][:I], "up": out["dW13"][I:], "down": out["dW2"]}
+    return {"dx": out["dX"], "gate": out["dW13"][:I], "up": out["dW13"][I:], "down": out["dW2"]}
 
 
 def simulate_backward(xs_PTH: Sequence[torch.Tensor], idx_PTK: Sequence[torch.Tensor],
@@ -158,17 +159,13 @@ def simulate_backward(xs_PTH: Sequence[torch.Tensor], idx_PTK: Sequence[torch.Te
         grads.append({"w13": out["dW13"], "w2": out["dW2"]})
     result = []
     for r in range(P):
-        dx = torch.zeros(T, H, dtype=torch.float32)
-        rows = dx_rows[r].view(T, K, H)
         live = idx_PTK[r] >= 0
-        for k in range(K):  # the fixed order of the forward's epilogue: k ascending
-            dx = dx + rows[:, k].float() * live[:, k, None]
         g = {**grads[r], "topk_w": torch.where(live, ds[r].view(T, K), torch.zeros(()))}
-        if shared is not None:
-            sh = shared_backward(xs_PTH[r], dO_PTH[r], shared, limit)
-            dx = dx + sh["dx"]
+        sh = shared_backward(xs_PTH[r], dO_PTH[r], shared, limit) if shared is not None else None
+        if sh is not None:
             g["shared"] = (sh["gate"], sh["up"], sh["down"])
-        g["x"] = dx.to(torch.bfloat16)
+        # dx: the forward's epilogue, on the dX rows (k ascending, fp32, masked slots left out) plus the shared dx
+        g["x"] = epilogue(dx_rows[r], idx_PTK[r], None, sh["dx"] if sh is not None else None)
         result.append(g)
     return result
 
