@@ -53,6 +53,12 @@ def hydra_error_line(e: BaseException) -> Optional[str]:
     return _flat("; ".join(lines)) or type(e).__name__
 
 
+def point_error_line(e: BaseException) -> Optional[str]:
+    """The line for why one sweep point cannot run: a :class:`ConfigError`'s message, or Hydra's composition error
+    as :func:`hydra_error_line` words it; None for anything else (a bug: the caller raises it)."""
+    return str(e) if isinstance(e, ConfigError) else hydra_error_line(e)
+
+
 def group_options(group: str) -> list[str]:
     """The options of a config group: files under configs/<group>/ and ConfigStore entries (schemas left out)."""
     from hydra.core.config_store import ConfigStore
@@ -154,10 +160,8 @@ def check_sweep(loader: Any, master: DictConfig, launcher: Any, job_overrides: S
             config = loader.load_sweep_config(master, list(overrides))
             check_local_point(config)
             continue
-        except ConfigError as e:
-            msg = str(e)
-        except Exception as e:  # noqa: BLE001 - Hydra's composition errors; anything else is a bug: raise it
-            msg = hydra_error_line(e)
+        except Exception as e:  # noqa: BLE001 - configuration and Hydra's composition errors; anything else: raise
+            msg = point_error_line(e)
             if msg is None:
                 raise
         problems.append(f"sweep point #{initial_job_idx + i} ({labels[i]}): {msg}")

@@ -46,7 +46,7 @@ from hydra.core.utils import JobReturn, JobStatus, run_job, setup_globals
 from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf, LocalQueueConf, SlurmQueueConf
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
-from harness.cli import hydra_config, point_labels
+from harness.cli import hydra_config, point_error_line, point_labels, reject
 from harness.config import ConfigError
 
 log = logging.getLogger(__name__)
@@ -390,7 +390,6 @@ def plan_all(hydra_context: Any, config: DictConfig, job_overrides: Sequence[Seq
     (Hydra's composition errors included, harness.cli), and exit code 2 with nothing started. ``launcher``: options
     set on every point's ``hydra.launcher``; ``local``: the points run on this machine, so a CPU point's gloo ranks
     must fit its memory."""
-    from harness.cli import hydra_error_line, reject
 
     points, bad = [], []
     labels = point_labels(job_overrides)
@@ -407,10 +406,8 @@ def plan_all(hydra_context: Any, config: DictConfig, job_overrides: Sequence[Seq
             points[-1].label = labels[i]
             if local and points[-1].case.device == "cpu":
                 _check_local_memory(points[-1])
-        except ConfigError as e:
-            bad.append(f"sweep point #{num} ({labels[i]}): {e}")
-        except Exception as e:  # noqa: BLE001 - Hydra's composition errors; anything else is a bug: raise it
-            line = hydra_error_line(e)
+        except Exception as e:  # noqa: BLE001 - configuration and Hydra's composition errors; anything else: raise
+            line = point_error_line(e)
             if line is None:
                 raise
             bad.append(f"sweep point #{num} ({labels[i]}): {line}")
