@@ -9,7 +9,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-_WHERE = {"WEIGHT_GRAD_NAMES": "backend", "Backend": "backend", "check_backend": "backend", "Case": "case",
+_WHERE = {"WEIGHT_GRAD_NAMES": "backend", "Backend": "backend", "check_backend": "backend",
+          "direction_unsupported": "backend", "Case": "case",
           "FP8_MAX": "fp8", "dequantize_blocks": "fp8", "quantize_blocks": "fp8", "LayerInputs": "inputs",
           "ExpertLeaves": "weights"}
 __all__ = sorted(_WHERE)

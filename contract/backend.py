@@ -5,6 +5,10 @@ group)``; ``b.setup(inputs)``; ``out = b.forward(x, topk_idx, topk_w)`` (for bac
 ``out.backward(grad_out)`` and reads ``x.grad``, ``topk_w.grad`` and ``b.weight_grads()``, keyed by
 :data:`WEIGHT_GRAD_NAMES`); ``b.zero_grad()``, ``b.traffic()``, ``b.phases()``, ``b.info()``; ``b.teardown()``.
 :mod:`harness.backends` says what each step is for.
+
+A backend that implements a direction only for some cases (a backward at one precision, or at one EP size) says why
+not in an optional classmethod ``direction_unsupported(case, direction) -> Optional[str]``; the harness asks
+:func:`direction_unsupported`, which also covers the directions a backend does not list at all.
 """
 
 from __future__ import annotations
@@ -49,6 +53,15 @@ class Backend(Protocol):
     def teardown(self) -> None: ...
 
 
+def direction_unsupported(cls: Any, case: Case, direction: str) -> Optional[str]:
+    """Why ``cls`` cannot run ``direction`` on ``case`` (None: it can): a direction it does not list, or its own
+    optional ``direction_unsupported(case, direction)``."""
+    if direction not in cls.directions:
+        return f"{cls.name} implements {', '.join(cls.directions)} only"
+    hook = getattr(cls, "direction_unsupported", None)
+    return hook(case, direction) if hook is not None else None
+
+
 def check_backend(cls: Any, key: str = "") -> None:
     """Raise TypeError unless ``cls`` fits :class:`Backend`: a ``name``, ``directions`` drawn from
     :data:`DIRECTIONS`, a classmethod ``unsupported_reason(case)``, a constructor taking ``(case, group)`` and
@@ -64,6 +77,9 @@ def check_backend(cls: Any, key: str = "") -> None:
     reason = inspect.getattr_static(cls, "unsupported_reason", None)
     if not isinstance(reason, classmethod):
         problems.append("`unsupported_reason` must be a classmethod taking the case")
+    hook = inspect.getattr_static(cls, "direction_unsupported", None)
+    if hook is not None and not isinstance(hook, classmethod):
+        problems.append("`direction_unsupported`, where given, must be a classmethod taking (case, direction)")
     try:
         inspect.signature(cls).bind(None, None)
     except (TypeError, ValueError):

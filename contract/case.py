@@ -40,6 +40,7 @@ class Case:
     comm_sms: Optional[int]
     te_fp8_recipe: str = "blockwise"
     fp8_gemm: str = "auto"
+    mok_hopper_forward: str = "save_h"
 
     @property
     def routing_label(self) -> str:

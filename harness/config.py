@@ -38,6 +38,10 @@ TE_FP8_RECIPES = ("blockwise", "tensorwise", "delayed")
 # GEMMs in the harness format (1x128 / 128x128), emulated = bf16 GEMMs on e4m3-rounded operands (accuracy only),
 # auto = the fastest real path installed (on a CPU: emulated, labelled as accuracy only). Recorded in `scaling`.
 FP8_GEMMS = ("auto", "rowwise", "blockwise", "emulated")
+# What mok_hopper's forward keeps for its backward (kernels/mok_hopper/train.py): save_h = X and the pre-SwiGLU
+# gate/up output H (SonicMoE's choice, the default), recompute = X only (the backward recomputes H: one more read of
+# the gate/up weights), inference = nothing (the forward-only layer; its backward rows are unsupported).
+MOK_HOPPER_FORWARDS = ("save_h", "recompute", "inference")
 # torch.compile modes, and "published": each PyTorch baseline's mode in the published scripts (nccl max-autotune,
 # DeepEP / HybridEP max-autotune-no-cudagraphs)
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs", "published")
@@ -123,6 +127,7 @@ class BenchConfig:
     comm_sms: Optional[int] = None  # SMs for communication kernels, for backends that take it (None: its default)
     te_fp8_recipe: str = "blockwise"  # fp8 recipe of the TE-based backends (TE_FP8_RECIPES); others ignore it
     fp8_gemm: str = "auto"  # fp8 GEMMs of the PyTorch-expert baselines (FP8_GEMMS); others ignore it
+    mok_hopper_forward: str = "save_h"  # what mok_hopper's forward saves for the backward (MOK_HOPPER_FORWARDS)
     check: bool = True  # correctness gate against the reference before timing
     time_reference: bool = False  # the reference is not a contender; time it only when asked
     run_id: Optional[str] = None  # rows of one run share it; None: generated per process tree
@@ -266,6 +271,7 @@ def make_case(cfg: Any, *, ep_size: int, device: str) -> Case:
         comm_sms=c.get("comm_sms"),
         te_fp8_recipe=c.get("te_fp8_recipe", "blockwise"),
         fp8_gemm=c.get("fp8_gemm", "auto"),
+        mok_hopper_forward=c.get("mok_hopper_forward", "save_h"),
     )
     validate_case(case)
     return case
@@ -326,6 +332,8 @@ def validate_case(case: Case) -> None:
     need(case.te_fp8_recipe in TE_FP8_RECIPES,
          f"unknown te_fp8_recipe '{case.te_fp8_recipe}'; choose one of: {', '.join(TE_FP8_RECIPES)}")
     need(case.fp8_gemm in FP8_GEMMS, f"unknown fp8_gemm '{case.fp8_gemm}'; choose one of: {', '.join(FP8_GEMMS)}")
+    need(case.mok_hopper_forward in MOK_HOPPER_FORWARDS, f"unknown mok_hopper_forward '{case.mok_hopper_forward}'; "
+                                                         f"choose one of: {', '.join(MOK_HOPPER_FORWARDS)}")
 
 
 # Memory of one CPU (gloo) rank, for the check that the ranks of a local run fit this machine. Measured with torch
@@ -435,7 +443,7 @@ def validate_run_options(c: dict) -> None:
 # Fields that identify a measurement, not the run that made it (compare matches rows on this hash).
 _HASH_EXCLUDE = {"run_id", "dist_timeout_s", "results_dir", "results_format", "print_table", "timing", "check", "calibrate",
                  "time_reference", "backends", "directions", "te_fp8_recipe", "backend_order",
-                 "fp8_gemm"}
+                 "fp8_gemm", "mok_hopper_forward"}
 
 
 def config_hash(c: dict, case: Case) -> str:
@@ -449,6 +457,8 @@ def config_hash(c: dict, case: Case) -> str:
         kept["case"].pop("te_fp8_recipe")
     if case.precision != "fp8":
         kept["case"].pop("fp8_gemm")  # only fp8 rows depend on it: bf16/mxfp8 points keep their hashes
+    if case.mok_hopper_forward == "save_h":
+        kept["case"].pop("mok_hopper_forward")  # the default keeps the hash the points had before the option
     blob = OmegaConf.to_yaml(OmegaConf.create(kept), sort_keys=True)
     return hashlib.sha1(blob.encode()).hexdigest()[:12]
 

@@ -21,7 +21,7 @@ import pandas as pd
 import torch
 import torch.distributed as dist
 
-from contract import LayerInputs
+from contract import LayerInputs, direction_unsupported
 from harness import env as envinfo
 from harness import results
 from harness.backends import load_backend
@@ -309,7 +309,7 @@ def run_backend(name: str, point: PointContext) -> Iterator[dict[str, Any]]:
     if status == "ok":
         _, _, info = agree(backend.info)
         info = info or {}
-    grads_supported = "bwd" in cls.directions
+    grads_supported = any(direction_unsupported(cls, case, d) is None for d in directions if d != "fwd")
     extra: dict[str, Any] = dict(info)
 
     # The gate, per direction: a forward row needs the output to match; a backward row needs the output and every
@@ -366,9 +366,9 @@ def run_backend(name: str, point: PointContext) -> Iterator[dict[str, Any]]:
 
     for d in directions:
         checked = gate.get(d, ("ok", None, {}))[2]
-        if d not in cls.directions:
-            yield make_row(base, name, d, "unsupported", error=f"{name} implements {', '.join(cls.directions)} only",
-                           **extra, **checked)
+        why = direction_unsupported(cls, case, d)
+        if why is not None:
+            yield make_row(base, name, d, "unsupported", error=why, **extra, **checked)
             continue
         if d in gate and gate[d][0] != "ok":
             yield make_row(base, name, d, gate[d][0], error=gate[d][1], **extra, **checked)  # mismatches: not timed

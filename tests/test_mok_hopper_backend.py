@@ -1,6 +1,7 @@
 """The mok_hopper backend inside the harness, on gloo ranks: the CPU twin is checked against the reference like
-any backend, its backward is unsupported (forward only), its byte counts follow the routing; the upstream ``mok``
-backend becomes an ``unsupported`` row with its reason. Also the backend's reasons on CUDA machines."""
+any backend, forward and backward (the twin's backward on the same ranks), its byte counts follow the routing; the
+upstream ``mok`` backend becomes an ``unsupported`` row with its reason. Also the backend's reasons on CUDA
+machines, and which directions it declines for which cases."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ def by(df, backend, direction):
 
 @pytest.mark.slow
 def test_cpu_twin_passes_the_reference_gate_and_mok_is_unsupported(results_dir):
-    df = run_benchmark(cpu_cfg(results_dir, "ep_size=2", "backends=[mok_hopper,mok]", "directions=[fwd,bwd]"))
+    df = run_benchmark(cpu_cfg(results_dir, "ep_size=2", "backends=[mok_hopper,mok]",
+                               "directions=[fwd,bwd,fwd_bwd]"))
     r = by(df, "mok_hopper", "fwd")
     assert r.status == "ok", r.error
     assert r.rel_err < 0.01 and r.max_abs_err < 0.5 and r.rel_err > 0  # bf16 gate; a real comparison happened
@@ -29,8 +31,11 @@ def test_cpu_twin_passes_the_reference_gate_and_mok_is_unsupported(results_dir):
     # T * topk rows leave each rank in dispatch and come back in combine (bf16 rows)
     assert r.dispatch_bytes + r.dispatch_local_bytes == 64 * 2 * 256 * 2
     assert r.combine_bytes + r.combine_local_bytes == 64 * 2 * 256 * 2
-    b = by(df, "mok_hopper", "bwd")
-    assert b.status == "unsupported" and "implements fwd only" in b.error
+    assert "training forward (saves X and H)" in r.notes
+    for d in ("bwd", "fwd_bwd"):  # the output and all 8 gradients within the bf16 gate
+        b = by(df, "mok_hopper", d)
+        assert b.status == "ok", b.error
+        assert 0 < b.rel_err < 0.01 and b.latency_ms > 0
     for d in ("fwd", "bwd"):
         m = by(df, "mok", d)
         assert m.status == "unsupported" and "Blackwell" in m.error
@@ -54,6 +59,32 @@ def test_unsupported_reasons(monkeypatch):
     assert "SM80+" in MokHopperBackend.unsupported_reason(_case())
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
     assert "multiples of 128" in MokHopperBackend.unsupported_reason(_case(ffn=1000))
+
+
+@pytest.mark.slow
+def test_inference_forward_declines_the_backward(results_dir):
+    df = run_benchmark(cpu_cfg(results_dir, "backends=[mok_hopper]", "directions=[fwd,bwd]",
+                               "mok_hopper_forward=inference"))
+    r = by(df, "mok_hopper", "fwd")
+    assert r.status == "ok", r.error
+    assert "inference forward (saves nothing)" in r.notes
+    b = by(df, "mok_hopper", "bwd")
+    assert b.status == "unsupported" and "mok_hopper_forward=inference saves nothing" in b.error
+
+
+def test_directions_it_declines():
+    from contract import direction_unsupported
+
+    def why(direction, **kw):
+        base = dict(precision="bf16", device="cuda", ep_size=1, mok_hopper_forward="save_h")
+        return direction_unsupported(MokHopperBackend, SimpleNamespace(**{**base, **kw}), direction)
+
+    assert why("fwd", precision="fp8", ep_size=8) is None
+    assert why("bwd") is None and why("fwd_bwd", mok_hopper_forward="recompute") is None
+    assert why("bwd", device="cpu", ep_size=4) is None  # the twin's backward
+    assert "issue 25" in why("bwd", precision="fp8")
+    assert "EP=1 so far" in why("fwd_bwd", ep_size=2)
+    assert "saves nothing" in why("bwd", mok_hopper_forward="inference")
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])

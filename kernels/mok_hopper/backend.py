@@ -1,9 +1,14 @@
 """The harness backend ``mok_hopper``: :class:`~kernels.mok_hopper.api.MoKHopperLayer` behind the backend
-protocol (fits ``harness.backends.Backend`` structurally; imports nothing from the harness). Forward only.
+protocol (fits ``harness.backends.Backend`` structurally; imports nothing from the harness).
 
 On CUDA it runs the Triton kernels. On the CPU (the harness's gloo test runs) it runs the pure-torch twin of the
-same pipeline (:class:`~kernels.mok_hopper.twin.DistributedTwin`), and ``info()['notes']`` says so: those rows
-check the schedule / combine logic and the backend plumbing, they time nothing about the kernel.
+same pipeline (:class:`~kernels.mok_hopper.twin.DistributedTwin`, forward and backward), and ``info()['notes']``
+says so: those rows check the schedule / combine logic and the backend plumbing, they time nothing about the kernel.
+
+The forward is a training forward (autograd records it, as the baselines' forwards are recorded) unless the case's
+``mok_hopper_forward`` is ``inference``: ``save_h`` (default) keeps X and the pre-SwiGLU H, ``recompute`` keeps X and
+the backward recomputes H (:mod:`kernels.mok_hopper.train`). The bf16 backward runs on CUDA at EP=1; at EP >= 2 on
+CUDA, and for fp8, its rows are ``unsupported`` with the reason (:meth:`MokHopperBackend.direction_unsupported`).
 
 Legend: T tokens per rank, K top-k, H hidden, I ffn, L local experts, P ranks.
 """
@@ -15,12 +20,43 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from contract import Case, LayerInputs
+from contract import Case, ExpertLeaves, LayerInputs
+
+
+class _TwinTrain(torch.autograd.Function):
+    """The CPU twin as an autograd function: its forward, and its backward on the same ranks."""
+
+    @staticmethod
+    def forward(ctx, twin, x_TH, topk_idx_TK, topk_w_TK, w13, w2, *shared):  # type: ignore[override]
+        ctx.twin, ctx.n_shared = twin, len(shared)
+        ctx.save_for_backward(x_TH, topk_idx_TK, topk_w_TK)
+        return twin.forward(x_TH, topk_idx_TK, topk_w_TK)
+
+    @staticmethod
+    def backward(ctx, dO_TH):  # type: ignore[override]
+        x, idx, w = ctx.saved_tensors
+        g = ctx.twin.backward(x, idx, w, dO_TH)
+        sh = list(g["shared"]) if ctx.n_shared else []
+        return (None, g["x"], None, g["topk_w"].to(w.dtype), g["w13"], g["w2"], *sh)
 
 
 class MokHopperBackend:
     name = "mok_hopper"
-    directions = ("fwd",)
+    directions = ("fwd", "bwd", "fwd_bwd")
+
+    @classmethod
+    def direction_unsupported(cls, case: Case, direction: str) -> Optional[str]:
+        if direction == "fwd":
+            return None
+        if case.precision == "fp8":
+            return "mok_hopper's fp8 backward is not built yet (issue 25); its fp8 forward runs (direction=fwd)"
+        if getattr(case, "mok_hopper_forward", "save_h") == "inference":
+            return ("mok_hopper_forward=inference saves nothing for a backward; use mok_hopper_forward=save_h "
+                    "(default) or recompute")
+        if case.device == "cuda" and case.ep_size > 1:
+            return ("mok_hopper's GPU backward runs at EP=1 so far (the cross-rank pull of dO rows and push of dX "
+                    "rows are not built); run ep_size=1, or device=cpu for the twin's backward at any EP")
+        return None
 
     @classmethod
     def unsupported_reason(cls, case: Case) -> Optional[str]:
@@ -54,10 +90,14 @@ class MokHopperBackend:
         self.impl: Any = None
         self._first_forward = True
         self._tile: Any = None
+        self.params: Optional[ExpertLeaves] = None
+        self.mode = getattr(case, "mok_hopper_forward", "save_h")
 
     def setup(self, inputs: LayerInputs) -> None:
         c = self.case
         shared = (inputs.ws_gate_IH, inputs.ws_up_IH, inputs.ws_down_HI) if c.shared_expert else None
+        if self.mode != "inference" and c.precision == "bf16":  # (no fp8 backward yet: its forward saves nothing)
+            self.params = ExpertLeaves(c, inputs)
         if c.device != "cuda":
             from kernels.mok_hopper.twin import DistributedTwin
 
@@ -73,14 +113,23 @@ class MokHopperBackend:
                                   n_sm=num_sms(dev))
         self.impl = MoKHopperLayer(inputs.w13_LIH, inputs.w2_LHI, topk=c.topk, tokens=c.tokens_per_gpu,
                                    shared=shared, swiglu_limit=c.swiglu_limit, precision=c.precision,
-                                   group=self.group, tile=self._tile)
+                                   group=self.group, tile=self._tile,
+                                   **({"save_h": True} if self.params is not None and self.mode == "save_h" else {}))
         # Untimed warm-up: compiles every kernel variant (all ranks run setup together, so barriers pair up).
         self.impl(inputs.x_TH, inputs.topk_idx_TK, inputs.topk_w_TK)
         torch.cuda.synchronize()
         self.impl.check_no_overflow()
 
     def forward(self, x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, topk_w_TK: torch.Tensor) -> torch.Tensor:
-        out = self.impl.forward(x_TH, topk_idx_TK, topk_w_TK)
+        p = self.params
+        if p is None:  # the inference forward: nothing recorded
+            out = self.impl.forward(x_TH, topk_idx_TK, topk_w_TK)
+        elif self.case.device != "cuda":
+            out = _TwinTrain.apply(self.impl, x_TH, topk_idx_TK, topk_w_TK, p.w13, p.w2, *(p.shared or ()))
+        else:
+            from kernels.mok_hopper.train import mok_hopper_train
+
+            out = mok_hopper_train(self.impl, x_TH, topk_idx_TK, topk_w_TK, p.w13, p.w2, p.shared)
         if self._first_forward and self.case.device == "cuda":
             # The first forward is the harness's (untimed) correctness check: make capacity overflow loud there.
             self._first_forward = False
@@ -88,10 +137,11 @@ class MokHopperBackend:
         return out
 
     def zero_grad(self) -> None:
-        pass
+        if self.params is not None:
+            self.params.zero_grad()
 
     def weight_grads(self) -> dict[str, Optional[torch.Tensor]]:
-        return {}
+        return self.params.grads() if self.params is not None else {}
 
     def traffic(self) -> dict[str, Any]:
         """Rows of this rank's tokens pulled by each rank (dispatch) and rows pushed back to each rank (combine),
@@ -122,12 +172,16 @@ class MokHopperBackend:
         if c.precision == "fp8":
             scaling = ("block 1x128 act (1x64 hidden) / 128x128 weight, e4m3 GEMMs (Triton), fp32 accumulation; "
                        "activations quantised at the source, before the pull")
+        saves = {"save_h": "training forward (saves X and H)", "recompute": "training forward (saves X; the backward "
+                 "recomputes H)"}.get(self.mode, "inference forward (saves nothing)") if self.params is not None \
+            else "inference forward (saves nothing)"
         if c.device != "cuda":
             return {"scaling": scaling, "compiled": False,
-                    "notes": "CPU twin (pure torch, gloo), not the Triton kernel: checks schedule and combine logic"}
+                    "notes": f"CPU twin (pure torch, gloo), not the Triton kernel: checks schedule and combine logic; "
+                             f"{saves}"}
         t, layer = self._tile, self.impl
         return {"scaling": scaling, "compiled": True, "comm_sms": t.comm_sms,
-                "notes": (f"Triton, {'TMA' if t.tma else 'pointer'} GEMM operands"
+                "notes": (f"{saves}; Triton, {'TMA' if t.tma else 'pointer'} GEMM operands"
                           f"{' (weights in TMA block order)' if t.w_tiled else ''}; BM={t.block_m} "
                           f"{'+ BM/2 half tiles ' if t.half_tiles else ''}"
                           f"{f'+ {t.tail_rows}-row swapped tails ' if t.tail_rows else ''}"

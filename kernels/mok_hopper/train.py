@@ -11,7 +11,7 @@ Legend: T tokens, K top-k, H hidden, I ffn, L local experts, R capacity rows.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -26,62 +26,80 @@ def _blocks(n: int, cap: int) -> int:
     return next(b for b in (cap, 64, 32, 16) if b <= cap and n % b == 0)
 
 
+BWD_STAGES = ("gather", "recompute_h", "dgate", "dx", "dx_sum", "dw13", "dw2", "shared")  # ``marks`` names
+
+
 def layer_backward(layer: MoKHopperLayer, dO_TH: torch.Tensor, x_TH: torch.Tensor, topk_idx_TK: torch.Tensor,
                    topk_w_TK: torch.Tensor, w13_LIH: torch.Tensor, w2_LHI: torch.Tensor,
-                   shared: Optional[Sequence[torch.Tensor]]) -> dict[str, Any]:
+                   shared: Optional[Sequence[torch.Tensor]], marks: Optional[Callable[[str], None]] = None
+                   ) -> dict[str, Any]:
     """The gradients of the layer's last forward (EP=1): x (bf16 [T, H]), topk_w (fp32 [T, K]), w13 (bf16
-    [L, 2I, H]), w2 (bf16 [L, H, I]) and, with a shared expert, its (gate, up, down) gradients."""
+    [L, 2I, H]), w2 (bf16 [L, H, I]) and, with a shared expert, its (gate, up, down) gradients. H comes from the
+    forward (``layer.save_h``) or is recomputed here from the layer's X rows. ``marks(stage)`` is called after
+    each stage of :data:`BWD_STAGES` (diagnostics: a stage timer records an event there)."""
     assert layer.world == 1, "the v0 backward runs at EP=1 (issue 23: the cross-rank dO pull and dX push are next)"
+    mark = marks or (lambda name: None)
     T, K, H, I, L = layer.T, layer.K, layer.H, layer.I, layer.L
     s = layer.sched
     R = layer.R
+    dev = dO_TH.device
     codes = s.row_code_R.long()
     valid = codes >= 0
     c = torch.where(valid, codes, torch.zeros_like(codes))
     tok = c // K
-    zero = torch.zeros((), dtype=torch.bfloat16, device=dO_TH.device)
+    zero = torch.zeros((), dtype=torch.bfloat16, device=dev)
     dO_rows = torch.where(valid[:, None], dO_TH.to(torch.bfloat16)[tok], zero)
-    s_rows = torch.where(valid, topk_w_TK.reshape(-1).float()[c], torch.zeros((), device=dO_TH.device))
+    s_rows = torch.where(valid, topk_w_TK.reshape(-1).float()[c], torch.zeros((), device=dev))
     x_rows = torch.where(valid[:, None], layer.x_rows, zero)  # the forward's pulled rows (padding rows: zero)
-    bm, progs = layer.cfg.block_m, num_sms(dO_TH.device)
+    mark("gather")
+    bm, progs = layer.cfg.block_m, num_sms(dev)
     chunk = torch.stack([torch.zeros_like(s.num_tiles.reshape(())), s.num_tiles.reshape(())]).to(torch.int32)
     limit = layer.limit
     kw = dict(block_m=bm, programs=progs)
-    # recompute H (and, clamped, the clamp's decisions) from the X rows
-    h = torch.empty(R, 2 * I, dtype=torch.bfloat16, device=dO_TH.device)
-    clip = torch.zeros(R, 2 * I, dtype=torch.uint8, device=dO_TH.device) if limit is not None else None
-    bwd_gemm.bwd_rows(x_rows, w13_LIH.transpose(1, 2), h, s.tile_expert_M, s.tile_row_M1, chunk,
-                      block_n=_blocks(2 * I, 64), block_k=_blocks(H, 64), limit=limit, save_clip=clip, **kw)
+    if getattr(layer, "save_h", False):  # saved by the forward's up GEMM
+        h, clip = layer.h_save, (layer.clip_save if limit is not None else None)
+    else:  # recompute H (and, clamped, the clamp's decisions) from the X rows
+        h = torch.empty(R, 2 * I, dtype=torch.bfloat16, device=dev)
+        clip = torch.zeros(R, 2 * I, dtype=torch.uint8, device=dev) if limit is not None else None
+        bwd_gemm.bwd_rows(x_rows, w13_LIH.transpose(1, 2), h, s.tile_expert_M, s.tile_row_M1, chunk,
+                          block_n=_blocks(2 * I, 64), block_k=_blocks(H, 64), limit=limit, save_clip=clip, **kw)
+    mark("recompute_h")
     # dgate: dH, s*A, the router-weight partials
     bn = _blocks(I, 32)
-    dH = torch.zeros(R, 2 * I, dtype=torch.bfloat16, device=dO_TH.device)
-    sA = torch.zeros(R, I, dtype=torch.bfloat16, device=dO_TH.device)
-    ds_parts = torch.zeros(R, I // bn, dtype=torch.float32, device=dO_TH.device)
+    dH = torch.zeros(R, 2 * I, dtype=torch.bfloat16, device=dev)
+    sA = torch.zeros(R, I, dtype=torch.bfloat16, device=dev)
+    ds_parts = torch.zeros(R, I // bn, dtype=torch.float32, device=dev)
     bwd_gemm.bwd_rows(dO_rows, w2_LHI, dH, s.tile_expert_M, s.tile_row_M1, chunk, block_n=bn,
                       block_k=_blocks(H, 64), dgate=dict(h=h, clip=clip, s=s_rows, sa=sA, ds=ds_parts), limit=limit,
                       **kw)
+    mark("dgate")
     # dX rows, then each to its slot and summed per token by the forward's epilogue order (k ascending, fp32)
-    dX = torch.zeros(R, H, dtype=torch.bfloat16, device=dO_TH.device)
+    dX = torch.zeros(R, H, dtype=torch.bfloat16, device=dev)
     bwd_gemm.bwd_rows(dH, w13_LIH, dX, s.tile_expert_M, s.tile_row_M1, chunk, block_n=_blocks(H, 64),
                       block_k=_blocks(2 * I, 64), **kw)
-    slots = torch.zeros(T * K, H, dtype=torch.bfloat16, device=dO_TH.device)
+    mark("dx")
+    slots = torch.zeros(T * K, H, dtype=torch.bfloat16, device=dev)
     slots[codes[valid]] = dX[valid]
     live = topk_idx_TK >= 0
-    dtopk = torch.zeros(T * K, dtype=torch.float32, device=dO_TH.device)
+    dtopk = torch.zeros(T * K, dtype=torch.float32, device=dev)
     dtopk[codes[valid]] = bwd_gemm.router_grad(ds_parts)[valid]
+    mark("dx_sum")
     # weight gradients, each expert's rows in schedule order
     starts = bwd_gemm.expert_rows(s.tile_expert_M, s.tile_row_M1, L)
     dW13 = torch.empty_like(w13_LIH)
     dW2 = torch.empty_like(w2_LHI)
     bwd_gemm.bwd_wgrad(dH, x_rows, dW13, s.row_code_R, starts, programs=progs, block_n=_blocks(2 * I, 64),
                        block_k=_blocks(H, 64))
+    mark("dw13")
     bwd_gemm.bwd_wgrad(dO_rows, sA, dW2, s.row_code_R, starts, programs=progs, block_n=_blocks(H, 64),
                        block_k=_blocks(I, 64))
+    mark("dw2")
     out = {"w13": dW13, "w2": dW2, "topk_w": dtopk.view(T, K) * live}
     sh = shared_backward(x_TH, dO_TH, shared, limit) if shared is not None else None
     if sh is not None:
         out["shared"] = (sh["gate"], sh["up"], sh["down"])
     out["x"] = epilogue(slots, topk_idx_TK, None, sh["dx"] if sh is not None else None)
+    mark("shared")
     return out
 
 

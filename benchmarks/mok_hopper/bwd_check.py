@@ -1,0 +1,249 @@
+"""GPU check of mok_hopper's bf16 backward (issue 23) at EP=1: every gradient against the harness's reference,
+bitwise determinism over repeats, the backward timed alone and per stage, and the memory a training step takes.
+
+Run (repository root, one GPU)::
+
+    torchrun --nproc-per-node=1 -m benchmarks.mok_hopper.bwd_check --out DIR
+    torchrun --nproc-per-node=1 -m benchmarks.mok_hopper.bwd_check --out DIR --shapes glm_5_2 --modes recompute
+    # CPU, Triton interpreter, a tiny shape: checks this script's plumbing, measures nothing
+    TRITON_INTERPRET=1 torchrun --nproc-per-node=1 -m benchmarks.mok_hopper.bwd_check --out DIR --smoke
+
+Everything goes through the harness's own pieces: the backend class the harness runs (``MokHopperBackend``, one per
+``mok_hopper_forward`` mode), its inputs (``harness.inputs``: the harness's seed), its reference and comparison
+(``harness.check``), its timing path (``harness.runner._time_direction``: the bwd row times the backward after an
+untimed forward, as published). What is kept here: per-gradient errors, the repeat check, the stage timer (CUDA
+events between the stages of :func:`kernels.mok_hopper.train.layer_backward`) and the memory figures.
+
+Memory, per mode: ``setup_mb`` (what the backend allocates to exist: the layer's weight copy and scratch), the peak
+allocated above that during one forward + backward (``step_peak_mb``), and the same for the harness's reference
+and, at EP=1, the ``nccl`` baseline. ``saved_per_token`` is counted, not measured: the bytes per token this design
+keeps between forward and backward (X rows, H, clamp masks), beside SonicMoE's (X and H only).
+
+Writes ``DIR/mok_hopper_bwd_check.csv``; exit 1 if a check failed, 2 (one line) for a shape that cannot run here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import sys
+import time
+from dataclasses import replace
+from typing import Any, Optional
+
+import torch
+
+from benchmarks.mok_hopper.gpu_check import Ctx, layer_inputs, med, shape_cases, unrunnable
+from harness.check import compare, run_once
+from harness.reference import ReferenceBackend
+from harness.runner import _time_direction
+from kernels.mok_hopper.backend import MokHopperBackend
+from kernels.mok_hopper.train import BWD_STAGES, layer_backward
+from kernels.mok_hopper.workspace import clear_workspace_cache
+
+MODES = ("save_h", "recompute")
+SMOKE_SHAPE = "tiny"
+
+
+def _mb(n: float) -> float:
+    return round(n / 2**20, 1)
+
+
+def _sync(ctx: Ctx) -> None:
+    if not ctx.smoke:
+        torch.cuda.synchronize()
+
+
+def _alloc(ctx: Ctx) -> int:
+    return 0 if ctx.smoke else torch.cuda.memory_allocated()
+
+
+def step_memory(ctx: Ctx, backend: Any, inp: Any) -> dict[str, float]:
+    """Peak allocated above the current level over one forward + backward, and what the forward left allocated
+    (its output and what autograd saved) before the backward ran."""
+    if ctx.smoke:
+        return {}
+    x, w = inp.x_TH.detach().requires_grad_(), inp.topk_w_TK.detach().requires_grad_()
+    backend.zero_grad()
+    _sync(ctx)
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = backend.forward(x, inp.topk_idx_TK, w)
+    _sync(ctx)
+    after_fwd = torch.cuda.memory_allocated() - base
+    out.backward(inp.grad_out_TH)
+    _sync(ctx)
+    peak = torch.cuda.max_memory_allocated() - base
+    del out
+    backend.zero_grad()
+    return {"fwd_kept_mb": _mb(after_fwd), "step_peak_mb": _mb(peak)}
+
+
+def saved_per_token(case: Any, mode: str) -> dict[str, int]:
+    """Bytes per token kept from forward to backward (counted): this design, and SonicMoE's X + H."""
+    K, H, I = case.topk, case.hidden, case.ffn
+    x_rows = K * H * 2  # the gathered X rows (the layer's pulled rows)
+    h = K * 2 * I * 2 if mode == "save_h" else 0
+    clip = K * 2 * I if (mode == "save_h" and case.swiglu_limit is not None) else 0  # one byte per element today
+    return {"saved_bytes_per_token": x_rows + h + clip + H * 2,  # + this rank's X (the input, saved by autograd)
+            "sonicmoe_bytes_per_token": H * 2 + K * 2 * I * 2}
+
+
+def stage_times(ctx: Ctx, backend: Any, inp: Any, iters: int) -> dict[str, float]:
+    """Median ms of each backward stage (:data:`BWD_STAGES`), each after an untimed forward."""
+    layer, p = backend.impl, backend.params
+    samples: dict[str, list[float]] = {s: [] for s in BWD_STAGES}
+    x, idx, w = inp.x_TH, inp.topk_idx_TK, inp.topk_w_TK
+    for it in range(iters + 2):
+        with torch.no_grad():
+            layer(x, idx, w)
+        evs: list[tuple[str, Any]] = []
+
+        def mark(name: str) -> None:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            evs.append((name, ev))
+
+        mark("start")
+        with torch.no_grad():
+            layer_backward(layer, inp.grad_out_TH, x, idx, w, p.w13, p.w2, p.shared, marks=mark)
+        torch.cuda.synchronize()
+        if it >= 2:
+            for (_, a), (name, b) in zip(evs, evs[1:]):
+                samples[name].append(a.elapsed_time(b))
+    return {s: round(med(v), 4) for s, v in samples.items() if v}
+
+
+def per_tensor_errors(ctx: Ctx, got: dict, ref: dict) -> dict[str, float]:
+    out = {}
+    for k, r in ref.items():
+        if r is None:
+            continue
+        c = compare({k: got.get(k)}, {k: r}, ctx.ctrl)
+        out[f"{k}_abs"], out[f"{k}_rel"] = round(c["max_abs_err"], 5), round(c["rel_err"], 6)
+    return out
+
+
+def repeats_identical(ctx: Ctx, backend: Any, inp: Any, first: dict, n: int) -> int:
+    """How many of ``n`` more forward + backward steps give every tensor bitwise equal to ``first``."""
+    same = 0
+    for _ in range(n):
+        got = run_once(backend, inp, True)
+        same += all(v is None or torch.equal(v, got[k]) for k, v in first.items())
+    return same
+
+
+def check_shape(ctx: Ctx, name: str, args: argparse.Namespace) -> None:
+    case = shape_cases(name, ctx.world, "cpu" if ctx.smoke else "cuda", args.tokens, ["bf16"])["bf16"]
+    inp = layer_inputs(ctx, case)
+    t = {"num_warmup": args.warmup, "num_iters": args.iters}
+    # the reference: gradients, and its step memory
+    ref_b = ReferenceBackend(case, ctx.group)
+    ref_b.setup(inp)
+    ref_mem = step_memory(ctx, ref_b, inp)
+    ref = run_once(ref_b, inp, True)
+    ref_b.teardown()
+    del ref_b
+    ctx.add(section="memory", shape=name, backend="reference", **ref_mem)
+    ctx.log(f"{name}: reference done {ref_mem}")
+    for mode in args.modes:
+        c = replace(case, mok_hopper_forward=mode)
+        _sync(ctx)
+        a0 = _alloc(ctx)
+        b = MokHopperBackend(c, ctx.group)
+        b.setup(inp)
+        _sync(ctx)
+        setup_mb = _mb(_alloc(ctx) - a0)
+        got = run_once(b, inp, True)
+        verdict = compare(got, ref, ctx.ctrl)
+        ok = verdict["max_abs_err"] <= case.atol and verdict["rel_err"] <= case.rtol and not verdict["any_missing"]
+        errs = per_tensor_errors(ctx, got, ref)
+        first = {k: (v.clone() if v is not None else None) for k, v in got.items()}
+        del got
+        same = repeats_identical(ctx, b, inp, first, args.repeats)
+        del first
+        ok = ok and same == args.repeats
+        ctx.failed += not ok
+        row: dict[str, Any] = dict(section="backward", shape=name, mode=mode, ok=ok, identical=f"{same}/{args.repeats}",
+                                   max_abs_err=round(verdict["max_abs_err"], 5), rel_err=round(verdict["rel_err"], 6),
+                                   worst=verdict["worst_tensor"], setup_mb=setup_mb, **saved_per_token(case, mode))
+        ctx.log(f"{name} {mode}: {'ok' if ok else 'FAILED'} abs {verdict['max_abs_err']:.4g} rel "
+                f"{verdict['rel_err']:.4g} on {verdict['worst_tensor']}; identical {same}/{args.repeats}; {errs}")
+        if not ctx.smoke:
+            row.update(step_memory(ctx, b, inp))
+            for d in ("fwd", "bwd", "fwd_bwd"):
+                row[f"{d}_ms"] = round(_time_direction(b, inp, d, ctx.timer, t).median_ms, 4)
+            stages = stage_times(ctx, b, inp, args.stage_iters)
+            row.update({f"stage_{k}_ms": v for k, v in stages.items()})
+            ctx.log(f"{name} {mode}: fwd {row['fwd_ms']} bwd {row['bwd_ms']} fwd_bwd {row['fwd_bwd_ms']} ms; "
+                    f"stages {stages}; memory setup {setup_mb} MB, step {row.get('step_peak_mb')} MB")
+        row.update(errs)
+        ctx.add(**row)
+        b.teardown()
+        del b
+        clear_workspace_cache()
+        if not ctx.smoke:
+            torch.cuda.empty_cache()
+    if args.nccl and not ctx.smoke:
+        from baselines.nccl import NcclBackend
+
+        nb = NcclBackend(replace(case, compile=False), ctx.group)
+        nb.setup(inp)
+        mem = step_memory(ctx, nb, inp)
+        row = dict(section="memory", shape=name, backend="nccl (eager)", **mem)
+        for d in ("bwd", "fwd_bwd"):
+            row[f"{d}_ms"] = round(_time_direction(nb, inp, d, ctx.timer, t).median_ms, 4)
+        ctx.add(**row)
+        ctx.log(f"{name}: nccl eager {row}")
+        nb.teardown()
+    del ref
+    if not ctx.smoke:
+        torch.cuda.empty_cache()
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--shapes", default="glm_5_2,qwen3_5_397b,kimi_k2_7")
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--stage-iters", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--no-nccl", dest="nccl", action="store_false", help="skip the eager nccl comparison")
+    ap.add_argument("--smoke", action="store_true")
+    args = ap.parse_args(argv)
+    args.modes = [m for m in args.modes.split(",") if m]
+    args.precisions = ["bf16"]
+    shapes = [s for s in args.shapes.split(",") if s]
+    if args.smoke:
+        shapes, args.tokens, args.repeats = [SMOKE_SHAPE], 32, 2
+    bad = [m for m in args.modes if m not in MODES]
+    why = f"unknown mode(s) {bad}; choose from {MODES}" if bad else unrunnable(shapes, args)
+    if why or int(os.environ.get("WORLD_SIZE", "1")) != 1:
+        print(f"bwd_check: {why or 'runs on one rank (EP=1): torchrun --nproc-per-node=1'}", file=sys.stderr)
+        return 2
+    ctx = Ctx(smoke=args.smoke)
+    t0 = time.time()
+    ctx.log(f"mok_hopper bwd_check: {'cpu (smoke)' if ctx.smoke else torch.cuda.get_device_name()}, torch "
+            f"{torch.__version__}, triton {__import__('triton').__version__}")
+    for name in shapes:
+        check_shape(ctx, name, args)
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "mok_hopper_bwd_check.csv")
+    keys: list[str] = []
+    for r in ctx.rows:
+        keys += [k for k in r if k not in keys]
+    with open(path, "w", newline="") as f:
+        wr = csv.DictWriter(f, fieldnames=keys)
+        wr.writeheader()
+        wr.writerows(ctx.rows)
+    print(f"wrote {path}; {ctx.failed} failed checks; {time.time() - t0:.0f} s", flush=True)
+    torch.distributed.destroy_process_group()
+    return 1 if ctx.failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
