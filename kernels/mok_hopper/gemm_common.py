@@ -1,7 +1,7 @@
 """What the two grouped GEMMs share: the MMA steps, the work-item order over (row tile, column tile), operand
 loads (pointers or TMA descriptors, row-major or tiled weights), the tails' extra rows, the wait on the pull's
 ready counters, the 1 x N e4m3 quantisation of an output block, and the weights' TMA block order
-(:func:`tile_weights`)."""
+(:func:`tile_weights`, inverted by :func:`untile_weights`)."""
 
 from __future__ import annotations
 
@@ -134,6 +134,23 @@ def tile_weights_gu(w13_LNK: torch.Tensor, bn: int, bk: int) -> torch.Tensor:
     assert N % (2 * bn) == 0 and K % bk == 0, f"w13 [{N}, {K}] must be multiples of the tile (2 x {bn}, {bk})"
     w = w13_LNK.reshape(L, 2, N // (2 * bn), bn, K // bk, bk)  # [L, gate/up, n, row, k, col]
     return w.permute(0, 2, 4, 3, 1, 5).reshape(L, N // (2 * bn), K // bk, 2 * bn, bk).contiguous()
+
+
+def untile_weights(w_tiled: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`tile_weights`: [L, N/bn, K/bk, bn, bk] -> W [L, N, K] (a copy; bn, bk from the shape)."""
+    assert w_tiled.dim() == 5, f"tiled weights are [L, N/bn, K/bk, bn, bk], got shape {tuple(w_tiled.shape)}"
+    L, nn_, nk, bn, bk = w_tiled.shape
+    return w_tiled.permute(0, 1, 3, 2, 4).reshape(L, nn_ * bn, nk * bk)
+
+
+def untile_weights_gu(w_tiled: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`tile_weights_gu`: [L, I/bn, H/bk, 2bn, bk] -> W13 [L, 2I, H] (gate rows, then up rows;
+    a copy)."""
+    assert w_tiled.dim() == 5 and w_tiled.shape[3] % 2 == 0, \
+        f"gate/up tiled weights are [L, I/bn, H/bk, 2bn, bk], got shape {tuple(w_tiled.shape)}"
+    L, nn_, nk, bn2, bk = w_tiled.shape
+    w = w_tiled.reshape(L, nn_, nk, bn2 // 2, 2, bk)  # [L, n, k, row, gate/up, col]
+    return w.permute(0, 4, 1, 3, 2, 5).reshape(L, nn_ * bn2, nk * bk)
 
 
 def _weights(w: torch.Tensor, bn: int, bk: int, tiled: bool) -> tuple[int, int]:
