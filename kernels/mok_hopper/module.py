@@ -19,11 +19,12 @@ Legend: T tokens, K top-k, H hidden, I ffn, L experts.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import weakref
 from dataclasses import replace
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
@@ -50,14 +51,14 @@ def _traced(t: torch.Tensor) -> bool:
     return type(t) not in (torch.Tensor, torch.nn.Parameter)
 
 
-def _backward_weights(layer: MoKHopperLayer) -> tuple[torch.Tensor, torch.Tensor]:
-    """The routed weights the backward reads: ONE place to switch the tiled layout on once ``train.layer_backward``
-    reads the layer's own layout."""
+def _backward_weights(layer: MoKHopperLayer, w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The routed weights the backward reads (the forward's, in the layer's layout): ONE place to switch the tiled
+    layout on once ``train.layer_backward`` reads the layer's own layout."""
     if layer.cfg.w_tiled:
         raise NotImplementedError(
             "MoKHopperMoE(layout='tiled'): the backward needs train.layer_backward / bwd_gemm to read the weights "
             "in TMA block order (issue 23, in progress); train with layout='plain' until then")
-    return layer.w13, layer.w2
+    return w13, w2
 
 
 # ---- the custom ops ----
@@ -65,12 +66,13 @@ def _backward_weights(layer: MoKHopperLayer) -> tuple[torch.Tensor, torch.Tensor
 @torch.library.custom_op("mokbench::mok_hopper_moe", mutates_args=())
 def mok_hopper_moe(handle: int, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, w13: torch.Tensor,
                    w2: torch.Tensor, shared: list[torch.Tensor]) -> torch.Tensor:
-    """bf16 [T, H]: the fused forward of module ``handle`` (T <= its max_tokens). The weights are inputs so that
-    autograd reaches them; the kernels read the module's parameters, which they must be."""
+    """bf16 [T, H]: the fused forward of module ``handle`` (T <= its max_tokens) with these weights (in the
+    module's layout). They are the module's parameters, which the layer reads in place (and replays as a CUDA
+    graph); other tensors (opcheck's copies) run eagerly through the layer, without the graph."""
     m = _module(handle)
-    m._check_weights(w13, w2, shared)
     T = x.shape[0]
-    out = m.layer(*m._padded(x, topk_idx, topk_w))
+    with m._operands(w13, w2, shared):
+        out = m.layer(*m._padded(x, topk_idx, topk_w))
     m._forwards += 1
     return out[:T].clone() if T < m.max_tokens else out
 
@@ -91,7 +93,7 @@ def mok_hopper_moe_backward(handle: int, dO: torch.Tensor, x: torch.Tensor, topk
     dOp = dO.new_zeros(m.max_tokens, dO.shape[1]) if T < m.max_tokens else dO
     if T < m.max_tokens:
         dOp[:T] = dO
-    b13, b2 = _backward_weights(m.layer)
+    b13, b2 = _backward_weights(m.layer, w13, w2)
     g = layer_backward(m.layer, dOp.contiguous(), xp, ip, wp, b13, b2, tuple(shared) if shared else None)
     out = [g["x"][:T].to(x.dtype), g["topk_w"][:T].to(topk_w.dtype), g["w13"], g["w2"]]
     out += [t.to(s.dtype) for t, s in zip(g.get("shared", ()), shared)]
@@ -255,16 +257,28 @@ class MoKHopperMoE(torch.nn.Module):
             self._w[T:].zero_()
         return self._x, self._idx, self._w
 
-    def _check_weights(self, w13: torch.Tensor, w2: torch.Tensor, shared: Sequence[torch.Tensor]) -> None:
-        for got, want in zip((w13, w2, *shared), (self.layer.w13, self.layer.w2, *self._layer_shared())):
-            if got.data_ptr() != want.data_ptr():
-                raise RuntimeError("MoKHopperMoE: the layer no longer reads the module's parameters (were they "
-                                   "replaced, moved or cast?); build the module on its device, in bf16")
-
-    def _layer_shared(self) -> list[torch.Tensor]:
-        if not self.has_shared:
-            return []
-        return [self.layer.sh_w13[0, : self.I], self.layer.sh_w13[0, self.I :], self.layer.sh_w2[0]]
+    @contextlib.contextmanager
+    def _operands(self, w13: torch.Tensor, w2: torch.Tensor, shared: Sequence[torch.Tensor]) -> Iterator[None]:
+        """The layer's forward reads these weights: its own (the parameters) as they are, other tensors for the
+        duration of one eager forward."""
+        lay = self.layer
+        mine = [lay.w13, lay.w2, *([lay.sh_w13[0, : self.I], lay.sh_w13[0, self.I :], lay.sh_w2[0]]
+                                   if self.has_shared else [])]
+        if all(a.data_ptr() == b.data_ptr() for a, b in zip((w13, w2, *shared), mine)):
+            yield
+            return
+        saved = lay.w13, lay.w2, lay.sh_w13 if self.has_shared else None, lay.sh_w2 if self.has_shared else None
+        graph = lay.use_graph
+        try:
+            lay.w13, lay.w2, lay.use_graph = w13.contiguous(), w2.contiguous(), False
+            if self.has_shared:
+                lay.sh_w13 = torch.cat(list(shared[:2])).unsqueeze(0)
+                lay.sh_w2 = shared[2].contiguous().unsqueeze(0)
+            yield
+        finally:
+            lay.w13, lay.w2, lay.use_graph = saved[0], saved[1], graph
+            if self.has_shared:
+                lay.sh_w13, lay.sh_w2 = saved[2], saved[3]
 
     def _apply(self, fn: Any, recurse: bool = True) -> "MoKHopperMoE":
         ptrs = [p.data_ptr() for p in self.expert_parameters()]
