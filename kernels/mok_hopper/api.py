@@ -38,7 +38,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from kernels.mok_hopper import down_gemm, pull, up_gemm
-from kernels.mok_hopper.gemm_common import tile_weights, tile_weights_gu
+from kernels.mok_hopper.gemm_common import adjacent_rows, adopted_dims, tile_weights, tile_weights_gu
 from kernels.mok_hopper.schedule_kernels import DeviceScheduler, gather_peer_i32
 from kernels.mok_hopper.tiles import TileConfig, default_tile, launch_programs, num_sms, ready_granule
 from kernels.mok_hopper.fp8 import quantize_expert_weights
@@ -430,52 +430,6 @@ def _rank_world(group: Any, rank: Optional[int], world: Optional[int]) -> tuple[
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(group), dist.get_world_size(group)
     return 0, 1
-
-
-def layout_shapes(L: int, I: int, H: int, cfg: TileConfig) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The shapes of (w13, w2) in the layout the layer's GEMMs read with ``cfg``: plain [L, 2I, H] / [L, H, I], or
-    the TMA block order of ``tile_weights`` (``w_tiled``; w13 by ``tile_weights_gu`` with ``up_fused``)."""
-    if not cfg.w_tiled:
-        return (L, 2 * I, H), (L, H, I)
-    bn, bk, dn, dk = cfg.up_n, cfg.up_k, cfg.down_n, cfg.down_k
-    w13 = (L, I // bn, H // bk, 2 * bn, bk) if cfg.up_fused else (L, 2 * I // bn, H // bk, bn, bk)
-    return w13, (L, H // dn, I // dk, dn, dk)
-
-
-def adopted_dims(w13: torch.Tensor, w2: torch.Tensor, tile: Optional[TileConfig], precision: str) -> tuple[int, ...]:
-    """(L, I, H) of weights a layer adopts without a copy; a one-line ValueError where they cannot be adopted."""
-    if tile is None:
-        raise ValueError("adopt_weights: pass the tile the weights are laid out for (tile=...)")
-    if precision != "bf16":
-        raise ValueError(f"adopt_weights: bf16 weights only (got precision={precision!r}: fp8 weights are "
-                         f"quantised copies)")
-    for name, w in (("w13", w13), ("w2", w2)):
-        if w.dtype != torch.bfloat16 or not w.is_contiguous() or w.device != w13.device:
-            raise ValueError(f"adopt_weights: {name} must be contiguous bf16 on {w13.device}, got {w.dtype} "
-                             f"contiguous={w.is_contiguous()} on {w.device}")
-    dims = 5 if tile.w_tiled else 3
-    if w13.dim() != dims or w2.dim() != dims:
-        raise ValueError(f"adopt_weights: the tile (w_tiled={tile.w_tiled}) wants {dims}-D weights, got w13 "
-                         f"{tuple(w13.shape)}, w2 {tuple(w2.shape)}")
-    L = w13.shape[0]
-    H = w13.shape[2] * (tile.up_k if tile.w_tiled else 1)
-    I = w2.shape[2] * (tile.down_k if tile.w_tiled else 1)
-    want = layout_shapes(L, I, H, tile)
-    if (tuple(w13.shape), tuple(w2.shape)) != want:
-        raise ValueError(f"adopt_weights: w13 {tuple(w13.shape)} / w2 {tuple(w2.shape)} are not the layout of the "
-                         f"tile (w_tiled={tile.w_tiled}, up_fused={tile.up_fused}): want {want[0]} / {want[1]}")
-    return L, I, H
-
-
-def adjacent_rows(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """[1, 2I, H] over gate [I, H] and up [I, H] when they are the two halves of one contiguous tensor (no copy)."""
-    I, H = gate.shape
-    if (tuple(up.shape) != (I, H) or not gate.is_contiguous() or not up.is_contiguous() or up.dtype != gate.dtype
-            or up.untyped_storage().data_ptr() != gate.untyped_storage().data_ptr()
-            or up.storage_offset() != gate.storage_offset() + I * H):
-        raise ValueError("adopt_weights: the shared gate and up weights must be the two halves of one contiguous "
-                         "[2I, H] tensor (the shared expert's up GEMM reads them as one)")
-    return gate.detach().new_empty(0).set_(gate.untyped_storage(), gate.storage_offset(), (1, 2 * I, H))
 
 
 def _check_divisible(H: int, I: int, cfg: TileConfig, cfg_bf16: TileConfig, shared: bool) -> None:
