@@ -38,7 +38,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from kernels.mok_hopper import down_gemm, pull, up_gemm
-from kernels.mok_hopper.gemm_common import tile_weights, tile_weights_gu
+from kernels.mok_hopper.gemm_common import adjacent_rows, adopted_dims, tile_weights, tile_weights_gu
 from kernels.mok_hopper.schedule_kernels import DeviceScheduler, gather_peer_i32
 from kernels.mok_hopper.tiles import TileConfig, default_tile, launch_programs, num_sms, ready_granule
 from kernels.mok_hopper.fp8 import quantize_expert_weights
@@ -79,6 +79,10 @@ class MoKHopperLayer(torch.nn.Module):
             output is a fresh tensor either way. False: launch every kernel from Python each call.
         schedule: "triton" (five small kernels, the default) or "torch" (``schedule.build_schedule``, ~20 torch
             launches; the same tables).
+        adopt_weights: use ``w13_LIH``, ``w2_LHI`` and the shared weights as they are, no copy (a training module
+            whose parameters they are: :class:`~kernels.mok_hopper.module.MoKHopperMoE`). bf16 only, contiguous,
+            already in the layout of ``tile`` (required): ``tile_weights`` / ``tile_weights_gu`` blocks when
+            ``w_tiled``, else plain; the shared gate and up must be the two halves of one [2I, H] tensor.
         timeline: diagnostics (CUDA): every forward writes the GPU timer at each phase boundary (``STAMPS``) into
             ``stamps``; :meth:`timeline_ms` reads them. Adds about a dozen one-thread launches per forward.
         rank, world, workspace: for tests that simulate several ranks in one process (see ``workspace.link_local``).
@@ -90,7 +94,7 @@ class MoKHopperLayer(torch.nn.Module):
                  capacity_multiplier: Optional[float] = 0.5, capacity: Optional[int] = None,
                  router_weight_in: str = "expert", cuda_graph: bool = True, rank: Optional[int] = None,
                  world: Optional[int] = None, workspace: Optional[Workspace] = None, timeline: bool = False,
-                 schedule: str = "triton") -> None:
+                 schedule: str = "triton", adopt_weights: bool = False) -> None:
         super().__init__()
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS} (got {precision!r}); mxfp8 is the `mok` "
@@ -101,8 +105,8 @@ class MoKHopperLayer(torch.nn.Module):
         dev = w13_LIH.device
         self.device = dev
         self.cuda = dev.type == "cuda"
-        L, I2, H = w13_LIH.shape
-        I = I2 // 2
+        L, I, H = adopted_dims(w13_LIH, w2_LHI, tile, precision) if adopt_weights else (
+            w13_LIH.shape[0], w13_LIH.shape[1] // 2, w13_LIH.shape[2])
         self.L, self.H, self.I, self.K, self.T = L, H, I, topk, tokens
         self.num_experts = L * self.world
         self.precision, self.fp8 = precision, precision == "fp8"
@@ -120,7 +124,11 @@ class MoKHopperLayer(torch.nn.Module):
         BM = self.cfg.block_m
 
         # weights (fp8: prequantised once, here)
-        if self.fp8:
+        if adopt_weights:  # the caller's tensors themselves (checked by adopted_dims)
+            self.register_buffer("w13", w13_LIH.detach(), persistent=False)
+            self.register_buffer("w2", w2_LHI.detach(), persistent=False)
+            self.w13_scale = self.w2_scale = None
+        elif self.fp8:
             q13, s13 = quantize_expert_weights(w13_LIH)
             q2, s2 = quantize_expert_weights(w2_LHI)
             self.register_buffer("w13", q13, persistent=False)
@@ -131,7 +139,7 @@ class MoKHopperLayer(torch.nn.Module):
             self.register_buffer("w13", w13_LIH.detach().contiguous(), persistent=False)
             self.register_buffer("w2", w2_LHI.detach().contiguous(), persistent=False)
             self.w13_scale = self.w2_scale = None
-        if self.cfg.w_tiled:  # each TMA block of the weights one contiguous run (a copy, made once)
+        if self.cfg.w_tiled and not adopt_weights:  # each TMA block of the weights one contiguous run (a copy, made once)
             tile13 = tile_weights_gu if self.cfg.up_fused else tile_weights
             self.w13 = tile13(self.w13, self.cfg.up_n, self.cfg.up_k)
             self.w2 = tile_weights(self.w2, self.cfg.down_n, self.cfg.down_k)
@@ -170,8 +178,12 @@ class MoKHopperLayer(torch.nn.Module):
         self.has_shared = shared is not None
         if self.has_shared:
             g, u, d = shared
-            self.register_buffer("sh_w13", torch.cat([g, u]).unsqueeze(0).contiguous(), persistent=False)
-            self.register_buffer("sh_w2", d.unsqueeze(0).contiguous(), persistent=False)
+            sh13 = adjacent_rows(g, u) if adopt_weights else torch.cat([g, u]).unsqueeze(0).contiguous()
+            if adopt_weights and (tuple(d.shape) != (H, I) or not d.is_contiguous()):
+                raise ValueError(f"adopt_weights: the shared down weight must be contiguous [{H}, {I}], got "
+                                 f"{tuple(d.shape)}")
+            self.register_buffer("sh_w13", sh13, persistent=False)
+            self.register_buffer("sh_w2", d.detach().unsqueeze(0).contiguous(), persistent=False)
             n_tiles = -(-tokens // BM)
             self.sh_h = torch.zeros(tokens, I, dtype=torch.bfloat16, device=dev)
             self.sh_y = torch.zeros(tokens, H, dtype=torch.bfloat16, device=dev)

@@ -1,13 +1,19 @@
 """What the two grouped GEMMs share: the MMA steps, the work-item order over (row tile, column tile), operand
 loads (pointers or TMA descriptors, row-major or tiled weights), the tails' extra rows, the wait on the pull's
 ready counters, the 1 x N e4m3 quantisation of an output block, and the weights' TMA block order
-(:func:`tile_weights`)."""
+(:func:`tile_weights`, inverted by :func:`untile_weights`; :func:`adopted_dims` checks weights a layer adopts in
+place)."""
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
+
+from kernels.mok_hopper.tiles import TileConfig
+
 
 @triton.jit
 def _mma(a, b, acc, UPCAST: tl.constexpr):
@@ -134,6 +140,69 @@ def tile_weights_gu(w13_LNK: torch.Tensor, bn: int, bk: int) -> torch.Tensor:
     assert N % (2 * bn) == 0 and K % bk == 0, f"w13 [{N}, {K}] must be multiples of the tile (2 x {bn}, {bk})"
     w = w13_LNK.reshape(L, 2, N // (2 * bn), bn, K // bk, bk)  # [L, gate/up, n, row, k, col]
     return w.permute(0, 2, 4, 3, 1, 5).reshape(L, N // (2 * bn), K // bk, 2 * bn, bk).contiguous()
+
+
+def untile_weights(w_tiled: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`tile_weights`: [L, N/bn, K/bk, bn, bk] -> W [L, N, K] (a copy; bn, bk from the shape)."""
+    assert w_tiled.dim() == 5, f"tiled weights are [L, N/bn, K/bk, bn, bk], got shape {tuple(w_tiled.shape)}"
+    L, nn_, nk, bn, bk = w_tiled.shape
+    return w_tiled.permute(0, 1, 3, 2, 4).reshape(L, nn_ * bn, nk * bk)
+
+
+def untile_weights_gu(w_tiled: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`tile_weights_gu`: [L, I/bn, H/bk, 2bn, bk] -> W13 [L, 2I, H] (gate rows, then up rows;
+    a copy)."""
+    assert w_tiled.dim() == 5 and w_tiled.shape[3] % 2 == 0, \
+        f"gate/up tiled weights are [L, I/bn, H/bk, 2bn, bk], got shape {tuple(w_tiled.shape)}"
+    L, nn_, nk, bn2, bk = w_tiled.shape
+    w = w_tiled.reshape(L, nn_, nk, bn2 // 2, 2, bk)  # [L, n, k, row, gate/up, col]
+    return w.permute(0, 4, 1, 3, 2, 5).reshape(L, nn_ * bn2, nk * bk)
+
+
+def layout_shapes(L: int, I: int, H: int, cfg: TileConfig) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The shapes of (w13, w2) in the layout the layer's GEMMs read with ``cfg``: plain [L, 2I, H] / [L, H, I], or
+    the TMA block order of ``tile_weights`` (``w_tiled``; w13 by ``tile_weights_gu`` with ``up_fused``)."""
+    if not cfg.w_tiled:
+        return (L, 2 * I, H), (L, H, I)
+    bn, bk, dn, dk = cfg.up_n, cfg.up_k, cfg.down_n, cfg.down_k
+    w13 = (L, I // bn, H // bk, 2 * bn, bk) if cfg.up_fused else (L, 2 * I // bn, H // bk, bn, bk)
+    return w13, (L, H // dn, I // dk, dn, dk)
+
+
+def adopted_dims(w13: torch.Tensor, w2: torch.Tensor, tile: Optional[TileConfig], precision: str) -> tuple[int, ...]:
+    """(L, I, H) of weights a layer adopts without a copy; a one-line ValueError where they cannot be adopted."""
+    if tile is None:
+        raise ValueError("adopt_weights: pass the tile the weights are laid out for (tile=...)")
+    if precision != "bf16":
+        raise ValueError(f"adopt_weights: bf16 weights only (got precision={precision!r}: fp8 weights are "
+                         f"quantised copies)")
+    for name, w in (("w13", w13), ("w2", w2)):
+        if w.dtype != torch.bfloat16 or not w.is_contiguous() or w.device != w13.device:
+            raise ValueError(f"adopt_weights: {name} must be contiguous bf16 on {w13.device}, got {w.dtype} "
+                             f"contiguous={w.is_contiguous()} on {w.device}")
+    dims = 5 if tile.w_tiled else 3
+    if w13.dim() != dims or w2.dim() != dims:
+        raise ValueError(f"adopt_weights: the tile (w_tiled={tile.w_tiled}) wants {dims}-D weights, got w13 "
+                         f"{tuple(w13.shape)}, w2 {tuple(w2.shape)}")
+    L = w13.shape[0]
+    H = w13.shape[2] * (tile.up_k if tile.w_tiled else 1)
+    I = w2.shape[2] * (tile.down_k if tile.w_tiled else 1)
+    want = layout_shapes(L, I, H, tile)
+    if (tuple(w13.shape), tuple(w2.shape)) != want:
+        raise ValueError(f"adopt_weights: w13 {tuple(w13.shape)} / w2 {tuple(w2.shape)} are not the layout of the "
+                         f"tile (w_tiled={tile.w_tiled}, up_fused={tile.up_fused}): want {want[0]} / {want[1]}")
+    return L, I, H
+
+
+def adjacent_rows(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """[1, 2I, H] over gate [I, H] and up [I, H] when they are the two halves of one contiguous tensor (no copy)."""
+    I, H = gate.shape
+    if (tuple(up.shape) != (I, H) or not gate.is_contiguous() or not up.is_contiguous() or up.dtype != gate.dtype
+            or up.untyped_storage().data_ptr() != gate.untyped_storage().data_ptr()
+            or up.storage_offset() != gate.storage_offset() + I * H):
+        raise ValueError("adopt_weights: the shared gate and up weights must be the two halves of one contiguous "
+                         "[2I, H] tensor (the shared expert's up GEMM reads them as one)")
+    return gate.detach().new_empty(0).set_(gate.untyped_storage(), gate.storage_offset(), (1, 2 * I, H))
 
 
 def _weights(w: torch.Tensor, bn: int, bk: int, tiled: bool) -> tuple[int, int]:
