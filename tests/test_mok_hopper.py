@@ -412,8 +412,9 @@ needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installe
 
 
 def run_kernels(xs, idx, ws, w13, w2, sh, *, precision="bf16", limit=None, rw_in="expert", capacity=None,
-                repeats=1, tile=None):
-    """Run the kernel pipeline for P simulated ranks, phase by phase (stage all, compute all, finish all)."""
+                repeats=1, tile=None, save_h=False):
+    """Run the kernel pipeline for P simulated ranks, phase by phase (stage all, compute all, finish all). With
+    ``save_h`` the layers' saved H starts as NaN and their clamp decisions as 7 (what no forward writes)."""
     from kernels.mok_hopper.api import MoKHopperLayer, default_tile
     from kernels.mok_hopper.workspace import Workspace, link_local
 
@@ -424,7 +425,11 @@ def run_kernels(xs, idx, ws, w13, w2, sh, *, precision="bf16", limit=None, rw_in
                                 fp8=precision == "fp8", symmetric=False) for r in range(P)])
     layers = [MoKHopperLayer(w13[r], w2[r], topk=K, tokens=T, shared=sh, swiglu_limit=limit, precision=precision,
                              rank=r, world=P, workspace=wss[r], tile=tile, router_weight_in=rw_in,
-                             capacity=capacity) for r in range(P)]
+                             capacity=capacity, save_h=save_h) for r in range(P)]
+    for layer in layers if save_h else ():
+        layer.h_save.fill_(float("nan"))
+        if layer.clip_save is not None:
+            layer.clip_save.fill_(7)
     runs = []
     for _ in range(repeats):
         for r in range(P):
@@ -538,6 +543,102 @@ def test_kernels_with_tails_match_the_twin(tma):
         used = rows[n] // TL
         assert layer.ready[:used].tolist() == [TL] * used and not layer.ready[used:].any()
     assert sizes == {BM // 2, BM // 2 + TL, BM, BM + TL}  # tails of both kinds, and plain tiles
+
+
+def _uneven_routing(P: int, T: int, K: int) -> list[torch.Tensor]:
+    """Expert loads of 24-94 rows over 8 experts (P = 2, T = 64, K = 4): with 64-row tiles and 16-row tails every
+    tile kind occurs (BM/2, BM/2 + TL, BM, BM + TL)."""
+    g = torch.Generator().manual_seed(0)
+    load = torch.tensor([4.0, 7.0, 2.0, 6.0, 5.0, 7.5, 1.5, 6.0])
+    return [torch.stack([torch.multinomial(load, K, generator=g) for _ in range(T)]) for _ in range(P)]
+
+
+def check_saved_h(layer, w13_LIH: torch.Tensor, limit) -> dict[str, int]:
+    """The layer's h_save / clip_save against twin_bwd.saved of its X rows, tile by tile (each tile's rows with its
+    expert's weights): H within the bf16 rounding of the fp32 product (the kernel's fp32 sum runs in another
+    order than torch's, which can move a value across a bf16 rounding boundary: never more than that), and
+    equal to the twin's bf16 H almost everywhere; the clamp decisions equal except within 1e-4 of the limit;
+    rows past the last tile left alone. Returns counts, for the caller to check the test saw something."""
+    from kernels.mok_hopper.twin_bwd import saved
+
+    s = layer.sched
+    n = int(s.num_tiles)
+    rows = s.tile_row_M1[: n + 1].tolist()
+    I = layer.I
+    seen = {"rows": 0, "inexact": 0, "clip_gate": 0, "clip_up_pos": 0, "clip_up_neg": 0, "sizes": set()}
+    for m in range(n):
+        a, b, e = rows[m], rows[m + 1], int(s.tile_expert_M[m])
+        seen["sizes"].add(b - a)
+        x = layer.x_rows[a:b]
+        h_want, clip_want = saved(x, w13_LIH[e], limit)
+        h32 = x.float() @ w13_LIH[e].float().t()
+        got = layer.h_save[a:b]
+        assert not got.isnan().any(), f"tile {m} (rows {a}-{b}): rows the up GEMM computed were not saved"
+        err = (got.float() - h32).abs()
+        bound = h32.abs() * 2.0 ** -8 + 1e-5  # half a bf16 ulp, plus the fp32 sum's order
+        assert (err <= bound).all(), f"tile {m}: H off by {float((err - bound).max())} beyond rounding"
+        seen["inexact"] += int((got != h_want).sum())
+        seen["rows"] += b - a
+        if limit is None:
+            continue
+        clip = layer.clip_save[a:b]
+        assert clip.max() <= 1, f"tile {m}: clamp decisions not written"
+        near = torch.cat([(h32[:, :I] - limit).abs(), (h32[:, I:].abs() - limit).abs()], dim=1) < 1e-4
+        wrong = (clip.bool() != clip_want) & ~near
+        assert not wrong.any(), f"tile {m}: {int(wrong.sum())} clamp decisions differ from the fp32 product's"
+        seen["clip_gate"] += int(clip_want[:, :I].sum())
+        seen["clip_up_pos"] += int((clip_want[:, I:] & (h32[:, I:] > 0)).sum())
+        seen["clip_up_neg"] += int((clip_want[:, I:] & (h32[:, I:] < 0)).sum())
+    end = rows[n]
+    assert layer.h_save[end:].isnan().all(), "rows no tile covers were written"
+    if limit is not None:
+        assert (layer.clip_save[end:] == 7).all()
+    return seen
+
+
+@needs_triton
+@pytest.mark.parametrize("limit", [None, 0.75], ids=["no_limit", "clamped"])
+@pytest.mark.parametrize("layout", ["default", "tails+pointers", "fused+tails+tma"])
+def test_save_h_stores_the_pre_swiglu_h_and_clamp_decisions(layout, limit):
+    """``save_h``: the routed up GEMM's epilogue also stores H (bf16 [R, 2I]) and, clamped, the clamp decisions
+    (uint8 [R, 2I]) of every row it computes, as twin_bwd.saved has them, in every item kind: the CPU default tile
+    (pointers, half tiles, ready counters, two chunks); tails over pointers (the unfused tail MMAs); and the fused
+    gate/up MMA (interleaved accumulator columns) with tails and half tiles over TMA descriptors. The forward's
+    output is bitwise that of the layer without save_h."""
+    from kernels.mok_hopper.tiles import TileConfig, default_tile
+
+    P, T, K, E, H, I = 2, 64, 4, 8, 128, 64
+    xs, _, ws, w13, w2, sh = make_layer_inputs(P, T, K, E, H, I, seed=31)
+    idx = _uneven_routing(P, T, K)
+    if layout == "default":
+        tile = default_tile(device=torch.device("cpu"), hidden=H, ffn=I)
+    else:
+        tma = layout.endswith("tma")
+        tile = TileConfig(block_m=64, tail_rows=16, up_n=32, up_k=32, down_n=32, down_k=32, num_chunks=1,
+                          gemm_programs=3, pull_programs=5, pull_rows=4, group_m=2, tma=tma, w_tiled=tma,
+                          up_fused=tma)
+    plain, _, _ = run_kernels(xs, idx, ws, w13, w2, sh, tile=tile, limit=limit)
+    runs, layers, _ = run_kernels(xs, idx, ws, w13, w2, sh, tile=tile, limit=limit, save_h=True)
+    sizes = set()
+    for r in range(P):
+        assert torch.equal(runs[0][r], plain[0][r])  # saving H changes no bit of the forward
+        seen = check_saved_h(layers[r], w13[r], limit)
+        sizes |= seen["sizes"]
+        assert seen["rows"] > 0 and seen["inexact"] <= 0.01 * seen["rows"] * 2 * I
+        if limit is not None:  # the clamp clipped some of each kind
+            assert min(seen["clip_gate"], seen["clip_up_pos"], seen["clip_up_neg"]) > 0
+        else:
+            assert layers[r].clip_save is None
+    # every tile kind ran: half and full tiles, and with tails half + tail and full + tail
+    assert sizes == ({16, 32} if layout == "default" else {32, 48, 64, 80})
+
+
+def test_save_h_is_bf16_only():
+    from kernels.mok_hopper.api import MoKHopperLayer
+
+    xs, idx, ws, w13, w2, _ = make_layer_inputs(1, 8, 2, 4, 128, 64, seed=1, shared=False)
+    with pytest.raises(ValueError, match="save_h .* bf16 only"):
+        MoKHopperLayer(w13[0], w2[0], topk=2, tokens=8, precision="fp8", save_h=True, rank=0, world=1)
 
 
 def test_tile_weights_puts_each_tma_block_in_one_run_of_memory():
@@ -720,6 +821,7 @@ def test_every_kernel_variant_compiles_for_hopper_without_spills():
     assert "up fp8 tma row-major" in p.stdout and "down bf16 x w tma row-major" in p.stdout  # (w_tiled off)
     assert "up bf16 fused tma" in p.stdout and "up bf16 fused tails 32 tma" in p.stdout  # (up_fused)
     assert "down bf16 x w 256 tails 32 tma" in p.stdout  # (glm_5_2's v11 down GEMM)
+    assert "up bf16 clamp save H fused tails 32 tma" in p.stdout and "up bf16 save H" in p.stdout  # (save_h)
 
 
 @needs_triton

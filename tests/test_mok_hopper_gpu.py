@@ -167,6 +167,47 @@ def test_single_gpu_tails_match_the_default_per_token(tail):
         assert torch.equal(tails(x, idx, w), got)
 
 
+@pytest.mark.parametrize("limit", [None, 0.5], ids=["no_limit", "clamped"])
+@pytest.mark.parametrize("rows", [64, 192])  # 64: half tiles, two gate/up MMAs; 192: tails and the fused MMA
+def test_single_gpu_save_h_matches_torch(rows, limit):
+    """``save_h`` on the GPU (the CUDA default tile: TMA, tiled weights, half tiles, shared expert beside the up
+    GEMM, CUDA graph): h_save and clip_save against twin_bwd.saved of the layer's X rows per tile (torch fp32
+    matmul; H within bf16 rounding, clamp decisions exact away from the limit), on uneven loads that give every
+    tile kind, after the eager first call and again after a graph replay (the buffers refilled with NaN / 7 in
+    between: the replay must write them in place); the forward bitwise that of the layer without save_h."""
+    from test_mok_hopper import check_saved_h
+
+    from kernels.mok_hopper.api import MoKHopperLayer
+
+    torch.backends.cuda.matmul.allow_tf32 = False  # the reference in fp32
+    T, K, H, I = 2048, 8, 2048, 1024
+    E = T * K // rows
+    x, _, w, w13, w2, sh, _ = _inputs("uniform", K, T=T, E=E, H=H, I=I)
+    g = torch.Generator().manual_seed(5)  # loads from 1x to 3x the mean: tiles of every size
+    load = torch.rand(E, generator=g) * 2 + 1
+    idx = torch.stack([torch.multinomial(load, K, generator=g) for _ in range(T)]).to(x.device)
+    plain = MoKHopperLayer(w13, w2, topk=K, tokens=T, shared=sh, swiglu_limit=limit)
+    layer = MoKHopperLayer(w13, w2, topk=K, tokens=T, shared=sh, swiglu_limit=limit, save_h=True)
+    assert layer.cfg == plain.cfg and bool(layer.cfg.up_fused and layer.cfg.tail_rows) == (rows == 192)
+    want = plain(x, idx, w)
+    for call in ("eager", "replay"):
+        layer.h_save.fill_(float("nan"))
+        if limit is not None:
+            layer.clip_save.fill_(7)
+        out = layer(x, idx, w)
+        torch.cuda.synchronize()
+        assert torch.equal(out, want), call
+        seen = check_saved_h(layer, w13, limit)
+        assert seen["rows"] > 0 and seen["inexact"] <= 0.01 * seen["rows"] * 2 * I, (call, seen["inexact"])
+        if limit is not None:
+            assert min(seen["clip_gate"], seen["clip_up_pos"], seen["clip_up_neg"]) > 0
+    assert layer.graph_error is None and len(layer._graphs) == 1
+    bm = layer.cfg.block_m
+    assert {bm // 2, bm} <= seen["sizes"]
+    if rows == 192:
+        assert {bm // 2 + layer.cfg.tail_rows, bm + layer.cfg.tail_rows} <= seen["sizes"]
+
+
 def test_single_gpu_kernels_agree_with_the_twin_to_rounding():
     """The kernel pipeline and its pure-torch twin do the same math with the same roundings."""
     from test_mok_hopper import rel_l1

@@ -86,6 +86,14 @@ class MoKHopperLayer(torch.nn.Module):
         timeline: diagnostics (CUDA): every forward writes the GPU timer at each phase boundary (``STAMPS``) into
             ``stamps``; :meth:`timeline_ms` reads them. Adds about a dozen one-thread launches per forward.
         rank, world, workspace: for tests that simulate several ranks in one process (see ``workspace.link_local``).
+        save_h: the training forward (bf16 only; fp8 raises ValueError): the routed up GEMM's epilogue also stores
+            the pre-SwiGLU H of every row it computes into ``h_save`` (bf16 [R, 2I], row r = routed row r as in
+            ``x_rows``, gate columns then up columns, the fp32 accumulators rounded once: 4I bytes a row) and, with
+            ``swiglu_limit``, where the clamp clipped them, decided on the fp32 accumulators, into ``clip_save``
+            (uint8 [R, 2I], 1 = clipped: gate > limit, |up| > limit; 2I bytes a row): what the backward's dgate
+            stage reads (``bwd_gemm.bwd_rows``, ``twin_bwd.saved``). Both are allocated here and overwritten by
+            every forward (CUDA graph replays too); rows outside the last forward's tiles keep older values. The
+            shared expert saves nothing. False (the default): None, and the inference kernels are unchanged.
     """
 
     def __init__(self, w13_LIH: torch.Tensor, w2_LHI: torch.Tensor, *, topk: int, tokens: int,
@@ -94,11 +102,14 @@ class MoKHopperLayer(torch.nn.Module):
                  capacity_multiplier: Optional[float] = 0.5, capacity: Optional[int] = None,
                  router_weight_in: str = "expert", cuda_graph: bool = True, rank: Optional[int] = None,
                  world: Optional[int] = None, workspace: Optional[Workspace] = None, timeline: bool = False,
-                 schedule: str = "triton", adopt_weights: bool = False) -> None:
+                 schedule: str = "triton", adopt_weights: bool = False, save_h: bool = False) -> None:
         super().__init__()
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS} (got {precision!r}); mxfp8 is the `mok` "
                              f"backend's format on Blackwell")
+        if save_h and precision != "bf16":
+            raise ValueError(f"save_h (the training forward saving H) is bf16 only for now (got precision="
+                             f"{precision!r}): the fp8 backward is not built; use precision='bf16'")
         if router_weight_in not in ROUTER_WEIGHT_IN:
             raise ValueError(f"router_weight_in must be one of {ROUTER_WEIGHT_IN} (got {router_weight_in!r})")
         self.rank, self.world = _rank_world(group, rank, world)
@@ -159,6 +170,11 @@ class MoKHopperLayer(torch.nn.Module):
         self.rw_rows = torch.zeros(R, dtype=torch.float32, device=dev) if self.weights_in_expert else None
         self.h_rows = torch.zeros(R, I, dtype=xdt, device=dev)
         self.hs_rows = torch.zeros(R, I // self.cfg.h_block, dtype=torch.float32, device=dev) if self.fp8 else None
+        # save_h: the pre-SwiGLU H and the clamp's decisions of every routed row, for the backward
+        self.save_h = save_h
+        self.h_save = torch.zeros(R, 2 * I, dtype=torch.bfloat16, device=dev) if save_h else None
+        self.clip_save = torch.zeros(R, 2 * I, dtype=torch.uint8, device=dev) if save_h and self.limit is not None \
+            else None
         self.idx_all = torch.zeros(self.world, tokens * topk, dtype=torch.int32, device=dev)
         self.sched: Schedule = empty_schedule(capacity=R, block_m=BM, local_experts=L, num_chunks=C, device=dev,
                                               half_tiles=self.cfg.half_tiles)  # (tails never add tiles)
@@ -384,7 +400,8 @@ class MoKHopperLayer(torch.nn.Module):
         up_gemm.up_swiglu(self.x_rows, self.xs_rows, self.w13, self.w13_scale, self.h_rows, self.hs_rows,
                      s.tile_expert_M, s.tile_row_M1, s.chunk_tiles_C1[c : c + 2], limit=self.limit, cfg=self.cfg,
                      programs=programs or self.up_programs, ready=self.ready,
-                     work=self.work[c : c + 1] if self.work is not None else None)
+                     work=self.work[c : c + 1] if self.work is not None else None, h_save=self.h_save,
+                     clip_save=self.clip_save)
 
     def down(self, c: int) -> None:
         s = self.sched

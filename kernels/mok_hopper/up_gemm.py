@@ -19,13 +19,14 @@ from kernels.mok_hopper.tiles import TileConfig, ready_granule
 def _up_item(a_ptr, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row_end, n, e_tile, n_rows, H, I, limit,
              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FP8: tl.constexpr, HAS_LIMIT: tl.constexpr,
              UPCAST: tl.constexpr, STAGES: tl.constexpr, FP8_MAX_: tl.constexpr, TMA: tl.constexpr,
-             WB: tl.constexpr, TAIL: tl.constexpr, WT: tl.constexpr = False):
+             WB: tl.constexpr, TAIL: tl.constexpr, WT: tl.constexpr = False, hsv_ptr=None, clip_ptr=None,
+             SAVE_H: tl.constexpr = False):
     """One work item: rows [row0, min(row0 + BM, row_end)) x hidden columns [n*BN, (n+1)*BN) of expert ``e_tile``
     (rows from row_end on belong to the next tile: computed, not stored). TAIL > 0 (bf16): also the TAIL rows
     after those (``a_tail``: their TMA descriptor), as W @ A^T with the rows in N, off the same weight tiles.
     WT: 0 row-major weights, 1 tiled (:func:`tile_weights`), 2 (bf16) tiled with gate and up rows interleaved
     (:func:`tile_weights_gu`): one [2BN, BK] block and one MMA of N = 2BN per K step, split into gate and up after
-    the loop."""
+    the loop. SAVE_H: also the pre-SwiGLU H of every stored row (see ``_up_store``)."""
     e = e_tile.to(tl.int64)
     rows = (row0 + tl.arange(0, BM)).to(tl.int64)
     rmask = (rows < n_rows) & (rows < row_end)
@@ -62,7 +63,7 @@ def _up_item(a_ptr, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row_end,
         if TAIL > 0:
             t_g, t_u = tl.split(acc_t.T.reshape(TAIL, BN, 2))
             _up_store(t_g, t_u, rows_t32.to(tl.int64), rmask_t, n, h_ptr, hs_ptr, I, limit, BN, FP8, HAS_LIMIT,
-                      FP8_MAX_)
+                      FP8_MAX_, hsv_ptr, clip_ptr, SAVE_H, row0 + BM)
         acc_g, acc_u = tl.split(acc.reshape(BM, BN, 2))
     elif FP8:
         # Block scales change every K step, so each step's product is scaled before it is added ("promotion").
@@ -95,14 +96,31 @@ def _up_item(a_ptr, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row_end,
                 acc_u = _mma(a, _ld_w(w_ptr, u_at, k0, TMA, WT), acc_u, UPCAST)
         if TAIL > 0:
             _up_store(acc_tg.T, acc_tu.T, rows_t32.to(tl.int64), rmask_t, n, h_ptr, hs_ptr, I, limit, BN, FP8,
-                      HAS_LIMIT, FP8_MAX_)
-    _up_store(acc_g, acc_u, rows, rmask, n, h_ptr, hs_ptr, I, limit, BN, FP8, HAS_LIMIT, FP8_MAX_)
+                      HAS_LIMIT, FP8_MAX_, hsv_ptr, clip_ptr, SAVE_H, row0 + BM)
+    _up_store(acc_g, acc_u, rows, rmask, n, h_ptr, hs_ptr, I, limit, BN, FP8, HAS_LIMIT, FP8_MAX_, hsv_ptr, clip_ptr,
+              SAVE_H, row0)
 
 
 @triton.jit
 def _up_store(acc_g, acc_u, rows, rmask, n, h_ptr, hs_ptr, I, limit, BN: tl.constexpr, FP8: tl.constexpr,
-              HAS_LIMIT: tl.constexpr, FP8_MAX_: tl.constexpr):
-    """h[rows, column tile n] = SwiGLU(gate, up) (clamped with HAS_LIMIT), bf16 or e4m3 + its 1 x BN scale."""
+              HAS_LIMIT: tl.constexpr, FP8_MAX_: tl.constexpr, hsv_ptr=None, clip_ptr=None,
+              SAVE_H: tl.constexpr = False, srow0=0):
+    """h[rows, column tile n] = SwiGLU(gate, up) (clamped with HAS_LIMIT), bf16 or e4m3 + its 1 x BN scale.
+    SAVE_H (bf16, the training forward): also the pre-SwiGLU gate and up columns into ``hsv_ptr`` (bf16 [R, 2I],
+    gate columns then up columns: the fp32 accumulators rounded once) and, with HAS_LIMIT, the clamp's decisions
+    on the fp32 accumulators into ``clip_ptr`` (uint8 [R, 2I], 1 where clipped: gate > limit, |up| > limit).
+    ``srow0``: the first of ``rows`` (offsets within the item in int32, from one base per item: fewer live
+    pointers at the 255-register cap). The bf16 copies are made first and stored last, after the accumulators
+    are consumed (the order with the least spill in ``aot_check``)."""
+    if SAVE_H:
+        g16 = acc_g.to(tl.bfloat16)
+        u16 = acc_u.to(tl.bfloat16)
+        s_at = srow0.to(tl.int64) * (2 * I) + n * BN
+        s_off = (rows - srow0).to(tl.int32)[:, None] * (2 * I) + tl.arange(0, BN)[None, :]
+        if HAS_LIMIT:
+            tl.store(clip_ptr + s_at + s_off, (acc_g > limit).to(tl.uint8), mask=rmask[:, None])
+            tl.store(clip_ptr + (s_at + I) + s_off, ((acc_u > limit) | (acc_u < -limit)).to(tl.uint8),
+                     mask=rmask[:, None])
     if HAS_LIMIT:
         acc_g = tl.minimum(acc_g, limit)
         acc_u = tl.minimum(tl.maximum(acc_u, -limit), limit)
@@ -115,13 +133,17 @@ def _up_store(acc_g, acc_u, rows, rmask, n, h_ptr, hs_ptr, I, limit, BN: tl.cons
         tl.store(hs_ptr + rows * (I // BN) + n, s, mask=rmask)
     else:
         tl.store(h_ptr + h_off, hv.to(tl.bfloat16), mask=rmask[:, None])
+    if SAVE_H:
+        tl.store(hsv_ptr + s_at + s_off, g16, mask=rmask[:, None])
+        tl.store(hsv_ptr + (s_at + I) + s_off, u16, mask=rmask[:, None])
 
 
 @triton.jit
 def _up_tile(a_ptr, a_half, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row1, n, e_tile, n_rows, H, I,
              limit, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FP8: tl.constexpr,
              HAS_LIMIT: tl.constexpr, UPCAST: tl.constexpr, STAGES: tl.constexpr, FP8_MAX_: tl.constexpr,
-             TMA: tl.constexpr, WB: tl.constexpr, HALF: tl.constexpr, TAIL: tl.constexpr, WT: tl.constexpr = False):
+             TMA: tl.constexpr, WB: tl.constexpr, HALF: tl.constexpr, TAIL: tl.constexpr, WT: tl.constexpr = False,
+             hsv_ptr=None, clip_ptr=None, SAVE_H: tl.constexpr = False):
     """The item of one row tile: a BM/2-row MMA for a half tile (HALF), else BM rows; TAIL: a tile whose size is
     not a multiple of BM/2 (BM/2 + TAIL or BM + TAIL rows) adds the swapped TAIL-row MMA."""
     if TAIL > 0:  # (HALF: TileConfig)
@@ -129,26 +151,32 @@ def _up_tile(a_ptr, a_half, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, 
         if size % (BM // 2) != 0:
             if size < BM:
                 _up_item(a_half, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row1, n, e_tile, n_rows, H, I,
-                         limit, BM // 2, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB, TAIL, WT)
+                         limit, BM // 2, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB, TAIL, WT, hsv_ptr,
+                         clip_ptr, SAVE_H)
             else:
                 _up_item(a_ptr, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row1, n, e_tile, n_rows, H, I,
-                         limit, BM, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB, TAIL, WT)
+                         limit, BM, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB, TAIL, WT, hsv_ptr,
+                         clip_ptr, SAVE_H)
         elif size < BM:
             _up_item(a_half, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row1, n, e_tile, n_rows, H, I,
-                     limit, BM // 2, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB, 0, WT)
+                     limit, BM // 2, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB, 0, WT, hsv_ptr,
+                     clip_ptr, SAVE_H)
         else:
             _up_item(a_ptr, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row1, n, e_tile, n_rows, H, I,
-                     limit, BM, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB, 0, WT)
+                     limit, BM, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB, 0, WT, hsv_ptr,
+                     clip_ptr, SAVE_H)
     elif HALF:
         if row1 - row0 < BM:
             _up_item(a_half, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row1, n, e_tile, n_rows, H, I,
-                     limit, BM // 2, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB, 0, WT)
+                     limit, BM // 2, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB, 0, WT, hsv_ptr,
+                     clip_ptr, SAVE_H)
         else:
             _up_item(a_ptr, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row1, n, e_tile, n_rows, H, I,
-                     limit, BM, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB, 0, WT)
+                     limit, BM, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB, 0, WT, hsv_ptr,
+                     clip_ptr, SAVE_H)
     else:
         _up_item(a_ptr, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row1, n, e_tile, n_rows, H, I, limit,
-                 BM, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB, 0, WT)
+                 BM, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB, 0, WT, hsv_ptr, clip_ptr, SAVE_H)
 
 
 @triton.jit
@@ -173,19 +201,22 @@ def _next_work(wk, work_ptr, NUM_PROGS: tl.constexpr, DYN: tl.constexpr):
 
 @triton.jit
 def _up_swiglu_kernel(a_ptr, a_half, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, tile_expert_ptr, tile_row_ptr,
-                      chunk_ptr, ready_ptr, work_ptr, n_rows, H, I, limit,
+                      chunk_ptr, ready_ptr, work_ptr, n_rows, H, I, limit, hsv_ptr, clip_ptr,
                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FP8: tl.constexpr,
                       HAS_LIMIT: tl.constexpr, NUM_PROGS: tl.constexpr, UPCAST: tl.constexpr,
                       STAGES: tl.constexpr, FP8_MAX_: tl.constexpr, GROUP_M: tl.constexpr, TMA: tl.constexpr = False,
                       HALF: tl.constexpr = False, READY: tl.constexpr = False, GRAN: tl.constexpr = 64,
                       SPIN: tl.constexpr = True, DYN: tl.constexpr = False, WB: tl.constexpr = 128,
-                      FLAT: tl.constexpr = False, TAIL: tl.constexpr = 0, WT: tl.constexpr = False):
+                      FLAT: tl.constexpr = False, TAIL: tl.constexpr = 0, WT: tl.constexpr = False,
+                      SAVE_H: tl.constexpr = False):
     """TMA: ``a_ptr`` / ``a_half`` / ``a_tail`` / ``w_ptr`` are TMA descriptors over A [R, H] (blocks [BM, BK],
     [BM/2, BK] and [TAIL, BK]) and W13 [L*2I, H] (blocks [BN, BK]; WT: W13 from :func:`tile_weights`, a
     [L*2I*H/BK, BK] view), read by Hopper's bulk copy engine; otherwise pointers. HALF: tiles of
     BM/2 rows (the schedule's half tiles) run a BM/2-row MMA. READY: wait for the pull per row granule. DYN: work
     items off the counter at ``work_ptr`` (zero before the first launch that shares it). FLAT (neither READY nor
-    DYN): static round robin in one flattened loop nest, as in the down kernel. TAIL: see ``_up_tile``."""
+    DYN): static round robin in one flattened loop nest, as in the down kernel. TAIL: see ``_up_tile``. SAVE_H
+    (bf16): also the pre-SwiGLU H into ``hsv_ptr`` and, with HAS_LIMIT, the clamp's decisions into ``clip_ptr``
+    (``_up_store``); off, both are None (constexprs: the kernel is the inference kernel, parameter for parameter)."""
     m_lo = tl.load(chunk_ptr)
     m_hi = tl.load(chunk_ptr + 1)
     n_n = I // BN
@@ -194,7 +225,8 @@ def _up_swiglu_kernel(a_ptr, a_half, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_pt
         for wk in tl.range(tl.program_id(0), n_work, NUM_PROGS, flatten=True):
             m, n, e_tile, row0, row1 = _work_tile(wk, tile_expert_ptr, tile_row_ptr, m_lo, m_hi, n_n, GROUP_M)
             _up_item(a_ptr, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row1, n, e_tile, n_rows, H, I,
-                     limit, BM, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB, 0, WT)
+                     limit, BM, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB, 0, WT, hsv_ptr, clip_ptr,
+                     SAVE_H)
     else:
         wk = _first_work(work_ptr, DYN)
         while wk < n_work:
@@ -202,7 +234,8 @@ def _up_swiglu_kernel(a_ptr, a_half, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_pt
             if READY:
                 _wait_rows(ready_ptr, row0, row1, GRAN, SPIN, TMA)
             _up_tile(a_ptr, a_half, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row1, n, e_tile, n_rows,
-                     H, I, limit, BM, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB, HALF, TAIL, WT)
+                     H, I, limit, BM, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB, HALF, TAIL, WT,
+                     hsv_ptr, clip_ptr, SAVE_H)
             wk = _next_work(wk, work_ptr, NUM_PROGS, DYN)
 
 
@@ -210,11 +243,16 @@ def up_swiglu(a_RH: torch.Tensor, a_scale: Optional[torch.Tensor], w13_LIH: torc
               w13_scale: Optional[torch.Tensor], h_RI: torch.Tensor, h_scale: Optional[torch.Tensor],
               tile_expert_M: torch.Tensor, tile_row_M1: torch.Tensor, chunk_2: torch.Tensor, *,
               limit: Optional[float], cfg: TileConfig, programs: int, n_rows: Optional[int] = None,
-              ready: Optional[torch.Tensor] = None, work: Optional[torch.Tensor] = None) -> None:
+              ready: Optional[torch.Tensor] = None, work: Optional[torch.Tensor] = None,
+              h_save: Optional[torch.Tensor] = None, clip_save: Optional[torch.Tensor] = None) -> None:
     """h = SwiGLU(a @ gate^T, a @ up^T) for tiles [chunk_2[0], chunk_2[1]); a tile's expert from tile_expert_M,
     its rows [tile_row_M1[m], tile_row_M1[m+1]) (BM, or BM/2 with ``cfg.half_tiles``). ``ready``: wait for the
     pull's per-granule counts (see :func:`pull_rows`) before reading a tile's rows. ``work``: an int32 counter,
-    zero before the first launch over these tiles; launches given the same counter share the work items."""
+    zero before the first launch over these tiles; launches given the same counter share the work items.
+    ``h_save`` (bf16 [R, 2I], bf16 only): the epilogue also stores the pre-SwiGLU gate and up outputs (the fp32
+    accumulators rounded once; gate columns then up columns) of every row it stores, and ``clip_save`` (uint8
+    [R, 2I], given exactly when ``limit`` is) where the clamp clipped them, decided on the fp32 accumulators (1:
+    gate > limit, |up| > limit): what the bf16 backward's dgate stage reads (``bwd_gemm.bwd_rows``)."""
     R, H = a_RH.shape
     I = h_RI.shape[1]
     fp8 = a_RH.dtype == torch.float8_e4m3fn
@@ -230,6 +268,17 @@ def up_swiglu(a_RH: torch.Tensor, a_scale: Optional[torch.Tensor], w13_LIH: torc
     fused = cfg.up_fused and not fp8
     wn = 2 * bn if fused else bn  # rows of a weight block
     assert _weights(w13_LIH, wn, bk, cfg.w_tiled) == (2 * I, H), "w13 must be [L, 2I, H] (or tiled)"
+    save = h_save is not None
+    if save:
+        assert not fp8, "h_save: the bf16 forward only"
+        assert h_save.shape == (R, 2 * I) and h_save.dtype == torch.bfloat16 and h_save.is_contiguous(), \
+            f"h_save must be contiguous bf16 [{R}, {2 * I}]"
+        assert (clip_save is not None) == (limit is not None), "clip_save goes with h_save exactly when limit is set"
+        if clip_save is not None:
+            assert clip_save.shape == (R, 2 * I) and clip_save.dtype == torch.uint8 and clip_save.is_contiguous(), \
+                f"clip_save must be contiguous uint8 [{R}, {2 * I}]"
+    else:
+        assert clip_save is None, "clip_save needs h_save"
     _up_swiglu_kernel[(programs,)](
         _operand(a_RH, [bm, bk], cfg.tma), _operand(a_RH, [bm // 2, bk], cfg.tma and cfg.half_tiles),
         _operand(a_RH, [tail, bk], cfg.tma and tail > 0),
@@ -237,7 +286,8 @@ def up_swiglu(a_RH: torch.Tensor, a_scale: Optional[torch.Tensor], w13_LIH: torc
         w13_scale if fp8 else w13_LIH, h_RI, h_scale if fp8 else h_RI,
         tile_expert_M, tile_row_M1, chunk_2, ready if ready is not None else tile_row_M1,
         work if work is not None else tile_row_M1, R if n_rows is None else n_rows, H, I, 0.0 if limit is None else float(limit),
+        h_save, clip_save,
         BM=bm, BN=bn, BK=bk, FP8=fp8, HAS_LIMIT=limit is not None, NUM_PROGS=programs, UPCAST=INTERPRET,
         STAGES=cfg.up_stages, FP8_MAX_=FP8_MAX, GROUP_M=cfg.group_m, TMA=cfg.tma, HALF=cfg.half_tiles,
         READY=ready is not None, GRAN=ready_granule(cfg), SPIN=not INTERPRET, DYN=work is not None,
-        FLAT=flat, TAIL=tail, WT=2 if fused else cfg.w_tiled, num_warps=cfg.up_warps)
+        FLAT=flat, TAIL=tail, WT=2 if fused else cfg.w_tiled, SAVE_H=save, num_warps=cfg.up_warps)
