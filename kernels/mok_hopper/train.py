@@ -3,8 +3,8 @@ forward and records a backward made of the v0 backward GEMMs (:mod:`kernels.mok_
 recompute mode: the forward saves nothing beyond what the layer keeps (its pulled X rows and its schedule), and the
 backward recomputes H (+1 read of W13). Checked against torch autograd under the Triton interpreter; not run on a
 GPU, not yet a ``torch.library`` custom op or an ``nn.Module`` with parameters, not wired into the harness, EP=1
-only (EP >= 2 needs the pull of dO rows and the push of dX rows across ranks). The shared expert's backward is
-plain torch (:func:`kernels.mok_hopper.twin_bwd.shared_backward`).
+only (EP >= 2 needs the pull of dO rows and the push of dX rows across ranks). The shared expert's backward runs
+the same GEMM kernels, as one expert over the T tokens.
 
 Legend: T tokens, K top-k, H hidden, I ffn, L local experts, R capacity rows.
 """
@@ -19,7 +19,6 @@ from kernels.mok_hopper import bwd_gemm
 from kernels.mok_hopper.api import MoKHopperLayer
 from kernels.mok_hopper.tiles import num_sms
 from kernels.mok_hopper.twin import epilogue
-from kernels.mok_hopper.twin_bwd import shared_backward
 
 
 def _blocks(n: int, cap: int) -> int:
@@ -95,12 +94,47 @@ def layer_backward(layer: MoKHopperLayer, dO_TH: torch.Tensor, x_TH: torch.Tenso
                        block_k=_blocks(I, 64))
     mark("dw2")
     out = {"w13": dW13, "w2": dW2, "topk_w": dtopk.view(T, K) * live}
-    sh = shared_backward(x_TH, dO_TH, shared, limit) if shared is not None else None
+    sh = _shared_backward(layer, x_TH, dO_TH, shared, **kw) if shared is not None else None
     if sh is not None:
         out["shared"] = (sh["gate"], sh["up"], sh["down"])
     out["x"] = epilogue(slots, topk_idx_TK, None, sh["dx"] if sh is not None else None)
     mark("shared")
     return out
+
+
+def _shared_backward(layer: MoKHopperLayer, x_TH: torch.Tensor, dO_TH: torch.Tensor, shared: Sequence[torch.Tensor],
+                     *, block_m: int, programs: int) -> dict[str, torch.Tensor]:
+    """The shared expert's gradients by the same GEMM kernels: one expert over the T tokens in order, router weight
+    1, H recomputed (the forward's shared expert saves nothing). All bf16: dx [T, H], gate / up [I, H], down [H, I]."""
+    T, H, I, dev = layer.T, layer.H, layer.I, dO_TH.device
+    g_w, u_w, d_w = shared
+    w13 = torch.cat([g_w, u_w]).unsqueeze(0)  # [1, 2I, H]
+    w2 = d_w.unsqueeze(0)
+    tiles, rows, chunk, code = layer.sh_tiles, layer.sh_rows, layer.sh_chunk, layer.sh_code
+    limit = layer.limit
+    kw = dict(block_m=block_m, programs=programs)
+    x = x_TH.detach().to(torch.bfloat16).contiguous()
+    dO = dO_TH.detach().to(torch.bfloat16).contiguous()
+    h = torch.empty(T, 2 * I, dtype=torch.bfloat16, device=dev)
+    clip = torch.zeros(T, 2 * I, dtype=torch.uint8, device=dev) if limit is not None else None
+    bwd_gemm.bwd_rows(x, w13.transpose(1, 2), h, tiles, rows, chunk, block_n=_blocks(2 * I, 64),
+                      block_k=_blocks(H, 64), limit=limit, save_clip=clip, **kw)
+    bn = _blocks(I, 32)
+    dH = torch.empty(T, 2 * I, dtype=torch.bfloat16, device=dev)
+    sA = torch.empty(T, I, dtype=torch.bfloat16, device=dev)
+    ds_parts = torch.empty(T, I // bn, dtype=torch.float32, device=dev)
+    ones = torch.ones(T, dtype=torch.float32, device=dev)
+    bwd_gemm.bwd_rows(dO, w2, dH, tiles, rows, chunk, block_n=bn, block_k=_blocks(H, 64),
+                      dgate=dict(h=h, clip=clip, s=ones, sa=sA, ds=ds_parts), limit=limit, **kw)
+    dx = torch.empty(T, H, dtype=torch.bfloat16, device=dev)
+    bwd_gemm.bwd_rows(dH, w13, dx, tiles, rows, chunk, block_n=_blocks(H, 64), block_k=_blocks(2 * I, 64), **kw)
+    starts = torch.tensor([0, T], dtype=torch.int32, device=dev)
+    dW13 = torch.empty(1, 2 * I, H, dtype=torch.bfloat16, device=dev)
+    dW2 = torch.empty(1, H, I, dtype=torch.bfloat16, device=dev)
+    bwd_gemm.bwd_wgrad(dH, x, dW13, code, starts, programs=programs, block_n=_blocks(2 * I, 64),
+                       block_k=_blocks(H, 64))
+    bwd_gemm.bwd_wgrad(dO, sA, dW2, code, starts, programs=programs, block_n=_blocks(H, 64), block_k=_blocks(I, 64))
+    return {"dx": dx, "gate": dW13[0, :I], "up": dW13[0, I:], "down": dW2[0]}
 
 
 class _MoKHopperTrain(torch.autograd.Function):

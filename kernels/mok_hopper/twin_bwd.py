@@ -129,7 +129,8 @@ def shared_backward(x_TH: torch.Tensor, dO_TH: torch.Tensor, shared: Sequence[to
     I = g.shape[0]
     w13 = torch.cat([g, u])
     h, clip = saved(x_TH, w13, limit)
-    out = expert_backward(x_TH, h, dO_TH, torch.ones(x_TH.shape[0]), w13, d, limit=limit, clip_r2I=clip)
+    out = expert_backward(x_TH, h, dO_TH, torch.ones(x_TH.shape[0], device=x_TH.device), w13, d, limit=limit,
+                         clip_r2I=clip)
     return {"dx": out["dX"], "gate": out["dW13"][:I], "up": out["dW13"][I:], "down": out["dW2"]}
 
 
