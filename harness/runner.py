@@ -374,7 +374,7 @@ def run_backend(name: str, point: PointContext) -> Iterator[dict[str, Any]]:
             yield make_row(base, name, d, gate[d][0], error=gate[d][1], **extra, **checked)  # mismatches: not timed
             continue
         progress.start(f"timing {d} ({t['num_warmup']} warmup + {t['num_iters']} timed)")
-        status, err, stats = agree(lambda: _time_direction(backend, inputs, d, timer, t))
+        status, err, stats = agree(lambda: time_direction(backend, inputs, d, timer, t))
         progress.end(status, f"median {stats.median_ms:.4g} ms" if status == "ok" else "")
         if status != "ok":
             yield make_row(base, name, d, status, error=err, **extra, **checked)
@@ -415,7 +415,9 @@ def _with_roofline(row: dict) -> dict:
     return row
 
 
-def _time_direction(backend, inputs, direction: str, timer: Timer, t: dict):
+def time_direction(backend, inputs, direction: str, timer: Timer, t: dict):
+    """The one timing path of a direction (``t``: num_warmup, num_iters): fwd times the forward; bwd the backward,
+    each after an untimed forward (as published); fwd_bwd both."""
     # Leaves that require grad in every direction: the timed forward is a training forward (autograd records the
     # graph), as in the published runs.
     x, w = leaves(inputs, True)
