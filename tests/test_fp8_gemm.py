@@ -265,12 +265,14 @@ def test_no_rows_keeps_the_weights_in_the_graph(path):
 
 def test_blockwise_loop_computes_what_the_deepgemm_path_computes():
     """The same format, the same blocks: on the CPU references the per-expert torch._scaled_mm loop gives the DeepGEMM
-    path's output and gradients bit for bit (a block multiplied by the wrong scale, a misplaced expert or a padding
-    row would not)."""
-    x, w13, w2, dy, counts = make(COUNTS)
-    loop = run("blockwise_loop", x, w13, w2, dy, counts)[0]
-    deep = run("blockwise", x, w13, w2, dy, counts)[0]
-    assert all(torch.equal(a, b) for a, b in zip(loop, deep))
+    path's output and gradients up to fp32 summation order (a bf16 rounding step on a few elements; a block multiplied
+    by the wrong scale, a misplaced expert or a padding row gives percents). I = 128 also covers weight scales that
+    need realigning and the single-block 1x128 operands torch takes as rowwise."""
+    for H, I in ((256, 256), (256, 128)):
+        x, w13, w2, dy, counts = make(COUNTS + [128], H=H, I=I)
+        loop = run("blockwise_loop", x, w13, w2, dy, counts)[0]
+        deep = run("blockwise", x, w13, w2, dy, counts)[0]
+        assert all(rel_l1(a, b) < 1e-4 for a, b in zip(loop, deep)), [rel_l1(a, b) for a, b in zip(loop, deep)]
 
 
 def test_a_wrong_loop_scale_layout_is_caught(monkeypatch):
