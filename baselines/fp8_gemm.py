@@ -563,7 +563,9 @@ def fastest_experts(case: Case, w13_LIH: torch.Tensor, w2_LHI: torch.Tensor, swi
     ``AUTO_ITERS`` iterations) on this case's shape, ``tokens_per_gpu * topk`` rows split evenly over the local
     experts, and keep the fastest (forward + backward). With ``group``, every rank takes the same path: the slowest
     rank's time of each path decides. Returns the experts and a line with the pick and every path's times. Runs in
-    setup, outside the timed region; weights of each format are quantized once and dropped when no longer needed."""
+    setup, outside the timed region. One weight format is held at a time (the run's own footprint: kimi_k2_7 at EP=1
+    has no room for two): blockwise and blockwise_loop share theirs; the pick is quantized again if another format
+    was timed after it."""
     paths = auto_candidates(case.device)
     L, H, dev = w13_LIH.shape[0], w13_LIH.shape[2], w13_LIH.device
     M = case.tokens_per_gpu * case.topk
@@ -572,25 +574,23 @@ def fastest_experts(case: Case, w13_LIH: torch.Tensor, w2_LHI: torch.Tensor, swi
     g = torch.Generator(device=dev).manual_seed(case.seed)
     x = torch.randn(M, H, generator=g, device=dev).to(torch.bfloat16)
     dy = torch.randn(M, H, generator=g, device=dev).to(torch.bfloat16)
-    made: dict[type, tuple] = {}  # weight format -> (w13, w2) quantized
+    made: tuple[Optional[type], Any] = (None, None)  # the weight format held and its (w13, w2)
     times: dict[str, tuple[float, float]] = {}
-    best: Optional[Fp8Experts] = None
-    for i, p in enumerate(paths):
-        fmt = weight_format(p)
-        if fmt not in made:
-            made[fmt] = (fmt(w13_LIH), fmt(w2_LHI))
-        ex = Fp8Experts(p, w13_LIH, w2_LHI, weights=made[fmt])
+    for p in paths:
+        if made[0] is not weight_format(p):
+            made = (None, None)  # freed before the next format is made
+            made = (weight_format(p), (weight_format(p)(w13_LIH), weight_format(p)(w2_LHI)))
+        ex = Fp8Experts(p, w13_LIH, w2_LHI, weights=made[1])
         t = torch.tensor(_time_experts(ex, x, dy, w13_LIH, w2_LHI, counts, swiglu_fn, case.swiglu_limit),
                          device=dev)
+        del ex
         if group is not None and torch.distributed.get_world_size(group) > 1:
             torch.distributed.all_reduce(t, torch.distributed.ReduceOp.MAX, group=group)
         times[p] = (float(t[0]), float(t[1]))
-        if best is None or sum(times[p]) < sum(times[best.path]):
-            best = ex
-        keep = {weight_format(best.path)} | {weight_format(q) for q in paths[i + 1:]}
-        made = {f: w for f, w in made.items() if f in keep}
-        del ex
-    assert best is not None
+    best = min(paths, key=lambda p: sum(times[p]))  # the first of equals: FP8_GEMM_PATHS order
+    weights = made[1] if made[0] is weight_format(best) else None
+    made = (None, None)  # freed before the pick's own format is made again
+    ex = Fp8Experts(best, w13_LIH, w2_LHI, weights=weights)
     shown = ", ".join(f"{p} {f:.2f}+{b:.2f} ms" for p, (f, b) in times.items())
-    return best, (f"fp8_gemm=auto picked {best.path}, the fastest at setup: eager fwd+bwd of the expert GEMMs on "
+    return ex, (f"fp8_gemm=auto picked {best}, the fastest at setup: eager fwd+bwd of the expert GEMMs on "
                   f"{M} rows over {L} experts, median of {AUTO_ITERS}, slowest rank: {shown}")

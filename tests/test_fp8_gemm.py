@@ -7,6 +7,7 @@ against plain fp32 autograd. The ``gpu`` tests check the real GEMMs against the 
 from __future__ import annotations
 
 import os
+import weakref
 
 import torch
 
@@ -349,25 +350,34 @@ def test_blockwise_loop_resolves_and_labels_on_cpu():
 
 def test_auto_keeps_the_fastest_path_and_records_every_time(monkeypatch):
     """The choice and the bookkeeping of ``fastest_experts`` (the timing itself needs CUDA events: the gpu test):
-    the fastest forward + backward wins, every path's times are in the line, and blockwise and blockwise_loop
-    share one quantization of the weights."""
+    the fastest forward + backward wins, every path's times are in the line, blockwise and blockwise_loop share one
+    quantization of the weights, and one format is held at a time (the pick's is made again after rowwise's)."""
     from harness.config import make_case
 
     case = make_case(compose_cfg("shape=tiny", "precision=fp8"), ep_size=2, device="cpu")
     fake = {"blockwise": (2.0, 5.0), "blockwise_loop": (3.0, 3.5), "rowwise": (1.0, 6.0)}
     monkeypatch.setattr(fg, "auto_candidates", lambda device: list(fake))
     monkeypatch.setattr(fg, "_time_experts", lambda ex, *a: fake[ex.path])
-    made = []
-    real = fg.BlockwiseWeight.__init__
+    made, alive, refs = [], [], []
 
-    def counting(self, w):
-        made.append(w.shape)
-        real(self, w)
+    def counting(cls):
+        real = cls.__init__
 
-    monkeypatch.setattr(fg.BlockwiseWeight, "__init__", counting)
+        def init(self, w):
+            made.append(cls.__name__)
+            refs.append(weakref.ref(self))
+            alive.append(sum(r() is not None for r in refs))
+            real(self, w)
+
+        monkeypatch.setattr(cls, "__init__", init)
+
+    for cls in (fg.BlockwiseWeight, fg.RowwiseWeight):
+        counting(cls)
     _, w13, w2, _, _ = make([3, 4])
     ex, line = fg.fastest_experts(case, w13, w2, swiglu)
-    assert ex.path == "blockwise_loop" and len(made) == 2  # w13 and w2 once, for both blockwise paths
+    assert ex.path == "blockwise_loop" and isinstance(ex.w13, fg.BlockwiseWeight)
+    assert made == ["BlockwiseWeight"] * 2 + ["RowwiseWeight"] * 2 + ["BlockwiseWeight"] * 2
+    assert alive == [1, 2] * 3  # the weight being made, and the w13 of its pair: no other format held
     assert "picked blockwise_loop" in line and all(f"{p} {f:.2f}+{b:.2f} ms" in line for p, (f, b) in fake.items())
 
 
