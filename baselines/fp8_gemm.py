@@ -104,7 +104,8 @@ def path_unavailable(path: str, device: str) -> Optional[str]:
 
 
 def resolve(case: Case) -> tuple[str, Optional[str]]:
-    """(the fp8 GEMM path this case runs, why it cannot run or None). bf16 / mxfp8: ("none", None)."""
+    """(the fp8 GEMM path this case runs, why it cannot run or None). bf16 / mxfp8: ("none", None). ("auto", None):
+    several real paths are installed and ``fastest_experts`` picks one at setup."""
     if case.precision != "fp8":
         return "none", None
     opt, device = getattr(case, "fp8_gemm", "auto"), getattr(case, "device", "cpu")
