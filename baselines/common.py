@@ -161,21 +161,31 @@ class ExpertParams(ExpertLeaves):
     (block-scaled e4m3, used with a straight-through gradient; done once, outside the timed region).
 
     ``published_mode``: the backend's torch.compile mode in the published scripts, used when the case asks for
-    ``compile_mode=published`` (nccl: ``max-autotune``; DeepEP: ``max-autotune-no-cudagraphs``)."""
+    ``compile_mode=published`` (nccl: ``max-autotune``; DeepEP: ``max-autotune-no-cudagraphs``). ``group``: the
+    backend's process group, over which ``fp8_gemm=auto`` agrees on one path (the slowest rank's times decide)."""
 
-    def __init__(self, case, inputs, published_mode: str = "max-autotune-no-cudagraphs") -> None:
+    def __init__(self, case, inputs, published_mode: str = "max-autotune-no-cudagraphs", group=None) -> None:
         super().__init__(case, inputs)
         self.mlp, self.dense = expert_mlp, dense_mlp
         self.compile_mode = published_mode if case.compile_mode == PUBLISHED_COMPILE_MODE else case.compile_mode
         self._quantized = None  # fp8 emulated: the weights' dequantized e4m3 values (bf16), computed once
-        self._fp8 = None  # fp8 rowwise / blockwise: real fp8 GEMMs on weights quantized once (baselines/fp8_gemm.py)
+        self._fp8 = None  # fp8 real paths: real fp8 GEMMs on weights quantized once (baselines/fp8_gemm.py)
+        self.fp8_picked = ""  # fp8_gemm=auto: how it picked the path (for scaling)
+        self.fp8_timing = ""  # fp8_gemm=auto with several real paths: each one's setup timing (for notes)
         self.fp8_path, why = fp8_gemm.resolve(case)
         if why:
             raise RuntimeError(why)
-        if self.fp8_path in ("rowwise", "blockwise"):
+        if self.fp8_path == "auto":
+            self._fp8, self.fp8_timing = fp8_gemm.fastest_experts(case, self.w13, self.w2, swiglu, group)
+            self.fp8_path = self._fp8.path
+            self.fp8_picked = "picked by fp8_gemm=auto: the fastest real path in a setup timing (times in notes)"
+        elif self.fp8_path in fp8_gemm.FP8_GEMM_PATHS:
             self._fp8 = fp8_gemm.Fp8Experts(self.fp8_path, self.w13, self.w2)
+            if case.fp8_gemm == "auto":
+                self.fp8_picked = "picked by fp8_gemm=auto: the only real fp8 path installed here"
+        if self._fp8 is not None:
             self.mlp = self._fp8_mlp
-        elif case.precision == "fp8":
+        if self._fp8 is None and case.precision == "fp8":
             b = case.weight_block
             self._quantized = []
             for w in (self.w13, self.w2):
@@ -189,7 +199,8 @@ class ExpertParams(ExpertLeaves):
             for t in [self.w13, self.w2, *(self.shared or []), *(self._quantized or []),
                       *(self._fp8.tensors() if self._fp8 else [])]:
                 torch._dynamo.mark_static_address(t)
-            if self.fp8_path != "blockwise":  # DeepGEMM's experts run eagerly (host-side group sizes, JIT kernels)
+            # DeepGEMM's experts and the per-expert loop run eagerly (host-side group sizes; DeepGEMM's JIT kernels)
+            if self.fp8_path not in ("blockwise", "blockwise_loop"):
                 self.mlp = torch.compile(self.mlp, mode=self.compile_mode, dynamic=False)
             self.dense = torch.compile(dense_mlp, mode=self.compile_mode, dynamic=False)
 
@@ -216,13 +227,16 @@ class ExpertParams(ExpertLeaves):
 
     def gemm_name(self) -> str:
         """The expert GEMMs that ran, for a row's notes."""
-        return {"rowwise": "torch._scaled_grouped_mm (fp8 rowwise)",
-                "blockwise": f"{fp8_gemm.deep_gemm_version()} grouped fp8 (1x128/128x128)"}.get(
+        name = {"rowwise": "torch._scaled_grouped_mm (fp8 rowwise)",
+                "blockwise": f"{fp8_gemm.deep_gemm_version()} grouped fp8 (1x128/128x128)",
+                "blockwise_loop": "torch._scaled_mm per expert (fp8 1x128/128x128)"}.get(
             self.fp8_path, grouped_mm_name(self.case.device) + (" (bf16, emulated fp8)" if self.fp8_path == "emulated"
                                                                  else ""))
+        return f"{name} ({self.fp8_timing})" if self.fp8_timing else name
 
     def columns(self, dispatch: str = "bf16") -> dict[str, object]:
         """The row columns these experts decide: ``scaling``, ``compiled``, ``compile_mode``."""
         c = self.case
-        scaling = fp8_gemm.scaling_label(self.fp8_path, c, dispatch) if c.precision == "fp8" else "none"
+        scaling = (fp8_gemm.scaling_label(self.fp8_path, c, dispatch, self.fp8_picked) if c.precision == "fp8"
+                   else "none")
         return {"scaling": scaling, "compiled": c.compile, "compile_mode": self.compile_mode if c.compile else ""}

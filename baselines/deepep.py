@@ -150,7 +150,7 @@ class DeepEPBackend:
 
     def setup(self, inputs: LayerInputs) -> None:
         self.setup_buffer()
-        self.params = ExpertParams(self.case, inputs)
+        self.params = ExpertParams(self.case, inputs, group=self.group)
 
     def setup_buffer(self) -> None:
         Buffer = import_deep_ep().Buffer

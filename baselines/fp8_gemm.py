@@ -11,9 +11,13 @@ The option ``fp8_gemm`` picks the path, recorded in each row's ``scaling``:
   ``sgl-deep-gemm`` package): m-grouped contiguous GEMMs for the forward and dgrad (the 128x128 weight blocks of W^T
   are those of W, transposed), k-grouped contiguous for the wgrad with 1x128 blocks along the tokens. Each expert's
   rows are padded to DeepGEMM's alignment (``get_mk_alignment_for_contiguous_layout``, 128).
+* ``blockwise_loop``: the same format and operands through ``torch._scaled_mm``, one GEMM per expert
+  (``baselines/fp8_loop.py``): the fallback where DeepGEMM does not load.
 * ``emulated``: bf16 GEMMs on e4m3-rounded operands (``baselines.common.fake_quant``): measures accuracy, never fp8
   speed.
-* ``auto``: the first real path of ``AUTO_ORDER`` that this machine has; on a CPU ``emulated`` (labelled so).
+* ``auto``: the fastest real path (``FP8_GEMM_PATHS``, contract/case.py) that this machine has, timed at setup on
+  the case's shape (``fastest_experts``, outside the timed region); the row's ``scaling`` and ``notes`` record the
+  pick and every path's time. On a CPU ``emulated`` (labelled so).
 
 Weights are quantized once in setup (outside the timed region, as published); activations and gradients are
 quantized inside the timed call. Every function here also runs on a CPU through pure-torch references of the same GEMM
@@ -31,17 +35,17 @@ from typing import Any, Optional, Sequence
 import torch
 
 from contract import Case
+from contract.case import FP8_GEMM_PATHS
 from contract.fp8 import FP8_MAX, dequantize_blocks, quantize_blocks
 
 E4M3 = torch.float8_e4m3fn
 ROWWISE_ALIGN = 16  # rows per expert, rowwise path (16-byte TMA alignment of the token-grouped wgrad operands)
 BLOCK = 128  # DeepGEMM's block (1x128 / 128x128) on SM90
 WGRAD_SCRATCH_ELEMS = 1 << 28  # fp32 elements of DeepGEMM wgrad accumulator per step (1 GiB)
-# auto's preference among the real paths: the harness's own format first (what the fused fp8 kernel computes, and
-# DeepEP + DeepGEMM is the production fp8 MoE setup on Hopper), then torch's rowwise grouped GEMM.
-AUTO_ORDER = ("blockwise", "rowwise")
+AUTO_ITERS = 3  # auto: timed iterations per path at setup (after one untimed), eager forward + backward
 DEEPGEMM_HINT = ("install DeepGEMM: pip install sgl-deep-gemm (CUDA 13 build; README, 'Optional: DeepGEMM for real "
-                 "fp8 GEMMs'), or use fp8_gemm=rowwise")
+                 "fp8 GEMMs'), or use fp8_gemm=blockwise_loop (the same format through torch._scaled_mm, one GEMM "
+                 "per expert) or rowwise")
 
 
 # ---- which path ---------------------------------------------------------------------------------------------------
@@ -77,7 +81,7 @@ def _capability(device: str) -> tuple[int, int]:
 
 
 def path_unavailable(path: str, device: str) -> Optional[str]:
-    """Why ``path`` (rowwise | blockwise) cannot run here (None: it can)."""
+    """Why ``path`` (one of ``FP8_GEMM_PATHS``) cannot run here (None: it can)."""
     if device != "cuda":
         return (f"fp8_gemm={path} runs real fp8 GEMMs on a Hopper GPU; this run is on {device}: use "
                 "fp8_gemm=emulated (accuracy only) or run on a GPU")
@@ -89,14 +93,19 @@ def path_unavailable(path: str, device: str) -> Optional[str]:
             return f"torch._scaled_grouped_mm needs SM90+, this is SM{cap[0]}{cap[1]}; use fp8_gemm=emulated"
         return None
     if cap != (9, 0):
-        return (f"fp8_gemm=blockwise is wired for SM90 (fp32 block scales), this is SM{cap[0]}{cap[1]}; "
+        return (f"fp8_gemm={path} is wired for SM90 (fp32 block scales), this is SM{cap[0]}{cap[1]}; "
                 "use fp8_gemm=rowwise")
+    if path == "blockwise_loop":
+        from baselines import fp8_loop
+
+        return fp8_loop.unavailable()
     _, why = load_deep_gemm()
     return f"{why}; {DEEPGEMM_HINT}" if why else None
 
 
 def resolve(case: Case) -> tuple[str, Optional[str]]:
-    """(the fp8 GEMM path this case runs, why it cannot run or None). bf16 / mxfp8: ("none", None)."""
+    """(the fp8 GEMM path this case runs, why it cannot run or None). bf16 / mxfp8: ("none", None). ("auto", None):
+    several real paths are installed and ``fastest_experts`` picks one at setup."""
     if case.precision != "fp8":
         return "none", None
     opt, device = getattr(case, "fp8_gemm", "auto"), getattr(case, "device", "cpu")
@@ -105,25 +114,39 @@ def resolve(case: Case) -> tuple[str, Optional[str]]:
     if opt == "auto":
         if device != "cuda":
             return "emulated", None  # a CPU has no fp8 GEMM: the row says it measures accuracy only
-        whys = []
-        for p in AUTO_ORDER:
-            why = path_unavailable(p, device)
-            if why is None:
-                return p, None
-            whys.append(f"{p}: {why}")
+        found = auto_candidates(device)
+        if len(found) == 1:
+            return found[0], None
+        if found:
+            return "auto", None  # several: ExpertParams times them at setup (fastest_experts)
+        whys = [f"{p}: {path_unavailable(p, device)}" for p in FP8_GEMM_PATHS]
         return "auto", ("no real fp8 grouped GEMM on this machine (" + "; ".join(whys) +
                         "); fp8_gemm=emulated measures accuracy only")
     return opt, path_unavailable(opt, device)
 
 
-def scaling_label(path: str, case: Case, dispatch: str) -> str:
+def auto_candidates(device: str) -> list[str]:
+    """The real paths this machine can run, in ``FP8_GEMM_PATHS`` order."""
+    return [p for p in FP8_GEMM_PATHS if path_unavailable(p, device) is None]
+
+
+def scaling_label(path: str, case: Case, dispatch: str, picked: str = "") -> str:
+    """What ran, for a row's ``scaling``; ``picked``: how ``auto`` chose the path (short; the times go to notes)."""
+    auto = f"; {picked}" if picked else ""
     if path == "rowwise":
         return ("e4m3 rowwise (per-row activation / per-channel weight scales), torch._scaled_grouped_mm: forward, "
-                f"dgrad and wgrad in fp8 (wgrad scales per expert and channel along the tokens); dispatch {dispatch}")
+                f"dgrad and wgrad in fp8 (wgrad scales per expert and channel along the tokens); dispatch "
+                f"{dispatch}{auto}")
     if path == "blockwise":
         return (f"e4m3 block 1x{BLOCK}/{BLOCK}x{BLOCK}, DeepGEMM ({deep_gemm_version()}): forward and dgrad m-grouped "
                 f"contiguous, wgrad k-grouped (1x{BLOCK} along tokens), all in fp8, experts eager (not compiled); "
-                f"dispatch {dispatch}")
+                f"dispatch {dispatch}{auto}")
+    if path == "blockwise_loop":
+        dg = load_deep_gemm()[0] if case.device == "cuda" else None
+        why = "fallback: DeepGEMM not loadable" if dg is None else "DeepGEMM also loads here"
+        return (f"e4m3 block 1x{BLOCK}/{BLOCK}x{BLOCK}, torch._scaled_mm per-expert loop ({why}): forward and dgrad "
+                f"1x{BLOCK} x {BLOCK}x{BLOCK}, wgrad 1x{BLOCK} x 1x{BLOCK} along tokens, all in fp8, experts padded "
+                f"to {BLOCK} rows, eager (not compiled); dispatch {dispatch}{auto}")
     return (f"block 1x{case.act_block}/{case.weight_block}x{case.weight_block} emulated (bf16 GEMM on e4m3 values): "
             f"measures accuracy, not fp8 GEMM speed; dispatch {dispatch}")
 
@@ -459,17 +482,28 @@ class _BlockwiseLinear(torch.autograd.Function):
 # ---- the expert MLP -----------------------------------------------------------------------------------------------
 
 
-class Fp8Experts:
-    """Grouped SwiGLU experts with real fp8 GEMMs (``path`` rowwise | blockwise); weights quantized here, once."""
+def weight_format(path: str) -> type:
+    """How ``path`` stores a weight (blockwise and blockwise_loop share the same 128x128 blocks)."""
+    return RowwiseWeight if path == "rowwise" else BlockwiseWeight
 
-    def __init__(self, path: str, w13_LIH: torch.Tensor, w2_LHI: torch.Tensor) -> None:
-        assert path in ("rowwise", "blockwise"), path
+
+class Fp8Experts:
+    """Grouped SwiGLU experts with real fp8 GEMMs (``path``: one of ``FP8_GEMM_PATHS``); weights quantized here,
+    once (or given: ``weights``, a (w13, w2) pair of ``weight_format(path)`` made for another path)."""
+
+    def __init__(self, path: str, w13_LIH: torch.Tensor, w2_LHI: torch.Tensor, weights=None) -> None:
+        assert path in FP8_GEMM_PATHS, path
         self.path = path
-        make = RowwiseWeight if path == "rowwise" else BlockwiseWeight
-        self.w13, self.w2 = make(w13_LIH), make(w2_LHI)
+        make = weight_format(path)
+        self.w13, self.w2 = weights if weights is not None else (make(w13_LIH), make(w2_LHI))
+        self._gemm = (self.w13, self.w2)  # the operands the GEMMs take
+        if path == "blockwise_loop":
+            from baselines import fp8_loop
+
+            self._gemm = (fp8_loop.LoopWeight(self.w13), fp8_loop.LoopWeight(self.w2))
 
     def tensors(self) -> list[torch.Tensor]:
-        return self.w13.tensors() + self.w2.tensors()
+        return self._gemm[0].tensors() + self._gemm[1].tensors()
 
     def __call__(self, x_MH, w13_LIH, w2_LHI, counts_L, swiglu_fn, limit) -> torch.Tensor:
         M = x_MH.shape[0]
@@ -478,17 +512,86 @@ class Fp8Experts:
             # the weights in the graph (zero gradients, the same collectives in the backward as on the other ranks)
             gate, up = (x_MH @ w13_LIH[0].t()).chunk(2, dim=-1)
             return swiglu_fn(gate, up, limit) @ w2_LHI[0].t()
+        w13, w2 = self._gemm
         if self.path == "rowwise":
             lay = GroupLayout(counts_L, M, ROWWISE_ALIGN)
             x = lay.pad(x_MH)
-            h = _RowwiseLinear.apply(x, w13_LIH, *self.w13.tensors(), lay.offs, lay.group)
+            h = _RowwiseLinear.apply(x, w13_LIH, *w13.tensors(), lay.offs, lay.group)
             gate, up = h.chunk(2, dim=-1)
-            y = _RowwiseLinear.apply(swiglu_fn(gate, up, limit), w2_LHI, *self.w2.tensors(), lay.offs, lay.group)
+            y = _RowwiseLinear.apply(swiglu_fn(gate, up, limit), w2_LHI, *w2.tensors(), lay.offs, lay.group)
             return lay.unpad(y)
-        # DeepGEMM's k-grouped GEMM takes the group sizes on the host
-        lay = GroupLayout(counts_L, M, blockwise_align(x_MH.is_cuda), host_counts=counts_L.tolist())
+        if self.path == "blockwise":
+            fn, align = _BlockwiseLinear, blockwise_align(x_MH.is_cuda)
+        else:
+            from baselines import fp8_loop
+
+            fn, align = fp8_loop.LoopLinear, fp8_loop.ALIGN
+        # DeepGEMM's k-grouped GEMM and the per-expert loop take the group sizes on the host
+        lay = GroupLayout(counts_L, M, align, host_counts=counts_L.tolist())
         x = lay.pad(x_MH)
-        h = _BlockwiseLinear.apply(x, w13_LIH, *self.w13.tensors(), lay)
+        h = fn.apply(x, w13_LIH, *w13.tensors(), lay)
         gate, up = h.chunk(2, dim=-1)
-        y = _BlockwiseLinear.apply(swiglu_fn(gate, up, limit).contiguous(), w2_LHI, *self.w2.tensors(), lay)
+        y = fn.apply(swiglu_fn(gate, up, limit).contiguous(), w2_LHI, *w2.tensors(), lay)
         return lay.unpad(y)
+
+
+# ---- auto: the fastest real path, timed at setup ------------------------------------------------------------------
+
+
+def _time_experts(ex: Fp8Experts, x: torch.Tensor, dy: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                  counts: torch.Tensor, swiglu_fn, limit) -> tuple[float, float]:
+    """Median forward and backward ms of one untimed and ``AUTO_ITERS`` timed calls (CUDA events)."""
+    fwd, bwd = [], []
+    for i in range(AUTO_ITERS + 1):
+        xl, a, b = (t.detach().requires_grad_() for t in (x, w13, w2))  # gradients land in throwaway leaves
+        ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+        ev[0].record()
+        y = ex(xl, a, b, counts, swiglu_fn, limit)
+        ev[1].record()
+        y.backward(dy)
+        ev[2].record()
+        torch.cuda.synchronize()
+        if i:
+            fwd.append(ev[0].elapsed_time(ev[1]))
+            bwd.append(ev[1].elapsed_time(ev[2]))
+        del xl, a, b, y
+    return sorted(fwd)[len(fwd) // 2], sorted(bwd)[len(bwd) // 2]
+
+
+def fastest_experts(case: Case, w13_LIH: torch.Tensor, w2_LHI: torch.Tensor, swiglu_fn, group=None
+                    ) -> tuple[Fp8Experts, str]:
+    """``auto`` with several real paths installed: time each one's expert GEMM stack (eager forward + backward,
+    ``AUTO_ITERS`` iterations) on this case's shape, ``tokens_per_gpu * topk`` rows split evenly over the local
+    experts, and keep the fastest (forward + backward). With ``group``, every rank takes the same path: the slowest
+    rank's time of each path decides. Returns the experts and a line with the pick and every path's times. Runs in
+    setup, outside the timed region. One weight format is held at a time (the run's own footprint: kimi_k2_7 at EP=1
+    has no room for two): blockwise and blockwise_loop share theirs; the pick is quantized again if another format
+    was timed after it."""
+    paths = auto_candidates(case.device)
+    L, H, dev = w13_LIH.shape[0], w13_LIH.shape[2], w13_LIH.device
+    M = case.tokens_per_gpu * case.topk
+    counts = torch.full((L,), M // L, dtype=torch.int64, device=dev)
+    counts[: M % L] += 1
+    g = torch.Generator(device=dev).manual_seed(case.seed)
+    x = torch.randn(M, H, generator=g, device=dev).to(torch.bfloat16)
+    dy = torch.randn(M, H, generator=g, device=dev).to(torch.bfloat16)
+    made: tuple[Optional[type], Any] = (None, None)  # the weight format held and its (w13, w2)
+    times: dict[str, tuple[float, float]] = {}
+    for p in paths:
+        if made[0] is not weight_format(p):
+            made = (None, None)  # freed before the next format is made
+            made = (weight_format(p), (weight_format(p)(w13_LIH), weight_format(p)(w2_LHI)))
+        ex = Fp8Experts(p, w13_LIH, w2_LHI, weights=made[1])
+        t = torch.tensor(_time_experts(ex, x, dy, w13_LIH, w2_LHI, counts, swiglu_fn, case.swiglu_limit),
+                         device=dev)
+        del ex
+        if group is not None and torch.distributed.get_world_size(group) > 1:
+            torch.distributed.all_reduce(t, torch.distributed.ReduceOp.MAX, group=group)
+        times[p] = (float(t[0]), float(t[1]))
+    best = min(paths, key=lambda p: sum(times[p]))  # the first of equals: FP8_GEMM_PATHS order
+    weights = made[1] if made[0] is weight_format(best) else None
+    made = (None, None)  # freed before the pick's own format is made again
+    ex = Fp8Experts(best, w13_LIH, w2_LHI, weights=weights)
+    shown = ", ".join(f"{p} {f:.2f}+{b:.2f} ms" for p, (f, b) in times.items())
+    return ex, (f"fp8_gemm=auto picked {best}, the fastest at setup: eager fwd+bwd of the expert GEMMs on "
+                  f"{M} rows over {L} experts, median of {AUTO_ITERS}, slowest rank: {shown}")

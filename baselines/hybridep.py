@@ -123,7 +123,7 @@ class HybridEPBackend:
         self.buffer = HybridEPBuffer(group=self.group, hidden_dim=c.hidden, max_num_of_tokens_per_rank=c.tokens_per_gpu,
                                      num_local_experts=c.local_experts, use_fp8=False,
                                      num_sms_dispatch_api=self.num_sms, num_sms_combine_api=self.num_sms)
-        self.params = ExpertParams(c, inputs)
+        self.params = ExpertParams(c, inputs, group=self.group)
 
     def forward(self, x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, topk_w_TK: torch.Tensor) -> torch.Tensor:
         c = self.case

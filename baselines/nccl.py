@@ -46,7 +46,8 @@ class NcclBackend:
         self._last: dict[str, Any] = {}
 
     def setup(self, inputs: LayerInputs) -> None:
-        self.params = ExpertParams(self.case, inputs, published_mode="max-autotune")  # bench_nccl_torch.py
+        self.params = ExpertParams(self.case, inputs, published_mode="max-autotune",  # bench_nccl_torch.py
+                                   group=self.group)
 
     def forward(self, x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, topk_w_TK: torch.Tensor) -> torch.Tensor:
         c, ep, L, g = self.case, self.ep, self.case.local_experts, self.group

@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from contract.case import Case  # noqa: F401 (re-exported: make_case builds it)
+from contract.case import FP8_GEMMS, Case  # noqa: F401 (Case re-exported: make_case builds it)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CONFIG_DIR = REPO_ROOT / "configs"
@@ -33,11 +33,7 @@ DEVICES = ("auto", "cpu", "cuda")
 # Megatron's names: blockwise = Float8BlockScaling (the harness format: 1x128 activation, 128x128 weight blocks),
 # tensorwise = Float8CurrentScaling, delayed = DelayedScaling. Recorded in those rows' `scaling` column.
 TE_FP8_RECIPES = ("blockwise", "tensorwise", "delayed")
-# fp8 GEMMs of the PyTorch-expert baselines (nccl, deepep, hybridep) at precision=fp8 (baselines/fp8_gemm.py):
-# rowwise = torch._scaled_grouped_mm (per-row activation / per-channel weight scales), blockwise = DeepGEMM's grouped
-# GEMMs in the harness format (1x128 / 128x128), emulated = bf16 GEMMs on e4m3-rounded operands (accuracy only),
-# auto = the fastest real path installed (on a CPU: emulated, labelled as accuracy only). Recorded in `scaling`.
-FP8_GEMMS = ("auto", "rowwise", "blockwise", "emulated")
+# fp8 GEMMs of the PyTorch-expert baselines at precision=fp8: FP8_GEMMS (contract/case.py, the one table of names).
 # What mok_hopper's forward keeps for its backward (kernels/mok_hopper/train.py): save_h = X and the pre-SwiGLU
 # gate/up output H (SonicMoE's choice, the default), recompute = X only (the backward recomputes H: one more read of
 # the gate/up weights), inference = nothing (the forward-only layer; its backward rows are unsupported).

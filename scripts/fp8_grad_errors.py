@@ -31,7 +31,7 @@ from harness.config import CONFIG_DIR, make_case, register_configs  # noqa: E402
 from harness.inputs import make_inputs  # noqa: E402
 from harness.reference import ReferenceBackend  # noqa: E402
 
-PATHS = ("bf16", "emulated", "rowwise", "blockwise")
+PATHS = ("bf16", "emulated", *fp8_gemm.FP8_GEMM_PATHS)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a smoke run of this script (tiny shape)
 TOKENS = 2048 if DEVICE == "cuda" else 64
 
@@ -110,8 +110,8 @@ def main(out: str, shapes: list[str]) -> None:
         w = csv.DictWriter(f, fieldnames=keys)
         w.writeheader()
         w.writerows(rows)
-    print(f"fp8 paths here: rowwise {fp8_gemm.path_unavailable('rowwise', DEVICE) or 'ok'}; "
-          f"blockwise {fp8_gemm.path_unavailable('blockwise', DEVICE) or 'ok'}")
+    print("fp8 paths here: " + "; ".join(f"{p} {fp8_gemm.path_unavailable(p, DEVICE) or 'ok'}"
+                                         for p in fp8_gemm.FP8_GEMM_PATHS))
     dist.destroy_process_group()
 
 

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Issue 24 on one H200, part 1 of 2 (about 5 minutes): do the real fp8 GEMM paths of the PyTorch baselines load and
 # compute correctly, and what errors do their fp8 backward rows have (item 2)? Eager (compile=false) throughout.
-#   1. versions, and whether rowwise (torch._scaled_grouped_mm) and blockwise (DeepGEMM) are available here;
+#   1. versions, and whether rowwise (torch._scaled_grouped_mm), blockwise (DeepGEMM) and blockwise_loop
+#      (torch._scaled_mm per expert) are available here;
 #   2. tests/test_fp8_gemm.py, GPU tests included (the real GEMMs against the pure-torch references);
-#   3. scripts/fp8_grad_errors.py: per-tensor errors of nccl bf16 / emulated / rowwise / blockwise against a float32
+#   3. scripts/fp8_grad_errors.py: per-tensor errors of nccl bf16 / emulated / each real fp8 path against a float32
 #      and the bf16 reference, glm_5_2 and qwen3_5_397b at EP=1;
 #   4. harness rows with the current gate: nccl fp8 fwd + bwd, each fp8_gemm path, the same shapes, EP=1.
 # Usage (repo root, GPU machine; .whl holds the hydra wheels and sgl_deep_gemm-0.2.5):
@@ -24,7 +25,7 @@ try:
 except Exception as e:
     print("sgl-deep-gemm not installed:", e)
 from baselines import fp8_gemm
-for p in ("rowwise", "blockwise"):
+for p in fp8_gemm.FP8_GEMM_PATHS:
     print(p, "->", fp8_gemm.path_unavailable(p, "cuda") or "available")
 PY
 } 2>&1 | tee "$OUTDIR/versions.txt"
@@ -32,7 +33,7 @@ timeout 420 python -m pytest -q -p no:cacheprovider tests/test_fp8_gemm.py -rs 2
 timeout 420 python scripts/fp8_grad_errors.py "$OUTDIR" glm_5_2 qwen3_5_397b 2>&1 | grep -v -e Warning -e warnings.warn \
   | tee "$OUTDIR/fp8_grad_errors.txt"
 C="ep_size=1 precision=fp8 compile=false timing=quick direction=fwd_and_bwd results_dir=$RES hydra.sweep.dir=/tmp/mokbench-sweep hydra.run.dir=/tmp/mokbench-run"
-for g in emulated rowwise blockwise; do
+for g in emulated rowwise blockwise blockwise_loop auto; do
   echo "+ nccl fp8_gemm=$g"
   timeout 400 python -m harness.run -m shape=glm_5_2,qwen3_5_397b backend=nccl fp8_gemm=$g $C 2>&1 \
     | grep -v -e Warning -e warnings.warn | tee -a "$OUTDIR/harness_check.txt"

@@ -156,7 +156,7 @@ def test_compile_mode_published_is_each_backends_own():
                                  ffn=4)
     inputs = types.SimpleNamespace(w13_LIH=torch.zeros(2, 8, 4), w2_LHI=torch.zeros(2, 4, 4))
     nccl = object.__new__(NcclBackend)
-    nccl.case = case
+    nccl.case, nccl.group = case, None  # what __init__ sets (group: the process group, unused here)
     nccl.setup(inputs)
     assert nccl.params.columns()["compile_mode"] == "max-autotune"
     assert ExpertParams(case, inputs).columns()["compile_mode"] == "max-autotune-no-cudagraphs"  # deepep, hybridep

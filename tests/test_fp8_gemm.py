@@ -1,12 +1,13 @@
 """Real fp8 GEMMs of the PyTorch-expert baselines (baselines/fp8_gemm.py).
 
-On a CPU the same code runs through pure-torch references of ``torch._scaled_grouped_mm`` and of DeepGEMM's
-grouped GEMMs: these tests check the operand bookkeeping (padding, scale layouts, token-grouped wgrad operands)
+On a CPU the same code runs through pure-torch references of ``torch._scaled_grouped_mm``, of DeepGEMM's
+grouped GEMMs and of ``torch._scaled_mm``'s block-scaled pairs (baselines/fp8_loop.py): these tests check the operand bookkeeping (padding, scale layouts, token-grouped wgrad operands)
 against plain fp32 autograd. The ``gpu`` tests check the real GEMMs against the same references."""
 
 from __future__ import annotations
 
 import os
+import weakref
 
 import torch
 
@@ -17,6 +18,7 @@ import pytest  # noqa: E402
 from conftest import HAS_GPU, compose_cfg, cpu_cfg  # noqa: E402
 
 from baselines import fp8_gemm as fg  # noqa: E402
+from baselines import fp8_loop as fl  # noqa: E402
 from baselines.common import swiglu  # noqa: E402
 
 
@@ -59,11 +61,11 @@ def run(path, x, w13, w2, dy, counts):
 COUNTS = [37, 0, 130, 5]  # an empty expert, one past a 128 block, uneven sizes
 
 
-@pytest.mark.parametrize("path", ["rowwise", "blockwise"])
+@pytest.mark.parametrize("path", ["rowwise", "blockwise", "blockwise_loop"])
 def test_fp8_experts_match_fp32_autograd(path):
     """Forward, dgrad and wgrad in fp8 stay within e4m3 rounding of fp32 autograd (relative L1 < 9%); a
     wrong scale layout, group offset or padding row gives several times more (see the next test). Measured here:
-    6.2-6.7% for both paths (two chained e4m3 GEMMs; bf16 alone is 0.4%)."""
+    6.2-6.7% for every path (two chained e4m3 GEMMs; bf16 alone is 0.4%)."""
     x, w13, w2, dy, counts = make(COUNTS)
     got, ref = run(path, x, w13, w2, dy, counts)
     for name, g, r in zip(("out", "d_x", "d_w13", "d_w2"), got, ref):
@@ -229,7 +231,7 @@ def test_deep_gemm_matches_reference_on_gpu():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_GPU, reason="no CUDA GPU on this machine")
-@pytest.mark.parametrize("path", ["rowwise", "blockwise"])
+@pytest.mark.parametrize("path", ["rowwise", "blockwise", "blockwise_loop"])
 def test_fp8_experts_on_gpu_match_fp32_autograd(path):
     _hopper(path)
     x, w13, w2, dy, counts = make([300, 0, 1000, 77, 129], H=512, I=256, device="cuda")
@@ -248,7 +250,7 @@ def test_blockwise_wgrad_in_expert_steps_matches_one_step(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(one, stepped))
 
 
-@pytest.mark.parametrize("path", ["rowwise", "blockwise"])
+@pytest.mark.parametrize("path", ["rowwise", "blockwise", "blockwise_loop"])
 def test_no_rows_keeps_the_weights_in_the_graph(path):
     """An idle rank (no routed rows): empty output, zero weight gradients, no fp8 GEMM on empty operands."""
     _, w13, w2, _, _ = make([3, 4])
@@ -257,3 +259,170 @@ def test_no_rows_keeps_the_weights_in_the_graph(path):
     y = fg.Fp8Experts(path, a, b)(x, a, b, torch.tensor([0, 0]), swiglu, None)
     y.sum().backward()
     assert y.shape == (0, 256) and float(a.grad.abs().sum()) == 0 and float(b.grad.abs().sum()) == 0
+
+
+# ---- blockwise_loop: torch._scaled_mm per expert (baselines/fp8_loop.py) ------------------------------------------
+
+
+def test_blockwise_loop_computes_what_the_deepgemm_path_computes():
+    """The same format, the same blocks: on the CPU references the per-expert torch._scaled_mm loop gives the DeepGEMM
+    path's output and gradients up to fp32 summation order (a bf16 rounding step on a few elements; a block multiplied
+    by the wrong scale, a misplaced expert or a padding row gives percents). I = 128 also covers weight scales that
+    need realigning and the single-block 1x128 operands torch takes as rowwise."""
+    for H, I in ((256, 256), (256, 128)):
+        x, w13, w2, dy, counts = make(COUNTS + [128], H=H, I=I)
+        loop = run("blockwise_loop", x, w13, w2, dy, counts)[0]
+        deep = run("blockwise", x, w13, w2, dy, counts)[0]
+        assert all(rel_l1(a, b) < 1e-4 for a, b in zip(loop, deep)), [rel_l1(a, b) for a, b in zip(loop, deep)]
+
+
+def test_a_wrong_loop_scale_layout_is_caught(monkeypatch):
+    """The forward and dgrad activation scales go expert by expert ([B, P_e] blocks); laid out as one [B, P] block,
+    the same shapes and strides read other rows' scales and the result is far off."""
+    x, w13, w2, dy, counts = make(COUNTS)
+    monkeypatch.setattr(fl, "expert_major", lambda s_PB, layout: s_PB.t().contiguous().reshape(-1))
+    got, ref = run("blockwise_loop", x, w13, w2, dy, counts)
+    assert rel_l1(got[0], ref[0]) > 0.2 and rel_l1(got[1], ref[1]) > 0.2
+
+
+def test_expert_major_scales_read_back_outer_dim_major():
+    counts = torch.tensor([100, 0, 300, 7])
+    lay = fg.GroupLayout(counts, 407, fl.ALIGN, host_counts=counts.tolist())
+    s = torch.randn(lay.rows, 3)
+    flat = fl.expert_major(s, lay)
+    start = 0
+    for n in lay.padded_host:
+        if n:
+            e = fl.expert_scales(flat, start, n, 3)
+            assert torch.equal(e, s[start:start + n]) and e.stride() == (1, n)
+        start += n
+
+
+def test_weight_scales_start_16_byte_aligned():
+    s = torch.randn(3, 2, 1)  # 2 floats per expert (tiny's w2): expert 1 would start 8 bytes in
+    a = fl.aligned_scales(s)
+    assert torch.equal(a, s) and all(a[e].storage_offset() % 4 == 0 and a[e].is_contiguous() for e in range(3))
+    assert fl.aligned_scales(torch.randn(3, 2, 2)).storage_offset() == 0  # a multiple of 4: the tensor itself
+
+
+def _blocks(M, K, N, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    aq, sa = fg.quantize_blocks(torch.randn(M, K, generator=g), 1, 128)
+    wq, sw = fg.quantize_blocks(torch.randn(N, K, generator=g), 128, 128)
+    return aq, sa, wq, sw
+
+
+def test_reference_scaled_mm_takes_what_torch_takes():
+    """1x128 x 128x128: the product of the dequantized blocks; 1x128 scales must be outer-dim-major, mat2
+    column-major, the 128x128 scales given as the transpose of their row-major [N/128, K/128] (what
+    aten/src/ATen/native/cuda/ScaledBlas.cpp checks on SM90)."""
+    aq, sa, wq, sw = _blocks(64, 256, 384)
+    out = torch.empty(64, 384, dtype=torch.bfloat16)
+    fl.reference_scaled_mm(aq, wq.t(), sa.t().contiguous().t(), sw.t(), out)
+    ref = fg.dequantize_blocks(aq, sa, 1, 128) @ fg.dequantize_blocks(wq, sw, 128, 128).t()
+    assert torch.equal(out, ref.to(torch.bfloat16))
+    with pytest.raises(RuntimeError, match="Invalid scaling"):  # 1x128 scales row-major
+        fl.reference_scaled_mm(aq, wq.t(), sa, sw.t(), out)
+    with pytest.raises(RuntimeError, match="Invalid scaling"):  # 128x128 scales not transposed
+        fl.reference_scaled_mm(aq, wq.t(), sa.t().contiguous().t(), sw.t().contiguous(), out)
+    with pytest.raises(RuntimeError, match="row-major and column-major"):
+        fl.reference_scaled_mm(aq, wq.t().contiguous(), sa.t().contiguous().t(), sw.t(), out)
+    big = torch.empty(2, 64, 384, dtype=torch.bfloat16)  # a slice of a wider scale tensor: stride 2M, not M
+    with pytest.raises(RuntimeError, match="Invalid scaling"):
+        fl.reference_scaled_mm(aq, wq.t(), torch.cat([sa, sa]).t().contiguous().t()[:64], sw.t(), big[0])
+    # 1x128 x 1x128 (the wgrad): blocks along the reduced axis on both sides
+    g = torch.Generator().manual_seed(1)
+    bq, sb = fg.quantize_blocks(torch.randn(384, 256, generator=g), 1, 128)  # b.t() [N, K] in 1x128 blocks
+    fl.reference_scaled_mm(aq, bq.t(), sa.t().contiguous().t(), sb.t().contiguous(), out)
+    ref = fg.dequantize_blocks(aq, sa, 1, 128) @ fg.dequantize_blocks(bq, sb, 1, 128).t()
+    assert torch.equal(out, ref.to(torch.bfloat16))
+
+
+def test_blockwise_loop_resolves_and_labels_on_cpu():
+    from harness.config import make_case
+
+    case = make_case(compose_cfg("shape=tiny", "precision=fp8", "fp8_gemm=blockwise_loop"), ep_size=2, device="cpu")
+    path, why = fg.resolve(case)
+    assert path == "blockwise_loop" and "fp8_gemm=emulated" in why
+    label = fg.scaling_label("blockwise_loop", case, "bf16")
+    assert "torch._scaled_mm per-expert loop" in label and "1x128 x 128x128" in label
+
+
+def test_auto_keeps_the_fastest_path_and_records_every_time(monkeypatch):
+    """The choice and the bookkeeping of ``fastest_experts`` (the timing itself needs CUDA events: the gpu test):
+    the fastest forward + backward wins, every path's times are in the line, blockwise and blockwise_loop share one
+    quantization of the weights, and one format is held at a time (the pick's is made again after rowwise's)."""
+    from harness.config import make_case
+
+    case = make_case(compose_cfg("shape=tiny", "precision=fp8"), ep_size=2, device="cpu")
+    fake = {"blockwise": (2.0, 5.0), "blockwise_loop": (3.0, 3.5), "rowwise": (1.0, 6.0)}
+    monkeypatch.setattr(fg, "auto_candidates", lambda device: list(fake))
+    monkeypatch.setattr(fg, "_time_experts", lambda ex, *a: fake[ex.path])
+    made, alive, refs = [], [], []
+
+    def counting(cls):
+        real = cls.__init__
+
+        def init(self, w):
+            made.append(cls.__name__)
+            refs.append(weakref.ref(self))
+            alive.append(sum(r() is not None for r in refs))
+            real(self, w)
+
+        monkeypatch.setattr(cls, "__init__", init)
+
+    for cls in (fg.BlockwiseWeight, fg.RowwiseWeight):
+        counting(cls)
+    _, w13, w2, _, _ = make([3, 4])
+    ex, line = fg.fastest_experts(case, w13, w2, swiglu)
+    assert ex.path == "blockwise_loop" and isinstance(ex.w13, fg.BlockwiseWeight)
+    assert made == ["BlockwiseWeight"] * 2 + ["RowwiseWeight"] * 2 + ["BlockwiseWeight"] * 2
+    assert alive == [1, 2] * 3  # the weight being made, and the w13 of its pair: no other format held
+    assert "picked blockwise_loop" in line and all(f"{p} {f:.2f}+{b:.2f} ms" in line for p, (f, b) in fake.items())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="no CUDA GPU on this machine")
+def test_scaled_mm_loop_matches_reference_on_gpu():
+    """The real torch._scaled_mm in each pair the loop uses (forward, dgrad, wgrad) on uneven experts against
+    ``reference_scaled_mm`` run on the same operands (it also checks their layouts, as torch does)."""
+    _hopper("blockwise_loop")
+    counts = torch.tensor([100, 0, 300, 7], device="cuda")
+    lay = fg.GroupLayout(counts, 407, fl.ALIGN, host_counts=counts.tolist())
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = lay.pad(torch.randn(407, 512, device="cuda", generator=g).to(torch.bfloat16))
+    dy = lay.pad(torch.randn(407, 256, device="cuda", generator=g).to(torch.bfloat16))
+    w = fl.LoopWeight(fg.BlockwiseWeight(torch.randn(4, 256, 512, device="cuda", generator=g).to(torch.bfloat16)))
+    cpu = lambda *ts: [t.cpu() for t in ts]  # noqa: E731
+    for a, wq, ws in ((x, w.q, w.s), (dy, w.q_t, w.s_t)):  # forward (1x128 x 128x128) and dgrad (the same blocks)
+        aq, sa = fg.quantize_blocks(a, 1, 128)
+        em = fl.expert_major(sa, lay)
+        got = fl._act_times_weight(aq, em, wq, ws, lay)
+        lay_cpu = fg.GroupLayout(counts.cpu(), 407, fl.ALIGN, host_counts=counts.tolist())
+        ref = fl._act_times_weight(*cpu(aq, em, wq, ws), lay_cpu)
+        assert rel_l1(got.cpu(), ref) < 0.01
+    (ga, gs), (xa, xs) = fg.k_grouped_operand(dy, lay), fg.k_grouped_operand(x, lay)
+    # the wgrad, 1x128 x 1x128 along the tokens: expert 2 (rows 128..511, three token blocks) and expert 0 (one block,
+    # which torch takes as rowwise x rowwise: the same product)
+    for s, n in ((128, 384), (0, 128)):
+        args = (ga[s * 256:(s + n) * 256].view(256, n), xa[s * 512:(s + n) * 512].view(512, n).t(),
+                gs[s // 128:(s + n) // 128].t(), xs[s // 128:(s + n) // 128])
+        got = fl.scaled_mm(*args, torch.empty(256, 512, dtype=torch.bfloat16, device="cuda"))
+        ref = fl.reference_scaled_mm(*cpu(*args), torch.empty(256, 512, dtype=torch.bfloat16))
+        assert rel_l1(got.cpu(), ref) < 0.01, (s, n, rel_l1(got.cpu(), ref))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="no CUDA GPU on this machine")
+def test_auto_times_the_installed_paths_on_gpu():
+    """fp8_gemm=auto on this GPU: every real path installed is timed, the pick is one of them and the fastest."""
+    from harness.config import make_case
+
+    found = fg.auto_candidates("cuda")
+    if len(found) < 2:
+        pytest.skip(f"auto times paths only when several are installed; here: {found or 'none'}")
+    case = make_case(compose_cfg("shape=tiny", "precision=fp8", "workload.tokens_per_gpu=512"), ep_size=1,
+                     device="cuda")
+    _, w13, w2, _, _ = make([1] * case.local_experts, H=case.hidden, I=case.ffn, device="cuda")
+    ex, line = fg.fastest_experts(case, w13, w2, swiglu)
+    assert ex.path in found and f"picked {ex.path}" in line and all(f"{p} " in line for p in found)
