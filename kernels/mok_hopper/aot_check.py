@@ -186,20 +186,24 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048, extras: bool 
                        dict(comb_ptr="*bf16", idx_ptr="*i64", rw_ptr="*fp32", shared_ptr="*bf16", out_ptr="*bf16",
                             T="i32", H="i32", K="i32"),
                        dict(BT=2, BH=1024, APPLY_W=False, HAS_SHARED=True), 4))
-    if extras:  # the backward's v0 GEMMs (bwd_gemm.py: not yet in the layer), at their launchers' defaults
+    if extras:  # the backward's GEMMs (bwd_gemm.py), at the block sizes train.py launches them with
         rows_t = dict(a_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", h_ptr="*bf16", clip_ptr="*u8", s_ptr="*fp32",
-                      sa_ptr="*bf16", ds_ptr="*fp32", tile_expert_ptr="*i32", tile_row_ptr="*i32", chunk_ptr="*i32",
-                      n_rows="i32", K="i32", N="i32", stride_we="i32", stride_wk="i32", stride_wn="i32", limit="fp32")
-        rows_c = dict(BM=cfg.block_m, BN=64, BK=64, NUM_PROGS=nprog, UPCAST=False, GROUP_M=4, STAGES=3, SAVE_H=False)
-        for label, over in (("bwd dgate", dict(DGATE=True, HAS_LIMIT=False, BN=32)),
-                            ("bwd dgate clamp", dict(DGATE=True, HAS_LIMIT=True, BN=32)),
-                            ("bwd dx", dict(DGATE=False, HAS_LIMIT=False)),
-                            ("bwd recompute H", dict(DGATE=False, HAS_LIMIT=False, SAVE_H=True))):
-            out.append(Variant(label, "_bwd_rows_kernel", rows_t, {**rows_c, **over}, 8))
+                      sa_ptr="*bf16", ds_ptr="*fp32", code_ptr="*i32", tile_expert_ptr="*i32", tile_row_ptr="*i32",
+                      chunk_ptr="*i32", n_rows="i32", K="i32", N="i32", stride_we="i32", stride_wk="i32",
+                      stride_wn="i32", limit="fp32")
+        rows_c = dict(BK=64, NUM_PROGS=nprog, UPCAST=False, GROUP_M=4, STAGES=3, SAVE_H=False, HAS_LIMIT=False,
+                      DGATE=False, WTMA=True, PUSH=False)
+        for label, over in (("bwd dgate", dict(DGATE=True, BM=64, BN=64)),
+                            ("bwd dgate clamp", dict(DGATE=True, HAS_LIMIT=True, BM=64, BN=64)),
+                            ("bwd dx push", dict(BM=128, BN=128, PUSH=True)),
+                            ("bwd recompute H", dict(BM=128, BN=64, SAVE_H=True, WTMA=False))):
+            c = {**rows_c, **over}
+            t = dict(rows_t, w_ptr=f"tensordesc<bf16[{c['BK']}, {c['BN']}]>") if c["WTMA"] else rows_t
+            out.append(Variant(label, "_bwd_rows_kernel", t, c, 8))
         out.append(Variant("bwd wgrad", "_bwd_wgrad_kernel",
                            dict(p_ptr="*bf16", q_ptr="*bf16", dw_ptr="*bf16", code_ptr="*i32", expert_row_ptr="*i32",
                                 N="i32", K="i32", L="i32"),
-                           dict(BN=64, BK=64, BR=32, NUM_PROGS=nprog, UPCAST=False, STAGES=3), 8))
+                           dict(BN=128, BK=128, BR=64, NUM_PROGS=nprog, UPCAST=False, STAGES=3), 8))
     return out
 
 

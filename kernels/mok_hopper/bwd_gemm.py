@@ -29,11 +29,12 @@ from kernels.mok_hopper.interp import INTERPRET
 
 
 @triton.jit
-def _bwd_rows_kernel(a_ptr, w_ptr, out_ptr, h_ptr, clip_ptr, s_ptr, sa_ptr, ds_ptr, tile_expert_ptr, tile_row_ptr,
-                     chunk_ptr, n_rows, K, N, stride_we, stride_wk, stride_wn, limit,
+def _bwd_rows_kernel(a_ptr, w_ptr, out_ptr, h_ptr, clip_ptr, s_ptr, sa_ptr, ds_ptr, code_ptr, tile_expert_ptr,
+                     tile_row_ptr, chunk_ptr, n_rows, K, N, stride_we, stride_wk, stride_wn, limit,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NUM_PROGS: tl.constexpr,
                      UPCAST: tl.constexpr, GROUP_M: tl.constexpr, STAGES: tl.constexpr, DGATE: tl.constexpr,
-                     HAS_LIMIT: tl.constexpr, SAVE_H: tl.constexpr = False):
+                     HAS_LIMIT: tl.constexpr, SAVE_H: tl.constexpr = False, WTMA: tl.constexpr = False,
+                     PUSH: tl.constexpr = False):
     """Work items (row tile, column tile); a tile of any size (half tiles, tails) runs in BM-row blocks."""
     m_lo = tl.load(chunk_ptr)
     m_hi = tl.load(chunk_ptr + 1)
@@ -42,17 +43,18 @@ def _bwd_rows_kernel(a_ptr, w_ptr, out_ptr, h_ptr, clip_ptr, s_ptr, sa_ptr, ds_p
     for wk in range(tl.program_id(0), n_work, NUM_PROGS):
         m, n, e_tile, row0, row1 = _work_tile(wk, tile_expert_ptr, tile_row_ptr, m_lo, m_hi, n_n, GROUP_M)
         for rb in range(row0, row1, BM):
-            _bwd_rows_block(a_ptr, w_ptr, out_ptr, h_ptr, clip_ptr, s_ptr, sa_ptr, ds_ptr, rb, row1, n, n_n,
-                            e_tile, n_rows, K, N, stride_we, stride_wk, stride_wn, limit, BM, BN, BK, UPCAST, STAGES,
-                            DGATE, HAS_LIMIT, SAVE_H)
+            _bwd_rows_block(a_ptr, w_ptr, out_ptr, h_ptr, clip_ptr, s_ptr, sa_ptr, ds_ptr, code_ptr, rb, row1, n,
+                            n_n, e_tile, n_rows, K, N, stride_we, stride_wk, stride_wn, limit, BM, BN, BK, UPCAST,
+                            STAGES, DGATE, HAS_LIMIT, SAVE_H, WTMA, PUSH)
 
 
 @triton.jit
-def _bwd_rows_block(a_ptr, w_ptr, out_ptr, h_ptr, clip_ptr, s_ptr, sa_ptr, ds_ptr, row0, row1, n, n_n, e_tile,
-                    n_rows, K, N, stride_we, stride_wk, stride_wn, limit, BM: tl.constexpr, BN: tl.constexpr,
+def _bwd_rows_block(a_ptr, w_ptr, out_ptr, h_ptr, clip_ptr, s_ptr, sa_ptr, ds_ptr, code_ptr, row0, row1, n, n_n,
+                    e_tile, n_rows, K, N, stride_we, stride_wk, stride_wn, limit, BM: tl.constexpr, BN: tl.constexpr,
                     BK: tl.constexpr, UPCAST: tl.constexpr, STAGES: tl.constexpr, DGATE: tl.constexpr,
-                    HAS_LIMIT: tl.constexpr, SAVE_H: tl.constexpr):
-    """Rows [row0, min(row0 + BM, row1)) x columns [n BN, (n + 1) BN) of expert ``e_tile``."""
+                    HAS_LIMIT: tl.constexpr, SAVE_H: tl.constexpr, WTMA: tl.constexpr, PUSH: tl.constexpr):
+    """Rows [row0, min(row0 + BM, row1)) x columns [n BN, (n + 1) BN) of expert ``e_tile``. WTMA: ``w_ptr`` is a
+    TMA descriptor over the weights' [L K, N] view (row-major [L, K, N]) with blocks [BK, BN]."""
     rows = (row0 + tl.arange(0, BM)).to(tl.int64)
     rmask = (rows < n_rows) & (rows < row1)
     cols = n * BN + tl.arange(0, BN)
@@ -61,8 +63,11 @@ def _bwd_rows_block(a_ptr, w_ptr, out_ptr, h_ptr, clip_ptr, s_ptr, sa_ptr, ds_pt
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in tl.range(0, K, BK, num_stages=STAGES):
         a = tl.load(a_ptr + rows[:, None] * K + (k0 + kk)[None, :], mask=rmask[:, None], other=0.0)
-        b = tl.load(w_ptr + e * stride_we + (k0 + kk)[:, None].to(tl.int64) * stride_wk
-                    + cols[None, :].to(tl.int64) * stride_wn)
+        if WTMA:
+            b = w_ptr.load([e_tile * K + k0, n * BN])
+        else:
+            b = tl.load(w_ptr + e * stride_we + (k0 + kk)[:, None].to(tl.int64) * stride_wk
+                        + cols[None, :].to(tl.int64) * stride_wn)
         acc = _mma(a, b, acc, UPCAST)
     if DGATE:  # N = I: G = dO @ W2[e]; H and the masks are [R, 2I] (gate columns, then up columns)
         h_off = rows[:, None] * (2 * N) + cols[None, :]
@@ -88,6 +93,9 @@ def _bwd_rows_block(a_ptr, w_ptr, out_ptr, h_ptr, clip_ptr, s_ptr, sa_ptr, ds_pt
         tl.store(sa_ptr + rows[:, None] * N + cols[None, :], (act * s[:, None]).to(tl.bfloat16),
                  mask=rmask[:, None])
         tl.store(ds_ptr + rows * n_n + n, tl.sum(acc * act, axis=1), mask=rmask)
+    elif PUSH:  # each row to its slot (the row code; padding rows, code < 0, go nowhere)
+        code = tl.load(code_ptr + rows, mask=rmask, other=-1).to(tl.int64)
+        tl.store(out_ptr + code[:, None] * N + cols[None, :], acc.to(tl.bfloat16), mask=(code >= 0)[:, None])
     else:
         tl.store(out_ptr + rows[:, None] * N + cols[None, :], acc.to(tl.bfloat16), mask=rmask[:, None])
         if SAVE_H:  # N = 2I: the recomputed pre-SwiGLU H, and where the forward's clamp clipped it (fp32 decisions)
@@ -100,12 +108,17 @@ def bwd_rows(a_RK: torch.Tensor, w_LKN: torch.Tensor, out: torch.Tensor, tile_ex
              tile_row_M1: torch.Tensor, chunk_2: torch.Tensor, *, block_m: int, programs: int,
              block_n: Optional[int] = None, block_k: int = 64, stages: int = 3, group_m: int = 4,
              dgate: Optional[dict] = None, limit: Optional[float] = None,
-             save_clip: Optional[torch.Tensor] = None) -> None:
+             save_clip: Optional[torch.Tensor] = None, push_code: Optional[torch.Tensor] = None,
+             num_warps: int = 8) -> None:
     """out[r] = a[r] @ w[e(r)] over the row tiles [chunk_2[0], chunk_2[1]) (``w`` [L, K, N], any strides: W2
     [L, H, I] as is, W13 [L, 2I, H] as is, W13.transpose(1, 2) to recompute H). ``dgate`` = dict(h=[R, 2I] bf16,
     clip=[R, 2I] uint8 or None, s=[R] fp32, sa=[R, N] bf16 out, ds=[R, N / block_n] fp32 out): the dgate epilogue,
     ``out`` [R, 2N] is dH. ``save_clip`` (uint8 [R, N], with ``limit``; N = 2I): out is the recomputed H and this
     gets the clamp's decisions, made on the fp32 accumulators as the forward makes them.
+    ``push_code`` (int32 [R]): row r goes to row ``push_code[r]`` of ``out`` instead (rows with a negative code
+    nowhere): the dX rows straight into their token slots. Weights given as a contiguous [L, K, N] tensor are read
+    through a TMA descriptor (blocks [block_k, block_n]) on CUDA; other strides (W13 transposed, to recompute H)
+    by pointers.
     ``block_n``: 32 for dgate (its epilogue holds eight [BM, BN] fp32 tiles: 64 wide spilled at BM 128, aot_check),
     else 64."""
     R, K = a_RK.shape
@@ -118,31 +131,38 @@ def bwd_rows(a_RK: torch.Tensor, w_LKN: torch.Tensor, out: torch.Tensor, tile_ex
     if dgate is not None:
         assert out.shape == (R, 2 * N) and d["ds"].shape == (R, N // block_n)
     clip = save_clip if save_clip is not None else (d.get("clip") if limit is not None else None)
+    wtma = w_LKN.is_cuda and w_LKN.is_contiguous()
+    w = w_LKN
+    if wtma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        w = TensorDescriptor.from_tensor(w_LKN.reshape(-1, N), [block_k, block_n])
     _bwd_rows_kernel[(programs,)](
-        a_RK, w_LKN, out, d.get("h", out), clip if clip is not None else out, d.get("s", out), d.get("sa", out),
-        d.get("ds", out), tile_expert_M, tile_row_M1, chunk_2, R, K, N, w_LKN.stride(0), w_LKN.stride(1),
-        w_LKN.stride(2), 0.0 if limit is None else float(limit), BM=block_m, BN=block_n, BK=block_k,
-        NUM_PROGS=programs, UPCAST=INTERPRET, GROUP_M=group_m, STAGES=stages, DGATE=dgate is not None,
-        HAS_LIMIT=dgate is not None and limit is not None, SAVE_H=save_clip is not None, num_warps=8)
+        a_RK, w, out, d.get("h", out), clip if clip is not None else out, d.get("s", out), d.get("sa", out),
+        d.get("ds", out), push_code if push_code is not None else tile_row_M1, tile_expert_M, tile_row_M1, chunk_2,
+        R, K, N, w_LKN.stride(0), w_LKN.stride(1), w_LKN.stride(2), 0.0 if limit is None else float(limit),
+        BM=block_m, BN=block_n, BK=block_k, NUM_PROGS=programs, UPCAST=INTERPRET, GROUP_M=group_m, STAGES=stages,
+        DGATE=dgate is not None, HAS_LIMIT=dgate is not None and limit is not None, SAVE_H=save_clip is not None,
+        WTMA=wtma, PUSH=push_code is not None, num_warps=num_warps)
 
 
 def router_grad(ds_parts_RN: torch.Tensor) -> torch.Tensor:
-    """The router-weight gradient of every row: the dgate epilogue's partial sums over its column tiles, added in
-    ascending tile order (fp32, deterministic)."""
-    out = torch.zeros(ds_parts_RN.shape[0], dtype=torch.float32, device=ds_parts_RN.device)
-    for j in range(ds_parts_RN.shape[1]):
-        out += ds_parts_RN[:, j]
-    return out
+    """The router-weight gradient of every row: the dgate epilogue's partial sums over its column tiles, summed by
+    torch (fp32; a fixed reduction tree for a given shape, no atomics: deterministic)."""
+    return ds_parts_RN.sum(dim=1)
 
 
 @triton.jit
 def _bwd_wgrad_kernel(p_ptr, q_ptr, dw_ptr, code_ptr, expert_row_ptr, N, K, L,
                       BN: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, NUM_PROGS: tl.constexpr,
                       UPCAST: tl.constexpr, STAGES: tl.constexpr):
+    """Work items (expert, column block of N, column block of K), expert-major, K fastest: programs running together
+    share one expert's P and Q rows (from L2). The item loop is flattened with its row loop, so the next item's
+    loads are issued during this item's store."""
     n_n = N // BN
     n_k = K // BK
     n_work = L * n_n * n_k
-    for wk in range(tl.program_id(0), n_work, NUM_PROGS):
+    for wk in tl.range(tl.program_id(0), n_work, NUM_PROGS, flatten=True):
         e = wk // (n_n * n_k)
         n = (wk // n_k) % n_n
         k = wk % n_k
@@ -154,9 +174,9 @@ def _bwd_wgrad_kernel(p_ptr, q_ptr, dw_ptr, code_ptr, expert_row_ptr, N, K, L,
         for r0 in tl.range(r_lo, r_hi, BR, num_stages=STAGES):
             rows = (r0 + tl.arange(0, BR)).to(tl.int64)
             live = (rows < r_hi) & (tl.load(code_ptr + rows, mask=rows < r_hi, other=-1) >= 0)  # padding rows: 0
-            p = tl.load(p_ptr + rows[None, :] * N + ncols[:, None], mask=live[None, :], other=0.0)  # [BN, BR]
+            p = tl.load(p_ptr + rows[:, None] * N + ncols[None, :], mask=live[:, None], other=0.0)  # [BR, BN]
             q = tl.load(q_ptr + rows[:, None] * K + kcols[None, :], mask=live[:, None], other=0.0)  # [BR, BK]
-            acc = _mma(p, q, acc, UPCAST)
+            acc = _mma(p.T, q, acc, UPCAST)
         tl.store(dw_ptr + e.to(tl.int64) * N * K + ncols[:, None].to(tl.int64) * K + kcols[None, :],
                  acc.to(dw_ptr.dtype.element_ty))
 
@@ -170,8 +190,8 @@ def expert_rows(tile_expert_M: torch.Tensor, tile_row_M1: torch.Tensor, local_ex
 
 
 def bwd_wgrad(p_RN: torch.Tensor, q_RK: torch.Tensor, dw_LNK: torch.Tensor, row_code_R: torch.Tensor,
-              expert_row_L1: torch.Tensor, *, programs: int, block_n: int = 64, block_k: int = 64,
-              block_r: int = 32, stages: int = 3) -> None:
+              expert_row_L1: torch.Tensor, *, programs: int, block_n: int = 128, block_k: int = 128,
+              block_r: int = 64, stages: int = 3) -> None:
     """dw[e] = p[rows of e]^T @ q[rows of e] (fp32 accumulation, the rows in schedule order; rows whose code is
     negative are padding and add nothing). ``dw`` [L, N, K] (bf16, or fp32 for a main-grad accumulator)."""
     R, N = p_RN.shape

@@ -18,14 +18,63 @@ import torch
 from kernels.mok_hopper import bwd_gemm
 from kernels.mok_hopper.api import MoKHopperLayer
 from kernels.mok_hopper.tiles import num_sms
-from kernels.mok_hopper.twin import epilogue
+from kernels.mok_hopper.pull import combine_epilogue
 
 
 def _blocks(n: int, cap: int) -> int:
-    return next(b for b in (cap, 64, 32, 16) if b <= cap and n % b == 0)
+    return next(b for b in (cap, 128, 64, 32, 16) if b <= cap and n % b == 0)
 
 
-BWD_STAGES = ("gather", "recompute_h", "dgate", "dx", "dx_sum", "dw13", "dw2", "shared")  # ``marks`` names
+BWD_STAGES = ("gather", "recompute_h", "dgate", "dx", "dw13", "dw2", "shared", "dx_sum")  # ``marks`` names
+
+
+def _tiles(H: int, I: int, cuda: bool) -> dict[str, dict[str, int]]:
+    """Block sizes of the backward's GEMMs (v1): dgate 64 x 64 (its epilogue holds about ten [BM, BN] fp32 tiles),
+    dX 128 x 128, the weight gradients 128 x 128 over 64-row steps. On the CPU (interpreter) the same rule, capped
+    at what divides the toy shapes."""
+    return {"dgate": dict(block_m=64, block_n=_blocks(I, 64), block_k=_blocks(H, 64)),
+            "dx": dict(block_m=128, block_n=_blocks(H, 128), block_k=_blocks(2 * I, 64)),
+            "recompute": dict(block_m=128, block_n=_blocks(2 * I, 64), block_k=_blocks(H, 64)),
+            "dw13": dict(block_n=_blocks(2 * I, 128), block_k=_blocks(H, 128)),
+            "dw2": dict(block_n=_blocks(H, 128), block_k=_blocks(I, 128))}
+
+
+def _expert_backward(x_rows: torch.Tensor, dO_rows: torch.Tensor, s_rows: torch.Tensor, h: Optional[torch.Tensor],
+                     clip: Optional[torch.Tensor], w13: torch.Tensor, w2: torch.Tensor, code_R: torch.Tensor,
+                     tile_expert: torch.Tensor, tile_row: torch.Tensor, chunk: torch.Tensor, starts: torch.Tensor,
+                     dx_slots: torch.Tensor, *, limit: Optional[float], programs: int,
+                     mark: Callable[[str], None]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The four stages over rows grouped by expert (the routed experts, or the shared one): dX rows pushed into
+    ``dx_slots`` by their code, and (dW13, dW2, the router-weight gradient of every row). ``h`` None: recompute H
+    (and the clamp's decisions) from the X rows first."""
+    R, H = x_rows.shape
+    L, I2, _ = w13.shape
+    I = I2 // 2
+    dev = x_rows.device
+    t = _tiles(H, I, dev.type == "cuda")
+    if h is None:
+        h = torch.empty(R, 2 * I, dtype=torch.bfloat16, device=dev)
+        clip = torch.zeros(R, 2 * I, dtype=torch.uint8, device=dev) if limit is not None else None
+        bwd_gemm.bwd_rows(x_rows, w13.transpose(1, 2), h, tile_expert, tile_row, chunk, programs=programs,
+                          limit=limit, save_clip=clip, **t["recompute"])
+    mark("recompute_h")
+    dH = torch.empty(R, 2 * I, dtype=torch.bfloat16, device=dev)
+    sA = torch.empty(R, I, dtype=torch.bfloat16, device=dev)
+    ds_parts = torch.empty(R, I // t["dgate"]["block_n"], dtype=torch.float32, device=dev)
+    bwd_gemm.bwd_rows(dO_rows, w2, dH, tile_expert, tile_row, chunk, programs=programs,
+                      dgate=dict(h=h, clip=clip, s=s_rows, sa=sA, ds=ds_parts), limit=limit, **t["dgate"])
+    mark("dgate")
+    bwd_gemm.bwd_rows(dH, w13, dx_slots, tile_expert, tile_row, chunk, programs=programs, push_code=code_R,
+                      **t["dx"])
+    mark("dx")
+    ds = bwd_gemm.router_grad(ds_parts)
+    dW13 = torch.empty_like(w13)
+    dW2 = torch.empty_like(w2)
+    bwd_gemm.bwd_wgrad(dH, x_rows, dW13, code_R, starts, programs=programs, **t["dw13"])
+    mark("dw13")
+    bwd_gemm.bwd_wgrad(dO_rows, sA, dW2, code_R, starts, programs=programs, **t["dw2"])
+    mark("dw2")
+    return dW13, dW2, ds
 
 
 def layer_backward(layer: MoKHopperLayer, dO_TH: torch.Tensor, x_TH: torch.Tensor, topk_idx_TK: torch.Tensor,
@@ -35,106 +84,54 @@ def layer_backward(layer: MoKHopperLayer, dO_TH: torch.Tensor, x_TH: torch.Tenso
     """The gradients of the layer's last forward (EP=1): x (bf16 [T, H]), topk_w (fp32 [T, K]), w13 (bf16
     [L, 2I, H]), w2 (bf16 [L, H, I]) and, with a shared expert, its (gate, up, down) gradients. H comes from the
     forward (``layer.save_h``) or is recomputed here from the layer's X rows. ``marks(stage)`` is called after
-    each stage of :data:`BWD_STAGES` (diagnostics: a stage timer records an event there)."""
-    assert layer.world == 1, "the v0 backward runs at EP=1 (issue 23: the cross-rank dO pull and dX push are next)"
+    each stage of :data:`BWD_STAGES` (diagnostics: a stage timer records an event there). No host synchronisation.
+
+    Rows of the schedule that hold no token (padding, code < 0) go through the GEMMs with router weight 0 and are
+    left out of every sum: the weight gradients skip them, their dX rows are pushed nowhere."""
+    assert layer.world == 1, "the bf16 backward runs at EP=1 so far (the cross-rank dO pull and dX push are next)"
     mark = marks or (lambda name: None)
-    T, K, H, I, L = layer.T, layer.K, layer.H, layer.I, layer.L
+    T, K, H, L = layer.T, layer.K, layer.H, layer.L
     s = layer.sched
-    R = layer.R
     dev = dO_TH.device
-    codes = s.row_code_R.long()
-    valid = codes >= 0
-    c = torch.where(valid, codes, torch.zeros_like(codes))
-    tok = c // K
-    zero = torch.zeros((), dtype=torch.bfloat16, device=dev)
-    dO_rows = torch.where(valid[:, None], dO_TH.to(torch.bfloat16)[tok], zero)
-    s_rows = torch.where(valid, topk_w_TK.reshape(-1).float()[c], torch.zeros((), device=dev))
-    x_rows = torch.where(valid[:, None], layer.x_rows, zero)  # the forward's pulled rows (padding rows: zero)
+    code = s.row_code_R
+    valid = code >= 0
+    c = torch.where(valid, code, torch.zeros_like(code)).long()
+    dO = dO_TH.detach().to(torch.bfloat16).contiguous()
+    dO_rows = dO.index_select(0, c // K)  # padding rows: token 0's (router weight 0, skipped by the sums)
+    s_rows = torch.where(valid, topk_w_TK.detach().reshape(-1).float().index_select(0, c),
+                         torch.zeros((), device=dev))
     mark("gather")
-    bm, progs = layer.cfg.block_m, num_sms(dev)
+    progs = num_sms(dev)
     chunk = torch.stack([torch.zeros_like(s.num_tiles.reshape(())), s.num_tiles.reshape(())]).to(torch.int32)
     limit = layer.limit
-    kw = dict(block_m=bm, programs=progs)
+    h = clip = None
     if getattr(layer, "save_h", False):  # saved by the forward's up GEMM
         h, clip = layer.h_save, (layer.clip_save if limit is not None else None)
-    else:  # recompute H (and, clamped, the clamp's decisions) from the X rows
-        h = torch.empty(R, 2 * I, dtype=torch.bfloat16, device=dev)
-        clip = torch.zeros(R, 2 * I, dtype=torch.uint8, device=dev) if limit is not None else None
-        bwd_gemm.bwd_rows(x_rows, w13_LIH.transpose(1, 2), h, s.tile_expert_M, s.tile_row_M1, chunk,
-                          block_n=_blocks(2 * I, 64), block_k=_blocks(H, 64), limit=limit, save_clip=clip, **kw)
-    mark("recompute_h")
-    # dgate: dH, s*A, the router-weight partials
-    bn = _blocks(I, 32)
-    dH = torch.zeros(R, 2 * I, dtype=torch.bfloat16, device=dev)
-    sA = torch.zeros(R, I, dtype=torch.bfloat16, device=dev)
-    ds_parts = torch.zeros(R, I // bn, dtype=torch.float32, device=dev)
-    bwd_gemm.bwd_rows(dO_rows, w2_LHI, dH, s.tile_expert_M, s.tile_row_M1, chunk, block_n=bn,
-                      block_k=_blocks(H, 64), dgate=dict(h=h, clip=clip, s=s_rows, sa=sA, ds=ds_parts), limit=limit,
-                      **kw)
-    mark("dgate")
-    # dX rows, then each to its slot and summed per token by the forward's epilogue order (k ascending, fp32)
-    dX = torch.zeros(R, H, dtype=torch.bfloat16, device=dev)
-    bwd_gemm.bwd_rows(dH, w13_LIH, dX, s.tile_expert_M, s.tile_row_M1, chunk, block_n=_blocks(H, 64),
-                      block_k=_blocks(2 * I, 64), **kw)
-    mark("dx")
-    slots = torch.zeros(T * K, H, dtype=torch.bfloat16, device=dev)
-    slots[codes[valid]] = dX[valid]
-    live = topk_idx_TK >= 0
-    dtopk = torch.zeros(T * K, dtype=torch.float32, device=dev)
-    dtopk[codes[valid]] = bwd_gemm.router_grad(ds_parts)[valid]
-    mark("dx_sum")
-    # weight gradients, each expert's rows in schedule order
+    slots = torch.empty(T * K, H, dtype=torch.bfloat16, device=dev)  # masked slots stay unwritten, and unread
     starts = bwd_gemm.expert_rows(s.tile_expert_M, s.tile_row_M1, L)
-    dW13 = torch.empty_like(w13_LIH)
-    dW2 = torch.empty_like(w2_LHI)
-    bwd_gemm.bwd_wgrad(dH, x_rows, dW13, s.row_code_R, starts, programs=progs, block_n=_blocks(2 * I, 64),
-                       block_k=_blocks(H, 64))
-    mark("dw13")
-    bwd_gemm.bwd_wgrad(dO_rows, sA, dW2, s.row_code_R, starts, programs=progs, block_n=_blocks(H, 64),
-                       block_k=_blocks(I, 64))
-    mark("dw2")
-    out = {"w13": dW13, "w2": dW2, "topk_w": dtopk.view(T, K) * live}
-    sh = _shared_backward(layer, x_TH, dO_TH, shared, **kw) if shared is not None else None
-    if sh is not None:
-        out["shared"] = (sh["gate"], sh["up"], sh["down"])
-    out["x"] = epilogue(slots, topk_idx_TK, None, sh["dx"] if sh is not None else None)
+    dW13, dW2, ds = _expert_backward(layer.x_rows, dO_rows, s_rows, h, clip, w13_LIH, w2_LHI, code,
+                                     s.tile_expert_M, s.tile_row_M1, chunk, starts, slots, limit=limit,
+                                     programs=progs, mark=mark)
+    dtopk = torch.zeros(T * K + 1, dtype=torch.float32, device=dev)  # the last: where padding rows' values go
+    dtopk.scatter_(0, torch.where(valid, c, torch.full_like(c, T * K)), ds)
+    out: dict[str, Any] = {"w13": dW13, "w2": dW2, "topk_w": dtopk[: T * K].view(T, K) * (topk_idx_TK >= 0)}
+    sh_dx = None
+    if shared is not None:
+        g_w, u_w, d_w = shared
+        x = x_TH.detach().to(torch.bfloat16).contiguous()
+        sh_dx = torch.empty(T, H, dtype=torch.bfloat16, device=dev)
+        sW13, sW2, _ = _expert_backward(
+            x, dO, torch.ones(T, dtype=torch.float32, device=dev), None, None, torch.cat([g_w, u_w]).unsqueeze(0),
+            d_w.unsqueeze(0), layer.sh_code, layer.sh_tiles, layer.sh_rows, layer.sh_chunk,
+            torch.tensor([0, T], dtype=torch.int32, device=dev), sh_dx, limit=limit, programs=progs,
+            mark=lambda name: None)
+        I = layer.I
+        out["shared"] = (sW13[0, :I], sW13[0, I:], sW2[0])
     mark("shared")
+    out["x"] = torch.empty(T, H, dtype=torch.bfloat16, device=dev)
+    combine_epilogue(slots, topk_idx_TK, None, sh_dx, out["x"])  # the forward's fixed-order sum (k ascending)
+    mark("dx_sum")
     return out
-
-
-def _shared_backward(layer: MoKHopperLayer, x_TH: torch.Tensor, dO_TH: torch.Tensor, shared: Sequence[torch.Tensor],
-                     *, block_m: int, programs: int) -> dict[str, torch.Tensor]:
-    """The shared expert's gradients by the same GEMM kernels: one expert over the T tokens in order, router weight
-    1, H recomputed (the forward's shared expert saves nothing). All bf16: dx [T, H], gate / up [I, H], down [H, I]."""
-    T, H, I, dev = layer.T, layer.H, layer.I, dO_TH.device
-    g_w, u_w, d_w = shared
-    w13 = torch.cat([g_w, u_w]).unsqueeze(0)  # [1, 2I, H]
-    w2 = d_w.unsqueeze(0)
-    tiles, rows, chunk, code = layer.sh_tiles, layer.sh_rows, layer.sh_chunk, layer.sh_code
-    limit = layer.limit
-    kw = dict(block_m=block_m, programs=programs)
-    x = x_TH.detach().to(torch.bfloat16).contiguous()
-    dO = dO_TH.detach().to(torch.bfloat16).contiguous()
-    h = torch.empty(T, 2 * I, dtype=torch.bfloat16, device=dev)
-    clip = torch.zeros(T, 2 * I, dtype=torch.uint8, device=dev) if limit is not None else None
-    bwd_gemm.bwd_rows(x, w13.transpose(1, 2), h, tiles, rows, chunk, block_n=_blocks(2 * I, 64),
-                      block_k=_blocks(H, 64), limit=limit, save_clip=clip, **kw)
-    bn = _blocks(I, 32)
-    dH = torch.empty(T, 2 * I, dtype=torch.bfloat16, device=dev)
-    sA = torch.empty(T, I, dtype=torch.bfloat16, device=dev)
-    ds_parts = torch.empty(T, I // bn, dtype=torch.float32, device=dev)
-    ones = torch.ones(T, dtype=torch.float32, device=dev)
-    bwd_gemm.bwd_rows(dO, w2, dH, tiles, rows, chunk, block_n=bn, block_k=_blocks(H, 64),
-                      dgate=dict(h=h, clip=clip, s=ones, sa=sA, ds=ds_parts), limit=limit, **kw)
-    dx = torch.empty(T, H, dtype=torch.bfloat16, device=dev)
-    bwd_gemm.bwd_rows(dH, w13, dx, tiles, rows, chunk, block_n=_blocks(H, 64), block_k=_blocks(2 * I, 64), **kw)
-    starts = torch.tensor([0, T], dtype=torch.int32, device=dev)
-    dW13 = torch.empty(1, 2 * I, H, dtype=torch.bfloat16, device=dev)
-    dW2 = torch.empty(1, H, I, dtype=torch.bfloat16, device=dev)
-    bwd_gemm.bwd_wgrad(dH, x, dW13, code, starts, programs=programs, block_n=_blocks(2 * I, 64),
-                       block_k=_blocks(H, 64))
-    bwd_gemm.bwd_wgrad(dO, sA, dW2, code, starts, programs=programs, block_n=_blocks(H, 64), block_k=_blocks(I, 64))
-    return {"dx": dx, "gate": dW13[0, :I], "up": dW13[0, I:], "down": dW2[0]}
 
 
 class _MoKHopperTrain(torch.autograd.Function):
