@@ -125,14 +125,20 @@ def per_tensor_errors(ctx: Ctx, got: dict, ref: dict) -> dict[str, float]:
     return out
 
 
-def fingerprint(t: Optional[torch.Tensor]) -> Optional[tuple[int, int]]:
-    """Two position-weighted sums of the tensor's bits (int64): equal for bitwise-equal tensors; a changed bit
-    changes them (collisions aside). Copies of the first step's gradients would not fit beside the reference's."""
+def fingerprint(t: Optional[torch.Tensor], chunk: int = 1 << 26) -> Optional[tuple[int, int]]:
+    """Two position-weighted sums of the tensor's bits (int64, a chunk at a time): equal for bitwise-equal tensors;
+    a changed bit changes them (collisions aside). Copies of the first step's gradients would not fit beside the
+    reference's."""
     if t is None:
         return None
-    bits = t.detach().contiguous().view(-1).view(torch.int16 if t.element_size() == 2 else torch.int32).long()
-    pos = torch.arange(bits.numel(), device=bits.device)
-    return int((bits * (pos % 65521 + 1)).sum()), int((bits * (pos % 1021 + 7)).sum())
+    flat = t.detach().contiguous().view(-1).view(torch.int16 if t.element_size() == 2 else torch.int32)
+    a = b = 0
+    for i in range(0, flat.numel(), chunk):
+        bits = flat[i : i + chunk].long()
+        pos = torch.arange(i, i + bits.numel(), device=bits.device)
+        a += int((bits * (pos % 65521 + 1)).sum())
+        b += int((bits * (pos % 1021 + 7)).sum())
+    return a, b
 
 
 def repeats_identical(ctx: Ctx, backend: Any, inp: Any, first: dict, n: int) -> int:
