@@ -43,6 +43,23 @@ from kernels.mok_hopper.train import BWD_STAGES, layer_backward
 from kernels.mok_hopper.workspace import clear_workspace_cache
 
 MODES = ("save_h", "recompute")
+_W2 = dict(programs_per_sm=2, num_warps=4)
+# launch variants of the backward's GEMMs, stage times against the default (``--sweep``)
+SWEEP: dict[str, dict[str, dict[str, Any]]] = {
+    "default again": {},
+    "wgrad TMA store": {"dw13": dict(tma_store=True), "dw2": dict(tma_store=True)},
+    "wgrad 2/SM, 4 warps": {"dw13": dict(_W2), "dw2": dict(_W2)},
+    "wgrad TMA store, 2/SM, 4 warps": {"dw13": dict(_W2, tma_store=True), "dw2": dict(_W2, tma_store=True)},
+    "wgrad 128x64 TMA store, 2/SM": {"dw13": dict(block_k=64, tma_store=True, programs_per_sm=2),
+                                     "dw2": dict(block_k=64, tma_store=True, programs_per_sm=2)},
+    "wgrad 4 stages, TMA store": {"dw13": dict(stages=4, tma_store=True), "dw2": dict(stages=4, tma_store=True)},
+    "dgate 64x128": {"dgate": dict(block_n=128)},
+    "dgate 128x64": {"dgate": dict(block_m=128)},
+    "dgate 2/SM, 4 warps": {"dgate": dict(_W2)},
+    "dgate 4 stages": {"dgate": dict(stages=4)},
+    "dx 2/SM, 4 warps": {"dx": dict(_W2)},
+    "dx 4 stages": {"dx": dict(stages=4)},
+}
 SMOKE_SHAPE = "tiny"
 
 
@@ -90,8 +107,10 @@ def saved_per_token(case: Any, mode: str) -> dict[str, int]:
             "sonicmoe_bytes_per_token": H * 2 + K * 2 * I * 2}
 
 
-def stage_times(ctx: Ctx, backend: Any, inp: Any, iters: int) -> dict[str, float]:
-    """Median ms of each backward stage (:data:`BWD_STAGES`), each after an untimed forward."""
+def stage_times(ctx: Ctx, backend: Any, inp: Any, iters: int,
+                tiles: Optional[dict[str, dict[str, Any]]] = None) -> dict[str, float]:
+    """Median ms of each backward stage (:data:`BWD_STAGES`), each after an untimed forward; ``tiles``: launch
+    overrides (:func:`~kernels.mok_hopper.train.layer_backward`)."""
     layer, p = backend.impl, backend.params
     samples: dict[str, list[float]] = {s: [] for s in BWD_STAGES}
     x, idx, w = inp.x_TH, inp.topk_idx_TK, inp.topk_w_TK
@@ -107,7 +126,7 @@ def stage_times(ctx: Ctx, backend: Any, inp: Any, iters: int) -> dict[str, float
 
         mark("start")
         with torch.no_grad():
-            layer_backward(layer, inp.grad_out_TH, x, idx, w, p.w13, p.w2, p.shared, marks=mark)
+            layer_backward(layer, inp.grad_out_TH, x, idx, w, p.w13, p.w2, p.shared, marks=mark, tiles=tiles)
         torch.cuda.synchronize()
         if it >= 2:
             for (_, a), (name, b) in zip(evs, evs[1:]):
@@ -126,18 +145,22 @@ def per_tensor_errors(ctx: Ctx, got: dict, ref: dict) -> dict[str, float]:
 
 
 def fingerprint(t: Optional[torch.Tensor], chunk: int = 1 << 26) -> Optional[tuple[int, int]]:
-    """Two position-weighted sums of the tensor's bits (int64, a chunk at a time): equal for bitwise-equal tensors;
-    a changed bit changes them (collisions aside). Copies of the first step's gradients would not fit beside the
-    reference's."""
+    """Two position-weighted sums of the tensor's bits (int64, a slice of the first dimension at a time, so a view
+    such as the gate half of dW13 is never copied whole): equal for bitwise-equal tensors; a changed bit changes
+    them (collisions aside). Copies of the first step's gradients would not fit beside the reference's."""
     if t is None:
         return None
-    flat = t.detach().contiguous().view(-1).view(torch.int16 if t.element_size() == 2 else torch.int32)
+    t = t.detach()
+    per = max(1, chunk // max(1, t[0].numel())) if t.dim() > 1 else t.numel()
     a = b = 0
-    for i in range(0, flat.numel(), chunk):
-        bits = flat[i : i + chunk].long()
-        pos = torch.arange(i, i + bits.numel(), device=bits.device)
+    off = 0
+    for i in range(0, t.shape[0] if t.dim() > 1 else 1, per):
+        part = (t[i : i + per] if t.dim() > 1 else t).contiguous().view(-1)
+        bits = part.view(torch.int16 if t.element_size() == 2 else torch.int32).long()
+        pos = torch.arange(off, off + bits.numel(), device=bits.device)
         a += int((bits * (pos % 65521 + 1)).sum())
         b += int((bits * (pos % 1021 + 7)).sum())
+        off += bits.numel()
     return a, b
 
 
@@ -197,6 +220,16 @@ def check_shape(ctx: Ctx, name: str, args: argparse.Namespace) -> None:
                     f"stages {stages}; memory setup {setup_mb} MB, step {row.get('step_peak_mb')} MB")
         row.update(errs)
         ctx.add(**row)
+        if args.sweep and not ctx.smoke and mode == args.modes[0]:
+            for label, over in SWEEP.items():
+                try:
+                    st = stage_times(ctx, b, inp, args.stage_iters, tiles=over)
+                except Exception as e:  # noqa: BLE001 - a variant that does not compile is a row, not the end
+                    ctx.add(section="sweep", shape=name, variant=label, error=f"{type(e).__name__}: {e}"[:300])
+                    ctx.log(f"{name} sweep {label}: {type(e).__name__}: {str(e)[:200]}")
+                    continue
+                ctx.add(section="sweep", shape=name, variant=label, **{f"stage_{k}_ms": v for k, v in st.items()})
+                ctx.log(f"{name} sweep {label}: {st}")
         b.teardown()
         del b
         clear_workspace_cache()
@@ -230,6 +263,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--stage-iters", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--no-nccl", dest="nccl", action="store_false", help="skip the eager nccl comparison")
+    ap.add_argument("--sweep", action="store_true", help="stage times of the launch variants in SWEEP (first mode)")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args(argv)
     args.modes = [m for m in args.modes.split(",") if m]

@@ -155,10 +155,11 @@ def router_grad(ds_parts_RN: torch.Tensor) -> torch.Tensor:
 @triton.jit
 def _bwd_wgrad_kernel(p_ptr, q_ptr, dw_ptr, code_ptr, expert_row_ptr, N, K, L,
                       BN: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, NUM_PROGS: tl.constexpr,
-                      UPCAST: tl.constexpr, STAGES: tl.constexpr):
+                      UPCAST: tl.constexpr, STAGES: tl.constexpr, TMA_STORE: tl.constexpr = False):
     """Work items (expert, column block of N, column block of K), expert-major, K fastest: programs running together
     share one expert's P and Q rows (from L2). The item loop is flattened with its row loop, so the next item's
-    loads are issued during this item's store."""
+    loads are issued during this item's store. TMA_STORE: ``dw_ptr`` is a TMA descriptor over dW's [L N, K] view
+    (blocks [BN, BK]): the store is asynchronous."""
     n_n = N // BN
     n_k = K // BK
     n_work = L * n_n * n_k
@@ -177,8 +178,11 @@ def _bwd_wgrad_kernel(p_ptr, q_ptr, dw_ptr, code_ptr, expert_row_ptr, N, K, L,
             p = tl.load(p_ptr + rows[:, None] * N + ncols[None, :], mask=live[:, None], other=0.0)  # [BR, BN]
             q = tl.load(q_ptr + rows[:, None] * K + kcols[None, :], mask=live[:, None], other=0.0)  # [BR, BK]
             acc = _mma(p.T, q, acc, UPCAST)
-        tl.store(dw_ptr + e.to(tl.int64) * N * K + ncols[:, None].to(tl.int64) * K + kcols[None, :],
-                 acc.to(dw_ptr.dtype.element_ty))
+        if TMA_STORE:
+            dw_ptr.store([e * N + n * BN, k * BK], acc.to(dw_ptr.dtype))
+        else:
+            tl.store(dw_ptr + e.to(tl.int64) * N * K + ncols[:, None].to(tl.int64) * K + kcols[None, :],
+                     acc.to(dw_ptr.dtype.element_ty))
 
 
 def expert_rows(tile_expert_M: torch.Tensor, tile_row_M1: torch.Tensor, local_experts: int) -> torch.Tensor:
@@ -191,7 +195,7 @@ def expert_rows(tile_expert_M: torch.Tensor, tile_row_M1: torch.Tensor, local_ex
 
 def bwd_wgrad(p_RN: torch.Tensor, q_RK: torch.Tensor, dw_LNK: torch.Tensor, row_code_R: torch.Tensor,
               expert_row_L1: torch.Tensor, *, programs: int, block_n: int = 128, block_k: int = 128,
-              block_r: int = 64, stages: int = 3) -> None:
+              block_r: int = 64, stages: int = 3, num_warps: int = 8, tma_store: bool = False) -> None:
     """dw[e] = p[rows of e]^T @ q[rows of e] (fp32 accumulation, the rows in schedule order; rows whose code is
     negative are padding and add nothing). ``dw`` [L, N, K] (bf16, or fp32 for a main-grad accumulator)."""
     R, N = p_RN.shape
@@ -199,5 +203,11 @@ def bwd_wgrad(p_RN: torch.Tensor, q_RK: torch.Tensor, dw_LNK: torch.Tensor, row_
     L = dw_LNK.shape[0]
     assert dw_LNK.shape == (L, N, K) and q_RK.shape[0] == R
     assert N % block_n == 0 and K % block_k == 0, f"N {N} / K {K} must be multiples of ({block_n}, {block_k})"
-    _bwd_wgrad_kernel[(programs,)](p_RN, q_RK, dw_LNK, row_code_R, expert_row_L1, N, K, L, BN=block_n, BK=block_k,
-                                   BR=block_r, NUM_PROGS=programs, UPCAST=INTERPRET, STAGES=stages, num_warps=8)
+    dw = dw_LNK
+    if tma_store:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        dw = TensorDescriptor.from_tensor(dw_LNK.view(-1, K), [block_n, block_k])
+    _bwd_wgrad_kernel[(programs,)](p_RN, q_RK, dw, row_code_R, expert_row_L1, N, K, L, BN=block_n, BK=block_k,
+                                   BR=block_r, NUM_PROGS=programs, UPCAST=INTERPRET, STAGES=stages,
+                                   TMA_STORE=tma_store, num_warps=num_warps)

@@ -43,7 +43,8 @@ def _expert_backward(x_rows: torch.Tensor, dO_rows: torch.Tensor, s_rows: torch.
                      clip: Optional[torch.Tensor], w13: torch.Tensor, w2: torch.Tensor, code_R: torch.Tensor,
                      tile_expert: torch.Tensor, tile_row: torch.Tensor, chunk: torch.Tensor, starts: torch.Tensor,
                      dx_slots: torch.Tensor, *, limit: Optional[float], programs: int,
-                     mark: Callable[[str], None]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     mark: Callable[[str], None], tiles: Optional[dict[str, dict[str, Any]]] = None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The four stages over rows grouped by expert (the routed experts, or the shared one): dX rows pushed into
     ``dx_slots`` by their code, and (dW13, dW2, the router-weight gradient of every row). ``h`` None: recompute H
     (and the clamp's decisions) from the X rows first."""
@@ -52,39 +53,43 @@ def _expert_backward(x_rows: torch.Tensor, dO_rows: torch.Tensor, s_rows: torch.
     I = I2 // 2
     dev = x_rows.device
     t = _tiles(H, I, dev.type == "cuda")
+    for stage, over in (tiles or {}).items():  # launch overrides (sweeps); programs_per_sm scales ``programs``
+        t[stage] = {**t[stage], **over}
+    progs = {k: programs * v.pop("programs_per_sm", 1) for k, v in t.items()}
     if h is None:
         h = torch.empty(R, 2 * I, dtype=torch.bfloat16, device=dev)
         clip = torch.zeros(R, 2 * I, dtype=torch.uint8, device=dev) if limit is not None else None
-        bwd_gemm.bwd_rows(x_rows, w13.transpose(1, 2), h, tile_expert, tile_row, chunk, programs=programs,
+        bwd_gemm.bwd_rows(x_rows, w13.transpose(1, 2), h, tile_expert, tile_row, chunk, programs=progs["recompute"],
                           limit=limit, save_clip=clip, **t["recompute"])
     mark("recompute_h")
     dH = torch.empty(R, 2 * I, dtype=torch.bfloat16, device=dev)
     sA = torch.empty(R, I, dtype=torch.bfloat16, device=dev)
     ds_parts = torch.empty(R, I // t["dgate"]["block_n"], dtype=torch.float32, device=dev)
-    bwd_gemm.bwd_rows(dO_rows, w2, dH, tile_expert, tile_row, chunk, programs=programs,
+    bwd_gemm.bwd_rows(dO_rows, w2, dH, tile_expert, tile_row, chunk, programs=progs["dgate"],
                       dgate=dict(h=h, clip=clip, s=s_rows, sa=sA, ds=ds_parts), limit=limit, **t["dgate"])
     mark("dgate")
-    bwd_gemm.bwd_rows(dH, w13, dx_slots, tile_expert, tile_row, chunk, programs=programs, push_code=code_R,
+    bwd_gemm.bwd_rows(dH, w13, dx_slots, tile_expert, tile_row, chunk, programs=progs["dx"], push_code=code_R,
                       **t["dx"])
     mark("dx")
     ds = bwd_gemm.router_grad(ds_parts)
     dW13 = torch.empty_like(w13)
     dW2 = torch.empty_like(w2)
-    bwd_gemm.bwd_wgrad(dH, x_rows, dW13, code_R, starts, programs=programs, **t["dw13"])
+    bwd_gemm.bwd_wgrad(dH, x_rows, dW13, code_R, starts, programs=progs["dw13"], **t["dw13"])
     mark("dw13")
-    bwd_gemm.bwd_wgrad(dO_rows, sA, dW2, code_R, starts, programs=programs, **t["dw2"])
+    bwd_gemm.bwd_wgrad(dO_rows, sA, dW2, code_R, starts, programs=progs["dw2"], **t["dw2"])
     mark("dw2")
     return dW13, dW2, ds
 
 
 def layer_backward(layer: MoKHopperLayer, dO_TH: torch.Tensor, x_TH: torch.Tensor, topk_idx_TK: torch.Tensor,
                    topk_w_TK: torch.Tensor, w13_LIH: torch.Tensor, w2_LHI: torch.Tensor,
-                   shared: Optional[Sequence[torch.Tensor]], marks: Optional[Callable[[str], None]] = None
-                   ) -> dict[str, Any]:
+                   shared: Optional[Sequence[torch.Tensor]], marks: Optional[Callable[[str], None]] = None,
+                   tiles: Optional[dict[str, dict[str, Any]]] = None) -> dict[str, Any]:
     """The gradients of the layer's last forward (EP=1): x (bf16 [T, H]), topk_w (fp32 [T, K]), w13 (bf16
     [L, 2I, H]), w2 (bf16 [L, H, I]) and, with a shared expert, its (gate, up, down) gradients. H comes from the
     forward (``layer.save_h``) or is recomputed here from the layer's X rows. ``marks(stage)`` is called after
-    each stage of :data:`BWD_STAGES` (diagnostics: a stage timer records an event there). No host synchronisation.
+    each stage of :data:`BWD_STAGES` (diagnostics: a stage timer records an event there). ``tiles``: launch
+    overrides per GEMM (``_tiles``' keys; sweeps). No host synchronisation.
 
     Rows of the schedule that hold no token (padding, code < 0) go through the GEMMs with router weight 0 and are
     left out of every sum: the weight gradients skip them, their dX rows are pushed nowhere."""
@@ -111,7 +116,7 @@ def layer_backward(layer: MoKHopperLayer, dO_TH: torch.Tensor, x_TH: torch.Tenso
     starts = bwd_gemm.expert_rows(s.tile_expert_M, s.tile_row_M1, L)
     dW13, dW2, ds = _expert_backward(layer.x_rows, dO_rows, s_rows, h, clip, w13_LIH, w2_LHI, code,
                                      s.tile_expert_M, s.tile_row_M1, chunk, starts, slots, limit=limit,
-                                     programs=progs, mark=mark)
+                                     programs=progs, mark=mark, tiles=tiles)
     dtopk = torch.zeros(T * K + 1, dtype=torch.float32, device=dev)  # the last: where padding rows' values go
     dtopk.scatter_(0, torch.where(valid, c, torch.full_like(c, T * K)), ds)
     out: dict[str, Any] = {"w13": dW13, "w2": dW2, "topk_w": dtopk[: T * K].view(T, K) * (topk_idx_TK >= 0)}
@@ -124,7 +129,7 @@ def layer_backward(layer: MoKHopperLayer, dO_TH: torch.Tensor, x_TH: torch.Tenso
             x, dO, torch.ones(T, dtype=torch.float32, device=dev), None, None, torch.cat([g_w, u_w]).unsqueeze(0),
             d_w.unsqueeze(0), layer.sh_code, layer.sh_tiles, layer.sh_rows, layer.sh_chunk,
             torch.tensor([0, T], dtype=torch.int32, device=dev), sh_dx, limit=limit, programs=progs,
-            mark=lambda name: None)
+            mark=lambda name: None, tiles=tiles)
         I = layer.I
         out["shared"] = (sW13[0, :I], sW13[0, I:], sW2[0])
     mark("shared")
