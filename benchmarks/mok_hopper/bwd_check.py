@@ -43,22 +43,14 @@ from kernels.mok_hopper.train import BWD_STAGES, layer_backward
 from kernels.mok_hopper.workspace import clear_workspace_cache
 
 MODES = ("save_h", "recompute")
-_W2 = dict(programs_per_sm=2, num_warps=4)
-# launch variants of the backward's GEMMs, stage times against the default (``--sweep``)
+# launch variants of the backward's GEMMs, stage times against the default (``--sweep``): v1's launches
 SWEEP: dict[str, dict[str, dict[str, Any]]] = {
     "default again": {},
-    "wgrad TMA store": {"dw13": dict(tma_store=True), "dw2": dict(tma_store=True)},
-    "wgrad 2/SM, 4 warps": {"dw13": dict(_W2), "dw2": dict(_W2)},
-    "wgrad TMA store, 2/SM, 4 warps": {"dw13": dict(_W2, tma_store=True), "dw2": dict(_W2, tma_store=True)},
-    "wgrad 128x64 TMA store, 2/SM": {"dw13": dict(block_k=64, tma_store=True, programs_per_sm=2),
-                                     "dw2": dict(block_k=64, tma_store=True, programs_per_sm=2)},
-    "wgrad 4 stages, TMA store": {"dw13": dict(stages=4, tma_store=True), "dw2": dict(stages=4, tma_store=True)},
-    "dgate 64x128": {"dgate": dict(block_n=128)},
-    "dgate 128x64": {"dgate": dict(block_m=128)},
-    "dgate 2/SM, 4 warps": {"dgate": dict(_W2)},
-    "dgate 4 stages": {"dgate": dict(stages=4)},
-    "dx 2/SM, 4 warps": {"dx": dict(_W2)},
-    "dx 4 stages": {"dx": dict(stages=4)},
+    "dgate v1 (64x64)": {"dgate": dict(block_n=64)},
+    "dx v1 (128x128, 8 warps, 1/SM)": {"dx": dict(block_n=128, num_warps=8, programs_per_sm=1)},
+    "wgrad v1 (8 warps, 1/SM, no TMA store)": {"dw13": dict(num_warps=8, programs_per_sm=1, tma_store=False),
+                                               "dw2": dict(num_warps=8, programs_per_sm=1, tma_store=False)},
+    "dx 3/SM": {"dx": dict(programs_per_sm=3)},
 }
 SMOKE_SHAPE = "tiny"
 

@@ -193,17 +193,18 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048, extras: bool 
                       stride_wn="i32", limit="fp32")
         rows_c = dict(BK=64, NUM_PROGS=nprog, UPCAST=False, GROUP_M=4, STAGES=3, SAVE_H=False, HAS_LIMIT=False,
                       DGATE=False, WTMA=True, PUSH=False)
-        for label, over in (("bwd dgate", dict(DGATE=True, BM=64, BN=64)),
-                            ("bwd dgate clamp", dict(DGATE=True, HAS_LIMIT=True, BM=64, BN=64)),
-                            ("bwd dx push", dict(BM=128, BN=128, PUSH=True)),
-                            ("bwd recompute H", dict(BM=128, BN=64, SAVE_H=True, WTMA=False))):
+        for label, over, warps in (("bwd dgate", dict(DGATE=True, BM=64, BN=128), 8),
+                                   ("bwd dgate clamp", dict(DGATE=True, HAS_LIMIT=True, BM=64, BN=128), 8),
+                                   ("bwd dx push", dict(BM=128, BN=64, PUSH=True, NUM_PROGS=2 * nprog), 4),
+                                   ("bwd recompute H", dict(BM=128, BN=64, SAVE_H=True, WTMA=False), 8)):
             c = {**rows_c, **over}
             t = dict(rows_t, w_ptr=f"tensordesc<bf16[{c['BK']}, {c['BN']}]>") if c["WTMA"] else rows_t
-            out.append(Variant(label, "_bwd_rows_kernel", t, c, 8))
+            out.append(Variant(label, "_bwd_rows_kernel", t, c, warps))
         out.append(Variant("bwd wgrad", "_bwd_wgrad_kernel",
-                           dict(p_ptr="*bf16", q_ptr="*bf16", dw_ptr="*bf16", code_ptr="*i32", expert_row_ptr="*i32",
-                                N="i32", K="i32", L="i32"),
-                           dict(BN=128, BK=128, BR=64, NUM_PROGS=nprog, UPCAST=False, STAGES=3), 8))
+                           dict(p_ptr="*bf16", q_ptr="*bf16", dw_ptr="tensordesc<bf16[128, 128]>", code_ptr="*i32",
+                                expert_row_ptr="*i32", N="i32", K="i32", L="i32"),
+                           dict(BN=128, BK=128, BR=64, NUM_PROGS=2 * nprog, UPCAST=False, STAGES=3, TMA_STORE=True),
+                           4))
     return out
 
 
