@@ -229,7 +229,7 @@ class ExpertParams(ExpertLeaves):
         """The expert GEMMs that ran, for a row's notes."""
         name = {"rowwise": "torch._scaled_grouped_mm (fp8 rowwise)",
                 "blockwise": f"{fp8_gemm.deep_gemm_version()} grouped fp8 (1x128/128x128)",
-                "blockwise_loop": "torch._scaled_mm per expert (fp8 1x128/128x128)"}.get(
+                "blockwise_loop": "torch scaled_mm v2 per expert (fp8 1x128/128x128)"}.get(
             self.fp8_path, grouped_mm_name(self.case.device) + (" (bf16, emulated fp8)" if self.fp8_path == "emulated"
                                                                  else ""))
         return f"{name} ({self.fp8_timing})" if self.fp8_timing else name

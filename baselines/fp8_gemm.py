@@ -11,7 +11,7 @@ The option ``fp8_gemm`` picks the path, recorded in each row's ``scaling``:
   ``sgl-deep-gemm`` package): m-grouped contiguous GEMMs for the forward and dgrad (the 128x128 weight blocks of W^T
   are those of W, transposed), k-grouped contiguous for the wgrad with 1x128 blocks along the tokens. Each expert's
   rows are padded to DeepGEMM's alignment (``get_mk_alignment_for_contiguous_layout``, 128).
-* ``blockwise_loop``: the same format and operands through ``torch._scaled_mm``, one GEMM per expert
+* ``blockwise_loop``: the same format and operands through torch's block-scaled ``scaled_mm`` (v2), one GEMM per expert
   (``baselines/fp8_loop.py``): the fallback where DeepGEMM does not load.
 * ``emulated``: bf16 GEMMs on e4m3-rounded operands (``baselines.common.fake_quant``): measures accuracy, never fp8
   speed.
@@ -44,7 +44,7 @@ BLOCK = 128  # DeepGEMM's block (1x128 / 128x128) on SM90
 WGRAD_SCRATCH_ELEMS = 1 << 28  # fp32 elements of DeepGEMM wgrad accumulator per step (1 GiB)
 AUTO_ITERS = 3  # auto: timed iterations per path at setup (after one untimed), eager forward + backward
 DEEPGEMM_HINT = ("install DeepGEMM: pip install sgl-deep-gemm (CUDA 13 build; README, 'Optional: DeepGEMM for real "
-                 "fp8 GEMMs'), or use fp8_gemm=blockwise_loop (the same format through torch._scaled_mm, one GEMM "
+                 "fp8 GEMMs'), or use fp8_gemm=blockwise_loop (the same format through torch's scaled_mm v2, one GEMM "
                  "per expert) or rowwise")
 
 
@@ -144,7 +144,7 @@ def scaling_label(path: str, case: Case, dispatch: str, picked: str = "") -> str
     if path == "blockwise_loop":
         dg = load_deep_gemm()[0] if case.device == "cuda" else None
         why = "fallback: DeepGEMM not loadable" if dg is None else "DeepGEMM also loads here"
-        return (f"e4m3 block 1x{BLOCK}/{BLOCK}x{BLOCK}, torch._scaled_mm per-expert loop ({why}): forward and dgrad "
+        return (f"e4m3 block 1x{BLOCK}/{BLOCK}x{BLOCK}, torch scaled_mm v2 per-expert loop ({why}): forward and dgrad "
                 f"1x{BLOCK} x {BLOCK}x{BLOCK}, wgrad 1x{BLOCK} x 1x{BLOCK} along tokens, all in fp8, experts padded "
                 f"to {BLOCK} rows, eager (not compiled); dispatch {dispatch}{auto}")
     return (f"block 1x{case.act_block}/{case.weight_block}x{case.weight_block} emulated (bf16 GEMM on e4m3 values): "

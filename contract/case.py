@@ -9,7 +9,7 @@ from typing import Optional
 # fp8 GEMMs of the PyTorch-expert baselines (nccl, deepep, hybridep) at precision=fp8 (baselines/fp8_gemm.py), the one
 # table of their names: the option ``fp8_gemm`` takes one of these. Between ``auto`` and ``emulated`` the real fp8
 # paths, in the order ``auto`` measures them (ties go to the earlier): ``blockwise`` = DeepGEMM's grouped GEMMs in the
-# harness format (1x128 / 128x128 e4m3), ``blockwise_loop`` = the same format through torch._scaled_mm, one GEMM per
+# harness format (1x128 / 128x128 e4m3), ``blockwise_loop`` = the same format through torch's scaled_mm v2, one GEMM per
 # expert (the fallback where DeepGEMM does not load), ``rowwise`` = torch._scaled_grouped_mm with per-row /
 # per-channel scales. ``emulated`` = bf16 GEMMs on e4m3-rounded operands (accuracy only). ``auto`` = the fastest real
 # path installed, timed at setup (on a CPU: emulated, labelled as accuracy only). Recorded in the rows' ``scaling``.

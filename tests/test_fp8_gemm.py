@@ -2,7 +2,10 @@
 
 On a CPU the same code runs through pure-torch references of ``torch._scaled_grouped_mm``, of DeepGEMM's
 grouped GEMMs and of ``torch._scaled_mm``'s block-scaled pairs (baselines/fp8_loop.py): these tests check the operand bookkeeping (padding, scale layouts, token-grouped wgrad operands)
-against plain fp32 autograd. The ``gpu`` tests check the real GEMMs against the same references."""
+against plain fp32 autograd. The ``gpu`` tests check the real GEMMs against the same references.
+
+GPU run: ``python -m pytest -q -m gpu tests/test_fp8_gemm.py`` (add ``-rA -s`` to see the scale-layout probe's report,
+``test_scaled_mm_layout_probe_on_gpu``)."""
 
 from __future__ import annotations
 
@@ -261,14 +264,14 @@ def test_no_rows_keeps_the_weights_in_the_graph(path):
     assert y.shape == (0, 256) and float(a.grad.abs().sum()) == 0 and float(b.grad.abs().sum()) == 0
 
 
-# ---- blockwise_loop: torch._scaled_mm per expert (baselines/fp8_loop.py) ------------------------------------------
+# ---- blockwise_loop: torch's scaled_mm v2 per expert (baselines/fp8_loop.py) ---------------------------------------
 
 
 def test_blockwise_loop_computes_what_the_deepgemm_path_computes():
     """The same format, the same blocks: on the CPU references the per-expert torch._scaled_mm loop gives the DeepGEMM
     path's output and gradients up to fp32 summation order (a bf16 rounding step on a few elements; a block multiplied
-    by the wrong scale, a misplaced expert or a padding row gives percents). I = 128 also covers weight scales that
-    need realigning and the single-block 1x128 operands torch takes as rowwise."""
+    by the wrong scale, a misplaced expert or a padding row gives percents). H = I = 256: two K blocks, the weight
+    scales padded to four (cuBLASLt's 128x128 layout); I = 128: single-block operands."""
     for H, I in ((256, 256), (256, 128)):
         x, w13, w2, dy, counts = make(COUNTS + [128], H=H, I=I)
         loop = run("blockwise_loop", x, w13, w2, dy, counts)[0]
@@ -298,11 +301,18 @@ def test_expert_major_scales_read_back_outer_dim_major():
         start += n
 
 
-def test_weight_scales_start_16_byte_aligned():
-    s = torch.randn(3, 2, 1)  # 2 floats per expert (tiny's w2): expert 1 would start 8 bytes in
-    a = fl.aligned_scales(s)
-    assert torch.equal(a, s) and all(a[e].storage_offset() % 4 == 0 and a[e].is_contiguous() for e in range(3))
-    assert fl.aligned_scales(torch.randn(3, 2, 2)).storage_offset() == 0  # a multiple of 4: the tensor itself
+def test_weight_scales_are_padded_as_cublas_reads():
+    """cuBLASLt reads a 128x128 ``scale_b`` with each 128-column block's K-block scales contiguous and the blocks a
+    multiple of 4 floats apart: [G, A, B] becomes [G, A, round_up(B, 4)], zeros past B, each expert 16-byte aligned;
+    torch is given expert e's as [B4, A] with strides (1, B4)."""
+    s = torch.randn(3, 3, 2)  # N = 384, K = 256: three column blocks, two K blocks
+    p = fl.padded_scales(s)
+    assert p.shape == (3, 3, 4) and torch.equal(p[..., :2], s) and float(p[..., 2:].abs().sum()) == 0
+    v = fl.weight_scales(p, 1)
+    assert v.shape == (4, 3) and v.stride() == (1, 4) and v.storage_offset() % 4 == 0
+    assert fl.scale_layout("128x128", 384, 256) == ((4, 3), (1, 4))
+    four = torch.randn(2, 3, 4)
+    assert fl.padded_scales(four) is four  # a multiple of 4 already: the tensor itself
 
 
 def _blocks(M, K, N, seed=0):
@@ -313,29 +323,76 @@ def _blocks(M, K, N, seed=0):
 
 
 def test_reference_scaled_mm_takes_what_torch_takes():
-    """1x128 x 128x128: the product of the dequantized blocks; 1x128 scales must be outer-dim-major, mat2
-    column-major, the 128x128 scales given as the transpose of their row-major [N/128, K/128] (what
-    aten/src/ATen/native/cuda/ScaledBlas.cpp checks on SM90)."""
+    """1x128 x 128x128: the product of the dequantized blocks; 1x128 scales outer-dim-major, mat2 column-major, the
+    128x128 scales padded (what aten/src/ATen/native/cuda/ScaledBlas.cpp's v2 checks on SM90,
+    ``_scaled_block1x128_block128x128``). The v1 layout of the same scales, unpadded [L, N/128] with strides (1, L),
+    is refused: cuBLASLt would read the second column block's scales from the first block's padding."""
     aq, sa, wq, sw = _blocks(64, 256, 384)
     out = torch.empty(64, 384, dtype=torch.bfloat16)
-    fl.reference_scaled_mm(aq, wq.t(), sa.t().contiguous().t(), sw.t(), out)
+    sa_t = sa.t().contiguous().t()
+    sw_pad = fl.weight_scales(fl.padded_scales(sw[None]), 0)
+    fl.reference_scaled_mm(aq, wq.t(), sa_t, "1x128", sw_pad, "128x128", out)
     ref = fg.dequantize_blocks(aq, sa, 1, 128) @ fg.dequantize_blocks(wq, sw, 128, 128).t()
     assert torch.equal(out, ref.to(torch.bfloat16))
+    with pytest.raises(RuntimeError, match="Invalid scaling"):  # the v1 layout: unpadded, strides (1, L)
+        fl.reference_scaled_mm(aq, wq.t(), sa_t, "1x128", sw.t(), "128x128", out)
     with pytest.raises(RuntimeError, match="Invalid scaling"):  # 1x128 scales row-major
-        fl.reference_scaled_mm(aq, wq.t(), sa, sw.t(), out)
-    with pytest.raises(RuntimeError, match="Invalid scaling"):  # 128x128 scales not transposed
-        fl.reference_scaled_mm(aq, wq.t(), sa.t().contiguous().t(), sw.t().contiguous(), out)
+        fl.reference_scaled_mm(aq, wq.t(), sa, "1x128", sw_pad, "128x128", out)
+    with pytest.raises(RuntimeError, match="Invalid scaling"):  # 128x128 scales in the other orientation
+        fl.reference_scaled_mm(aq, wq.t(), sa_t, "1x128", sw_pad.contiguous(), "128x128", out)
     with pytest.raises(RuntimeError, match="row-major and column-major"):
-        fl.reference_scaled_mm(aq, wq.t().contiguous(), sa.t().contiguous().t(), sw.t(), out)
+        fl.reference_scaled_mm(aq, wq.t().contiguous(), sa_t, "1x128", sw_pad, "128x128", out)
     big = torch.empty(2, 64, 384, dtype=torch.bfloat16)  # a slice of a wider scale tensor: stride 2M, not M
     with pytest.raises(RuntimeError, match="Invalid scaling"):
-        fl.reference_scaled_mm(aq, wq.t(), torch.cat([sa, sa]).t().contiguous().t()[:64], sw.t(), big[0])
-    # 1x128 x 1x128 (the wgrad): blocks along the reduced axis on both sides
+        fl.reference_scaled_mm(aq, wq.t(), torch.cat([sa, sa]).t().contiguous().t()[:64], "1x128", sw_pad, "128x128",
+                               big[0])
+    # 1x128 x 1x128 (the wgrad): blocks along the reduced axis on both sides; scale_b [N, L] with strides (1, N)
     g = torch.Generator().manual_seed(1)
     bq, sb = fg.quantize_blocks(torch.randn(384, 256, generator=g), 1, 128)  # b.t() [N, K] in 1x128 blocks
-    fl.reference_scaled_mm(aq, bq.t(), sa.t().contiguous().t(), sb.t().contiguous(), out)
+    fl.reference_scaled_mm(aq, bq.t(), sa_t, "1x128", sb.t().contiguous().t(), "1x128", out)
     ref = fg.dequantize_blocks(aq, sa, 1, 128) @ fg.dequantize_blocks(bq, sb, 1, 128).t()
     assert torch.equal(out, ref.to(torch.bfloat16))
+    with pytest.raises(RuntimeError, match="Invalid scaling"):  # v1's orientation of the same scales: [L, N]
+        fl.reference_scaled_mm(aq, bq.t(), sa_t, "1x128", sb.t().contiguous(), "1x128", out)
+
+
+def test_reference_reads_scales_where_cublas_does():
+    """The reference reads the scales from their first element in cuBLASLt's layout: what sits in the padding is
+    never read, and a layout that would make cuBLASLt read past the end of the scales raises."""
+    aq, sa, wq, sw = _blocks(128, 256, 256)
+    sa_t = sa.t().contiguous().t()
+    pad = fl.padded_scales(sw[None])
+    clean = fl.reference_scaled_mm(aq, wq.t(), sa_t, "1x128", fl.weight_scales(pad, 0), "128x128",
+                                   torch.empty(128, 256, dtype=torch.bfloat16))
+    pad[..., 2:] = float("nan")
+    dirty = fl.reference_scaled_mm(aq, wq.t(), sa_t, "1x128", fl.weight_scales(pad, 0), "128x128",
+                                   torch.empty(128, 256, dtype=torch.bfloat16))
+    assert torch.equal(clean, dirty)
+    assert torch.equal(fl.cublas_scales(fl.weight_scales(pad, 0), "128x128", 256, 256), sw)
+    short = torch.zeros(4)  # v1's [N/128, L] = 2 x 2 floats: the second column block would be read at 4..5
+    with pytest.raises(RuntimeError):
+        fl.cublas_scales(short.view(2, 2).t(), "128x128", 256, 256)
+
+
+def test_unpadded_weight_scales_are_caught(monkeypatch):
+    """The layout bug seen on the H200 (the v1 call's unpadded 128x128 scales, K/128 = 2): on the CPU the reference
+    refuses it, so the whole path fails here instead of computing a wrong second column block on the GPU."""
+    x, w13, w2, dy, counts = make(COUNTS)  # w2: K = I = 256, two K blocks
+    monkeypatch.setattr(fl, "padded_scales", lambda s: s)
+    with pytest.raises(RuntimeError, match="Invalid scaling"):
+        run("blockwise_loop", x, w13, w2, dy, counts)
+
+
+@pytest.mark.parametrize("kind_b", ["128x128", "1x128"])
+def test_layout_probe_is_exact_on_cpu(kind_b):
+    """The probe ``unavailable`` runs on the GPU: on the CPU both sides are the reference, every block exact and
+    distinct per column block."""
+    got, want = fl.probe(kind_b, "cpu")
+    assert torch.equal(got, want) and "WRONG" not in fl.block_report(got, want)
+    assert want[0, 0] != want[0, 128] and want[0, 0] != want[1, 0]  # a block read from the wrong place shows
+    bad = want.clone()
+    bad[:, 128:] = 0
+    assert "cols 128-255 WRONG" in fl.block_report(bad, want)
 
 
 def test_blockwise_loop_resolves_and_labels_on_cpu():
@@ -345,7 +402,7 @@ def test_blockwise_loop_resolves_and_labels_on_cpu():
     path, why = fg.resolve(case)
     assert path == "blockwise_loop" and "fp8_gemm=emulated" in why
     label = fg.scaling_label("blockwise_loop", case, "bf16")
-    assert "torch._scaled_mm per-expert loop" in label and "1x128 x 128x128" in label
+    assert "torch scaled_mm v2 per-expert loop" in label and "1x128 x 128x128" in label
 
 
 def test_auto_keeps_the_fastest_path_and_records_every_time(monkeypatch):
@@ -384,8 +441,9 @@ def test_auto_keeps_the_fastest_path_and_records_every_time(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_GPU, reason="no CUDA GPU on this machine")
 def test_scaled_mm_loop_matches_reference_on_gpu():
-    """The real torch._scaled_mm in each pair the loop uses (forward, dgrad, wgrad) on uneven experts against
-    ``reference_scaled_mm`` run on the same operands (it also checks their layouts, as torch does)."""
+    """The real block-scaled scaled_mm in each pair the loop uses (forward K = 512, dgrad K = 256: padded 128x128
+    scales; wgrad) on uneven experts against ``reference_scaled_mm`` run on the same operands (it also checks their
+    layouts, as torch does)."""
     _hopper("blockwise_loop")
     counts = torch.tensor([100, 0, 300, 7], device="cuda")
     lay = fg.GroupLayout(counts, 407, fl.ALIGN, host_counts=counts.tolist())
@@ -400,13 +458,12 @@ def test_scaled_mm_loop_matches_reference_on_gpu():
         got = fl._act_times_weight(aq, em, wq, ws, lay)
         lay_cpu = fg.GroupLayout(counts.cpu(), 407, fl.ALIGN, host_counts=counts.tolist())
         ref = fl._act_times_weight(*cpu(aq, em, wq, ws), lay_cpu)
-        assert rel_l1(got.cpu(), ref) < 0.01
+        assert rel_l1(got.cpu(), ref) < 0.01, (wq.shape, rel_l1(got.cpu(), ref))
     (ga, gs), (xa, xs) = fg.k_grouped_operand(dy, lay), fg.k_grouped_operand(x, lay)
-    # the wgrad, 1x128 x 1x128 along the tokens: expert 2 (rows 128..511, three token blocks) and expert 0 (one block,
-    # which torch takes as rowwise x rowwise: the same product)
+    # the wgrad, 1x128 x 1x128 along the tokens: expert 2 (rows 128..511, three token blocks) and expert 0 (one block)
     for s, n in ((128, 384), (0, 128)):
         args = (ga[s * 256:(s + n) * 256].view(256, n), xa[s * 512:(s + n) * 512].view(512, n).t(),
-                gs[s // 128:(s + n) // 128].t(), xs[s // 128:(s + n) // 128])
+                gs[s // 128:(s + n) // 128].t(), "1x128", xs[s // 128:(s + n) // 128].t(), "1x128")
         got = fl.scaled_mm(*args, torch.empty(256, 512, dtype=torch.bfloat16, device="cuda"))
         ref = fl.reference_scaled_mm(*cpu(*args), torch.empty(256, 512, dtype=torch.bfloat16))
         assert rel_l1(got.cpu(), ref) < 0.01, (s, n, rel_l1(got.cpu(), ref))
@@ -426,3 +483,32 @@ def test_auto_times_the_installed_paths_on_gpu():
     _, w13, w2, _, _ = make([1] * case.local_experts, H=case.hidden, I=case.ffn, device="cuda")
     ex, line = fg.fastest_experts(case, w13, w2, swiglu)
     assert ex.path in found and f"picked {ex.path}" in line and all(f"{p} " in line for p in found)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="no CUDA GPU on this machine")
+def test_scaled_mm_layout_probe_on_gpu():
+    """The scale-layout diagnostic: K = N = 256 (two K blocks, two column blocks), ones as data, a distinct power of
+    two per scale block, so a scale read from the wrong place gives an exactly wrong 128-column block. The layouts
+    the loop uses (cuBLASLt's: 128x128 scales padded to four K blocks) must match the reference bit for bit. The old
+    v1 ``torch._scaled_mm`` call with unpadded scales is run too and reported (not asserted: it is torch's
+    behaviour, expected wrong from column 128 on); run with ``-rA -s`` to see the report."""
+    if fg._capability("cuda") != (9, 0):
+        pytest.skip(f"cuBLASLt's block scales need SM90, this is SM{fg._capability('cuda')}")
+    if not hasattr(torch.nn.functional, "scaled_mm"):
+        pytest.skip(f"torch {torch.__version__} has no torch.nn.functional.scaled_mm: {fl.FIX}")
+    lines, bad = [], []
+    for kind_b in ("128x128", "1x128"):
+        for layout in ("cublas", "v1"):
+            try:
+                got, want = fl.probe(kind_b, "cuda", layout)
+                torch.cuda.synchronize()
+                line = f"1x128 x {kind_b}, {layout}: {fl.block_report(got, want)}"
+                ok = torch.equal(got.cpu(), want)
+            except Exception as e:  # noqa: BLE001
+                line, ok = f"1x128 x {kind_b}, {layout}: raised {type(e).__name__}: {str(e).splitlines()[0]}", False
+            lines.append(line)
+            if layout == "cublas" and not ok:
+                bad.append(line)
+    print("\n".join(["scale-layout probe (torch " + torch.__version__ + "):"] + lines))
+    assert not bad, "\n".join(lines)
