@@ -46,11 +46,14 @@ MODES = ("save_h", "recompute")
 # launch variants of the backward's GEMMs, stage times against the default (``--sweep``): v1's launches
 SWEEP: dict[str, dict[str, dict[str, Any]]] = {
     "default again": {},
-    "dgate v1 (64x64)": {"dgate": dict(block_n=64)},
-    "dx v1 (128x128, 8 warps, 1/SM)": {"dx": dict(block_n=128, num_warps=8, programs_per_sm=1)},
+    "dx 128x64, 4 warps, 3/SM": {"dx": dict(block_n=64, num_warps=4, programs_per_sm=3)},
+    "wgrad 256x128, 8 warps, 1/SM": {"dw13": dict(block_n=256, num_warps=8, programs_per_sm=1),
+                                     "dw2": dict(block_n=256, num_warps=8, programs_per_sm=1)},
+    "wgrad 256x128 over 32 rows, 8 warps, 1/SM": {
+        "dw13": dict(block_n=256, block_r=32, num_warps=8, programs_per_sm=1),
+        "dw2": dict(block_n=256, block_r=32, num_warps=8, programs_per_sm=1)},
     "wgrad v1 (8 warps, 1/SM, no TMA store)": {"dw13": dict(num_warps=8, programs_per_sm=1, tma_store=False),
                                                "dw2": dict(num_warps=8, programs_per_sm=1, tma_store=False)},
-    "dx 3/SM": {"dx": dict(programs_per_sm=3)},
 }
 SMOKE_SHAPE = "tiny"
 
