@@ -451,7 +451,7 @@ def test_scaled_mm_loop_matches_reference_on_gpu():
     x = lay.pad(torch.randn(407, 512, device="cuda", generator=g).to(torch.bfloat16))
     dy = lay.pad(torch.randn(407, 256, device="cuda", generator=g).to(torch.bfloat16))
     w = fl.LoopWeight(fg.BlockwiseWeight(torch.randn(4, 256, 512, device="cuda", generator=g).to(torch.bfloat16)))
-    cpu = lambda *ts: [t.cpu() for t in ts]  # noqa: E731
+    cpu = lambda *ts: [t.cpu() if isinstance(t, torch.Tensor) else t for t in ts]  # noqa: E731 (kinds are str)
     for a, wq, ws in ((x, w.q, w.s), (dy, w.q_t, w.s_t)):  # forward (1x128 x 128x128) and dgrad (the same blocks)
         aq, sa = fg.quantize_blocks(a, 1, 128)
         em = fl.expert_major(sa, lay)
