@@ -210,7 +210,7 @@ def test_a_training_step_through_the_kernels_matches_autograd(limit):
     from kernels.mok_hopper.workspace import Workspace, link_local
 
     if not interp.INTERPRET:
-        pytest.skip("the kernels run on the CPU under TRITON_INTERPRET=1 (tests/conftest.py sets it on CPU machines)")
+        pytest.skip("the kernels run on the CPU under TRITON_INTERPRET=1 (set at the top of this file without a GPU)")
     T, K, E, H, I = 24, 3, 8, 128, 64
     (ws_,) = link_local([Workspace(rank=0, world=1, device=torch.device("cpu"), tokens=T, hidden=H, topk=K, fp8=False,
                                    symmetric=False)])
@@ -228,6 +228,55 @@ def test_a_training_step_through_the_kernels_matches_autograd(limit):
             assert rel_l1(got, want[name]) < 1e-2, (seed, name, rel_l1(got, want[name]))
         for i, (got, ref) in enumerate(zip((sg.grad, su.grad, sd.grad), want["shared"])):
             assert rel_l1(got, ref) < 1e-2, (seed, "shared", i)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (it comes with torch on Linux; pip install -e "
+                                           "'.[test]'): the interpreter kernel tests need it")
+@pytest.mark.slow
+@pytest.mark.parametrize("P,limit,idle,masked,save_h", [(2, None, 1, False, True), (4, 0.5, None, True, True),
+                                                        (2, None, None, False, False)],
+                         ids=["ep2-idle-rank", "ep4-clamped-masked", "ep2-recompute"])
+def test_the_kernels_backward_across_simulated_ranks_matches_autograd(P, limit, idle, masked, save_h):
+    """The backward across ranks (train.py's three phases: stage dO, pull the dO rows / run the stages / push the dX
+    rows and router-weight gradients to their source ranks, sum), for P ranks simulated in one process under the
+    interpreter, phase by phase in lockstep as the barriers would order them: every rank's every gradient against
+    torch autograd, and against the twin's backward."""
+    from kernels.mok_hopper import interp
+    from kernels.mok_hopper.api import MoKHopperLayer
+    from kernels.mok_hopper.train import backward_compute, backward_finish, backward_stage
+    from kernels.mok_hopper.workspace import Workspace, link_local
+
+    if not interp.INTERPRET:
+        pytest.skip("the kernels run on the CPU under TRITON_INTERPRET=1 (set at the top of this file without a GPU)")
+    T, K, E, H, I = 24, 3, 8, 128, 64
+    xs, idx, ws, dOs, w13, w2, shared = make(P, T, K, E, H, I, seed=50 + P, idle_rank=idle, masked=masked)
+    wss = link_local([Workspace(rank=r, world=P, device=torch.device("cpu"), tokens=T, hidden=H, topk=K, fp8=False,
+                                symmetric=False) for r in range(P)])
+    layers = [MoKHopperLayer(w13[r], w2[r], topk=K, tokens=T, shared=tuple(shared), swiglu_limit=limit, rank=r,
+                             world=P, workspace=wss[r], save_h=save_h) for r in range(P)]
+    for r in range(P):  # the forward, phase by phase
+        layers[r].stage(xs[r], idx[r], ws[r])
+    for r in range(P):
+        layers[r].compute(xs[r])
+    outs = [layers[r].finish() for r in range(P)]
+    for r in range(P):  # the backward, phase by phase
+        backward_stage(layers[r], dOs[r])
+    parts = [backward_compute(layers[r], xs[r], w13[r], w2[r], shared) for r in range(P)]
+    got = [backward_finish(layers[r], idx[r], parts[r]) for r in range(P)]
+    ref = twin_bwd.autograd_reference(xs, idx, ws, dOs, w13, w2, shared=shared, limit=limit)
+    twin = twin_bwd.simulate_backward(xs, idx, ws, dOs, w13, w2, shared=shared, limit=limit,
+                                      block_m=layers[0].cfg.block_m)
+    for r in range(P):
+        assert outs[r].isfinite().all()
+        for name in ("x", "topk_w", "w13", "w2"):
+            assert rel_l1(got[r][name], ref[r][name]) < 1e-2, (r, name, rel_l1(got[r][name], ref[r][name]))
+            assert rel_l1(got[r][name], twin[r][name]) < 5e-3, (r, name, "twin")
+        for i, (a, b) in enumerate(zip(got[r]["shared"], ref[r]["shared"])):
+            assert rel_l1(a, b) < 1e-2, (r, "shared", i)
+        live = idx[r] >= 0
+        assert not got[r]["topk_w"][~live].any()  # masked slots get no router-weight gradient
+    if idle is not None:  # the idle rank's experts got no rows: zero weight gradients, written
+        assert not got[idle]["w13"].any() and not got[idle]["w2"].any()
 
 
 def _gloo_rank(rank, world, store_path, out_path, limit):

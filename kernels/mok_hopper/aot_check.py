@@ -188,9 +188,9 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048, extras: bool 
                        dict(BT=2, BH=1024, APPLY_W=False, HAS_SHARED=True), 4))
     if extras:  # the backward's GEMMs (bwd_gemm.py), at the block sizes train.py launches them with
         rows_t = dict(a_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", h_ptr="*bf16", clip_ptr="*u8", s_ptr="*fp32",
-                      sa_ptr="*bf16", ds_ptr="*fp32", code_ptr="*i32", tile_expert_ptr="*i32", tile_row_ptr="*i32",
-                      chunk_ptr="*i32", n_rows="i32", K="i32", N="i32", stride_we="i32", stride_wk="i32",
-                      stride_wn="i32", limit="fp32")
+                      sa_ptr="*bf16", ds_ptr="*fp32", code_ptr="*i32", delta_ptr="*i64", tile_expert_ptr="*i32",
+                      tile_row_ptr="*i32", chunk_ptr="*i32", n_rows="i32", K="i32", N="i32", TK="i32",
+                      stride_we="i32", stride_wk="i32", stride_wn="i32", limit="fp32")
         rows_c = dict(BK=64, NUM_PROGS=nprog, UPCAST=False, GROUP_M=4, STAGES=3, SAVE_H=False, HAS_LIMIT=False,
                       DGATE=False, WTMA=True, PUSH=False)
         for label, over, warps in (("bwd dgate", dict(DGATE=True, BM=64, BN=128), 8),

@@ -7,8 +7,9 @@ says so: those rows check the schedule / combine logic and the backend plumbing,
 
 The forward is a training forward (autograd records it, as the baselines' forwards are recorded) unless the case's
 ``mok_hopper_forward`` is ``inference``: ``save_h`` (default) keeps X and the pre-SwiGLU H, ``recompute`` keeps X and
-the backward recomputes H (:mod:`kernels.mok_hopper.train`). The bf16 backward runs on CUDA at EP=1; at EP >= 2 on
-CUDA, and for fp8, its rows are ``unsupported`` with the reason (:meth:`MokHopperBackend.direction_unsupported`).
+the backward recomputes H (:mod:`kernels.mok_hopper.train`). The bf16 backward runs at any EP (across ranks: the
+expert owners pull the dO rows and push the dX rows back); for fp8 its rows are ``unsupported`` with the reason
+(:meth:`MokHopperBackend.direction_unsupported`).
 
 Legend: T tokens per rank, K top-k, H hidden, I ffn, L local experts, P ranks.
 """
@@ -53,9 +54,6 @@ class MokHopperBackend:
         if getattr(case, "mok_hopper_forward", "save_h") == "inference":
             return ("mok_hopper_forward=inference saves nothing for a backward; use mok_hopper_forward=save_h "
                     "(default) or recompute")
-        if case.device == "cuda" and case.ep_size > 1:
-            return ("mok_hopper's GPU backward runs at EP=1 so far (the cross-rank pull of dO rows and push of dX "
-                    "rows are not built); run ep_size=1, or device=cpu for the twin's backward at any EP")
         return None
 
     @classmethod

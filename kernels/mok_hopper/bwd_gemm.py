@@ -1,7 +1,8 @@
-"""The bf16 backward's GEMMs, v0 (issue 23; the stages of :mod:`kernels.mok_hopper.twin_bwd`, PERF_NOTES "Next: the
-bf16 backward"). Not yet wired into the layer, the autograd function or the harness: this version is checked
-against the twin under the Triton interpreter and compiled for sm_90 by ``aot_check``; it has not run on a GPU.
-Pointer loads of row-major weights (TMA over the forward's tiled weights comes next).
+"""The bf16 backward's GEMMs (issue 23; the stages of :mod:`kernels.mok_hopper.twin_bwd`; launched by
+:mod:`kernels.mok_hopper.train`; versions and measurements in PERF_NOTES "Session 13"). Checked against the twin
+under the Triton interpreter, compiled for sm_90 without spills by ``aot_check``, and checked against the harness's
+reference on an H200. Row-major weights: TMA descriptors where they are contiguous [L, K, N] (dgate's W2, dX's
+W13), pointers through strides otherwise (W13 transposed, to recompute H).
 
 * :func:`bwd_rows` - a grouped GEMM over the forward's row tiles, out[r] = A[r] @ W[e] with W[e] read [K, N]
   through strides, two epilogues:
@@ -9,9 +10,11 @@ Pointer loads of row-major weights (TMA over the forward's tiled weights comes n
     masks and the router weight s of each row: dH = [s G SwiGLU'_gate, s G SwiGLU'_up] (bf16 [R, 2I]), s*A (bf16
     [R, I], for dW2) and the router-weight gradient's partial sum over this column tile (fp32 [R, I / BN], summed
     over the tiles in a fixed order by :func:`router_grad`);
-  - ``plain``: A = dH rows, W = W13 ([2I, H]: K = 2I, N = H): the dX rows (bf16 [R, H]).
+  - ``plain``: A = dH rows, W = W13 ([2I, H]: K = 2I, N = H): the dX rows (bf16 [R, H]), stored by row or pushed
+    to the row's token slot (``push_code``); or, with ``save_clip``, H recomputed from the X rows.
 * :func:`bwd_wgrad` - dW[e] = P_e^T @ Q_e, each expert's rows in schedule order (no split-K, no atomics: bitwise
-  deterministic): dW13 (P = dH, Q = X rows) and dW2 (P = dO rows, Q = s*A).
+  deterministic): dW13 (P = dH, Q = X rows) and dW2 (P = dO rows, Q = s*A); padding rows (code < 0) add nothing.
+  Optionally stored by TMA (asynchronous).
 
 Legend: R routed rows, M row tiles (BM rows each, or BM/2 with half tiles), L local experts, H hidden, I ffn.
 """
@@ -29,8 +32,8 @@ from kernels.mok_hopper.interp import INTERPRET
 
 
 @triton.jit
-def _bwd_rows_kernel(a_ptr, w_ptr, out_ptr, h_ptr, clip_ptr, s_ptr, sa_ptr, ds_ptr, code_ptr, tile_expert_ptr,
-                     tile_row_ptr, chunk_ptr, n_rows, K, N, stride_we, stride_wk, stride_wn, limit,
+def _bwd_rows_kernel(a_ptr, w_ptr, out_ptr, h_ptr, clip_ptr, s_ptr, sa_ptr, ds_ptr, code_ptr, delta_ptr,
+                     tile_expert_ptr, tile_row_ptr, chunk_ptr, n_rows, K, N, TK, stride_we, stride_wk, stride_wn, limit,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NUM_PROGS: tl.constexpr,
                      UPCAST: tl.constexpr, GROUP_M: tl.constexpr, STAGES: tl.constexpr, DGATE: tl.constexpr,
                      HAS_LIMIT: tl.constexpr, SAVE_H: tl.constexpr = False, WTMA: tl.constexpr = False,
@@ -43,14 +46,15 @@ def _bwd_rows_kernel(a_ptr, w_ptr, out_ptr, h_ptr, clip_ptr, s_ptr, sa_ptr, ds_p
     for wk in range(tl.program_id(0), n_work, NUM_PROGS):
         m, n, e_tile, row0, row1 = _work_tile(wk, tile_expert_ptr, tile_row_ptr, m_lo, m_hi, n_n, GROUP_M)
         for rb in range(row0, row1, BM):
-            _bwd_rows_block(a_ptr, w_ptr, out_ptr, h_ptr, clip_ptr, s_ptr, sa_ptr, ds_ptr, code_ptr, rb, row1, n,
-                            n_n, e_tile, n_rows, K, N, stride_we, stride_wk, stride_wn, limit, BM, BN, BK, UPCAST,
-                            STAGES, DGATE, HAS_LIMIT, SAVE_H, WTMA, PUSH)
+            _bwd_rows_block(a_ptr, w_ptr, out_ptr, h_ptr, clip_ptr, s_ptr, sa_ptr, ds_ptr, code_ptr, delta_ptr, rb,
+                            row1, n, n_n, e_tile, n_rows, K, N, TK, stride_we, stride_wk, stride_wn, limit, BM, BN,
+                            BK, UPCAST, STAGES, DGATE, HAS_LIMIT, SAVE_H, WTMA, PUSH)
 
 
 @triton.jit
-def _bwd_rows_block(a_ptr, w_ptr, out_ptr, h_ptr, clip_ptr, s_ptr, sa_ptr, ds_ptr, code_ptr, row0, row1, n, n_n,
-                    e_tile, n_rows, K, N, stride_we, stride_wk, stride_wn, limit, BM: tl.constexpr, BN: tl.constexpr,
+def _bwd_rows_block(a_ptr, w_ptr, out_ptr, h_ptr, clip_ptr, s_ptr, sa_ptr, ds_ptr, code_ptr, delta_ptr, row0, row1,
+                    n, n_n, e_tile, n_rows, K, N, TK, stride_we, stride_wk, stride_wn, limit, BM: tl.constexpr,
+                    BN: tl.constexpr,
                     BK: tl.constexpr, UPCAST: tl.constexpr, STAGES: tl.constexpr, DGATE: tl.constexpr,
                     HAS_LIMIT: tl.constexpr, SAVE_H: tl.constexpr, WTMA: tl.constexpr, PUSH: tl.constexpr):
     """Rows [row0, min(row0 + BM, row1)) x columns [n BN, (n + 1) BN) of expert ``e_tile``. WTMA: ``w_ptr`` is a
@@ -93,9 +97,13 @@ def _bwd_rows_block(a_ptr, w_ptr, out_ptr, h_ptr, clip_ptr, s_ptr, sa_ptr, ds_pt
         tl.store(sa_ptr + rows[:, None] * N + cols[None, :], (act * s[:, None]).to(tl.bfloat16),
                  mask=rmask[:, None])
         tl.store(ds_ptr + rows * n_n + n, tl.sum(acc * act, axis=1), mask=rmask)
-    elif PUSH:  # each row to its slot (the row code; padding rows, code < 0, go nowhere)
-        code = tl.load(code_ptr + rows, mask=rmask, other=-1).to(tl.int64)
-        tl.store(out_ptr + code[:, None] * N + cols[None, :], acc.to(tl.bfloat16), mask=(code >= 0)[:, None])
+    elif PUSH:  # each row to its slot in its source rank's buffer (padding rows, code < 0, go nowhere)
+        code = tl.load(code_ptr + rows, mask=rmask, other=-1)
+        valid = code >= 0
+        c = tl.where(valid, code, 0)
+        d = tl.multiple_of(tl.load(delta_ptr + c // TK, mask=valid, other=0), 16)
+        slot = (c % TK).to(tl.int64)
+        tl.store(out_ptr + (d + slot * N)[:, None] + cols[None, :], acc.to(tl.bfloat16), mask=valid[:, None])
     else:
         tl.store(out_ptr + rows[:, None] * N + cols[None, :], acc.to(tl.bfloat16), mask=rmask[:, None])
         if SAVE_H:  # N = 2I: the recomputed pre-SwiGLU H, and where the forward's clamp clipped it (fp32 decisions)
@@ -109,6 +117,7 @@ def bwd_rows(a_RK: torch.Tensor, w_LKN: torch.Tensor, out: torch.Tensor, tile_ex
              block_n: Optional[int] = None, block_k: int = 64, stages: int = 3, group_m: int = 4,
              dgate: Optional[dict] = None, limit: Optional[float] = None,
              save_clip: Optional[torch.Tensor] = None, push_code: Optional[torch.Tensor] = None,
+             push_delta: Optional[torch.Tensor] = None, slots_per_rank: Optional[int] = None,
              num_warps: int = 8) -> None:
     """out[r] = a[r] @ w[e(r)] over the row tiles [chunk_2[0], chunk_2[1]) (``w`` [L, K, N], any strides: W2
     [L, H, I] as is, W13 [L, 2I, H] as is, W13.transpose(1, 2) to recompute H). ``dgate`` = dict(h=[R, 2I] bf16,
@@ -116,7 +125,9 @@ def bwd_rows(a_RK: torch.Tensor, w_LKN: torch.Tensor, out: torch.Tensor, tile_ex
     ``out`` [R, 2N] is dH. ``save_clip`` (uint8 [R, N], with ``limit``; N = 2I): out is the recomputed H and this
     gets the clamp's decisions, made on the fp32 accumulators as the forward makes them.
     ``push_code`` (int32 [R]): row r goes to row ``push_code[r]`` of ``out`` instead (rows with a negative code
-    nowhere): the dX rows straight into their token slots. Weights given as a contiguous [L, K, N] tensor are read
+    nowhere): the dX rows straight into their token slots; with ``push_delta`` (int64 [P], the element offsets
+    from ``out`` to every rank's copy, as the forward's push takes them) and ``slots_per_rank`` (T K), into slot
+    ``code % TK`` of rank ``code // TK``'s copy. Weights given as a contiguous [L, K, N] tensor are read
     through a TMA descriptor (blocks [block_k, block_n]) on CUDA; other strides (W13 transposed, to recompute H)
     by pointers.
     ``block_n``: 32 for dgate (its epilogue holds eight [BM, BN] fp32 tiles: 64 wide spilled at BM 128, aot_check),
@@ -131,6 +142,10 @@ def bwd_rows(a_RK: torch.Tensor, w_LKN: torch.Tensor, out: torch.Tensor, tile_ex
     if dgate is not None:
         assert out.shape == (R, 2 * N) and d["ds"].shape == (R, N // block_n)
     clip = save_clip if save_clip is not None else (d.get("clip") if limit is not None else None)
+    if push_delta is None:  # one rank: slots of ``out`` itself
+        delta, tk = torch.zeros(1, dtype=torch.int64, device=out.device), 1 << 30
+    else:
+        delta, tk = push_delta, slots_per_rank
     wtma = w_LKN.is_cuda and w_LKN.is_contiguous()
     w = w_LKN
     if wtma:
@@ -139,11 +154,31 @@ def bwd_rows(a_RK: torch.Tensor, w_LKN: torch.Tensor, out: torch.Tensor, tile_ex
         w = TensorDescriptor.from_tensor(w_LKN.reshape(-1, N), [block_k, block_n])
     _bwd_rows_kernel[(programs,)](
         a_RK, w, out, d.get("h", out), clip if clip is not None else out, d.get("s", out), d.get("sa", out),
-        d.get("ds", out), push_code if push_code is not None else tile_row_M1, tile_expert_M, tile_row_M1, chunk_2,
-        R, K, N, w_LKN.stride(0), w_LKN.stride(1), w_LKN.stride(2), 0.0 if limit is None else float(limit),
+        d.get("ds", out), push_code if push_code is not None else tile_row_M1, delta, tile_expert_M, tile_row_M1,
+        chunk_2, R, K, N, tk, w_LKN.stride(0), w_LKN.stride(1), w_LKN.stride(2), 0.0 if limit is None else float(limit),
         BM=block_m, BN=block_n, BK=block_k, NUM_PROGS=programs, UPCAST=INTERPRET, GROUP_M=group_m, STAGES=stages,
         DGATE=dgate is not None, HAS_LIMIT=dgate is not None and limit is not None, SAVE_H=save_clip is not None,
         WTMA=wtma, PUSH=push_code is not None, num_warps=num_warps)
+
+
+@triton.jit
+def _push_scalars_kernel(code_ptr, v_ptr, out_ref, out_delta, R, TK, BR: tl.constexpr):
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    code = tl.load(code_ptr + rows, mask=rows < R, other=-1)
+    valid = code >= 0
+    c = tl.where(valid, code, 0)
+    d = tl.load(out_delta + c // TK, mask=valid, other=0)
+    tl.store(out_ref + d + (c % TK).to(tl.int64), tl.load(v_ptr + rows, mask=valid, other=0.0), mask=valid)
+
+
+def push_scalars(code_R: torch.Tensor, v_R: torch.Tensor, out_ref: torch.Tensor, out_delta_P: torch.Tensor,
+                 slots_per_rank: int) -> None:
+    """out[rank code // TK][code % TK] = v[r] for every row with a code >= 0 (fp32; one writer per slot): the
+    router-weight gradient of each row to its source rank."""
+    R = code_R.numel()
+    br = 256
+    _push_scalars_kernel[(triton.cdiv(R, br),)](code_R, v_R, out_ref, out_delta_P, R, slots_per_rank, BR=br,
+                                                 num_warps=4)
 
 
 def router_grad(ds_parts_RN: torch.Tensor) -> torch.Tensor:

@@ -153,11 +153,13 @@ class MoKHopperMoE(torch.nn.Module):
             allocated here as zeros when absent; ``.grad`` stays None), eager mode only.
         tile: the forward's launch parameters (default: ``default_tile`` for these shapes, set to the layout).
         cuda_graph: the layer replays its forward as a CUDA graph (over the module's own padded input buffers).
+        save_h: the forward saves the pre-SwiGLU H for the backward (default); False: the backward recomputes it.
     """
 
     def __init__(self, num_experts: int, hidden: int, ffn: int, *, topk: int, max_tokens: int, shared: bool = True,
                  swiglu_limit: Optional[float] = None, layout: str = "plain", main_grad: bool = False,
-                 tile: Optional[TileConfig] = None, device: Any = None, cuda_graph: bool = True) -> None:
+                 tile: Optional[TileConfig] = None, device: Any = None, cuda_graph: bool = True,
+                 save_h: bool = True) -> None:
         super().__init__()
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS} (got {layout!r})")
@@ -188,7 +190,7 @@ class MoKHopperMoE(torch.nn.Module):
         self.layer = MoKHopperLayer(self.w13.data, self.w2.data, topk=topk, tokens=max_tokens,
                                     shared=None if sh is None else tuple(p.data for p in sh),
                                     swiglu_limit=swiglu_limit, tile=tile, rank=0, world=1, workspace=ws,
-                                    cuda_graph=cuda_graph, adopt_weights=True)
+                                    cuda_graph=cuda_graph, adopt_weights=True, save_h=save_h)
         # the padded inputs of every call (one set of tensors: the layer's CUDA graph is keyed by their addresses)
         self._x = torch.zeros(max_tokens, H, **bf16)
         self._idx = torch.full((max_tokens, topk), -1, dtype=torch.int64, device=dev)

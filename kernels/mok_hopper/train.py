@@ -1,10 +1,15 @@
-"""A training step through mok_hopper at EP=1, v0 (issue 23, in progress): :func:`mok_hopper_train` runs the fused
-forward and records a backward made of the v0 backward GEMMs (:mod:`kernels.mok_hopper.bwd_gemm`), in the
-recompute mode: the forward saves nothing beyond what the layer keeps (its pulled X rows and its schedule), and the
-backward recomputes H (+1 read of W13). Checked against torch autograd under the Triton interpreter; not run on a
-GPU, not yet a ``torch.library`` custom op or an ``nn.Module`` with parameters, not wired into the harness, EP=1
-only (EP >= 2 needs the pull of dO rows and the push of dX rows across ranks). The shared expert's backward runs
-the same GEMM kernels, as one expert over the T tokens.
+"""The bf16 training step through mok_hopper at EP=1 (issue 23): :func:`mok_hopper_train` runs the fused forward
+and records a backward, :func:`layer_backward`, made of the backward GEMMs (:mod:`kernels.mok_hopper.bwd_gemm`):
+H from the forward (``MoKHopperLayer(save_h=True)``) or recomputed from the layer's X rows, dgate (dO rows x W2,
+SwiGLU's derivative and the router-weight gradient in its epilogue), dX (each row pushed into its token slot and
+summed per token by the forward's epilogue kernel), the weight gradients (each expert's rows in schedule order:
+no split-K, no atomics, bitwise deterministic); the shared expert through the same stages, as one expert over the
+T tokens. No host synchronisation. At EP >= 2 the expert owners pull the dO rows from their source ranks (the
+forward's pull kernel and schedule) and push the dX rows and router-weight gradients back into the source ranks'
+workspaces, which sum them in the forward's fixed order. Checked against torch autograd under the Triton
+interpreter, 1, 2 and 4 ranks (simulated in one process; tests/test_mok_hopper_bwd.py), and at EP=1 against the
+harness's reference on one H200 (benchmarks/mok_hopper/bwd_check.py; PERF_NOTES "Session 13"); not yet run on
+several GPUs. The trainable module and custom ops over it (EP=1) are in :mod:`kernels.mok_hopper.module`.
 
 Legend: T tokens, K top-k, H hidden, I ffn, L local experts, R capacity rows.
 """
@@ -18,6 +23,7 @@ import torch
 from kernels.mok_hopper import bwd_gemm
 from kernels.mok_hopper.api import MoKHopperLayer
 from kernels.mok_hopper.tiles import num_sms
+from kernels.mok_hopper import pull
 from kernels.mok_hopper.pull import combine_epilogue
 
 
@@ -45,11 +51,13 @@ def _expert_backward(x_rows: torch.Tensor, dO_rows: torch.Tensor, s_rows: torch.
                      clip: Optional[torch.Tensor], w13: torch.Tensor, w2: torch.Tensor, code_R: torch.Tensor,
                      tile_expert: torch.Tensor, tile_row: torch.Tensor, chunk: torch.Tensor, starts: torch.Tensor,
                      dx_slots: torch.Tensor, *, limit: Optional[float], programs: int,
-                     mark: Callable[[str], None], tiles: Optional[dict[str, dict[str, Any]]] = None
+                     mark: Callable[[str], None], tiles: Optional[dict[str, dict[str, Any]]] = None,
+                     push: Optional[tuple[torch.Tensor, int]] = None
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The four stages over rows grouped by expert (the routed experts, or the shared one): dX rows pushed into
     ``dx_slots`` by their code, and (dW13, dW2, the router-weight gradient of every row). ``h`` None: recompute H
-    (and the clamp's decisions) from the X rows first."""
+    (and the clamp's decisions) from the X rows first. ``push`` (every rank's offset from ``dx_slots``, T K): the
+    dX rows go to their source ranks' copies of ``dx_slots``."""
     R, H = x_rows.shape
     L, I2, _ = w13.shape
     I = I2 // 2
@@ -71,7 +79,7 @@ def _expert_backward(x_rows: torch.Tensor, dO_rows: torch.Tensor, s_rows: torch.
                       dgate=dict(h=h, clip=clip, s=s_rows, sa=sA, ds=ds_parts), limit=limit, **t["dgate"])
     mark("dgate")
     bwd_gemm.bwd_rows(dH, w13, dx_slots, tile_expert, tile_row, chunk, programs=progs["dx"], push_code=code_R,
-                      **t["dx"])
+                      push_delta=push[0] if push else None, slots_per_rank=push[1] if push else None, **t["dx"])
     mark("dx")
     ds = bwd_gemm.router_grad(ds_parts)
     dW13 = torch.empty_like(w13)
@@ -87,15 +95,22 @@ def layer_backward(layer: MoKHopperLayer, dO_TH: torch.Tensor, x_TH: torch.Tenso
                    topk_w_TK: torch.Tensor, w13_LIH: torch.Tensor, w2_LHI: torch.Tensor,
                    shared: Optional[Sequence[torch.Tensor]], marks: Optional[Callable[[str], None]] = None,
                    tiles: Optional[dict[str, dict[str, Any]]] = None) -> dict[str, Any]:
-    """The gradients of the layer's last forward (EP=1): x (bf16 [T, H]), topk_w (fp32 [T, K]), w13 (bf16
-    [L, 2I, H]), w2 (bf16 [L, H, I]) and, with a shared expert, its (gate, up, down) gradients. H comes from the
-    forward (``layer.save_h``) or is recomputed here from the layer's X rows. ``marks(stage)`` is called after
+    """The gradients of the layer's last forward: x (bf16 [T, H]), topk_w (fp32 [T, K]), w13 (bf16 [L, 2I, H]), w2
+    (bf16 [L, H, I]) and, with a shared expert, its (gate, up, down) gradients. H comes from the forward
+    (``layer.save_h``) or is recomputed here from the layer's X rows. At EP >= 2 every rank of the group calls
+    this (autograd does, in the backward of each rank's forward): :func:`backward_stage`, a barrier,
+    :func:`backward_compute`, a barrier, :func:`backward_finish`. ``marks(stage)`` is called after
     each stage of :data:`BWD_STAGES` (diagnostics: a stage timer records an event there). ``tiles``: launch
     overrides per GEMM (``_tiles``' keys; sweeps). No host synchronisation.
 
     Rows of the schedule that hold no token (padding, code < 0) go through the GEMMs with router weight 0 and are
     left out of every sum: the weight gradients skip them, their dX rows are pushed nowhere."""
-    assert layer.world == 1, "the bf16 backward runs at EP=1 so far (the cross-rank dO pull and dX push are next)"
+    if layer.world > 1:
+        backward_stage(layer, dO_TH)
+        layer.ws.barrier(0)
+        part = backward_compute(layer, x_TH, w13_LIH, w2_LHI, shared, marks=marks, tiles=tiles)
+        layer.ws.barrier(1)
+        return backward_finish(layer, topk_idx_TK, part, marks=marks)
     mark = marks or (lambda name: None)
     T, K, H, L = layer.T, layer.K, layer.H, layer.L
     s = layer.sched
@@ -124,20 +139,89 @@ def layer_backward(layer: MoKHopperLayer, dO_TH: torch.Tensor, x_TH: torch.Tenso
     out: dict[str, Any] = {"w13": dW13, "w2": dW2, "topk_w": dtopk[: T * K].view(T, K) * (topk_idx_TK >= 0)}
     sh_dx = None
     if shared is not None:
-        g_w, u_w, d_w = shared
-        x = x_TH.detach().to(torch.bfloat16).contiguous()
-        sh_dx = torch.empty(T, H, dtype=torch.bfloat16, device=dev)
-        sW13, sW2, _ = _expert_backward(
-            x, dO, torch.ones(T, dtype=torch.float32, device=dev), None, None, torch.cat([g_w, u_w]).unsqueeze(0),
-            d_w.unsqueeze(0), layer.sh_code, layer.sh_tiles, layer.sh_rows, layer.sh_chunk,
-            torch.tensor([0, T], dtype=torch.int32, device=dev), sh_dx, limit=limit, programs=progs,
-            mark=lambda name: None, tiles=tiles)
-        I = layer.I
-        out["shared"] = (sW13[0, :I], sW13[0, I:], sW2[0])
+        out["shared"], sh_dx = _shared(layer, x_TH, dO, shared, programs=progs, tiles=tiles)
     mark("shared")
     out["x"] = torch.empty(T, H, dtype=torch.bfloat16, device=dev)
     combine_epilogue(slots, topk_idx_TK, None, sh_dx, out["x"])  # the forward's fixed-order sum (k ascending)
     mark("dx_sum")
+    return out
+
+
+def _shared(layer: MoKHopperLayer, x_TH: torch.Tensor, dO_TH: torch.Tensor, shared: Sequence[torch.Tensor], *,
+            programs: int, tiles: Optional[dict[str, dict[str, Any]]]) -> tuple[tuple, torch.Tensor]:
+    """The shared expert's (gate, up, down) gradients and its dx: the same stages, one expert over this rank's T
+    tokens in order, router weight 1, H recomputed (the forward's shared expert saves nothing)."""
+    T, H, I, dev = layer.T, layer.H, layer.I, dO_TH.device
+    g_w, u_w, d_w = shared
+    x = x_TH.detach().to(torch.bfloat16).contiguous()
+    dO = dO_TH.detach().to(torch.bfloat16).contiguous()
+    sh_dx = torch.empty(T, H, dtype=torch.bfloat16, device=dev)
+    sW13, sW2, _ = _expert_backward(
+        x, dO, torch.ones(T, dtype=torch.float32, device=dev), None, None, torch.cat([g_w, u_w]).unsqueeze(0),
+        d_w.unsqueeze(0), layer.sh_code, layer.sh_tiles, layer.sh_rows, layer.sh_chunk,
+        torch.tensor([0, T], dtype=torch.int32, device=dev), sh_dx, limit=layer.limit, programs=programs,
+        mark=lambda name: None, tiles=tiles)
+    return (sW13[0, :I], sW13[0, I:], sW2[0]), sh_dx
+
+
+# ---- the backward across ranks (EP >= 2), in three phases (a test runs the phases of simulated ranks in lockstep);
+# between them every rank must have got there (``layer.ws.barrier``): :func:`layer_backward` does that ----
+
+
+def backward_stage(layer: MoKHopperLayer, dO_TH: torch.Tensor) -> None:
+    """This rank's output gradient into its workspace's ``x`` region, where the expert owners pull it from (the
+    forward is done with that region once every rank has passed its last barrier)."""
+    assert not layer.fp8 and layer.weights_in_expert, \
+        "the backward covers bf16 with the router weight applied in the expert (the default router_weight_in)"
+    layer.ws.x.copy_(dO_TH.detach())
+
+
+def backward_compute(layer: MoKHopperLayer, x_TH: torch.Tensor, w13_LIH: torch.Tensor, w2_LHI: torch.Tensor,
+                     shared: Optional[Sequence[torch.Tensor]], *, marks: Optional[Callable[[str], None]] = None,
+                     tiles: Optional[dict[str, dict[str, Any]]] = None) -> dict[str, Any]:
+    """After every rank's stage: pull the dO rows of this rank's experts from their source ranks (the forward's
+    pull kernel and schedule), run the four stages, push each dX row into its source rank's ``comb`` slot and each
+    row's router-weight gradient into its ``w`` slot; this rank's weight gradients and shared expert locally."""
+    mark = marks or (lambda name: None)
+    T, K, H, L = layer.T, layer.K, layer.H, layer.L
+    s, ws = layer.sched, layer.ws
+    dev = x_TH.device
+    TK = T * K
+    chunk = torch.stack([s.chunk_tiles_C1[0], s.chunk_tiles_C1[-1]]).to(torch.int32)
+    dO_rows = torch.empty(layer.R, H, dtype=torch.bfloat16, device=dev)
+    pull.pull_rows(s.row_code_R, chunk, s.tile_row_M1, ws.x, ws.tables["x"], None, None, None, None, dO_rows, None,
+                   None, tokens=T, topk=K, cfg=layer.cfg, programs=layer.pull_programs)
+    mark("gather")
+    progs = num_sms(dev)
+    limit = layer.limit
+    h = clip = None
+    if getattr(layer, "save_h", False):
+        h, clip = layer.h_save, (layer.clip_save if limit is not None else None)
+    starts = bwd_gemm.expert_rows(s.tile_expert_M, s.tile_row_M1, L)
+    dW13, dW2, ds = _expert_backward(layer.x_rows, dO_rows, layer.rw_rows, h, clip, w13_LIH, w2_LHI, s.row_code_R,
+                                     s.tile_expert_M, s.tile_row_M1, chunk, starts, ws.comb, limit=limit,
+                                     programs=progs, mark=mark, tiles=tiles,
+                                     push=(ws.tables["comb"], TK))
+    bwd_gemm.push_scalars(s.row_code_R, ds, ws.w, ws.tables["w"], TK)
+    out: dict[str, Any] = {"w13": dW13, "w2": dW2, "sh_dx": None}
+    if shared is not None:
+        out["shared"], out["sh_dx"] = _shared(layer, x_TH, ws.x, shared, programs=progs, tiles=tiles)
+    mark("shared")
+    return out
+
+
+def backward_finish(layer: MoKHopperLayer, topk_idx_TK: torch.Tensor, part: dict[str, Any], *,
+                    marks: Optional[Callable[[str], None]] = None) -> dict[str, Any]:
+    """After every rank's pushes: dx summed per token (the forward's epilogue kernel, k ascending, plus the shared
+    expert's dx) and the router-weight gradients, from this rank's workspace."""
+    T, K, H = layer.T, layer.K, layer.H
+    ws = layer.ws
+    x = torch.empty(T, H, dtype=torch.bfloat16, device=ws.comb.device)
+    combine_epilogue(ws.comb, topk_idx_TK, None, part["sh_dx"], x)
+    out = {k: v for k, v in part.items() if k != "sh_dx"}
+    out["x"] = x
+    out["topk_w"] = ws.w.reshape(T, K) * (topk_idx_TK >= 0)  # a new tensor: the next forward restages ``w``
+    (marks or (lambda name: None))("dx_sum")
     return out
 
 

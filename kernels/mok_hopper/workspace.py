@@ -17,6 +17,10 @@ Everything lives in one byte buffer (one rendezvous); each region starts on a 25
 | ``idx`` | [T, K] | int32 | this rank (stage) | every rank (schedule) |
 | ``w`` | [T, K] | fp32 | this rank (stage) | expert owners (pull) / this rank (epilogue) |
 | ``comb`` | [T*K, H] | bf16 | expert owners (push) | this rank (epilogue) |
+
+The bf16 backward across ranks (``train.py``, EP >= 2) reuses the regions once the forward is done with them:
+``x`` holds this rank's output gradient dO (pulled by the expert owners), ``comb`` the dX rows pushed back to
+their token slots, ``w`` the router-weight gradients pushed back the same way.
 """
 
 from __future__ import annotations
