@@ -24,9 +24,11 @@ SMEM_LIMIT = {90: 232448, 100: 232448}  # bytes of dynamic shared memory per blo
 KERNEL_MODULES = ("schedule_kernels", "pull", "up_gemm", "down_gemm", "bwd_gemm")  # where the kernels live, by stage
 # Stack bytes a variant may spill, by a part of its label; any other spill is a problem. The training forward's up
 # GEMMs (save H) add two to four stores to an epilogue that sits at the 255-register cap already (the inference
-# kernels use 240-254): on Triton 3.8 they spill 0-48 B, in code that runs once per work item (PERF_NOTES,
-# "save_h"). The budget keeps that from growing unnoticed.
-SPILL_BUDGET = ((" save H", 64),)
+# kernels use 240-254): they spill 0-48 B on Triton 3.8 and 0-56 B on 3.6 (PERF_NOTES, "save_h"). The backward's
+# dgate GEMM at 64 x 128 (its epilogue holds about ten fp32 tiles) spills 24-32 B on Triton 3.6 and none on 3.8;
+# on the H200 (Triton 3.6) it ran 1.4x faster than the spill-free 64 x 64 (PERF_NOTES, "Session 13", v2). The
+# budget keeps those from growing unnoticed.
+SPILL_BUDGET = ((" save H", 64), ("bwd dgate", 64))
 
 
 def kernel(name: str) -> Any:
