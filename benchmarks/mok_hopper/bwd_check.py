@@ -25,7 +25,6 @@ Writes ``DIR/mok_hopper_bwd_check.csv``; exit 1 if a check failed, 2 (one line) 
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import sys
 import time
@@ -34,7 +33,7 @@ from typing import Any, Optional
 
 import torch
 
-from benchmarks.mok_hopper.gpu_check import Ctx, layer_inputs, med, shape_cases, unrunnable
+from benchmarks.mok_hopper.gpu_check import Ctx, layer_inputs, med, shape_cases, unrunnable, write_csv
 from harness.check import compare, run_once
 from harness.reference import ReferenceBackend
 from harness.runner import time_direction
@@ -278,14 +277,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     for name in shapes:
         check_shape(ctx, name, args)
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "mok_hopper_bwd_check.csv")
-    keys: list[str] = []
-    for r in ctx.rows:
-        keys += [k for k in r if k not in keys]
-    with open(path, "w", newline="") as f:
-        wr = csv.DictWriter(f, fieldnames=keys)
-        wr.writeheader()
-        wr.writerows(ctx.rows)
+    path = write_csv(ctx.rows, os.path.join(args.out, "mok_hopper_bwd_check.csv"))
     print(f"wrote {path}; {ctx.failed} failed checks; {time.time() - t0:.0f} s", flush=True)
     torch.distributed.destroy_process_group()
     return 1 if ctx.failed else 0

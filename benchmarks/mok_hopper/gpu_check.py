@@ -603,19 +603,24 @@ def main(argv: Optional[list[str]] = None) -> int:
         published(ctx, name, args, rates)
     if ctx.rank == 0:
         os.makedirs(args.out, exist_ok=True)
-        path = os.path.join(args.out, "mok_hopper_gpu_check.csv")
-        keys: list[str] = []
-        for r in ctx.rows:
-            keys += [k for k in r if k not in keys]
-        with open(path, "w", newline="") as f:
-            wr = csv.DictWriter(f, fieldnames=keys)
-            wr.writeheader()
-            wr.writerows(ctx.rows)
+        path = write_csv(ctx.rows, os.path.join(args.out, "mok_hopper_gpu_check.csv"))
         print_table(ctx.rows)
         print(f"wrote {path}; {ctx.failed} failed checks; {time.time() - t0:.0f} s", flush=True)
     dist.barrier()
     dist.destroy_process_group()
     return 1 if ctx.failed else 0
+
+
+def write_csv(rows: list[dict[str, Any]], path: str) -> str:
+    """The rows as a CSV (columns in first-seen order; a row without a column leaves it empty); returns ``path``."""
+    keys: list[str] = []
+    for r in rows:
+        keys += [k for k in r if k not in keys]
+    with open(path, "w", newline="") as f:
+        wr = csv.DictWriter(f, fieldnames=keys)
+        wr.writeheader()
+        wr.writerows(rows)
+    return path
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:

@@ -3,7 +3,7 @@ routed and shared expert weights are ``nn.Parameter``s that the kernels read in 
 ``torch.library`` custom ops it calls (``mokbench::mok_hopper_moe`` and its backward), with fake implementations so
 that ``torch.compile`` can trace a model that uses it.
 
-EP = 1, bf16 (the v0 backward of :mod:`kernels.mok_hopper.train`). The op reaches its layer (non-tensor state: the
+EP = 1, bf16 (the backward of :mod:`kernels.mok_hopper.train`). The op reaches its layer (non-tensor state: the
 schedule, the pulled X rows, the workspace) through an int handle, the key of a registry of live modules.
 
 Token counts may vary between calls up to ``max_tokens``: the layer is built for ``max_tokens``; a call with fewer
@@ -150,7 +150,8 @@ class MoKHopperMoE(torch.nn.Module):
         shared: with a shared expert. swiglu_limit: the clamped SwiGLU's limit, or None.
         layout: "plain" or "tiled" (the parameters in the kernels' TMA block order; no backward yet).
         main_grad: accumulate the parameters' gradients in fp32 into ``p.main_grad`` (Megatron's convention;
-            allocated here as zeros when absent; ``.grad`` stays None), eager mode only.
+            allocated here as zeros when absent; ``.grad`` stays None), eager mode only. Each call's gradient is
+            bf16 before it is added (Megatron's fused accumulation adds the wgrad GEMM's fp32 result instead).
         tile: the forward's launch parameters (default: ``default_tile`` for these shapes, set to the layout).
         cuda_graph: the layer replays its forward as a CUDA graph (over the module's own padded input buffers).
         save_h: the forward saves the pre-SwiGLU H for the backward (default); False: the backward recomputes it.

@@ -20,11 +20,10 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from kernels.mok_hopper import bwd_gemm
+from kernels.mok_hopper import bwd_gemm, pull
 from kernels.mok_hopper.api import MoKHopperLayer
-from kernels.mok_hopper.tiles import num_sms
-from kernels.mok_hopper import pull
 from kernels.mok_hopper.pull import combine_epilogue
+from kernels.mok_hopper.tiles import num_sms
 
 
 def _blocks(n: int, cap: int) -> int:
@@ -35,10 +34,11 @@ BWD_STAGES = ("gather", "recompute_h", "dgate", "dx", "dw13", "dw2", "shared", "
 
 
 def _tiles(H: int, I: int, cuda: bool) -> dict[str, dict[str, Any]]:
-    """Launch parameters of the backward's GEMMs (v2, PERF_NOTES "the bf16 backward"; each compiles for sm_90
-    without spills, aot_check): dgate 64 x 128 (8 warps: its epilogue holds about ten [BM, BN] fp32 tiles), dX
-    128 x 128 (8 warps; 128 x 64 with 4 warps two per SM was slower on glm_5_2), the weight gradients 128 x 128 over
-    64-row steps (4 warps, two programs per SM, TMA stores on CUDA). The same on the CPU (interpreter), capped at what divides the toy shapes."""
+    """Launch parameters of the backward's GEMMs (v3, PERF_NOTES "Session 13"; aot_check compiles each for sm_90:
+    no spills, except dgate's 24-32 B under Triton 3.6): dgate 64 x 128 (8 warps: its epilogue holds about ten
+    [BM, BN] fp32 tiles), dX 128 x 128 (8 warps; 128 x 64 with 4 warps, two per SM, was slower on glm_5_2), the
+    weight gradients 128 x 128 over 64-row steps (4 warps, two programs per SM, TMA stores on CUDA). The same on
+    the CPU (interpreter), capped at what divides the toy shapes."""
     two = dict(num_warps=4, programs_per_sm=2)
     return {"dgate": dict(block_m=64, block_n=_blocks(I, 128), block_k=_blocks(H, 64)),
             "dx": dict(block_m=128, block_n=_blocks(H, 128), block_k=_blocks(2 * I, 64)),
