@@ -150,7 +150,7 @@ class MoKHopperLayer(torch.nn.Module):
             self.register_buffer("w13", w13_LIH.detach().contiguous(), persistent=False)
             self.register_buffer("w2", w2_LHI.detach().contiguous(), persistent=False)
             self.w13_scale = self.w2_scale = None
-        if self.cfg.w_tiled and not adopt_weights:  # each TMA block of the weights one contiguous run (a copy, made once)
+        if self.cfg.w_tiled and not adopt_weights:  # each TMA block of the weights one contiguous run (a copy, once)
             tile13 = tile_weights_gu if self.cfg.up_fused else tile_weights
             self.w13 = tile13(self.w13, self.cfg.up_n, self.cfg.up_k)
             self.w2 = tile_weights(self.w2, self.cfg.down_n, self.cfg.down_k)

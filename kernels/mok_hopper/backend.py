@@ -112,7 +112,7 @@ class MokHopperBackend:
         self.impl = MoKHopperLayer(inputs.w13_LIH, inputs.w2_LHI, topk=c.topk, tokens=c.tokens_per_gpu,
                                    shared=shared, swiglu_limit=c.swiglu_limit, precision=c.precision,
                                    group=self.group, tile=self._tile,
-                                   **({"save_h": True} if self.params is not None and self.mode == "save_h" else {}))
+                                   save_h=self.params is not None and self.mode == "save_h")
         # Untimed warm-up: compiles every kernel variant (all ranks run setup together, so barriers pair up).
         self.impl(inputs.x_TH, inputs.topk_idx_TK, inputs.topk_w_TK)
         torch.cuda.synchronize()

@@ -237,7 +237,8 @@ class MoKHopperMoE(torch.nn.Module):
 
     def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
         T = x.shape[0]
-        if x.dim() != 2 or x.shape[1] != self.H or tuple(topk_idx.shape) != (T, self.K) or topk_w.shape != topk_idx.shape:
+        if (x.dim() != 2 or x.shape[1] != self.H or tuple(topk_idx.shape) != (T, self.K)
+                or topk_w.shape != topk_idx.shape):
             raise ValueError(f"MoKHopperMoE wants x [T, {self.H}], topk_idx and topk_w [T, {self.K}]; got "
                              f"{tuple(x.shape)}, {tuple(topk_idx.shape)}, {tuple(topk_w.shape)}")
         if T > self.max_tokens:
