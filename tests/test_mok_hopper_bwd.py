@@ -340,3 +340,37 @@ def test_bwd_check_runs_on_the_cpu(tmp_path):
     p = subprocess.run([sys.executable, "-m", "benchmarks.mok_hopper.bwd_check", "--out", str(tmp_path / "x"),
                         "--modes", "fast"], cwd=root, env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 2 and "unknown mode" in p.stderr and not (tmp_path / "x").exists()
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (it comes with torch on Linux; pip install -e "
+                                           "'.[test]'): the interpreter kernel tests need it")
+@pytest.mark.parametrize("tma_store", [False, True], ids=["pointer-store", "tma-store"])
+def test_weight_gradient_with_p_resident_is_the_default_one(tma_store):
+    """bwd_wgrad(resident=True) (P loaded once per strip where an expert fits one row step) against the default
+    kernel, bit for bit, and against torch: experts of 0, 40, 64 and 130 rows (130 > the 64-row step: the other
+    branch), padding rows (code -1) inside an expert."""
+    from kernels.mok_hopper import bwd_gemm, interp
+
+    if not interp.INTERPRET:
+        pytest.skip("the kernels run on the CPU under TRITON_INTERPRET=1 (set at the top of this file without a GPU)")
+    g = torch.Generator().manual_seed(3)
+    sizes = [0, 40, 64, 130]
+    starts = torch.tensor([0, *torch.tensor(sizes).cumsum(0).tolist()], dtype=torch.int32)
+    R, N, K = int(starts[-1]), 128, 256
+    p = torch.randn(R, N, generator=g).bfloat16()
+    q = torch.randn(R, K, generator=g).bfloat16()
+    code = torch.arange(R, dtype=torch.int32)
+    code[[5, 70, 150]] = -1
+    out = {}
+    for resident in (False, True):
+        dw = torch.full((len(sizes), N, K), float("nan"), dtype=torch.bfloat16)
+        bwd_gemm.bwd_wgrad(p, q, dw, code, starts, programs=3, block_n=64, block_k=64, block_r=64,
+                           tma_store=tma_store, resident=resident)
+        out[resident] = dw
+    assert torch.equal(out[True], out[False])
+    live = (code >= 0).float()[:, None]
+    for e in range(len(sizes)):
+        a, b = int(starts[e]), int(starts[e + 1])
+        want = (p[a:b].float() * live[a:b]).t() @ q[a:b].float()
+        assert torch.allclose(out[True][e].float(), want, rtol=1e-2, atol=0.1), e
+    assert not out[True][0].any()  # the expert without rows: zeros, written

@@ -53,6 +53,7 @@ SWEEP: dict[str, dict[str, dict[str, Any]]] = {
         "dw2": dict(block_n=256, block_r=32, num_warps=8, programs_per_sm=1)},
     "wgrad v1 (8 warps, 1/SM, no TMA store)": {"dw13": dict(num_warps=8, programs_per_sm=1, tma_store=False),
                                                "dw2": dict(num_warps=8, programs_per_sm=1, tma_store=False)},
+    "wgrad P resident": {"dw13": dict(resident=True), "dw2": dict(resident=True)},
 }
 SMOKE_SHAPE = "tiny"
 
@@ -126,6 +127,16 @@ def stage_times(ctx: Ctx, backend: Any, inp: Any, iters: int,
             for (_, a), (name, b) in zip(evs, evs[1:]):
                 samples[name].append(a.elapsed_time(b))
     return {s: round(med(v), 4) for s, v in samples.items() if v}
+
+
+def backward_bits(backend: Any, inp: Any, tiles: Optional[dict[str, dict[str, Any]]]) -> list:
+    """Fingerprints of every gradient of one forward + ``layer_backward`` with these launch overrides."""
+    layer, p = backend.impl, backend.params
+    x, idx, w = inp.x_TH, inp.topk_idx_TK, inp.topk_w_TK
+    with torch.no_grad():
+        layer(x, idx, w)
+        g = layer_backward(layer, inp.grad_out_TH, x, idx, w, p.w13, p.w2, p.shared, tiles=tiles)
+    return [fingerprint(t) for k in sorted(g) for t in (g[k] if isinstance(g[k], tuple) else (g[k],))]
 
 
 def per_tensor_errors(ctx: Ctx, got: dict, ref: dict) -> dict[str, float]:
@@ -215,15 +226,18 @@ def check_shape(ctx: Ctx, name: str, args: argparse.Namespace) -> None:
         row.update(errs)
         ctx.add(**row)
         if args.sweep and not ctx.smoke and mode == args.modes[0]:
+            base_bits = backward_bits(b, inp, None) if args.sweep_bits else None
             for label, over in SWEEP.items():
                 try:
                     st = stage_times(ctx, b, inp, args.stage_iters, tiles=over)
+                    same = backward_bits(b, inp, over) == base_bits if base_bits is not None else None
                 except Exception as e:  # noqa: BLE001 - a variant that does not compile is a row, not the end
                     ctx.add(section="sweep", shape=name, variant=label, error=f"{type(e).__name__}: {e}"[:300])
                     ctx.log(f"{name} sweep {label}: {type(e).__name__}: {str(e)[:200]}")
                     continue
-                ctx.add(section="sweep", shape=name, variant=label, **{f"stage_{k}_ms": v for k, v in st.items()})
-                ctx.log(f"{name} sweep {label}: {st}")
+                ctx.add(section="sweep", shape=name, variant=label, same_bits=same,
+                        **{f"stage_{k}_ms": v for k, v in st.items()})
+                ctx.log(f"{name} sweep {label}: {st}; gradients bitwise the default's: {same}")
         b.teardown()
         del b
         clear_workspace_cache()
@@ -258,6 +272,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--no-nccl", dest="nccl", action="store_false", help="skip the eager nccl comparison")
     ap.add_argument("--sweep", action="store_true", help="stage times of the launch variants in SWEEP (first mode)")
+    ap.add_argument("--no-sweep-bits", dest="sweep_bits", action="store_false",
+                    help="skip the sweep's check that each variant's gradients are bitwise the default's")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args(argv)
     args.modes = [m for m in args.modes.split(",") if m]

@@ -202,11 +202,11 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048, extras: bool 
             c = {**rows_c, **over}
             t = dict(rows_t, w_ptr=f"tensordesc<bf16[{c['BK']}, {c['BN']}]>") if c["WTMA"] else rows_t
             out.append(Variant(label, "_bwd_rows_kernel", t, c, warps))
-        out.append(Variant("bwd wgrad", "_bwd_wgrad_kernel",
-                           dict(p_ptr="*bf16", q_ptr="*bf16", dw_ptr="tensordesc<bf16[128, 128]>", code_ptr="*i32",
-                                expert_row_ptr="*i32", N="i32", K="i32", L="i32"),
-                           dict(BN=128, BK=128, BR=64, NUM_PROGS=2 * nprog, UPCAST=False, STAGES=3, TMA_STORE=True),
-                           4))
+        wg_t = dict(p_ptr="*bf16", q_ptr="*bf16", dw_ptr="tensordesc<bf16[128, 128]>", code_ptr="*i32",
+                    expert_row_ptr="*i32", N="i32", K="i32", L="i32")
+        wg_c = dict(BN=128, BK=128, BR=64, NUM_PROGS=2 * nprog, UPCAST=False, STAGES=3, TMA_STORE=True)
+        out.append(Variant("bwd wgrad", "_bwd_wgrad_kernel", wg_t, wg_c, 4))
+        out.append(Variant("bwd wgrad P resident", "_bwd_wgrad_resident_kernel", wg_t, wg_c, 4))
     return out
 
 

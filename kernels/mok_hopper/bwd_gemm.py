@@ -213,11 +213,57 @@ def _bwd_wgrad_kernel(p_ptr, q_ptr, dw_ptr, code_ptr, expert_row_ptr, N, K, L,
             p = tl.load(p_ptr + rows[:, None] * N + ncols[None, :], mask=live[:, None], other=0.0)  # [BR, BN]
             q = tl.load(q_ptr + rows[:, None] * K + kcols[None, :], mask=live[:, None], other=0.0)  # [BR, BK]
             acc = _mma(p.T, q, acc, UPCAST)
-        if TMA_STORE:
-            dw_ptr.store([e * N + n * BN, k * BK], acc.to(dw_ptr.dtype))
+        _store_dw(dw_ptr, acc, e, n, k, N, K, BN, BK, TMA_STORE)
+
+
+@triton.jit
+def _store_dw(dw_ptr, acc, e, n, k, N, K, BN: tl.constexpr, BK: tl.constexpr, TMA_STORE: tl.constexpr):
+    """dW[e] block (n, k) = acc, by TMA (``dw_ptr`` a descriptor over [L N, K], blocks [BN, BK]) or pointers."""
+    if TMA_STORE:
+        dw_ptr.store([e * N + n * BN, k * BK], acc.to(dw_ptr.dtype))
+    else:
+        ncols = n * BN + tl.arange(0, BN)
+        kcols = k * BK + tl.arange(0, BK)
+        tl.store(dw_ptr + e.to(tl.int64) * N * K + ncols[:, None].to(tl.int64) * K + kcols[None, :],
+                 acc.to(dw_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _bwd_wgrad_resident_kernel(p_ptr, q_ptr, dw_ptr, code_ptr, expert_row_ptr, N, K, L,
+                               BN: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, NUM_PROGS: tl.constexpr,
+                               UPCAST: tl.constexpr, STAGES: tl.constexpr, TMA_STORE: tl.constexpr = False):
+    """The weight gradients with P resident: work items (expert, column block of N), each a strip of dW[e]
+    [BN, K]. An expert of at most BR rows (every published shape at EP=1: 32-64 rows) loads its P block once and
+    streams its Q blocks, one output block per K step (P read once per strip instead of once per output block);
+    a larger expert reads P again for every K block (the rows loop inside). Same sums, same order, as
+    :func:`_bwd_wgrad_kernel`: one row step, or the row steps ascending."""
+    n_n = N // BN
+    n_k = K // BK
+    for wk in range(tl.program_id(0), L * n_n, NUM_PROGS):
+        e = wk // n_n
+        n = wk % n_n
+        r_lo = tl.load(expert_row_ptr + e)
+        r_hi = tl.load(expert_row_ptr + e + 1)
+        ncols = n * BN + tl.arange(0, BN)
+        kk = tl.arange(0, BK)
+        if r_hi - r_lo <= BR:
+            rows = (r_lo + tl.arange(0, BR)).to(tl.int64)
+            live = (rows < r_hi) & (tl.load(code_ptr + rows, mask=rows < r_hi, other=-1) >= 0)
+            p = tl.load(p_ptr + rows[:, None] * N + ncols[None, :], mask=live[:, None], other=0.0)  # [BR, BN]
+            for k in tl.range(0, n_k, num_stages=STAGES):
+                q = tl.load(q_ptr + rows[:, None] * K + (k * BK + kk)[None, :], mask=live[:, None], other=0.0)
+                acc = _mma(p.T, q, tl.zeros((BN, BK), dtype=tl.float32), UPCAST)
+                _store_dw(dw_ptr, acc, e, n, k, N, K, BN, BK, TMA_STORE)
         else:
-            tl.store(dw_ptr + e.to(tl.int64) * N * K + ncols[:, None].to(tl.int64) * K + kcols[None, :],
-                     acc.to(dw_ptr.dtype.element_ty))
+            for k in range(0, n_k):
+                acc = tl.zeros((BN, BK), dtype=tl.float32)
+                for r0 in tl.range(r_lo, r_hi, BR, num_stages=STAGES):
+                    rows = (r0 + tl.arange(0, BR)).to(tl.int64)
+                    live = (rows < r_hi) & (tl.load(code_ptr + rows, mask=rows < r_hi, other=-1) >= 0)
+                    p = tl.load(p_ptr + rows[:, None] * N + ncols[None, :], mask=live[:, None], other=0.0)
+                    q = tl.load(q_ptr + rows[:, None] * K + (k * BK + kk)[None, :], mask=live[:, None], other=0.0)
+                    acc = _mma(p.T, q, acc, UPCAST)
+                _store_dw(dw_ptr, acc, e, n, k, N, K, BN, BK, TMA_STORE)
 
 
 def expert_rows(tile_expert_M: torch.Tensor, tile_row_M1: torch.Tensor, local_experts: int) -> torch.Tensor:
@@ -230,9 +276,12 @@ def expert_rows(tile_expert_M: torch.Tensor, tile_row_M1: torch.Tensor, local_ex
 
 def bwd_wgrad(p_RN: torch.Tensor, q_RK: torch.Tensor, dw_LNK: torch.Tensor, row_code_R: torch.Tensor,
               expert_row_L1: torch.Tensor, *, programs: int, block_n: int = 128, block_k: int = 128,
-              block_r: int = 64, stages: int = 3, num_warps: int = 8, tma_store: bool = False) -> None:
+              block_r: int = 64, stages: int = 3, num_warps: int = 8, tma_store: bool = False,
+              resident: bool = False) -> None:
     """dw[e] = p[rows of e]^T @ q[rows of e] (fp32 accumulation, the rows in schedule order; rows whose code is
-    negative are padding and add nothing). ``dw`` [L, N, K] (bf16, or fp32 for a main-grad accumulator)."""
+    negative are padding and add nothing). ``dw`` [L, N, K] (bf16, or fp32 for a main-grad accumulator).
+    ``resident``: one work item per (expert, N block), P loaded once for the strip where the expert has at most
+    ``block_r`` rows (:func:`_bwd_wgrad_resident_kernel`); the same sums in the same order."""
     R, N = p_RN.shape
     K = q_RK.shape[1]
     L = dw_LNK.shape[0]
@@ -243,6 +292,7 @@ def bwd_wgrad(p_RN: torch.Tensor, q_RK: torch.Tensor, dw_LNK: torch.Tensor, row_
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         dw = TensorDescriptor.from_tensor(dw_LNK.view(-1, K), [block_n, block_k])
-    _bwd_wgrad_kernel[(programs,)](p_RN, q_RK, dw, row_code_R, expert_row_L1, N, K, L, BN=block_n, BK=block_k,
-                                   BR=block_r, NUM_PROGS=programs, UPCAST=INTERPRET, STAGES=stages,
-                                   TMA_STORE=tma_store, num_warps=num_warps)
+    kernel = _bwd_wgrad_resident_kernel if resident else _bwd_wgrad_kernel
+    kernel[(programs,)](p_RN, q_RK, dw, row_code_R, expert_row_L1, N, K, L, BN=block_n, BK=block_k, BR=block_r,
+                        NUM_PROGS=programs, UPCAST=INTERPRET, STAGES=stages, TMA_STORE=tma_store,
+                        num_warps=num_warps)
