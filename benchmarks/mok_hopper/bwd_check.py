@@ -45,7 +45,9 @@ MODES = ("save_h", "recompute")
 # launch variants of the backward's GEMMs, stage times against the default (``--sweep``): v1's launches
 SWEEP: dict[str, dict[str, dict[str, Any]]] = {
     "default again": {},
-    "dx 128x64, 4 warps, 3/SM": {"dx": dict(block_n=64, num_warps=4, programs_per_sm=3)},
+    "dx 3 stages (v3)": {"dx": dict(stages=3)},
+    "dgate 4 stages": {"dgate": dict(stages=4)},
+    "dgate 5 stages": {"dgate": dict(stages=5)},
     "wgrad 256x128, 8 warps, 1/SM": {"dw13": dict(block_n=256, num_warps=8, programs_per_sm=1),
                                      "dw2": dict(block_n=256, num_warps=8, programs_per_sm=1)},
     "wgrad 256x128 over 32 rows, 8 warps, 1/SM": {

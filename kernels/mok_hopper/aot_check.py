@@ -197,7 +197,7 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048, extras: bool 
                       DGATE=False, WTMA=True, PUSH=False)
         for label, over, warps in (("bwd dgate", dict(DGATE=True, BM=64, BN=128), 8),
                                    ("bwd dgate clamp", dict(DGATE=True, HAS_LIMIT=True, BM=64, BN=128), 8),
-                                   ("bwd dx push", dict(BM=128, BN=128, PUSH=True), 8),
+                                   ("bwd dx push", dict(BM=128, BN=128, PUSH=True, STAGES=4), 8),
                                    ("bwd recompute H", dict(BM=128, BN=64, SAVE_H=True, WTMA=False), 8)):
             c = {**rows_c, **over}
             t = dict(rows_t, w_ptr=f"tensordesc<bf16[{c['BK']}, {c['BN']}]>") if c["WTMA"] else rows_t

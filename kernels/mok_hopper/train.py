@@ -34,14 +34,14 @@ BWD_STAGES = ("gather", "recompute_h", "dgate", "dx", "dw13", "dw2", "shared", "
 
 
 def _tiles(H: int, I: int, cuda: bool) -> dict[str, dict[str, Any]]:
-    """Launch parameters of the backward's GEMMs (v3, PERF_NOTES "Session 13"; aot_check compiles each for sm_90:
+    """Launch parameters of the backward's GEMMs (v3.1, PERF_NOTES "Session 13"; aot_check compiles each for sm_90:
     no spills, except dgate's 24-32 B under Triton 3.6): dgate 64 x 128 (8 warps: its epilogue holds about ten
-    [BM, BN] fp32 tiles), dX 128 x 128 (8 warps; 128 x 64 with 4 warps, two per SM, was slower on glm_5_2), the
+    [BM, BN] fp32 tiles), dX 128 x 128 (8 warps, 4 stages; 128 x 64 with 4 warps, two per SM, was slower), the
     weight gradients 128 x 128 over 64-row steps (4 warps, two programs per SM, TMA stores on CUDA). The same on
     the CPU (interpreter), capped at what divides the toy shapes."""
     two = dict(num_warps=4, programs_per_sm=2)
     return {"dgate": dict(block_m=64, block_n=_blocks(I, 128), block_k=_blocks(H, 64)),
-            "dx": dict(block_m=128, block_n=_blocks(H, 128), block_k=_blocks(2 * I, 64)),
+            "dx": dict(block_m=128, block_n=_blocks(H, 128), block_k=_blocks(2 * I, 64), stages=4),
             "recompute": dict(block_m=128, block_n=_blocks(2 * I, 64), block_k=_blocks(H, 64)),
             "dw13": dict(block_n=_blocks(2 * I, 128), block_k=_blocks(H, 128), tma_store=cuda, **two),
             "dw2": dict(block_n=_blocks(H, 128), block_k=_blocks(I, 128), tma_store=cuda, **two)}
