@@ -822,6 +822,8 @@ def test_every_kernel_variant_compiles_for_hopper_without_spills():
     assert "up bf16 fused tma" in p.stdout and "up bf16 fused tails 32 tma" in p.stdout  # (up_fused)
     assert "down bf16 x w 256 tails 32 tma" in p.stdout  # (glm_5_2's v11 down GEMM)
     assert "up bf16 clamp save H fused tails 32 tma" in p.stdout and "up bf16 save H" in p.stdout  # (save_h)
+    assert "bwd dgate clamp" in p.stdout and "bwd wgrad P resident" in p.stdout  # the backward's GEMMs
+    assert "bwd dx push tiled gate/up" in p.stdout and "bwd wgrad tiled gate/up" in p.stdout  # (tiled parameters)
 
 
 @needs_triton

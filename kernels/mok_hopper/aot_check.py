@@ -194,7 +194,7 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048, extras: bool 
                       tile_row_ptr="*i32", chunk_ptr="*i32", n_rows="i32", K="i32", N="i32", TK="i32",
                       stride_we="i32", stride_wk="i32", stride_wn="i32", limit="fp32")
         rows_c = dict(BK=64, NUM_PROGS=nprog, UPCAST=False, GROUP_M=4, STAGES=3, SAVE_H=False, HAS_LIMIT=False,
-                      DGATE=False, WTMA=True, PUSH=False)
+                      DGATE=False, WTMA=True, PUSH=False, TBN=0, TBK=0, GU=False, RK=True)
         for label, over, warps in (("bwd dgate", dict(DGATE=True, BM=64, BN=128), 8),
                                    ("bwd dgate clamp", dict(DGATE=True, HAS_LIMIT=True, BM=64, BN=128), 8),
                                    ("bwd dx push", dict(BM=128, BN=128, PUSH=True, STAGES=4), 8),
@@ -204,9 +204,20 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048, extras: bool 
             out.append(Variant(label, "_bwd_rows_kernel", t, c, warps))
         wg_t = dict(p_ptr="*bf16", q_ptr="*bf16", dw_ptr="tensordesc<bf16[128, 128]>", code_ptr="*i32",
                     expert_row_ptr="*i32", N="i32", K="i32", L="i32")
-        wg_c = dict(BN=128, BK=128, BR=64, NUM_PROGS=2 * nprog, UPCAST=False, STAGES=3, TMA_STORE=True)
+        wg_c = dict(BN=128, BK=128, BR=64, NUM_PROGS=2 * nprog, UPCAST=False, STAGES=3, TMA_STORE=True, TBN=0, TBK=0,
+                    GU=False)
         out.append(Variant("bwd wgrad", "_bwd_wgrad_kernel", wg_t, wg_c, 4))
         out.append(Variant("bwd wgrad P resident", "_bwd_wgrad_resident_kernel", wg_t, wg_c, 4))
+        # a module whose parameters are in the forward's TMA block order (MoKHopperMoE(layout="tiled"); blocks of
+        # the glm_5_2 default: W13 gate/up interleaved up_n x up_k, W2 down_n x down_k), read and written by pointers
+        up_t, dn_t = dict(TBN=cfg.up_n, TBK=cfg.up_k, GU=True), dict(TBN=cfg.down_n, TBK=cfg.down_k)
+        for label, over, warps in (("bwd dgate tiled", dict(DGATE=True, BM=64, BN=128, **dn_t), 8),
+                                   ("bwd dx push tiled gate/up", dict(BM=128, BN=128, PUSH=True, STAGES=4, **up_t), 8),
+                                   ("bwd recompute H tiled gate/up", dict(BM=128, BN=64, SAVE_H=True, RK=False,
+                                                                          **up_t), 8)):
+            out.append(Variant(label, "_bwd_rows_kernel", rows_t, {**rows_c, "WTMA": False, **over}, warps))
+        out.append(Variant("bwd wgrad tiled gate/up", "_bwd_wgrad_kernel", dict(wg_t, dw_ptr="*bf16"),
+                           dict(wg_c, TMA_STORE=False, **up_t), 4))
     return out
 
 

@@ -37,7 +37,8 @@ def _bwd_rows_kernel(a_ptr, w_ptr, out_ptr, h_ptr, clip_ptr, s_ptr, sa_ptr, ds_p
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NUM_PROGS: tl.constexpr,
                      UPCAST: tl.constexpr, GROUP_M: tl.constexpr, STAGES: tl.constexpr, DGATE: tl.constexpr,
                      HAS_LIMIT: tl.constexpr, SAVE_H: tl.constexpr = False, WTMA: tl.constexpr = False,
-                     PUSH: tl.constexpr = False):
+                     PUSH: tl.constexpr = False, TBN: tl.constexpr = 0, TBK: tl.constexpr = 0,
+                     GU: tl.constexpr = False, RK: tl.constexpr = True):
     """Work items (row tile, column tile); a tile of any size (half tiles, tails) runs in BM-row blocks."""
     m_lo = tl.load(chunk_ptr)
     m_hi = tl.load(chunk_ptr + 1)
@@ -48,15 +49,30 @@ def _bwd_rows_kernel(a_ptr, w_ptr, out_ptr, h_ptr, clip_ptr, s_ptr, sa_ptr, ds_p
         for rb in range(row0, row1, BM):
             _bwd_rows_block(a_ptr, w_ptr, out_ptr, h_ptr, clip_ptr, s_ptr, sa_ptr, ds_ptr, code_ptr, delta_ptr, rb,
                             row1, n, n_n, e_tile, n_rows, K, N, TK, stride_we, stride_wk, stride_wn, limit, BM, BN,
-                            BK, UPCAST, STAGES, DGATE, HAS_LIMIT, SAVE_H, WTMA, PUSH)
+                            BK, UPCAST, STAGES, DGATE, HAS_LIMIT, SAVE_H, WTMA, PUSH, TBN, TBK, GU, RK)
+
+
+@triton.jit
+def _tiled_offset(e, r, c, NF, KF, TBN: tl.constexpr, TBK: tl.constexpr, GU: tl.constexpr):
+    """Element offset of W[e, r, c] (W [L, NF, KF] as the forward reads it: NF output rows, KF input columns) in
+    the forward's TMA block order: :func:`~kernels.mok_hopper.gemm_common.tile_weights` ([L, NF/TBN, KF/TBK, TBN,
+    TBK]) or, GU, ``tile_weights_gu`` (gate row j and up row j of block j // TBN at rows 2 (j % TBN) and
+    2 (j % TBN) + 1 of a [2 TBN, TBK] block)."""
+    base = e * NF * KF + (c // TBK) * (TBK * (2 * TBN if GU else TBN)) + c % TBK
+    if GU:
+        half = NF // 2
+        up = (r >= half).to(tl.int64)
+        j = r - up * half
+        return base + (j // TBN) * (2 * TBN * KF) + (2 * (j % TBN) + up) * TBK
+    return base + (r // TBN) * (TBN * KF) + (r % TBN) * TBK
 
 
 @triton.jit
 def _bwd_rows_block(a_ptr, w_ptr, out_ptr, h_ptr, clip_ptr, s_ptr, sa_ptr, ds_ptr, code_ptr, delta_ptr, row0, row1,
                     n, n_n, e_tile, n_rows, K, N, TK, stride_we, stride_wk, stride_wn, limit, BM: tl.constexpr,
-                    BN: tl.constexpr,
-                    BK: tl.constexpr, UPCAST: tl.constexpr, STAGES: tl.constexpr, DGATE: tl.constexpr,
-                    HAS_LIMIT: tl.constexpr, SAVE_H: tl.constexpr, WTMA: tl.constexpr, PUSH: tl.constexpr):
+                    BN: tl.constexpr, BK: tl.constexpr, UPCAST: tl.constexpr, STAGES: tl.constexpr,
+                    DGATE: tl.constexpr, HAS_LIMIT: tl.constexpr, SAVE_H: tl.constexpr, WTMA: tl.constexpr,
+                    PUSH: tl.constexpr, TBN: tl.constexpr, TBK: tl.constexpr, GU: tl.constexpr, RK: tl.constexpr):
     """Rows [row0, min(row0 + BM, row1)) x columns [n BN, (n + 1) BN) of expert ``e_tile``. WTMA: ``w_ptr`` is a
     TMA descriptor over the weights' [L K, N] view (row-major [L, K, N]) with blocks [BK, BN]."""
     rows = (row0 + tl.arange(0, BM)).to(tl.int64)
@@ -69,6 +85,13 @@ def _bwd_rows_block(a_ptr, w_ptr, out_ptr, h_ptr, clip_ptr, s_ptr, sa_ptr, ds_pt
         a = tl.load(a_ptr + rows[:, None] * K + (k0 + kk)[None, :], mask=rmask[:, None], other=0.0)
         if WTMA:
             b = w_ptr.load([e_tile * K + k0, n * BN])
+        elif TBN > 0:  # weights in the forward's TMA block order: element (k, n) of W[e] by index arithmetic
+            kv = (k0 + kk)[:, None].to(tl.int64)
+            nv = cols[None, :].to(tl.int64)
+            if RK:  # the forward's rows are this GEMM's K (dgate's W2, dX's W13)
+                b = tl.load(w_ptr + _tiled_offset(e, kv, nv, K, N, TBN, TBK, GU))
+            else:  # the forward's rows are N (W13 transposed, to recompute H)
+                b = tl.load(w_ptr + _tiled_offset(e, nv, kv, N, K, TBN, TBK, GU))
         else:
             b = tl.load(w_ptr + e * stride_we + (k0 + kk)[:, None].to(tl.int64) * stride_wk
                         + cols[None, :].to(tl.int64) * stride_wn)
@@ -118,7 +141,8 @@ def bwd_rows(a_RK: torch.Tensor, w_LKN: torch.Tensor, out: torch.Tensor, tile_ex
              dgate: Optional[dict] = None, limit: Optional[float] = None,
              save_clip: Optional[torch.Tensor] = None, push_code: Optional[torch.Tensor] = None,
              push_delta: Optional[torch.Tensor] = None, slots_per_rank: Optional[int] = None,
-             num_warps: int = 8) -> None:
+             num_warps: int = 8, w_tiles: Optional[tuple[int, int, bool, bool]] = None,
+             w_dims: Optional[tuple[int, int]] = None) -> None:
     """out[r] = a[r] @ w[e(r)] over the row tiles [chunk_2[0], chunk_2[1]) (``w`` [L, K, N], any strides: W2
     [L, H, I] as is, W13 [L, 2I, H] as is, W13.transpose(1, 2) to recompute H). ``dgate`` = dict(h=[R, 2I] bf16,
     clip=[R, 2I] uint8 or None, s=[R] fp32, sa=[R, N] bf16 out, ds=[R, N / block_n] fp32 out): the dgate epilogue,
@@ -129,13 +153,20 @@ def bwd_rows(a_RK: torch.Tensor, w_LKN: torch.Tensor, out: torch.Tensor, tile_ex
     from ``out`` to every rank's copy, as the forward's push takes them) and ``slots_per_rank`` (T K), into slot
     ``code % TK`` of rank ``code // TK``'s copy. Weights given as a contiguous [L, K, N] tensor are read
     through a TMA descriptor (blocks [block_k, block_n]) on CUDA; other strides (W13 transposed, to recompute H)
-    by pointers.
+    by pointers. ``w_tiles`` (bn, bk, gate/up interleaved, the forward's rows are K): ``w_LKN`` is the forward's
+    tiled weight tensor (``tile_weights`` / ``tile_weights_gu`` with blocks bn x bk), its plain shape [L, NF, KF]
+    given by ``w_dims`` (NF, KF); read by pointers.
     ``block_n``: 32 for dgate (its epilogue holds eight [BM, BN] fp32 tiles: 64 wide spilled at BM 128, aot_check),
     else 64."""
     R, K = a_RK.shape
-    N = w_LKN.shape[2]
+    if w_tiles is not None:
+        NF, KF = w_dims
+        N = KF if w_tiles[3] else NF
+        assert (NF if w_tiles[3] else KF) == K, f"tiled w of forward dims {w_dims} does not take K = {K}"
+    else:
+        N = w_LKN.shape[2]
+        assert w_LKN.shape[1] == K, "w must be [L, K, N]"
     block_n = block_n or (32 if dgate is not None else 64)
-    assert w_LKN.shape[1] == K, "w must be [L, K, N]"
     assert save_clip is None or (dgate is None and limit is not None and save_clip.shape == (R, N))
     assert K % block_k == 0 and N % block_n == 0, f"K {K} / N {N} must be multiples of the tile ({block_k}, {block_n})"
     d = dgate or {}
@@ -146,7 +177,7 @@ def bwd_rows(a_RK: torch.Tensor, w_LKN: torch.Tensor, out: torch.Tensor, tile_ex
         delta, tk = torch.zeros(1, dtype=torch.int64, device=out.device), 1 << 30
     else:
         delta, tk = push_delta, slots_per_rank
-    wtma = w_LKN.is_cuda and w_LKN.is_contiguous()
+    wtma = w_LKN.is_cuda and w_LKN.is_contiguous() and w_tiles is None
     w = w_LKN
     if wtma:
         from triton.tools.tensor_descriptor import TensorDescriptor
@@ -155,10 +186,12 @@ def bwd_rows(a_RK: torch.Tensor, w_LKN: torch.Tensor, out: torch.Tensor, tile_ex
     _bwd_rows_kernel[(programs,)](
         a_RK, w, out, d.get("h", out), clip if clip is not None else out, d.get("s", out), d.get("sa", out),
         d.get("ds", out), push_code if push_code is not None else tile_row_M1, delta, tile_expert_M, tile_row_M1,
-        chunk_2, R, K, N, tk, w_LKN.stride(0), w_LKN.stride(1), w_LKN.stride(2), 0.0 if limit is None else float(limit),
+        chunk_2, R, K, N, tk, w_LKN.stride(0), w_LKN.stride(1) if w_tiles is None else 0,
+        w_LKN.stride(2) if w_tiles is None else 0, 0.0 if limit is None else float(limit),
         BM=block_m, BN=block_n, BK=block_k, NUM_PROGS=programs, UPCAST=INTERPRET, GROUP_M=group_m, STAGES=stages,
         DGATE=dgate is not None, HAS_LIMIT=dgate is not None and limit is not None, SAVE_H=save_clip is not None,
-        WTMA=wtma, PUSH=push_code is not None, num_warps=num_warps)
+        WTMA=wtma, PUSH=push_code is not None, TBN=w_tiles[0] if w_tiles else 0, TBK=w_tiles[1] if w_tiles else 0,
+        GU=bool(w_tiles and w_tiles[2]), RK=bool(w_tiles[3]) if w_tiles else True, num_warps=num_warps)
 
 
 @triton.jit
@@ -190,7 +223,8 @@ def router_grad(ds_parts_RN: torch.Tensor) -> torch.Tensor:
 @triton.jit
 def _bwd_wgrad_kernel(p_ptr, q_ptr, dw_ptr, code_ptr, expert_row_ptr, N, K, L,
                       BN: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, NUM_PROGS: tl.constexpr,
-                      UPCAST: tl.constexpr, STAGES: tl.constexpr, TMA_STORE: tl.constexpr = False):
+                      UPCAST: tl.constexpr, STAGES: tl.constexpr, TMA_STORE: tl.constexpr = False,
+                      TBN: tl.constexpr = 0, TBK: tl.constexpr = 0, GU: tl.constexpr = False):
     """Work items (expert, column block of N, column block of K), expert-major, K fastest: programs running together
     share one expert's P and Q rows (from L2). The item loop is flattened with its row loop, so the next item's
     loads are issued during this item's store. TMA_STORE: ``dw_ptr`` is a TMA descriptor over dW's [L N, K] view
@@ -213,14 +247,21 @@ def _bwd_wgrad_kernel(p_ptr, q_ptr, dw_ptr, code_ptr, expert_row_ptr, N, K, L,
             p = tl.load(p_ptr + rows[:, None] * N + ncols[None, :], mask=live[:, None], other=0.0)  # [BR, BN]
             q = tl.load(q_ptr + rows[:, None] * K + kcols[None, :], mask=live[:, None], other=0.0)  # [BR, BK]
             acc = _mma(p.T, q, acc, UPCAST)
-        _store_dw(dw_ptr, acc, e, n, k, N, K, BN, BK, TMA_STORE)
+        _store_dw(dw_ptr, acc, e, n, k, N, K, BN, BK, TMA_STORE, TBN, TBK, GU)
 
 
 @triton.jit
-def _store_dw(dw_ptr, acc, e, n, k, N, K, BN: tl.constexpr, BK: tl.constexpr, TMA_STORE: tl.constexpr):
-    """dW[e] block (n, k) = acc, by TMA (``dw_ptr`` a descriptor over [L N, K], blocks [BN, BK]) or pointers."""
+def _store_dw(dw_ptr, acc, e, n, k, N, K, BN: tl.constexpr, BK: tl.constexpr, TMA_STORE: tl.constexpr,
+              TBN: tl.constexpr = 0, TBK: tl.constexpr = 0, GU: tl.constexpr = False):
+    """dW[e] block (n, k) = acc, by TMA (``dw_ptr`` a descriptor over [L N, K], blocks [BN, BK]) or pointers; TBN
+    > 0: dW in the forward's TMA block order (:func:`_tiled_offset`), by pointers."""
     if TMA_STORE:
         dw_ptr.store([e * N + n * BN, k * BK], acc.to(dw_ptr.dtype))
+    elif TBN > 0:
+        ncols = (n * BN + tl.arange(0, BN)).to(tl.int64)
+        kcols = (k * BK + tl.arange(0, BK)).to(tl.int64)
+        off = _tiled_offset(e.to(tl.int64), ncols[:, None], kcols[None, :], N, K, TBN, TBK, GU)
+        tl.store(dw_ptr + off, acc.to(dw_ptr.dtype.element_ty))
     else:
         ncols = n * BN + tl.arange(0, BN)
         kcols = k * BK + tl.arange(0, BK)
@@ -231,7 +272,8 @@ def _store_dw(dw_ptr, acc, e, n, k, N, K, BN: tl.constexpr, BK: tl.constexpr, TM
 @triton.jit
 def _bwd_wgrad_resident_kernel(p_ptr, q_ptr, dw_ptr, code_ptr, expert_row_ptr, N, K, L,
                                BN: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, NUM_PROGS: tl.constexpr,
-                               UPCAST: tl.constexpr, STAGES: tl.constexpr, TMA_STORE: tl.constexpr = False):
+                               UPCAST: tl.constexpr, STAGES: tl.constexpr, TMA_STORE: tl.constexpr = False,
+                               TBN: tl.constexpr = 0, TBK: tl.constexpr = 0, GU: tl.constexpr = False):
     """The weight gradients with P resident: work items (expert, column block of N), each a strip of dW[e]
     [BN, K]. An expert of at most BR rows (every published shape at EP=1: 32-64 rows) loads its P block once and
     streams its Q blocks, one output block per K step (P read once per strip instead of once per output block);
@@ -253,7 +295,7 @@ def _bwd_wgrad_resident_kernel(p_ptr, q_ptr, dw_ptr, code_ptr, expert_row_ptr, N
             for k in tl.range(0, n_k, num_stages=STAGES):
                 q = tl.load(q_ptr + rows[:, None] * K + (k * BK + kk)[None, :], mask=live[:, None], other=0.0)
                 acc = _mma(p.T, q, tl.zeros((BN, BK), dtype=tl.float32), UPCAST)
-                _store_dw(dw_ptr, acc, e, n, k, N, K, BN, BK, TMA_STORE)
+                _store_dw(dw_ptr, acc, e, n, k, N, K, BN, BK, TMA_STORE, TBN, TBK, GU)
         else:
             for k in range(0, n_k):
                 acc = tl.zeros((BN, BK), dtype=tl.float32)
@@ -263,7 +305,7 @@ def _bwd_wgrad_resident_kernel(p_ptr, q_ptr, dw_ptr, code_ptr, expert_row_ptr, N
                     p = tl.load(p_ptr + rows[:, None] * N + ncols[None, :], mask=live[:, None], other=0.0)
                     q = tl.load(q_ptr + rows[:, None] * K + (k * BK + kk)[None, :], mask=live[:, None], other=0.0)
                     acc = _mma(p.T, q, acc, UPCAST)
-                _store_dw(dw_ptr, acc, e, n, k, N, K, BN, BK, TMA_STORE)
+                _store_dw(dw_ptr, acc, e, n, k, N, K, BN, BK, TMA_STORE, TBN, TBK, GU)
 
 
 def expert_rows(tile_expert_M: torch.Tensor, tile_row_M1: torch.Tensor, local_experts: int) -> torch.Tensor:
@@ -277,15 +319,19 @@ def expert_rows(tile_expert_M: torch.Tensor, tile_row_M1: torch.Tensor, local_ex
 def bwd_wgrad(p_RN: torch.Tensor, q_RK: torch.Tensor, dw_LNK: torch.Tensor, row_code_R: torch.Tensor,
               expert_row_L1: torch.Tensor, *, programs: int, block_n: int = 128, block_k: int = 128,
               block_r: int = 64, stages: int = 3, num_warps: int = 8, tma_store: bool = False,
-              resident: bool = False) -> None:
+              resident: bool = False, dw_tiles: Optional[tuple[int, int, bool]] = None) -> None:
     """dw[e] = p[rows of e]^T @ q[rows of e] (fp32 accumulation, the rows in schedule order; rows whose code is
     negative are padding and add nothing). ``dw`` [L, N, K] (bf16, or fp32 for a main-grad accumulator).
     ``resident``: one work item per (expert, N block), P loaded once for the strip where the expert has at most
-    ``block_r`` rows (:func:`_bwd_wgrad_resident_kernel`); the same sums in the same order."""
+    ``block_r`` rows (:func:`_bwd_wgrad_resident_kernel`); the same sums in the same order. ``dw_tiles`` (bn, bk,
+    gate/up interleaved): ``dw`` is in the forward's TMA block order (the layout of tiled parameters), stored by
+    pointers."""
     R, N = p_RN.shape
     K = q_RK.shape[1]
     L = dw_LNK.shape[0]
-    assert dw_LNK.shape == (L, N, K) and q_RK.shape[0] == R
+    assert dw_LNK.numel() == L * N * K and q_RK.shape[0] == R
+    assert dw_tiles is not None or dw_LNK.shape == (L, N, K)
+    tma_store = tma_store and dw_tiles is None
     assert N % block_n == 0 and K % block_k == 0, f"N {N} / K {K} must be multiples of ({block_n}, {block_k})"
     dw = dw_LNK
     if tma_store:
@@ -295,4 +341,5 @@ def bwd_wgrad(p_RN: torch.Tensor, q_RK: torch.Tensor, dw_LNK: torch.Tensor, row_
     kernel = _bwd_wgrad_resident_kernel if resident else _bwd_wgrad_kernel
     kernel[(programs,)](p_RN, q_RK, dw, row_code_R, expert_row_L1, N, K, L, BN=block_n, BK=block_k, BR=block_r,
                         NUM_PROGS=programs, UPCAST=INTERPRET, STAGES=stages, TMA_STORE=tma_store,
-                        num_warps=num_warps)
+                        TBN=dw_tiles[0] if dw_tiles else 0, TBK=dw_tiles[1] if dw_tiles else 0,
+                        GU=bool(dw_tiles and dw_tiles[2]), num_warps=num_warps)

@@ -53,12 +53,9 @@ def _traced(t: torch.Tensor) -> bool:
 
 
 def _backward_weights(layer: MoKHopperLayer, w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The routed weights the backward reads (the forward's, in the layer's layout): ONE place to switch the tiled
-    layout on once ``train.layer_backward`` reads the layer's own layout."""
-    if layer.cfg.w_tiled:
-        raise NotImplementedError(
-            "MoKHopperMoE(layout='tiled'): the backward needs train.layer_backward / bwd_gemm to read the weights "
-            "in TMA block order (issue 23, in progress); train with layout='plain' until then")
+    """The routed weights the backward reads: the forward's, in the layer's layout (plain, or its TMA block order,
+    which ``train.layer_backward`` reads by index arithmetic and whose layout its weight gradients come back in)."""
+    assert (w13.dim() == 5) == bool(layer.cfg.w_tiled), "the weights must be in the layer's layout"
     return w13, w2
 
 
@@ -148,7 +145,8 @@ class MoKHopperMoE(torch.nn.Module):
     Args:
         num_experts, hidden, ffn, topk, max_tokens: L, H, I, K and the largest T of a call.
         shared: with a shared expert. swiglu_limit: the clamped SwiGLU's limit, or None.
-        layout: "plain" or "tiled" (the parameters in the kernels' TMA block order; no backward yet).
+        layout: "plain" or "tiled" (the parameters in the kernels' TMA block order, as the default CUDA tile reads
+            them; their gradients come in the same layout).
         main_grad: accumulate the parameters' gradients in fp32 into ``p.main_grad`` (Megatron's convention;
             allocated here as zeros when absent; ``.grad`` stays None), eager mode only. Each call's gradient is
             bf16 before it is added (Megatron's fused accumulation adds the wgrad GEMM's fp32 result instead).

@@ -47,20 +47,40 @@ def _tiles(H: int, I: int, cuda: bool) -> dict[str, dict[str, Any]]:
             "dw2": dict(block_n=_blocks(H, 128), block_k=_blocks(I, 128), tma_store=cuda, **two)}
 
 
+def _weight_layout(layer: MoKHopperLayer, w13: torch.Tensor) -> Optional[dict[str, Any]]:
+    """How the routed weights given to the backward are laid out: None for plain [L, 2I, H] / [L, H, I]; for the
+    layer's TMA block order (a module whose parameters are tiled, ``MoKHopperMoE(layout="tiled")``) the blocks of
+    W13 (up_n x up_k, gate/up interleaved with ``up_fused``) and of W2 (down_n x down_k)."""
+    if w13.dim() == 3:
+        return None
+    c = layer.cfg
+    assert c.w_tiled and w13.dim() == 5, "tiled weights must be in the layer's own TMA block order"
+    return {"L": layer.L, "I": layer.I, "w13": (c.up_n, c.up_k, c.up_fused), "w2": (c.down_n, c.down_k, False)}
+
+
 def _expert_backward(x_rows: torch.Tensor, dO_rows: torch.Tensor, s_rows: torch.Tensor, h: Optional[torch.Tensor],
                      clip: Optional[torch.Tensor], w13: torch.Tensor, w2: torch.Tensor, code_R: torch.Tensor,
                      tile_expert: torch.Tensor, tile_row: torch.Tensor, chunk: torch.Tensor, starts: torch.Tensor,
                      dx_slots: torch.Tensor, *, limit: Optional[float], programs: int,
                      mark: Callable[[str], None], tiles: Optional[dict[str, dict[str, Any]]] = None,
-                     push: Optional[tuple[torch.Tensor, int]] = None
+                     push: Optional[tuple[torch.Tensor, int]] = None, layout: Optional[dict[str, Any]] = None
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The four stages over rows grouped by expert (the routed experts, or the shared one): dX rows pushed into
     ``dx_slots`` by their code, and (dW13, dW2, the router-weight gradient of every row). ``h`` None: recompute H
     (and the clamp's decisions) from the X rows first. ``push`` (every rank's offset from ``dx_slots``, T K): the
-    dX rows go to their source ranks' copies of ``dx_slots``."""
+    dX rows go to their source ranks' copies of ``dx_slots``. ``layout`` (:func:`_weight_layout`): the weights,
+    and the weight gradients returned, in the forward's TMA block order."""
     R, H = x_rows.shape
-    L, I2, _ = w13.shape
-    I = I2 // 2
+    if layout is None:
+        L, I2, _ = w13.shape
+        I = I2 // 2
+        r13 = r2 = w13k = w2k = dw13k = dw2k = {}
+    else:
+        L, I = layout["L"], layout["I"]
+        r13 = dict(w_tiles=(*layout["w13"], False), w_dims=(2 * I, H))  # recompute H: W13 transposed
+        w13k = dict(w_tiles=(*layout["w13"], True), w_dims=(2 * I, H))
+        w2k = dict(w_tiles=(*layout["w2"], True), w_dims=(H, I))
+        dw13k, dw2k = dict(dw_tiles=layout["w13"]), dict(dw_tiles=layout["w2"])
     dev = x_rows.device
     t = _tiles(H, I, dev.type == "cuda")
     for stage, over in (tiles or {}).items():  # launch overrides (sweeps); programs_per_sm scales ``programs``
@@ -69,24 +89,25 @@ def _expert_backward(x_rows: torch.Tensor, dO_rows: torch.Tensor, s_rows: torch.
     if h is None:
         h = torch.empty(R, 2 * I, dtype=torch.bfloat16, device=dev)
         clip = torch.zeros(R, 2 * I, dtype=torch.uint8, device=dev) if limit is not None else None
-        bwd_gemm.bwd_rows(x_rows, w13.transpose(1, 2), h, tile_expert, tile_row, chunk, programs=progs["recompute"],
-                          limit=limit, save_clip=clip, **t["recompute"])
+        bwd_gemm.bwd_rows(x_rows, w13 if layout else w13.transpose(1, 2), h, tile_expert, tile_row, chunk,
+                          programs=progs["recompute"], limit=limit, save_clip=clip, **t["recompute"], **r13)
     mark("recompute_h")
     dH = torch.empty(R, 2 * I, dtype=torch.bfloat16, device=dev)
     sA = torch.empty(R, I, dtype=torch.bfloat16, device=dev)
     ds_parts = torch.empty(R, I // t["dgate"]["block_n"], dtype=torch.float32, device=dev)
     bwd_gemm.bwd_rows(dO_rows, w2, dH, tile_expert, tile_row, chunk, programs=progs["dgate"],
-                      dgate=dict(h=h, clip=clip, s=s_rows, sa=sA, ds=ds_parts), limit=limit, **t["dgate"])
+                      dgate=dict(h=h, clip=clip, s=s_rows, sa=sA, ds=ds_parts), limit=limit, **t["dgate"], **w2k)
     mark("dgate")
     bwd_gemm.bwd_rows(dH, w13, dx_slots, tile_expert, tile_row, chunk, programs=progs["dx"], push_code=code_R,
-                      push_delta=push[0] if push else None, slots_per_rank=push[1] if push else None, **t["dx"])
+                      push_delta=push[0] if push else None, slots_per_rank=push[1] if push else None, **t["dx"],
+                      **w13k)
     mark("dx")
     ds = bwd_gemm.router_grad(ds_parts)
     dW13 = torch.empty_like(w13)
     dW2 = torch.empty_like(w2)
-    bwd_gemm.bwd_wgrad(dH, x_rows, dW13, code_R, starts, programs=progs["dw13"], **t["dw13"])
+    bwd_gemm.bwd_wgrad(dH, x_rows, dW13, code_R, starts, programs=progs["dw13"], **t["dw13"], **dw13k)
     mark("dw13")
-    bwd_gemm.bwd_wgrad(dO_rows, sA, dW2, code_R, starts, programs=progs["dw2"], **t["dw2"])
+    bwd_gemm.bwd_wgrad(dO_rows, sA, dW2, code_R, starts, programs=progs["dw2"], **t["dw2"], **dw2k)
     mark("dw2")
     return dW13, dW2, ds
 
@@ -133,7 +154,7 @@ def layer_backward(layer: MoKHopperLayer, dO_TH: torch.Tensor, x_TH: torch.Tenso
     starts = bwd_gemm.expert_rows(s.tile_expert_M, s.tile_row_M1, L)
     dW13, dW2, ds = _expert_backward(layer.x_rows, dO_rows, s_rows, h, clip, w13_LIH, w2_LHI, code,
                                      s.tile_expert_M, s.tile_row_M1, chunk, starts, slots, limit=limit,
-                                     programs=progs, mark=mark, tiles=tiles)
+                                     programs=progs, mark=mark, tiles=tiles, layout=_weight_layout(layer, w13_LIH))
     dtopk = torch.zeros(T * K + 1, dtype=torch.float32, device=dev)  # the last: where padding rows' values go
     dtopk.scatter_(0, torch.where(valid, c, torch.full_like(c, T * K)), ds)
     out: dict[str, Any] = {"w13": dW13, "w2": dW2, "topk_w": dtopk[: T * K].view(T, K) * (topk_idx_TK >= 0)}
@@ -201,7 +222,7 @@ def backward_compute(layer: MoKHopperLayer, x_TH: torch.Tensor, w13_LIH: torch.T
     dW13, dW2, ds = _expert_backward(layer.x_rows, dO_rows, layer.rw_rows, h, clip, w13_LIH, w2_LHI, s.row_code_R,
                                      s.tile_expert_M, s.tile_row_M1, chunk, starts, ws.comb, limit=limit,
                                      programs=progs, mark=mark, tiles=tiles,
-                                     push=(ws.tables["comb"], TK))
+                                     push=(ws.tables["comb"], TK), layout=_weight_layout(layer, w13_LIH))
     bwd_gemm.push_scalars(s.row_code_R, ds, ws.w, ws.tables["w"], TK)
     out: dict[str, Any] = {"w13": dW13, "w2": dW2, "sh_dx": None}
     if shared is not None:
