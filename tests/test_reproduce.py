@@ -112,7 +112,7 @@ def test_the_multi_gpu_run_script_plans_every_part(tmp_path, ep):
     env = {**os.environ, "DRY": "1", "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
            "PYTHONPATH": str(REPO), "WHEELS": str(tmp_path / "no-wheels")}
     every = {"nccl", "deepep", "hybridep", "deepep_te", "hybridep_megatron", "liger", "sonicmoe", "mok_hopper"}
-    want = {"control": (1, {"hybridep", "mok_hopper"}), "bf16": (4, every), "fp8": (8, every), "epg": (4, every)}
+    want = {"control": (1, {"hybridep", "mok_hopper"}), "bf16": (4, every), "fp8": (12, every), "epg": (4, every)}
     for part, (points, backends) in want.items():
         r = subprocess.run(["bash", "scripts/hopper_ep_run.sh", str(tmp_path / part), part, str(ep)], cwd=REPO,
                            env=env, capture_output=True, text=True, timeout=600)
