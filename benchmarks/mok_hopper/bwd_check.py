@@ -12,7 +12,8 @@ Everything goes through the harness's own pieces: the backend class the harness 
 ``mok_hopper_forward`` mode), its inputs (``harness.inputs``: the harness's seed), its reference and comparison
 (``harness.check``), its timing path (``harness.runner.time_direction``: the bwd row times the backward after an
 untimed forward, as published). What is kept here: per-gradient errors, the repeat check, the stage timer (CUDA
-events between the stages of :func:`kernels.mok_hopper.train.layer_backward`) and the memory figures.
+events between the stages of :func:`kernels.mok_hopper.train.layer_backward`) and the memory figures; ``--sweep`` times launch variants of the backward's GEMMs (``SWEEP``) stage by stage and says
+whether each one's gradients are bitwise the default's.
 
 Memory, per mode: ``setup_mb`` (what the backend allocates to exist: the layer's weight copy and scratch), the peak
 allocated above that during one forward + backward (``step_peak_mb``), and the same for the harness's reference
@@ -42,7 +43,8 @@ from kernels.mok_hopper.train import BWD_STAGES, layer_backward
 from kernels.mok_hopper.workspace import clear_workspace_cache
 
 MODES = ("save_h", "recompute")
-# launch variants of the backward's GEMMs, stage times against the default (``--sweep``): v1's launches
+# launch variants of the backward's GEMMs, stage times against the default (``--sweep``): earlier versions' launches
+# and the candidates not yet measured (PERF_NOTES, "Session 13")
 SWEEP: dict[str, dict[str, dict[str, Any]]] = {
     "default again": {},
     "dx 3 stages (v3)": {"dx": dict(stages=3)},
