@@ -221,15 +221,16 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048, extras: bool 
     return out
 
 
-def compile_variant(v: Variant, arch: int = 90, sass: bool = False) -> dict[str, Any]:
+def compile_variant(v: Variant, arch: int = 90, sass: bool = False, fn: Any = None) -> dict[str, Any]:
     """Compile one variant; registers / spills from cuobjdump's resource usage of the cubin. With ``sass``, also
     its machine code as ``res["sass"]``: one instruction a line, without addresses or encodings, so that two
-    builds (two Triton versions, or code before and after a refactor) compare line by line."""
+    builds (two Triton versions, or code before and after a refactor) compare line by line. ``fn``: a
+    ``@triton.jit`` function to compile instead of ``v.kernel`` of ``KERNEL_MODULES`` (probes)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    fn = kernel(v.kernel)
+    fn = fn if fn is not None else kernel(v.kernel)
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in v.constexprs:

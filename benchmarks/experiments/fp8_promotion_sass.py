@@ -1,0 +1,88 @@
+"""Does the block-scaled fp8 GEMM loop keep its tensor-core MMA in flight while the CUDA cores promote the previous
+K step's product? A compile-only probe (sm_90 SASS from Triton's own ptxas; no GPU) of two minimal kernels with
+the loop of mok_hopper's fp8 up GEMM (``up_gemm._up_item``, FP8 branch: per K step of 128 an e4m3 MMA, then the
+product times its 1 x 128 activation scales and its 128 x 128 weight scale added into an fp32 accumulator):
+
+* ``inline``: today's order: this step's MMA, then at once its promotion (what the up GEMM does);
+* ``pingpong``: this step's MMA issued, then the previous step's promotion, the product carried one step
+  (PERF_NOTES, session 12's candidate for the fp8 forward).
+
+For each: registers and spilled bytes, the QGMMA shapes, and the warpgroup waits (``WARPGROUP.DEPBAR.LE gsb0,
+0xN``: N = how many MMA groups may still run; 0 everywhere means each MMA is waited for before anything else)::
+
+    python -m benchmarks.experiments.fp8_promotion_sass [--bm 128 --bn 64 --warps 8 --stages 4]
+
+It measures nothing about speed: it says what the compiler schedules.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from collections import Counter
+from typing import Any, Optional
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _fp8_loop_kernel(a_ptr, sa_ptr, w_ptr, sw_ptr, out_ptr, K, BM: tl.constexpr, BN: tl.constexpr,
+                     BK: tl.constexpr, STAGES: tl.constexpr, PINGPONG: tl.constexpr):
+    rows = tl.arange(0, BM)
+    cols = tl.arange(0, BN)
+    kk = tl.arange(0, BK)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    if PINGPONG:
+        prev = tl.zeros((BM, BN), dtype=tl.float32)
+        prev_s = tl.zeros((BM,), dtype=tl.float32)
+        for k0 in tl.range(0, K, BK, num_stages=STAGES):
+            a = tl.load(a_ptr + rows[:, None] * K + (k0 + kk)[None, :])
+            w = tl.load(w_ptr + (k0 + kk)[:, None] * BN + cols[None, :])
+            s = tl.load(sa_ptr + rows * (K // BK) + k0 // BK) * tl.load(sw_ptr + k0 // BK)
+            part = tl.dot(a, w)
+            acc += prev * prev_s[:, None]
+            prev = part
+            prev_s = s
+        acc += prev * prev_s[:, None]
+    else:
+        for k0 in tl.range(0, K, BK, num_stages=STAGES):
+            a = tl.load(a_ptr + rows[:, None] * K + (k0 + kk)[None, :])
+            w = tl.load(w_ptr + (k0 + kk)[:, None] * BN + cols[None, :])
+            s = tl.load(sa_ptr + rows * (K // BK) + k0 // BK) * tl.load(sw_ptr + k0 // BK)
+            acc += tl.dot(a, w) * s[:, None]
+    tl.store(out_ptr + rows[:, None] * BN + cols[None, :], acc)
+
+
+def probe(pingpong: bool, bm: int, bn: int, warps: int, stages: int, arch: int = 90) -> dict[str, Any]:
+    from kernels.mok_hopper.aot_check import Variant, compile_variant
+
+    v = Variant("fp8 " + ("pingpong" if pingpong else "inline"), "_fp8_loop_kernel",
+                dict(a_ptr="*fp8e4nv", sa_ptr="*fp32", w_ptr="*fp8e4nv", sw_ptr="*fp32", out_ptr="*fp32", K="i32"),
+                dict(BM=bm, BN=bn, BK=128, STAGES=stages, PINGPONG=pingpong), warps)
+    res = compile_variant(v, arch, sass=True, fn=_fp8_loop_kernel)
+    sass = res.pop("sass").splitlines()
+    res["mma"] = dict(Counter(m.group(0) for line in sass for m in [re.search(r"[QH]GMMA\.\S+", line)] if m))
+    res["waits"] = dict(Counter(m.group(1) for line in sass
+                                for m in [re.search(r"WARPGROUP\.DEPBAR\.LE gsb0, (0x[0-9a-f]+)", line)] if m))
+    return res
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--bm", type=int, default=128)
+    ap.add_argument("--bn", type=int, default=64)
+    ap.add_argument("--warps", type=int, default=8)
+    ap.add_argument("--stages", type=int, default=4)
+    args = ap.parse_args(argv)
+    print(f"Triton {triton.__version__}, sm_90, BM {args.bm} x BN {args.bn} x BK 128, {args.warps} warps, "
+          f"{args.stages} stages")
+    for pp in (False, True):
+        r = probe(pp, args.bm, args.bn, args.warps, args.stages)
+        print(f"{r['label']:14s} regs {r['regs']}, stack {r['stack']} B; MMAs {r['mma']}; waits {r['waits']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
