@@ -660,7 +660,9 @@ def test_tile_weights_puts_each_tma_block_in_one_run_of_memory():
         TileConfig(tma=False, w_tiled=True)
     with pytest.raises(ValueError, match="up_fused .* needs w_tiled=True"):
         TileConfig(up_fused=True)
-    assert not TileConfig(w_tiled=True, up_fused=True).for_fp8().up_fused  # bf16 only
+    assert not TileConfig(w_tiled=True, up_fused=True).for_fp8().up_fused  # bf16's switch
+    assert TileConfig(w_tiled=True, fp8_up_fused=True).for_fp8().up_fused  # fp8's
+    assert not TileConfig(fp8_up_fused=True).for_fp8().up_fused  # (needs the tiled weights)
 
 
 def test_tile_weights_gu_interleaves_gate_and_up_rows_in_each_block():
@@ -691,24 +693,25 @@ def test_default_tile_tiles_the_weights_on_cuda_only():
 
 @pytest.mark.slow
 @needs_triton
-@pytest.mark.parametrize("layout", ["tails", "flat", "fp8", "fused", "fused+tails"])
+@pytest.mark.parametrize("layout", ["tails", "flat", "fp8", "fused", "fused+tails", "fp8 fused"])
 def test_tiled_weights_change_no_bit(layout):
     """The weights in TMA block order (w_tiled) feed the same blocks to the same MMAs as row-major weights: both
     GEMMs, every item kind (tails, the flattened loops, fp8's scaled steps) give identical bits. The fused
-    gate/up MMA (up_fused: one N = 2 x up_n MMA over interleaved gate and up rows, split after the loop) too, on
-    the interpreter, whose dot sums each output element alone."""
+    gate/up MMA (up_fused: one N = 2 x up_n MMA over interleaved gate and up rows, split after the loop; in fp8
+    each column promoted by its own weight scale) too, on the interpreter, whose dot sums each output element
+    alone."""
     from dataclasses import replace
 
     from kernels.mok_hopper.tiles import TileConfig
 
     P, T, K, E, H, I = 2, 48, 4, 8, 256, 128
-    precision = "fp8" if layout == "fp8" else "bf16"
+    precision = "fp8" if layout.startswith("fp8") else "bf16"
     tile = TileConfig(block_m=32, up_n=32, up_k=32, down_n=64, down_k=32, num_chunks=1, gemm_programs=3,
                       pull_programs=5, pull_rows=4, group_m=2, tma=True)
     tile = {"tails": replace(tile, block_m=64, tail_rows=16),
             "flat": replace(tile, flat_up=True, flat_down=True, ready_flags=False), "fp8": tile.for_fp8(),
-            "fused": tile, "fused+tails": replace(tile, block_m=64, tail_rows=16)}[layout]
-    tiled_tile = replace(tile, w_tiled=True, up_fused=layout.startswith("fused"))
+            "fused": tile, "fused+tails": replace(tile, block_m=64, tail_rows=16), "fp8 fused": tile.for_fp8()}[layout]
+    tiled_tile = replace(tile, w_tiled=True, up_fused=layout.startswith("fused") or layout == "fp8 fused")
     xs, idx, ws, w13, w2, sh = make_layer_inputs(P, T, K, E, H, I, seed=23)
     row_major, _, _ = run_kernels(xs, idx, ws, w13, w2, sh, precision=precision, tile=tile, limit=1.0)
     tiled, layers, _ = run_kernels(xs, idx, ws, w13, w2, sh, precision=precision, tile=tiled_tile, limit=1.0)

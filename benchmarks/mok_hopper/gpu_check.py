@@ -490,7 +490,7 @@ def sweep(ctx: Ctx, name: str, inp: LayerInputs, base_layer: MoKHopperLayer, bas
     these (lower case); fp8 runs the ``SWEEP_FP8`` ones."""
     T, K = inp.topk_idx_TK.shape
     for label, over, layer_kw in SWEEP:
-        if precision == "fp8" and label not in SWEEP_FP8:
+        if (precision == "fp8" and label not in SWEEP_FP8) or (precision != "fp8" and label.startswith("fp8:")):
             continue
         if only and not any(o in label.lower() for o in only):
             continue

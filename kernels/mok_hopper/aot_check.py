@@ -167,6 +167,8 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048, extras: bool 
         if cfg.w_tiled:  # the fused gate/up MMA (up_fused; the default on glm_5_2), with and without tails
             out += extra(dict(up_fused=True), ("up bf16 tma",), tagged("fused"))
             out += extra(dict(up_fused=True, tail_rows=TAIL_ROWS), ("up bf16 tma",), tagged(f"fused tails {TAIL_ROWS}"))
+            # the fp8 up GEMM as one MMA over interleaved gate and up rows (fp8_up_fused: a sweep candidate)
+            out += extra(dict(fp8_up_fused=True), ("up fp8 tma",), tagged("fused"))
             # glm_5_2's 256-wide down GEMM with tails (the CUDA default from v11)
             out += extra(dict(tail_rows=TAIL_ROWS, down_n=256, down_stages=4), ("down bf16 x w tma",),
                          tagged(f"256 tails {TAIL_ROWS}"))

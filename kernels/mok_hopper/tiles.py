@@ -60,6 +60,9 @@ class TileConfig:
     # contiguous run of memory instead of BN rows of BK elements a row length apart); the layer tiles them once
     up_fused: bool = False  # bf16, w_tiled: the up GEMM's gate and up weight rows interleaved (tile_weights_gu), one
     # [2 up_n, up_k] block and one MMA of N = 2 up_n per K step instead of two of up_n (A read once per step)
+    fp8_up_fused: bool = False  # for_fp8 (w_tiled): the fp8 up GEMM as one MMA of N = 2 x 64 over interleaved gate and
+    # up weight rows, each column promoted by its own weight scale (one MMA wait a K step instead of two; PERF_NOTES,
+    # session 13); ignored in bf16 (up_fused is bf16's)
     fp8: bool = False  # set by for_fp8 (the fp8 GEMM steps and pipeline depths)
 
     def __post_init__(self) -> None:
@@ -90,8 +93,8 @@ class TileConfig:
             return self
         down_stages = 6 if self.down_n > 128 else self.down_stages  # (the bf16 tile's 4 stages are 256 wide)
         return replace(self, up_n=64, up_k=128, up_stages=self.up_stages + 2, down_n=128, down_k=64,
-                       down_stages=down_stages + 2, flat_down=False, tail_rows=0, up_fused=False,
-                       fp8=True)
+                       down_stages=down_stages + 2, flat_down=False, tail_rows=0,
+                       up_fused=self.fp8_up_fused and self.w_tiled, fp8=True)
 
     @property
     def h_block(self) -> int:

@@ -49,7 +49,19 @@ def _up_item(a_ptr, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row_end,
         u_at = g_at + I * H
     acc_g = tl.zeros((BM, BN), dtype=tl.float32)
     acc_u = tl.zeros((BM, BN), dtype=tl.float32)
-    if WT == 2:  # (bf16: TileConfig) one MMA for gate and up, columns g0 u0 g1 u1 ...: the split costs no move
+    if WT == 2 and FP8:  # one MMA of N = 2 BN for gate and up (columns g0 u0 g1 u1 ...), promoted per column
+        acc = tl.zeros((BM, 2 * BN), dtype=tl.float32)
+        wsb = ws_ptr + e * (2 * I // WB) * (H // WB)
+        is_up = (tl.arange(0, 2 * BN) % 2) == 1
+        for k0 in tl.range(0, H, BK, num_stages=STAGES):
+            a = _ld_a(a_ptr, a_at, k0, rmask, TMA)
+            sa = tl.load(as_ptr + rows * (H // BK) + k0 // BK, mask=rmask, other=0.0)
+            sg = tl.load(wsb + ((n * BN) // WB) * (H // WB) + k0 // WB)
+            su = tl.load(wsb + ((I + n * BN) // WB) * (H // WB) + k0 // WB)
+            sc = tl.where(is_up, su, sg)  # [2BN]: each column's weight scale
+            acc += _mm(a, _ld_w(w_ptr, g_at, k0, TMA, WT), UPCAST) * (sa[:, None] * sc[None, :])
+        acc_g, acc_u = tl.split(acc.reshape(BM, BN, 2))
+    elif WT == 2:  # (bf16: TileConfig) one MMA for gate and up, columns g0 u0 g1 u1 ...: the split costs no move
         acc = tl.zeros((BM, 2 * BN), dtype=tl.float32)
         if TAIL > 0:
             rows_t32, rmask_t, t_at = _tail_rows(a_ptr, row0, row_end, n_rows, H, BM, BK, TAIL, TMA)
@@ -265,7 +277,7 @@ def up_swiglu(a_RH: torch.Tensor, a_scale: Optional[torch.Tensor], w13_LIH: torc
     assert not flat or (ready is None and work is None), "flat_up runs a static loop: no ready counters, no queue"
     tail = cfg.tail_rows
     assert not (tail and fp8), "tails are bf16 only (TileConfig.for_fp8 turns them off)"
-    fused = cfg.up_fused and not fp8
+    fused = cfg.up_fused
     wn = 2 * bn if fused else bn  # rows of a weight block
     assert _weights(w13_LIH, wn, bk, cfg.w_tiled) == (2 * I, H), "w13 must be [L, 2I, H] (or tiled)"
     save = h_save is not None
