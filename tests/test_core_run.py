@@ -236,8 +236,19 @@ def test_a_rank_whose_experts_get_no_token(results_dir, case):
         assert (r.dispatch_bytes + r.dispatch_local_bytes) * ep == sum(loads) * r.hidden * 2
         assert by(df, "reference", d).status == "ok"
     assert by(df, "nccl", "bwd").worst_tensor.startswith("d_")
-    m = by(df, "mok_hopper", "fwd")  # the CPU twin of the fused kernel: forward only
+    m = by(df, "mok_hopper", "fwd")  # the CPU twin of the fused kernel
     assert m.status == "ok" and m.rel_err < rtol, m.error
+    b = by(df, "mok_hopper", "bwd")  # its backward twin: an idle rank still takes part in every delivery
+    if case == "fp8":
+        assert b.status == "unsupported" and "fp8 backward is not built" in b.error
+    elif case == "hot_experts":
+        # one token per GPU: the router-weight gradient is two numbers a rank, each a sum of 16 products with the
+        # saved H rounded to bf16 (as the kernel and SonicMoE save it); that moves it 1.5% rel-L1 here, over the bf16
+        # gate's 1% (on the published shapes 0.3%, results/diagnostics/session13); every other tensor is below it.
+        assert b.status == "mismatch" and b.worst_tensor == "d_topk_w" and b.rel_err < 0.05, (b.status, b.error)
+        assert b.max_abs_err < atol
+    else:
+        assert b.status == "ok" and b.rel_err < rtol, b.error
 
 
 def test_zero_rows_stay_in_the_autograd_graph():

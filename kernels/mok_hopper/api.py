@@ -1,4 +1,6 @@
-"""Public API: :class:`MoKHopperLayer` (a forward-only torch module) and :func:`mok_hopper_forward`.
+"""Public API: :class:`MoKHopperLayer` (the fused forward as a torch module; its backward is
+:mod:`kernels.mok_hopper.train`, the trainable module :mod:`kernels.mok_hopper.module`) and
+:func:`mok_hopper_forward`.
 
 Legend: P ranks (EP), T tokens per rank, K top-k, H hidden, I expert ffn, L local experts (rank r owns global
 experts [r*L, (r+1)*L)), R capacity rows, M = R / BM tiles, C pipeline chunks.
@@ -55,7 +57,8 @@ SCHEDULES = ("triton", "torch")
 
 
 class MoKHopperLayer(torch.nn.Module):
-    """Forward-only expert-parallel MoE layer over torch symmetric memory (MoK's pull dispatch / push combine).
+    """The forward of the expert-parallel MoE layer over torch symmetric memory (MoK's pull dispatch / push combine);
+    autograd-free itself (``save_h`` keeps what :mod:`kernels.mok_hopper.train`'s backward reads).
 
     Args:
         w13_LIH: bf16 [L, 2I, H], this rank's experts, gate rows then up rows.
