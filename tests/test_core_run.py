@@ -242,9 +242,10 @@ def test_a_rank_whose_experts_get_no_token(results_dir, case):
     if case == "fp8":
         assert b.status == "unsupported" and "fp8 backward is not built" in b.error
     elif case == "hot_experts":
-        # one token per GPU: the router-weight gradient is two numbers a rank, each a sum of 16 products with the
-        # saved H rounded to bf16 (as the kernel and SonicMoE save it); that moves it 1.5% rel-L1 here, over the bf16
-        # gate's 1% (on the published shapes 0.3%, results/diagnostics/session13); every other tensor is below it.
+        # one token per GPU: the router-weight gradient is two numbers a rank. The harness's reference runs its GEMMs
+        # in bf16 (outputs rounded), the twin sums in fp32 from the saved bf16 H: they differ by 1.5% rel-L1 here, over
+        # the gate's 1%, while the twin is within 0.23% of an fp32 autograd reference on these inputs (3e-7 with an
+        # fp32 H; session 13). On the published shapes the kernel's is within 0.3% of the reference.
         assert b.status == "mismatch" and b.worst_tensor == "d_topk_w" and b.rel_err < 0.05, (b.status, b.error)
         assert b.max_abs_err < atol
     else:
