@@ -157,25 +157,35 @@ def _up_tile(a_ptr, a_half, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, 
              TMA: tl.constexpr, WB: tl.constexpr, HALF: tl.constexpr, TAIL: tl.constexpr, WT: tl.constexpr = False,
              hsv_ptr=None, clip_ptr=None, SAVE_H: tl.constexpr = False):
     """The item of one row tile: a BM/2-row MMA for a half tile (HALF), else BM rows; TAIL: a tile whose size is
-    not a multiple of BM/2 (BM/2 + TAIL or BM + TAIL rows) adds the swapped TAIL-row MMA. (TileConfig: TAIL needs
-    HALF.)"""
-    size = row1 - row0
-    tail = False
-    if TAIL > 0:
-        tail = size % (BM // 2) != 0
-    if tail:
-        if size < BM:
+    not a multiple of BM/2 (BM/2 + TAIL or BM + TAIL rows) adds the swapped TAIL-row MMA."""
+    if TAIL > 0:  # (HALF: TileConfig)
+        size = row1 - row0
+        if size % (BM // 2) != 0:
+            if size < BM:
+                _up_item(a_half, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row1, n, e_tile, n_rows, H, I,
+                         limit, BM // 2, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB, TAIL, WT, hsv_ptr,
+                         clip_ptr, SAVE_H)
+            else:
+                _up_item(a_ptr, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row1, n, e_tile, n_rows, H, I,
+                         limit, BM, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB, TAIL, WT, hsv_ptr,
+                         clip_ptr, SAVE_H)
+        elif size < BM:
             _up_item(a_half, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row1, n, e_tile, n_rows, H, I,
-                     limit, BM // 2, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB, TAIL, WT, hsv_ptr,
+                     limit, BM // 2, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB, 0, WT, hsv_ptr,
                      clip_ptr, SAVE_H)
         else:
             _up_item(a_ptr, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row1, n, e_tile, n_rows, H, I,
-                     limit, BM, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB, TAIL, WT, hsv_ptr,
+                     limit, BM, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB, 0, WT, hsv_ptr,
                      clip_ptr, SAVE_H)
-    elif HALF and size < BM:
-        _up_item(a_half, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row1, n, e_tile, n_rows, H, I,
-                 limit, BM // 2, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB, 0, WT, hsv_ptr,
-                 clip_ptr, SAVE_H)
+    elif HALF:
+        if row1 - row0 < BM:
+            _up_item(a_half, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row1, n, e_tile, n_rows, H, I,
+                     limit, BM // 2, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB, 0, WT, hsv_ptr,
+                     clip_ptr, SAVE_H)
+        else:
+            _up_item(a_ptr, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row1, n, e_tile, n_rows, H, I,
+                     limit, BM, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB, 0, WT, hsv_ptr,
+                     clip_ptr, SAVE_H)
     else:
         _up_item(a_ptr, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row1, n, e_tile, n_rows, H, I, limit,
                  BM, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB, 0, WT, hsv_ptr, clip_ptr, SAVE_H)
