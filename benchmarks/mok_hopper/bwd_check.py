@@ -44,11 +44,11 @@ from kernels.mok_hopper.workspace import clear_workspace_cache
 
 MODES = ("save_h", "recompute")
 # launch variants of the backward's GEMMs, stage times against the default (``--sweep``): earlier versions' launches
-# and the candidates not yet measured (PERF_NOTES, "Session 13")
+# and the candidates not yet measured (PERF_NOTES, sessions 13 and 14)
 SWEEP: dict[str, dict[str, dict[str, Any]]] = {
     "default again": {},
     "dx 3 stages (v3)": {"dx": dict(stages=3)},
-    "dgate 4 stages": {"dgate": dict(stages=4)},
+    "dgate 3 stages (v3.1)": {"dgate": dict(stages=3)},
     "dgate 5 stages": {"dgate": dict(stages=5)},
     "wgrad 256x128, 8 warps, 1/SM": {"dw13": dict(block_n=256, num_warps=8, programs_per_sm=1),
                                      "dw2": dict(block_n=256, num_warps=8, programs_per_sm=1)},
@@ -57,7 +57,12 @@ SWEEP: dict[str, dict[str, dict[str, Any]]] = {
         "dw2": dict(block_n=256, block_r=32, num_warps=8, programs_per_sm=1)},
     "wgrad v1 (8 warps, 1/SM, no TMA store)": {"dw13": dict(num_warps=8, programs_per_sm=1, tma_store=False),
                                                "dw2": dict(num_warps=8, programs_per_sm=1, tma_store=False)},
-    "wgrad P resident": {"dw13": dict(resident=True), "dw2": dict(resident=True)},
+    "wgrad P reloaded (v3.1)": {"dw13": dict(resident=False), "dw2": dict(resident=False)},
+    "wgrad resident, 8 warps, 1/SM": {"dw13": dict(num_warps=8, programs_per_sm=1),
+                                      "dw2": dict(num_warps=8, programs_per_sm=1)},
+    "wgrad resident, 128x64 blocks, 3/SM": {"dw13": dict(block_k=64, programs_per_sm=3),
+                                            "dw2": dict(block_k=64, programs_per_sm=3)},
+    "wgrad resident, no TMA store": {"dw13": dict(tma_store=False), "dw2": dict(tma_store=False)},
 }
 SMOKE_SHAPE = "tiny"
 

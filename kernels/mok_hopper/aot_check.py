@@ -120,7 +120,7 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048, extras: bool 
             label = f"up {'fp8' if fp8 else 'bf16'}{' clamp' if limit else ''}{' save H' if save else ''}{path}"
             out.append(Variant(label, "_up_swiglu_kernel",
                                dict(a_ptr=operand(t, [c.block_m, c.up_k], tma),
-                                    a_half=operand(t, [c.block_m // 2, c.up_k], tma),
+                                    a_half=operand(t, [c.block_m // 2, c.up_k], tma and c.half_tiles),
                                     a_tail=operand(t, [c.tail_rows, c.up_k], tma and c.tail_rows > 0), as_ptr="*fp32",
                                     w_ptr=operand(t, [c.up_n * (2 if c.up_fused else 1), c.up_k], tma),
                                     ws_ptr="*fp32", h_ptr=t, hs_ptr="*fp32",
@@ -137,7 +137,7 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048, extras: bool 
             t = "*fp8e4nv" if fp8 else "*bf16"
             out.append(Variant(f"down {'fp8' if fp8 else 'bf16'}{' x w' if apply_w else ''}{path}", "_down_push_kernel",
                                dict(h_ptr=operand(t, [c.block_m, c.down_k], tma),
-                                    h_half=operand(t, [c.block_m // 2, c.down_k], tma),
+                                    h_half=operand(t, [c.block_m // 2, c.down_k], tma and c.half_tiles),
                                     h_tail=operand(t, [c.tail_rows, c.down_k], tma and c.tail_rows > 0), hs_ptr="*fp32",
                                     w_ptr=operand(t, [c.down_n, c.down_k], tma), ws_ptr="*fp32",
                                     tile_expert_ptr="*i32", tile_row_ptr="*i32", chunk_ptr="*i32", code_ptr="*i32",
@@ -167,8 +167,8 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048, extras: bool 
         if cfg.w_tiled:  # the fused gate/up MMA (up_fused; the default on glm_5_2), with and without tails
             out += extra(dict(up_fused=True), ("up bf16 tma",), tagged("fused"))
             out += extra(dict(up_fused=True, tail_rows=TAIL_ROWS), ("up bf16 tma",), tagged(f"fused tails {TAIL_ROWS}"))
-            # the fp8 up GEMM as one MMA over interleaved gate and up rows (fp8_up_fused: a sweep candidate)
-            out += extra(dict(fp8_up_fused=True), ("up fp8 tma",), tagged("fused"))
+            # the fp8 up GEMM as two MMAs, gate and up (fp8_up_fused off: the fp8 default before v14)
+            out += extra(dict(fp8_up_fused=False), ("up fp8 tma",), tagged("unfused"))
             # glm_5_2's 256-wide down GEMM with tails (the CUDA default from v11)
             out += extra(dict(tail_rows=TAIL_ROWS, down_n=256, down_stages=4), ("down bf16 x w tma",),
                          tagged(f"256 tails {TAIL_ROWS}"))
@@ -197,7 +197,7 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048, extras: bool 
                       stride_we="i32", stride_wk="i32", stride_wn="i32", limit="fp32")
         rows_c = dict(BK=64, NUM_PROGS=nprog, UPCAST=False, GROUP_M=4, STAGES=3, SAVE_H=False, HAS_LIMIT=False,
                       DGATE=False, WTMA=True, PUSH=False, TBN=0, TBK=0, GU=False, RK=True)
-        for label, over, warps in (("bwd dgate", dict(DGATE=True, BM=64, BN=128), 8),
+        for label, over, warps in (("bwd dgate", dict(DGATE=True, BM=64, BN=128, STAGES=4), 8),
                                    ("bwd dgate clamp", dict(DGATE=True, HAS_LIMIT=True, BM=64, BN=128), 8),
                                    ("bwd dx push", dict(BM=128, BN=128, PUSH=True, STAGES=4), 8),
                                    ("bwd recompute H", dict(BM=128, BN=64, SAVE_H=True, WTMA=False), 8)):
@@ -213,7 +213,7 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048, extras: bool 
         # a module whose parameters are in the forward's TMA block order (MoKHopperMoE(layout="tiled"); blocks of
         # the glm_5_2 default: W13 gate/up interleaved up_n x up_k, W2 down_n x down_k), read and written by pointers
         up_t, dn_t = dict(TBN=cfg.up_n, TBK=cfg.up_k, GU=True), dict(TBN=cfg.down_n, TBK=cfg.down_k)
-        for label, over, warps in (("bwd dgate tiled", dict(DGATE=True, BM=64, BN=128, **dn_t), 8),
+        for label, over, warps in (("bwd dgate tiled", dict(DGATE=True, BM=64, BN=128, STAGES=4, **dn_t), 8),
                                    ("bwd dx push tiled gate/up", dict(BM=128, BN=128, PUSH=True, STAGES=4, **up_t), 8),
                                    ("bwd recompute H tiled gate/up", dict(BM=128, BN=64, SAVE_H=True, RK=False,
                                                                           **up_t), 8)):

@@ -146,13 +146,14 @@ def default_tile(*, precision: str = "bf16", device: Optional[torch.device] = No
     (uniform routing: EP * T * K / E) picks the down GEMM's loop: flattened (``flat_down``) where that wastes at
     most ``FLAT_DOWN_MAX_WASTE`` of the MMA rows (:func:`half_tile_waste`); otherwise, where at least
     ``PAIR_MIN_FRACTION`` of the experts end in a full tile and a half tile (:func:`paired_fraction`),
-    ``TAIL_ROWS``-row tails in both GEMMs and the fused gate/up MMA (``up_fused``).
+    ``TAIL_ROWS``-row tails in both GEMMs and the fused gate/up MMA (``up_fused``). fp8 runs its up GEMM as one
+    MMA over interleaved gate and up rows (``fp8_up_fused``, v14).
 
     On the CPU (Triton interpreter) the cost is per operation, not per FLOP: few programs, small row tiles and
     the widest column / depth steps that divide ``hidden`` / ``ffn``, and pointer loads (``tma`` off).
 
     The measurements behind each choice: PERF_NOTES.md, "The default tiles and why"."""
-    cfg = TileConfig(shared_sms=SHARED_SMS, w_tiled=True, down_n=256, down_stages=4)
+    cfg = TileConfig(shared_sms=SHARED_SMS, w_tiled=True, down_n=256, down_stages=4, fp8_up_fused=True)
     if comm_sms is not None:
         cfg = replace(cfg, comm_sms=comm_sms)
     if n_sm is not None and n_sm - cfg.comm_sms - cfg.shared_sms < SHARED_SMS:

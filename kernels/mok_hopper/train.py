@@ -33,14 +33,17 @@ def _blocks(n: int, cap: int) -> int:
 BWD_STAGES = ("gather", "recompute_h", "dgate", "dx", "dw13", "dw2", "shared", "dx_sum")  # ``marks`` names
 
 
-def _tiles(H: int, I: int, cuda: bool) -> dict[str, dict[str, Any]]:
-    """Launch parameters of the backward's GEMMs (v3.1, PERF_NOTES "Session 13"; aot_check compiles each for sm_90:
-    no spills, except dgate's 24-32 B under Triton 3.6): dgate 64 x 128 (8 warps: its epilogue holds about ten
-    [BM, BN] fp32 tiles), dX 128 x 128 (8 warps, 4 stages; 128 x 64 with 4 warps, two per SM, was slower), the
-    weight gradients 128 x 128 over 64-row steps (4 warps, two programs per SM, TMA stores on CUDA). The same on
-    the CPU (interpreter), capped at what divides the toy shapes."""
-    two = dict(num_warps=4, programs_per_sm=2)
-    return {"dgate": dict(block_m=64, block_n=_blocks(I, 128), block_k=_blocks(H, 64)),
+def _tiles(H: int, I: int, cuda: bool, clamped: bool = False, rows_per_expert: float = 0.0
+           ) -> dict[str, dict[str, Any]]:
+    """Launch parameters of the backward's GEMMs (v4, PERF_NOTES "Session 14"; aot_check compiles each for sm_90:
+    no spills, except dgate's 16-32 B under Triton 3.6): dgate 64 x 128 (8 warps: its epilogue holds about ten
+    [BM, BN] fp32 tiles; 4 stages, 3 with a clamped SwiGLU, whose 4-stage build spills over aot_check's budget),
+    dX 128 x 128 (8 warps, 4 stages; 128 x 64 with 4 warps, two per SM, was slower), the weight gradients 128 x 128
+    over 64-row steps (4 warps, two programs per SM, TMA stores on CUDA), with P resident (one P load per strip of
+    output blocks) where the experts average at most 64 rows (``rows_per_expert``; the shared expert's 2048 rows
+    ran 2.1-2.8x slower resident). The same on the CPU (interpreter), capped at what divides the toy shapes."""
+    two = dict(num_warps=4, programs_per_sm=2, resident=0 < rows_per_expert <= 64)
+    return {"dgate": dict(block_m=64, block_n=_blocks(I, 128), block_k=_blocks(H, 64), stages=3 if clamped else 4),
             "dx": dict(block_m=128, block_n=_blocks(H, 128), block_k=_blocks(2 * I, 64), stages=4),
             "recompute": dict(block_m=128, block_n=_blocks(2 * I, 64), block_k=_blocks(H, 64)),
             "dw13": dict(block_n=_blocks(2 * I, 128), block_k=_blocks(H, 128), tma_store=cuda, **two),
@@ -82,7 +85,7 @@ def _expert_backward(x_rows: torch.Tensor, dO_rows: torch.Tensor, s_rows: torch.
         w2k = dict(w_tiles=(*layout["w2"], True), w_dims=(H, I))
         dw13k, dw2k = dict(dw_tiles=layout["w13"]), dict(dw_tiles=layout["w2"])
     dev = x_rows.device
-    t = _tiles(H, I, dev.type == "cuda")
+    t = _tiles(H, I, dev.type == "cuda", clamped=limit is not None, rows_per_expert=R / L)
     for stage, over in (tiles or {}).items():  # launch overrides (sweeps); programs_per_sm scales ``programs``
         t[stage] = {**t[stage], **over}
     progs = {k: programs * v.pop("programs_per_sm", 1) for k, v in t.items()}

@@ -43,12 +43,12 @@ SWEEP = [  # (label, overrides of the base tile, layer options); tiles checked b
     ("shared beside up on 24 SMs", dict(shared_sms=24), {}),
     ("shared beside up on 32 SMs", dict(shared_sms=32), {}),
     ("shared beside up on 40 SMs", dict(shared_sms=40), {}),
-    # fp8 only (the label's "fp8:"): the up GEMM as one MMA over interleaved gate and up rows, promoted per column
-    # (PERF_NOTES session 13: today's two 32-wide MMA groups are each waited for before their promotion)
-    ("fp8: fused gate/up MMA", dict(fp8_up_fused=True), {}),
+    # fp8 only (the label's "fp8:"): the up GEMM as two MMAs (gate, up), each waited for before its promotion:
+    # the fp8 default before v14, which fuses them into one MMA over interleaved rows (PERF_NOTES, session 14)
+    ("fp8: separate gate/up MMAs (v13)", dict(fp8_up_fused=False), {}),
 ]
 SWEEP_FP8 = ("default again (A/A control)", "pull 24 x 16 warps x 8 rows", "shared last",
              "shared before up, beside the pull (v7)",
              "shared beside up on 16 SMs", "shared beside up on 24 SMs",
-             "shared beside up on 32 SMs", "shared beside up on 40 SMs", "fp8: fused gate/up MMA")
+             "shared beside up on 32 SMs", "shared beside up on 40 SMs", "fp8: separate gate/up MMAs (v13)")
 TIMELINE_VARIANTS = ("v3 layout (full tiles, events, 3/4 stages, torch schedule)",)  # also get a timeline
