@@ -227,12 +227,11 @@ def test_slurm_sweep_rows_ids_and_cancelled_jobs(tmp_path):
     finish. Every point ends with one row per (backend, direction)."""
     name = f"mbt-{uuid.uuid4().hex[:6]}"
     log = tmp_path / "sweep.log"
-    # 2000 timed iterations keep each point busy long enough that point #0 is still running when it is cancelled
-    # (a point that finishes between its start line and the cancel makes the cancel miss it: 100 timed iterations
-    # did in CI once timing=auto took the quick preset's 5 per-phase iterations instead of the schema's 20, and 200
-    # did in one of two fresh-clone runs)
-    proc = _start(_sweep(tmp_path, name, "workload.seed=1,2,3,4", "timing.num_iters=2000", "timing.phase_iters=20"),
-                  log)
+    # Only point #0 must still be running when it is cancelled, so only it is long: 100000 timed iterations (about
+    # half an hour here). #1 and #2 time 100 and 101 and finish well inside the 5-minute limit on a slow machine; #3
+    # is cancelled while it waits. (One count for all four failed both ways: at 100-200 iterations #0 sometimes
+    # finished before its cancel; at 2000, #2 reached the time limit in a CI run whose pytest took 26 minutes.)
+    proc = _start(_sweep(tmp_path, name, "timing.num_iters=100000,100,101,102", "timing.phase_iters=20"), log)
     sweep = tmp_path / "sweep"
     ids = _wait_for("the sweep's jobs in the queue", lambda: _job_ids(name))
     array = ids[0].split("_")[0]
@@ -243,30 +242,36 @@ def test_slurm_sweep_rows_ids_and_cancelled_jobs(tmp_path):
     assert "mokbench sweep: 4 jobs" in text
 
     df = results.load(tmp_path / "results")
-    hashes = _point_hashes(sweep)
-    assert sorted(hashes) == [0, 1, 2, 3]
+    assert sorted(_point_hashes(sweep)) == [0, 1, 2, 3]
+    # The points differ only in their timing, which the config hash leaves out (the same measurement), so rows are
+    # matched to points by the job that wrote them: the Slurm job id of a job that started, else submitit's id.
+    jobs = pd.read_csv(sweep / "jobs.csv", dtype=str).set_index("num")
+    job_of = {n: jobs.loc[str(n), "slurm_job_id"] if isinstance(jobs.loc[str(n), "slurm_job_id"], str)
+              else jobs.loc[str(n), "job_id"] for n in (0, 1, 2, 3)}
+    assert len(set(job_of.values())) == 4, job_of
     pairs = {("nccl", "fwd"), ("nccl", "bwd")}
-    by_point = {n: df[df["config_hash"] == h] for n, h in hashes.items()}
+    by_point = {n: df[df["slurm_job_id"] == j] for n, j in job_of.items()}
+    assert sum(len(rows) for rows in by_point.values()) == len(df), df[["slurm_job_id", "status"]]
     for n in (0, 1, 2, 3):
         assert set(zip(by_point[n]["backend"], by_point[n]["direction"])) == pairs, (n, by_point[n])
         assert len(by_point[n]) == 2, by_point[n]
-        assert by_point[n]["slurm_job_id"].notna().all(), by_point[n]
     ok_ids = set()
     for n in (1, 2):
         rows = by_point[n]
         assert (rows["status"] == "ok").all(), rows[["status", "error"]]
         assert rows["slurm_job_id"].str.fullmatch(r"\d+").all()
+        assert (rows["num_iters"] == 99 + n).all(), rows["num_iters"]  # the point's own timing override
         assert (rows["world_size"] == 2).all() and (rows["num_nodes"] == 1).all()
         ok_ids |= set(rows["slurm_job_id"])
         # rank 0 of the job wrote one file; the other task joined as rank 1 instead of spawning ranks of its own
-        files = {f for f in (tmp_path / "results").rglob("*.csv") if hashes[n] in f.name}
+        files = {f for f in (tmp_path / "results").rglob("*.csv")
+                 if job_of[n] in set(results.load(f)["slurm_job_id"])}
         assert len(files) == 1, files
     assert len(ok_ids) == 2  # one Slurm job per sweep point
     assert (by_point[3]["status"] == "cancelled").all(), by_point[3][["status", "error"]]
     assert set(by_point[0]["status"]) <= {"ok", "cancelled"} and "cancelled" in set(by_point[0]["status"])
 
-    jobs = pd.read_csv(sweep / "jobs.csv")
-    assert dict(zip(jobs["num"], jobs["status"])) == {0: "cancelled", 1: "ok", 2: "ok", 3: "cancelled"}
+    assert dict(zip(jobs.index.astype(int), jobs["status"])) == {0: "cancelled", 1: "ok", 2: "ok", 3: "cancelled"}
     # every point keeps its validated config; every job that ran keeps Hydra's config and the logs of both tasks
     for n in (0, 1, 2, 3):
         assert (sweep / str(n) / "mokbench.yaml").exists()
