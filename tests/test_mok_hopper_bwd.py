@@ -374,3 +374,46 @@ def test_weight_gradient_with_p_resident_is_the_default_one(tma_store):
         want = (p[a:b].float() * live[a:b]).t() @ q[a:b].float()
         assert torch.allclose(out[True][e].float(), want, rtol=1e-2, atol=0.1), e
     assert not out[True][0].any()  # the expert without rows: zeros, written
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (it comes with torch on Linux; pip install -e "
+                                           "'.[test]'): the interpreter kernel tests need it")
+def test_the_weight_gradient_launch_follows_the_routed_rows_not_the_capacity(monkeypatch):
+    """The P-resident weight gradients are chosen by the rows an expert gets on average (T K / L), not by the
+    layer's row capacity over L, which counts tile padding: at EP=1 on glm_5_2 the capacity is 191 rows an expert
+    against 64 routed, and dividing it turned the resident launch off on every published shape. Here the capacity
+    is 128 rows an expert and the experts get 9: the routed experts' launch is resident, and the step is still
+    right."""
+    from kernels.mok_hopper import bwd_gemm, interp
+    from kernels.mok_hopper.api import MoKHopperLayer
+    from kernels.mok_hopper.schedule import capacity_rows
+    from kernels.mok_hopper.train import mok_hopper_train, nominal_rows_per_expert
+    from kernels.mok_hopper.workspace import Workspace, link_local
+
+    # the published case the rule is for: glm_5_2 at EP=1 (T 2048, K 8, 256 experts, BM 128)
+    assert capacity_rows(ep=1, tokens=2048, topk=8, local_experts=256, block_m=128) / 256 > 64
+    if not interp.INTERPRET:
+        pytest.skip("the kernels run on the CPU under TRITON_INTERPRET=1 (set at the top of this file without a GPU)")
+    T, K, E, H, I = 24, 3, 8, 128, 64
+    (ws_,) = link_local([Workspace(rank=0, world=1, device=torch.device("cpu"), tokens=T, hidden=H, topk=K, fp8=False,
+                                   symmetric=False)])
+    _, _, _, _, w13, w2, shared = make(1, T, K, E, H, I, seed=9)
+    layer = MoKHopperLayer(w13[0], w2[0], topk=K, tokens=T, shared=tuple(shared), rank=0, world=1, workspace=ws_,
+                           capacity=E * 128)
+    assert layer.R / E > 64 and nominal_rows_per_expert(layer) == T * K / E
+    launches = []
+    real = bwd_gemm.bwd_wgrad
+
+    def spy(p, q, dw, *args, **kw):
+        launches.append((dw.shape[0], kw.get("resident", False)))
+        return real(p, q, dw, *args, **kw)
+
+    monkeypatch.setattr(bwd_gemm, "bwd_wgrad", spy)
+    xs, idx, ws, dOs, _, _, _ = make(1, T, K, E, H, I, seed=4)
+    leaves = [t.detach().clone().requires_grad_() for t in (xs[0], ws[0], w13[0], w2[0], *shared)]
+    x, w, a13, a2, sg, su, sd = leaves
+    mok_hopper_train(layer, x, idx[0], w, a13, a2, (sg, su, sd)).backward(dOs[0])
+    assert [r for n, r in launches if n == E] == [True, True], launches  # dW13 and dW2 of the routed experts
+    want = twin_bwd.autograd_reference(xs, idx, ws, dOs, w13, w2, shared=shared)[0]
+    for name, got in (("x", x.grad), ("topk_w", w.grad), ("w13", a13.grad), ("w2", a2.grad)):
+        assert rel_l1(got, want[name]) < 1e-2, (name, rel_l1(got, want[name]))

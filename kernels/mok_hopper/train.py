@@ -61,10 +61,16 @@ def _weight_layout(layer: MoKHopperLayer, w13: torch.Tensor) -> Optional[dict[st
     return {"L": layer.L, "I": layer.I, "w13": (c.up_n, c.up_k, c.up_fused), "w2": (c.down_n, c.down_k, False)}
 
 
+def nominal_rows_per_expert(layer: MoKHopperLayer) -> float:
+    """Rows a local expert gets under uniform routing: EP * T * K over the E = EP * L experts, i.e. T * K / L (the
+    rule the forward's ``default_tile`` uses). Known without reading the routing back from the device."""
+    return layer.T * layer.K / layer.L
+
+
 def _expert_backward(x_rows: torch.Tensor, dO_rows: torch.Tensor, s_rows: torch.Tensor, h: Optional[torch.Tensor],
                      clip: Optional[torch.Tensor], w13: torch.Tensor, w2: torch.Tensor, code_R: torch.Tensor,
                      tile_expert: torch.Tensor, tile_row: torch.Tensor, chunk: torch.Tensor, starts: torch.Tensor,
-                     dx_slots: torch.Tensor, *, limit: Optional[float], programs: int,
+                     dx_slots: torch.Tensor, *, limit: Optional[float], programs: int, rows_per_expert: float,
                      mark: Callable[[str], None], tiles: Optional[dict[str, dict[str, Any]]] = None,
                      push: Optional[tuple[torch.Tensor, int]] = None, layout: Optional[dict[str, Any]] = None
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -72,7 +78,9 @@ def _expert_backward(x_rows: torch.Tensor, dO_rows: torch.Tensor, s_rows: torch.
     ``dx_slots`` by their code, and (dW13, dW2, the router-weight gradient of every row). ``h`` None: recompute H
     (and the clamp's decisions) from the X rows first. ``push`` (every rank's offset from ``dx_slots``, T K): the
     dX rows go to their source ranks' copies of ``dx_slots``. ``layout`` (:func:`_weight_layout`): the weights,
-    and the weight gradients returned, in the forward's TMA block order."""
+    and the weight gradients returned, in the forward's TMA block order. ``rows_per_expert``: the rows an expert
+    gets on average (:func:`nominal_rows_per_expert`; not ``x_rows``' length, which is the capacity, tile padding
+    included), which picks the weight-gradient launch."""
     R, H = x_rows.shape
     if layout is None:
         L, I2, _ = w13.shape
@@ -85,7 +93,7 @@ def _expert_backward(x_rows: torch.Tensor, dO_rows: torch.Tensor, s_rows: torch.
         w2k = dict(w_tiles=(*layout["w2"], True), w_dims=(H, I))
         dw13k, dw2k = dict(dw_tiles=layout["w13"]), dict(dw_tiles=layout["w2"])
     dev = x_rows.device
-    t = _tiles(H, I, dev.type == "cuda", clamped=limit is not None, rows_per_expert=R / L)
+    t = _tiles(H, I, dev.type == "cuda", clamped=limit is not None, rows_per_expert=rows_per_expert)
     for stage, over in (tiles or {}).items():  # launch overrides (sweeps); programs_per_sm scales ``programs``
         t[stage] = {**t[stage], **over}
     progs = {k: programs * v.pop("programs_per_sm", 1) for k, v in t.items()}
@@ -157,7 +165,8 @@ def layer_backward(layer: MoKHopperLayer, dO_TH: torch.Tensor, x_TH: torch.Tenso
     starts = bwd_gemm.expert_rows(s.tile_expert_M, s.tile_row_M1, L)
     dW13, dW2, ds = _expert_backward(layer.x_rows, dO_rows, s_rows, h, clip, w13_LIH, w2_LHI, code,
                                      s.tile_expert_M, s.tile_row_M1, chunk, starts, slots, limit=limit,
-                                     programs=progs, mark=mark, tiles=tiles, layout=_weight_layout(layer, w13_LIH))
+                                     programs=progs, rows_per_expert=nominal_rows_per_expert(layer), mark=mark,
+                                     tiles=tiles, layout=_weight_layout(layer, w13_LIH))
     dtopk = torch.zeros(T * K + 1, dtype=torch.float32, device=dev)  # the last: where padding rows' values go
     dtopk.scatter_(0, torch.where(valid, c, torch.full_like(c, T * K)), ds)
     out: dict[str, Any] = {"w13": dW13, "w2": dW2, "topk_w": dtopk[: T * K].view(T, K) * (topk_idx_TK >= 0)}
@@ -184,7 +193,7 @@ def _shared(layer: MoKHopperLayer, x_TH: torch.Tensor, dO_TH: torch.Tensor, shar
         x, dO, torch.ones(T, dtype=torch.float32, device=dev), None, None, torch.cat([g_w, u_w]).unsqueeze(0),
         d_w.unsqueeze(0), layer.sh_code, layer.sh_tiles, layer.sh_rows, layer.sh_chunk,
         torch.tensor([0, T], dtype=torch.int32, device=dev), sh_dx, limit=layer.limit, programs=programs,
-        mark=lambda name: None, tiles=tiles)
+        rows_per_expert=T, mark=lambda name: None, tiles=tiles)
     return (sW13[0, :I], sW13[0, I:], sW2[0]), sh_dx
 
 
@@ -224,7 +233,8 @@ def backward_compute(layer: MoKHopperLayer, x_TH: torch.Tensor, w13_LIH: torch.T
     starts = bwd_gemm.expert_rows(s.tile_expert_M, s.tile_row_M1, L)
     dW13, dW2, ds = _expert_backward(layer.x_rows, dO_rows, layer.rw_rows, h, clip, w13_LIH, w2_LHI, s.row_code_R,
                                      s.tile_expert_M, s.tile_row_M1, chunk, starts, ws.comb, limit=limit,
-                                     programs=progs, mark=mark, tiles=tiles,
+                                     programs=progs, rows_per_expert=nominal_rows_per_expert(layer), mark=mark,
+                                     tiles=tiles,
                                      push=(ws.tables["comb"], TK), layout=_weight_layout(layer, w13_LIH))
     bwd_gemm.push_scalars(s.row_code_R, ds, ws.w, ws.tables["w"], TK)
     out: dict[str, Any] = {"w13": dW13, "w2": dW2, "sh_dx": None}
