@@ -197,6 +197,22 @@ def test_backward_gemms_match_the_twin_under_the_interpreter(limit, monkeypatch)
     assert not dH[~valid].any() and not dX[~valid].any()  # padding rows stay zero
 
 
+TOY = (24, 3, 8, 128, 64)  # T, K, E, H, I of the one-rank training-step tests
+
+
+def _toy_layer(**kw):
+    """A one-rank MoKHopperLayer on the CPU over TOY's seed-9 weights (``kw``: the layer's options), with them."""
+    from kernels.mok_hopper.api import MoKHopperLayer
+    from kernels.mok_hopper.workspace import Workspace, link_local
+
+    T, K, E, H, I = TOY
+    (ws_,) = link_local([Workspace(rank=0, world=1, device=torch.device("cpu"), tokens=T, hidden=H, topk=K, fp8=False,
+                                   symmetric=False)])
+    _, _, _, _, w13, w2, shared = make(1, T, K, E, H, I, seed=9)
+    layer = MoKHopperLayer(w13[0], w2[0], topk=K, tokens=T, shared=tuple(shared), rank=0, world=1, workspace=ws_, **kw)
+    return layer, w13, w2, shared
+
+
 @pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (it comes with torch on Linux; pip install -e "
                                            "'.[test]'): the interpreter kernel tests need it")
 @pytest.mark.parametrize("limit", [None, 0.5], ids=["plain", "clamped"])
@@ -205,18 +221,12 @@ def test_a_training_step_through_the_kernels_matches_autograd(limit):
     torch autograd over a plain per-expert loop: every gradient, the shared expert's too; twice (the layer's
     buffers reused), with different inputs."""
     from kernels.mok_hopper import interp
-    from kernels.mok_hopper.api import MoKHopperLayer
     from kernels.mok_hopper.train import mok_hopper_train
-    from kernels.mok_hopper.workspace import Workspace, link_local
 
     if not interp.INTERPRET:
         pytest.skip("the kernels run on the CPU under TRITON_INTERPRET=1 (set at the top of this file without a GPU)")
-    T, K, E, H, I = 24, 3, 8, 128, 64
-    (ws_,) = link_local([Workspace(rank=0, world=1, device=torch.device("cpu"), tokens=T, hidden=H, topk=K, fp8=False,
-                                   symmetric=False)])
-    _, _, _, _, w13, w2, shared = make(1, T, K, E, H, I, seed=9)
-    layer = MoKHopperLayer(w13[0], w2[0], topk=K, tokens=T, shared=tuple(shared), swiglu_limit=limit, rank=0,
-                           world=1, workspace=ws_)
+    T, K, E, H, I = TOY
+    layer, w13, w2, shared = _toy_layer(swiglu_limit=limit)
     for seed in (1, 2):
         xs, idx, ws, dOs, _, _, _ = make(1, T, K, E, H, I, seed=seed)
         leaves = [t.detach().clone().requires_grad_() for t in (xs[0], ws[0], w13[0], w2[0], *shared)]
@@ -385,21 +395,15 @@ def test_the_weight_gradient_launch_follows_the_routed_rows_not_the_capacity(mon
     is 128 rows an expert and the experts get 9: the routed experts' launch is resident, and the step is still
     right."""
     from kernels.mok_hopper import bwd_gemm, interp
-    from kernels.mok_hopper.api import MoKHopperLayer
     from kernels.mok_hopper.schedule import capacity_rows
     from kernels.mok_hopper.train import mok_hopper_train, nominal_rows_per_expert
-    from kernels.mok_hopper.workspace import Workspace, link_local
 
     # the published case the rule is for: glm_5_2 at EP=1 (T 2048, K 8, 256 experts, BM 128)
     assert capacity_rows(ep=1, tokens=2048, topk=8, local_experts=256, block_m=128) / 256 > 64
     if not interp.INTERPRET:
         pytest.skip("the kernels run on the CPU under TRITON_INTERPRET=1 (set at the top of this file without a GPU)")
-    T, K, E, H, I = 24, 3, 8, 128, 64
-    (ws_,) = link_local([Workspace(rank=0, world=1, device=torch.device("cpu"), tokens=T, hidden=H, topk=K, fp8=False,
-                                   symmetric=False)])
-    _, _, _, _, w13, w2, shared = make(1, T, K, E, H, I, seed=9)
-    layer = MoKHopperLayer(w13[0], w2[0], topk=K, tokens=T, shared=tuple(shared), rank=0, world=1, workspace=ws_,
-                           capacity=E * 128)
+    T, K, E, H, I = TOY
+    layer, w13, w2, shared = _toy_layer(capacity=E * 128)
     assert layer.R / E > 64 and nominal_rows_per_expert(layer) == T * K / E
     launches = []
     real = bwd_gemm.bwd_wgrad

@@ -83,11 +83,10 @@ def _expert_backward(x_rows: torch.Tensor, dO_rows: torch.Tensor, s_rows: torch.
     included), which picks the weight-gradient launch."""
     R, H = x_rows.shape
     if layout is None:
-        L, I2, _ = w13.shape
-        I = I2 // 2
-        r13 = r2 = w13k = w2k = dw13k = dw2k = {}
+        I = w13.shape[1] // 2
+        r13 = w13k = w2k = dw13k = dw2k = {}
     else:
-        L, I = layout["L"], layout["I"]
+        I = layout["I"]
         r13 = dict(w_tiles=(*layout["w13"], False), w_dims=(2 * I, H))  # recompute H: W13 transposed
         w13k = dict(w_tiles=(*layout["w13"], True), w_dims=(2 * I, H))
         w2k = dict(w_tiles=(*layout["w2"], True), w_dims=(H, I))
