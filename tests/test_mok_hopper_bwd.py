@@ -396,7 +396,7 @@ def test_the_weight_gradient_launch_follows_the_routed_rows_not_the_capacity(mon
     right."""
     from kernels.mok_hopper import bwd_gemm, interp
     from kernels.mok_hopper.schedule import capacity_rows
-    from kernels.mok_hopper.train import mok_hopper_train, nominal_rows_per_expert
+    from kernels.mok_hopper.train import mok_hopper_train
 
     # the published case the rule is for: glm_5_2 at EP=1 (T 2048, K 8, 256 experts, BM 128)
     assert capacity_rows(ep=1, tokens=2048, topk=8, local_experts=256, block_m=128) / 256 > 64
@@ -404,7 +404,7 @@ def test_the_weight_gradient_launch_follows_the_routed_rows_not_the_capacity(mon
         pytest.skip("the kernels run on the CPU under TRITON_INTERPRET=1 (set at the top of this file without a GPU)")
     T, K, E, H, I = TOY
     layer, w13, w2, shared = _toy_layer(capacity=E * 128)
-    assert layer.R / E > 64 and nominal_rows_per_expert(layer) == T * K / E
+    assert layer.R / E > 64 and layer.rows_per_expert == T * K / E
     launches = []
     real = bwd_gemm.bwd_wgrad
 

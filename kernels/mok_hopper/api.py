@@ -122,12 +122,15 @@ class MoKHopperLayer(torch.nn.Module):
         L, I, H = adopted_dims(w13_LIH, w2_LHI, tile, precision) if adopt_weights else (
             w13_LIH.shape[0], w13_LIH.shape[1] // 2, w13_LIH.shape[2])
         self.L, self.H, self.I, self.K, self.T = L, H, I, topk, tokens
+        # rows a local expert gets under uniform routing (EP T K over the EP L experts): the tile rules' input,
+        # forward and backward (not the row capacity, which adds tile padding)
+        self.rows_per_expert = tokens * topk / L
         self.num_experts = L * self.world
         self.precision, self.fp8 = precision, precision == "fp8"
         self.limit = swiglu_limit
         self.weights_in_expert = router_weight_in == "expert"
         self.cfg = tile if tile is not None else default_tile(precision=precision, device=dev, hidden=H, ffn=I,
-                                                              rows_per_expert=tokens * topk / L)
+                                                              rows_per_expert=self.rows_per_expert)
         if self.fp8:
             self.cfg = self.cfg.for_fp8()
         self.cfg_bf16 = tile if tile is not None and not self.fp8 else default_tile(device=dev, hidden=H, ffn=I)

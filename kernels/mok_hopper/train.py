@@ -61,12 +61,6 @@ def _weight_layout(layer: MoKHopperLayer, w13: torch.Tensor) -> Optional[dict[st
     return {"L": layer.L, "I": layer.I, "w13": (c.up_n, c.up_k, c.up_fused), "w2": (c.down_n, c.down_k, False)}
 
 
-def nominal_rows_per_expert(layer: MoKHopperLayer) -> float:
-    """Rows a local expert gets under uniform routing: EP * T * K over the E = EP * L experts, i.e. T * K / L (the
-    rule the forward's ``default_tile`` uses). Known without reading the routing back from the device."""
-    return layer.T * layer.K / layer.L
-
-
 def _expert_backward(x_rows: torch.Tensor, dO_rows: torch.Tensor, s_rows: torch.Tensor, h: Optional[torch.Tensor],
                      clip: Optional[torch.Tensor], w13: torch.Tensor, w2: torch.Tensor, code_R: torch.Tensor,
                      tile_expert: torch.Tensor, tile_row: torch.Tensor, chunk: torch.Tensor, starts: torch.Tensor,
@@ -79,7 +73,7 @@ def _expert_backward(x_rows: torch.Tensor, dO_rows: torch.Tensor, s_rows: torch.
     (and the clamp's decisions) from the X rows first. ``push`` (every rank's offset from ``dx_slots``, T K): the
     dX rows go to their source ranks' copies of ``dx_slots``. ``layout`` (:func:`_weight_layout`): the weights,
     and the weight gradients returned, in the forward's TMA block order. ``rows_per_expert``: the rows an expert
-    gets on average (:func:`nominal_rows_per_expert`; not ``x_rows``' length, which is the capacity, tile padding
+    gets on average (the layer's ``rows_per_expert``; not ``x_rows``' length, which is the capacity, tile padding
     included), which picks the weight-gradient launch."""
     R, H = x_rows.shape
     if layout is None:
@@ -164,7 +158,7 @@ def layer_backward(layer: MoKHopperLayer, dO_TH: torch.Tensor, x_TH: torch.Tenso
     starts = bwd_gemm.expert_rows(s.tile_expert_M, s.tile_row_M1, L)
     dW13, dW2, ds = _expert_backward(layer.x_rows, dO_rows, s_rows, h, clip, w13_LIH, w2_LHI, code,
                                      s.tile_expert_M, s.tile_row_M1, chunk, starts, slots, limit=limit,
-                                     programs=progs, rows_per_expert=nominal_rows_per_expert(layer), mark=mark,
+                                     programs=progs, rows_per_expert=layer.rows_per_expert, mark=mark,
                                      tiles=tiles, layout=_weight_layout(layer, w13_LIH))
     dtopk = torch.zeros(T * K + 1, dtype=torch.float32, device=dev)  # the last: where padding rows' values go
     dtopk.scatter_(0, torch.where(valid, c, torch.full_like(c, T * K)), ds)
@@ -232,7 +226,7 @@ def backward_compute(layer: MoKHopperLayer, x_TH: torch.Tensor, w13_LIH: torch.T
     starts = bwd_gemm.expert_rows(s.tile_expert_M, s.tile_row_M1, L)
     dW13, dW2, ds = _expert_backward(layer.x_rows, dO_rows, layer.rw_rows, h, clip, w13_LIH, w2_LHI, s.row_code_R,
                                      s.tile_expert_M, s.tile_row_M1, chunk, starts, ws.comb, limit=limit,
-                                     programs=progs, rows_per_expert=nominal_rows_per_expert(layer), mark=mark,
+                                     programs=progs, rows_per_expert=layer.rows_per_expert, mark=mark,
                                      tiles=tiles,
                                      push=(ws.tables["comb"], TK), layout=_weight_layout(layer, w13_LIH))
     bwd_gemm.push_scalars(s.row_code_R, ds, ws.w, ws.tables["w"], TK)
