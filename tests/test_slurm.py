@@ -246,8 +246,7 @@ def test_slurm_sweep_rows_ids_and_cancelled_jobs(tmp_path):
     # The points differ only in their timing, which the config hash leaves out (the same measurement), so rows are
     # matched to points by the job that wrote them: the Slurm job id of a job that started, else submitit's id.
     jobs = pd.read_csv(sweep / "jobs.csv", dtype=str).set_index("num")
-    job_of = {n: jobs.loc[str(n), "slurm_job_id"] if isinstance(jobs.loc[str(n), "slurm_job_id"], str)
-              else jobs.loc[str(n), "job_id"] for n in (0, 1, 2, 3)}
+    job_of = {int(n): j for n, j in jobs["slurm_job_id"].fillna(jobs["job_id"]).items()}
     assert len(set(job_of.values())) == 4, job_of
     pairs = {("nccl", "fwd"), ("nccl", "bwd")}
     by_point = {n: df[df["slurm_job_id"] == j] for n, j in job_of.items()}
