@@ -46,26 +46,30 @@ MODES = ("save_h", "recompute")
 # launch variants of the backward's GEMMs, stage times against the default (``--sweep``): earlier versions' launches
 # and the candidates not yet measured (PERF_NOTES, sessions 13 and 14)
 # (session 13's 256-wide, 32-row-step and no-TMA-store weight-gradient launches and the 3-stage dX were measured
-# there and left out since). The overlap variants move no sums: their gradients must stay bitwise the default's.
+# there and left out since; session 16's overlapped schedules, slower, were removed with their code, 3a7e35f; so
+# were its first sweep's resident launches at 8 warps one per SM and 128 x 64 three per SM, slower on both shapes).
 SWEEP: dict[str, dict[str, dict[str, Any]]] = {
     "default again": {},
     "dgate 3 stages (v3.1)": {"dgate": dict(stages=3)},
     "dgate 5 stages": {"dgate": dict(stages=5)},
     "wgrad P reloaded (v3.1)": {"dw13": dict(resident=False), "dw2": dict(resident=False)},
-    "wgrad resident, 8 warps, 1/SM": {"dw13": dict(num_warps=8, programs_per_sm=1),
-                                      "dw2": dict(num_warps=8, programs_per_sm=1)},
-    "wgrad resident, 128x64 blocks, 3/SM": {"dw13": dict(block_k=64, programs_per_sm=3),
-                                            "dw2": dict(block_k=64, programs_per_sm=3)},
     "wgrad resident, no TMA store": {"dw13": dict(tma_store=False), "dw2": dict(tma_store=False)},
-    "overlap: dX on 44 SMs beside the weight gradients": {"overlap": dict(dx_sms=44)},
-    "overlap: dX on 66 SMs beside the weight gradients": {"overlap": dict(dx_sms=66)},
-    "overlap: dX on 88 SMs beside the weight gradients": {"overlap": dict(dx_sms=88)},
-    "overlap: shared expert on 16 SMs beside": {"overlap": dict(shared_sms=16)},
-    "overlap: shared expert on 28 SMs beside": {"overlap": dict(shared_sms=28)},
-    "overlap: shared on 16, dX on 58": {"overlap": dict(shared_sms=16, dx_sms=58)},
-    "overlap: shared on 16, dX on 44, wgrad no TMA store": {"overlap": dict(shared_sms=16, dx_sms=44),
-                                                           "dw13": dict(tma_store=False),
-                                                           "dw2": dict(tma_store=False)},
+    # session 16: glm_5_2's experts average 64 rows, so about half have more and took the reloaded-P path at
+    # 64-row steps; dgate ran such an expert's tile as two 64-row blocks, each streaming W2[e]
+    "wgrad resident over 128 rows, 8 warps, 1/SM": {"dw13": dict(block_r=128, num_warps=8, programs_per_sm=1),
+                                                    "dw2": dict(block_r=128, num_warps=8, programs_per_sm=1)},
+    "wgrad resident over 128 rows, 128x64 blocks, 8 warps, 1/SM": {
+        "dw13": dict(block_r=128, block_k=64, num_warps=8, programs_per_sm=1),
+        "dw2": dict(block_r=128, block_k=64, num_warps=8, programs_per_sm=1)},
+    "wgrad resident over 128 rows, 128x64 blocks, 2/SM (spills 16 B)": {"dw13": dict(block_r=128, block_k=64),
+                                                                        "dw2": dict(block_r=128, block_k=64)},
+    "dgate 64x64 blocks": {"dgate": dict(block_n=64)},
+    "dgate pair, 64x64 blocks": {"dgate": dict(block_n=64, pair=True)},
+    "dgate pair, 64x64 blocks, 3 stages": {"dgate": dict(block_n=64, pair=True, stages=3)},
+    "dgate pair, 64x128 blocks (spills 96 B)": {"dgate": dict(pair=True)},
+    "dgate pair 64x64, wgrad resident over 128 rows, 8 warps, 1/SM": {
+        "dgate": dict(block_n=64, pair=True), "dw13": dict(block_r=128, num_warps=8, programs_per_sm=1),
+        "dw2": dict(block_r=128, num_warps=8, programs_per_sm=1)},
 }
 SMOKE_SHAPE = "tiny"
 

@@ -196,8 +196,9 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048, extras: bool 
                       tile_row_ptr="*i32", chunk_ptr="*i32", n_rows="i32", K="i32", N="i32", TK="i32",
                       stride_we="i32", stride_wk="i32", stride_wn="i32", limit="fp32")
         rows_c = dict(BK=64, NUM_PROGS=nprog, UPCAST=False, GROUP_M=4, STAGES=3, SAVE_H=False, HAS_LIMIT=False,
-                      DGATE=False, WTMA=True, PUSH=False, TBN=0, TBK=0, GU=False, RK=True)
+                      DGATE=False, WTMA=True, PUSH=False, TBN=0, TBK=0, GU=False, RK=True, PAIR=False)
         for label, over, warps in (("bwd dgate", dict(DGATE=True, BM=64, BN=128, STAGES=4), 8),
+                                   ("bwd dgate pair", dict(DGATE=True, BM=64, BN=128, STAGES=4, PAIR=True), 8),
                                    ("bwd dgate clamp", dict(DGATE=True, HAS_LIMIT=True, BM=64, BN=128), 8),
                                    ("bwd dx push", dict(BM=128, BN=128, PUSH=True, STAGES=4), 8),
                                    ("bwd recompute H", dict(BM=128, BN=64, SAVE_H=True, WTMA=False), 8)):

@@ -38,18 +38,27 @@ def _bwd_rows_kernel(a_ptr, w_ptr, out_ptr, h_ptr, clip_ptr, s_ptr, sa_ptr, ds_p
                      UPCAST: tl.constexpr, GROUP_M: tl.constexpr, STAGES: tl.constexpr, DGATE: tl.constexpr,
                      HAS_LIMIT: tl.constexpr, SAVE_H: tl.constexpr = False, WTMA: tl.constexpr = False,
                      PUSH: tl.constexpr = False, TBN: tl.constexpr = 0, TBK: tl.constexpr = 0,
-                     GU: tl.constexpr = False, RK: tl.constexpr = True):
-    """Work items (row tile, column tile); a tile of any size (half tiles, tails) runs in BM-row blocks."""
+                     GU: tl.constexpr = False, RK: tl.constexpr = True, PAIR: tl.constexpr = False):
+    """Work items (row tile, column tile); a tile of any size (half tiles, tails) runs in BM-row blocks. PAIR: two
+    BM-row blocks at a time where the tile has more than BM rows left, one weight block load for both (the
+    weights are read once for a tile of up to 2 BM rows instead of once per block)."""
     m_lo = tl.load(chunk_ptr)
     m_hi = tl.load(chunk_ptr + 1)
     n_n = N // BN
     n_work = (m_hi - m_lo) * n_n
     for wk in range(tl.program_id(0), n_work, NUM_PROGS):
         m, n, e_tile, row0, row1 = _work_tile(wk, tile_expert_ptr, tile_row_ptr, m_lo, m_hi, n_n, GROUP_M)
-        for rb in range(row0, row1, BM):
-            _bwd_rows_block(a_ptr, w_ptr, out_ptr, h_ptr, clip_ptr, s_ptr, sa_ptr, ds_ptr, code_ptr, delta_ptr, rb,
-                            row1, n, n_n, e_tile, n_rows, K, N, TK, stride_we, stride_wk, stride_wn, limit, BM, BN,
-                            BK, UPCAST, STAGES, DGATE, HAS_LIMIT, SAVE_H, WTMA, PUSH, TBN, TBK, GU, RK)
+        for rb in range(row0, row1, 2 * BM if PAIR else BM):
+            if PAIR and rb + BM < row1:
+                _bwd_rows_block(a_ptr, w_ptr, out_ptr, h_ptr, clip_ptr, s_ptr, sa_ptr, ds_ptr, code_ptr, delta_ptr,
+                                rb, row1, n, n_n, e_tile, n_rows, K, N, TK, stride_we, stride_wk, stride_wn, limit,
+                                BM, BN, BK, UPCAST, STAGES, DGATE, HAS_LIMIT, SAVE_H, WTMA, PUSH, TBN, TBK, GU, RK,
+                                True)
+            else:
+                _bwd_rows_block(a_ptr, w_ptr, out_ptr, h_ptr, clip_ptr, s_ptr, sa_ptr, ds_ptr, code_ptr, delta_ptr,
+                                rb, row1, n, n_n, e_tile, n_rows, K, N, TK, stride_we, stride_wk, stride_wn, limit,
+                                BM, BN, BK, UPCAST, STAGES, DGATE, HAS_LIMIT, SAVE_H, WTMA, PUSH, TBN, TBK, GU, RK,
+                                False)
 
 
 @triton.jit
@@ -72,17 +81,25 @@ def _bwd_rows_block(a_ptr, w_ptr, out_ptr, h_ptr, clip_ptr, s_ptr, sa_ptr, ds_pt
                     n, n_n, e_tile, n_rows, K, N, TK, stride_we, stride_wk, stride_wn, limit, BM: tl.constexpr,
                     BN: tl.constexpr, BK: tl.constexpr, UPCAST: tl.constexpr, STAGES: tl.constexpr,
                     DGATE: tl.constexpr, HAS_LIMIT: tl.constexpr, SAVE_H: tl.constexpr, WTMA: tl.constexpr,
-                    PUSH: tl.constexpr, TBN: tl.constexpr, TBK: tl.constexpr, GU: tl.constexpr, RK: tl.constexpr):
-    """Rows [row0, min(row0 + BM, row1)) x columns [n BN, (n + 1) BN) of expert ``e_tile``. WTMA: ``w_ptr`` is a
-    TMA descriptor over the weights' [L K, N] view (row-major [L, K, N]) with blocks [BK, BN]."""
+                    PUSH: tl.constexpr, TBN: tl.constexpr, TBK: tl.constexpr, GU: tl.constexpr, RK: tl.constexpr,
+                    TWO: tl.constexpr):
+    """Rows [row0, min(row0 + BM, row1)) x columns [n BN, (n + 1) BN) of expert ``e_tile``; TWO: and the next BM
+    rows (up to row1), from the same weight block loads, each block's epilogue in turn. WTMA: ``w_ptr`` is a TMA
+    descriptor over the weights' [L K, N] view (row-major [L, K, N]) with blocks [BK, BN]."""
     rows = (row0 + tl.arange(0, BM)).to(tl.int64)
     rmask = (rows < n_rows) & (rows < row1)
     cols = n * BN + tl.arange(0, BN)
     kk = tl.arange(0, BK)
     e = e_tile.to(tl.int64)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
+    if TWO:
+        rows2 = rows + BM
+        rmask2 = (rows2 < n_rows) & (rows2 < row1)
+        acc2 = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in tl.range(0, K, BK, num_stages=STAGES):
         a = tl.load(a_ptr + rows[:, None] * K + (k0 + kk)[None, :], mask=rmask[:, None], other=0.0)
+        if TWO:
+            a2 = tl.load(a_ptr + rows2[:, None] * K + (k0 + kk)[None, :], mask=rmask2[:, None], other=0.0)
         if WTMA:
             b = w_ptr.load([e_tile * K + k0, n * BN])
         elif TBN > 0:  # weights in the forward's TMA block order: element (k, n) of W[e] by index arithmetic
@@ -96,6 +113,20 @@ def _bwd_rows_block(a_ptr, w_ptr, out_ptr, h_ptr, clip_ptr, s_ptr, sa_ptr, ds_pt
             b = tl.load(w_ptr + e * stride_we + (k0 + kk)[:, None].to(tl.int64) * stride_wk
                         + cols[None, :].to(tl.int64) * stride_wn)
         acc = _mma(a, b, acc, UPCAST)
+        if TWO:
+            acc2 = _mma(a2, b, acc2, UPCAST)
+    _bwd_rows_epilogue(acc, rows, rmask, cols, n, n_n, out_ptr, h_ptr, clip_ptr, s_ptr, sa_ptr, ds_ptr, code_ptr,
+                       delta_ptr, N, TK, limit, DGATE, HAS_LIMIT, SAVE_H, PUSH)
+    if TWO:
+        _bwd_rows_epilogue(acc2, rows2, rmask2, cols, n, n_n, out_ptr, h_ptr, clip_ptr, s_ptr, sa_ptr, ds_ptr,
+                           code_ptr, delta_ptr, N, TK, limit, DGATE, HAS_LIMIT, SAVE_H, PUSH)
+
+
+@triton.jit
+def _bwd_rows_epilogue(acc, rows, rmask, cols, n, n_n, out_ptr, h_ptr, clip_ptr, s_ptr, sa_ptr, ds_ptr, code_ptr,
+                       delta_ptr, N, TK, limit, DGATE: tl.constexpr, HAS_LIMIT: tl.constexpr, SAVE_H: tl.constexpr,
+                       PUSH: tl.constexpr):
+    """One [BM, BN] block of :func:`_bwd_rows_block`'s results: the dgate epilogue, the push, or a plain store."""
     if DGATE:  # N = I: G = dO @ W2[e]; H and the masks are [R, 2I] (gate columns, then up columns)
         h_off = rows[:, None] * (2 * N) + cols[None, :]
         g = tl.load(h_ptr + h_off, mask=rmask[:, None], other=0.0).to(tl.float32)
@@ -142,7 +173,7 @@ def bwd_rows(a_RK: torch.Tensor, w_LKN: torch.Tensor, out: torch.Tensor, tile_ex
              save_clip: Optional[torch.Tensor] = None, push_code: Optional[torch.Tensor] = None,
              push_delta: Optional[torch.Tensor] = None, slots_per_rank: Optional[int] = None,
              num_warps: int = 8, w_tiles: Optional[tuple[int, int, bool, bool]] = None,
-             w_dims: Optional[tuple[int, int]] = None) -> None:
+             w_dims: Optional[tuple[int, int]] = None, pair: bool = False) -> None:
     """out[r] = a[r] @ w[e(r)] over the row tiles [chunk_2[0], chunk_2[1]) (``w`` [L, K, N], any strides: W2
     [L, H, I] as is, W13 [L, 2I, H] as is, W13.transpose(1, 2) to recompute H). ``dgate`` = dict(h=[R, 2I] bf16,
     clip=[R, 2I] uint8 or None, s=[R] fp32, sa=[R, N] bf16 out, ds=[R, N / block_n] fp32 out): the dgate epilogue,
@@ -157,7 +188,8 @@ def bwd_rows(a_RK: torch.Tensor, w_LKN: torch.Tensor, out: torch.Tensor, tile_ex
     tiled weight tensor (``tile_weights`` / ``tile_weights_gu`` with blocks bn x bk), its plain shape [L, NF, KF]
     given by ``w_dims`` (NF, KF); read by pointers.
     ``block_n``: 32 for dgate (its epilogue holds eight [BM, BN] fp32 tiles: 64 wide spilled at BM 128, aot_check),
-    else 64."""
+    else 64. ``pair``: where a tile has more than ``block_m`` rows left, two row blocks from one weight load (the
+    same sums per row: each row's dot products are those of the single block)."""
     R, K = a_RK.shape
     if w_tiles is not None:
         NF, KF = w_dims
@@ -191,7 +223,7 @@ def bwd_rows(a_RK: torch.Tensor, w_LKN: torch.Tensor, out: torch.Tensor, tile_ex
         BM=block_m, BN=block_n, BK=block_k, NUM_PROGS=programs, UPCAST=INTERPRET, GROUP_M=group_m, STAGES=stages,
         DGATE=dgate is not None, HAS_LIMIT=dgate is not None and limit is not None, SAVE_H=save_clip is not None,
         WTMA=wtma, PUSH=push_code is not None, TBN=w_tiles[0] if w_tiles else 0, TBK=w_tiles[1] if w_tiles else 0,
-        GU=bool(w_tiles and w_tiles[2]), RK=bool(w_tiles[3]) if w_tiles else True, num_warps=num_warps)
+        GU=bool(w_tiles and w_tiles[2]), RK=bool(w_tiles[3]) if w_tiles else True, PAIR=pair, num_warps=num_warps)
 
 
 @triton.jit

@@ -16,7 +16,6 @@ Legend: T tokens, K top-k, H hidden, I ffn, L local experts, R capacity rows.
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -48,31 +47,7 @@ def _tiles(H: int, I: int, cuda: bool, clamped: bool = False, rows_per_expert: f
             "dx": dict(block_m=128, block_n=_blocks(H, 128), block_k=_blocks(2 * I, 64), stages=4),
             "recompute": dict(block_m=128, block_n=_blocks(2 * I, 64), block_k=_blocks(H, 64)),
             "dw13": dict(block_n=_blocks(2 * I, 128), block_k=_blocks(H, 128), tma_store=cuda, **two),
-            "dw2": dict(block_n=_blocks(H, 128), block_k=_blocks(I, 128), tma_store=cuda, **two),
-            "overlap": dict(OVERLAP)}
-
-
-# The stages' schedule, ``tiles["overlap"]`` (CUDA only; the CPU runs every stage in turn, the same sums):
-# ``dx_sms`` > 0 runs the dX GEMM on that many SMs' worth of programs while the two weight-gradient GEMMs run on a
-# side stream over the other SMs (after dgate the three are independent: dX reads W13, the weight gradients write
-# dW13 and dW2); ``shared_sms`` > 0 runs the shared expert's backward on a second side stream over that many SMs
-# from the start, beside the routed stages, which get the other SMs. A GEMM's program count never changes which
-# rows a result adds nor in what order, so the gradients are bitwise those of the sequential schedule.
-OVERLAP = dict(dx_sms=0, shared_sms=0)  # the default: every stage in turn, on all SMs
-
-
-def _shared_sms(tiles: Optional[dict[str, dict[str, Any]]], shared: Any) -> int:
-    return {**OVERLAP, **(tiles or {}).get("overlap", {})}["shared_sms"] if shared else 0
-
-
-_SIDE: dict[Any, tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}
-
-
-def _side_streams(dev: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
-    """Two side streams per device, made once (CUDA graph capture forks to them and joins back)."""
-    if dev not in _SIDE:
-        _SIDE[dev] = (torch.cuda.Stream(dev), torch.cuda.Stream(dev))
-    return _SIDE[dev]
+            "dw2": dict(block_n=_blocks(H, 128), block_k=_blocks(I, 128), tma_store=cuda, **two)}
 
 
 def _weight_layout(layer: MoKHopperLayer, w13: torch.Tensor) -> Optional[dict[str, Any]]:
@@ -114,10 +89,7 @@ def _expert_backward(x_rows: torch.Tensor, dO_rows: torch.Tensor, s_rows: torch.
     t = _tiles(H, I, dev.type == "cuda", clamped=limit is not None, rows_per_expert=rows_per_expert)
     for stage, over in (tiles or {}).items():  # launch overrides (sweeps); programs_per_sm scales ``programs``
         t[stage] = {**t[stage], **over}
-    dx_sms = t.pop("overlap")["dx_sms"]  # the SM split holds on the CPU too; the side stream is CUDA's
-    assert 0 <= dx_sms < programs, f"overlap dx_sms {dx_sms} must leave SMs of the {programs} to the weight gradients"
-    split = {"dx": dx_sms, "dw13": programs - dx_sms, "dw2": programs - dx_sms} if dx_sms else {}
-    progs = {k: split.get(k, programs) * v.pop("programs_per_sm", 1) for k, v in t.items()}
+    progs = {k: programs * v.pop("programs_per_sm", 1) for k, v in t.items()}
     if h is None:
         h = torch.empty(R, 2 * I, dtype=torch.bfloat16, device=dev)
         clip = torch.zeros(R, 2 * I, dtype=torch.uint8, device=dev) if limit is not None else None
@@ -130,28 +102,16 @@ def _expert_backward(x_rows: torch.Tensor, dO_rows: torch.Tensor, s_rows: torch.
     bwd_gemm.bwd_rows(dO_rows, w2, dH, tile_expert, tile_row, chunk, programs=progs["dgate"],
                       dgate=dict(h=h, clip=clip, s=s_rows, sa=sA, ds=ds_parts), limit=limit, **t["dgate"], **w2k)
     mark("dgate")
-    dW13 = torch.empty_like(w13)  # every tensor the side stream touches is made here, on this stream, and lives
-    dW2 = torch.empty_like(w2)    # until after the join below
-    beside = dx_sms > 0 and dev.type == "cuda"
-    main = torch.cuda.current_stream(dev) if beside else None
-    if beside:  # the weight gradients beside dX, on the other SMs
-        side = _side_streams(dev)[0]
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            bwd_gemm.bwd_wgrad(dH, x_rows, dW13, code_R, starts, programs=progs["dw13"], **t["dw13"], **dw13k)
-            bwd_gemm.bwd_wgrad(dO_rows, sA, dW2, code_R, starts, programs=progs["dw2"], **t["dw2"], **dw2k)
     bwd_gemm.bwd_rows(dH, w13, dx_slots, tile_expert, tile_row, chunk, programs=progs["dx"], push_code=code_R,
                       push_delta=push[0] if push else None, slots_per_rank=push[1] if push else None, **t["dx"],
                       **w13k)
     mark("dx")
     ds = bwd_gemm.router_grad(ds_parts)
-    if beside:
-        main.wait_stream(side)
-    else:
-        bwd_gemm.bwd_wgrad(dH, x_rows, dW13, code_R, starts, programs=progs["dw13"], **t["dw13"], **dw13k)
-    mark("dw13")  # with the overlap: dW13 and dW2 both, after dX
-    if not beside:
-        bwd_gemm.bwd_wgrad(dO_rows, sA, dW2, code_R, starts, programs=progs["dw2"], **t["dw2"], **dw2k)
+    dW13 = torch.empty_like(w13)
+    dW2 = torch.empty_like(w2)
+    bwd_gemm.bwd_wgrad(dH, x_rows, dW13, code_R, starts, programs=progs["dw13"], **t["dw13"], **dw13k)
+    mark("dw13")
+    bwd_gemm.bwd_wgrad(dO_rows, sA, dW2, code_R, starts, programs=progs["dw2"], **t["dw2"], **dw2k)
     mark("dw2")
     return dW13, dW2, ds
 
@@ -196,23 +156,17 @@ def layer_backward(layer: MoKHopperLayer, dO_TH: torch.Tensor, x_TH: torch.Tenso
         h, clip = layer.h_save, (layer.clip_save if limit is not None else None)
     slots = torch.empty(T * K, H, dtype=torch.bfloat16, device=dev)  # masked slots stay unwritten, and unread
     starts = bwd_gemm.expert_rows(s.tile_expert_M, s.tile_row_M1, L)
-    sh_sms = _shared_sms(tiles, shared)
-    early = None  # the shared expert first, on its own SMs (on CUDA beside the routed stages, on a side stream)
-    if sh_sms:
-        early = _shared(layer, x_TH, dO, shared, programs=sh_sms, tiles=tiles, beside=dev.type == "cuda")
     dW13, dW2, ds = _expert_backward(layer.x_rows, dO_rows, s_rows, h, clip, w13_LIH, w2_LHI, code,
                                      s.tile_expert_M, s.tile_row_M1, chunk, starts, slots, limit=limit,
-                                     programs=progs - sh_sms, rows_per_expert=layer.rows_per_expert, mark=mark,
+                                     programs=progs, rows_per_expert=layer.rows_per_expert, mark=mark,
                                      tiles=tiles, layout=_weight_layout(layer, w13_LIH))
-    if early is not None and dev.type == "cuda":
-        _join_shared(dev)
     dtopk = torch.zeros(T * K + 1, dtype=torch.float32, device=dev)  # the last: where padding rows' values go
     dtopk.scatter_(0, torch.where(valid, c, torch.full_like(c, T * K)), ds)
     out: dict[str, Any] = {"w13": dW13, "w2": dW2, "topk_w": dtopk[: T * K].view(T, K) * (topk_idx_TK >= 0)}
     sh_dx = None
     if shared is not None:
-        out["shared"], sh_dx = early or _shared(layer, x_TH, dO, shared, programs=progs, tiles=tiles)
-    mark("shared")  # with the shared expert beside: the join (what it took beyond the routed stages)
+        out["shared"], sh_dx = _shared(layer, x_TH, dO, shared, programs=progs, tiles=tiles)
+    mark("shared")
     out["x"] = torch.empty(T, H, dtype=torch.bfloat16, device=dev)
     combine_epilogue(slots, topk_idx_TK, None, sh_dx, out["x"])  # the forward's fixed-order sum (k ascending)
     mark("dx_sum")
@@ -220,38 +174,20 @@ def layer_backward(layer: MoKHopperLayer, dO_TH: torch.Tensor, x_TH: torch.Tenso
 
 
 def _shared(layer: MoKHopperLayer, x_TH: torch.Tensor, dO_TH: torch.Tensor, shared: Sequence[torch.Tensor], *,
-            programs: int, tiles: Optional[dict[str, dict[str, Any]]], beside: bool = False
-            ) -> tuple[tuple, torch.Tensor]:
+            programs: int, tiles: Optional[dict[str, dict[str, Any]]]) -> tuple[tuple, torch.Tensor]:
     """The shared expert's (gate, up, down) gradients and its dx: the same stages, one expert over this rank's T
-    tokens in order, router weight 1, H recomputed (the forward's shared expert saves nothing). ``beside`` (CUDA,
-    ``tiles["overlap"]["shared_sms"]``): launched on a side stream, beside what the caller launches next; the
-    caller joins it (:func:`_join_shared`) before it reads a result."""
+    tokens in order, router weight 1, H recomputed (the forward's shared expert saves nothing)."""
     T, H, I, dev = layer.T, layer.H, layer.I, dO_TH.device
     g_w, u_w, d_w = shared
-    own = {k: v for k, v in (tiles or {}).items() if k != "overlap"}  # the shared expert's own stages in turn
-    main = torch.cuda.current_stream(dev) if beside else None
-    side = _side_streams(dev)[1] if beside else None
-    if beside:
-        side.wait_stream(main)
-    with torch.cuda.stream(side) if beside else contextlib.nullcontext():
-        x = x_TH.detach().to(torch.bfloat16).contiguous()
-        dO = dO_TH.detach().to(torch.bfloat16).contiguous()
-        sh_dx = torch.empty(T, H, dtype=torch.bfloat16, device=dev)
-        sW13, sW2, _ = _expert_backward(
-            x, dO, torch.ones(T, dtype=torch.float32, device=dev), None, None, torch.cat([g_w, u_w]).unsqueeze(0),
-            d_w.unsqueeze(0), layer.sh_code, layer.sh_tiles, layer.sh_rows, layer.sh_chunk,
-            torch.tensor([0, T], dtype=torch.int32, device=dev), sh_dx, limit=layer.limit, programs=programs,
-            rows_per_expert=T, mark=lambda name: None, tiles=own)
-    grads = (sW13[0, :I], sW13[0, I:], sW2[0])
-    if beside:  # made on the side stream, read on this one: tell the allocator, and queue the join
-        for t in (sW13, sW2, sh_dx):
-            t.record_stream(main)
-    return grads, sh_dx
-
-
-def _join_shared(dev: torch.device) -> None:
-    """The current stream waits for the shared expert's backward launched ``beside`` it."""
-    torch.cuda.current_stream(dev).wait_stream(_side_streams(dev)[1])
+    x = x_TH.detach().to(torch.bfloat16).contiguous()
+    dO = dO_TH.detach().to(torch.bfloat16).contiguous()
+    sh_dx = torch.empty(T, H, dtype=torch.bfloat16, device=dev)
+    sW13, sW2, _ = _expert_backward(
+        x, dO, torch.ones(T, dtype=torch.float32, device=dev), None, None, torch.cat([g_w, u_w]).unsqueeze(0),
+        d_w.unsqueeze(0), layer.sh_code, layer.sh_tiles, layer.sh_rows, layer.sh_chunk,
+        torch.tensor([0, T], dtype=torch.int32, device=dev), sh_dx, limit=layer.limit, programs=programs,
+        rows_per_expert=T, mark=lambda name: None, tiles=tiles)
+    return (sW13[0, :I], sW13[0, I:], sW2[0]), sh_dx
 
 
 # ---- the backward across ranks (EP >= 2), in three phases (a test runs the phases of simulated ranks in lockstep);
@@ -288,21 +224,15 @@ def backward_compute(layer: MoKHopperLayer, x_TH: torch.Tensor, w13_LIH: torch.T
     if getattr(layer, "save_h", False):
         h, clip = layer.h_save, (layer.clip_save if limit is not None else None)
     starts = bwd_gemm.expert_rows(s.tile_expert_M, s.tile_row_M1, L)
-    sh_sms = _shared_sms(tiles, shared)
-    early = None  # the shared expert first, on its own SMs (on CUDA beside the routed stages, on a side stream)
-    if sh_sms:
-        early = _shared(layer, x_TH, ws.x, shared, programs=sh_sms, tiles=tiles, beside=dev.type == "cuda")
     dW13, dW2, ds = _expert_backward(layer.x_rows, dO_rows, layer.rw_rows, h, clip, w13_LIH, w2_LHI, s.row_code_R,
                                      s.tile_expert_M, s.tile_row_M1, chunk, starts, ws.comb, limit=limit,
-                                     programs=progs - sh_sms, rows_per_expert=layer.rows_per_expert, mark=mark,
+                                     programs=progs, rows_per_expert=layer.rows_per_expert, mark=mark,
                                      tiles=tiles,
                                      push=(ws.tables["comb"], TK), layout=_weight_layout(layer, w13_LIH))
     bwd_gemm.push_scalars(s.row_code_R, ds, ws.w, ws.tables["w"], TK)
     out: dict[str, Any] = {"w13": dW13, "w2": dW2, "sh_dx": None}
-    if early is not None and dev.type == "cuda":
-        _join_shared(dev)
     if shared is not None:
-        out["shared"], out["sh_dx"] = early or _shared(layer, x_TH, ws.x, shared, programs=progs, tiles=tiles)
+        out["shared"], out["sh_dx"] = _shared(layer, x_TH, ws.x, shared, programs=progs, tiles=tiles)
     mark("shared")
     return out
 
