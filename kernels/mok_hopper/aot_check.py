@@ -27,8 +27,12 @@ KERNEL_MODULES = ("schedule_kernels", "pull", "up_gemm", "down_gemm", "bwd_gemm"
 # kernels use 240-254): they spill 0-48 B on Triton 3.8 and 0-56 B on 3.6 (PERF_NOTES, "save_h"). The backward's
 # dgate GEMM at 64 x 128 (its epilogue holds about ten fp32 tiles) spills 24-32 B on Triton 3.6 and none on 3.8;
 # on the H200 (Triton 3.6) it ran 1.4x faster than the spill-free 64 x 64 (PERF_NOTES, "Session 13", v2). The
-# budget keeps those from growing unnoticed.
-SPILL_BUDGET = ((" save H", 64), ("bwd dgate", 64))
+# budget keeps those from growing unnoticed. Backward v5 (PERF_NOTES, "Session 16"): dgate with paired row blocks
+# (acc of the second block live through the first's epilogue) spills 96 B on Triton 3.8 and ran glm_5_2's dgate in
+# 2.18 against 3.06 ms; the resident weight gradients over 128 rows (P held in registers beside a 128 x 64
+# accumulator, 4 warps) spill 16 B and ran dW13 + dW2 in 7.88 against 9.32 ms, where the spill-free 8-warp build
+# took 8.45 ms.
+SPILL_BUDGET = ((" save H", 64), ("bwd dgate", 64), ("bwd dgate pair", 96), ("bwd wgrad P resident 128 rows", 16))
 
 
 def kernel(name: str) -> Any:
@@ -197,8 +201,8 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048, extras: bool 
                       stride_we="i32", stride_wk="i32", stride_wn="i32", limit="fp32")
         rows_c = dict(BK=64, NUM_PROGS=nprog, UPCAST=False, GROUP_M=4, STAGES=3, SAVE_H=False, HAS_LIMIT=False,
                       DGATE=False, WTMA=True, PUSH=False, TBN=0, TBK=0, GU=False, RK=True, PAIR=False)
-        for label, over, warps in (("bwd dgate", dict(DGATE=True, BM=64, BN=128, STAGES=4), 8),
-                                   ("bwd dgate pair", dict(DGATE=True, BM=64, BN=128, STAGES=4, PAIR=True), 8),
+        for label, over, warps in (("bwd dgate pair", dict(DGATE=True, BM=64, BN=128, STAGES=4, PAIR=True), 8),
+                                   ("bwd dgate", dict(DGATE=True, BM=64, BN=128, STAGES=4), 8),
                                    ("bwd dgate clamp", dict(DGATE=True, HAS_LIMIT=True, BM=64, BN=128), 8),
                                    ("bwd dx push", dict(BM=128, BN=128, PUSH=True, STAGES=4), 8),
                                    ("bwd recompute H", dict(BM=128, BN=64, SAVE_H=True, WTMA=False), 8)):
@@ -211,16 +215,24 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048, extras: bool 
                     GU=False)
         out.append(Variant("bwd wgrad", "_bwd_wgrad_kernel", wg_t, wg_c, 4))
         out.append(Variant("bwd wgrad P resident", "_bwd_wgrad_resident_kernel", wg_t, wg_c, 4))
+        # experts of 48-128 rows on average (glm_5_2 at EP=1): 128-row steps, 128 x 64 output blocks
+        out.append(Variant("bwd wgrad P resident 128 rows", "_bwd_wgrad_resident_kernel",
+                           dict(wg_t, dw_ptr="tensordesc<bf16[128, 64]>"), dict(wg_c, BK=64, BR=128), 4))
         # a module whose parameters are in the forward's TMA block order (MoKHopperMoE(layout="tiled"); blocks of
         # the glm_5_2 default: W13 gate/up interleaved up_n x up_k, W2 down_n x down_k), read and written by pointers
         up_t, dn_t = dict(TBN=cfg.up_n, TBK=cfg.up_k, GU=True), dict(TBN=cfg.down_n, TBK=cfg.down_k)
-        for label, over, warps in (("bwd dgate tiled", dict(DGATE=True, BM=64, BN=128, STAGES=4, **dn_t), 8),
+        for label, over, warps in (("bwd dgate tiled", dict(DGATE=True, BM=64, BN=128, STAGES=4, PAIR=True, **dn_t),
+                                    8),
                                    ("bwd dx push tiled gate/up", dict(BM=128, BN=128, PUSH=True, STAGES=4, **up_t), 8),
                                    ("bwd recompute H tiled gate/up", dict(BM=128, BN=64, SAVE_H=True, RK=False,
                                                                           **up_t), 8)):
             out.append(Variant(label, "_bwd_rows_kernel", rows_t, {**rows_c, "WTMA": False, **over}, warps))
         out.append(Variant("bwd wgrad tiled gate/up", "_bwd_wgrad_kernel", dict(wg_t, dw_ptr="*bf16"),
-                           dict(wg_c, TMA_STORE=False, **up_t), 4))
+                           dict(wg_c, TMA_STORE=False, BK=64, **up_t), 4))
+        for label, over in (("bwd wgrad P resident tiled gate/up", {}), ("bwd wgrad P resident 128 rows tiled gate/up",
+                                                                      dict(BR=128))):
+            out.append(Variant(label, "_bwd_wgrad_resident_kernel", dict(wg_t, dw_ptr="*bf16"),
+                               dict(wg_c, TMA_STORE=False, BK=64, **up_t, **over), 4))
     return out
 
 

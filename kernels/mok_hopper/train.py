@@ -41,13 +41,22 @@ def _tiles(H: int, I: int, cuda: bool, clamped: bool = False, rows_per_expert: f
     dX 128 x 128 (8 warps, 4 stages; 128 x 64 with 4 warps, two per SM, was slower), the weight gradients 128 x 128
     over 64-row steps (4 warps, two programs per SM, TMA stores on CUDA), with P resident (one P load per strip of
     output blocks) where the experts average at most 64 rows (``rows_per_expert``; the shared expert's 2048 rows
-    ran 2.1-2.8x slower resident). The same on the CPU (interpreter), capped at what divides the toy shapes."""
-    two = dict(num_warps=4, programs_per_sm=2, resident=0 < rows_per_expert <= 64)
-    return {"dgate": dict(block_m=64, block_n=_blocks(I, 128), block_k=_blocks(H, 64), stages=3 if clamped else 4),
+    ran 2.1-2.8x slower resident). The same on the CPU (interpreter), capped at what divides the toy shapes.
+
+    v5 (PERF_NOTES "Session 16"): dgate pairs its 64-row blocks (one W2 block load for a tile of up to 128 rows;
+    unclamped only: the clamped pair spills 112 B), and where the experts average over 48 rows (glm_5_2: 64, so
+    about half have more than 64 and took the reloaded-P path) the resident weight gradients step over 128 rows
+    with 128 x 64 output blocks. Both spill a little under Triton 3.8 (dgate 96 B, weight gradients 16 B; aot_check's
+    budgets) and were faster in session 16's sweep all the same."""
+    wide = 48 < rows_per_expert <= 128  # (the shared expert's T rows, and 1024-row experts, keep the 64-row steps)
+    two = dict(num_warps=4, programs_per_sm=2, resident=0 < rows_per_expert <= (128 if wide else 64),
+               block_r=128 if wide else 64)
+    return {"dgate": dict(block_m=64, block_n=_blocks(I, 128), block_k=_blocks(H, 64), stages=3 if clamped else 4,
+                          pair=not clamped),
             "dx": dict(block_m=128, block_n=_blocks(H, 128), block_k=_blocks(2 * I, 64), stages=4),
             "recompute": dict(block_m=128, block_n=_blocks(2 * I, 64), block_k=_blocks(H, 64)),
-            "dw13": dict(block_n=_blocks(2 * I, 128), block_k=_blocks(H, 128), tma_store=cuda, **two),
-            "dw2": dict(block_n=_blocks(H, 128), block_k=_blocks(I, 128), tma_store=cuda, **two)}
+            "dw13": dict(block_n=_blocks(2 * I, 128), block_k=_blocks(H, 64 if wide else 128), tma_store=cuda, **two),
+            "dw2": dict(block_n=_blocks(H, 128), block_k=_blocks(I, 64 if wide else 128), tma_store=cuda, **two)}
 
 
 def _weight_layout(layer: MoKHopperLayer, w13: torch.Tensor) -> Optional[dict[str, Any]]:
@@ -87,6 +96,9 @@ def _expert_backward(x_rows: torch.Tensor, dO_rows: torch.Tensor, s_rows: torch.
         dw13k, dw2k = dict(dw_tiles=layout["w13"]), dict(dw_tiles=layout["w2"])
     dev = x_rows.device
     t = _tiles(H, I, dev.type == "cuda", clamped=limit is not None, rows_per_expert=rows_per_expert)
+    if layout is not None:  # pointer stores into the block order: 128 x 64 output blocks (the resident kernel
+        t["dw13"]["block_k"] = _blocks(H, 64)  # spilled 144 B at 128 x 128; aot_check)
+        t["dw2"]["block_k"] = _blocks(I, 64)
     for stage, over in (tiles or {}).items():  # launch overrides (sweeps); programs_per_sm scales ``programs``
         t[stage] = {**t[stage], **over}
     progs = {k: programs * v.pop("programs_per_sm", 1) for k, v in t.items()}
