@@ -96,9 +96,10 @@ def _expert_backward(x_rows: torch.Tensor, dO_rows: torch.Tensor, s_rows: torch.
         dw13k, dw2k = dict(dw_tiles=layout["w13"]), dict(dw_tiles=layout["w2"])
     dev = x_rows.device
     t = _tiles(H, I, dev.type == "cuda", clamped=limit is not None, rows_per_expert=rows_per_expert)
-    if layout is not None:  # pointer stores into the block order: 128 x 64 output blocks (the resident kernel
-        t["dw13"]["block_k"] = _blocks(H, 64)  # spilled 144 B at 128 x 128; aot_check)
-        t["dw2"]["block_k"] = _blocks(I, 64)
+    if layout is not None:  # weights in the block order, read and written by pointers: 128 x 64 weight-gradient
+        t["dw13"]["block_k"] = _blocks(H, 64)  # blocks (the resident kernel spilled 144 B at 128 x 128) and
+        t["dw2"]["block_k"] = _blocks(I, 64)   # unpaired dgate blocks (paired, it spilled 104 B under Triton 3.6)
+        t["dgate"]["pair"] = False
     for stage, over in (tiles or {}).items():  # launch overrides (sweeps); programs_per_sm scales ``programs``
         t[stage] = {**t[stage], **over}
     progs = {k: programs * v.pop("programs_per_sm", 1) for k, v in t.items()}
