@@ -455,3 +455,34 @@ def test_paired_row_blocks_give_the_single_blocks_gradients_bit_for_bit():
     want = twin_bwd.autograd_reference(xs, idx, ws, dOs, w13, w2, shared=shared)[0]
     for name, got in zip(("x", "topk_w", "w13", "w2"), grads[1]):
         assert rel_l1(got, want[name]) < 1e-2, (name, rel_l1(got, want[name]))
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (it comes with torch on Linux; pip install -e "
+                                           "'.[test]'): the interpreter kernel tests need it")
+@pytest.mark.parametrize("limit", [None, 0.5], ids=["plain", "clamped"])
+def test_the_shared_experts_backward_by_torch_gemms(limit):
+    """``tiles["shared_bwd"] = {"torch": True}``: the shared expert's gradients by torch GEMMs, right against
+    autograd; the routed gradients untouched (bitwise the kernels' run). With a clamp the kernels keep it (the clamp
+    is decided on fp32 accumulators): every gradient bitwise the default's."""
+    from kernels.mok_hopper import interp
+    from kernels.mok_hopper.train import layer_backward
+
+    if not interp.INTERPRET:
+        pytest.skip("the kernels run on the CPU under TRITON_INTERPRET=1 (set at the top of this file without a GPU)")
+    T, K, E, H, I = TOY
+    layer, w13, w2, shared = _toy_layer(swiglu_limit=limit)
+    xs, idx, ws, dOs, _, _, _ = make(1, T, K, E, H, I, seed=8)
+    got = []
+    for tiles in (None, {"shared_bwd": {"torch": True}}):
+        with torch.no_grad():
+            layer(xs[0], idx[0], ws[0])
+            got.append(layer_backward(layer, dOs[0], xs[0], idx[0], ws[0], w13[0], w2[0], shared, tiles=tiles))
+    kern, tor = got
+    for k in ("topk_w", "w13", "w2"):
+        assert torch.equal(kern[k], tor[k]), k
+    same = [torch.equal(a, b) for a, b in zip(kern["shared"], tor["shared"])] + [torch.equal(kern["x"], tor["x"])]
+    assert all(same) if limit is not None else not all(same)  # the torch path ran where it may, and only there
+    want = twin_bwd.autograd_reference(xs, idx, ws, dOs, w13, w2, shared=shared, limit=limit)[0]
+    assert rel_l1(tor["x"], want["x"]) < 1e-2
+    for got_, ref in zip(tor["shared"], want["shared"]):
+        assert rel_l1(got_, ref) < 1e-2

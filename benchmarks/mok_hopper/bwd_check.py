@@ -70,6 +70,12 @@ SWEEP: dict[str, dict[str, dict[str, Any]]] = {
     "dgate pair 64x64, wgrad resident over 128 rows, 8 warps, 1/SM": {
         "dgate": dict(block_n=64, pair=True), "dw13": dict(block_r=128, num_warps=8, programs_per_sm=1),
         "dw2": dict(block_r=128, num_warps=8, programs_per_sm=1)},
+    # after v5 (session 16, call 5): dW13 stored by pointers (faster on qwen3_5_397b and kimi_k2_7 in calls 1 and 2,
+    # dW2 slower), the shared expert's backward by torch GEMMs (it ran at about a quarter of the GEMM rate)
+    "dW13 no TMA store": {"dw13": dict(tma_store=False)},
+    "shared expert by torch GEMMs": {"shared_bwd": {"torch": True}},
+    "shared expert by torch GEMMs, dW13 no TMA store": {"shared_bwd": {"torch": True},
+                                                        "dw13": dict(tma_store=False)},
 }
 SMOKE_SHAPE = "tiny"
 
@@ -244,17 +250,22 @@ def check_shape(ctx: Ctx, name: str, args: argparse.Namespace) -> None:
         if args.sweep and not ctx.smoke and mode == args.modes[0]:
             base_bits = backward_bits(b, inp, None) if args.sweep_bits else None
             for label, over in SWEEP.items():
+                if args.sweep_only and not any(w in label for w in args.sweep_only):
+                    continue
                 try:
                     st = stage_times(ctx, b, inp, args.stage_iters, tiles=over)
-                    same = backward_bits(b, inp, over) == base_bits if base_bits is not None else None
+                    bits = backward_bits(b, inp, over) if base_bits is not None else None
+                    same = bits == base_bits if bits is not None else None
+                    repeatable = backward_bits(b, inp, over) == bits if bits is not None else None
                 except Exception as e:  # noqa: BLE001 - a variant that does not compile is a row, not the end
                     ctx.add(section="sweep", shape=name, variant=label, error=f"{type(e).__name__}: {e}"[:300])
                     ctx.log(f"{name} sweep {label}: {type(e).__name__}: {str(e)[:200]}")
                     continue
                 total = round(sum(st.values()), 4)
-                ctx.add(section="sweep", shape=name, variant=label, same_bits=same, stages_total_ms=total,
-                        **{f"stage_{k}_ms": v for k, v in st.items()})
-                ctx.log(f"{name} sweep {label}: total {total} ms {st}; gradients bitwise the default's: {same}")
+                ctx.add(section="sweep", shape=name, variant=label, same_bits=same, repeatable=repeatable,
+                        stages_total_ms=total, **{f"stage_{k}_ms": v for k, v in st.items()})
+                ctx.log(f"{name} sweep {label}: total {total} ms {st}; gradients bitwise the default's: {same}, "
+                        f"the same again: {repeatable}")
         b.teardown()
         del b
         clear_workspace_cache()
@@ -288,7 +299,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--stage-iters", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--no-nccl", dest="nccl", action="store_false", help="skip the eager nccl comparison")
-    ap.add_argument("--sweep", action="store_true", help="stage times of the launch variants in SWEEP (first mode)")
+    ap.add_argument("--sweep", action="store_true", help="stage times of the launch variants in SWEEP (first mode), "
+                    "whether each one's gradients are the default's, and the same twice")
+    ap.add_argument("--sweep-only", type=lambda v: [w for w in v.split(",") if w], default=[],
+                    help="comma-separated parts of SWEEP labels: only the variants whose label holds one")
     ap.add_argument("--no-sweep-bits", dest="sweep_bits", action="store_false",
                     help="skip the sweep's check that each variant's gradients are bitwise the default's")
     ap.add_argument("--smoke", action="store_true")

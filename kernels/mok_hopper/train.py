@@ -101,7 +101,8 @@ def _expert_backward(x_rows: torch.Tensor, dO_rows: torch.Tensor, s_rows: torch.
         t["dw2"]["block_k"] = _blocks(I, 64)   # unpaired dgate blocks (paired, it spilled 104 B under Triton 3.6)
         t["dgate"]["pair"] = False
     for stage, over in (tiles or {}).items():  # launch overrides (sweeps); programs_per_sm scales ``programs``
-        t[stage] = {**t[stage], **over}
+        if stage != "shared_bwd":  # (how the shared expert's backward runs: :func:`_shared`)
+            t[stage] = {**t[stage], **over}
     progs = {k: programs * v.pop("programs_per_sm", 1) for k, v in t.items()}
     if h is None:
         h = torch.empty(R, 2 * I, dtype=torch.bfloat16, device=dev)
@@ -194,6 +195,8 @@ def _shared(layer: MoKHopperLayer, x_TH: torch.Tensor, dO_TH: torch.Tensor, shar
     g_w, u_w, d_w = shared
     x = x_TH.detach().to(torch.bfloat16).contiguous()
     dO = dO_TH.detach().to(torch.bfloat16).contiguous()
+    if {**SHARED_BWD, **(tiles or {}).get("shared_bwd", {})}["torch"] and layer.limit is None:
+        return _shared_torch(x, dO, g_w, u_w, d_w)
     sh_dx = torch.empty(T, H, dtype=torch.bfloat16, device=dev)
     sW13, sW2, _ = _expert_backward(
         x, dO, torch.ones(T, dtype=torch.float32, device=dev), None, None, torch.cat([g_w, u_w]).unsqueeze(0),
@@ -201,6 +204,28 @@ def _shared(layer: MoKHopperLayer, x_TH: torch.Tensor, dO_TH: torch.Tensor, shar
         torch.tensor([0, T], dtype=torch.int32, device=dev), sh_dx, limit=layer.limit, programs=programs,
         rows_per_expert=T, mark=lambda name: None, tiles=tiles)
     return (sW13[0, :I], sW13[0, I:], sW2[0]), sh_dx
+
+
+# How the shared expert's backward runs (``tiles["shared_bwd"]`` overrides): ``torch`` True, as torch GEMMs
+# (cuBLAS: bitwise repeatable on one GPU model and toolkit) where the SwiGLU is not clamped (a clamp must be decided
+# on the fp32 accumulators, as the forward decides it: the kernels' recompute does that); else the routed kernels.
+SHARED_BWD = dict(torch=False)
+
+
+def _shared_torch(x: torch.Tensor, dO: torch.Tensor, g_w: torch.Tensor, u_w: torch.Tensor, d_w: torch.Tensor
+                  ) -> tuple[tuple, torch.Tensor]:
+    """The shared expert's gradients by torch GEMMs (bf16 operands, fp32 accumulation, bf16 results), H recomputed:
+    the stages of :func:`_expert_backward` with router weight 1 and no clamp."""
+    I = g_w.shape[0]
+    w13 = torch.cat([g_w, u_w])  # [2I, H]
+    h = (x @ w13.T).float()
+    g, u = h[:, :I], h[:, I:]
+    d_act = (dO @ d_w).float()
+    sig = torch.sigmoid(g)
+    silu = g * sig
+    dH = torch.cat([d_act * u * (sig * (1.0 + g * (1.0 - sig))), d_act * silu], dim=1).to(torch.bfloat16)
+    dW13 = dH.T @ x
+    return (dW13[:I], dW13[I:], dO.T @ (silu * u).to(torch.bfloat16)), dH @ w13
 
 
 # ---- the backward across ranks (EP >= 2), in three phases (a test runs the phases of simulated ranks in lockstep);
