@@ -46,8 +46,8 @@ def _tiles(H: int, I: int, cuda: bool, clamped: bool = False, rows_per_expert: f
     v5 (PERF_NOTES "Session 16"): dgate pairs its 64-row blocks (one W2 block load for a tile of up to 128 rows;
     unclamped only: the clamped pair spills 112 B), and where the experts average over 48 rows (glm_5_2: 64, so
     about half have more than 64 and took the reloaded-P path) the resident weight gradients step over 128 rows
-    with 128 x 64 output blocks. Both spill a little under Triton 3.8 (dgate 96 B, weight gradients 16 B; aot_check's
-    budgets) and were faster in session 16's sweep all the same."""
+    with 128 x 64 output blocks. Both spill (dgate 96 B under Triton 3.8 and 144 B under 3.6, the weight gradients
+    16 and 8 B; aot_check's budgets) and were faster in session 16's sweep all the same."""
     wide = 48 < rows_per_expert <= 128  # (the shared expert's T rows, and 1024-row experts, keep the 64-row steps)
     two = dict(num_warps=4, programs_per_sm=2, resident=0 < rows_per_expert <= (128 if wide else 64),
                block_r=128 if wide else 64)
