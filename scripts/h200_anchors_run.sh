@@ -26,6 +26,9 @@
 #   autotuning results (TRITON_CACHE_AUTOTUNING=1, set by the liger backend where TRITON_CACHE_DIR is set) and
 #   inductor's are reused between the points of a call.
 # Rows go to OUTDIR/runs/<run_id>/; the log of each part to OUTDIR/anchors-<part>.log.
+# Known (session 16, torch 2.11 / Triton 3.6): nccl compiled with max-autotune died in inductor's autotuning of the
+# backward graph at EP=1 (an illegal memory access; results/README.md, h200x1-s16-compiled-nccl), so its rows here
+# come out `error`; COMPILE=false (below) runs every backend eager instead, as the h200x1-s13, -s15 and -s16 bwd runs did.
 set -uo pipefail
 OUTDIR=${1:?output folder}
 PART=${2:-all}
@@ -55,7 +58,7 @@ python3 -c "import liger_kernel, importlib.metadata as m; print('liger-kernel', 
   || echo "liger-kernel is not importable: its rows will be unsupported"
 
 COMMON=(-m hydra/launcher=node ep_size=1 precision=bf16 direction=fwd_and_bwd workload.tokens_per_gpu=2048
-        'backends=[nccl,liger,sonicmoe,mok_hopper]' compile=true compile_mode=published timing=published
+        'backends=[nccl,liger,sonicmoe,mok_hopper]' "compile=${COMPILE:-true}" compile_mode=published timing=published
         calibrate=true dist_timeout_s=900 "run_id=$MOKBENCH_RUN_ID" "results_dir=$OUTDIR/runs"
         hydra.sweep.dir=/tmp/mokbench-sweep hydra.run.dir=/tmp/mokbench-run)
 run() {  # part name, then the point's overrides
