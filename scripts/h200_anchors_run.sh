@@ -28,7 +28,8 @@
 # Rows go to OUTDIR/runs/<run_id>/; the log of each part to OUTDIR/anchors-<part>.log.
 # Known (session 16, torch 2.11 / Triton 3.6): nccl compiled with max-autotune died in inductor's autotuning of the
 # backward graph at EP=1 (an illegal memory access; results/README.md, h200x1-s16-compiled-nccl), so its rows here
-# come out `error`; COMPILE=false (below) runs every backend eager instead, as the h200x1-s13, -s15 and -s16 bwd runs did.
+# come out `error`; COMPILE=false (below) runs every backend eager instead, as the h200x1-s13, -s15 and -s16 bwd
+# runs did.
 set -uo pipefail
 OUTDIR=${1:?output folder}
 PART=${2:-all}
