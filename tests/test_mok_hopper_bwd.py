@@ -439,8 +439,8 @@ def test_paired_row_blocks_give_the_single_blocks_gradients_bit_for_bit():
     T, K, E, H, I = TOY
     layer, w13, w2, shared = _toy_layer()
     xs, idx, ws, dOs, _, _, _ = make(1, T, K, E, H, I, seed=6)
-    g = torch.Generator().manual_seed(7)
-    idx[0] = torch.stack([torch.cat([torch.zeros(1, dtype=torch.long), 1 + torch.randperm(E - 1, generator=g)[:K - 1]])
+    gen = torch.Generator().manual_seed(7)
+    idx[0] = torch.stack([torch.cat([torch.zeros(1, dtype=torch.long), 1 + torch.randperm(E - 1, generator=gen)[:K - 1]])
                           for _ in range(T)])
     assert (idx[0] == 0).sum() == T and all(len(set(r.tolist())) == K for r in idx[0])
     grads = []

@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from kernels.mok_hopper import bwd_gemm, pull
+from kernels.mok_hopper import bwd_gemm, pull, twin_bwd
 from kernels.mok_hopper.api import MoKHopperLayer
 from kernels.mok_hopper.pull import combine_epilogue
 from kernels.mok_hopper.tiles import num_sms
@@ -33,7 +33,7 @@ def _blocks(n: int, cap: int) -> int:
 BWD_STAGES = ("gather", "recompute_h", "dgate", "dx", "dw13", "dw2", "shared", "dx_sum")  # ``marks`` names
 
 
-def _tiles(H: int, I: int, cuda: bool, clamped: bool = False, rows_per_expert: float = 0.0
+def _tiles(H: int, I: int, cuda: bool, clamped: bool = False, rows_per_expert: float = 0.0, tiled: bool = False
            ) -> dict[str, dict[str, Any]]:
     """Launch parameters of the backward's GEMMs (v4, PERF_NOTES "Session 14"; aot_check compiles each for sm_90:
     no spills, except dgate's 16-32 B under Triton 3.6): dgate 64 x 128 (8 warps: its epilogue holds about ten
@@ -47,16 +47,21 @@ def _tiles(H: int, I: int, cuda: bool, clamped: bool = False, rows_per_expert: f
     unclamped only: the clamped pair spills 112 B), and where the experts average over 48 rows (glm_5_2: 64, so
     about half have more than 64 and took the reloaded-P path) the resident weight gradients step over 128 rows
     with 128 x 64 output blocks. Both spill (dgate 96 B under Triton 3.8 and 144 B under 3.6, the weight gradients
-    16 and 8 B; aot_check's budgets) and were faster in session 16's sweep all the same."""
+    16 and 8 B; aot_check's budgets) and were faster in session 16's sweep all the same.
+
+    ``tiled``: the weights in the forward's TMA block order, read and written by pointers: 128 x 64 weight-gradient
+    blocks (the resident kernel spilled 144 B at 128 x 128) and unpaired dgate blocks (paired, it spilled 104 B
+    under Triton 3.6)."""
     wide = 48 < rows_per_expert <= 128  # (the shared expert's T rows, and 1024-row experts, keep the 64-row steps)
-    two = dict(num_warps=4, programs_per_sm=2, resident=0 < rows_per_expert <= (128 if wide else 64),
+    two = dict(num_warps=4, programs_per_sm=2, resident=wide or 0 < rows_per_expert <= 64,
                block_r=128 if wide else 64)
+    wk = 64 if wide or tiled else 128
     return {"dgate": dict(block_m=64, block_n=_blocks(I, 128), block_k=_blocks(H, 64), stages=3 if clamped else 4,
-                          pair=not clamped),
+                          pair=not (clamped or tiled)),
             "dx": dict(block_m=128, block_n=_blocks(H, 128), block_k=_blocks(2 * I, 64), stages=4),
             "recompute": dict(block_m=128, block_n=_blocks(2 * I, 64), block_k=_blocks(H, 64)),
-            "dw13": dict(block_n=_blocks(2 * I, 128), block_k=_blocks(H, 64 if wide else 128), tma_store=cuda, **two),
-            "dw2": dict(block_n=_blocks(H, 128), block_k=_blocks(I, 64 if wide else 128), tma_store=cuda, **two)}
+            "dw13": dict(block_n=_blocks(2 * I, 128), block_k=_blocks(H, wk), tma_store=cuda, **two),
+            "dw2": dict(block_n=_blocks(H, 128), block_k=_blocks(I, wk), tma_store=cuda, **two)}
 
 
 def _weight_layout(layer: MoKHopperLayer, w13: torch.Tensor) -> Optional[dict[str, Any]]:
@@ -95,11 +100,8 @@ def _expert_backward(x_rows: torch.Tensor, dO_rows: torch.Tensor, s_rows: torch.
         w2k = dict(w_tiles=(*layout["w2"], True), w_dims=(H, I))
         dw13k, dw2k = dict(dw_tiles=layout["w13"]), dict(dw_tiles=layout["w2"])
     dev = x_rows.device
-    t = _tiles(H, I, dev.type == "cuda", clamped=limit is not None, rows_per_expert=rows_per_expert)
-    if layout is not None:  # weights in the block order, read and written by pointers: 128 x 64 weight-gradient
-        t["dw13"]["block_k"] = _blocks(H, 64)  # blocks (the resident kernel spilled 144 B at 128 x 128) and
-        t["dw2"]["block_k"] = _blocks(I, 64)   # unpaired dgate blocks (paired, it spilled 104 B under Triton 3.6)
-        t["dgate"]["pair"] = False
+    t = _tiles(H, I, dev.type == "cuda", clamped=limit is not None, rows_per_expert=rows_per_expert,
+               tiled=layout is not None)
     for stage, over in (tiles or {}).items():  # launch overrides (sweeps); programs_per_sm scales ``programs``
         if stage != "shared_bwd":  # (how the shared expert's backward runs: :func:`_shared`)
             t[stage] = {**t[stage], **over}
@@ -218,14 +220,11 @@ def _shared_torch(x: torch.Tensor, dO: torch.Tensor, g_w: torch.Tensor, u_w: tor
     the stages of :func:`_expert_backward` with router weight 1 and no clamp."""
     I = g_w.shape[0]
     w13 = torch.cat([g_w, u_w])  # [2I, H]
-    h = (x @ w13.T).float()
-    g, u = h[:, :I], h[:, I:]
-    d_act = (dO @ d_w).float()
-    sig = torch.sigmoid(g)
-    silu = g * sig
-    dH = torch.cat([d_act * u * (sig * (1.0 + g * (1.0 - sig))), d_act * silu], dim=1).to(torch.bfloat16)
+    h = x @ w13.T
+    A, dg, du = twin_bwd.swiglu_grads(h[:, :I], h[:, I:], dO @ d_w, None)
+    dH = torch.cat([dg, du], dim=1).to(torch.bfloat16)
     dW13 = dH.T @ x
-    return (dW13[:I], dW13[I:], dO.T @ (silu * u).to(torch.bfloat16)), dH @ w13
+    return (dW13[:I], dW13[I:], dO.T @ A.to(torch.bfloat16)), dH @ w13
 
 
 # ---- the backward across ranks (EP >= 2), in three phases (a test runs the phases of simulated ranks in lockstep);
