@@ -461,9 +461,10 @@ def test_paired_row_blocks_give_the_single_blocks_gradients_bit_for_bit():
                                            "'.[test]'): the interpreter kernel tests need it")
 @pytest.mark.parametrize("limit", [None, 0.5], ids=["plain", "clamped"])
 def test_the_shared_experts_backward_by_torch_gemms(limit):
-    """``tiles["shared_bwd"] = {"torch": True}``: the shared expert's gradients by torch GEMMs, right against
-    autograd; the routed gradients untouched (bitwise the kernels' run). With a clamp the kernels keep it (the clamp
-    is decided on fp32 accumulators): every gradient bitwise the default's."""
+    """``tiles["shared_bwd"] = {"torch": True}`` (the default): the shared expert's gradients by torch GEMMs, right
+    against autograd; the routed gradients untouched (bitwise the run with ``{"torch": False}``, the shared expert
+    through the routed kernels). With a clamp the kernels keep it (the clamp is decided on fp32 accumulators): every
+    gradient bitwise the kernels' run."""
     from kernels.mok_hopper import interp
     from kernels.mok_hopper.train import layer_backward
 
@@ -473,7 +474,7 @@ def test_the_shared_experts_backward_by_torch_gemms(limit):
     layer, w13, w2, shared = _toy_layer(swiglu_limit=limit)
     xs, idx, ws, dOs, _, _, _ = make(1, T, K, E, H, I, seed=8)
     got = []
-    for tiles in (None, {"shared_bwd": {"torch": True}}):
+    for tiles in ({"shared_bwd": {"torch": False}}, None):
         with torch.no_grad():
             layer(xs[0], idx[0], ws[0])
             got.append(layer_backward(layer, dOs[0], xs[0], idx[0], ws[0], w13[0], w2[0], shared, tiles=tiles))

@@ -73,9 +73,18 @@ SWEEP: dict[str, dict[str, dict[str, Any]]] = {
     # after v5 (session 16, call 5): dW13 stored by pointers (faster on qwen3_5_397b and kimi_k2_7 in calls 1 and 2,
     # dW2 slower), the shared expert's backward by torch GEMMs (it ran at about a quarter of the GEMM rate)
     "dW13 no TMA store": {"dw13": dict(tma_store=False)},
-    "shared expert by torch GEMMs": {"shared_bwd": {"torch": True}},
-    "shared expert by torch GEMMs, dW13 no TMA store": {"shared_bwd": {"torch": True},
-                                                        "dw13": dict(tma_store=False)},
+    # v6 (session 17): the shared expert's backward by torch GEMMs is the default; the kernels' way, for comparison
+    "shared expert by the kernels (v5)": {"shared_bwd": {"torch": False}},
+    "wgrad 128x64 blocks (64-row steps)": {"dw13": dict(block_k=64), "dw2": dict(block_k=64)},
+    # the compute-bound point (1024 rows an expert: the reloaded-P weight gradients, 64-row steps, never tuned)
+    "cb wgrad 8 warps 1/SM": {"dw13": dict(num_warps=8, programs_per_sm=1), "dw2": dict(num_warps=8, programs_per_sm=1)},
+    "cb wgrad 128x256 8 warps 1/SM": {"dw13": dict(block_k=256, num_warps=8, programs_per_sm=1),
+                                      "dw2": dict(block_k=256, num_warps=8, programs_per_sm=1)},
+    "cb wgrad 128-row steps 8 warps 1/SM": {"dw13": dict(block_r=128, num_warps=8, programs_per_sm=1),
+                                            "dw2": dict(block_r=128, num_warps=8, programs_per_sm=1)},
+    "cb wgrad 4 stages": {"dw13": dict(stages=4), "dw2": dict(stages=4)},
+    "cb dx 128x256": {"dx": dict(block_n=256)},
+    "cb dgate 64x128 unpaired": {"dgate": dict(pair=False)},
 }
 SMOKE_SHAPE = "tiny"
 

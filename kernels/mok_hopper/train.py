@@ -211,7 +211,9 @@ def _shared(layer: MoKHopperLayer, x_TH: torch.Tensor, dO_TH: torch.Tensor, shar
 # How the shared expert's backward runs (``tiles["shared_bwd"]`` overrides): ``torch`` True, as torch GEMMs
 # (cuBLAS: bitwise repeatable on one GPU model and toolkit) where the SwiGLU is not clamped (a clamp must be decided
 # on the fp32 accumulators, as the forward decides it: the kernels' recompute does that); else the routed kernels.
-SHARED_BWD = dict(torch=False)
+# v6 (PERF_NOTES "Session 17"): torch by default (the kernels ran the one 2048-row expert at 22-37% of the GEMM
+# rate: 1.49 -> 0.85 ms on glm_5_2 in session 16's sweep).
+SHARED_BWD = dict(torch=True)
 
 
 def _shared_torch(x: torch.Tensor, dO: torch.Tensor, g_w: torch.Tensor, u_w: torch.Tensor, d_w: torch.Tensor

@@ -1,0 +1,165 @@
+"""How fast can one H200 write a weight gradient in the access patterns of mok_hopper's wgrad kernels? (issue 23)
+
+The backward's weight-gradient stages write dW13 / dW2 at 57-70% of the copy rate (PERF_NOTES "Session 16"). This
+probe writes the same tensors with no loads and no MMA, so what it measures is the store pattern alone:
+
+* ``zero_``: torch's fill of the whole tensor (contiguous writes);
+* ``strips``: the resident kernel's order (a program owns the rows of one (expert, N block) strip and walks its K
+  blocks, storing one [BN, BK] block per step), by TMA or by pointers, 1-4 programs per SM;
+* ``blocks``: the reloaded-P kernel's order (work items (expert, N block, K block), K fastest across programs);
+* ``contiguous``: the strips' order into a layout where every [BN, BK] block is one contiguous piece of memory (what
+  tiled weight gradients would be).
+
+Each variant is timed with CUDA events (median of ``--iters`` after two untimed passes) and reported as GB/s of
+bytes written, beside the copy rate of the same bytes (``copy_``: read + write). One GPU::
+
+    python3 -m benchmarks.experiments.wgrad_store_probe --out DIR [--shape glm_5_2]
+
+Writes ``DIR/wgrad_store_probe.csv``. Needs CUDA (exit 2 on a machine without it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import sys
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _store_kernel(dw_ptr, N, K, L, BN: tl.constexpr, BK: tl.constexpr, NUM_PROGS: tl.constexpr,
+                  ORDER: tl.constexpr, TMA: tl.constexpr, STAGES: tl.constexpr):
+    """ORDER 0: strips (e, n), K blocks inner; 1: blocks (e, n, k), k fastest; 2: strips into contiguous blocks."""
+    n_n = N // BN
+    n_k = K // BK
+    if ORDER == 1:
+        for wk in tl.range(tl.program_id(0), L * n_n * n_k, NUM_PROGS, num_stages=STAGES):
+            e = wk // (n_n * n_k)
+            n = (wk // n_k) % n_n
+            k = wk % n_k
+            val = tl.full((BN, BK), 1.0, tl.float32) * wk
+            if TMA:
+                dw_ptr.store([e * N + n * BN, k * BK], val.to(tl.bfloat16))
+            else:
+                r = (e * N + n * BN + tl.arange(0, BN)).to(tl.int64)
+                tl.store(dw_ptr + r[:, None] * K + (k * BK + tl.arange(0, BK))[None, :], val.to(tl.bfloat16))
+    else:
+        for wk in range(tl.program_id(0), L * n_n, NUM_PROGS):
+            e = wk // n_n
+            n = wk % n_n
+            for k in tl.range(0, n_k, num_stages=STAGES):
+                val = tl.full((BN, BK), 1.0, tl.float32) * (wk + k)
+                if ORDER == 2:
+                    blk = (e * n_n + n) * n_k + k  # (TMA offsets are 32-bit; the pointers' 64-bit)
+                    if TMA:
+                        dw_ptr.store([blk * BN, 0], val.to(tl.bfloat16))
+                    else:
+                        blk = tl.cast(blk, tl.int64)
+                        off = blk * BN * BK + tl.arange(0, BN)[:, None] * BK + tl.arange(0, BK)[None, :]
+                        tl.store(dw_ptr + off, val.to(tl.bfloat16))
+                elif TMA:
+                    dw_ptr.store([e * N + n * BN, k * BK], val.to(tl.bfloat16))
+                else:
+                    r = (e * N + n * BN + tl.arange(0, BN)).to(tl.int64)
+                    tl.store(dw_ptr + r[:, None] * K + (k * BK + tl.arange(0, BK))[None, :], val.to(tl.bfloat16))
+
+
+ORDERS = {"strips": 0, "blocks": 1, "contiguous": 2}
+# (label, order, tma, BN, BK, warps, programs per SM, stages)
+VARIANTS = [
+    ("strips tma 128x64 4w 2/SM (v5 wide)", "strips", True, 128, 64, 4, 2, 3),
+    ("strips tma 128x128 4w 2/SM (v5)", "strips", True, 128, 128, 4, 2, 3),
+    ("strips tma 128x64 4w 1/SM", "strips", True, 128, 64, 4, 1, 3),
+    ("strips tma 128x64 4w 4/SM", "strips", True, 128, 64, 4, 4, 3),
+    ("strips tma 128x128 8w 1/SM", "strips", True, 128, 128, 8, 1, 3),
+    ("strips tma 64x256 4w 2/SM", "strips", True, 64, 256, 4, 2, 3),
+    ("strips tma 128x64 4w 2/SM 1 stage", "strips", True, 128, 64, 4, 2, 1),
+    ("strips ptr 128x64 4w 2/SM", "strips", False, 128, 64, 4, 2, 3),
+    ("strips ptr 128x128 8w 2/SM", "strips", False, 128, 128, 8, 2, 3),
+    ("blocks tma 128x64 4w 2/SM", "blocks", True, 128, 64, 4, 2, 3),
+    ("blocks tma 128x128 4w 2/SM", "blocks", True, 128, 128, 4, 2, 3),
+    ("contiguous tma 128x64 4w 2/SM", "contiguous", True, 128, 64, 4, 2, 3),
+    ("contiguous ptr 128x64 4w 2/SM", "contiguous", False, 128, 64, 4, 2, 3),
+]
+
+
+def _time(fn, iters: int) -> float:
+    for _ in range(2):
+        fn()
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+    for a, b in ev:
+        a.record()
+        fn()
+        b.record()
+    torch.cuda.synchronize()
+    return sorted(a.elapsed_time(b) for a, b in ev)[iters // 2]
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--shape", default="glm_5_2")
+    ap.add_argument("--iters", type=int, default=5)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("wgrad_store_probe: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from benchmarks.shapes import shape_config
+
+    s = shape_config(args.shape)
+    L, H, I = s["num_experts"], s["hidden"], s["ffn"]
+    dev = torch.device("cuda")
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    rows = []
+    for name, (N, K) in {"dW13": (2 * I, H), "dW2": (H, I)}.items():
+        dw = torch.empty(L, N, K, dtype=torch.bfloat16, device=dev)
+        src = torch.empty_like(dw).normal_()
+        gb = dw.numel() * 2 / 1e9
+        ms = _time(dw.zero_, args.iters)
+        rows.append(dict(tensor=name, variant="torch zero_", ms=round(ms, 4), GBps=round(gb / ms * 1e3, 1)))
+        ms = _time(lambda: dw.copy_(src), args.iters)
+        rows.append(dict(tensor=name, variant="torch copy_ (read + write)", ms=round(ms, 4),
+                         GBps=round(gb / ms * 1e3, 1)))
+        del src
+        for label, order, tma, bn, bk, warps, per_sm, stages in VARIANTS:
+            progs = sms * per_sm
+            if order == "contiguous":
+                view = dw.view(-1, bk)
+            else:
+                view = dw.view(-1, K)
+            arg = TensorDescriptor.from_tensor(view, [bn, bk]) if tma else dw
+
+            def run(arg=arg, order=order, tma=tma, bn=bn, bk=bk, warps=warps, progs=progs, stages=stages):
+                _store_kernel[(progs,)](arg, N, K, L, BN=bn, BK=bk, NUM_PROGS=progs, ORDER=ORDERS[order], TMA=tma,
+                                        STAGES=stages, num_warps=warps)
+
+            try:
+                ms = _time(run, args.iters)
+            except Exception as e:  # noqa: BLE001 - a variant that does not compile is a row, not the end
+                rows.append(dict(tensor=name, variant=label, error=f"{type(e).__name__}: {e}"[:200]))
+                continue
+            rows.append(dict(tensor=name, variant=label, ms=round(ms, 4), GBps=round(gb / ms * 1e3, 1)))
+        del dw
+        torch.cuda.empty_cache()
+    for r in rows:
+        print(f"{args.shape} {r['tensor']} {r['variant']}: {r.get('ms')} ms, {r.get('GBps')} GB/s {r.get('error', '')}",
+              flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    keys = ["shape", "tensor", "variant", "ms", "GBps", "error"]
+    with open(os.path.join(args.out, "wgrad_store_probe.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys)
+        w.writeheader()
+        for r in rows:
+            w.writerow({"shape": args.shape, **r})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
