@@ -85,6 +85,17 @@ SWEEP: dict[str, dict[str, dict[str, Any]]] = {
     "cb wgrad 4 stages": {"dw13": dict(stages=4), "dw2": dict(stages=4)},
     "cb dx 128x256": {"dx": dict(block_n=256)},
     "cb dgate 64x128 unpaired": {"dgate": dict(pair=False)},
+    # session 17, call 2: call 1's two compute-bound wins together and on the published shapes
+    "dx 128x256": {"dx": dict(block_n=256)},
+    "dx 128x256 3 stages": {"dx": dict(block_n=256, stages=3)},
+    "wgrad 4 stages": {"dw13": dict(stages=4), "dw2": dict(stages=4)},
+    "dx 128x256, wgrad 4 stages": {"dx": dict(block_n=256), "dw13": dict(stages=4), "dw2": dict(stages=4)},
+    "cb dx 128x256, wgrad 5 stages": {"dx": dict(block_n=256), "dw13": dict(stages=5), "dw2": dict(stages=5)},
+    "cb dx 128x256, wgrad 4 stages, dgate 5 stages": {"dx": dict(block_n=256), "dw13": dict(stages=4),
+                                                      "dw2": dict(stages=4), "dgate": dict(stages=5)},
+    "cb dx 128x256, wgrad 128x256 4 stages 8 warps 1/SM": {
+        "dx": dict(block_n=256), "dw13": dict(block_k=256, stages=4, num_warps=8, programs_per_sm=1),
+        "dw2": dict(block_k=256, stages=4, num_warps=8, programs_per_sm=1)},
 }
 SMOKE_SHAPE = "tiny"
 
