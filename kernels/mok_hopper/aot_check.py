@@ -204,7 +204,7 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048, extras: bool 
         for label, over, warps in (("bwd dgate pair", dict(DGATE=True, BM=64, BN=128, STAGES=4, PAIR=True), 8),
                                    ("bwd dgate", dict(DGATE=True, BM=64, BN=128, STAGES=4), 8),
                                    ("bwd dgate clamp", dict(DGATE=True, HAS_LIMIT=True, BM=64, BN=128), 8),
-                                   ("bwd dx push", dict(BM=128, BN=128, PUSH=True, STAGES=4), 8),
+                                   ("bwd dx push", dict(BM=128, BN=256, PUSH=True, STAGES=3), 8),
                                    ("bwd recompute H", dict(BM=128, BN=64, SAVE_H=True, WTMA=False), 8)):
             c = {**rows_c, **over}
             t = dict(rows_t, w_ptr=f"tensordesc<bf16[{c['BK']}, {c['BN']}]>") if c["WTMA"] else rows_t
@@ -213,7 +213,7 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048, extras: bool 
                     expert_row_ptr="*i32", N="i32", K="i32", L="i32")
         wg_c = dict(BN=128, BK=128, BR=64, NUM_PROGS=2 * nprog, UPCAST=False, STAGES=3, TMA_STORE=True, TBN=0, TBK=0,
                     GU=False)
-        out.append(Variant("bwd wgrad", "_bwd_wgrad_kernel", wg_t, wg_c, 4))
+        out.append(Variant("bwd wgrad", "_bwd_wgrad_kernel", wg_t, dict(wg_c, STAGES=4), 4))  # over 128 rows
         out.append(Variant("bwd wgrad P resident", "_bwd_wgrad_resident_kernel", wg_t, wg_c, 4))
         # experts of 48-128 rows on average (glm_5_2 at EP=1): 128-row steps, 128 x 64 output blocks
         out.append(Variant("bwd wgrad P resident 128 rows", "_bwd_wgrad_resident_kernel",
@@ -227,7 +227,7 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048, extras: bool 
                                                                           **up_t), 8)):
             out.append(Variant(label, "_bwd_rows_kernel", rows_t, {**rows_c, "WTMA": False, **over}, warps))
         out.append(Variant("bwd wgrad tiled gate/up", "_bwd_wgrad_kernel", dict(wg_t, dw_ptr="*bf16"),
-                           dict(wg_c, TMA_STORE=False, BK=64, **up_t), 4))
+                           dict(wg_c, TMA_STORE=False, BK=64, STAGES=4, **up_t), 4))
         for label, over in (("bwd wgrad P resident tiled gate/up", {}), ("bwd wgrad P resident 128 rows tiled gate/up",
                                                                       dict(BR=128))):
             out.append(Variant(label, "_bwd_wgrad_resident_kernel", dict(wg_t, dw_ptr="*bf16"),

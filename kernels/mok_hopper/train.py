@@ -51,14 +51,19 @@ def _tiles(H: int, I: int, cuda: bool, clamped: bool = False, rows_per_expert: f
 
     ``tiled``: the weights in the forward's TMA block order, read and written by pointers: 128 x 64 weight-gradient
     blocks (the resident kernel spilled 144 B at 128 x 128) and unpaired dgate blocks (paired, it spilled 104 B
-    under Triton 3.6)."""
+    under Triton 3.6).
+
+    v6 (PERF_NOTES "Session 17"): dX 128 x 256 at 3 stages (plain weights; 255 registers, no spill), and the
+    reloaded-P weight gradients (experts over 128 rows: the compute-bound point) at 4 stages."""
     wide = 48 < rows_per_expert <= 128  # (the shared expert's T rows, and 1024-row experts, keep the 64-row steps)
-    two = dict(num_warps=4, programs_per_sm=2, resident=wide or 0 < rows_per_expert <= 64,
-               block_r=128 if wide else 64)
+    resident = wide or 0 < rows_per_expert <= 64
+    two = dict(num_warps=4, programs_per_sm=2, resident=resident, block_r=128 if wide else 64,
+               stages=3 if resident else 4)
     wk = 64 if wide or tiled else 128
+    dx = dict(block_n=_blocks(H, 128), stages=4) if tiled else dict(block_n=_blocks(H, 256), stages=3)
     return {"dgate": dict(block_m=64, block_n=_blocks(I, 128), block_k=_blocks(H, 64), stages=3 if clamped else 4,
                           pair=not (clamped or tiled)),
-            "dx": dict(block_m=128, block_n=_blocks(H, 128), block_k=_blocks(2 * I, 64), stages=4),
+            "dx": dict(block_m=128, block_k=_blocks(2 * I, 64), **dx),
             "recompute": dict(block_m=128, block_n=_blocks(2 * I, 64), block_k=_blocks(H, 64)),
             "dw13": dict(block_n=_blocks(2 * I, 128), block_k=_blocks(H, wk), tma_store=cuda, **two),
             "dw2": dict(block_n=_blocks(H, 128), block_k=_blocks(I, wk), tma_store=cuda, **two)}
