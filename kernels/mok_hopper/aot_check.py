@@ -228,10 +228,10 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048, extras: bool 
             out.append(Variant(label, "_bwd_rows_kernel", rows_t, {**rows_c, "WTMA": False, **over}, warps))
         out.append(Variant("bwd wgrad tiled gate/up", "_bwd_wgrad_kernel", dict(wg_t, dw_ptr="*bf16"),
                            dict(wg_c, TMA_STORE=False, BK=64, STAGES=4, **up_t), 4))
-        for label, over in (("bwd wgrad P resident tiled gate/up", {}), ("bwd wgrad P resident 128 rows tiled gate/up",
-                                                                      dict(BR=128))):
+        for label, over, warps in (("bwd wgrad P resident tiled gate/up", {}, 8),
+                                   ("bwd wgrad P resident 128 rows tiled gate/up", dict(BR=128), 4)):
             out.append(Variant(label, "_bwd_wgrad_resident_kernel", dict(wg_t, dw_ptr="*bf16"),
-                               dict(wg_c, TMA_STORE=False, BK=64, **up_t, **over), 4))
+                               dict(wg_c, TMA_STORE=False, BK=64, **up_t, **over), warps))
     return out
 
 

@@ -54,11 +54,15 @@ def _tiles(H: int, I: int, cuda: bool, clamped: bool = False, rows_per_expert: f
     under Triton 3.6).
 
     v6 (PERF_NOTES "Session 17"): dX 128 x 256 at 3 stages (plain weights; 255 registers, no spill), and the
-    reloaded-P weight gradients (experts over 128 rows: the compute-bound point) at 4 stages."""
+    reloaded-P weight gradients (experts over 128 rows: the compute-bound point) at 4 stages. The tiled layout's
+    resident 64-row weight gradients at 8 warps, one program per SM (aot_check under Triton 3.6 found 264 B of
+    spill at 4 warps; not timed on the GPU: bwd_check runs plain weights)."""
     wide = 48 < rows_per_expert <= 128  # (the shared expert's T rows, and 1024-row experts, keep the 64-row steps)
     resident = wide or 0 < rows_per_expert <= 64
     two = dict(num_warps=4, programs_per_sm=2, resident=resident, block_r=128 if wide else 64,
                stages=3 if resident else 4)
+    if tiled and resident and not wide:  # at 4 warps Triton 3.6 spills 264 B here (3.8 none); 8 warps fit one per SM
+        two.update(num_warps=8, programs_per_sm=1)
     wk = 64 if wide or tiled else 128
     dx = dict(block_n=_blocks(H, 128), stages=4) if tiled else dict(block_n=_blocks(H, 256), stages=3)
     return {"dgate": dict(block_m=64, block_n=_blocks(I, 128), block_k=_blocks(H, 64), stages=3 if clamped else 4,
