@@ -487,3 +487,39 @@ def test_the_shared_experts_backward_by_torch_gemms(limit):
     assert rel_l1(tor["x"], want["x"]) < 1e-2
     for got_, ref in zip(tor["shared"], want["shared"]):
         assert rel_l1(got_, ref) < 1e-2
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (it comes with torch on Linux; pip install -e "
+                                           "'.[test]'): the interpreter kernel tests need it")
+@pytest.mark.parametrize("fused", [False, True], ids=["tiled", "tiled-gate-up-interleaved"])
+def test_bwd_checks_tiled_layout_variant_runs_the_tiled_backward(fused, monkeypatch):
+    """bwd_check's ``tiled layout`` sweep variant: the backward on the layer's own weights in TMA block order, its
+    weight gradients untiled, agrees with the plain-layout run (``layout_rel_l1``); untiled wrongly (rows in the
+    wrong order), the comparison fails; on a layer whose weights are plain the variant refuses to run."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    from benchmarks.mok_hopper import bwd_check
+    from kernels.mok_hopper import interp
+    from kernels.mok_hopper.tiles import default_tile
+
+    if not interp.INTERPRET:
+        pytest.skip("the kernels run on the CPU under TRITON_INTERPRET=1 (set at the top of this file without a GPU)")
+    T, K, E, H, I = TOY
+    tile = replace(default_tile(device=torch.device("cpu"), hidden=H, ffn=I), tma=True, w_tiled=True, up_fused=fused)
+    layer, w13, w2, shared = _toy_layer(tile=tile)
+    xs, idx, ws, dOs, _, _, _ = make(1, T, K, E, H, I, seed=8)
+    backend = SimpleNamespace(impl=layer, params=SimpleNamespace(w13=w13[0], w2=w2[0], shared=tuple(shared)))
+    inp = SimpleNamespace(x_TH=xs[0], topk_idx_TK=idx[0], topk_w_TK=ws[0], grad_out_TH=dOs[0])
+    over = bwd_check.SWEEP["tiled layout"]
+    w13_t, w2_t, rest = bwd_check._weights(backend, over)
+    assert w13_t is layer.w13 and w13_t.dim() == 5 and w2_t is layer.w2 and rest == {}
+    g = bwd_check._backward(backend, inp, over)
+    assert g["w13"].shape == w13[0].shape and g["w2"].shape == w2[0].shape
+    assert bwd_check.layout_rel_l1(backend, inp, over) < 1e-3
+    untile = bwd_check._plain
+    monkeypatch.setattr(bwd_check, "_plain", lambda b, g: {**untile(b, g), "w13": untile(b, g)["w13"].flip(1)})
+    assert bwd_check.layout_rel_l1(backend, inp, over) > 0.1
+    plain_layer, _, _, _ = _toy_layer()
+    with pytest.raises(ValueError, match="plain here"):
+        bwd_check._weights(SimpleNamespace(impl=plain_layer, params=backend.params), over)

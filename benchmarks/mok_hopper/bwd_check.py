@@ -43,6 +43,7 @@ from kernels.mok_hopper.train import BWD_STAGES, layer_backward
 from kernels.mok_hopper.workspace import clear_workspace_cache
 
 MODES = ("save_h", "recompute")
+LAYOUT = "layout"  # a SWEEP key that is no launch override: "tiled" runs the backward on the layer's tiled weights
 # launch variants of the backward's GEMMs, stage times against the default (``--sweep``): earlier versions' launches
 # and the candidates not yet measured (PERF_NOTES, sessions 13 and 14)
 # (session 13's 256-wide, 32-row-step and no-TMA-store weight-gradient launches and the 3-stage dX were measured
@@ -96,6 +97,11 @@ SWEEP: dict[str, dict[str, dict[str, Any]]] = {
     "cb dx 128x256, wgrad 128x256 4 stages 8 warps 1/SM": {
         "dx": dict(block_n=256), "dw13": dict(block_k=256, stages=4, num_warps=8, programs_per_sm=1),
         "dw2": dict(block_k=256, stages=4, num_warps=8, programs_per_sm=1)},
+    # session 17's store probe: stores into contiguous blocks reach the copy rate, strips of a row-major tensor by
+    # TMA 83-87% of it. The layer's own weights in TMA block order (what MoKHopperMoE(layout="tiled") trains):
+    # the backward reads them there and writes dW13 / dW2 in that order (by pointers); ``same_bits`` compares
+    # the gradients untiled with the plain run's (``layout_rel_l1``: their largest relative L1 difference)
+    "tiled layout": {LAYOUT: "tiled"},
 }
 SMOKE_SHAPE = "tiny"
 
@@ -144,11 +150,32 @@ def saved_per_token(case: Any, mode: str) -> dict[str, int]:
             "sonicmoe_bytes_per_token": H * 2 + K * 2 * I * 2}
 
 
+def _weights(backend: Any, tiles: Optional[dict[str, Any]]) -> tuple[Any, Any, Optional[dict[str, Any]]]:
+    """(w13, w2, launch overrides) for :func:`layer_backward`: the backend's plain parameters, or with ``tiles``'
+    :data:`LAYOUT` "tiled" the layer's own weights in TMA block order (its CUDA default tile keeps them so)."""
+    p = backend.params
+    if (tiles or {}).get(LAYOUT) != "tiled":
+        return p.w13, p.w2, tiles
+    layer = backend.impl
+    if layer.w13.dim() != 5:
+        raise ValueError("the layer's weights are plain here (its tile has w_tiled off): no tiled layout to run")
+    return layer.w13, layer.w2, {k: v for k, v in tiles.items() if k != LAYOUT}
+
+
+def _plain(backend: Any, g: dict[str, Any]) -> dict[str, Any]:
+    """Gradients of a tiled-layout backward with dW13 / dW2 back in the plain layout."""
+    from kernels.mok_hopper.gemm_common import untile_weights, untile_weights_gu
+
+    up = untile_weights_gu if backend.impl.cfg.up_fused else untile_weights
+    return {**g, "w13": up(g["w13"]), "w2": untile_weights(g["w2"])}
+
+
 def stage_times(ctx: Ctx, backend: Any, inp: Any, iters: int,
                 tiles: Optional[dict[str, dict[str, Any]]] = None) -> dict[str, float]:
     """Median ms of each backward stage (:data:`BWD_STAGES`), each after an untimed forward; ``tiles``: launch
-    overrides (:func:`~kernels.mok_hopper.train.layer_backward`)."""
+    overrides (:func:`~kernels.mok_hopper.train.layer_backward`), or the layout (:func:`_weights`)."""
     layer, p = backend.impl, backend.params
+    w13, w2, tiles = _weights(backend, tiles)
     samples: dict[str, list[float]] = {s: [] for s in BWD_STAGES}
     x, idx, w = inp.x_TH, inp.topk_idx_TK, inp.topk_w_TK
     for it in range(iters + 2):
@@ -163,7 +190,7 @@ def stage_times(ctx: Ctx, backend: Any, inp: Any, iters: int,
 
         mark("start")
         with torch.no_grad():
-            layer_backward(layer, inp.grad_out_TH, x, idx, w, p.w13, p.w2, p.shared, marks=mark, tiles=tiles)
+            layer_backward(layer, inp.grad_out_TH, x, idx, w, w13, w2, p.shared, marks=mark, tiles=tiles)
         torch.cuda.synchronize()
         if it >= 2:
             for (_, a), (name, b) in zip(evs, evs[1:]):
@@ -171,14 +198,43 @@ def stage_times(ctx: Ctx, backend: Any, inp: Any, iters: int,
     return {s: round(med(v), 4) for s, v in samples.items() if v}
 
 
-def backward_bits(backend: Any, inp: Any, tiles: Optional[dict[str, dict[str, Any]]]) -> list:
-    """Fingerprints of every gradient of one forward + ``layer_backward`` with these launch overrides."""
+def _backward(backend: Any, inp: Any, tiles: Optional[dict[str, dict[str, Any]]]) -> dict[str, Any]:
+    """One forward + ``layer_backward`` with these launch overrides (or layout); dW13 / dW2 in the plain layout."""
     layer, p = backend.impl, backend.params
+    w13, w2, over = _weights(backend, tiles)
     x, idx, w = inp.x_TH, inp.topk_idx_TK, inp.topk_w_TK
     with torch.no_grad():
         layer(x, idx, w)
-        g = layer_backward(layer, inp.grad_out_TH, x, idx, w, p.w13, p.w2, p.shared, tiles=tiles)
+        g = layer_backward(layer, inp.grad_out_TH, x, idx, w, w13, w2, p.shared, tiles=over)
+        return _plain(backend, g) if w13 is not p.w13 else g
+
+
+def backward_bits(backend: Any, inp: Any, tiles: Optional[dict[str, dict[str, Any]]]) -> list:
+    """Fingerprints of every gradient of one forward + ``layer_backward`` with these launch overrides."""
+    g = _backward(backend, inp, tiles)
     return [fingerprint(t) for k in sorted(g) for t in (g[k] if isinstance(g[k], tuple) else (g[k],))]
+
+
+def layout_rel_l1(backend: Any, inp: Any, tiles: dict[str, Any]) -> float:
+    """The largest relative L1 difference between this variant's gradients (plain layout) and the default's. The
+    default's wait in host memory (kimi_k2_7's weight gradients, the reference's and the layer's weights would not
+    fit twice beside each other on one H200); compared a slice of the first dimension at a time."""
+    def host(v: Any) -> Any:
+        return tuple(host(t) for t in v) if isinstance(v, tuple) else (None if v is None else v.cpu())
+
+    a = {k: host(v) for k, v in _backward(backend, inp, None).items()}
+    b = _backward(backend, inp, tiles)
+    worst = 0.0
+    for k in sorted(a):
+        for x, y in zip(*(v if isinstance(v, tuple) else (v,) for v in (a[k], b[k]))):
+            if x is not None:
+                d = n = 0.0
+                for i in range(0, len(x), 8):
+                    xi = x[i:i + 8].to(y.device).float()
+                    d += float((xi - y[i:i + 8].float()).abs().sum())
+                    n += float(xi.abs().sum())
+                worst = max(worst, d / max(n, 1e-30))
+    return worst
 
 
 def per_tensor_errors(ctx: Ctx, got: dict, ref: dict) -> dict[str, float]:
@@ -277,15 +333,16 @@ def check_shape(ctx: Ctx, name: str, args: argparse.Namespace) -> None:
                     bits = backward_bits(b, inp, over) if base_bits is not None else None
                     same = bits == base_bits if bits is not None else None
                     repeatable = backward_bits(b, inp, over) == bits if bits is not None else None
+                    extra = {"layout_rel_l1": round(layout_rel_l1(b, inp, over), 7)} if LAYOUT in over else {}
                 except Exception as e:  # noqa: BLE001 - a variant that does not compile is a row, not the end
                     ctx.add(section="sweep", shape=name, variant=label, error=f"{type(e).__name__}: {e}"[:300])
                     ctx.log(f"{name} sweep {label}: {type(e).__name__}: {str(e)[:200]}")
                     continue
                 total = round(sum(st.values()), 4)
                 ctx.add(section="sweep", shape=name, variant=label, same_bits=same, repeatable=repeatable,
-                        stages_total_ms=total, **{f"stage_{k}_ms": v for k, v in st.items()})
+                        stages_total_ms=total, **extra, **{f"stage_{k}_ms": v for k, v in st.items()})
                 ctx.log(f"{name} sweep {label}: total {total} ms {st}; gradients bitwise the default's: {same}, "
-                        f"the same again: {repeatable}")
+                        f"the same again: {repeatable} {extra or ''}")
         b.teardown()
         del b
         clear_workspace_cache()
