@@ -28,8 +28,10 @@
 # Rows go to OUTDIR/runs/<run_id>/; the log of each part to OUTDIR/anchors-<part>.log.
 # Known (session 16, torch 2.11 / Triton 3.6): nccl compiled with max-autotune died in inductor's autotuning of the
 # backward graph at EP=1 (an illegal memory access; results/README.md, h200x1-s16-compiled-nccl), so its rows here
-# come out `error`; COMPILE=false (below) runs every backend eager instead, as the h200x1-s13, -s15 and -s16 bwd
-# runs did.
+# come out `error`; COMPILE=false (below) runs every backend eager instead, as the h200x1-s13, -s15, -s16 and
+# -s17 bwd runs did. Not tried yet: TORCHINDUCTOR_AUTOTUNE_IN_SUBPROC=1 (inductor benchmarks each autotuning
+# choice in a subprocess, so an illegal access in one choice drops that choice instead of the process; the log
+# said "Ignoring this choice" and then every later CUDA call failed).
 set -uo pipefail
 OUTDIR=${1:?output folder}
 PART=${2:-all}
