@@ -356,9 +356,10 @@ def test_bwd_check_runs_on_the_cpu(tmp_path):
                                            "'.[test]'): the interpreter kernel tests need it")
 @pytest.mark.parametrize("tma_store", [False, True], ids=["pointer-store", "tma-store"])
 def test_weight_gradient_with_p_resident_is_the_default_one(tma_store):
-    """bwd_wgrad(resident=True) (P loaded once per strip where an expert fits one row step) against the default
-    kernel, bit for bit, and against torch: experts of 0, 40, 64 and 130 rows (130 > the 64-row step: the other
-    branch), padding rows (code -1) inside an expert."""
+    """bwd_wgrad(resident=True) (P loaded once per strip where an expert fits one row step) and
+    bwd_wgrad(q_resident=True) (the Q block loaded once instead) against the default kernel, bit for bit, and
+    against torch: experts of 0, 40, 64 and 130 rows (130 > the 64-row step: the other branch), padding rows (code
+    -1) inside an expert."""
     from kernels.mok_hopper import bwd_gemm, interp
 
     if not interp.INTERPRET:
@@ -372,12 +373,13 @@ def test_weight_gradient_with_p_resident_is_the_default_one(tma_store):
     code = torch.arange(R, dtype=torch.int32)
     code[[5, 70, 150]] = -1
     out = {}
-    for resident in (False, True):
+    for mode in ("default", "p", "q"):
         dw = torch.full((len(sizes), N, K), float("nan"), dtype=torch.bfloat16)
         bwd_gemm.bwd_wgrad(p, q, dw, code, starts, programs=3, block_n=64, block_k=64, block_r=64,
-                           tma_store=tma_store, resident=resident)
-        out[resident] = dw
-    assert torch.equal(out[True], out[False])
+                           tma_store=tma_store, resident=mode == "p", q_resident=mode == "q")
+        out[mode] = dw
+    out[True] = out["p"]
+    assert torch.equal(out["p"], out["default"]) and torch.equal(out["q"], out["default"])
     live = (code >= 0).float()[:, None]
     for e in range(len(sizes)):
         a, b = int(starts[e]), int(starts[e + 1])

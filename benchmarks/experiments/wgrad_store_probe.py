@@ -8,7 +8,9 @@ probe writes the same tensors with no loads and no MMA, so what it measures is t
   blocks, storing one [BN, BK] block per step), by TMA or by pointers, 1-4 programs per SM;
 * ``blocks``: the reloaded-P kernel's order (work items (expert, N block, K block), K fastest across programs);
 * ``contiguous``: the strips' order into a layout where every [BN, BK] block is one contiguous piece of memory (what
-  tiled weight gradients would be).
+  tiled weight gradients would be);
+* ``columns``: the Q-resident kernel's order (a program owns one (expert, K block) strip and walks its N blocks:
+  programs running together write neighbouring column blocks of the same rows).
 
 Each variant is timed with CUDA events (median of ``--iters`` after two untimed passes) and reported as GB/s of
 bytes written, beside the copy rate of the same bytes (``copy_``: read + write). One GPU::
@@ -34,10 +36,22 @@ import triton.language as tl
 @triton.jit
 def _store_kernel(dw_ptr, N, K, L, BN: tl.constexpr, BK: tl.constexpr, NUM_PROGS: tl.constexpr,
                   ORDER: tl.constexpr, TMA: tl.constexpr, STAGES: tl.constexpr):
-    """ORDER 0: strips (e, n), K blocks inner; 1: blocks (e, n, k), k fastest; 2: strips into contiguous blocks."""
+    """ORDER 0: strips (e, n), K blocks inner; 1: blocks (e, n, k), k fastest; 2: strips into contiguous blocks;
+    3: strips (e, k), N blocks inner."""
     n_n = N // BN
     n_k = K // BK
-    if ORDER == 1:
+    if ORDER == 3:
+        for wk in range(tl.program_id(0), L * n_k, NUM_PROGS):
+            e = wk // n_k
+            k = wk % n_k
+            for n in tl.range(0, n_n, num_stages=STAGES):
+                val = tl.full((BN, BK), 1.0, tl.float32) * (wk + n)
+                if TMA:
+                    dw_ptr.store([e * N + n * BN, k * BK], val.to(tl.bfloat16))
+                else:
+                    r = (e * N + n * BN + tl.arange(0, BN)).to(tl.int64)
+                    tl.store(dw_ptr + r[:, None] * K + (k * BK + tl.arange(0, BK))[None, :], val.to(tl.bfloat16))
+    elif ORDER == 1:
         for wk in tl.range(tl.program_id(0), L * n_n * n_k, NUM_PROGS, num_stages=STAGES):
             e = wk // (n_n * n_k)
             n = (wk // n_k) % n_n
@@ -69,7 +83,7 @@ def _store_kernel(dw_ptr, N, K, L, BN: tl.constexpr, BK: tl.constexpr, NUM_PROGS
                     tl.store(dw_ptr + r[:, None] * K + (k * BK + tl.arange(0, BK))[None, :], val.to(tl.bfloat16))
 
 
-ORDERS = {"strips": 0, "blocks": 1, "contiguous": 2}
+ORDERS = {"strips": 0, "blocks": 1, "contiguous": 2, "columns": 3}
 # (label, order, tma, BN, BK, warps, programs per SM, stages)
 VARIANTS = [
     ("strips tma 128x64 4w 2/SM (v5 wide)", "strips", True, 128, 64, 4, 2, 3),
@@ -85,6 +99,11 @@ VARIANTS = [
     ("blocks tma 128x128 4w 2/SM", "blocks", True, 128, 128, 4, 2, 3),
     ("contiguous tma 128x64 4w 2/SM", "contiguous", True, 128, 64, 4, 2, 3),
     ("contiguous ptr 128x64 4w 2/SM", "contiguous", False, 128, 64, 4, 2, 3),
+    # after session 17's first run: the Q-resident order
+    ("columns tma 128x64 4w 2/SM", "columns", True, 128, 64, 4, 2, 3),
+    ("columns tma 128x128 4w 2/SM", "columns", True, 128, 128, 4, 2, 3),
+    ("columns ptr 128x128 8w 2/SM", "columns", False, 128, 128, 8, 2, 3),
+    ("columns ptr 128x128 8w 1/SM", "columns", False, 128, 128, 8, 1, 3),
 ]
 
 

@@ -102,6 +102,15 @@ SWEEP: dict[str, dict[str, dict[str, Any]]] = {
     # the backward reads them there and writes dW13 / dW2 in that order (by pointers); ``same_bits`` compares
     # the gradients untiled with the plain run's (``layout_rel_l1``: their largest relative L1 difference)
     "tiled layout": {LAYOUT: "tiled"},
+    # the Q-resident weight gradients (bwd_gemm._bwd_wgrad_q_resident: programs running together write
+    # neighbouring column blocks of the same rows); by pointers at 8 warps they build without a spill on both
+    # Triton ends (128 / 178 registers at 128 x 128, 64-row steps), as the P-resident pointer stores do not
+    "wgrad Q resident": {"dw13": dict(q_resident=True), "dw2": dict(q_resident=True)},
+    "wgrad Q resident, pointer stores, 8 warps": {"dw13": dict(q_resident=True, tma_store=False, num_warps=8),
+                                                  "dw2": dict(q_resident=True, tma_store=False, num_warps=8)},
+    "wgrad Q resident, pointer stores, 8 warps, 1/SM": {
+        "dw13": dict(q_resident=True, tma_store=False, num_warps=8, programs_per_sm=1),
+        "dw2": dict(q_resident=True, tma_store=False, num_warps=8, programs_per_sm=1)},
 }
 SMOKE_SHAPE = "tiny"
 

@@ -215,6 +215,11 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048, extras: bool 
                     GU=False)
         out.append(Variant("bwd wgrad", "_bwd_wgrad_kernel", wg_t, dict(wg_c, STAGES=4), 4))  # over 128 rows
         out.append(Variant("bwd wgrad P resident", "_bwd_wgrad_resident_kernel", wg_t, wg_c, 4))
+        # candidates (bwd_check's sweep, session 17): the Q-resident order, by TMA and by pointers at 8 warps
+        out.append(Variant("bwd wgrad Q resident", "_bwd_wgrad_resident_kernel", wg_t, dict(wg_c, Q_RESIDENT=True),
+                           4))
+        out.append(Variant("bwd wgrad Q resident pointers", "_bwd_wgrad_resident_kernel", dict(wg_t, dw_ptr="*bf16"),
+                           dict(wg_c, Q_RESIDENT=True, TMA_STORE=False), 8))
         # experts of 48-128 rows on average (glm_5_2 at EP=1): 128-row steps, 128 x 64 output blocks
         out.append(Variant("bwd wgrad P resident 128 rows", "_bwd_wgrad_resident_kernel",
                            dict(wg_t, dw_ptr="tensordesc<bf16[128, 64]>"), dict(wg_c, BK=64, BR=128), 4))
@@ -245,15 +250,19 @@ def compile_variant(v: Variant, arch: int = 90, sass: bool = False, fn: Any = No
     from triton.compiler import ASTSource
 
     fn = fn if fn is not None else kernel(v.kernel)
-    sig, attrs = {}, {}
+    sig, attrs, constexprs = {}, {}, dict(v.constexprs)
     for i, name in enumerate(fn.arg_names):
-        if name in v.constexprs:
+        if name not in constexprs and name not in v.types:  # a constexpr the variant leaves at its default
+            param = fn.params[i]
+            assert param.is_constexpr and param.has_default, f"{v.label}: no type or value for {name}"
+            constexprs[name] = param.default
+        if name in constexprs:
             sig[name] = "constexpr"
             continue
         sig[name] = v.types[name]
         if v.types[name].startswith("*") or (v.types[name] == "i32" and name not in ("K", "HS")):
             attrs[(i,)] = [["tt.divisibility", 16]]  # what the launcher's specialisation sees at these shapes
-    src = ASTSource(fn=fn, signature=sig, constexprs=v.constexprs, attrs=attrs)
+    src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
     target = GPUTarget("cuda", arch, 32)
     k = triton.compile(src, target=target, options={"num_warps": v.num_warps})
     res = {"label": v.label, "shared": int(k.metadata.shared), "regs": None, "stack": None, "local": None}

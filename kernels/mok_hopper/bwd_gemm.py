@@ -305,12 +305,18 @@ def _store_dw(dw_ptr, acc, e, n, k, N, K, BN: tl.constexpr, BK: tl.constexpr, TM
 def _bwd_wgrad_resident_kernel(p_ptr, q_ptr, dw_ptr, code_ptr, expert_row_ptr, N, K, L,
                                BN: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, NUM_PROGS: tl.constexpr,
                                UPCAST: tl.constexpr, STAGES: tl.constexpr, TMA_STORE: tl.constexpr = False,
-                               TBN: tl.constexpr = 0, TBK: tl.constexpr = 0, GU: tl.constexpr = False):
+                               TBN: tl.constexpr = 0, TBK: tl.constexpr = 0, GU: tl.constexpr = False,
+                               Q_RESIDENT: tl.constexpr = False):
     """The weight gradients with P resident: work items (expert, column block of N), each a strip of dW[e]
     [BN, K]. An expert of at most BR rows (every published shape at EP=1: 32-64 rows) loads its P block once and
     streams its Q blocks, one output block per K step (P read once per strip instead of once per output block);
     a larger expert reads P again for every K block (the rows loop inside). Same sums, same order, as
-    :func:`_bwd_wgrad_kernel`: one row step, or the row steps ascending."""
+    :func:`_bwd_wgrad_kernel`: one row step, or the row steps ascending. ``Q_RESIDENT``: the other way round
+    (:func:`_bwd_wgrad_q_resident`), the same sums."""
+    if Q_RESIDENT:
+        _bwd_wgrad_q_resident(p_ptr, q_ptr, dw_ptr, code_ptr, expert_row_ptr, N, K, L, BN, BK, BR, NUM_PROGS, UPCAST,
+                              STAGES, TMA_STORE, TBN, TBK, GU)
+        return
     n_n = N // BN
     n_k = K // BK
     for wk in range(tl.program_id(0), L * n_n, NUM_PROGS):
@@ -340,6 +346,45 @@ def _bwd_wgrad_resident_kernel(p_ptr, q_ptr, dw_ptr, code_ptr, expert_row_ptr, N
                 _store_dw(dw_ptr, acc, e, n, k, N, K, BN, BK, TMA_STORE, TBN, TBK, GU)
 
 
+@triton.jit
+def _bwd_wgrad_q_resident(p_ptr, q_ptr, dw_ptr, code_ptr, expert_row_ptr, N, K, L, BN: tl.constexpr,
+                          BK: tl.constexpr, BR: tl.constexpr, NUM_PROGS: tl.constexpr, UPCAST: tl.constexpr,
+                          STAGES: tl.constexpr, TMA_STORE: tl.constexpr, TBN: tl.constexpr, TBK: tl.constexpr,
+                          GU: tl.constexpr):
+    """Q resident: work items (expert, column block of K), each a strip of dW[e] [N, BK], its Q block loaded once
+    and its P blocks streamed, one output block per N step. Programs running together hold neighbouring K blocks
+    of one expert, so at any moment they write neighbouring column blocks of the same rows (the store probe of
+    session 17: the P-resident strips write one column band of many rows at a time, which HBM takes more slowly).
+    Each output block is the same sum, in the same order, as the P-resident kernel's."""
+    n_n = N // BN
+    n_k = K // BK
+    for wk in range(tl.program_id(0), L * n_k, NUM_PROGS):
+        e = wk // n_k
+        k = wk % n_k
+        r_lo = tl.load(expert_row_ptr + e)
+        r_hi = tl.load(expert_row_ptr + e + 1)
+        kcols = k * BK + tl.arange(0, BK)
+        nn = tl.arange(0, BN)
+        if r_hi - r_lo <= BR:
+            rows = (r_lo + tl.arange(0, BR)).to(tl.int64)
+            live = (rows < r_hi) & (tl.load(code_ptr + rows, mask=rows < r_hi, other=-1) >= 0)
+            q = tl.load(q_ptr + rows[:, None] * K + kcols[None, :], mask=live[:, None], other=0.0)  # [BR, BK]
+            for n in tl.range(0, n_n, num_stages=STAGES):
+                p = tl.load(p_ptr + rows[:, None] * N + (n * BN + nn)[None, :], mask=live[:, None], other=0.0)
+                acc = _mma(p.T, q, tl.zeros((BN, BK), dtype=tl.float32), UPCAST)
+                _store_dw(dw_ptr, acc, e, n, k, N, K, BN, BK, TMA_STORE, TBN, TBK, GU)
+        else:
+            for n in range(0, n_n):
+                acc = tl.zeros((BN, BK), dtype=tl.float32)
+                for r0 in tl.range(r_lo, r_hi, BR, num_stages=STAGES):
+                    rows = (r0 + tl.arange(0, BR)).to(tl.int64)
+                    live = (rows < r_hi) & (tl.load(code_ptr + rows, mask=rows < r_hi, other=-1) >= 0)
+                    p = tl.load(p_ptr + rows[:, None] * N + (n * BN + nn)[None, :], mask=live[:, None], other=0.0)
+                    q = tl.load(q_ptr + rows[:, None] * K + kcols[None, :], mask=live[:, None], other=0.0)
+                    acc = _mma(p.T, q, acc, UPCAST)
+                _store_dw(dw_ptr, acc, e, n, k, N, K, BN, BK, TMA_STORE, TBN, TBK, GU)
+
+
 def expert_rows(tile_expert_M: torch.Tensor, tile_row_M1: torch.Tensor, local_experts: int) -> torch.Tensor:
     """int32 [L+1]: the first row of each local expert's tiles (and the end of the last), from the schedule's tile
     tables on the device (no host sync). An expert without rows gets an empty range."""
@@ -351,11 +396,13 @@ def expert_rows(tile_expert_M: torch.Tensor, tile_row_M1: torch.Tensor, local_ex
 def bwd_wgrad(p_RN: torch.Tensor, q_RK: torch.Tensor, dw_LNK: torch.Tensor, row_code_R: torch.Tensor,
               expert_row_L1: torch.Tensor, *, programs: int, block_n: int = 128, block_k: int = 128,
               block_r: int = 64, stages: int = 3, num_warps: int = 8, tma_store: bool = False,
-              resident: bool = False, dw_tiles: Optional[tuple[int, int, bool]] = None) -> None:
+              resident: bool = False, q_resident: bool = False,
+              dw_tiles: Optional[tuple[int, int, bool]] = None) -> None:
     """dw[e] = p[rows of e]^T @ q[rows of e] (fp32 accumulation, the rows in schedule order; rows whose code is
     negative are padding and add nothing). ``dw`` [L, N, K] (bf16, or fp32 for a main-grad accumulator).
     ``resident``: one work item per (expert, N block), P loaded once for the strip where the expert has at most
-    ``block_r`` rows (:func:`_bwd_wgrad_resident_kernel`); the same sums in the same order. ``dw_tiles`` (bn, bk,
+    ``block_r`` rows (:func:`_bwd_wgrad_resident_kernel`); the same sums in the same order; with ``q_resident``
+    the Q block is the one loaded once, per (expert, K block). ``dw_tiles`` (bn, bk,
     gate/up interleaved): ``dw`` is in the forward's TMA block order (the layout of tiled parameters), stored by
     pointers."""
     R, N = p_RN.shape
@@ -370,8 +417,9 @@ def bwd_wgrad(p_RN: torch.Tensor, q_RK: torch.Tensor, dw_LNK: torch.Tensor, row_
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         dw = TensorDescriptor.from_tensor(dw_LNK.view(-1, K), [block_n, block_k])
-    kernel = _bwd_wgrad_resident_kernel if resident else _bwd_wgrad_kernel
+    kernel = _bwd_wgrad_resident_kernel if resident or q_resident else _bwd_wgrad_kernel
+    extra = dict(Q_RESIDENT=True) if q_resident else {}
     kernel[(programs,)](p_RN, q_RK, dw, row_code_R, expert_row_L1, N, K, L, BN=block_n, BK=block_k, BR=block_r,
                         NUM_PROGS=programs, UPCAST=INTERPRET, STAGES=stages, TMA_STORE=tma_store,
                         TBN=dw_tiles[0] if dw_tiles else 0, TBK=dw_tiles[1] if dw_tiles else 0,
-                        GU=bool(dw_tiles and dw_tiles[2]), num_warps=num_warps)
+                        GU=bool(dw_tiles and dw_tiles[2]), num_warps=num_warps, **extra)
