@@ -34,10 +34,21 @@ import triton.language as tl
 
 
 @triton.jit
+def _put(dw_ptr, val, row0, col0, width, BN: tl.constexpr, BK: tl.constexpr, TMA: tl.constexpr):
+    """``val`` [BN, BK] at (row0, col0) of a row-major view ``width`` wide: by TMA (``dw_ptr`` a descriptor over that
+    view, 32-bit offsets) or by pointers (64-bit offsets)."""
+    if TMA:
+        dw_ptr.store([row0, col0], val.to(tl.bfloat16))
+    else:
+        r = (row0 + tl.arange(0, BN)).to(tl.int64)
+        tl.store(dw_ptr + r[:, None] * width + (col0 + tl.arange(0, BK))[None, :], val.to(tl.bfloat16))
+
+
+@triton.jit
 def _store_kernel(dw_ptr, N, K, L, BN: tl.constexpr, BK: tl.constexpr, NUM_PROGS: tl.constexpr,
                   ORDER: tl.constexpr, TMA: tl.constexpr, STAGES: tl.constexpr):
-    """ORDER 0: strips (e, n), K blocks inner; 1: blocks (e, n, k), k fastest; 2: strips into contiguous blocks;
-    3: strips (e, k), N blocks inner."""
+    """ORDER 0: strips (e, n), K blocks inner; 1: blocks (e, n, k), k fastest; 2: strips into contiguous blocks
+    (the [L N K / BK, BK] view: block (e, n, k) is rows blk BN ... of it); 3: strips (e, k), N blocks inner."""
     n_n = N // BN
     n_k = K // BK
     if ORDER == 3:
@@ -45,23 +56,13 @@ def _store_kernel(dw_ptr, N, K, L, BN: tl.constexpr, BK: tl.constexpr, NUM_PROGS
             e = wk // n_k
             k = wk % n_k
             for n in tl.range(0, n_n, num_stages=STAGES):
-                val = tl.full((BN, BK), 1.0, tl.float32) * (wk + n)
-                if TMA:
-                    dw_ptr.store([e * N + n * BN, k * BK], val.to(tl.bfloat16))
-                else:
-                    r = (e * N + n * BN + tl.arange(0, BN)).to(tl.int64)
-                    tl.store(dw_ptr + r[:, None] * K + (k * BK + tl.arange(0, BK))[None, :], val.to(tl.bfloat16))
+                _put(dw_ptr, tl.full((BN, BK), 1.0, tl.float32) * (wk + n), e * N + n * BN, k * BK, K, BN, BK, TMA)
     elif ORDER == 1:
         for wk in tl.range(tl.program_id(0), L * n_n * n_k, NUM_PROGS, num_stages=STAGES):
             e = wk // (n_n * n_k)
             n = (wk // n_k) % n_n
             k = wk % n_k
-            val = tl.full((BN, BK), 1.0, tl.float32) * wk
-            if TMA:
-                dw_ptr.store([e * N + n * BN, k * BK], val.to(tl.bfloat16))
-            else:
-                r = (e * N + n * BN + tl.arange(0, BN)).to(tl.int64)
-                tl.store(dw_ptr + r[:, None] * K + (k * BK + tl.arange(0, BK))[None, :], val.to(tl.bfloat16))
+            _put(dw_ptr, tl.full((BN, BK), 1.0, tl.float32) * wk, e * N + n * BN, k * BK, K, BN, BK, TMA)
     else:
         for wk in range(tl.program_id(0), L * n_n, NUM_PROGS):
             e = wk // n_n
@@ -69,18 +70,9 @@ def _store_kernel(dw_ptr, N, K, L, BN: tl.constexpr, BK: tl.constexpr, NUM_PROGS
             for k in tl.range(0, n_k, num_stages=STAGES):
                 val = tl.full((BN, BK), 1.0, tl.float32) * (wk + k)
                 if ORDER == 2:
-                    blk = (e * n_n + n) * n_k + k  # (TMA offsets are 32-bit; the pointers' 64-bit)
-                    if TMA:
-                        dw_ptr.store([blk * BN, 0], val.to(tl.bfloat16))
-                    else:
-                        blk = tl.cast(blk, tl.int64)
-                        off = blk * BN * BK + tl.arange(0, BN)[:, None] * BK + tl.arange(0, BK)[None, :]
-                        tl.store(dw_ptr + off, val.to(tl.bfloat16))
-                elif TMA:
-                    dw_ptr.store([e * N + n * BN, k * BK], val.to(tl.bfloat16))
+                    _put(dw_ptr, val, ((e * n_n + n) * n_k + k) * BN, 0, BK, BN, BK, TMA)
                 else:
-                    r = (e * N + n * BN + tl.arange(0, BN)).to(tl.int64)
-                    tl.store(dw_ptr + r[:, None] * K + (k * BK + tl.arange(0, BK))[None, :], val.to(tl.bfloat16))
+                    _put(dw_ptr, val, e * N + n * BN, k * BK, K, BN, BK, TMA)
 
 
 ORDERS = {"strips": 0, "blocks": 1, "contiguous": 2, "columns": 3}
