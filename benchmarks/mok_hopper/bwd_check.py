@@ -78,7 +78,8 @@ SWEEP: dict[str, dict[str, dict[str, Any]]] = {
     "shared expert by the kernels (v5)": {"shared_bwd": {"torch": False}},
     "wgrad 128x64 blocks (64-row steps)": {"dw13": dict(block_k=64), "dw2": dict(block_k=64)},
     # the compute-bound point (1024 rows an expert: the reloaded-P weight gradients, 64-row steps, never tuned)
-    "cb wgrad 8 warps 1/SM": {"dw13": dict(num_warps=8, programs_per_sm=1), "dw2": dict(num_warps=8, programs_per_sm=1)},
+    "cb wgrad 8 warps 1/SM": {"dw13": dict(num_warps=8, programs_per_sm=1),
+                              "dw2": dict(num_warps=8, programs_per_sm=1)},
     "cb wgrad 128x256 8 warps 1/SM": {"dw13": dict(block_k=256, num_warps=8, programs_per_sm=1),
                                       "dw2": dict(block_k=256, num_warps=8, programs_per_sm=1)},
     "cb wgrad 128-row steps 8 warps 1/SM": {"dw13": dict(block_r=128, num_warps=8, programs_per_sm=1),
