@@ -114,22 +114,11 @@ except ImportError:
     HAS_TRITON = False
 
 
-@pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (it comes with torch on Linux; pip install -e "
-                                           "'.[test]'): the interpreter kernel tests need it")
-@pytest.mark.parametrize("limit", [None, 0.5], ids=["plain", "clamped"])
-def test_backward_gemms_match_the_twin_under_the_interpreter(limit, monkeypatch):
-    """The v0 backward GEMMs (kernels/mok_hopper/bwd_gemm.py) against the twin's stages, expert by expert: dH, s*A,
-    the router-weight gradient, dX rows, dW13 and dW2 (several row tiles per expert, an expert with no row,
-    padding rows, several column tiles and K steps)."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    import importlib
-
-    from kernels.mok_hopper import bwd_gemm, interp
+def _stage_toy(limit):
+    """The backward stages' toy (several row tiles per expert, an expert with no row, padding rows): the schedule,
+    the rows, and the twin's stage results expert by expert."""
     from kernels.mok_hopper.schedule import build_schedule
 
-    if not interp.INTERPRET:  # the kernel modules read TRITON_INTERPRET at import
-        pytest.skip("run with TRITON_INTERPRET=1 from the start (tests/conftest.py sets it on CPU machines)")
-    importlib.reload(bwd_gemm)
     T, K, E, H, I, BM = 40, 3, 8, 128, 64, 16
     g = torch.Generator().manual_seed(5)
     x = torch.randn(T, H, generator=g).bfloat16()
@@ -163,6 +152,37 @@ def test_backward_gemms_match_the_twin_under_the_interpreter(limit, monkeypatch)
         want[e] = (r, twin_bwd.expert_backward(x_rows[r], h, dO_rows[r], s_rows[r], w13[e], w2[e], limit=limit,
                                                clip_r2I=clip))
     assert 2 not in want and any(r.numel() > BM for r, _ in want.values())  # an idle expert; multi-tile experts
+    return dict(sch=sch, x_rows=x_rows, dO_rows=dO_rows, s_rows=s_rows, h_rows=h_rows, clip_rows=clip_rows,
+                w13=w13, w2=w2, want=want, valid=valid, dims=(T, K, E, H, I, BM, R))
+
+
+def _interpreted(monkeypatch, *modules):
+    """Reload the kernel modules under TRITON_INTERPRET=1 (they read it at import), or skip."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    import importlib
+
+    from kernels.mok_hopper import interp
+
+    if not interp.INTERPRET:
+        pytest.skip("run with TRITON_INTERPRET=1 from the start (tests/conftest.py sets it on CPU machines)")
+    for m in modules:
+        importlib.reload(m)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (it comes with torch on Linux; pip install -e "
+                                           "'.[test]'): the interpreter kernel tests need it")
+@pytest.mark.parametrize("limit", [None, 0.5], ids=["plain", "clamped"])
+def test_backward_gemms_match_the_twin_under_the_interpreter(limit, monkeypatch):
+    """The v0 backward GEMMs (kernels/mok_hopper/bwd_gemm.py) against the twin's stages, expert by expert: dH, s*A,
+    the router-weight gradient, dX rows, dW13 and dW2 (several row tiles per expert, an expert with no row,
+    padding rows, several column tiles and K steps)."""
+    from kernels.mok_hopper import bwd_gemm
+
+    _interpreted(monkeypatch, bwd_gemm)
+    d = _stage_toy(limit)
+    sch, x_rows, dO_rows, s_rows, h_rows, clip_rows, w13, w2, want, valid = (
+        d[k] for k in ("sch", "x_rows", "dO_rows", "s_rows", "h_rows", "clip_rows", "w13", "w2", "want", "valid"))
+    T, K, E, H, I, BM, R = d["dims"]
     chunk = torch.tensor([0, int(sch.num_tiles)], dtype=torch.int32)
     # H recomputed from the X rows (the recompute path), in 8-row blocks of the 16-row tiles, clamp decisions included
     h_re = torch.zeros(R, 2 * I, dtype=torch.bfloat16)
@@ -195,6 +215,44 @@ def test_backward_gemms_match_the_twin_under_the_interpreter(limit, monkeypatch)
         assert rel_l1(dW2[e], out["dW2"]) < 2e-3, (e, "dW2")
     assert not dW13[2].any() and not dW2[2].any()  # the idle expert: zero gradients, written
     assert not dH[~valid].any() and not dX[~valid].any()  # padding rows stay zero
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (it comes with torch on Linux; pip install -e "
+                                           "'.[test]'): the interpreter kernel tests need it")
+@pytest.mark.parametrize("limit", [None, 0.5], ids=["plain", "clamped"])
+@pytest.mark.parametrize("block_r", [64, 16], ids=["one-row-block", "row-blocks"])
+def test_fused_weight_streaming_stages_match_the_twin_under_the_interpreter(limit, block_r, monkeypatch):
+    """kernels/mok_hopper/bwd_fused.py: dgate + dW2 and dX + dW13, each in one pass over its weights, against the
+    twin's stages expert by expert; with every expert in one row block (the fast path) and with experts over
+    several row blocks (the GEMM over row blocks, then each gradient block over them)."""
+    from kernels.mok_hopper import bwd_fused, bwd_gemm
+
+    _interpreted(monkeypatch, bwd_gemm, bwd_fused)
+    d = _stage_toy(limit)
+    sch, x_rows, dO_rows, s_rows, h_rows, clip_rows, w13, w2, want, valid = (
+        d[k] for k in ("sch", "x_rows", "dO_rows", "s_rows", "h_rows", "clip_rows", "w13", "w2", "want", "valid"))
+    T, K, E, H, I, BM, R = d["dims"]
+    starts = bwd_gemm.expert_rows(sch.tile_expert_M, sch.tile_row_M1, E)
+    spans = (starts[1:] - starts[:-1]).tolist()
+    assert (max(spans) <= block_r) == (block_r == 64) and min(spans) == 0  # the path under test; the idle expert
+    dH = torch.zeros(R, 2 * I, dtype=torch.bfloat16)
+    ds_parts = torch.zeros(R, I // 32, dtype=torch.float32)
+    dW13 = torch.full_like(w13, float("nan"))  # every block must be written, the idle expert's too
+    dW2 = torch.full_like(w2, float("nan"))
+    dX = torch.zeros(R, H, dtype=torch.bfloat16)
+    bwd_fused.dgate_dw2(dO_rows, w2, dW2, h_rows, clip_rows, s_rows, dH, ds_parts, sch.row_code_R, starts,
+                        programs=3, limit=limit, block_r=block_r, block_h=32, block_i=32)
+    bwd_fused.dx_dw13(dH, x_rows, w13, dW13, dX, sch.row_code_R, starts, programs=5, block_r=block_r, block_n=32,
+                      block_k=32)
+    ds = bwd_gemm.router_grad(ds_parts)
+    code = sch.row_code_R.long()
+    for e, (r, out) in want.items():
+        assert rel_l1(dX[code[r]], out["dX"]) < 2e-3, (e, "dX")  # pushed to row code (one rank: its own slots)
+        assert rel_l1(ds[r], out["ds"]) < 1e-4, (e, "ds")
+        assert rel_l1(dW13[e], out["dW13"]) < 2e-3, (e, "dW13")
+        assert rel_l1(dW2[e], out["dW2"]) < 2e-3, (e, "dW2")
+    assert not dW13[2].any() and not dW2[2].any()  # the idle expert: zero gradients, written
+    assert not dH[~valid].any()  # padding rows: dH 0
 
 
 TOY = (24, 3, 8, 128, 64)  # T, K, E, H, I of the one-rank training-step tests
@@ -390,38 +448,45 @@ def test_weight_gradient_with_p_resident_is_the_default_one(tma_store):
 @pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (it comes with torch on Linux; pip install -e "
                                            "'.[test]'): the interpreter kernel tests need it")
 def test_the_weight_gradient_launch_follows_the_routed_rows_not_the_capacity(monkeypatch):
-    """The P-resident weight gradients are chosen by the rows an expert gets on average (T K / L), not by the
-    layer's row capacity over L, which counts tile padding: at EP=1 on glm_5_2 the capacity is 191 rows an expert
-    against 64 routed, and dividing it turned the resident launch off on every published shape. Here the capacity
-    is 128 rows an expert and the experts get 9: the routed experts' launch is resident, and the step is still
-    right."""
-    from kernels.mok_hopper import bwd_gemm, interp
+    """The weight-gradient launches are chosen by the rows an expert gets on average (T K / L), not by the layer's
+    row capacity over L, which counts tile padding: at EP=1 on glm_5_2 the capacity is 191 rows an expert against
+    64 routed, and dividing it turned the resident launch off on every published shape. Here the capacity is 256
+    rows an expert and the experts get 9: the routed experts take the fused stages (v7: at most 128 rows an expert
+    on average) with 64-row blocks, and with the fusion turned off the P-resident weight gradients; the step is
+    right both ways."""
+    from kernels.mok_hopper import bwd_fused, bwd_gemm, interp
     from kernels.mok_hopper.schedule import capacity_rows
-    from kernels.mok_hopper.train import mok_hopper_train
+    from kernels.mok_hopper.train import layer_backward
 
     # the published case the rule is for: glm_5_2 at EP=1 (T 2048, K 8, 256 experts, BM 128)
     assert capacity_rows(ep=1, tokens=2048, topk=8, local_experts=256, block_m=128) / 256 > 64
     if not interp.INTERPRET:
         pytest.skip("the kernels run on the CPU under TRITON_INTERPRET=1 (set at the top of this file without a GPU)")
     T, K, E, H, I = TOY
-    layer, w13, w2, shared = _toy_layer(capacity=E * 128)
-    assert layer.R / E > 64 and layer.rows_per_expert == T * K / E
+    layer, w13, w2, shared = _toy_layer(capacity=E * 256)
+    assert layer.R / E > 128 and layer.rows_per_expert == T * K / E
     launches = []
-    real = bwd_gemm.bwd_wgrad
 
-    def spy(p, q, dw, *args, **kw):
-        launches.append((dw.shape[0], kw.get("resident", False)))
-        return real(p, q, dw, *args, **kw)
+    def spy(name, real):
+        def call(*args, **kw):
+            launches.append((name, kw.get("block_r"), kw.get("resident", False)))
+            return real(*args, **kw)
+        return call
 
-    monkeypatch.setattr(bwd_gemm, "bwd_wgrad", spy)
+    for mod, name in ((bwd_gemm, "bwd_wgrad"), (bwd_fused, "dgate_dw2"), (bwd_fused, "dx_dw13")):
+        monkeypatch.setattr(mod, name, spy(name, getattr(mod, name)))
     xs, idx, ws, dOs, _, _, _ = make(1, T, K, E, H, I, seed=4)
-    leaves = [t.detach().clone().requires_grad_() for t in (xs[0], ws[0], w13[0], w2[0], *shared)]
-    x, w, a13, a2, sg, su, sd = leaves
-    mok_hopper_train(layer, x, idx[0], w, a13, a2, (sg, su, sd)).backward(dOs[0])
-    assert [r for n, r in launches if n == E] == [True, True], launches  # dW13 and dW2 of the routed experts
     want = twin_bwd.autograd_reference(xs, idx, ws, dOs, w13, w2, shared=shared)[0]
-    for name, got in (("x", x.grad), ("topk_w", w.grad), ("w13", a13.grad), ("w2", a2.grad)):
-        assert rel_l1(got, want[name]) < 1e-2, (name, rel_l1(got, want[name]))
+    unfused = {"dgate_dw2": {"on": False}, "dx_dw13": {"on": False}}
+    for tiles, launched in ((None, [("dgate_dw2", 64, False), ("dx_dw13", 64, False)]),
+                            (unfused, [("bwd_wgrad", 64, True), ("bwd_wgrad", 64, True)])):
+        launches.clear()
+        with torch.no_grad():
+            layer(xs[0], idx[0], ws[0])
+        g = layer_backward(layer, dOs[0], xs[0], idx[0], ws[0], w13[0], w2[0], shared, tiles=tiles)
+        assert launches == launched, launches  # (the shared expert's backward: torch GEMMs)
+        for name in ("x", "topk_w", "w13", "w2"):
+            assert rel_l1(g[name], want[name]) < 1e-2, (tiles, name, rel_l1(g[name], want[name]))
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (it comes with torch on Linux; pip install -e "
@@ -446,7 +511,8 @@ def test_paired_row_blocks_give_the_single_blocks_gradients_bit_for_bit():
     assert (idx[0] == 0).sum() == T and all(len(set(r.tolist())) == K for r in idx[0])
     grads = []
     for pair in (False, True):
-        tiles = {"dgate": dict(block_m=16, pair=pair), "dx": dict(block_m=16, pair=pair)}
+        tiles = {"dgate": dict(block_m=16, pair=pair), "dx": dict(block_m=16, pair=pair),
+                 "dgate_dw2": {"on": False}, "dx_dw13": {"on": False}}  # the unfused stages (the toy would fuse)
         with torch.no_grad():
             layer(xs[0], idx[0], ws[0])
             g = layer_backward(layer, dOs[0], xs[0], idx[0], ws[0], w13[0], w2[0], shared, tiles=tiles)

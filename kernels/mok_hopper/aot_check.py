@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 SMEM_LIMIT = {90: 232448, 100: 232448}  # bytes of dynamic shared memory per block (opt-in maximum)
-KERNEL_MODULES = ("schedule_kernels", "pull", "up_gemm", "down_gemm", "bwd_gemm")  # where the kernels live, by stage
+KERNEL_MODULES = ("schedule_kernels", "pull", "up_gemm", "down_gemm", "bwd_gemm", "bwd_fused")  # where the kernels live, by stage
 # Stack bytes a variant may spill, by a part of its label; any other spill is a problem. The training forward's up
 # GEMMs (save H) add two to four stores to an epilogue that sits at the 255-register cap already (the inference
 # kernels use 240-254): they spill 0-48 B on Triton 3.8 and 0-56 B on 3.6 (PERF_NOTES, "save_h"). The backward's
@@ -223,6 +223,27 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048, extras: bool 
         # experts of 48-128 rows on average (glm_5_2 at EP=1): 128-row steps, 128 x 64 output blocks
         out.append(Variant("bwd wgrad P resident 128 rows", "_bwd_wgrad_resident_kernel",
                            dict(wg_t, dw_ptr="tensordesc<bf16[128, 64]>"), dict(wg_c, BK=64, BR=128), 4))
+        # v7's fused stages (bwd_fused.py; train.py's launches: 64-row blocks where the experts average at most 48
+        # rows, else 128) and bwd_check's sweep candidates (4 warps, two programs per SM)
+        dg_t = dict(do_ptr="*bf16", h_ptr="*bf16", clip_ptr="*u8", s_ptr="*fp32", dh_ptr="*bf16", ds_ptr="*fp32",
+                    code_ptr="*i32", expert_row_ptr="*i32", H="i32", I="i32", L="i32", limit="fp32")
+        dx_t = dict(dh_ptr="*bf16", x_ptr="*bf16", out_ptr="*bf16", code_ptr="*i32", delta_ptr="*i64",
+                    expert_row_ptr="*i32", H="i32", N="i32", L="i32", TK="i32")
+        fz_c = dict(NUM_PROGS=nprog, UPCAST=False, STAGES=3, WTMA=True, TMA_STORE=True)
+        for label, br, bh, bi, lim, warps in (("bwd dgate+dW2 64 rows", 64, 128, 64, False, 8),
+                                              ("bwd dgate+dW2 64 rows clamp", 64, 128, 64, True, 8),
+                                              ("bwd dgate+dW2 128 rows", 128, 64, 64, False, 8),
+                                              ("bwd dgate+dW2 64 rows 64x64 4 warps", 64, 64, 64, False, 4)):
+            desc = f"tensordesc<bf16[{bh}, {bi}]>"
+            out.append(Variant(label, "_dgate_dw2_kernel", dict(dg_t, w2_ptr=desc, dw2_ptr=desc),
+                               dict(fz_c, BR=br, BH=bh, BI=bi, HAS_LIMIT=lim), warps))
+        for label, br, bn, bk, warps in (("bwd dX+dW13 64 rows", 64, 128, 128, 8),
+                                         ("bwd dX+dW13 128 rows", 128, 128, 64, 8),
+                                         ("bwd dX+dW13 64 rows 64x64 4 warps", 64, 64, 64, 4),
+                                         ("bwd dX+dW13 128 rows 64x64 4 warps", 128, 64, 64, 4)):
+            desc = f"tensordesc<bf16[{bn}, {bk}]>"
+            out.append(Variant(label, "_dx_dw13_kernel", dict(dx_t, w13_ptr=desc, dw13_ptr=desc),
+                               dict(fz_c, BR=br, BN=bn, BK=bk), warps))
         # a module whose parameters are in the forward's TMA block order (MoKHopperMoE(layout="tiled"); blocks of
         # the glm_5_2 default: W13 gate/up interleaved up_n x up_k, W2 down_n x down_k), read and written by pointers
         up_t, dn_t = dict(TBN=cfg.up_n, TBK=cfg.up_k, GU=True), dict(TBN=cfg.down_n, TBK=cfg.down_k)

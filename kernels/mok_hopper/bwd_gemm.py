@@ -125,8 +125,9 @@ def _bwd_rows_block(a_ptr, w_ptr, out_ptr, h_ptr, clip_ptr, s_ptr, sa_ptr, ds_pt
 @triton.jit
 def _bwd_rows_epilogue(acc, rows, rmask, cols, n, n_n, out_ptr, h_ptr, clip_ptr, s_ptr, sa_ptr, ds_ptr, code_ptr,
                        delta_ptr, N, TK, limit, DGATE: tl.constexpr, HAS_LIMIT: tl.constexpr, SAVE_H: tl.constexpr,
-                       PUSH: tl.constexpr):
-    """One [BM, BN] block of :func:`_bwd_rows_block`'s results: the dgate epilogue, the push, or a plain store."""
+                       PUSH: tl.constexpr, SA: tl.constexpr = True):
+    """One [BM, BN] block of :func:`_bwd_rows_block`'s results: the dgate epilogue, the push, or a plain store.
+    SA (dgate): store s*A too (the fused dgate of :mod:`kernels.mok_hopper.bwd_fused` uses it in place)."""
     if DGATE:  # N = I: G = dO @ W2[e]; H and the masks are [R, 2I] (gate columns, then up columns)
         h_off = rows[:, None] * (2 * N) + cols[None, :]
         g = tl.load(h_ptr + h_off, mask=rmask[:, None], other=0.0).to(tl.float32)
@@ -148,8 +149,9 @@ def _bwd_rows_epilogue(acc, rows, rmask, cols, n, n_n, out_ptr, h_ptr, clip_ptr,
             du = tl.where(clip_u, 0.0, du)
         tl.store(out_ptr + h_off, dg.to(tl.bfloat16), mask=rmask[:, None])
         tl.store(out_ptr + h_off + N, du.to(tl.bfloat16), mask=rmask[:, None])
-        tl.store(sa_ptr + rows[:, None] * N + cols[None, :], (act * s[:, None]).to(tl.bfloat16),
-                 mask=rmask[:, None])
+        if SA:
+            tl.store(sa_ptr + rows[:, None] * N + cols[None, :], (act * s[:, None]).to(tl.bfloat16),
+                     mask=rmask[:, None])
         tl.store(ds_ptr + rows * n_n + n, tl.sum(acc * act, axis=1), mask=rmask)
     elif PUSH:  # each row to its slot in its source rank's buffer (padding rows, code < 0, go nowhere)
         code = tl.load(code_ptr + rows, mask=rmask, other=-1)

@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from kernels.mok_hopper import bwd_gemm, pull, twin_bwd
+from kernels.mok_hopper import bwd_fused, bwd_gemm, pull, twin_bwd
 from kernels.mok_hopper.api import MoKHopperLayer
 from kernels.mok_hopper.pull import combine_epilogue
 from kernels.mok_hopper.tiles import num_sms
@@ -30,7 +30,8 @@ def _blocks(n: int, cap: int) -> int:
     return next(b for b in (cap, 128, 64, 32, 16) if b <= cap and n % b == 0)
 
 
-BWD_STAGES = ("gather", "recompute_h", "dgate", "dx", "dw13", "dw2", "shared", "dx_sum")  # ``marks`` names
+BWD_STAGES = ("gather", "recompute_h", "dgate", "dx", "dw13", "dw2", "dgate_dw2", "dx_dw13", "shared",
+              "dx_sum")  # ``marks`` names (the fused stages of v7 replace dgate + dW2 and dX + dW13)
 
 
 def _tiles(H: int, I: int, cuda: bool, clamped: bool = False, rows_per_expert: float = 0.0, tiled: bool = False
@@ -56,7 +57,12 @@ def _tiles(H: int, I: int, cuda: bool, clamped: bool = False, rows_per_expert: f
     v6 (PERF_NOTES "Session 17"): dX 128 x 256 at 3 stages (plain weights; 255 registers, no spill), and the
     reloaded-P weight gradients (experts over 128 rows: the compute-bound point) at 4 stages. The tiled layout's
     resident 64-row weight gradients at 8 warps, one program per SM (aot_check under Triton 3.6 found 264 B of
-    spill at 4 warps; not timed on the GPU: bwd_check runs plain weights)."""
+    spill at 4 warps; not timed on the GPU: bwd_check runs plain weights).
+
+    v7 (PERF_NOTES "Session 18"): where the experts average at most 128 rows (plain weights), dgate with dW2 and dX
+    with dW13 each in one pass over the weights (:mod:`kernels.mok_hopper.bwd_fused`): row blocks of 64 rows where
+    the experts average at most 48 (qwen3_5_397b, kimi_k2_7), else 128 (glm_5_2); 8 warps, one program per SM
+    (aot_check: no spill under Triton 3.8 and 3.6)."""
     wide = 48 < rows_per_expert <= 128  # (the shared expert's T rows, and 1024-row experts, keep the 64-row steps)
     resident = wide or 0 < rows_per_expert <= 64
     two = dict(num_warps=4, programs_per_sm=2, resident=resident, block_r=128 if wide else 64,
@@ -65,7 +71,14 @@ def _tiles(H: int, I: int, cuda: bool, clamped: bool = False, rows_per_expert: f
         two.update(num_warps=8, programs_per_sm=1)
     wk = 64 if wide or tiled else 128
     dx = dict(block_n=_blocks(H, 128), stages=4) if tiled else dict(block_n=_blocks(H, 256), stages=3)
-    return {"dgate": dict(block_m=64, block_n=_blocks(I, 128), block_k=_blocks(H, 64), stages=3 if clamped else 4,
+    fuse = 0 < rows_per_expert <= 128 and not tiled
+    br = 64 if rows_per_expert <= 48 else 128
+    return {"dgate_dw2": dict(on=fuse, block_r=br, block_h=_blocks(H, 128 if br == 64 else 64),
+                              block_i=_blocks(I, 64), stages=3, num_warps=8, programs_per_sm=1, tma_store=cuda),
+            "dx_dw13": dict(on=fuse, block_r=br, block_n=_blocks(2 * I, 128),
+                            block_k=_blocks(H, 128 if br == 64 else 64), stages=3, num_warps=8, programs_per_sm=1,
+                            tma_store=cuda),
+            "dgate": dict(block_m=64, block_n=_blocks(I, 128), block_k=_blocks(H, 64), stages=3 if clamped else 4,
                           pair=not (clamped or tiled)),
             "dx": dict(block_m=128, block_k=_blocks(2 * I, 64), **dx),
             "recompute": dict(block_m=128, block_n=_blocks(2 * I, 64), block_k=_blocks(H, 64)),
@@ -122,22 +135,37 @@ def _expert_backward(x_rows: torch.Tensor, dO_rows: torch.Tensor, s_rows: torch.
                           programs=progs["recompute"], limit=limit, save_clip=clip, **t["recompute"], **r13)
     mark("recompute_h")
     dH = torch.empty(R, 2 * I, dtype=torch.bfloat16, device=dev)
-    sA = torch.empty(R, I, dtype=torch.bfloat16, device=dev)
-    ds_parts = torch.empty(R, I // t["dgate"]["block_n"], dtype=torch.float32, device=dev)
-    bwd_gemm.bwd_rows(dO_rows, w2, dH, tile_expert, tile_row, chunk, programs=progs["dgate"],
-                      dgate=dict(h=h, clip=clip, s=s_rows, sa=sA, ds=ds_parts), limit=limit, **t["dgate"], **w2k)
-    mark("dgate")
-    bwd_gemm.bwd_rows(dH, w13, dx_slots, tile_expert, tile_row, chunk, programs=progs["dx"], push_code=code_R,
-                      push_delta=push[0] if push else None, slots_per_rank=push[1] if push else None, **t["dx"],
-                      **w13k)
-    mark("dx")
-    ds = bwd_gemm.router_grad(ds_parts)
     dW13 = torch.empty_like(w13)
     dW2 = torch.empty_like(w2)
-    bwd_gemm.bwd_wgrad(dH, x_rows, dW13, code_R, starts, programs=progs["dw13"], **t["dw13"], **dw13k)
-    mark("dw13")
-    bwd_gemm.bwd_wgrad(dO_rows, sA, dW2, code_R, starts, programs=progs["dw2"], **t["dw2"], **dw2k)
-    mark("dw2")
+    fuse_dg = t["dgate_dw2"].pop("on") and layout is None  # (the tiled layout keeps the separate stages)
+    fuse_dx = t["dx_dw13"].pop("on") and layout is None
+    if fuse_dg:  # dgate and dW2 in one pass over W2 (s*A stays in the kernel)
+        ds_parts = torch.empty(R, I // t["dgate_dw2"]["block_i"], dtype=torch.float32, device=dev)
+        bwd_fused.dgate_dw2(dO_rows, w2, dW2, h, clip, s_rows, dH, ds_parts, code_R, starts,
+                            programs=progs["dgate_dw2"], limit=limit, **t["dgate_dw2"])
+        mark("dgate_dw2")
+    else:
+        sA = torch.empty(R, I, dtype=torch.bfloat16, device=dev)
+        ds_parts = torch.empty(R, I // t["dgate"]["block_n"], dtype=torch.float32, device=dev)
+        bwd_gemm.bwd_rows(dO_rows, w2, dH, tile_expert, tile_row, chunk, programs=progs["dgate"],
+                          dgate=dict(h=h, clip=clip, s=s_rows, sa=sA, ds=ds_parts), limit=limit, **t["dgate"], **w2k)
+        mark("dgate")
+    pushed = dict(push_delta=push[0] if push else None, slots_per_rank=push[1] if push else None)
+    if fuse_dx:  # dX and dW13 in one pass over W13
+        bwd_fused.dx_dw13(dH, x_rows, w13, dW13, dx_slots, code_R, starts, programs=progs["dx_dw13"], **pushed,
+                          **t["dx_dw13"])
+        mark("dx_dw13")
+    else:
+        bwd_gemm.bwd_rows(dH, w13, dx_slots, tile_expert, tile_row, chunk, programs=progs["dx"], push_code=code_R,
+                          **pushed, **t["dx"], **w13k)
+        mark("dx")
+    ds = bwd_gemm.router_grad(ds_parts)
+    if not fuse_dx:
+        bwd_gemm.bwd_wgrad(dH, x_rows, dW13, code_R, starts, programs=progs["dw13"], **t["dw13"], **dw13k)
+        mark("dw13")
+    if not fuse_dg:
+        bwd_gemm.bwd_wgrad(dO_rows, sA, dW2, code_R, starts, programs=progs["dw2"], **t["dw2"], **dw2k)
+        mark("dw2")
     return dW13, dW2, ds
 
 
