@@ -103,15 +103,17 @@ SWEEP: dict[str, dict[str, dict[str, Any]]] = {
     # the backward reads them there and writes dW13 / dW2 in that order (by pointers); ``same_bits`` compares
     # the gradients untiled with the plain run's (``layout_rel_l1``: their largest relative L1 difference)
     "tiled layout": {LAYOUT: "tiled"},
-    # session 18: v7's fused stages (dgate + dW2, dX + dW13) against the separate ones of v6, and their launches
-    "unfused (v6)": {"dgate_dw2": {"on": False}, "dx_dw13": {"on": False}},
-    "fused dgate + dW2 only": {"dx_dw13": {"on": False}},
-    "fused dX + dW13 only": {"dgate_dw2": {"on": False}},
-    "fused, pointer stores": {"dgate_dw2": dict(tma_store=False), "dx_dw13": dict(tma_store=False)},
-    "fused dX 64x64, 4 warps, 2/SM": {"dx_dw13": dict(block_n=64, block_k=64, num_warps=4, programs_per_sm=2)},
+    # session 18: the fused stages (bwd_fused.py: dgate + dW2, dX + dW13, each one pass over its weights; an option,
+    # off by default: measured slower there) and their launches
+    "fused dgate + dW2, dX + dW13": {"dgate_dw2": {"on": True}, "dx_dw13": {"on": True}},
+    "fused dgate + dW2 only": {"dgate_dw2": {"on": True}},
+    "fused dX + dW13 only": {"dx_dw13": {"on": True}},
+    "fused, pointer stores": {"dgate_dw2": dict(on=True, tma_store=False), "dx_dw13": dict(on=True, tma_store=False)},
+    "fused dX 64x64, 4 warps, 2/SM": {"dx_dw13": dict(on=True, block_n=64, block_k=64, num_warps=4,
+                                                       programs_per_sm=2)},
     "fused dgate 64x64, 4 warps, 2/SM (64-row blocks)": {
-        "dgate_dw2": dict(block_h=64, block_i=64, num_warps=4, programs_per_sm=2)},
-    "fused dX 64x128": {"dx_dw13": dict(block_n=64, block_k=128)},
+        "dgate_dw2": dict(on=True, block_h=64, block_i=64, num_warps=4, programs_per_sm=2)},
+    "fused dX 64x128": {"dx_dw13": dict(on=True, block_n=64, block_k=128)},
     # the Q-resident weight gradients (bwd_gemm._bwd_wgrad_q_resident: programs running together write
     # neighbouring column blocks of the same rows); by pointers at 8 warps they build without a spill on both
     # Triton ends (128 / 178 registers at 128 x 128, 64-row steps), as the P-resident pointer stores do not
@@ -122,12 +124,6 @@ SWEEP: dict[str, dict[str, dict[str, Any]]] = {
         "dw13": dict(q_resident=True, tma_store=False, num_warps=8, programs_per_sm=1),
         "dw2": dict(q_resident=True, tma_store=False, num_warps=8, programs_per_sm=1)},
 }
-# v7 fuses dgate with dW2 and dX with dW13 where the experts average at most 128 rows: a variant of the separate
-# stages' launches (and no fused one's) runs with the fusion off, against the v6 stages of "unfused (v6)"
-UNFUSED = SWEEP["unfused (v6)"]
-for _label, _over in SWEEP.items():
-    if set(_over) & {"dgate", "dx", "dw13", "dw2"} and not set(_over) & set(UNFUSED):
-        SWEEP[_label] = {**_over, **UNFUSED}
 SMOKE_SHAPE = "tiny"
 
 

@@ -223,8 +223,8 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048, extras: bool 
         # experts of 48-128 rows on average (glm_5_2 at EP=1): 128-row steps, 128 x 64 output blocks
         out.append(Variant("bwd wgrad P resident 128 rows", "_bwd_wgrad_resident_kernel",
                            dict(wg_t, dw_ptr="tensordesc<bf16[128, 64]>"), dict(wg_c, BK=64, BR=128), 4))
-        # v7's fused stages (bwd_fused.py; train.py's launches: 64-row blocks where the experts average at most 48
-        # rows, else 128) and bwd_check's sweep candidates (4 warps, two programs per SM)
+        # the fused stages (bwd_fused.py, an option; train.py's launches: 64-row blocks where the experts average at
+        # most 48 rows, else 128) and bwd_check's sweep launches (4 warps, two programs per SM)
         dg_t = dict(do_ptr="*bf16", h_ptr="*bf16", clip_ptr="*u8", s_ptr="*fp32", dh_ptr="*bf16", ds_ptr="*fp32",
                     code_ptr="*i32", expert_row_ptr="*i32", H="i32", I="i32", L="i32", limit="fp32")
         dx_t = dict(dh_ptr="*bf16", x_ptr="*bf16", out_ptr="*bf16", code_ptr="*i32", delta_ptr="*i64",

@@ -31,7 +31,7 @@ def _blocks(n: int, cap: int) -> int:
 
 
 BWD_STAGES = ("gather", "recompute_h", "dgate", "dx", "dw13", "dw2", "dgate_dw2", "dx_dw13", "shared",
-              "dx_sum")  # ``marks`` names (the fused stages of v7 replace dgate + dW2 and dX + dW13)
+              "dx_sum")  # ``marks`` names (the fused option's stages replace dgate + dW2 and dX + dW13)
 
 
 def _tiles(H: int, I: int, cuda: bool, clamped: bool = False, rows_per_expert: float = 0.0, tiled: bool = False
@@ -59,10 +59,11 @@ def _tiles(H: int, I: int, cuda: bool, clamped: bool = False, rows_per_expert: f
     resident 64-row weight gradients at 8 warps, one program per SM (aot_check under Triton 3.6 found 264 B of
     spill at 4 warps; not timed on the GPU: bwd_check runs plain weights).
 
-    v7 (PERF_NOTES "Session 18"): where the experts average at most 128 rows (plain weights), dgate with dW2 and dX
-    with dW13 each in one pass over the weights (:mod:`kernels.mok_hopper.bwd_fused`): row blocks of 64 rows where
-    the experts average at most 48 (qwen3_5_397b, kimi_k2_7), else 128 (glm_5_2); 8 warps, one program per SM
-    (aot_check: no spill under Triton 3.8 and 3.6)."""
+    Session 18 (PERF_NOTES): an option, off (``tiles={"dgate_dw2": {"on": True}, "dx_dw13": {"on": True}}``):
+    dgate with dW2 and dX with dW13 each in one pass over the weights (:mod:`kernels.mok_hopper.bwd_fused`; plain
+    weights only): row blocks of 64 rows where the experts average at most 48 (qwen3_5_397b, kimi_k2_7), else 128
+    (glm_5_2); 8 warps, one program per SM (aot_check: no spill under Triton 3.8 and 3.6). Measured on one H200
+    against these separate stages: dgate + dW2 1.2-1.4x slower, dX + dW13 0.95-1.10x."""
     wide = 48 < rows_per_expert <= 128  # (the shared expert's T rows, and 1024-row experts, keep the 64-row steps)
     resident = wide or 0 < rows_per_expert <= 64
     two = dict(num_warps=4, programs_per_sm=2, resident=resident, block_r=128 if wide else 64,
@@ -71,7 +72,7 @@ def _tiles(H: int, I: int, cuda: bool, clamped: bool = False, rows_per_expert: f
         two.update(num_warps=8, programs_per_sm=1)
     wk = 64 if wide or tiled else 128
     dx = dict(block_n=_blocks(H, 128), stages=4) if tiled else dict(block_n=_blocks(H, 256), stages=3)
-    fuse = 0 < rows_per_expert <= 128 and not tiled
+    fuse = False  # the fused stages measured slower than the separate ones (PERF_NOTES "Session 18"): an option
     br = 64 if rows_per_expert <= 48 else 128
     return {"dgate_dw2": dict(on=fuse, block_r=br, block_h=_blocks(H, 128 if br == 64 else 64),
                               block_i=_blocks(I, 64), stages=3, num_warps=8, programs_per_sm=1, tma_store=cuda),
