@@ -59,11 +59,13 @@ def _tiles(H: int, I: int, cuda: bool, clamped: bool = False, rows_per_expert: f
     resident 64-row weight gradients at 8 warps, one program per SM (aot_check under Triton 3.6 found 264 B of
     spill at 4 warps; not timed on the GPU: bwd_check runs plain weights).
 
-    Session 18 (PERF_NOTES): an option, off (``tiles={"dgate_dw2": {"on": True}, "dx_dw13": {"on": True}}``):
-    dgate with dW2 and dX with dW13 each in one pass over the weights (:mod:`kernels.mok_hopper.bwd_fused`; plain
-    weights only): row blocks of 64 rows where the experts average at most 48 (qwen3_5_397b, kimi_k2_7), else 128
+    Session 18 (PERF_NOTES): dgate with dW2 and dX with dW13 each in one pass over the weights
+    (:mod:`kernels.mok_hopper.bwd_fused`; plain weights only; ``tiles={"dgate_dw2": {"on": True}}`` and
+    ``"dx_dw13"``): row blocks of 64 rows where the experts average at most 48 (qwen3_5_397b, kimi_k2_7), else 128
     (glm_5_2); 8 warps, one program per SM (aot_check: no spill under Triton 3.8 and 3.6). Measured on one H200
-    against these separate stages: dgate + dW2 1.2-1.4x slower, dX + dW13 0.95-1.10x."""
+    against the separate stages: dgate + dW2 1.15-1.4x slower (off); dX + dW13 by pointer stores 6-8% faster in
+    64-row blocks, 11% slower in 128-row ones. v8: dX + dW13 fused, pointer stores, where the experts average at
+    most 48 rows."""
     wide = 48 < rows_per_expert <= 128  # (the shared expert's T rows, and 1024-row experts, keep the 64-row steps)
     resident = wide or 0 < rows_per_expert <= 64
     two = dict(num_warps=4, programs_per_sm=2, resident=resident, block_r=128 if wide else 64,
@@ -72,13 +74,13 @@ def _tiles(H: int, I: int, cuda: bool, clamped: bool = False, rows_per_expert: f
         two.update(num_warps=8, programs_per_sm=1)
     wk = 64 if wide or tiled else 128
     dx = dict(block_n=_blocks(H, 128), stages=4) if tiled else dict(block_n=_blocks(H, 256), stages=3)
-    fuse = False  # the fused stages measured slower than the separate ones (PERF_NOTES "Session 18"): an option
     br = 64 if rows_per_expert <= 48 else 128
-    return {"dgate_dw2": dict(on=fuse, block_r=br, block_h=_blocks(H, 128 if br == 64 else 64),
+    fuse_dx = 0 < rows_per_expert <= 48 and not tiled  # v8: dX + dW13 in one pass where rows fit 64-row blocks
+    return {"dgate_dw2": dict(on=False, block_r=br, block_h=_blocks(H, 128 if br == 64 else 64),
                               block_i=_blocks(I, 64), stages=3, num_warps=8, programs_per_sm=1, tma_store=cuda),
-            "dx_dw13": dict(on=fuse, block_r=br, block_n=_blocks(2 * I, 128),
+            "dx_dw13": dict(on=fuse_dx, block_r=br, block_n=_blocks(2 * I, 128),
                             block_k=_blocks(H, 128 if br == 64 else 64), stages=3, num_warps=8, programs_per_sm=1,
-                            tma_store=cuda),
+                            tma_store=cuda and not fuse_dx),
             "dgate": dict(block_m=64, block_n=_blocks(I, 128), block_k=_blocks(H, 64), stages=3 if clamped else 4,
                           pair=not (clamped or tiled)),
             "dx": dict(block_m=128, block_k=_blocks(2 * I, 64), **dx),
