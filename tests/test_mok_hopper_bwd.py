@@ -451,9 +451,8 @@ def test_the_weight_gradient_launch_follows_the_routed_rows_not_the_capacity(mon
     """The weight-gradient launches are chosen by the rows an expert gets on average (T K / L), not by the layer's
     row capacity over L, which counts tile padding: at EP=1 on glm_5_2 the capacity is 191 rows an expert against
     64 routed, and dividing it turned the resident launch off on every published shape. Here the capacity is 256
-    rows an expert and the experts get 9: the routed experts take dX + dW13 fused in 64-row blocks (v8: at most 48
-    rows an expert on average) and the P-resident dW2; with that fusion off, both weight gradients P-resident; with
-    dgate + dW2 fused too, 64-row blocks; the step is right every way."""
+    rows an expert and the experts get 9: the routed experts' weight gradients are P-resident; the fused stages
+    (options) take 64-row blocks, dX + dW13 alone or with dgate + dW2; the step is right every way."""
     from kernels.mok_hopper import bwd_fused, bwd_gemm, interp
     from kernels.mok_hopper.schedule import capacity_rows
     from kernels.mok_hopper.train import layer_backward
@@ -477,9 +476,9 @@ def test_the_weight_gradient_launch_follows_the_routed_rows_not_the_capacity(mon
         monkeypatch.setattr(mod, name, spy(name, getattr(mod, name)))
     xs, idx, ws, dOs, _, _, _ = make(1, T, K, E, H, I, seed=4)
     want = twin_bwd.autograd_reference(xs, idx, ws, dOs, w13, w2, shared=shared)[0]
-    fused, unfused = {"dgate_dw2": {"on": True}, "dx_dw13": {"on": True}}, {"dx_dw13": {"on": False}}
-    for tiles, launched in ((None, [("dx_dw13", 64, False), ("bwd_wgrad", 64, True)]),
-                            (unfused, [("bwd_wgrad", 64, True), ("bwd_wgrad", 64, True)]),
+    fused_dx, fused = {"dx_dw13": {"on": True}}, {"dgate_dw2": {"on": True}, "dx_dw13": {"on": True}}
+    for tiles, launched in ((None, [("bwd_wgrad", 64, True), ("bwd_wgrad", 64, True)]),
+                            (fused_dx, [("dx_dw13", 64, False), ("bwd_wgrad", 64, True)]),
                             (fused, [("dgate_dw2", 64, False), ("dx_dw13", 64, False)])):
         launches.clear()
         with torch.no_grad():
@@ -512,8 +511,7 @@ def test_paired_row_blocks_give_the_single_blocks_gradients_bit_for_bit():
     assert (idx[0] == 0).sum() == T and all(len(set(r.tolist())) == K for r in idx[0])
     grads = []
     for pair in (False, True):
-        tiles = {"dgate": dict(block_m=16, pair=pair), "dx": dict(block_m=16, pair=pair),
-                 "dx_dw13": {"on": False}}  # the separate dX stage (v8 fuses it with dW13 at the toy's rows)
+        tiles = {"dgate": dict(block_m=16, pair=pair), "dx": dict(block_m=16, pair=pair)}
         with torch.no_grad():
             layer(xs[0], idx[0], ws[0])
             g = layer_backward(layer, dOs[0], xs[0], idx[0], ws[0], w13[0], w2[0], shared, tiles=tiles)

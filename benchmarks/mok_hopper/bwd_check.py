@@ -104,8 +104,8 @@ SWEEP: dict[str, dict[str, dict[str, Any]]] = {
     # the gradients untiled with the plain run's (``layout_rel_l1``: their largest relative L1 difference)
     "tiled layout": {LAYOUT: "tiled"},
     # session 18: the fused stages (bwd_fused.py: dgate + dW2, dX + dW13, each one pass over its weights) and their
-    # launches; v8 takes dX + dW13 by pointer stores where the experts average at most 48 rows
-    "unfused (v6)": {"dx_dw13": {"on": False}},
+    # launches (options: v6's separate stages stay the default)
+    "fused dX + dW13, pointer stores (v8 as tried)": {"dx_dw13": {"on": True, "tma_store": False}},
     "fused dgate + dW2, dX + dW13": {"dgate_dw2": {"on": True}, "dx_dw13": {"on": True}},
     "fused dgate + dW2 only": {"dgate_dw2": {"on": True}},
     "fused dX + dW13 only": {"dx_dw13": {"on": True}},
@@ -125,11 +125,6 @@ SWEEP: dict[str, dict[str, dict[str, Any]]] = {
         "dw13": dict(q_resident=True, tma_store=False, num_warps=8, programs_per_sm=1),
         "dw2": dict(q_resident=True, tma_store=False, num_warps=8, programs_per_sm=1)},
 }
-# v8 fuses dX with dW13 where the experts average at most 48 rows: a variant of the separate dX or dW13 launches
-# (and of no fused one) runs with that fusion off, as it ran before
-for _label, _over in SWEEP.items():
-    if set(_over) & {"dx", "dw13"} and not set(_over) & {"dx_dw13", "dgate_dw2"}:
-        SWEEP[_label] = {**_over, **SWEEP["unfused (v6)"]}
 SMOKE_SHAPE = "tiny"
 
 

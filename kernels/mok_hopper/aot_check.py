@@ -237,7 +237,7 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048, extras: bool 
             desc = f"tensordesc<bf16[{bh}, {bi}]>"
             out.append(Variant(label, "_dgate_dw2_kernel", dict(dg_t, w2_ptr=desc, dw2_ptr=desc),
                                dict(fz_c, BR=br, BH=bh, BI=bi, HAS_LIMIT=lim), warps))
-        out.append(Variant("bwd dX+dW13 64 rows pointer stores", "_dx_dw13_kernel",  # v8's default launch
+        out.append(Variant("bwd dX+dW13 64 rows pointer stores", "_dx_dw13_kernel",  # v8 as tried
                            dict(dx_t, w13_ptr="tensordesc<bf16[128, 128]>", dw13_ptr="*bf16"),
                            dict(fz_c, BR=64, BN=128, BK=128, TMA_STORE=False), 8))
         for label, br, bn, bk, warps in (("bwd dX+dW13 64 rows", 64, 128, 128, 8),

@@ -64,8 +64,10 @@ def _tiles(H: int, I: int, cuda: bool, clamped: bool = False, rows_per_expert: f
     ``"dx_dw13"``): row blocks of 64 rows where the experts average at most 48 (qwen3_5_397b, kimi_k2_7), else 128
     (glm_5_2); 8 warps, one program per SM (aot_check: no spill under Triton 3.8 and 3.6). Measured on one H200
     against the separate stages: dgate + dW2 1.15-1.4x slower (off); dX + dW13 by pointer stores 6-8% faster in
-    64-row blocks, 11% slower in 128-row ones. v8: dX + dW13 fused, pointer stores, where the experts average at
-    most 48 rows."""
+    64-row blocks, 11% slower in 128-row ones; taken as v8 where the experts average at most 48 rows, its harness
+    rows (qwen3_5_397b 8.25, kimi_k2_7 20.49 ms) were no faster than v6's on the lease before (8.19, 20.34), so v6
+    stays the default and both fusions are options (with 64-row blocks, pointer stores: ``{"dx_dw13": {"on": True,
+    "tma_store": False}}``)."""
     wide = 48 < rows_per_expert <= 128  # (the shared expert's T rows, and 1024-row experts, keep the 64-row steps)
     resident = wide or 0 < rows_per_expert <= 64
     two = dict(num_warps=4, programs_per_sm=2, resident=resident, block_r=128 if wide else 64,
@@ -75,7 +77,7 @@ def _tiles(H: int, I: int, cuda: bool, clamped: bool = False, rows_per_expert: f
     wk = 64 if wide or tiled else 128
     dx = dict(block_n=_blocks(H, 128), stages=4) if tiled else dict(block_n=_blocks(H, 256), stages=3)
     br = 64 if rows_per_expert <= 48 else 128
-    fuse_dx = 0 < rows_per_expert <= 48 and not tiled  # v8: dX + dW13 in one pass where rows fit 64-row blocks
+    fuse_dx = False  # dX + dW13 fused (64-row blocks, pointer stores) gained nothing in the harness: an option
     return {"dgate_dw2": dict(on=False, block_r=br, block_h=_blocks(H, 128 if br == 64 else 64),
                               block_i=_blocks(I, 64), stages=3, num_warps=8, programs_per_sm=1, tma_store=cuda),
             "dx_dw13": dict(on=fuse_dx, block_r=br, block_n=_blocks(2 * I, 128),
