@@ -27,11 +27,10 @@
 #   inductor's are reused between the points of a call.
 # Rows go to OUTDIR/runs/<run_id>/; the log of each part to OUTDIR/anchors-<part>.log.
 # Known (session 16, torch 2.11 / Triton 3.6): nccl compiled with max-autotune died in inductor's autotuning of the
-# backward graph at EP=1 (an illegal memory access; results/README.md, h200x1-s16-compiled-nccl), so its rows here
-# come out `error`; COMPILE=false (below) runs every backend eager instead, as the h200x1-s13, -s15, -s16 and
-# -s17 bwd runs did. Not tried yet: TORCHINDUCTOR_AUTOTUNE_IN_SUBPROC=1 (inductor benchmarks each autotuning
-# choice in a subprocess, so an illegal access in one choice drops that choice instead of the process; the log
-# said "Ignoring this choice" and then every later CUDA call failed).
+# backward graph at EP=1 (an illegal memory access in one autotuning choice, after which every CUDA call failed;
+# results/README.md, h200x1-s16-compiled-nccl). Session 18: with TORCHINDUCTOR_AUTOTUNE_IN_SUBPROC=1 (each
+# choice benchmarked in a subprocess), set below unless the caller sets it, it ran: h200x1-s18-compiled-nccl
+# (qwen3_5_397b, about 220 s of compiling and autotuning in setup). COMPILE=false runs every backend eager.
 set -uo pipefail
 OUTDIR=${1:?output folder}
 PART=${2:-all}
@@ -53,6 +52,7 @@ if [ -n "${SONIC_WHEELS:-}" ]; then
 fi
 export PYTHONPATH=$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export TORCHINDUCTOR_AUTOTUNE_IN_SUBPROC=${TORCHINDUCTOR_AUTOTUNE_IN_SUBPROC:-1}
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/mokbench-triton-cache}
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/mokbench-inductor-cache}
 export MOKBENCH_RUN_ID=${MOKBENCH_RUN_ID:-h200-anchors-$(date -u +%Y%m%dT%H%M%S)}
