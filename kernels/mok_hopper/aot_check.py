@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 SMEM_LIMIT = {90: 232448, 100: 232448}  # bytes of dynamic shared memory per block (opt-in maximum)
-KERNEL_MODULES = ("schedule_kernels", "pull", "up_gemm", "down_gemm", "bwd_gemm", "bwd_fused")  # where the kernels live, by stage
+# where the kernels live, by stage
+KERNEL_MODULES = ("schedule_kernels", "pull", "up_gemm", "down_gemm", "bwd_gemm", "bwd_fused")
 # Stack bytes a variant may spill, by a part of its label; any other spill is a problem. The training forward's up
 # GEMMs (save H) add two to four stores to an epilogue that sits at the 255-register cap already (the inference
 # kernels use 240-254): they spill 0-48 B on Triton 3.8 and 0-56 B on 3.6 (PERF_NOTES, "save_h"). The backward's

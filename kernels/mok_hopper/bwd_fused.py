@@ -211,8 +211,9 @@ def dx_dw13(dH_R2I: torch.Tensor, x_RH: torch.Tensor, w13_LNH: torch.Tensor, dw1
             tma_store: bool = True) -> None:
     """dX and dW13 in one pass over W13 (contiguous [L, 2I, H]): each row's dX (bf16 [H]) pushed to row
     ``row_code_R[r]`` of ``out`` (padding rows nowhere; with ``push_delta`` / ``slots_per_rank``, to slot
-    code % TK of rank code // TK's copy, as :func:`~kernels.mok_hopper.bwd_gemm.bwd_rows` pushes), and dW13
-    (bf16 [L, 2I, H]) = dH rows^T @ X rows per expert."""
+    code % TK of rank code // TK's copy, as :func:`~kernels.mok_hopper.bwd_gemm.bwd_rows` pushes, through its
+    epilogue; the tests run this kernel on one rank only), and dW13 (bf16 [L, 2I, H]) = dH rows^T @ X rows per
+    expert."""
     R, N = dH_R2I.shape
     L, _, H = w13_LNH.shape
     assert w13_LNH.is_contiguous() and dw13_LNH.shape == w13_LNH.shape and x_RH.shape == (R, H)

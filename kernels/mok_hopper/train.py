@@ -76,13 +76,12 @@ def _tiles(H: int, I: int, cuda: bool, clamped: bool = False, rows_per_expert: f
         two.update(num_warps=8, programs_per_sm=1)
     wk = 64 if wide or tiled else 128
     dx = dict(block_n=_blocks(H, 128), stages=4) if tiled else dict(block_n=_blocks(H, 256), stages=3)
-    br = 64 if rows_per_expert <= 48 else 128
-    fuse_dx = False  # dX + dW13 fused (64-row blocks, pointer stores) gained nothing in the harness: an option
+    br = 64 if rows_per_expert <= 48 else 128  # the fused stages (options, off): their row blocks
     return {"dgate_dw2": dict(on=False, block_r=br, block_h=_blocks(H, 128 if br == 64 else 64),
                               block_i=_blocks(I, 64), stages=3, num_warps=8, programs_per_sm=1, tma_store=cuda),
-            "dx_dw13": dict(on=fuse_dx, block_r=br, block_n=_blocks(2 * I, 128),
+            "dx_dw13": dict(on=False, block_r=br, block_n=_blocks(2 * I, 128),
                             block_k=_blocks(H, 128 if br == 64 else 64), stages=3, num_warps=8, programs_per_sm=1,
-                            tma_store=cuda and not fuse_dx),
+                            tma_store=cuda),
             "dgate": dict(block_m=64, block_n=_blocks(I, 128), block_k=_blocks(H, 64), stages=3 if clamped else 4,
                           pair=not (clamped or tiled)),
             "dx": dict(block_m=128, block_k=_blocks(2 * I, 64), **dx),
