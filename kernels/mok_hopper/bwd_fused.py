@@ -74,6 +74,13 @@ def _scaled_act(h_ptr, clip_ptr, s_ptr, rows, rmask, cols, I, limit, HAS_LIMIT: 
 
 
 @triton.jit
+def _expert_item(wk, n_blocks, expert_row_ptr):
+    """Work item -> (expert, column block, the expert's row range [r_lo, r_hi)): expert-major, the block fastest."""
+    e = wk // n_blocks
+    return e, wk % n_blocks, tl.load(expert_row_ptr + e), tl.load(expert_row_ptr + e + 1)
+
+
+@triton.jit
 def _live_rows(code_ptr, r0, r_hi, BR: tl.constexpr):
     rows = (r0 + tl.arange(0, BR)).to(tl.int64)
     inr = rows < r_hi
@@ -88,10 +95,7 @@ def _dgate_dw2_kernel(do_ptr, w2_ptr, dw2_ptr, h_ptr, clip_ptr, s_ptr, dh_ptr, d
     n_h = H // BH
     n_i = I // BI
     for wk in range(tl.program_id(0), L * n_i, NUM_PROGS):
-        e = wk // n_i
-        i = wk % n_i
-        r_lo = tl.load(expert_row_ptr + e)
-        r_hi = tl.load(expert_row_ptr + e + 1)
+        e, i, r_lo, r_hi = _expert_item(wk, n_i, expert_row_ptr)
         icols = i * BI + tl.arange(0, BI)
         hh = tl.arange(0, BH)
         if r_hi - r_lo <= BR:
@@ -132,10 +136,7 @@ def _dx_dw13_kernel(dh_ptr, x_ptr, w13_ptr, dw13_ptr, out_ptr, code_ptr, delta_p
     n_n = N // BN
     n_k = H // BK
     for wk in range(tl.program_id(0), L * n_k, NUM_PROGS):
-        e = wk // n_k
-        k = wk % n_k
-        r_lo = tl.load(expert_row_ptr + e)
-        r_hi = tl.load(expert_row_ptr + e + 1)
+        e, k, r_lo, r_hi = _expert_item(wk, n_k, expert_row_ptr)
         kcols = k * BK + tl.arange(0, BK)
         nn = tl.arange(0, BN)
         if r_hi - r_lo <= BR:
