@@ -21,7 +21,9 @@ Autotuning: every GEMM kernel autotunes over 32 configs (the weight-gradient ker
 all of it happens there (it is in ``setup_s``, and the seconds it took are in ``notes``); ``LIGER_FUSED_MOE_AUTOTUNE=0``
 pins one config per kernel (Liger's own switch). Where the user sets ``TRITON_CACHE_DIR``, Triton's compiled kernels
 are reused from it, and the autotuning results too (``TRITON_CACHE_AUTOTUNING=1`` is set for Liger's autotuners
-unless the user set it).
+unless the user set it). The compiles, not the benchmarks, are most of the autotuning's time (one shape's did not
+finish within 600 s in session 12): ``python -m baselines.liger_precompile`` compiles every config ahead, in
+parallel, into that cache; setup then only benchmarks, and the notes cite the precompile's record.
 
 Not supported, as ``unsupported`` rows: precisions other than bf16; the clamped SwiGLU (``shape.swiglu_limit``: Liger
 has no clamp); EP >= 2 (below); a machine without a CUDA GPU (Triton's CPU interpreter runs Liger's kernels
@@ -157,6 +159,12 @@ class LigerBackend:
         cache = ("Triton cache " + os.environ["TRITON_CACHE_DIR"]
                  + (" with autotuning results" if os.environ.get("TRITON_CACHE_AUTOTUNING") == "1" else "")
                  if os.environ.get("TRITON_CACHE_DIR") else "Triton's default cache")
+        from baselines.liger_precompile import cache_record
+
+        pre = cache_record()
+        if pre and not pinned:
+            cache += (f" (compiled ahead by baselines.liger_precompile for {pre.get('shapes')}: "
+                      f"{pre.get('workers')} processes, {pre.get('seconds')} s, {pre.get('utc')})")
         where = "Triton interpreter (CPU)" if _interpreted() else "Triton"
         notes = [f"Liger-Kernel {liger_version()} LigerFusedMoEFunction ({where}): routing kernels with one host "
                  "sync per forward, gather + grouped GEMM + SwiGLU, down GEMM, weighted gather-sum; backward "

@@ -7,10 +7,15 @@
 #   PART glm  : glm_5_2 and the compute-bound point glm_5_2 shape.local_experts=16 (16 experts on the GPU)
 #   PART kq   : kimi_k2_7 and qwen3_5_397b
 #   PART all  : both, one after another (default)
-# Each part is one harness invocation; every part uses the same run_id (MOKBENCH_RUN_ID, default
+# Each point is one harness invocation; every point uses the same run_id (MOKBENCH_RUN_ID, default
 # h200-anchors-<UTC time>), so rows of two calls on two leases still form one run in the report: pass the same
-# MOKBENCH_RUN_ID to both calls. glm and glm@16 share one call because Liger's autotuning is keyed on (H, I) and the
-# second point reuses the first's through the Triton cache below.
+# MOKBENCH_RUN_ID to both calls.
+# Liger autotuned (the default; LIGER_FUSED_MOE_AUTOTUNE=0 pins one config per kernel): first
+# `python -m baselines.liger_precompile` compiles every config of the part's shapes in parallel into the Triton
+# cache below (the compiles, not the benchmarks, are what made one shape's autotuning outlast a 600 s call in
+# session 12). Each point then runs with its own copy of that cache, without autotuning results (*.autotune.json),
+# so Liger autotunes on each point's own problem: its autotuning key is (H, I), and glm_5_2 and glm_5_2 at 16 experts
+# (64 and 1024 rows an expert) would otherwise share one result.
 #
 # Environment, set here:
 # * Wheels from WHEELS (default .whl: hydra-core, omegaconf, antlr4, submitit, liger-kernel 0.8.5) are installed
@@ -22,9 +27,9 @@
 #   nvidia-cutlass-dsl and its libs): to try SonicMoE with torch 2.11; parts made with `split` (NAME.whl.part-aa,
 #   -ab, ...) are joined first. Without them the sonicmoe rows are `unsupported` with the reason.
 # * NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 (no NVLink multicast).
-# * TRITON_CACHE_DIR and TORCHINDUCTOR_CACHE_DIR under /tmp (one folder each for the whole call), so Liger's
-#   autotuning results (TRITON_CACHE_AUTOTUNING=1, set by the liger backend where TRITON_CACHE_DIR is set) and
-#   inductor's are reused between the points of a call.
+# * TRITON_CACHE_DIR (the precompiled cache; each point copies it) and TORCHINDUCTOR_CACHE_DIR under /tmp, one
+#   folder each for the whole call (the liger backend sets TRITON_CACHE_AUTOTUNING=1 where TRITON_CACHE_DIR is set,
+#   so a point's autotuning results stay in its copy).
 # Rows go to OUTDIR/runs/<run_id>/; the log of each part to OUTDIR/anchors-<part>.log.
 # Known (session 16, torch 2.11 / Triton 3.6): nccl compiled with max-autotune died in inductor's autotuning of the
 # backward graph at EP=1 (an illegal memory access in one autotuning choice, after which every CUDA call failed;
@@ -34,6 +39,7 @@
 set -uo pipefail
 OUTDIR=${1:?output folder}
 PART=${2:-all}
+case $PART in glm|kq|all) ;; *) echo "PART must be glm, kq or all (got $PART)" >&2; exit 2 ;; esac
 mkdir -p "$OUTDIR"
 WHEELS=${WHEELS:-.whl}
 SITE=/tmp/site
@@ -64,15 +70,29 @@ COMMON=(-m hydra/launcher=node ep_size=1 precision=bf16 direction=fwd_and_bwd wo
         'backends=[nccl,liger,sonicmoe,mok_hopper]' "compile=${COMPILE:-true}" compile_mode=published timing=published
         calibrate=true dist_timeout_s=900 "run_id=$MOKBENCH_RUN_ID" "results_dir=$OUTDIR/runs"
         hydra.sweep.dir=/tmp/mokbench-sweep hydra.run.dir=/tmp/mokbench-run)
-run() {  # part name, then the point's overrides
-  local name=$1; shift
-  echo "+ python3 -m harness.run ${COMMON[*]} $*"
-  python3 -m harness.run "${COMMON[@]}" "$@" 2>&1 | grep -v -e Warning -e warnings.warn | tee "$OUTDIR/anchors-$name.log"
+TUNE=${LIGER_FUSED_MOE_AUTOTUNE:-1}
+precompile() {  # shapes: Liger's compiles ahead, in parallel (nothing to do when it is pinned)
+  [ "$TUNE" = 0 ] && return 0
+  echo "+ python3 -m baselines.liger_precompile --shapes $1"
+  python3 -m baselines.liger_precompile --shapes "$1" 2>&1 | grep -v -e Warning -e warnings.warn \
+    | tee -a "$OUTDIR/precompile.log"
 }
+run() {  # point name, then the point's overrides
+  local name=$1; shift
+  local cache=$TRITON_CACHE_DIR-$name
+  rm -rf "$cache"; mkdir -p "$TRITON_CACHE_DIR"; cp -r "$TRITON_CACHE_DIR" "$cache"
+  find "$cache" -name '*.autotune.json' -delete
+  echo "+ TRITON_CACHE_DIR=$cache python3 -m harness.run ${COMMON[*]} $*"
+  echo "Triton cache entries before $name: $(ls "$cache" | wc -l)"
+  TRITON_CACHE_DIR=$cache python3 -m harness.run "${COMMON[@]}" "$@" 2>&1 | grep -v -e Warning -e warnings.warn \
+    | tee "$OUTDIR/anchors-$name.log"
+  echo "Triton cache entries after $name: $(ls "$cache" | wc -l) (new ones: kernels compiled in the point)"
+}
+glm() { precompile glm_5_2; run glm shape=glm_5_2; run glm16 shape=glm_5_2 shape.local_experts=16; }
+kq() { precompile kimi_k2_7,qwen3_5_397b; run kimi shape=kimi_k2_7; run qwen shape=qwen3_5_397b; }
 case $PART in
-  glm) run glm shape=glm_5_2 'shape.local_experts=null,16' ;;
-  kq) run kq shape=kimi_k2_7,qwen3_5_397b ;;
-  all) run glm shape=glm_5_2 'shape.local_experts=null,16'; run kq shape=kimi_k2_7,qwen3_5_397b ;;
-  *) echo "PART must be glm, kq or all (got $PART)" >&2; exit 2 ;;
+  glm) glm ;;
+  kq) kq ;;
+  all) glm; kq ;;
 esac
 echo "rows: $OUTDIR/runs/$MOKBENCH_RUN_ID; report: python3 -m harness.report $OUTDIR/runs/$MOKBENCH_RUN_ID --out $OUTDIR/report"

@@ -222,6 +222,54 @@ def test_liger_reuses_a_user_triton_cache(monkeypatch):
     assert os.environ["TRITON_CACHE_AUTOTUNING"] == "1"
 
 
+def test_liger_precompile_slices_cover_every_config_once():
+    from baselines.liger_precompile import config_slice, shape_dims
+
+    configs = [f"c{i}" for i in range(40)]
+    parts = [config_slice(configs, i, 14) for i in range(14)]
+    assert sorted(c for p in parts for c in p) == sorted(configs)  # every config once, none twice
+    assert config_slice(configs[:3], 5, 14) == ["c0"]  # fewer configs than workers: the first, not none
+    with pytest.raises(ValueError):
+        config_slice(configs, 14, 14)
+    # glm_5_2 at any expert count is one (H, I, K); qwen3_5_397b another
+    assert shape_dims(["glm_5_2", "qwen3_5_397b", "glm_5_2"]) == [(6144, 2048, 8), (4096, 1024, 10)]
+
+
+@pytest.mark.parametrize("env, args, says", [
+    ({}, ["--shapes", "glm_5_2"], "set TRITON_CACHE_DIR"),
+    ({"TRITON_CACHE_DIR": "CACHE", "LIGER_FUSED_MOE_AUTOTUNE": "0"}, ["--shapes", "glm_5_2"], "unset it"),
+    ({"TRITON_CACHE_DIR": "CACHE"}, ["--shapes", "no_such_shape"], "unknown shape"),
+    ({"TRITON_CACHE_DIR": "CACHE", "CUDA_VISIBLE_DEVICES": ""}, ["--shapes", "glm_5_2"],
+     "needs a CUDA GPU" if HAS_LIGER else "pip install liger-kernel"),
+])
+def test_liger_precompile_refuses_what_cannot_run(tmp_path, env, args, says):
+    """One line naming the fix, exit code 2, and nothing written to the cache."""
+    run_env = {k: v for k, v in os.environ.items()
+               if k not in ("TRITON_CACHE_DIR", "LIGER_FUSED_MOE_AUTOTUNE")}
+    run_env.update({k: v.replace("CACHE", str(tmp_path)) for k, v in env.items()})
+    r = subprocess.run([sys.executable, "-m", "baselines.liger_precompile", *args], cwd=ROOT, env=run_env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert says in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_liger_notes_cite_a_precompiled_cache(monkeypatch, tmp_path):
+    from baselines import liger, liger_precompile
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    assert liger_precompile.cache_record() is None
+    (tmp_path / liger_precompile.RECORD).write_text(
+        '{"shapes": "glm_5_2", "workers": 15, "seconds": 61.2, "utc": "2026-12-02T18:00:00Z"}')
+    assert liger_precompile.cache_record()["workers"] == 15
+    b = liger.LigerBackend(_case(), None)
+    b.params = types.SimpleNamespace(columns=lambda: {})
+    monkeypatch.setenv(liger.AUTOTUNE_ENV, "1")
+    assert "compiled ahead by baselines.liger_precompile for glm_5_2: 15 processes, 61.2 s" in b.info()["notes"]
+    monkeypatch.setenv(liger.AUTOTUNE_ENV, "0")  # pinned: one config, nothing of the precompile is used
+    assert "compiled ahead" not in b.info()["notes"]
+
+
 # ---- SonicMoE through a stand-in module ---------------------------------------------------------------------------
 
 

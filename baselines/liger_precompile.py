@@ -1,0 +1,167 @@
+"""Liger's autotuning in minutes instead of a quarter of an hour: its Triton compiles done ahead, in parallel, into
+the user's Triton cache.
+
+    TRITON_CACHE_DIR=/path/to/cache python -m baselines.liger_precompile --shapes glm_5_2,qwen3_5_397b [--workers N]
+
+Why: Liger's fused MoE autotunes each GEMM kernel over 16-40 configs keyed on (H, I), about 240 configs per shape
+(``baselines/liger.py``). Triton compiles every config inside the autotuning, one after another, at 1-3 s each. On
+the H200 machine one shape's autotuning did not finish within a 600 s call (session 12), although its benchmarks
+take about a minute. The compiles are what a parallel pass can take off.
+
+What it does: N worker processes each run Liger's op (forward and backward) once on a small problem with the
+shape's hidden size H, expert ffn I and top-k K (16 experts, 256 tokens). Each of Liger's autotuners in worker i
+keeps only every N-th config, starting at the i-th. Liger's kernels take H and I as compile-time constants and
+otherwise only pointers and strides that depend on H, I and K, so the kernels compiled here are the ones the
+full shape uses. The workers' timings are thrown away: they benchmark on a shared GPU, and their autotuning results
+are not cached (``TRITON_CACHE_AUTOTUNING=0`` in the workers). The harness's ``liger`` setup then autotunes over
+every config on the real inputs, as without this pass, and reads the compiled kernels from the cache instead of
+compiling them. Its ``setup_s`` is then the benchmarking only; the row's notes say that the cache was prepared here
+and how long it took (the record ``mokbench-liger-precompile.json`` in the cache folder).
+
+Needs a CUDA GPU, liger-kernel, and ``TRITON_CACHE_DIR`` (without it nothing would be reused: exit code 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+RECORD = "mokbench-liger-precompile.json"
+EXPERTS, TOKENS = 16, 256  # the small problem: E a multiple of 16 like every published shape's, K <= E
+
+
+def config_slice(configs: Sequence[Any], part: int, parts: int) -> list:
+    """Worker ``part`` of ``parts``: every ``parts``-th config from the ``part``-th (the slices of all workers
+    cover every config once). A worker left with no config of a kernel that has fewer configs than workers keeps
+    the first (compiled twice, harmlessly)."""
+    if not 0 <= part < parts:
+        raise ValueError(f"part {part} is not in 0..{parts - 1}")
+    return list(configs[part::parts]) or list(configs[:1])
+
+
+def shape_dims(names: Sequence[str]) -> list[tuple[int, int, int]]:
+    """(H, I, K) of each named shape (configs/shape), without repeats: Liger's compiles depend on these only."""
+    from harness.config import shape_table
+
+    table = shape_table()
+    unknown = [n for n in names if n not in table]
+    if unknown:
+        raise KeyError(f"unknown shape(s) {unknown}; known: {sorted(table)}")
+    dims = []
+    for n in names:
+        d = (int(table[n]["hidden"]), int(table[n]["ffn"]), int(table[n]["topk"]))
+        if d not in dims:
+            dims.append(d)
+    return dims
+
+
+def run_small_problem(H: int, I: int, K: int, device: str = "cuda", dtype: Any = None) -> None:
+    """Liger's op forward + backward on EXPERTS experts and TOKENS tokens with the shape's H, I, K."""
+    import torch
+    from liger_kernel.ops.fused_moe import LigerFusedMoEFunction
+
+    dtype = dtype or torch.bfloat16
+    g = torch.Generator(device="cpu").manual_seed(0)
+    x = (torch.randn(TOKENS, H, generator=g) * 0.5).to(device, dtype).requires_grad_()
+    w13 = (torch.randn(EXPERTS, 2 * I, H, generator=g) * 0.02).to(device, dtype).requires_grad_()
+    w2 = (torch.randn(EXPERTS, H, I, generator=g) * 0.02).to(device, dtype).requires_grad_()
+    scores = torch.randn(TOKENS, EXPERTS, generator=g)
+    w_TK, idx_TK = torch.softmax(scores, dim=-1).topk(K, dim=-1)
+    w_TK = w_TK.to(device).requires_grad_()
+    out = LigerFusedMoEFunction.apply(x, w13, w2, idx_TK.to(device, torch.int32), w_TK)
+    out.backward(torch.randn(out.shape, generator=g).to(device, out.dtype))
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _worker(part: int, parts: int, dims: list[tuple[int, int, int]]) -> dict:
+    os.environ["TRITON_CACHE_AUTOTUNING"] = "0"  # these timings ran on a shared GPU: never keep them
+    from baselines.liger import autotuners
+
+    kept = {}
+    for name, tuner in autotuners().items():
+        tuner.configs = config_slice(tuner.configs, part, parts)
+        tuner.cache_results = False
+        kept[name.strip("_")] = len(tuner.configs)
+    t0 = time.perf_counter()
+    for H, I, K in dims:
+        run_small_problem(H, I, K)
+    return {"part": part, "configs": kept, "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def _count_entries(cache: Path) -> int:
+    return sum(1 for p in cache.iterdir() if p.is_dir()) if cache.is_dir() else 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m baselines.liger_precompile", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", required=True, help="comma-separated shape names (configs/shape)")
+    ap.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="parallel processes (default: CPUs)")
+    args = ap.parse_args(argv)
+    cache = os.environ.get("TRITON_CACHE_DIR")
+    if not cache:
+        print("liger_precompile: set TRITON_CACHE_DIR (the folder the harness's liger setup will read the compiled "
+              "kernels from); nothing was compiled", file=sys.stderr)
+        return 2
+    if os.environ.get("LIGER_FUSED_MOE_AUTOTUNE", "1").lower() in ("0", "false", "no"):
+        print("liger_precompile: LIGER_FUSED_MOE_AUTOTUNE=0 pins one config per kernel, so there is nothing to "
+              "precompile; unset it", file=sys.stderr)
+        return 2
+    try:
+        dims = shape_dims([s for s in args.shapes.split(",") if s])
+    except KeyError as e:
+        print(f"liger_precompile: {e.args[0]}", file=sys.stderr)
+        return 2
+    if args.workers < 1:
+        print("liger_precompile: --workers must be at least 1", file=sys.stderr)
+        return 2
+    import importlib.util
+
+    if importlib.util.find_spec("liger_kernel") is None:
+        from baselines.liger import INSTALL_HINT
+
+        print(f"liger_precompile: liger-kernel is not installed; {INSTALL_HINT}", file=sys.stderr)
+        return 2
+    import torch
+
+    if not torch.cuda.is_available():
+        print("liger_precompile: needs a CUDA GPU (Liger's autotuning benchmarks on it); nothing was compiled",
+              file=sys.stderr)
+        return 2
+    cache_dir = Path(cache)
+    before = _count_entries(cache_dir)
+    t0 = time.perf_counter()
+    with mp.get_context("spawn").Pool(args.workers) as pool:
+        parts = pool.starmap(_worker, [(i, args.workers, dims) for i in range(args.workers)])
+    seconds = time.perf_counter() - t0
+    record = {"shapes": args.shapes, "dims_HIK": dims, "workers": args.workers, "seconds": round(seconds, 1),
+              "cache_entries_before": before, "cache_entries_after": _count_entries(cache_dir),
+              "small_problem": {"experts": EXPERTS, "tokens": TOKENS},
+              "configs_per_kernel": {k: sum(p["configs"][k] for p in parts) for k in parts[0]["configs"]},
+              "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    (cache_dir / RECORD).write_text(json.dumps(record, indent=1))
+    print(f"liger_precompile: {len(dims)} (H, I, K) over {args.workers} processes in {seconds:.1f} s; cache "
+          f"entries {before} -> {record['cache_entries_after']} ({cache_dir / RECORD})")
+    return 0
+
+
+def cache_record() -> dict | None:
+    """The precompile record of the user's Triton cache, if this tool prepared it."""
+    cache = os.environ.get("TRITON_CACHE_DIR")
+    path = Path(cache) / RECORD if cache else None
+    if path is None or not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+if __name__ == "__main__":
+    sys.exit(main())
