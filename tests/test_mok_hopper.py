@@ -823,6 +823,7 @@ def test_every_kernel_variant_compiles_for_hopper_without_spills():
     assert "up bf16 tails 32 tma" in p.stdout and "down bf16 x w tails 32 tma" in p.stdout
     assert "up fp8 tma row-major" in p.stdout and "down bf16 x w tma row-major" in p.stdout  # (w_tiled off)
     assert "up bf16 fused tma" in p.stdout and "up bf16 fused tails 32 tma" in p.stdout  # (up_fused)
+    assert "up fp8 tma" in p.stdout and "up fp8 unfused tma" in p.stdout  # (fp8_up_fused: the default, and v13's)
     assert "down bf16 x w 256 tails 32 tma" in p.stdout  # (glm_5_2's v11 down GEMM)
     assert "up bf16 clamp save H fused tails 32 tma" in p.stdout and "up bf16 save H" in p.stdout  # (save_h)
     assert "bwd dgate clamp" in p.stdout and "bwd wgrad P resident" in p.stdout  # the backward's GEMMs
