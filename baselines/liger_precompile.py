@@ -1,9 +1,9 @@
-"""Liger's autotuning in minutes instead of a quarter of an hour: its Triton compiles done ahead, in parallel, into
-the user's Triton cache.
+"""Liger's autotuning in about a minute a shape: its Triton compiles done ahead, in parallel, into the user's Triton
+cache.
 
     TRITON_CACHE_DIR=/path/to/cache python -m baselines.liger_precompile --shapes glm_5_2,qwen3_5_397b [--workers N]
 
-Why: Liger's fused MoE autotunes each GEMM kernel over 16-40 configs keyed on (H, I), about 240 configs per shape
+Why: Liger's fused MoE autotunes each GEMM kernel over 16-40 configs keyed on (H, I), about 240 compiles per shape
 (``baselines/liger.py``). Triton compiles every config inside the autotuning, one after another, at 1-3 s each. On
 the H200 machine one shape's autotuning did not finish within a 600 s call (session 12), although its benchmarks
 take about a minute. The compiles are what a parallel pass can take off.

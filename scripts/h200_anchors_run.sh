@@ -30,7 +30,8 @@
 # * TRITON_CACHE_DIR (the precompiled cache; each point copies it) and TORCHINDUCTOR_CACHE_DIR under /tmp, one
 #   folder each for the whole call (the liger backend sets TRITON_CACHE_AUTOTUNING=1 where TRITON_CACHE_DIR is set,
 #   so a point's autotuning results stay in its copy).
-# Rows go to OUTDIR/runs/<run_id>/; the log of each part to OUTDIR/anchors-<part>.log.
+# Rows go to OUTDIR/runs/<run_id>/; the log of each point to OUTDIR/anchors-<point>.log (glm, glm16, kimi, qwen),
+# the precompile's to OUTDIR/precompile.log.
 # Known (session 16, torch 2.11 / Triton 3.6): nccl compiled with max-autotune died in inductor's autotuning of the
 # backward graph at EP=1 (an illegal memory access in one autotuning choice, after which every CUDA call failed;
 # results/README.md, h200x1-s16-compiled-nccl). Session 18: with TORCHINDUCTOR_AUTOTUNE_IN_SUBPROC=1 (each

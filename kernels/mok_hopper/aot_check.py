@@ -59,10 +59,10 @@ class Variant:
 def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048, extras: bool = True,
              save_h: bool = False) -> list[Variant]:
     """The launches one forward makes (routed and shared GEMMs, bf16 and fp8), at the given tile config (by default
-    the CUDA default's: TMA operands over tiled weights, fp8's up GEMM as one gate/up MMA). With ``extras``, for a plain tile also the GEMMs of the
-    other default tiles (tails, the fused gate/up MMA, 256-wide down), the row-major TMA GEMMs, and the training
-    forward's bf16 up GEMMs that save H (``save_h``: labels "... save H ..."; with ``save_h`` the up launches
-    include them)."""
+    the CUDA default's: TMA operands over tiled weights, fp8's up GEMM as one gate/up MMA). With ``extras``, for a
+    plain tile also the GEMMs of the other default tiles (tails, the fused gate/up MMA, 256-wide down), the
+    row-major TMA GEMMs, and the training forward's bf16 up GEMMs that save H (``save_h``: labels "... save H ...";
+    with ``save_h`` the up launches include them)."""
     from contract.fp8 import FP8_MAX
     from kernels.mok_hopper.schedule_kernels import DeviceScheduler
     from kernels.mok_hopper.tiles import TileConfig, ready_granule
