@@ -1,5 +1,5 @@
-"""Liger's autotuning in about a minute a shape: its Triton compiles done ahead, in parallel, into the user's Triton
-cache.
+"""Liger's autotuning in one to two minutes a shape: its Triton compiles done ahead, in parallel, into the user's
+Triton cache.
 
     TRITON_CACHE_DIR=/path/to/cache python -m baselines.liger_precompile --shapes glm_5_2,qwen3_5_397b [--workers N]
 
