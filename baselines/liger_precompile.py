@@ -61,8 +61,9 @@ def shape_dims(names: Sequence[str]) -> list[tuple[int, int, int]]:
     return dims
 
 
-def run_small_problem(H: int, I: int, K: int, device: str = "cuda", dtype: Any = None) -> None:
-    """Liger's op forward + backward on EXPERTS experts and TOKENS tokens with the shape's H, I, K."""
+def run_small_problem(H: int, I: int, K: int, device: str = "cuda", dtype: Any = None) -> tuple:
+    """Liger's op forward + backward on EXPERTS experts and TOKENS tokens with the shape's H, I, K; returns the
+    output and the input's gradient."""
     import torch
     from liger_kernel.ops.fused_moe import LigerFusedMoEFunction
 
@@ -78,9 +79,10 @@ def run_small_problem(H: int, I: int, K: int, device: str = "cuda", dtype: Any =
     out.backward(torch.randn(out.shape, generator=g).to(device, out.dtype))
     if device == "cuda":
         torch.cuda.synchronize()
+    return out.detach(), x.grad
 
 
-def _worker(part: int, parts: int, dims: list[tuple[int, int, int]]) -> dict:
+def _worker(part: int, parts: int, dims: list[tuple[int, int, int]], device: str = "cuda") -> dict:
     os.environ["TRITON_CACHE_AUTOTUNING"] = "0"  # these timings ran on a shared GPU: never keep them
     from baselines.liger import autotuners
 
@@ -91,8 +93,14 @@ def _worker(part: int, parts: int, dims: list[tuple[int, int, int]]) -> dict:
         kept[name.strip("_")] = len(tuner.configs)
     t0 = time.perf_counter()
     for H, I, K in dims:
-        run_small_problem(H, I, K)
+        run_small_problem(H, I, K, device=device, dtype=None if device == "cuda" else _cpu_dtype())
     return {"part": part, "configs": kept, "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def _cpu_dtype() -> Any:
+    import torch
+
+    return torch.float32  # Triton's CPU interpreter runs Liger's kernels correctly in fp32 only (baselines/liger.py)
 
 
 def _count_entries(cache: Path) -> int:

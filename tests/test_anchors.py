@@ -235,6 +235,29 @@ def test_liger_precompile_slices_cover_every_config_once():
     assert shape_dims(["glm_5_2", "qwen3_5_397b", "glm_5_2"]) == [(6144, 2048, 8), (4096, 1024, 10)]
 
 
+@pytest.mark.skipif(not HAS_LIGER, reason="liger-kernel not installed (pip install liger-kernel==0.8.5)")
+def test_liger_precompile_worker_runs_its_slice_of_every_autotuner(monkeypatch):
+    """A worker (here on the CPU, Liger's kernels interpreted in fp32, one config per kernel) keeps its slice of
+    each of Liger's autotuners and runs the op forward and backward on the small problem."""
+    from baselines import liger_precompile as P
+
+    monkeypatch.delenv("TRITON_CACHE_AUTOTUNING", raising=False)  # the worker sets it to 0: restored afterwards
+    from baselines.liger import autotuners
+
+    saved = {n: (t.configs, t.cache_results) for n, t in autotuners().items()}
+    try:
+        got = P._worker(2, 3, [(64, 32, 2)], device="cpu")
+        assert set(got["configs"]) == {n.strip("_") for n in saved}
+        assert all(n == 1 for n in got["configs"].values())  # pinned: one config, so each worker keeps it
+        assert not any(t.cache_results for t in autotuners().values())
+    finally:
+        for n, t in autotuners().items():
+            t.configs, t.cache_results = saved[n]
+    out, dx = P.run_small_problem(64, 32, 2, device="cpu", dtype=torch.float32)
+    assert out.shape == (P.TOKENS, 64) and dx.shape == (P.TOKENS, 64)
+    assert torch.isfinite(out).all() and torch.isfinite(dx).all() and dx.abs().sum() > 0
+
+
 @pytest.mark.parametrize("env, args, says", [
     ({}, ["--shapes", "glm_5_2"], "set TRITON_CACHE_DIR"),
     ({"TRITON_CACHE_DIR": "CACHE", "LIGER_FUSED_MOE_AUTOTUNE": "0"}, ["--shapes", "glm_5_2"], "unset it"),
