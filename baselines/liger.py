@@ -22,8 +22,9 @@ all of it happens there (it is in ``setup_s``, and the seconds it took are in ``
 pins one config per kernel (Liger's own switch). Where the user sets ``TRITON_CACHE_DIR``, Triton's compiled kernels
 are reused from it, and the autotuning results too (``TRITON_CACHE_AUTOTUNING=1`` is set for Liger's autotuners
 unless the user set it). The compiles, not the benchmarks, are most of the autotuning's time (one shape's did not
-finish within 600 s in session 12): ``python -m baselines.liger_precompile`` compiles every config ahead, in
-parallel, into that cache; setup then only benchmarks, and the notes cite the precompile's record.
+finish within 600 s in session 12): ``python -m benchmarks.liger_precompile`` compiles every config ahead, in
+parallel, into that cache; setup then only benchmarks, and the notes cite the precompile's record
+(``PRECOMPILE_RECORD`` in the cache folder).
 
 Not supported, as ``unsupported`` rows: precisions other than bf16; the clamped SwiGLU (``shape.swiglu_limit``: Liger
 has no clamp); EP >= 2 (below); a machine without a CUDA GPU (Triton's CPU interpreter runs Liger's kernels
@@ -55,6 +56,7 @@ from baselines.common import ExpertParams
 
 INSTALL_HINT = "pip install liger-kernel (0.8.5 tested; README, 'Anchors: Liger-Kernel and SonicMoE')"
 AUTOTUNE_ENV = "LIGER_FUSED_MOE_AUTOTUNE"  # Liger's switch: 0 pins one config per kernel (read at import)
+PRECOMPILE_RECORD = "mokbench-liger-precompile.json"  # what benchmarks.liger_precompile wrote to the Triton cache
 
 
 def _interpreted() -> bool:
@@ -69,6 +71,21 @@ def prepare_environment(device: str) -> None:
         os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
     if device == "cpu":
         os.environ.setdefault(AUTOTUNE_ENV, "0")
+
+
+def precompile_record() -> Optional[dict]:
+    """The record of ``benchmarks.liger_precompile`` in the user's Triton cache, if it prepared that cache."""
+    import json
+    from pathlib import Path
+
+    cache = os.environ.get("TRITON_CACHE_DIR")
+    path = Path(cache) / PRECOMPILE_RECORD if cache else None
+    if path is None or not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def liger_version() -> str:
@@ -159,11 +176,9 @@ class LigerBackend:
         cache = ("Triton cache " + os.environ["TRITON_CACHE_DIR"]
                  + (" with autotuning results" if os.environ.get("TRITON_CACHE_AUTOTUNING") == "1" else "")
                  if os.environ.get("TRITON_CACHE_DIR") else "Triton's default cache")
-        from baselines.liger_precompile import cache_record
-
-        pre = cache_record()
+        pre = precompile_record()
         if pre and not pinned:
-            cache += (f" (compiled ahead by baselines.liger_precompile for {pre.get('shapes')}: "
+            cache += (f" (compiled ahead by benchmarks.liger_precompile for {pre.get('shapes')}: "
                       f"{pre.get('workers')} processes, {pre.get('seconds')} s, {pre.get('utc')})")
         where = "Triton interpreter (CPU)" if _interpreted() else "Triton"
         notes = [f"Liger-Kernel {liger_version()} LigerFusedMoEFunction ({where}): routing kernels with one host "

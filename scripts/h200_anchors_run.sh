@@ -11,7 +11,7 @@
 # h200-anchors-<UTC time>), so rows of two calls on two leases still form one run in the report: pass the same
 # MOKBENCH_RUN_ID to both calls.
 # Liger autotuned (the default; LIGER_FUSED_MOE_AUTOTUNE=0 pins one config per kernel): first
-# `python -m baselines.liger_precompile` compiles every config of the part's shapes in parallel into the Triton
+# `python -m benchmarks.liger_precompile` compiles every config of the part's shapes in parallel into the Triton
 # cache below (the compiles, not the benchmarks, are what made one shape's autotuning outlast a 600 s call in
 # session 12). Each point then runs with its own copy of that cache, without autotuning results (*.autotune.json),
 # so Liger autotunes on each point's own problem: its autotuning key is (H, I), and glm_5_2 and glm_5_2 at 16 experts
@@ -74,8 +74,8 @@ COMMON=(-m hydra/launcher=node ep_size=1 precision=bf16 direction=fwd_and_bwd wo
 TUNE=${LIGER_FUSED_MOE_AUTOTUNE:-1}
 precompile() {  # shapes: Liger's compiles ahead, in parallel (nothing to do when it is pinned)
   [ "$TUNE" = 0 ] && return 0
-  echo "+ python3 -m baselines.liger_precompile --shapes $1"
-  python3 -m baselines.liger_precompile --shapes "$1" 2>&1 | grep -v -e Warning -e warnings.warn \
+  echo "+ python3 -m benchmarks.liger_precompile --shapes $1"
+  python3 -m benchmarks.liger_precompile --shapes "$1" 2>&1 | grep -v -e Warning -e warnings.warn \
     | tee -a "$OUTDIR/precompile.log"
 }
 run() {  # point name, then the point's overrides

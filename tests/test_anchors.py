@@ -223,7 +223,7 @@ def test_liger_reuses_a_user_triton_cache(monkeypatch):
 
 
 def test_liger_precompile_slices_cover_every_config_once():
-    from baselines.liger_precompile import config_slice, shape_dims
+    from benchmarks.liger_precompile import config_slice, shape_dims
 
     configs = [f"c{i}" for i in range(40)]
     parts = [config_slice(configs, i, 14) for i in range(14)]
@@ -239,7 +239,7 @@ def test_liger_precompile_slices_cover_every_config_once():
 def test_liger_precompile_worker_runs_its_slice_of_every_autotuner(monkeypatch):
     """A worker (here on the CPU, Liger's kernels interpreted in fp32, one config per kernel) keeps its slice of
     each of Liger's autotuners and runs the op forward and backward on the small problem."""
-    from baselines import liger_precompile as P
+    from benchmarks import liger_precompile as P
 
     monkeypatch.delenv("TRITON_CACHE_AUTOTUNING", raising=False)  # the worker sets it to 0: restored afterwards
     from baselines.liger import autotuners
@@ -270,7 +270,7 @@ def test_liger_precompile_refuses_what_cannot_run(tmp_path, env, args, says):
     run_env = {k: v for k, v in os.environ.items()
                if k not in ("TRITON_CACHE_DIR", "LIGER_FUSED_MOE_AUTOTUNE")}
     run_env.update({k: v.replace("CACHE", str(tmp_path)) for k, v in env.items()})
-    r = subprocess.run([sys.executable, "-m", "baselines.liger_precompile", *args], cwd=ROOT, env=run_env,
+    r = subprocess.run([sys.executable, "-m", "benchmarks.liger_precompile", *args], cwd=ROOT, env=run_env,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2, r.stderr
     assert says in r.stderr and len(r.stderr.strip().splitlines()) == 1
@@ -278,17 +278,17 @@ def test_liger_precompile_refuses_what_cannot_run(tmp_path, env, args, says):
 
 
 def test_liger_notes_cite_a_precompiled_cache(monkeypatch, tmp_path):
-    from baselines import liger, liger_precompile
+    from baselines import liger
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
-    assert liger_precompile.cache_record() is None
-    (tmp_path / liger_precompile.RECORD).write_text(
+    assert liger.precompile_record() is None
+    (tmp_path / liger.PRECOMPILE_RECORD).write_text(
         '{"shapes": "glm_5_2", "workers": 15, "seconds": 61.2, "utc": "2026-12-02T18:00:00Z"}')
-    assert liger_precompile.cache_record()["workers"] == 15
+    assert liger.precompile_record()["workers"] == 15
     b = liger.LigerBackend(_case(), None)
     b.params = types.SimpleNamespace(columns=lambda: {})
     monkeypatch.setenv(liger.AUTOTUNE_ENV, "1")
-    assert "compiled ahead by baselines.liger_precompile for glm_5_2: 15 processes, 61.2 s" in b.info()["notes"]
+    assert "compiled ahead by benchmarks.liger_precompile for glm_5_2: 15 processes, 61.2 s" in b.info()["notes"]
     monkeypatch.setenv(liger.AUTOTUNE_ENV, "0")  # pinned: one config, nothing of the precompile is used
     assert "compiled ahead" not in b.info()["notes"]
 

@@ -1,7 +1,7 @@
 """Liger's autotuning in one to two minutes a shape: its Triton compiles done ahead, in parallel, into the user's
 Triton cache.
 
-    TRITON_CACHE_DIR=/path/to/cache python -m baselines.liger_precompile --shapes glm_5_2,qwen3_5_397b [--workers N]
+    TRITON_CACHE_DIR=/path/to/cache python -m benchmarks.liger_precompile --shapes glm_5_2,qwen3_5_397b [--workers N]
 
 Why: Liger's fused MoE autotunes each GEMM kernel over 16-40 configs keyed on (H, I), about 240 compiles per shape
 (``baselines/liger.py``). Triton compiles every config inside the autotuning, one after another, at 1-3 s each. On
@@ -16,7 +16,8 @@ full shape uses. The workers' timings are thrown away: they benchmark on a share
 are not cached (``TRITON_CACHE_AUTOTUNING=0`` in the workers). The harness's ``liger`` setup then autotunes over
 every config on the real inputs, as without this pass, and reads the compiled kernels from the cache instead of
 compiling them. Its ``setup_s`` is then the benchmarking only; the row's notes say that the cache was prepared here
-and how long it took (the record ``mokbench-liger-precompile.json`` in the cache folder).
+and how long it took (the record ``baselines.liger.PRECOMPILE_RECORD`` in the cache folder). A tool of
+``benchmarks/``: it uses the liger backend's autotuners and the harness's table of shapes.
 
 Needs a CUDA GPU, liger-kernel, and ``TRITON_CACHE_DIR`` (without it nothing would be reused: exit code 2).
 """
@@ -32,7 +33,8 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-RECORD = "mokbench-liger-precompile.json"
+from baselines.liger import PRECOMPILE_RECORD
+
 EXPERTS, TOKENS = 16, 256  # the small problem: E a multiple of 16 like every published shape's, K <= E
 
 
@@ -108,7 +110,7 @@ def _count_entries(cache: Path) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m baselines.liger_precompile", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.liger_precompile", description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", required=True, help="comma-separated shape names (configs/shape)")
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="parallel processes (default: CPUs)")
     args = ap.parse_args(argv)
@@ -153,22 +155,10 @@ def main(argv: Sequence[str] | None = None) -> int:
               "small_problem": {"experts": EXPERTS, "tokens": TOKENS},
               "configs_per_kernel": {k: sum(p["configs"][k] for p in parts) for k in parts[0]["configs"]},
               "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    (cache_dir / RECORD).write_text(json.dumps(record, indent=1))
+    (cache_dir / PRECOMPILE_RECORD).write_text(json.dumps(record, indent=1))
     print(f"liger_precompile: {len(dims)} (H, I, K) over {args.workers} processes in {seconds:.1f} s; cache "
-          f"entries {before} -> {record['cache_entries_after']} ({cache_dir / RECORD})")
+          f"entries {before} -> {record['cache_entries_after']} ({cache_dir / PRECOMPILE_RECORD})")
     return 0
-
-
-def cache_record() -> dict | None:
-    """The precompile record of the user's Triton cache, if this tool prepared it."""
-    cache = os.environ.get("TRITON_CACHE_DIR")
-    path = Path(cache) / RECORD if cache else None
-    if path is None or not path.is_file():
-        return None
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
 
 
 if __name__ == "__main__":
