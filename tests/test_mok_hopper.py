@@ -722,6 +722,31 @@ def test_tiled_weights_change_no_bit(layout):
     assert all(rel_l1(tiled[0][r], want[r]) < 1e-3 for r in range(P))
 
 
+@pytest.mark.slow
+@needs_triton
+@pytest.mark.parametrize("operands", ["pointers", "tma", "tma tiled"])
+def test_fp8_down_pair_changes_no_bit(operands):
+    """fp8_down_pair (the down GEMM's loop steps two 1 x 64 hidden blocks, each promoted by its own scales) adds the
+    same products in the same order as one block a step: identical bits, every operand path."""
+    from dataclasses import replace
+
+    from kernels.mok_hopper.tiles import TileConfig
+
+    P, T, K, E, H, I = 2, 48, 4, 8, 256, 128
+    tile = TileConfig(block_m=32, up_n=32, up_k=32, down_n=64, down_k=32, num_chunks=1, gemm_programs=3,
+                      pull_programs=5, pull_rows=4, group_m=2, tma=operands != "pointers",
+                      w_tiled=operands == "tma tiled", fp8_up_fused=operands == "tma tiled")
+    xs, idx, ws, w13, w2, sh = make_layer_inputs(P, T, K, E, H, I, seed=29)
+    one, _, _ = run_kernels(xs, idx, ws, w13, w2, sh, precision="fp8", tile=tile.for_fp8())
+    paired_tile = replace(tile, fp8_down_pair=True).for_fp8()
+    assert paired_tile.fp8_down_pair and paired_tile.down_k == 64 and I % (2 * paired_tile.down_k) == 0
+    two, _, _ = run_kernels(xs, idx, ws, w13, w2, sh, precision="fp8", tile=paired_tile)
+    for r in range(P):
+        assert torch.equal(two[0][r], one[0][r])
+    want = twin.simulate(xs, idx, ws, w13, w2, shared=sh, fp8=True, block_m=16)
+    assert all(rel_l1(two[0][r], want[r]) < 1e-3 for r in range(P))
+
+
 @needs_triton
 @pytest.mark.parametrize("tiles", ["half_tiles", "full_tiles", "tails"])
 @pytest.mark.parametrize("mode,P,capacity", [("uniform", 2, None), ("one_rank", 2, None), ("masked", 4, None),
@@ -824,6 +849,7 @@ def test_every_kernel_variant_compiles_for_hopper_without_spills():
     assert "up fp8 tma row-major" in p.stdout and "down bf16 x w tma row-major" in p.stdout  # (w_tiled off)
     assert "up bf16 fused tma" in p.stdout and "up bf16 fused tails 32 tma" in p.stdout  # (up_fused)
     assert "up fp8 tma" in p.stdout and "up fp8 unfused tma" in p.stdout  # (fp8_up_fused: the default, and v13's)
+    assert "down fp8 x w pair tma" in p.stdout  # (fp8_down_pair)
     assert "down bf16 x w 256 tails 32 tma" in p.stdout  # (glm_5_2's v11 down GEMM)
     assert "up bf16 clamp save H fused tails 32 tma" in p.stdout and "up bf16 save H" in p.stdout  # (save_h)
     assert "bwd dgate clamp" in p.stdout and "bwd wgrad P resident" in p.stdout  # the backward's GEMMs

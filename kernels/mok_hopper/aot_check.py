@@ -151,7 +151,7 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048, extras: bool 
                                dict(BM=c.block_m, BN=c.down_n, BK=c.down_k, FP8=fp8, APPLY_W=apply_w,
                                     NUM_PROGS=nprog, UPCAST=False, STAGES=c.down_stages, GROUP_M=c.group_m, TMA=tma,
                                     HALF=c.half_tiles, WB=128, FLAT=c.flat_down, TAIL=c.tail_rows,
-                                    WT=c.w_tiled and tma),
+                                    WT=c.w_tiled and tma, PAIR=fp8 and c.fp8_down_pair),
                                c.down_warps))
     plain = cfg.half_tiles and not (cfg.flat_up or cfg.flat_down or cfg.tail_rows or cfg.up_fused)
     if plain and extras:  # the other default tiles' GEMMs (bf16, TMA): glm_5_2's tails (v9)
@@ -174,6 +174,8 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048, extras: bool 
             out += extra(dict(up_fused=True, tail_rows=TAIL_ROWS), ("up bf16 tma",), tagged(f"fused tails {TAIL_ROWS}"))
             # the fp8 up GEMM as two MMAs, gate and up (fp8_up_fused off: the fp8 default before v14)
             out += extra(dict(fp8_up_fused=False), ("up fp8 tma",), tagged("unfused"))
+            # the fp8 down GEMM with two 1 x 64 hidden blocks a loop step (fp8_down_pair, session 19; off)
+            out += extra(dict(fp8_down_pair=True), ("down fp8 x w tma",), tagged("pair"))
             # glm_5_2's 256-wide down GEMM with tails (the CUDA default from v11)
             out += extra(dict(tail_rows=TAIL_ROWS, down_n=256, down_stages=4), ("down bf16 x w tma",),
                          tagged(f"256 tails {TAIL_ROWS}"))

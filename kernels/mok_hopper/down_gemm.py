@@ -17,10 +17,12 @@ from kernels.mok_hopper.tiles import TileConfig
 def _down_item(h_ptr, h_tail, hs_ptr, w_ptr, ws_ptr, code_ptr, rw_ptr, out_ref, out_delta, row0, row_end, n, e_tile,
                n_rows, H, I, TK, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FP8: tl.constexpr,
                APPLY_W: tl.constexpr, UPCAST: tl.constexpr, STAGES: tl.constexpr, TMA: tl.constexpr,
-               WB: tl.constexpr, TAIL: tl.constexpr, WT: tl.constexpr = False):
+               WB: tl.constexpr, TAIL: tl.constexpr, WT: tl.constexpr = False, PAIR: tl.constexpr = False):
     """One work item: rows [row0, min(row0 + BM, row_end)) x output columns [n*BN, (n+1)*BN) of expert ``e_tile``,
     pushed (rows from row_end on belong to the next tile: computed, not stored). TAIL > 0 (bf16): also the TAIL
-    rows after those, as W @ h^T with the rows in N, off the same weight tiles (see ``_up_item``)."""
+    rows after those, as W @ h^T with the rows in N, off the same weight tiles (see ``_up_item``). PAIR (fp8):
+    each loop step runs two BK-deep blocks, each promoted by its own scales: the same products added in the same
+    order as in BK-deep steps, in half as many loop steps (``TileConfig.fp8_down_pair``)."""
     e = e_tile.to(tl.int64)
     rows32 = row0 + tl.arange(0, BM)
     rows = rows32.to(tl.int64)
@@ -40,7 +42,7 @@ def _down_item(h_ptr, h_tail, hs_ptr, w_ptr, ws_ptr, code_ptr, rw_ptr, out_ref, 
     if TAIL > 0:  # bf16 only (TileConfig.for_fp8 turns tails off)
         rows_t32, rmask_t, t_at = _tail_rows(h_ptr, row0, row_end, n_rows, I, BM, BK, TAIL, TMA)
         acc_t = tl.zeros((BN, TAIL), dtype=tl.float32)
-    for k0 in tl.range(0, I, BK, num_stages=STAGES):
+    for k0 in tl.range(0, I, 2 * BK if PAIR else BK, num_stages=STAGES):
         a = _ld_a(h_ptr, a_at, k0, rmask, TMA)
         if TAIL > 0:
             at = _ld_a(h_tail, t_at, k0, rmask_t, TMA).T  # [BK, TAIL]
@@ -49,6 +51,12 @@ def _down_item(h_ptr, h_tail, hs_ptr, w_ptr, ws_ptr, code_ptr, rw_ptr, out_ref, 
             sa = tl.load(hs_ptr + rows * (I // BK) + k0 // BK, mask=rmask, other=0.0)
             sb = tl.load(ws_ptr + e * (H // WB) * (I // WB) + ((n * BN) // WB) * (I // WB) + k0 // WB)
             acc += _mm(a, b, UPCAST) * (sa[:, None] * sb)
+            if PAIR:  # the second BK-deep block of this loop step (the loop steps 2 BK), promoted by its own scales
+                a2 = _ld_a(h_ptr, a_at, k0 + BK, rmask, TMA)
+                b2 = _ld_w(w_ptr, b_at, k0 + BK, TMA, WT)
+                sa2 = tl.load(hs_ptr + rows * (I // BK) + (k0 + BK) // BK, mask=rmask, other=0.0)
+                sb2 = tl.load(ws_ptr + e * (H // WB) * (I // WB) + ((n * BN) // WB) * (I // WB) + (k0 + BK) // WB)
+                acc += _mm(a2, b2, UPCAST) * (sa2[:, None] * sb2)
         else:
             acc = _mma(a, b, acc, UPCAST)
         if TAIL > 0:
@@ -76,33 +84,36 @@ def _down_store(acc, rows32, rmask, cols, code_ptr, rw_ptr, out_ref, out_delta, 
 def _down_tile(h_ptr, h_half, h_tail, hs_ptr, w_ptr, ws_ptr, code_ptr, rw_ptr, out_ref, out_delta, row0, row1, n,
                e_tile, n_rows, H, I, TK, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FP8: tl.constexpr,
                APPLY_W: tl.constexpr, UPCAST: tl.constexpr, STAGES: tl.constexpr, TMA: tl.constexpr,
-               WB: tl.constexpr, HALF: tl.constexpr, TAIL: tl.constexpr, WT: tl.constexpr = False):
+               WB: tl.constexpr, HALF: tl.constexpr, TAIL: tl.constexpr, WT: tl.constexpr = False,
+               PAIR: tl.constexpr = False):
     """The item of one row tile: a BM/2-row MMA for a half tile (HALF), else BM rows; TAIL: as in ``_up_tile``."""
     if TAIL > 0:
         size = row1 - row0
         if size % (BM // 2) != 0:
             if size < BM:
                 _down_item(h_half, h_tail, hs_ptr, w_ptr, ws_ptr, code_ptr, rw_ptr, out_ref, out_delta, row0, row1,
-                           n, e_tile, n_rows, H, I, TK, BM // 2, BN, BK, FP8, APPLY_W, UPCAST, STAGES, TMA, WB, TAIL, WT)
+                           n, e_tile, n_rows, H, I, TK, BM // 2, BN, BK, FP8, APPLY_W, UPCAST, STAGES,
+                           TMA, WB, TAIL, WT, PAIR)
             else:
                 _down_item(h_ptr, h_tail, hs_ptr, w_ptr, ws_ptr, code_ptr, rw_ptr, out_ref, out_delta, row0, row1,
-                           n, e_tile, n_rows, H, I, TK, BM, BN, BK, FP8, APPLY_W, UPCAST, STAGES, TMA, WB, TAIL, WT)
+                           n, e_tile, n_rows, H, I, TK, BM, BN, BK, FP8, APPLY_W, UPCAST, STAGES,
+                           TMA, WB, TAIL, WT, PAIR)
         elif size < BM:
             _down_item(h_half, h_tail, hs_ptr, w_ptr, ws_ptr, code_ptr, rw_ptr, out_ref, out_delta, row0, row1, n,
-                       e_tile, n_rows, H, I, TK, BM // 2, BN, BK, FP8, APPLY_W, UPCAST, STAGES, TMA, WB, 0, WT)
+                       e_tile, n_rows, H, I, TK, BM // 2, BN, BK, FP8, APPLY_W, UPCAST, STAGES, TMA, WB, 0, WT, PAIR)
         else:
             _down_item(h_ptr, h_tail, hs_ptr, w_ptr, ws_ptr, code_ptr, rw_ptr, out_ref, out_delta, row0, row1, n,
-                       e_tile, n_rows, H, I, TK, BM, BN, BK, FP8, APPLY_W, UPCAST, STAGES, TMA, WB, 0, WT)
+                       e_tile, n_rows, H, I, TK, BM, BN, BK, FP8, APPLY_W, UPCAST, STAGES, TMA, WB, 0, WT, PAIR)
     elif HALF:
         if row1 - row0 < BM:
             _down_item(h_half, h_tail, hs_ptr, w_ptr, ws_ptr, code_ptr, rw_ptr, out_ref, out_delta, row0, row1, n,
-                       e_tile, n_rows, H, I, TK, BM // 2, BN, BK, FP8, APPLY_W, UPCAST, STAGES, TMA, WB, 0, WT)
+                       e_tile, n_rows, H, I, TK, BM // 2, BN, BK, FP8, APPLY_W, UPCAST, STAGES, TMA, WB, 0, WT, PAIR)
         else:
             _down_item(h_ptr, h_tail, hs_ptr, w_ptr, ws_ptr, code_ptr, rw_ptr, out_ref, out_delta, row0, row1, n,
-                       e_tile, n_rows, H, I, TK, BM, BN, BK, FP8, APPLY_W, UPCAST, STAGES, TMA, WB, 0, WT)
+                       e_tile, n_rows, H, I, TK, BM, BN, BK, FP8, APPLY_W, UPCAST, STAGES, TMA, WB, 0, WT, PAIR)
     else:
         _down_item(h_ptr, h_tail, hs_ptr, w_ptr, ws_ptr, code_ptr, rw_ptr, out_ref, out_delta, row0, row1, n,
-                   e_tile, n_rows, H, I, TK, BM, BN, BK, FP8, APPLY_W, UPCAST, STAGES, TMA, WB, 0, WT)
+                   e_tile, n_rows, H, I, TK, BM, BN, BK, FP8, APPLY_W, UPCAST, STAGES, TMA, WB, 0, WT, PAIR)
 
 
 @triton.jit
@@ -112,7 +123,7 @@ def _down_push_kernel(h_ptr, h_half, h_tail, hs_ptr, w_ptr, ws_ptr, tile_expert_
                       APPLY_W: tl.constexpr, NUM_PROGS: tl.constexpr, UPCAST: tl.constexpr, STAGES: tl.constexpr,
                       GROUP_M: tl.constexpr, TMA: tl.constexpr = False, HALF: tl.constexpr = False,
                       WB: tl.constexpr = 128, FLAT: tl.constexpr = False, TAIL: tl.constexpr = 0,
-                      WT: tl.constexpr = False):
+                      WT: tl.constexpr = False, PAIR: tl.constexpr = False):
     """TMA: ``h_ptr`` / ``h_half`` / ``h_tail`` / ``w_ptr`` are TMA descriptors over h [R, I] (blocks [BM, BK],
     [BM/2, BK] and [TAIL, BK]) and W2 [L*H, I] (blocks [BN, BK]; WT: W2 from :func:`tile_weights`, a
     [L*H*I/BK, BK] view); otherwise pointers. HALF, TAIL: as in the up kernel. FLAT: one flattened loop nest
@@ -126,12 +137,13 @@ def _down_push_kernel(h_ptr, h_half, h_tail, hs_ptr, w_ptr, ws_ptr, tile_expert_
         for wk in tl.range(tl.program_id(0), n_work, NUM_PROGS, flatten=True):
             m, n, e_tile, row0, row1 = _work_tile(wk, tile_expert_ptr, tile_row_ptr, m_lo, m_hi, n_n, GROUP_M)
             _down_item(h_ptr, h_tail, hs_ptr, w_ptr, ws_ptr, code_ptr, rw_ptr, out_ref, out_delta, row0, row1, n,
-                       e_tile, n_rows, H, I, TK, BM, BN, BK, FP8, APPLY_W, UPCAST, STAGES, TMA, WB, 0, WT)
+                       e_tile, n_rows, H, I, TK, BM, BN, BK, FP8, APPLY_W, UPCAST, STAGES, TMA, WB, 0, WT, PAIR)
     else:
         for wk in range(tl.program_id(0), n_work, NUM_PROGS):
             m, n, e_tile, row0, row1 = _work_tile(wk, tile_expert_ptr, tile_row_ptr, m_lo, m_hi, n_n, GROUP_M)
             _down_tile(h_ptr, h_half, h_tail, hs_ptr, w_ptr, ws_ptr, code_ptr, rw_ptr, out_ref, out_delta, row0, row1,
-                       n, e_tile, n_rows, H, I, TK, BM, BN, BK, FP8, APPLY_W, UPCAST, STAGES, TMA, WB, HALF, TAIL, WT)
+                       n, e_tile, n_rows, H, I, TK, BM, BN, BK, FP8, APPLY_W, UPCAST, STAGES,
+                       TMA, WB, HALF, TAIL, WT, PAIR)
 
 
 def down_push(h_RI: torch.Tensor, h_scale: Optional[torch.Tensor], w2_LHI: torch.Tensor,
@@ -151,6 +163,7 @@ def down_push(h_RI: torch.Tensor, h_scale: Optional[torch.Tensor], w2_LHI: torch
     if fp8:
         assert 128 % bn == 0 and h_scale.shape[1] == I // bk, "fp8 down: BK must be the hidden-activation block, " \
                                                              "BN divide 128"
+        assert not cfg.fp8_down_pair or I % (2 * bk) == 0, f"fp8_down_pair: ffn {I} must be a multiple of 2 BK"
     tail = cfg.tail_rows
     assert not (tail and fp8), "tails are bf16 only (TileConfig.for_fp8 turns them off)"
     _down_push_kernel[(programs,)](
@@ -162,4 +175,4 @@ def down_push(h_RI: torch.Tensor, h_scale: Optional[torch.Tensor], w2_LHI: torch
         slots_per_rank,
         BM=bm, BN=bn, BK=bk, FP8=fp8, APPLY_W=rw_R is not None, NUM_PROGS=programs, UPCAST=INTERPRET,
         STAGES=cfg.down_stages, GROUP_M=cfg.group_m, TMA=cfg.tma, HALF=cfg.half_tiles, FLAT=cfg.flat_down,
-        TAIL=tail, WT=cfg.w_tiled, num_warps=cfg.down_warps)
+        TAIL=tail, WT=cfg.w_tiled, PAIR=fp8 and cfg.fp8_down_pair, num_warps=cfg.down_warps)

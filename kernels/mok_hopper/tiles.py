@@ -63,6 +63,9 @@ class TileConfig:
     fp8_up_fused: bool = False  # for_fp8 (w_tiled): the fp8 up GEMM as one MMA of N = 2 x 64 over interleaved gate and
     # up weight rows, each column promoted by its own weight scale (one MMA wait a K step instead of two; PERF_NOTES,
     # session 13); ignored in bf16 (up_fused is bf16's)
+    fp8_down_pair: bool = False  # fp8: each loop step of the down GEMM runs two 1 x 64 hidden blocks (two MMAs, each
+    # promoted by its own scales: the same result bit for bit) instead of one: half the loop steps, 16 KB of weights
+    # a step instead of 8 (PERF_NOTES, session 19: the fp8 down GEMM streams at 1.9-2.3 TB/s); ignored in bf16
     fp8: bool = False  # set by for_fp8 (the fp8 GEMM steps and pipeline depths)
 
     def __post_init__(self) -> None:
@@ -91,9 +94,11 @@ class TileConfig:
 
         if self.fp8:  # idempotent: callers may apply it to a tile that already is one
             return self
-        down_stages = 6 if self.down_n > 128 else self.down_stages  # (the bf16 tile's 4 stages are 256 wide)
+        down_stages = (6 if self.down_n > 128 else self.down_stages) + 2  # (the bf16 tile's 4 stages are 256 wide)
+        if self.fp8_down_pair:  # a stage holds two 1 x 64 blocks: half the stages, the same bytes in flight
+            down_stages = max(2, down_stages // 2)
         return replace(self, up_n=64, up_k=128, up_stages=self.up_stages + 2, down_n=128, down_k=64,
-                       down_stages=down_stages + 2, flat_down=False, tail_rows=0,
+                       down_stages=down_stages, flat_down=False, tail_rows=0,
                        up_fused=self.fp8_up_fused and self.w_tiled, fp8=True)
 
     @property

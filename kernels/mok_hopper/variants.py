@@ -46,9 +46,13 @@ SWEEP = [  # (label, overrides of the base tile, layer options); tiles checked b
     # fp8 only (the label's "fp8:"): the up GEMM as two MMAs (gate, up), each waited for before its promotion:
     # the fp8 default before v14, which fuses them into one MMA over interleaved rows (PERF_NOTES, session 14)
     ("fp8: separate gate/up MMAs (v13)", dict(fp8_up_fused=False), {}),
+    # fp8 only: the down GEMM's loop steps two 1 x 64 hidden blocks (fp8_down_pair, session 19): half the loop
+    # steps, the same bits
+    ("fp8: down two hidden blocks a step", dict(fp8_down_pair=True), {}),
 ]
 SWEEP_FP8 = ("default again (A/A control)", "pull 24 x 16 warps x 8 rows", "shared last",
              "shared before up, beside the pull (v7)",
              "shared beside up on 16 SMs", "shared beside up on 24 SMs",
-             "shared beside up on 32 SMs", "shared beside up on 40 SMs", "fp8: separate gate/up MMAs (v13)")
+             "shared beside up on 32 SMs", "shared beside up on 40 SMs", "fp8: separate gate/up MMAs (v13)",
+             "fp8: down two hidden blocks a step")
 TIMELINE_VARIANTS = ("v3 layout (full tiles, events, 3/4 stages, torch schedule)",)  # also get a timeline
