@@ -73,6 +73,11 @@ def prepare_environment(device: str) -> None:
         os.environ.setdefault(AUTOTUNE_ENV, "0")
 
 
+def autotune_pinned() -> bool:
+    """Liger's switch as Liger reads it: ``LIGER_FUSED_MOE_AUTOTUNE`` 0 / false / no pins one config per kernel."""
+    return os.environ.get(AUTOTUNE_ENV, "1").lower() in ("0", "false", "no")
+
+
 def precompile_record() -> Optional[dict]:
     """The record of ``benchmarks.liger_precompile`` in the user's Triton cache, if it prepared that cache."""
     import json
@@ -170,7 +175,7 @@ class LigerBackend:
         return {}
 
     def info(self) -> dict[str, Any]:
-        pinned = os.environ.get(AUTOTUNE_ENV, "1").lower() in ("0", "false", "no")
+        pinned = autotune_pinned()
         tune = (f"one config per kernel ({AUTOTUNE_ENV}=0)" if pinned else
                 f"autotuned in setup: {len(self.tuned)} kernels over {sum(self.tuned.values())} configs")
         cache = ("Triton cache " + os.environ["TRITON_CACHE_DIR"]

@@ -12,8 +12,8 @@ What it does: N worker processes each run Liger's op (forward and backward) once
 shape's hidden size H, expert ffn I and top-k K (16 experts, 256 tokens). Each of Liger's autotuners in worker i
 keeps only every N-th config, starting at the i-th. Liger's kernels take H and I as compile-time constants and
 otherwise only pointers and strides that depend on H, I and K, so the kernels compiled here are the ones the
-full shape uses. The workers' timings are thrown away: they benchmark on a shared GPU, and their autotuning results
-are not cached (``TRITON_CACHE_AUTOTUNING=0`` in the workers). The harness's ``liger`` setup then autotunes over
+full shape uses. The workers' timings are thrown away: they benchmark on a shared GPU, and their autotuners neither
+read nor write autotuning results (``cache_results`` off). The harness's ``liger`` setup then autotunes over
 every config on the real inputs, as without this pass, and reads the compiled kernels from the cache instead of
 compiling them. Its ``setup_s`` is then the benchmarking only; the row's notes say that the cache was prepared here
 and how long it took (the record ``baselines.liger.PRECOMPILE_RECORD`` in the cache folder). A tool of
@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from baselines.liger import PRECOMPILE_RECORD
+from baselines.liger import AUTOTUNE_ENV, PRECOMPILE_RECORD, autotune_pinned
 
 EXPERTS, TOKENS = 16, 256  # the small problem: E a multiple of 16 like every published shape's, K <= E
 
@@ -63,13 +63,14 @@ def shape_dims(names: Sequence[str]) -> list[tuple[int, int, int]]:
     return dims
 
 
-def run_small_problem(H: int, I: int, K: int, device: str = "cuda", dtype: Any = None) -> tuple:
-    """Liger's op forward + backward on EXPERTS experts and TOKENS tokens with the shape's H, I, K; returns the
+def run_small_problem(H: int, I: int, K: int, device: str = "cuda") -> tuple:
+    """Liger's op forward + backward on EXPERTS experts and TOKENS tokens with the shape's H, I, K (bf16; fp32 on the
+    CPU, where Triton's interpreter runs Liger's kernels correctly in fp32 only: baselines/liger.py); returns the
     output and the input's gradient."""
     import torch
     from liger_kernel.ops.fused_moe import LigerFusedMoEFunction
 
-    dtype = dtype or torch.bfloat16
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
     g = torch.Generator(device="cpu").manual_seed(0)
     x = (torch.randn(TOKENS, H, generator=g) * 0.5).to(device, dtype).requires_grad_()
     w13 = (torch.randn(EXPERTS, 2 * I, H, generator=g) * 0.02).to(device, dtype).requires_grad_()
@@ -85,24 +86,17 @@ def run_small_problem(H: int, I: int, K: int, device: str = "cuda", dtype: Any =
 
 
 def _worker(part: int, parts: int, dims: list[tuple[int, int, int]], device: str = "cuda") -> dict:
-    os.environ["TRITON_CACHE_AUTOTUNING"] = "0"  # these timings ran on a shared GPU: never keep them
     from baselines.liger import autotuners
 
     kept = {}
     for name, tuner in autotuners().items():
         tuner.configs = config_slice(tuner.configs, part, parts)
-        tuner.cache_results = False
+        tuner.cache_results = False  # these timings run on a shared GPU: never read or keep them
         kept[name.strip("_")] = len(tuner.configs)
     t0 = time.perf_counter()
     for H, I, K in dims:
-        run_small_problem(H, I, K, device=device, dtype=None if device == "cuda" else _cpu_dtype())
+        run_small_problem(H, I, K, device=device)
     return {"part": part, "configs": kept, "seconds": round(time.perf_counter() - t0, 1)}
-
-
-def _cpu_dtype() -> Any:
-    import torch
-
-    return torch.float32  # Triton's CPU interpreter runs Liger's kernels correctly in fp32 only (baselines/liger.py)
 
 
 def _count_entries(cache: Path) -> int:
@@ -119,8 +113,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("liger_precompile: set TRITON_CACHE_DIR (the folder the harness's liger setup will read the compiled "
               "kernels from); nothing was compiled", file=sys.stderr)
         return 2
-    if os.environ.get("LIGER_FUSED_MOE_AUTOTUNE", "1").lower() in ("0", "false", "no"):
-        print("liger_precompile: LIGER_FUSED_MOE_AUTOTUNE=0 pins one config per kernel, so there is nothing to "
+    if autotune_pinned():
+        print(f"liger_precompile: {AUTOTUNE_ENV}=0 pins one config per kernel, so there is nothing to "
               "precompile; unset it", file=sys.stderr)
         return 2
     try:

@@ -47,16 +47,11 @@ def _down_item(h_ptr, h_tail, hs_ptr, w_ptr, ws_ptr, code_ptr, rw_ptr, out_ref, 
         if TAIL > 0:
             at = _ld_a(h_tail, t_at, k0, rmask_t, TMA).T  # [BK, TAIL]
         b = _ld_w(w_ptr, b_at, k0, TMA, WT)
-        if FP8:  # h scales are 1 x BK (the up GEMM's column tile), weight scales 128 x 128
-            sa = tl.load(hs_ptr + rows * (I // BK) + k0 // BK, mask=rmask, other=0.0)
-            sb = tl.load(ws_ptr + e * (H // WB) * (I // WB) + ((n * BN) // WB) * (I // WB) + k0 // WB)
-            acc += _mm(a, b, UPCAST) * (sa[:, None] * sb)
+        if FP8:
+            acc += _fp8_block(a, b, hs_ptr, ws_ptr, rows, rmask, e, n, k0, H, I, BN, BK, WB, UPCAST)
             if PAIR:  # the second BK-deep block of this loop step (the loop steps 2 BK), promoted by its own scales
-                a2 = _ld_a(h_ptr, a_at, k0 + BK, rmask, TMA)
-                b2 = _ld_w(w_ptr, b_at, k0 + BK, TMA, WT)
-                sa2 = tl.load(hs_ptr + rows * (I // BK) + (k0 + BK) // BK, mask=rmask, other=0.0)
-                sb2 = tl.load(ws_ptr + e * (H // WB) * (I // WB) + ((n * BN) // WB) * (I // WB) + (k0 + BK) // WB)
-                acc += _mm(a2, b2, UPCAST) * (sa2[:, None] * sb2)
+                acc += _fp8_block(_ld_a(h_ptr, a_at, k0 + BK, rmask, TMA), _ld_w(w_ptr, b_at, k0 + BK, TMA, WT),
+                                  hs_ptr, ws_ptr, rows, rmask, e, n, k0 + BK, H, I, BN, BK, WB, UPCAST)
         else:
             acc = _mma(a, b, acc, UPCAST)
         if TAIL > 0:
@@ -64,6 +59,16 @@ def _down_item(h_ptr, h_tail, hs_ptr, w_ptr, ws_ptr, code_ptr, rw_ptr, out_ref, 
     if TAIL > 0:
         _down_store(acc_t.T, rows_t32, rmask_t, cols, code_ptr, rw_ptr, out_ref, out_delta, H, TK, APPLY_W)
     _down_store(acc, rows32, rmask, cols, code_ptr, rw_ptr, out_ref, out_delta, H, TK, APPLY_W)
+
+
+@triton.jit
+def _fp8_block(a, b, hs_ptr, ws_ptr, rows, rmask, e, n, k0, H, I, BN: tl.constexpr, BK: tl.constexpr,
+               WB: tl.constexpr, UPCAST: tl.constexpr):
+    """The fp8 product of the BK-deep block at depth k0, promoted: h scales are 1 x BK (the up GEMM's column
+    tile), weight scales 128 x 128."""
+    sa = tl.load(hs_ptr + rows * (I // BK) + k0 // BK, mask=rmask, other=0.0)
+    sb = tl.load(ws_ptr + e * (H // WB) * (I // WB) + ((n * BN) // WB) * (I // WB) + k0 // WB)
+    return _mm(a, b, UPCAST) * (sa[:, None] * sb)
 
 
 @triton.jit
