@@ -725,9 +725,11 @@ def test_tiled_weights_change_no_bit(layout):
 @pytest.mark.slow
 @needs_triton
 @pytest.mark.parametrize("operands", ["pointers", "tma", "tma tiled"])
-def test_fp8_down_pair_changes_no_bit(operands):
-    """fp8_down_pair (the down GEMM's loop steps two 1 x 64 hidden blocks, each promoted by its own scales) adds the
-    same products in the same order as one block a step: identical bits, every operand path."""
+@pytest.mark.parametrize("pair", ["down", "up"])
+def test_fp8_pairs_change_no_bit(operands, pair):
+    """fp8_down_pair (the down GEMM's loop steps two 1 x 64 hidden blocks, each promoted by its own scales) and
+    fp8_up_pair (the up GEMM's, two 1 x 128 x blocks; on "tma tiled" the fused gate/up MMA) add the same products in
+    the same order as one block a step: identical bits, every operand path."""
     from dataclasses import replace
 
     from kernels.mok_hopper.tiles import TileConfig
@@ -738,8 +740,12 @@ def test_fp8_down_pair_changes_no_bit(operands):
                       w_tiled=operands == "tma tiled", fp8_up_fused=operands == "tma tiled")
     xs, idx, ws, w13, w2, sh = make_layer_inputs(P, T, K, E, H, I, seed=29)
     one, _, _ = run_kernels(xs, idx, ws, w13, w2, sh, precision="fp8", tile=tile.for_fp8())
-    paired_tile = replace(tile, fp8_down_pair=True).for_fp8()
-    assert paired_tile.fp8_down_pair and paired_tile.down_k == 64 and I % (2 * paired_tile.down_k) == 0
+    paired_tile = replace(tile, **{f"fp8_{pair}_pair": True}).for_fp8()
+    if pair == "down":
+        assert paired_tile.fp8_down_pair and paired_tile.down_k == 64 and I % (2 * paired_tile.down_k) == 0
+    else:  # two 128-deep steps of H = 256: the whole K loop is one paired step
+        assert paired_tile.fp8_up_pair and paired_tile.up_k == 128 and H == 2 * paired_tile.up_k
+        assert paired_tile.up_fused == (operands == "tma tiled")
     two, _, _ = run_kernels(xs, idx, ws, w13, w2, sh, precision="fp8", tile=paired_tile)
     for r in range(P):
         assert torch.equal(two[0][r], one[0][r])
@@ -850,6 +856,7 @@ def test_every_kernel_variant_compiles_for_hopper_without_spills():
     assert "up bf16 fused tma" in p.stdout and "up bf16 fused tails 32 tma" in p.stdout  # (up_fused)
     assert "up fp8 tma" in p.stdout and "up fp8 unfused tma" in p.stdout  # (fp8_up_fused: the default, and v13's)
     assert "down fp8 x w pair tma" in p.stdout  # (fp8_down_pair)
+    assert "up fp8 pair tma" in p.stdout and "up fp8 unfused pair tma" in p.stdout  # (fp8_up_pair)
     assert "down bf16 x w 256 tails 32 tma" in p.stdout  # (glm_5_2's v11 down GEMM)
     assert "up bf16 clamp save H fused tails 32 tma" in p.stdout and "up bf16 save H" in p.stdout  # (save_h)
     assert "bwd dgate clamp" in p.stdout and "bwd wgrad P resident" in p.stdout  # the backward's GEMMs

@@ -66,6 +66,10 @@ class TileConfig:
     fp8_down_pair: bool = False  # fp8: each loop step of the down GEMM runs two 1 x 64 hidden blocks (two MMAs, each
     # promoted by its own scales: the same result bit for bit) instead of one: half the loop steps, 16 KB of weights
     # a step instead of 8 (PERF_NOTES, session 19: the fp8 down GEMM streams at 1.9-2.3 TB/s); ignored in bf16
+    fp8_up_pair: bool = False  # fp8: the same for the up GEMM, two 1 x 128 x blocks a loop step (32 KB of weights a
+    # step instead of 16; half the stages); ignored in bf16
+    fp8_flat_down: bool = False  # fp8: the down GEMM's flattened loop (flat_down; for_fp8 turns it off otherwise:
+    # 0-5% slower in fp8, PERF_NOTES v6, before the paired blocks)
     fp8: bool = False  # set by for_fp8 (the fp8 GEMM steps and pipeline depths)
 
     def __post_init__(self) -> None:
@@ -97,8 +101,11 @@ class TileConfig:
         down_stages = (6 if self.down_n > 128 else self.down_stages) + 2  # (the bf16 tile's 4 stages are 256 wide)
         if self.fp8_down_pair:  # a stage holds two 1 x 64 blocks: half the stages, the same bytes in flight
             down_stages = max(2, down_stages // 2)
-        return replace(self, up_n=64, up_k=128, up_stages=self.up_stages + 2, down_n=128, down_k=64,
-                       down_stages=down_stages, flat_down=False, tail_rows=0,
+        up_stages = self.up_stages + 2
+        if self.fp8_up_pair:  # the same for the up GEMM's two 1 x 128 blocks
+            up_stages = max(2, up_stages // 2)
+        return replace(self, up_n=64, up_k=128, up_stages=up_stages, down_n=128, down_k=64,
+                       down_stages=down_stages, flat_down=self.fp8_flat_down, tail_rows=0,
                        up_fused=self.fp8_up_fused and self.w_tiled, fp8=True)
 
     @property

@@ -20,13 +20,15 @@ def _up_item(a_ptr, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row_end,
              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FP8: tl.constexpr, HAS_LIMIT: tl.constexpr,
              UPCAST: tl.constexpr, STAGES: tl.constexpr, FP8_MAX_: tl.constexpr, TMA: tl.constexpr,
              WB: tl.constexpr, TAIL: tl.constexpr, WT: tl.constexpr = False, hsv_ptr=None, clip_ptr=None,
-             SAVE_H: tl.constexpr = False):
+             SAVE_H: tl.constexpr = False, PAIR: tl.constexpr = False):
     """One work item: rows [row0, min(row0 + BM, row_end)) x hidden columns [n*BN, (n+1)*BN) of expert ``e_tile``
     (rows from row_end on belong to the next tile: computed, not stored). TAIL > 0 (bf16): also the TAIL rows
     after those (``a_tail``: their TMA descriptor), as W @ A^T with the rows in N, off the same weight tiles.
     WT: 0 row-major weights, 1 tiled (:func:`tile_weights`), 2 (bf16) tiled with gate and up rows interleaved
     (:func:`tile_weights_gu`): one [2BN, BK] block and one MMA of N = 2BN per K step, split into gate and up after
-    the loop. SAVE_H: also the pre-SwiGLU H of every stored row (see ``_up_store``)."""
+    the loop. SAVE_H: also the pre-SwiGLU H of every stored row (see ``_up_store``). PAIR (fp8): each loop step
+    runs two BK-deep blocks, each promoted by its own scales: the same products added in the same order, in half as
+    many loop steps (``TileConfig.fp8_up_pair``)."""
     e = e_tile.to(tl.int64)
     rows = (row0 + tl.arange(0, BM)).to(tl.int64)
     rmask = (rows < n_rows) & (rows < row_end)
@@ -53,13 +55,12 @@ def _up_item(a_ptr, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row_end,
         acc = tl.zeros((BM, 2 * BN), dtype=tl.float32)
         wsb = ws_ptr + e * (2 * I // WB) * (H // WB)
         is_up = (tl.arange(0, 2 * BN) % 2) == 1
-        for k0 in tl.range(0, H, BK, num_stages=STAGES):
-            a = _ld_a(a_ptr, a_at, k0, rmask, TMA)
-            sa = tl.load(as_ptr + rows * (H // BK) + k0 // BK, mask=rmask, other=0.0)
-            sg = tl.load(wsb + ((n * BN) // WB) * (H // WB) + k0 // WB)
-            su = tl.load(wsb + ((I + n * BN) // WB) * (H // WB) + k0 // WB)
-            sc = tl.where(is_up, su, sg)  # [2BN]: each column's weight scale
-            acc += _mm(a, _ld_w(w_ptr, g_at, k0, TMA, WT), UPCAST) * (sa[:, None] * sc[None, :])
+        for k0 in tl.range(0, H, 2 * BK if PAIR else BK, num_stages=STAGES):
+            acc += _fp8_gu_block(a_ptr, a_at, as_ptr, w_ptr, g_at, wsb, rows, rmask, is_up, n, k0, H, I, BN, BK, WB,
+                                 TMA, WT, UPCAST)
+            if PAIR:  # the second BK-deep block of this loop step, promoted by its own scales
+                acc += _fp8_gu_block(a_ptr, a_at, as_ptr, w_ptr, g_at, wsb, rows, rmask, is_up, n, k0 + BK, H, I, BN,
+                                     BK, WB, TMA, WT, UPCAST)
         acc_g, acc_u = tl.split(acc.reshape(BM, BN, 2))
     elif WT == 2:  # (bf16: TileConfig) one MMA for gate and up, columns g0 u0 g1 u1 ...: the split costs no move
         acc = tl.zeros((BM, 2 * BN), dtype=tl.float32)
@@ -77,17 +78,18 @@ def _up_item(a_ptr, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row_end,
             _up_store(t_g, t_u, rows_t32.to(tl.int64), rmask_t, n, h_ptr, hs_ptr, I, limit, BN, FP8, HAS_LIMIT,
                       FP8_MAX_, hsv_ptr, clip_ptr, SAVE_H, row0 + BM)
         acc_g, acc_u = tl.split(acc.reshape(BM, BN, 2))
-    elif FP8:
-        # Block scales change every K step, so each step's product is scaled before it is added ("promotion").
-        # x scales are 1 x BK (BK = 128), weight scales 128 x 128: one scalar per step for gate and for up.
+    elif FP8:  # two MMAs a block, gate and up (fp8_up_fused off)
         wsb = ws_ptr + e * (2 * I // WB) * (H // WB)
-        for k0 in tl.range(0, H, BK, num_stages=STAGES):
-            a = _ld_a(a_ptr, a_at, k0, rmask, TMA)
-            sa = tl.load(as_ptr + rows * (H // BK) + k0 // BK, mask=rmask, other=0.0)
-            sg = tl.load(wsb + ((n * BN) // WB) * (H // WB) + k0 // WB)
-            su = tl.load(wsb + ((I + n * BN) // WB) * (H // WB) + k0 // WB)
-            acc_g += _mm(a, _ld_w(w_ptr, g_at, k0, TMA, WT), UPCAST) * (sa[:, None] * sg)
-            acc_u += _mm(a, _ld_w(w_ptr, u_at, k0, TMA, WT), UPCAST) * (sa[:, None] * su)
+        for k0 in tl.range(0, H, 2 * BK if PAIR else BK, num_stages=STAGES):
+            g, u = _fp8_g_u_blocks(a_ptr, a_at, as_ptr, w_ptr, g_at, u_at, wsb, rows, rmask, n, k0, H, I, BN, BK, WB,
+                                   TMA, WT, UPCAST)
+            acc_g += g
+            acc_u += u
+            if PAIR:  # the second BK-deep block of this loop step
+                g, u = _fp8_g_u_blocks(a_ptr, a_at, as_ptr, w_ptr, g_at, u_at, wsb, rows, rmask, n, k0 + BK, H, I, BN,
+                                       BK, WB, TMA, WT, UPCAST)
+                acc_g += g
+                acc_u += u
     else:
         if TAIL > 0:  # bf16 only (TileConfig.for_fp8 turns tails off)
             rows_t32, rmask_t, t_at = _tail_rows(a_ptr, row0, row_end, n_rows, H, BM, BK, TAIL, TMA)
@@ -111,6 +113,33 @@ def _up_item(a_ptr, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row_end,
                       HAS_LIMIT, FP8_MAX_, hsv_ptr, clip_ptr, SAVE_H, row0 + BM)
     _up_store(acc_g, acc_u, rows, rmask, n, h_ptr, hs_ptr, I, limit, BN, FP8, HAS_LIMIT, FP8_MAX_, hsv_ptr, clip_ptr,
               SAVE_H, row0)
+
+
+@triton.jit
+def _fp8_gu_block(a_ptr, a_at, as_ptr, w_ptr, g_at, wsb, rows, rmask, is_up, n, k0, H, I, BN: tl.constexpr,
+                  BK: tl.constexpr, WB: tl.constexpr, TMA: tl.constexpr, WT: tl.constexpr, UPCAST: tl.constexpr):
+    """The fused fp8 gate/up product of the BK-deep block at depth k0 (one MMA of N = 2 BN over interleaved gate
+    and up rows), each column promoted by its own weight scale, each row by its x scale."""
+    a = _ld_a(a_ptr, a_at, k0, rmask, TMA)
+    sa = tl.load(as_ptr + rows * (H // BK) + k0 // BK, mask=rmask, other=0.0)
+    sg = tl.load(wsb + ((n * BN) // WB) * (H // WB) + k0 // WB)
+    su = tl.load(wsb + ((I + n * BN) // WB) * (H // WB) + k0 // WB)
+    sc = tl.where(is_up, su, sg)  # [2BN]: each column's weight scale
+    return _mm(a, _ld_w(w_ptr, g_at, k0, TMA, WT), UPCAST) * (sa[:, None] * sc[None, :])
+
+
+@triton.jit
+def _fp8_g_u_blocks(a_ptr, a_at, as_ptr, w_ptr, g_at, u_at, wsb, rows, rmask, n, k0, H, I, BN: tl.constexpr,
+                    BK: tl.constexpr, WB: tl.constexpr, TMA: tl.constexpr, WT: tl.constexpr, UPCAST: tl.constexpr):
+    """The fp8 gate and up products of the BK-deep block at depth k0 as two MMAs, promoted. Block scales change
+    every K step, so each step's product is scaled before it is added ("promotion"): x scales are 1 x BK (BK =
+    128), weight scales 128 x 128, one scalar per step for gate and for up."""
+    a = _ld_a(a_ptr, a_at, k0, rmask, TMA)
+    sa = tl.load(as_ptr + rows * (H // BK) + k0 // BK, mask=rmask, other=0.0)
+    sg = tl.load(wsb + ((n * BN) // WB) * (H // WB) + k0 // WB)
+    su = tl.load(wsb + ((I + n * BN) // WB) * (H // WB) + k0 // WB)
+    return (_mm(a, _ld_w(w_ptr, g_at, k0, TMA, WT), UPCAST) * (sa[:, None] * sg),
+            _mm(a, _ld_w(w_ptr, u_at, k0, TMA, WT), UPCAST) * (sa[:, None] * su))
 
 
 @triton.jit
@@ -155,7 +184,7 @@ def _up_tile(a_ptr, a_half, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, 
              limit, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FP8: tl.constexpr,
              HAS_LIMIT: tl.constexpr, UPCAST: tl.constexpr, STAGES: tl.constexpr, FP8_MAX_: tl.constexpr,
              TMA: tl.constexpr, WB: tl.constexpr, HALF: tl.constexpr, TAIL: tl.constexpr, WT: tl.constexpr = False,
-             hsv_ptr=None, clip_ptr=None, SAVE_H: tl.constexpr = False):
+             hsv_ptr=None, clip_ptr=None, SAVE_H: tl.constexpr = False, PAIR: tl.constexpr = False):
     """The item of one row tile: a BM/2-row MMA for a half tile (HALF), else BM rows; TAIL: a tile whose size is
     not a multiple of BM/2 (BM/2 + TAIL or BM + TAIL rows) adds the swapped TAIL-row MMA."""
     if TAIL > 0:  # (HALF: TileConfig)
@@ -164,31 +193,31 @@ def _up_tile(a_ptr, a_half, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, 
             if size < BM:
                 _up_item(a_half, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row1, n, e_tile, n_rows, H, I,
                          limit, BM // 2, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB, TAIL, WT, hsv_ptr,
-                         clip_ptr, SAVE_H)
+                         clip_ptr, SAVE_H, PAIR)
             else:
                 _up_item(a_ptr, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row1, n, e_tile, n_rows, H, I,
                          limit, BM, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB, TAIL, WT, hsv_ptr,
-                         clip_ptr, SAVE_H)
+                         clip_ptr, SAVE_H, PAIR)
         elif size < BM:
             _up_item(a_half, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row1, n, e_tile, n_rows, H, I,
                      limit, BM // 2, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB, 0, WT, hsv_ptr,
-                     clip_ptr, SAVE_H)
+                     clip_ptr, SAVE_H, PAIR)
         else:
             _up_item(a_ptr, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row1, n, e_tile, n_rows, H, I,
                      limit, BM, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB, 0, WT, hsv_ptr,
-                     clip_ptr, SAVE_H)
+                     clip_ptr, SAVE_H, PAIR)
     elif HALF:
         if row1 - row0 < BM:
             _up_item(a_half, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row1, n, e_tile, n_rows, H, I,
                      limit, BM // 2, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB, 0, WT, hsv_ptr,
-                     clip_ptr, SAVE_H)
+                     clip_ptr, SAVE_H, PAIR)
         else:
             _up_item(a_ptr, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row1, n, e_tile, n_rows, H, I,
                      limit, BM, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB, 0, WT, hsv_ptr,
-                     clip_ptr, SAVE_H)
+                     clip_ptr, SAVE_H, PAIR)
     else:
         _up_item(a_ptr, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row1, n, e_tile, n_rows, H, I, limit,
-                 BM, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB, 0, WT, hsv_ptr, clip_ptr, SAVE_H)
+                 BM, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB, 0, WT, hsv_ptr, clip_ptr, SAVE_H, PAIR)
 
 
 @triton.jit
@@ -220,7 +249,7 @@ def _up_swiglu_kernel(a_ptr, a_half, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_pt
                       HALF: tl.constexpr = False, READY: tl.constexpr = False, GRAN: tl.constexpr = 64,
                       SPIN: tl.constexpr = True, DYN: tl.constexpr = False, WB: tl.constexpr = 128,
                       FLAT: tl.constexpr = False, TAIL: tl.constexpr = 0, WT: tl.constexpr = False,
-                      SAVE_H: tl.constexpr = False):
+                      SAVE_H: tl.constexpr = False, PAIR: tl.constexpr = False):
     """TMA: ``a_ptr`` / ``a_half`` / ``a_tail`` / ``w_ptr`` are TMA descriptors over A [R, H] (blocks [BM, BK],
     [BM/2, BK] and [TAIL, BK]) and W13 [L*2I, H] (blocks [BN, BK]; WT: W13 from :func:`tile_weights`, a
     [L*2I*H/BK, BK] view), read by Hopper's bulk copy engine; otherwise pointers. HALF: tiles of
@@ -228,7 +257,8 @@ def _up_swiglu_kernel(a_ptr, a_half, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_pt
     items off the counter at ``work_ptr`` (zero before the first launch that shares it). FLAT (neither READY nor
     DYN): static round robin in one flattened loop nest, as in the down kernel. TAIL: see ``_up_tile``. SAVE_H
     (bf16): also the pre-SwiGLU H into ``hsv_ptr`` and, with HAS_LIMIT, the clamp's decisions into ``clip_ptr``
-    (``_up_store``); off, both are None (constexprs: the kernel is the inference kernel, parameter for parameter)."""
+    (``_up_store``); off, both are None (constexprs: the kernel is the inference kernel, parameter for parameter).
+    PAIR (fp8): two 128-deep blocks a loop step (``_up_item``)."""
     m_lo = tl.load(chunk_ptr)
     m_hi = tl.load(chunk_ptr + 1)
     n_n = I // BN
@@ -238,7 +268,7 @@ def _up_swiglu_kernel(a_ptr, a_half, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_pt
             m, n, e_tile, row0, row1 = _work_tile(wk, tile_expert_ptr, tile_row_ptr, m_lo, m_hi, n_n, GROUP_M)
             _up_item(a_ptr, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row1, n, e_tile, n_rows, H, I,
                      limit, BM, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB, 0, WT, hsv_ptr, clip_ptr,
-                     SAVE_H)
+                     SAVE_H, PAIR)
     else:
         wk = _first_work(work_ptr, DYN)
         while wk < n_work:
@@ -247,7 +277,7 @@ def _up_swiglu_kernel(a_ptr, a_half, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_pt
                 _wait_rows(ready_ptr, row0, row1, GRAN, SPIN, TMA)
             _up_tile(a_ptr, a_half, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row1, n, e_tile, n_rows,
                      H, I, limit, BM, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB, HALF, TAIL, WT,
-                     hsv_ptr, clip_ptr, SAVE_H)
+                     hsv_ptr, clip_ptr, SAVE_H, PAIR)
             wk = _next_work(wk, work_ptr, NUM_PROGS, DYN)
 
 
@@ -273,6 +303,7 @@ def up_swiglu(a_RH: torch.Tensor, a_scale: Optional[torch.Tensor], w13_LIH: torc
     if fp8:
         assert bk == 128 and 128 % bn == 0, "fp8 up: BK must be the 128 activation / weight block, BN divide 128"
         assert h_scale.shape[1] == I // bn, "fp8 hidden activations are quantised in 1 x up_n blocks"
+        assert not cfg.fp8_up_pair or H % (2 * bk) == 0, f"fp8_up_pair: hidden {H} must be a multiple of 2 BK"
     flat = cfg.flat_up  # TileConfig refuses it with ready_flags, so the layer passes neither ready nor work
     assert not flat or (ready is None and work is None), "flat_up runs a static loop: no ready counters, no queue"
     tail = cfg.tail_rows
@@ -303,4 +334,5 @@ def up_swiglu(a_RH: torch.Tensor, a_scale: Optional[torch.Tensor], w13_LIH: torc
         BM=bm, BN=bn, BK=bk, FP8=fp8, HAS_LIMIT=limit is not None, NUM_PROGS=programs, UPCAST=INTERPRET,
         STAGES=cfg.up_stages, FP8_MAX_=FP8_MAX, GROUP_M=cfg.group_m, TMA=cfg.tma, HALF=cfg.half_tiles,
         READY=ready is not None, GRAN=ready_granule(cfg), SPIN=not INTERPRET, DYN=work is not None,
-        FLAT=flat, TAIL=tail, WT=2 if fused else cfg.w_tiled, SAVE_H=save, num_warps=cfg.up_warps)
+        FLAT=flat, TAIL=tail, WT=2 if fused else cfg.w_tiled, SAVE_H=save, PAIR=fp8 and cfg.fp8_up_pair,
+        num_warps=cfg.up_warps)
