@@ -67,7 +67,7 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048, extras: bool 
     from kernels.mok_hopper.schedule_kernels import DeviceScheduler
     from kernels.mok_hopper.tiles import TileConfig, ready_granule
 
-    cfg = cfg or TileConfig(w_tiled=True, fp8_up_fused=True)  # the CUDA default's GEMM kernels (default_tile)
+    cfg = cfg or TileConfig(w_tiled=True, fp8_up_fused=True, fp8_down_pair=True)  # default_tile's GEMM kernels
     f8 = cfg.for_fp8()
     nprog = 108
     out: list[Variant] = []
@@ -136,7 +136,7 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048, extras: bool 
                                     HALF=c.half_tiles, READY=c.ready_flags, GRAN=ready_granule(c), SPIN=True,
                                     DYN=c.ready_flags, WB=128, FLAT=c.flat_up, TAIL=c.tail_rows,
                                     WT=(2 if c.up_fused else c.w_tiled) if tma else False, SAVE_H=save,
-                                    PAIR=fp8 and c.fp8_up_pair, **sv_c),
+                                    PAIR=fp8 and c.fp8_up_pair and tma, **sv_c),
                                c.up_warps))
         for fp8, apply_w in ((False, True), (False, False), (True, True)):
             c = f8 if fp8 else cfg
@@ -152,7 +152,7 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048, extras: bool 
                                dict(BM=c.block_m, BN=c.down_n, BK=c.down_k, FP8=fp8, APPLY_W=apply_w,
                                     NUM_PROGS=nprog, UPCAST=False, STAGES=c.down_stages, GROUP_M=c.group_m, TMA=tma,
                                     HALF=c.half_tiles, WB=128, FLAT=c.flat_down, TAIL=c.tail_rows,
-                                    WT=c.w_tiled and tma, PAIR=fp8 and c.fp8_down_pair),
+                                    WT=c.w_tiled and tma, PAIR=fp8 and c.fp8_down_pair and tma),
                                c.down_warps))
     plain = cfg.half_tiles and not (cfg.flat_up or cfg.flat_down or cfg.tail_rows or cfg.up_fused)
     if plain and extras:  # the other default tiles' GEMMs (bf16, TMA): glm_5_2's tails (v9)
@@ -175,8 +175,8 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048, extras: bool 
             out += extra(dict(up_fused=True, tail_rows=TAIL_ROWS), ("up bf16 tma",), tagged(f"fused tails {TAIL_ROWS}"))
             # the fp8 up GEMM as two MMAs, gate and up (fp8_up_fused off: the fp8 default before v14)
             out += extra(dict(fp8_up_fused=False), ("up fp8 tma",), tagged("unfused"))
-            # the fp8 down GEMM with two 1 x 64 hidden blocks a loop step (fp8_down_pair, session 19; off)
-            out += extra(dict(fp8_down_pair=True), ("down fp8 x w tma",), tagged("pair"))
+            # the fp8 down GEMM with one 1 x 64 hidden block a loop step (fp8_down_pair off: the default to v14)
+            out += extra(dict(fp8_down_pair=False), ("down fp8 x w tma",), tagged("single"))
             # the fp8 up GEMM with two 1 x 128 x blocks a loop step (fp8_up_pair, session 20; off), fused and not
             out += extra(dict(fp8_up_pair=True), ("up fp8 tma",), tagged("pair"))
             out += extra(dict(fp8_up_pair=True, fp8_up_fused=False), ("up fp8 tma",), tagged("unfused pair"))

@@ -65,7 +65,8 @@ class TileConfig:
     # session 13); ignored in bf16 (up_fused is bf16's)
     fp8_down_pair: bool = False  # fp8: each loop step of the down GEMM runs two 1 x 64 hidden blocks (two MMAs, each
     # promoted by its own scales: the same result bit for bit) instead of one: half the loop steps, 16 KB of weights
-    # a step instead of 8 (PERF_NOTES, session 19: the fp8 down GEMM streams at 1.9-2.3 TB/s); ignored in bf16
+    # a step instead of 8 (PERF_NOTES, session 19: the fp8 down GEMM streams at 1.9-2.3 TB/s; session 20: the down
+    # GEMM 10-12% faster, the forward 4-5%; default_tile's since v15); ignored in bf16
     fp8_up_pair: bool = False  # fp8: the same for the up GEMM, two 1 x 128 x blocks a loop step (32 KB of weights a
     # step instead of 16; half the stages); ignored in bf16
     fp8_flat_down: bool = False  # fp8: the down GEMM's flattened loop (flat_down; for_fp8 turns it off otherwise:
@@ -93,19 +94,22 @@ class TileConfig:
         steps over whole 1 x 128 x blocks (BK = 128) and is 64 columns wide, which keeps its two accumulators and
         their promotion temporaries in registers; the hidden activations are quantised in its 1 x 64 column
         tiles, so the down GEMM steps 64 deep. The flattened down loop is off (it ran 0-5% slower in fp8,
-        PERF_NOTES v6); tails are bf16 only."""
+        PERF_NOTES v6); tails are bf16 only. The paired loop steps (``fp8_down_pair``, ``fp8_up_pair``) need TMA
+        operands: with pointer loads the paired down GEMM spills (8-16 B at 255 registers) and was never timed."""
         from dataclasses import replace
 
         if self.fp8:  # idempotent: callers may apply it to a tile that already is one
             return self
         down_stages = (6 if self.down_n > 128 else self.down_stages) + 2  # (the bf16 tile's 4 stages are 256 wide)
-        if self.fp8_down_pair:  # a stage holds two 1 x 64 blocks: half the stages, the same bytes in flight
+        pair_down, pair_up = self.fp8_down_pair and self.tma, self.fp8_up_pair and self.tma
+        if pair_down:  # a stage holds two 1 x 64 blocks: half the stages, the same bytes in flight
             down_stages = max(2, down_stages // 2)
         up_stages = self.up_stages + 2
-        if self.fp8_up_pair:  # the same for the up GEMM's two 1 x 128 blocks
+        if pair_up:  # the same for the up GEMM's two 1 x 128 blocks
             up_stages = max(2, up_stages // 2)
         return replace(self, up_n=64, up_k=128, up_stages=up_stages, down_n=128, down_k=64,
                        down_stages=down_stages, flat_down=self.fp8_flat_down, tail_rows=0,
+                       fp8_down_pair=pair_down, fp8_up_pair=pair_up,
                        up_fused=self.fp8_up_fused and self.w_tiled, fp8=True)
 
     @property
@@ -159,13 +163,15 @@ def default_tile(*, precision: str = "bf16", device: Optional[torch.device] = No
     most ``FLAT_DOWN_MAX_WASTE`` of the MMA rows (:func:`half_tile_waste`); otherwise, where at least
     ``PAIR_MIN_FRACTION`` of the experts end in a full tile and a half tile (:func:`paired_fraction`),
     ``TAIL_ROWS``-row tails in both GEMMs and the fused gate/up MMA (``up_fused``). fp8 runs its up GEMM as one
-    MMA over interleaved gate and up rows (``fp8_up_fused``, v14).
+    MMA over interleaved gate and up rows (``fp8_up_fused``, v14) and its down GEMM two 1 x 64 hidden blocks a loop
+    step (``fp8_down_pair``, v15; where ``ffn`` is a multiple of 128 or not given).
 
     On the CPU (Triton interpreter) the cost is per operation, not per FLOP: few programs, small row tiles and
     the widest column / depth steps that divide ``hidden`` / ``ffn``, and pointer loads (``tma`` off).
 
     The measurements behind each choice: PERF_NOTES.md, "The default tiles and why"."""
-    cfg = TileConfig(shared_sms=SHARED_SMS, w_tiled=True, down_n=256, down_stages=4, fp8_up_fused=True)
+    cfg = TileConfig(shared_sms=SHARED_SMS, w_tiled=True, down_n=256, down_stages=4, fp8_up_fused=True,
+                     fp8_down_pair=ffn is None or ffn % 128 == 0)
     if comm_sms is not None:
         cfg = replace(cfg, comm_sms=comm_sms)
     if n_sm is not None and n_sm - cfg.comm_sms - cfg.shared_sms < SHARED_SMS:

@@ -46,23 +46,23 @@ SWEEP = [  # (label, overrides of the base tile, layer options); tiles checked b
     # fp8 only (the label's "fp8:"): the up GEMM as two MMAs (gate, up), each waited for before its promotion:
     # the fp8 default before v14, which fuses them into one MMA over interleaved rows (PERF_NOTES, session 14)
     ("fp8: separate gate/up MMAs (v13)", dict(fp8_up_fused=False), {}),
-    # fp8 only: the down GEMM's loop steps two 1 x 64 hidden blocks (fp8_down_pair, session 19): half the loop
-    # steps, the same bits
-    ("fp8: down two hidden blocks a step", dict(fp8_down_pair=True), {}),
-    # the same with 5 and 6 stages of two blocks (for_fp8 halves down_stages + 2 of a 128-wide bf16 tile): more weight bytes in flight
-    ("fp8: down two hidden blocks a step, 5 stages", dict(fp8_down_pair=True, down_n=128, down_stages=8), {}),
-    ("fp8: down two hidden blocks a step, 6 stages", dict(fp8_down_pair=True, down_n=128, down_stages=10), {}),
-    # fp8 only: the up GEMM's loop steps two 1 x 128 x blocks (fp8_up_pair, session 20), with the paired down
-    ("fp8: up and down two blocks a step", dict(fp8_down_pair=True, fp8_up_pair=True), {}),
+    # fp8 only: the down GEMM one 1 x 64 hidden block a loop step (fp8_down_pair off: the fp8 default to v14)
+    ("fp8: down one hidden block a step (v14)", dict(fp8_down_pair=False), {}),
+    # the paired down GEMM (the default since v15, session 20) with 5 and 6 stages of two blocks (for_fp8 halves
+    # down_stages + 2 of a 128-wide bf16 tile): more weight bytes in flight
+    ("fp8: down two hidden blocks a step, 5 stages", dict(down_n=128, down_stages=8), {}),
+    ("fp8: down two hidden blocks a step, 6 stages", dict(down_n=128, down_stages=10), {}),
+    # fp8 only: the up GEMM's loop steps two 1 x 128 x blocks too (fp8_up_pair, session 20)
+    ("fp8: up and down two blocks a step", dict(fp8_up_pair=True), {}),
     # fp8 only: the paired down GEMM in the flattened loop (the next item's loads beside this item's epilogue;
     # every tile BM rows)
-    ("fp8: down flat, two blocks a step", dict(fp8_down_pair=True, fp8_flat_down=True), {}),
+    ("fp8: down flat, two blocks a step", dict(fp8_flat_down=True), {}),
 ]
 SWEEP_FP8 = ("default again (A/A control)", "pull 24 x 16 warps x 8 rows", "shared last",
              "shared before up, beside the pull (v7)",
              "shared beside up on 16 SMs", "shared beside up on 24 SMs",
              "shared beside up on 32 SMs", "shared beside up on 40 SMs", "fp8: separate gate/up MMAs (v13)",
-             "fp8: down two hidden blocks a step", "fp8: down two hidden blocks a step, 5 stages",
+             "fp8: down one hidden block a step (v14)", "fp8: down two hidden blocks a step, 5 stages",
              "fp8: down two hidden blocks a step, 6 stages", "fp8: up and down two blocks a step",
              "fp8: down flat, two blocks a step")
 TIMELINE_VARIANTS = ("v3 layout (full tiles, events, 3/4 stages, torch schedule)",)  # also get a timeline
