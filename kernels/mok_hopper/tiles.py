@@ -68,9 +68,9 @@ class TileConfig:
     # a step instead of 8 (PERF_NOTES, session 19: the fp8 down GEMM streams at 1.9-2.3 TB/s; session 20: the down
     # GEMM 10-12% faster, the forward 4-5%; default_tile's since v15); ignored in bf16
     fp8_up_pair: bool = False  # fp8: the same for the up GEMM, two 1 x 128 x blocks a loop step (32 KB of weights a
-    # step instead of 16; half the stages); ignored in bf16
+    # step instead of 16; half the stages; PERF_NOTES session 21: no gain, off); ignored in bf16
     fp8_flat_down: bool = False  # fp8: the down GEMM's flattened loop (flat_down; for_fp8 turns it off otherwise:
-    # 0-5% slower in fp8, PERF_NOTES v6, before the paired blocks)
+    # 0-5% slower in fp8, PERF_NOTES v6; with the paired blocks 5-13% slower, session 21)
     fp8: bool = False  # set by for_fp8 (the fp8 GEMM steps and pipeline depths)
 
     def __post_init__(self) -> None:
