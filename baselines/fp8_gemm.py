@@ -66,12 +66,21 @@ def load_deep_gemm() -> tuple[Optional[Any], Optional[str]]:
 
 
 def deep_gemm_version() -> str:
-    try:
-        from importlib.metadata import version
-
-        return f"sgl-deep-gemm {version('sgl-deep-gemm')}"
-    except Exception:  # noqa: BLE001
+    """Which DeepGEMM ran: the ``sgl-deep-gemm`` package where the module loaded from it, else the module's own
+    version (a build from source, e.g. DeepGEMM's ``develop.sh`` on ``PYTHONPATH``)."""
+    dg = load_deep_gemm()[0]
+    if dg is None:
         return "deep_gemm"
+    try:
+        from importlib.metadata import distribution
+        from pathlib import Path
+
+        dist = distribution("sgl-deep-gemm")
+        if Path(dg.__file__).resolve().parent == Path(dist.locate_file("deep_gemm")).resolve():
+            return f"sgl-deep-gemm {dist.version}"
+    except Exception:  # noqa: BLE001 (not installed, or installed elsewhere than the module that loaded)
+        pass
+    return f"deep_gemm {getattr(dg, '__version__', '?')} (built from source)"
 
 
 def _capability(device: str) -> tuple[int, int]:
