@@ -758,6 +758,45 @@ def test_fp8_pairs_change_no_bit(operands, pair):
     assert all(rel_l1(two[0][r], want[r]) < 1e-3 for r in range(P))
 
 
+def test_down_programs_per_sm_and_fp8_down_width():
+    """down_per_sm multiplies the down GEMM's programs (and no other launch); fp8_down_n is the fp8 down GEMM's
+    column step; both are checked at construction."""
+    from dataclasses import replace
+
+    from kernels.mok_hopper.tiles import TileConfig, launch_programs
+
+    base = TileConfig(comm_sms=24, shared_sms=24)
+    two = replace(base, down_per_sm=2, down_warps=4)
+    one_p = launch_programs(132, base, ready=True, overlap=True, has_shared=True)
+    two_p = launch_programs(132, two, ready=True, overlap=True, has_shared=True)
+    assert two_p["down"] == 2 * one_p["down"] == 264
+    assert {k: v for k, v in two_p.items() if k != "down"} == {k: v for k, v in one_p.items() if k != "down"}
+    assert replace(base, fp8_down_n=64).for_fp8().down_n == 64 and base.for_fp8().down_n == 128
+    with pytest.raises(ValueError, match="down_per_sm"):
+        TileConfig(down_per_sm=0)
+    with pytest.raises(ValueError, match="fp8_down_n"):
+        TileConfig(fp8_down_n=96)
+
+
+@pytest.mark.slow
+@needs_triton
+def test_fp8_down_two_programs_an_sm_matches_the_twin():
+    """The fp8 down GEMM 32 columns an item at 4 warps, twice the programs (down_per_sm; a CPU has 4 "SMs"): the
+    forward the twin computes, as with the default launch."""
+    from dataclasses import replace
+
+    from kernels.mok_hopper.tiles import TileConfig
+
+    P, T, K, E, H, I = 2, 48, 4, 8, 256, 128
+    tile = TileConfig(block_m=32, up_n=32, up_k=32, down_n=64, down_k=32, num_chunks=1, pull_programs=5,
+                      pull_rows=4, group_m=2, fp8_down_n=32, down_warps=4, down_per_sm=2)
+    xs, idx, ws, w13, w2, sh = make_layer_inputs(P, T, K, E, H, I, seed=31)
+    got, layers, _ = run_kernels(xs, idx, ws, w13, w2, sh, precision="fp8", tile=tile.for_fp8())
+    assert layers[0].gemm_programs == 2 * 4 and layers[0].cfg.down_n == 32
+    want = twin.simulate(xs, idx, ws, w13, w2, shared=sh, fp8=True, block_m=16)
+    assert all(rel_l1(got[0][r], want[r]) < 1e-3 for r in range(P))
+
+
 @needs_triton
 @pytest.mark.parametrize("tiles", ["half_tiles", "full_tiles", "tails"])
 @pytest.mark.parametrize("mode,P,capacity", [("uniform", 2, None), ("one_rank", 2, None), ("masked", 4, None),

@@ -71,9 +71,16 @@ class TileConfig:
     # step instead of 16; half the stages; PERF_NOTES session 21: no gain, off); ignored in bf16
     fp8_flat_down: bool = False  # fp8: the down GEMM's flattened loop (flat_down; for_fp8 turns it off otherwise:
     # 0-5% slower in fp8, PERF_NOTES v6; with the paired blocks 5-13% slower, session 21)
+    fp8_down_n: int = 128  # fp8: the down GEMM's output columns per item (for_fp8 sets down_n to it; a divisor of
+    # the 128-wide weight-scale block)
+    down_per_sm: int = 1  # programs of the down GEMM per SM: with 2 (at 4 warps, so two fit an SM), one program's
+    # fp8 promotion and barriers run beside the other's MMAs and loads (PERF_NOTES, session 22)
     fp8: bool = False  # set by for_fp8 (the fp8 GEMM steps and pipeline depths)
 
     def __post_init__(self) -> None:
+        if self.down_per_sm < 1 or 128 % self.fp8_down_n:
+            raise ValueError(f"down_per_sm={self.down_per_sm} must be >= 1 and fp8_down_n={self.fp8_down_n} divide 128 "
+                             "(one weight scale a 128 x 128 block)")
         if self.shared_sms < 0 or (self.shared_sms and self.shared_last):
             raise ValueError("shared_sms (the shared expert beside the up GEMM) must be >= 0 and cannot be combined "
                              "with shared_last (the shared expert after the routed GEMMs)")
@@ -107,7 +114,7 @@ class TileConfig:
         up_stages = self.up_stages + 2
         if pair_up:  # the same for the up GEMM's two 1 x 128 blocks
             up_stages = max(2, up_stages // 2)
-        return replace(self, up_n=64, up_k=128, up_stages=up_stages, down_n=128, down_k=64,
+        return replace(self, up_n=64, up_k=128, up_stages=up_stages, down_n=self.fp8_down_n, down_k=64,
                        down_stages=down_stages, flat_down=self.fp8_flat_down, tail_rows=0,
                        fp8_down_pair=pair_down, fp8_up_pair=pair_up,
                        up_fused=self.fp8_up_fused and self.w_tiled, fp8=True)
@@ -224,4 +231,4 @@ def launch_programs(n_sm: int, cfg: TileConfig, *, ready: bool, overlap: bool,
         shared = cfg.gemm_programs or (n_sm if cfg.shared_last else max(1, n_sm - comm))
     return {"pull": cfg.pull_programs or (comm if overlap else n_sm), "shared": shared, "up": up,
             "up_helper": comm if helpers else 0, "side": side,
-            "down": cfg.gemm_programs or (n_sm if C == 1 else max(1, n_sm - comm))}
+            "down": cfg.gemm_programs or (n_sm if C == 1 else max(1, n_sm - comm)) * cfg.down_per_sm}

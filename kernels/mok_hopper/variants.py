@@ -57,6 +57,11 @@ SWEEP = [  # (label, overrides of the base tile, layer options); tiles checked b
     # fp8 only: the paired down GEMM in the flattened loop (the next item's loads beside this item's epilogue;
     # every tile BM rows)
     ("fp8: down flat, two blocks a step", dict(fp8_flat_down=True), {}),
+    # fp8 only: two down-GEMM programs an SM (4 warps each, 64 output columns an item), so that one program's
+    # promotion runs beside the other's MMAs (session 22); and the 64-wide items alone, one program an SM, to tell
+    # the two changes apart (128 wide at 4 warps spills 184-192 B: not a variant)
+    ("fp8: down 64 wide, 4 warps, two programs an SM", dict(fp8_down_n=64, down_warps=4, down_per_sm=2), {}),
+    ("fp8: down 64 wide, one program an SM", dict(fp8_down_n=64), {}),
 ]
 SWEEP_FP8 = ("default again (A/A control)", "pull 24 x 16 warps x 8 rows", "shared last",
              "shared before up, beside the pull (v7)",
@@ -64,5 +69,6 @@ SWEEP_FP8 = ("default again (A/A control)", "pull 24 x 16 warps x 8 rows", "shar
              "shared beside up on 32 SMs", "shared beside up on 40 SMs", "fp8: separate gate/up MMAs (v13)",
              "fp8: down one hidden block a step (v14)", "fp8: down two hidden blocks a step, 5 stages",
              "fp8: down two hidden blocks a step, 6 stages", "fp8: up and down two blocks a step",
-             "fp8: down flat, two blocks a step")
+             "fp8: down flat, two blocks a step", "fp8: down 64 wide, 4 warps, two programs an SM",
+             "fp8: down 64 wide, one program an SM")
 TIMELINE_VARIANTS = ("v3 layout (full tiles, events, 3/4 stages, torch schedule)",)  # also get a timeline
