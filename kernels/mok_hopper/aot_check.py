@@ -67,8 +67,9 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048, extras: bool 
     from kernels.mok_hopper.schedule_kernels import DeviceScheduler
     from kernels.mok_hopper.tiles import TileConfig, ready_granule
 
+    from dataclasses import replace
+
     cfg = cfg or TileConfig(w_tiled=True, fp8_up_fused=True, fp8_down_pair=True)  # default_tile's GEMM kernels
-    f8 = cfg.for_fp8()
     nprog = 108
     out: list[Variant] = []
     out.append(Variant("quant x 1x128", "_quant_rows_kernel",
@@ -115,6 +116,9 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048, extras: bool 
 
     for tma in (False, True):  # pointer loads, and the default TMA descriptors
         path = " tma" if tma else ""
+        # fp8: the tile the layer runs on this operand path (for_fp8 decides what needs TMA: the paired steps)
+        f8 = replace(cfg, tma=True).for_fp8() if tma else replace(cfg, tma=False, w_tiled=False,
+                                                                   up_fused=False).for_fp8()
         saves = ((False, False, True), (False, True, True)) if save_h else ()
         for fp8, limit, save in ((False, False, False), (False, True, False), (True, False, False)) + saves:
             c = f8 if fp8 else cfg
@@ -136,7 +140,7 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048, extras: bool 
                                     HALF=c.half_tiles, READY=c.ready_flags, GRAN=ready_granule(c), SPIN=True,
                                     DYN=c.ready_flags, WB=128, FLAT=c.flat_up, TAIL=c.tail_rows,
                                     WT=(2 if c.up_fused else c.w_tiled) if tma else False, SAVE_H=save,
-                                    PAIR=fp8 and c.fp8_up_pair and tma, **sv_c),
+                                    PAIR=fp8 and c.fp8_up_pair, **sv_c),
                                c.up_warps))
         for fp8, apply_w in ((False, True), (False, False), (True, True)):
             c = f8 if fp8 else cfg
@@ -152,12 +156,10 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048, extras: bool 
                                dict(BM=c.block_m, BN=c.down_n, BK=c.down_k, FP8=fp8, APPLY_W=apply_w,
                                     NUM_PROGS=nprog, UPCAST=False, STAGES=c.down_stages, GROUP_M=c.group_m, TMA=tma,
                                     HALF=c.half_tiles, WB=128, FLAT=c.flat_down, TAIL=c.tail_rows,
-                                    WT=c.w_tiled and tma, PAIR=fp8 and c.fp8_down_pair and tma),
+                                    WT=c.w_tiled and tma, PAIR=fp8 and c.fp8_down_pair),
                                c.down_warps))
     plain = cfg.half_tiles and not (cfg.flat_up or cfg.flat_down or cfg.tail_rows or cfg.up_fused)
     if plain and extras:  # the other default tiles' GEMMs (bf16, TMA): glm_5_2's tails (v9)
-        from dataclasses import replace
-
         from kernels.mok_hopper.tiles import TAIL_ROWS
 
         def extra(over: dict[str, Any], labels: tuple[str, ...], rename: Any, save_h: bool = False) -> list[Variant]:
