@@ -377,8 +377,10 @@ try:
         c = c0 + tl.arange(0, BLOCK_C)
         cm = c < C
         z = tl.load(z_ptr + t[:, None] * C + c[None, :], mask=cm[None, :], other=0.0).to(tl.float32)
-        scale = tl.maximum(tl.max(tl.abs(z), axis=0), 1e-12) / 448.0
-        q = (z / scale[None, :]).to(out_ptr.dtype.element_ty)
+        # IEEE divisions (div_rn), as torch divides: Triton's `/` on a GPU is approximate (or a reciprocal multiply
+        # for a constant), and its scales then differ from the reference's by an ulp (call F, session 22)
+        scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(z), axis=0), 1e-12), 448.0)
+        q = tl.math.div_rn(z, scale[None, :]).to(out_ptr.dtype.element_ty)
         dst = start * C + c[None, :].to(tl.int64) * length + (t[:, None] - start)
         tl.store(out_ptr + dst, q, mask=cm[None, :])
         tl.store(sf_ptr + b.to(tl.int64) * C + c, scale, mask=cm)
