@@ -43,9 +43,9 @@ ROWWISE_ALIGN = 16  # rows per expert, rowwise path (16-byte TMA alignment of th
 BLOCK = 128  # DeepGEMM's block (1x128 / 128x128) on SM90
 WGRAD_SCRATCH_ELEMS = 1 << 28  # fp32 elements of DeepGEMM wgrad accumulator per step (1 GiB)
 AUTO_ITERS = 3  # auto: timed iterations per path at setup (after one untimed), eager forward + backward
-DEEPGEMM_HINT = ("install DeepGEMM: pip install sgl-deep-gemm (CUDA 13 build; README, 'Optional: DeepGEMM for real "
-                 "fp8 GEMMs'), or use fp8_gemm=blockwise_loop (the same format through torch's scaled_mm v2, one GEMM "
-                 "per expert) or rowwise")
+DEEPGEMM_HINT = ("install DeepGEMM: pip install sgl-deep-gemm where it matches your torch, else build it from source "
+                 "(README, 'Optional: DeepGEMM for real fp8 GEMMs'), or use fp8_gemm=blockwise_loop (the same format "
+                 "through torch's scaled_mm v2, one GEMM per expert) or rowwise")
 
 
 # ---- which path ---------------------------------------------------------------------------------------------------
