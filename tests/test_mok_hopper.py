@@ -783,8 +783,6 @@ def test_down_programs_per_sm_and_fp8_down_width():
 def test_fp8_down_two_programs_an_sm_matches_the_twin():
     """The fp8 down GEMM 32 columns an item at 4 warps, twice the programs (down_per_sm; a CPU has 4 "SMs"): the
     forward the twin computes, as with the default launch."""
-    from dataclasses import replace
-
     from kernels.mok_hopper.tiles import TileConfig
 
     P, T, K, E, H, I = 2, 48, 4, 8, 256, 128

@@ -63,11 +63,11 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048, extras: bool 
     plain tile also the GEMMs of the other default tiles (tails, the fused gate/up MMA, 256-wide down), the
     row-major TMA GEMMs, and the training forward's bf16 up GEMMs that save H (``save_h``: labels "... save H ...";
     with ``save_h`` the up launches include them)."""
+    from dataclasses import replace
+
     from contract.fp8 import FP8_MAX
     from kernels.mok_hopper.schedule_kernels import DeviceScheduler
     from kernels.mok_hopper.tiles import TileConfig, ready_granule
-
-    from dataclasses import replace
 
     cfg = cfg or TileConfig(w_tiled=True, fp8_up_fused=True, fp8_down_pair=True)  # default_tile's GEMM kernels
     nprog = 108
