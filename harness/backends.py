@@ -89,12 +89,30 @@ for _item in filter(None, os.environ.get("MOKBENCH_EXTRA_BACKENDS", "").split(",
         BACKENDS[_key.strip()] = _target.strip()
 
 
+SERIES_SEP = " · "  # "nccl · rowwise": one backend's rows of one variant, where a run has several (reports only)
+
+
+def series_name(backend: str, variant: str) -> str:
+    """The report name of ``backend``'s rows of one variant (e.g. its fp8 GEMM path), where one run holds rows of
+    several: the same registry entry, labelled with the variant."""
+    return f"{backend}{SERIES_SEP}{variant}"
+
+
+def base_name(name: str) -> str:
+    """The backend key of a report name (``series_name``'s inverse; a plain key is its own)."""
+    return str(name).split(SERIES_SEP, 1)[0]
+
+
 def spec(name: str) -> BackendSpec:
     """The registry entry of a backend key; for a key the registry does not know (an out-of-tree backend, a name
     in an old result file) a default one: its key as label, role ``baseline``, a fallback colour fixed by the
-    name."""
+    name. A ``series_name`` gets its backend's entry, labelled with the variant."""
     if name in REGISTRY:
         return REGISTRY[name]
+    base, _, variant = str(name).partition(SERIES_SEP)
+    if variant:
+        s = spec(base)
+        return BackendSpec(s.target, f"{s.label} ({variant})", s.role, s.color)
     return BackendSpec(BACKENDS.get(name, ""), str(name), DEFAULT_ROLE,
                        _FALLBACK_COLORS[sum(map(ord, str(name))) % len(_FALLBACK_COLORS)])
 

@@ -18,8 +18,9 @@ from typing import Any, Optional, Sequence, Union
 import pandas as pd
 
 from harness import results
+from harness.backends import series_name
 from harness.labels import (NOT_CONTENDERS, DIRECTION_ORDER, PRECISION_ORDER, SHAPE_ORDER, SYSTEM_ORDER, in_order,
-                            is_anchor, is_baseline, is_fused, isna, systems_in)
+                            is_anchor, is_baseline, is_fused, isna, scaling_variant, systems_in)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PUBLISHED_DIR = REPO_ROOT / "results" / "published"
@@ -128,6 +129,28 @@ def with_runs(df: pd.DataFrame) -> pd.DataFrame:
     return d
 
 
+def split_variants(df: pd.DataFrame) -> pd.DataFrame:
+    """Rows of one backend, run and precision that ran different variants (their ``scaling`` differs: nccl's fp8
+    GEMM paths, TE's fp8 recipes) renamed to one series per variant (``backends.series_name``, named by
+    ``labels.scaling_variant``), so that no table or chart takes one median over two variants. Backends with one
+    variant a run and precision, published rows, and rows that record no ``scaling`` (e.g. a failure before the
+    backend was set up) keep their names."""
+    if df.empty or "scaling" not in df:
+        return df
+    d = df.copy()
+    scaling = d["scaling"].fillna("").astype(str)
+    keep = (~is_published(d) & scaling.ne("")).to_numpy()
+    keys = d[["run_id", "backend", "precision"]].astype(str).agg("\x1f".join, axis=1)
+    counts = scaling[keep].groupby(keys[keep].to_numpy()).nunique()
+    several = keep & keys.map(counts).fillna(0).gt(1).to_numpy()
+    if several.any():
+        backend = d["backend"].astype(object).to_numpy().copy()
+        backend[several] = [series_name(b, scaling_variant(sc))
+                            for b, sc in zip(backend[several], scaling.to_numpy()[several])]
+        d["backend"] = pd.array(backend, dtype="string")
+    return d
+
+
 def prepare(df: pd.DataFrame, scope: str = "run") -> pd.DataFrame:
     """The rows a report compares, for a scope:
 
@@ -136,13 +159,16 @@ def prepare(df: pd.DataFrame, scope: str = "run") -> pd.DataFrame:
     * ``pooled``: every measured run as one pseudo-run labelled ``POOLED over N runs``: the median over runs of
       different code, leases and baseline builds, an explicit choice (``--pool``).
 
-    CPU-twin rows of mok_hopper are renamed (:data:`CPU_TWIN`); ``source_run_id`` keeps each row's own run."""
+    CPU-twin rows of mok_hopper are renamed (:data:`CPU_TWIN`); a backend whose rows of one run and precision differ
+    in ``scaling`` becomes one series per variant (:func:`split_variants`); ``source_run_id`` keeps each row's own
+    run."""
     if scope not in SCOPES:
         raise ValueError(f"scope must be one of {', '.join(SCOPES)} (got {scope!r})")
     d = df.copy()
     twin = is_cpu_twin(d)
     if twin.any():
         d["backend"] = d["backend"].astype(object).where(~twin, d["backend"].map(CPU_TWIN)).astype("string")
+    d = split_variants(d)
     d["source_run_id"] = d["run_id"]
     d = with_runs(d.drop(columns=["run_started"], errors="ignore"))
     measured = ~is_published(d)

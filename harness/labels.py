@@ -12,7 +12,7 @@ from typing import Any, Iterable, Sequence
 
 import pandas as pd
 
-from harness.backends import REGISTRY, names_with_role, role
+from harness.backends import REGISTRY, base_name, names_with_role, role, spec
 from harness.config import shape_table
 
 # Backend names, labels and roles come from the one registry (harness.backends.REGISTRY)
@@ -48,7 +48,29 @@ def is_anchor(backend: str) -> bool:
 
 
 def system_label(backend: str) -> str:
-    return SYSTEM_LABELS.get(backend, backend)
+    return spec(backend).label
+
+
+# A run whose rows of one backend and precision differ in ``scaling`` (e.g. nccl with fp8_gemm=rowwise and with
+# fp8_gemm=blockwise) is reported as one series per variant (claims.prepare), named by the first marker found in
+# the row's ``scaling`` (the texts baselines/fp8_gemm.py and baselines/te_common.py write; tests/test_report.py
+# checks each path's text against this table). Order matters: the scaled_mm loop's text also names DeepGEMM.
+SCALING_VARIANTS = (("per-expert loop", "scaled_mm loop"), ("torch._scaled_grouped_mm", "rowwise"),
+                    ("DeepGEMM", "DeepGEMM"), ("emulated", "emulated"), ("Float8BlockScaling", "TE blockwise"),
+                    ("Float8CurrentScaling", "TE tensorwise"), ("DelayedScaling", "TE delayed"),
+                    ("MXFP8BlockScaling", "TE MXFP8"))
+
+
+def variant_rank(variant: str) -> int:
+    """A variant's place in :data:`SCALING_VARIANTS` (after them all for a name not in it)."""
+    names = [name for _, name in SCALING_VARIANTS]
+    return names.index(variant) if variant in names else len(names)
+
+
+def scaling_variant(scaling: Any) -> str:
+    """The short name of a row's ``scaling`` (:data:`SCALING_VARIANTS`; else the text's first 24 characters)."""
+    text = "" if isna(scaling) else str(scaling)
+    return next((name for mark, name in SCALING_VARIANTS if mark in text), text[:24] or "unrecorded")
 
 
 def compile_caption(df: pd.DataFrame) -> str:
@@ -92,9 +114,10 @@ def env_label(env: dict[str, Any], *, run: bool = True) -> str:
 
 
 def in_order(values: Iterable[Any], order: Sequence[str]) -> list[Any]:
+    """``values`` in ``order`` (a shape's ``@`` suffix and a series' variant sort with their base name)."""
     vals = list(dict.fromkeys(v for v in values if not isna(v)))
     rank = {v: i for i, v in enumerate(order)}
-    return sorted(vals, key=lambda v: (rank.get(str(v).partition("@")[0], len(rank)), str(v)))
+    return sorted(vals, key=lambda v: (rank.get(base_name(str(v).partition("@")[0]), len(rank)), str(v)))
 
 
 def systems_in(df: pd.DataFrame) -> list[str]:

@@ -29,6 +29,9 @@ from harness import claims as C
 from harness import labels as L
 
 ANCHOR_HATCH = ".."  # anchors' bars are dotted: fused layers a user could pick, not baselines
+# one backend's series of several variants in a run (claims.split_variants) share its colour: a hatch per variant,
+# by its place in labels.SCALING_VARIANTS (the first plain), so that two series never look alike
+VARIANT_HATCHES = (None, "//", "xx", "\\\\", "--", "++", "||")
 SWEEP_AXES = ("tokens_per_gpu", "ep_size", "routing")
 AXIS_LABELS = {"tokens_per_gpu": "tokens per GPU", "ep_size": "EP size", "routing": "routing"}
 FLOOR_STYLE = {  # floor -> (label, color, linestyle)
@@ -46,7 +49,10 @@ def color(system: str) -> str:
 
 def hatch(system: str) -> Optional[str]:
     """Anchors are drawn hatched, so that no chart passes them off as baselines."""
-    return ANCHOR_HATCH if L.is_anchor(system) else None
+    if L.is_anchor(system):
+        return ANCHOR_HATCH
+    variant = str(system).partition(backends.SERIES_SEP)[2]
+    return VARIANT_HATCHES[L.variant_rank(variant) % len(VARIANT_HATCHES)] if variant else None
 
 
 def new_figure(width: float, height: float) -> Figure:

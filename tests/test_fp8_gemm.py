@@ -143,6 +143,21 @@ def test_resolve_and_labels_on_cpu():
         case("precision=fp8", "fp8_gemm=fast")
 
 
+def test_reports_name_every_fp8_path_by_its_scaling():
+    """The report's series names (labels.SCALING_VARIANTS) read each fp8 path's and each TE recipe's `scaling`
+    text as written here: a renamed label would otherwise merge two paths into one series again."""
+    from baselines.te_common import RECIPE_LABEL
+    from harness.config import make_case
+    from harness.labels import scaling_variant
+
+    case = make_case(compose_cfg("shape=tiny", "precision=fp8"), ep_size=2, device="cpu")
+    names = {p: scaling_variant(fg.scaling_label(p, case, "bf16")) for p in (*fg.FP8_GEMM_PATHS, "emulated")}
+    assert names == {"rowwise": "rowwise", "blockwise": "DeepGEMM", "blockwise_loop": "scaled_mm loop",
+                     "emulated": "emulated"}
+    te = {scaling_variant(text) for text in RECIPE_LABEL.values()}
+    assert te == {"TE blockwise", "TE tensorwise", "TE delayed", "TE MXFP8"}
+
+
 def test_fp8_gemm_enters_the_fp8_config_hash_only():
     from harness.config import config_hash, make_case, to_container
 

@@ -215,6 +215,32 @@ def test_repeated_runs_take_the_median_and_any_ok_row():
     assert agg.loc["deepep", "status"] == "error"  # the most recent row's status
 
 
+def test_variants_of_one_backend_in_one_run_are_separate_series(tmp_path):
+    """A run with nccl's fp8 rows on two GEMM paths (their `scaling` differs) reports one series per path: the
+    fastest baseline and the speedups use the faster path's own number, not a median over both; a run with one path
+    keeps the plain name; the chart draws the two series apart (hatches)."""
+    from harness import plots
+
+    row_wise = "e4m3 rowwise (per-row activation / per-channel weight scales), torch._scaled_grouped_mm: forward"
+    loop = ("e4m3 block 1x128/128x128, torch scaled_mm v2 per-expert loop (fallback: DeepGEMM not loadable): "
+            "forward")
+    rows = [S.row("nccl", precision="fp8", tflops=100.0, scaling=row_wise),
+            S.row("nccl", precision="fp8", tflops=30.0, scaling=loop),
+            S.row("mok_hopper", precision="fp8", tflops=300.0),
+            S.row("nccl", precision="fp8", tflops=90.0, scaling=row_wise, run_id="run-b"),
+            S.row("mok_hopper", precision="fp8", tflops=270.0, run_id="run-b")]
+    tab = C.claims_table(C.prepare(results.to_frame(rows)))
+    a, b = (tab[tab["run_id"] == r].iloc[0] for r in ("run-a", "run-b"))
+    assert a["tflops_nccl · rowwise"] == pytest.approx(100.0) and a["tflops_nccl · scaled_mm loop"] == 30.0
+    assert a["best_baseline"] == "nccl · rowwise" and a["speedup_mok_hopper"] == pytest.approx(3.0)
+    assert b["best_baseline"] == "nccl" and b["speedup_mok_hopper"] == pytest.approx(3.0)
+    assert L.system_label("nccl · rowwise") == "NCCL+PyTorch (rowwise)" and L.is_baseline("nccl · rowwise")
+    assert L.systems_in(pd.DataFrame({"backend": ["mok_hopper", "nccl · scaled_mm loop", "nccl · rowwise"]})) == [
+        "nccl · rowwise", "nccl · scaled_mm loop", "mok_hopper"]
+    assert plots.hatch("nccl · rowwise") != plots.hatch("nccl · scaled_mm loop") and plots.hatch("nccl") is None
+    assert plots.color("nccl · rowwise") == plots.color("nccl")
+
+
 def test_shape_labels():
     assert L.shape_label("qwen3_5_397b") == "Qwen3.5-397B"
     assert L.shape_label("kimi_k2_7@6epg") == "Kimi K2.7 @6epg"
