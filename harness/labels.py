@@ -53,7 +53,7 @@ def system_label(backend: str) -> str:
 
 # A run whose rows of one backend and precision differ in ``scaling`` (e.g. nccl with fp8_gemm=rowwise and with
 # fp8_gemm=blockwise) is reported as one series per variant (claims.prepare), named by the first marker found in
-# the row's ``scaling`` (the texts baselines/fp8_gemm.py and baselines/te_common.py write; tests/test_report.py
+# the row's ``scaling`` (the texts baselines/fp8_gemm.py and baselines/te_common.py write; tests/test_fp8_gemm.py
 # checks each path's text against this table). Order matters: the scaled_mm loop's text also names DeepGEMM.
 SCALING_VARIANTS = (("per-expert loop", "scaled_mm loop"), ("torch._scaled_grouped_mm", "rowwise"),
                     ("DeepGEMM", "DeepGEMM"), ("emulated", "emulated"), ("Float8BlockScaling", "TE blockwise"),
