@@ -98,9 +98,15 @@ def series_name(backend: str, variant: str) -> str:
     return f"{backend}{SERIES_SEP}{variant}"
 
 
+def series_parts(name: str) -> tuple[str, str]:
+    """``series_name``'s inverse: (backend key, variant); a plain key is (itself, "")."""
+    base, _, variant = str(name).partition(SERIES_SEP)
+    return base, variant
+
+
 def base_name(name: str) -> str:
-    """The backend key of a report name (``series_name``'s inverse; a plain key is its own)."""
-    return str(name).split(SERIES_SEP, 1)[0]
+    """The backend key of a report name (a plain key is its own)."""
+    return series_parts(name)[0]
 
 
 def spec(name: str) -> BackendSpec:
@@ -109,7 +115,7 @@ def spec(name: str) -> BackendSpec:
     name. A ``series_name`` gets its backend's entry, labelled with the variant."""
     if name in REGISTRY:
         return REGISTRY[name]
-    base, _, variant = str(name).partition(SERIES_SEP)
+    base, variant = series_parts(name)
     if variant:
         s = spec(base)
         return BackendSpec(s.target, f"{s.label} ({variant})", s.role, s.color)

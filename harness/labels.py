@@ -20,7 +20,6 @@ FUSED = names_with_role("contender")
 ANCHORS = names_with_role("anchor")
 NOT_CONTENDERS = names_with_role("reference")
 SYSTEM_ORDER = tuple(k for k in REGISTRY if k not in NOT_CONTENDERS)
-SYSTEM_LABELS = {k: s.label for k, s in REGISTRY.items()}
 # Shapes: those with a `display_order` in their config, in that order (the published figure's), and every label
 _SHAPES = shape_table()
 SHAPE_ORDER = tuple(n for n, s in _SHAPES.items() if s["display_order"] is not None)

@@ -48,10 +48,11 @@ def color(system: str) -> str:
 
 
 def hatch(system: str) -> Optional[str]:
-    """Anchors are drawn hatched, so that no chart passes them off as baselines."""
+    """Anchors are drawn hatched, so that no chart passes them off as baselines; so are a backend's series of
+    several variants in a run, each its own hatch (:data:`VARIANT_HATCHES`)."""
     if L.is_anchor(system):
         return ANCHOR_HATCH
-    variant = str(system).partition(backends.SERIES_SEP)[2]
+    variant = backends.series_parts(system)[1]
     return VARIANT_HATCHES[L.variant_rank(variant) % len(VARIANT_HATCHES)] if variant else None
 
 
