@@ -256,6 +256,7 @@ def test_fused_weight_streaming_stages_match_the_twin_under_the_interpreter(limi
 
 
 TOY = (24, 3, 8, 128, 64)  # T, K, E, H, I of the one-rank training-step tests
+GROUPED_MM = {"dw13": {"grouped_mm": True}, "dw2": {"grouped_mm": True}}  # the weight gradients by torch
 
 
 def _toy_layer(**kw):
@@ -301,14 +302,16 @@ def test_a_training_step_through_the_kernels_matches_autograd(limit):
 @pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (it comes with torch on Linux; pip install -e "
                                            "'.[test]'): the interpreter kernel tests need it")
 @pytest.mark.slow
-@pytest.mark.parametrize("P,limit,idle,masked,save_h", [(2, None, 1, False, True), (4, 0.5, None, True, True),
-                                                        (2, None, None, False, False)],
-                         ids=["ep2-idle-rank", "ep4-clamped-masked", "ep2-recompute"])
-def test_the_kernels_backward_across_simulated_ranks_matches_autograd(P, limit, idle, masked, save_h):
+@pytest.mark.parametrize("P,limit,idle,masked,save_h,tiles", [
+    (2, None, 1, False, True, None), (4, 0.5, None, True, True, None), (2, None, None, False, False, None),
+    (2, None, 1, True, True, GROUPED_MM)], ids=["ep2-idle-rank", "ep4-clamped-masked", "ep2-recompute",
+                                                 "ep2-idle-rank-masked-grouped-mm"])
+def test_the_kernels_backward_across_simulated_ranks_matches_autograd(P, limit, idle, masked, save_h, tiles):
     """The backward across ranks (train.py's three phases: stage dO, pull the dO rows / run the stages / push the dX
     rows and router-weight gradients to their source ranks, sum), for P ranks simulated in one process under the
     interpreter, phase by phase in lockstep as the barriers would order them: every rank's every gradient against
-    torch autograd, and against the twin's backward."""
+    torch autograd, and against the twin's backward. ``tiles``: launch overrides (the weight gradients by
+    torch._grouped_mm: an idle rank's groups all empty, masked slots' padding rows summed as zeros)."""
     from kernels.mok_hopper import interp
     from kernels.mok_hopper.api import MoKHopperLayer
     from kernels.mok_hopper.train import backward_compute, backward_finish, backward_stage
@@ -329,7 +332,7 @@ def test_the_kernels_backward_across_simulated_ranks_matches_autograd(P, limit, 
     outs = [layers[r].finish() for r in range(P)]
     for r in range(P):  # the backward, phase by phase
         backward_stage(layers[r], dOs[r])
-    parts = [backward_compute(layers[r], xs[r], w13[r], w2[r], shared) for r in range(P)]
+    parts = [backward_compute(layers[r], xs[r], w13[r], w2[r], shared, tiles=tiles) for r in range(P)]
     got = [backward_finish(layers[r], idx[r], parts[r]) for r in range(P)]
     ref = twin_bwd.autograd_reference(xs, idx, ws, dOs, w13, w2, shared=shared, limit=limit)
     twin = twin_bwd.simulate_backward(xs, idx, ws, dOs, w13, w2, shared=shared, limit=limit,
@@ -557,10 +560,60 @@ def test_the_shared_experts_backward_by_torch_gemms(limit):
 
 @pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (it comes with torch on Linux; pip install -e "
                                            "'.[test]'): the interpreter kernel tests need it")
+@pytest.mark.parametrize("save_h,dgate", [(True, False), (False, False), (True, True)],
+                         ids=["save-h", "recompute", "save-h-dgate-too"])
+def test_the_weight_gradients_by_grouped_mm(save_h, dgate, monkeypatch):
+    """``tiles`` GROUPED_MM: dW13 and dW2 by torch._grouped_mm over the experts' row ranges (padding rows summed as
+    zeros instead of skipped); ``dgate``: and dgate's G = dO @ W2 too, its epilogue after it. An expert with no row
+    (expert 2) and masked slots: its gradients zero, the others right against autograd and within bf16 rounding of
+    the kernels'; with the kernels' dgate every other gradient bitwise the kernels' (only the weight-gradient
+    stages changed); twice the same bits."""
+    from kernels.mok_hopper import interp
+    from kernels.mok_hopper.train import layer_backward
+
+    if not interp.INTERPRET:
+        pytest.skip("the kernels run on the CPU under TRITON_INTERPRET=1 (set at the top of this file without a GPU)")
+    T, K, E, H, I = TOY
+    layer, w13, w2, shared = _toy_layer(save_h=save_h)
+    xs, idx, ws, dOs, _, _, _ = make(1, T, K, E, H, I, seed=12, masked=True)
+    gen = torch.Generator().manual_seed(13)
+    busy = torch.tensor([e for e in range(E) if e != 2])
+    idx[0] = torch.stack([busy[torch.randperm(E - 1, generator=gen)[:K]] for _ in range(T)])
+    idx[0][::4, -1] = -1
+    got = []
+    over = {**GROUPED_MM, "dgate": {"grouped_mm": True}} if dgate else GROUPED_MM
+    calls = []
+    real = torch._grouped_mm
+
+    def counted(*a, **k):
+        calls.append(a[0].shape)
+        return real(*a, **k)
+
+    monkeypatch.setattr(torch, "_grouped_mm", counted)
+    for tiles in (None, over, over):
+        with torch.no_grad():
+            layer(xs[0], idx[0], ws[0])
+            got.append(layer_backward(layer, dOs[0], xs[0], idx[0], ws[0], w13[0], w2[0], shared, tiles=tiles))
+    assert len(calls) == 2 * (3 if dgate else 2)  # the grouped GEMMs ran, where asked, and only there
+    kern, mm, again = got
+    assert not (idx[0] == 2).any() and not mm["w13"][2].any() and not mm["w2"][2].any()
+    for a, b in zip(kern["shared"], mm["shared"]):
+        assert torch.equal(a, b)
+    want = twin_bwd.autograd_reference(xs, idx, ws, dOs, w13, w2, shared=shared)[0]
+    for k in ("x", "topk_w", "w13", "w2"):
+        assert torch.equal(mm[k], again[k]), k
+        if k in ("x", "topk_w") and not dgate:
+            assert torch.equal(kern[k], mm[k]), k
+        assert rel_l1(mm[k], kern[k]) < (5e-3 if dgate else 2e-3), (k, rel_l1(mm[k], kern[k]))
+        assert rel_l1(mm[k], want[k]) < 1e-2, (k, rel_l1(mm[k], want[k]))
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (it comes with torch on Linux; pip install -e "
+                                           "'.[test]'): the interpreter kernel tests need it")
 @pytest.mark.parametrize("fused", [False, True], ids=["tiled", "tiled-gate-up-interleaved"])
 def test_bwd_checks_tiled_layout_variant_runs_the_tiled_backward(fused, monkeypatch):
     """bwd_check's ``tiled layout`` sweep variant: the backward on the layer's own weights in TMA block order, its
-    weight gradients untiled, agrees with the plain-layout run (``layout_rel_l1``); untiled wrongly (rows in the
+    weight gradients untiled, agrees with the plain-layout run (``rel_l1_to_default``); untiled wrongly (rows in the
     wrong order), the comparison fails; on a layer whose weights are plain the variant refuses to run."""
     from dataclasses import replace
     from types import SimpleNamespace
@@ -582,10 +635,10 @@ def test_bwd_checks_tiled_layout_variant_runs_the_tiled_backward(fused, monkeypa
     assert w13_t is layer.w13 and w13_t.dim() == 5 and w2_t is layer.w2 and rest == {}
     g = bwd_check._backward(backend, inp, over)
     assert g["w13"].shape == w13[0].shape and g["w2"].shape == w2[0].shape
-    assert bwd_check.layout_rel_l1(backend, inp, over) < 1e-3
+    assert bwd_check.rel_l1_to_default(backend, inp, over) < 1e-3
     untile = bwd_check._plain
     monkeypatch.setattr(bwd_check, "_plain", lambda b, g: {**untile(b, g), "w13": untile(b, g)["w13"].flip(1)})
-    assert bwd_check.layout_rel_l1(backend, inp, over) > 0.1
+    assert bwd_check.rel_l1_to_default(backend, inp, over) > 0.1
     plain_layer, _, _, _ = _toy_layer()
     with pytest.raises(ValueError, match="plain here"):
         bwd_check._weights(SimpleNamespace(impl=plain_layer, params=backend.params), over)

@@ -218,6 +218,11 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048, extras: bool 
             c = {**rows_c, **over}
             t = dict(rows_t, w_ptr=f"tensordesc<bf16[{c['BK']}, {c['BN']}]>") if c["WTMA"] else rows_t
             out.append(Variant(label, "_bwd_rows_kernel", t, c, warps))
+        # dgate's epilogue alone, after a G = dO @ W2 by torch._grouped_mm (an option), with and without the clamp
+        ep_t = dict(g_ptr="*bf16", out_ptr="*bf16", h_ptr="*bf16", clip_ptr="*u8", s_ptr="*fp32", sa_ptr="*bf16",
+                    ds_ptr="*fp32", end_ptr="*i32", R="i32", N="i32", limit="fp32")
+        for label, lim in (("bwd dgate epilogue", False), ("bwd dgate epilogue clamp", True)):
+            out.append(Variant(label, "_dgate_epilogue_kernel", ep_t, dict(BM=32, BN=128, HAS_LIMIT=lim), 8))
         wg_t = dict(p_ptr="*bf16", q_ptr="*bf16", dw_ptr="tensordesc<bf16[128, 128]>", code_ptr="*i32",
                     expert_row_ptr="*i32", N="i32", K="i32", L="i32")
         wg_c = dict(BN=128, BK=128, BR=64, NUM_PROGS=2 * nprog, UPCAST=False, STAGES=3, TMA_STORE=True, TBN=0, TBK=0,

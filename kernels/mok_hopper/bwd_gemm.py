@@ -229,6 +229,39 @@ def bwd_rows(a_RK: torch.Tensor, w_LKN: torch.Tensor, out: torch.Tensor, tile_ex
 
 
 @triton.jit
+def _dgate_epilogue_kernel(g_ptr, out_ptr, h_ptr, clip_ptr, s_ptr, sa_ptr, ds_ptr, end_ptr, R, N, limit,
+                           BM: tl.constexpr, BN: tl.constexpr, HAS_LIMIT: tl.constexpr):
+    """dgate's epilogue (:func:`_bwd_rows_epilogue`) over a G = dO @ W2 computed elsewhere (bf16 [R, N]), rows
+    below ``end`` (the last expert's end: G's rows past it were never written)."""
+    m = tl.program_id(0)
+    n = tl.program_id(1)
+    end = tl.load(end_ptr)
+    if m * BM < end:
+        rows = (m * BM + tl.arange(0, BM)).to(tl.int64)
+        rmask = (rows < R) & (rows < end)
+        cols = n * BN + tl.arange(0, BN)
+        acc = tl.load(g_ptr + rows[:, None] * N + cols[None, :], mask=rmask[:, None], other=0.0).to(tl.float32)
+        _bwd_rows_epilogue(acc, rows, rmask, cols, n, N // BN, out_ptr, h_ptr, clip_ptr, s_ptr, sa_ptr, ds_ptr,
+                           end_ptr, end_ptr, N, 1, limit, True, HAS_LIMIT, False, False)
+
+
+def dgate_grouped_mm(dO_RH: torch.Tensor, w2_LHI: torch.Tensor, dH_R2I: torch.Tensor, expert_row_L1: torch.Tensor,
+                     *, dgate: dict, limit: Optional[float], block_n: int, block_m: int = 32) -> None:
+    """dgate as two steps (an option beside :func:`bwd_rows`' fused epilogue): G = dO rows @ W2[e] by
+    ``torch._grouped_mm`` over the experts' row ranges (``expert_row_L1``, starting at row 0; bf16 G), then
+    :func:`_dgate_epilogue_kernel` (``dgate`` as for :func:`bwd_rows`; ``ds`` [R, I / block_n]). G is rounded to
+    bf16 once more than in the fused epilogue, which works on the fp32 accumulators."""
+    R, I = dO_RH.shape[0], w2_LHI.shape[2]
+    g = torch._grouped_mm(dO_RH, w2_LHI, offs=expert_row_L1[1:])
+    d = dgate
+    clip = d.get("clip") if limit is not None else None
+    assert I % block_n == 0 and d["ds"].shape == (R, I // block_n)
+    _dgate_epilogue_kernel[(triton.cdiv(R, block_m), I // block_n)](
+        g, dH_R2I, d["h"], clip if clip is not None else g, d["s"], d["sa"], d["ds"], expert_row_L1[-1:], R, I,
+        0.0 if limit is None else float(limit), BM=block_m, BN=block_n, HAS_LIMIT=limit is not None, num_warps=8)
+
+
+@triton.jit
 def _push_scalars_kernel(code_ptr, v_ptr, out_ref, out_delta, R, TK, BR: tl.constexpr):
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     code = tl.load(code_ptr + rows, mask=rows < R, other=-1)

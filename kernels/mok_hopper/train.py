@@ -77,13 +77,14 @@ def _tiles(H: int, I: int, cuda: bool, clamped: bool = False, rows_per_expert: f
     wk = 64 if wide or tiled else 128
     dx = dict(block_n=_blocks(H, 128), stages=4) if tiled else dict(block_n=_blocks(H, 256), stages=3)
     br = 64 if rows_per_expert <= 48 else 128  # the fused stages (options, off): their row blocks
+    two["grouped_mm"] = False  # the weight gradients by torch._grouped_mm (an option: :func:`_wgrad`)
     return {"dgate_dw2": dict(on=False, block_r=br, block_h=_blocks(H, 128 if br == 64 else 64),
                               block_i=_blocks(I, 64), stages=3, num_warps=8, programs_per_sm=1, tma_store=cuda),
             "dx_dw13": dict(on=False, block_r=br, block_n=_blocks(2 * I, 128),
                             block_k=_blocks(H, 128 if br == 64 else 64), stages=3, num_warps=8, programs_per_sm=1,
                             tma_store=cuda),
             "dgate": dict(block_m=64, block_n=_blocks(I, 128), block_k=_blocks(H, 64), stages=3 if clamped else 4,
-                          pair=not (clamped or tiled)),
+                          pair=not (clamped or tiled), grouped_mm=False),
             "dx": dict(block_m=128, block_k=_blocks(2 * I, 64), **dx),
             "recompute": dict(block_m=128, block_n=_blocks(2 * I, 64), block_k=_blocks(H, 64)),
             "dw13": dict(block_n=_blocks(2 * I, 128), block_k=_blocks(H, wk), tma_store=cuda, **two),
@@ -139,11 +140,11 @@ def _expert_backward(x_rows: torch.Tensor, dO_rows: torch.Tensor, s_rows: torch.
                           programs=progs["recompute"], limit=limit, save_clip=clip, **t["recompute"], **r13)
     mark("recompute_h")
     dH = torch.empty(R, 2 * I, dtype=torch.bfloat16, device=dev)
-    dW13 = torch.empty_like(w13)
-    dW2 = torch.empty_like(w2)
+    dW13 = dW2 = None  # (allocated where a stage writes them: :func:`_wgrad` may return its own)
     fuse_dg = t["dgate_dw2"].pop("on") and layout is None  # (the tiled layout keeps the separate stages)
     fuse_dx = t["dx_dw13"].pop("on") and layout is None
     if fuse_dg:  # dgate and dW2 in one pass over W2 (s*A stays in the kernel)
+        dW2 = torch.empty_like(w2)
         ds_parts = torch.empty(R, I // t["dgate_dw2"]["block_i"], dtype=torch.float32, device=dev)
         bwd_fused.dgate_dw2(dO_rows, w2, dW2, h, clip, s_rows, dH, ds_parts, code_R, starts,
                             programs=progs["dgate_dw2"], limit=limit, **t["dgate_dw2"])
@@ -151,11 +152,16 @@ def _expert_backward(x_rows: torch.Tensor, dO_rows: torch.Tensor, s_rows: torch.
     else:
         sA = torch.empty(R, I, dtype=torch.bfloat16, device=dev)
         ds_parts = torch.empty(R, I // t["dgate"]["block_n"], dtype=torch.float32, device=dev)
-        bwd_gemm.bwd_rows(dO_rows, w2, dH, tile_expert, tile_row, chunk, programs=progs["dgate"],
-                          dgate=dict(h=h, clip=clip, s=s_rows, sa=sA, ds=ds_parts), limit=limit, **t["dgate"], **w2k)
+        dg = dict(h=h, clip=clip, s=s_rows, sa=sA, ds=ds_parts)
+        if t["dgate"].pop("grouped_mm") and layout is None:  # (an option: G by torch._grouped_mm, then the epilogue)
+            bwd_gemm.dgate_grouped_mm(dO_rows, w2, dH, starts, dgate=dg, limit=limit, block_n=t["dgate"]["block_n"])
+        else:
+            bwd_gemm.bwd_rows(dO_rows, w2, dH, tile_expert, tile_row, chunk, programs=progs["dgate"], dgate=dg,
+                              limit=limit, **t["dgate"], **w2k)
         mark("dgate")
     pushed = dict(push_delta=push[0] if push else None, slots_per_rank=push[1] if push else None)
     if fuse_dx:  # dX and dW13 in one pass over W13
+        dW13 = torch.empty_like(w13)
         bwd_fused.dx_dw13(dH, x_rows, w13, dW13, dx_slots, code_R, starts, programs=progs["dx_dw13"], **pushed,
                           **t["dx_dw13"])
         mark("dx_dw13")
@@ -165,12 +171,28 @@ def _expert_backward(x_rows: torch.Tensor, dO_rows: torch.Tensor, s_rows: torch.
         mark("dx")
     ds = bwd_gemm.router_grad(ds_parts)
     if not fuse_dx:
-        bwd_gemm.bwd_wgrad(dH, x_rows, dW13, code_R, starts, programs=progs["dw13"], **t["dw13"], **dw13k)
+        dW13 = _wgrad(dH, x_rows, w13, code_R, starts, progs["dw13"], t["dw13"], dw13k)
         mark("dw13")
     if not fuse_dg:
-        bwd_gemm.bwd_wgrad(dO_rows, sA, dW2, code_R, starts, programs=progs["dw2"], **t["dw2"], **dw2k)
+        dW2 = _wgrad(dO_rows, sA, w2, code_R, starts, progs["dw2"], t["dw2"], dw2k)
         mark("dw2")
     return dW13, dW2, ds
+
+
+def _wgrad(p_RN: torch.Tensor, q_RK: torch.Tensor, w: torch.Tensor, code_R: torch.Tensor, starts: torch.Tensor,
+           programs: int, t: dict[str, Any], layout: dict[str, Any]) -> torch.Tensor:
+    """A weight gradient (shaped like ``w``): dW[e] = P_e^T Q_e over expert e's rows ``starts[e]:starts[e+1]``.
+    By :func:`~kernels.mok_hopper.bwd_gemm.bwd_wgrad`, or with ``t["grouped_mm"]`` (plain layout only) by
+    ``torch._grouped_mm`` with the experts' row ranges as the groups of its reduction (CUTLASS's grouped GEMM on
+    sm90: no split-K, the same sums on every run). That path adds the padding rows (code < 0) instead of skipping
+    them: they are zero in dH and s*A (router weight 0, zero X rows: the pull writes zeros there), so they add
+    only zeros, and it needs the first expert's rows to start at row 0 (the schedule's tiles start there)."""
+    t = dict(t)
+    if t.pop("grouped_mm") and not layout:
+        return torch._grouped_mm(p_RN.t(), q_RK, offs=starts[1:])
+    dw = torch.empty_like(w)
+    bwd_gemm.bwd_wgrad(p_RN, q_RK, dw, code_R, starts, programs=programs, **t, **layout)
+    return dw
 
 
 def layer_backward(layer: MoKHopperLayer, dO_TH: torch.Tensor, x_TH: torch.Tensor, topk_idx_TK: torch.Tensor,
