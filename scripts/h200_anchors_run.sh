@@ -5,6 +5,7 @@
 #
 # Usage (repo root, GPU machine):  bash scripts/h200_anchors_run.sh OUTDIR [PART]
 #   PART glm  : glm_5_2 and the compute-bound point glm_5_2 shape.local_experts=16 (16 experts on the GPU)
+#   PART glm16: the compute-bound point alone
 #   PART kq   : kimi_k2_7 and qwen3_5_397b
 #   PART all  : both, one after another (default)
 # Each point is one harness invocation; every point uses the same run_id (MOKBENCH_RUN_ID, default
@@ -40,7 +41,7 @@
 set -uo pipefail
 OUTDIR=${1:?output folder}
 PART=${2:-all}
-case $PART in glm|kq|all) ;; *) echo "PART must be glm, kq or all (got $PART)" >&2; exit 2 ;; esac
+case $PART in glm|glm16|kq|all) ;; *) echo "PART must be glm, glm16, kq or all (got $PART)" >&2; exit 2 ;; esac
 mkdir -p "$OUTDIR"
 WHEELS=${WHEELS:-.whl}
 SITE=/tmp/site
@@ -93,6 +94,7 @@ glm() { precompile glm_5_2; run glm shape=glm_5_2; run glm16 shape=glm_5_2 shape
 kq() { precompile kimi_k2_7,qwen3_5_397b; run kimi shape=kimi_k2_7; run qwen shape=qwen3_5_397b; }
 case $PART in
   glm) glm ;;
+  glm16) precompile glm_5_2; run glm16 shape=glm_5_2 shape.local_experts=16 ;;
   kq) kq ;;
   all) glm; kq ;;
 esac

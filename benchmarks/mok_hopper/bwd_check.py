@@ -120,6 +120,9 @@ SWEEP: dict[str, dict[str, dict[str, Any]]] = {
     # Triton ends (128 / 178 registers at 128 x 128, 64-row steps), as the P-resident pointer stores do not
     # session 23: the GEMMs by torch._grouped_mm (CUTLASS's grouped GEMM on sm90): the weight gradients over the
     # experts' row ranges, dgate's G = dO @ W2 with its epilogue after it (train._wgrad, bwd_gemm.dgate_grouped_mm)
+    # (the default since v9 where the experts average over 128 rows; "kernels only" is v8 there)
+    "kernels only (v8; no torch._grouped_mm)": {"dgate": dict(grouped_mm=False), "dw13": dict(grouped_mm=False),
+                                                "dw2": dict(grouped_mm=False)},
     "wgrad torch._grouped_mm": {"dw13": dict(grouped_mm=True), "dw2": dict(grouped_mm=True)},
     "dgate torch._grouped_mm + epilogue": {"dgate": dict(grouped_mm=True)},
     "dgate and wgrad torch._grouped_mm": {"dgate": dict(grouped_mm=True), "dw13": dict(grouped_mm=True),

@@ -77,14 +77,18 @@ def _tiles(H: int, I: int, cuda: bool, clamped: bool = False, rows_per_expert: f
     wk = 64 if wide or tiled else 128
     dx = dict(block_n=_blocks(H, 128), stages=4) if tiled else dict(block_n=_blocks(H, 256), stages=3)
     br = 64 if rows_per_expert <= 48 else 128  # the fused stages (options, off): their row blocks
-    two["grouped_mm"] = False  # the weight gradients by torch._grouped_mm (an option: :func:`_wgrad`)
+    # v9 (PERF_NOTES "Session 23"): where the experts average over 128 rows (the compute-bound point), the weight
+    # gradients and dgate's G by torch._grouped_mm (:func:`_wgrad`, ``bwd_gemm.dgate_grouped_mm``): 1.7-1.8x
+    # faster there; on the published shapes' 32-64-row experts slower or even, so the kernels keep them
+    grouped = rows_per_expert > 128
+    two["grouped_mm"] = grouped
     return {"dgate_dw2": dict(on=False, block_r=br, block_h=_blocks(H, 128 if br == 64 else 64),
                               block_i=_blocks(I, 64), stages=3, num_warps=8, programs_per_sm=1, tma_store=cuda),
             "dx_dw13": dict(on=False, block_r=br, block_n=_blocks(2 * I, 128),
                             block_k=_blocks(H, 128 if br == 64 else 64), stages=3, num_warps=8, programs_per_sm=1,
                             tma_store=cuda),
             "dgate": dict(block_m=64, block_n=_blocks(I, 128), block_k=_blocks(H, 64), stages=3 if clamped else 4,
-                          pair=not (clamped or tiled), grouped_mm=False),
+                          pair=not (clamped or tiled), grouped_mm=grouped),
             "dx": dict(block_m=128, block_k=_blocks(2 * I, 64), **dx),
             "recompute": dict(block_m=128, block_n=_blocks(2 * I, 64), block_k=_blocks(H, 64)),
             "dw13": dict(block_n=_blocks(2 * I, 128), block_k=_blocks(H, wk), tma_store=cuda, **two),
