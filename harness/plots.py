@@ -64,13 +64,19 @@ def new_figure(width: float, height: float) -> Figure:
 
 
 def save(fig: Figure, stem: Union[str, Path], formats: Sequence[str] = ("png", "svg"), dpi: int = 150) -> list[Path]:
-    """Write ``<stem>.<fmt>`` for each format; returns the paths."""
+    """Write ``<stem>.<fmt>`` for each format; returns the paths. Byte-stable for the same figure: no creation date
+    in the metadata, and SVG element ids from a fixed salt (so a regenerated report changes only where a chart
+    did)."""
+    import matplotlib
+
     stem = Path(stem)
     stem.parent.mkdir(parents=True, exist_ok=True)
     paths = []
     for fmt in formats:
         p = stem.with_suffix(f".{fmt}")
-        fig.savefig(p, dpi=dpi, format=fmt)
+        meta = {"Date": None} if fmt in ("svg", "pdf") else {}
+        with matplotlib.rc_context({"svg.hashsalt": "mokbench"}):
+            fig.savefig(p, dpi=dpi, format=fmt, metadata=meta)
         paths.append(p)
     return paths
 
