@@ -19,6 +19,7 @@ import textwrap
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
+import matplotlib
 import numpy as np
 import pandas as pd
 from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -67,8 +68,6 @@ def save(fig: Figure, stem: Union[str, Path], formats: Sequence[str] = ("png", "
     """Write ``<stem>.<fmt>`` for each format; returns the paths. Byte-stable for the same figure: no creation date
     in the metadata, and SVG element ids from a fixed salt (so a regenerated report changes only where a chart
     did)."""
-    import matplotlib
-
     stem = Path(stem)
     stem.parent.mkdir(parents=True, exist_ok=True)
     paths = []

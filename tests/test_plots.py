@@ -247,7 +247,6 @@ def test_wide_panels_stay_legible(tmp_path):
     saved(fig, tmp_path, "wide")
 
 
-
 def _stable_figure(ys):
     fig = P.new_figure(3, 2)
     ax = fig.add_subplot()

@@ -253,11 +253,11 @@ def dgate_grouped_mm(dO_RH: torch.Tensor, w2_LHI: torch.Tensor, dH_R2I: torch.Te
     bf16 once more than in the fused epilogue, which works on the fp32 accumulators."""
     R, I = dO_RH.shape[0], w2_LHI.shape[2]
     g = torch._grouped_mm(dO_RH, w2_LHI, offs=expert_row_L1[1:])
-    d = dgate
-    clip = d.get("clip") if limit is not None else None
-    assert I % block_n == 0 and d["ds"].shape == (R, I // block_n)
+    clip = dgate.get("clip") if limit is not None else None
+    assert I % block_n == 0 and dgate["ds"].shape == (R, I // block_n)
     _dgate_epilogue_kernel[(triton.cdiv(R, block_m), I // block_n)](
-        g, dH_R2I, d["h"], clip if clip is not None else g, d["s"], d["sa"], d["ds"], expert_row_L1[-1:], R, I,
+        g, dH_R2I, dgate["h"], clip if clip is not None else g, dgate["s"], dgate["sa"], dgate["ds"],
+        expert_row_L1[-1:], R, I,
         0.0 if limit is None else float(limit), BM=block_m, BN=block_n, HAS_LIMIT=limit is not None, num_warps=8)
 
 
