@@ -24,6 +24,19 @@ OPTIONAL_PACKAGES = {
 }
 
 
+# The CUDA caching allocator's settings the harness runs with unless the user sets PYTORCH_CUDA_ALLOC_CONF: segments
+# that grow in place instead of one fixed segment per large request. Without it, kimi_k2_7's mok_hopper backward
+# (two weight copies, its gradients and the reference's: about 126 GiB of 140) ran out of memory in a process where
+# two backends had run before it, with 10.8 GiB reserved but unallocated (run h200x1-s23-v9; results/README.md).
+DEFAULT_ALLOC_CONF = "expandable_segments:True"
+
+
+def cuda_alloc_conf() -> str:
+    """Set the allocator default (``DEFAULT_ALLOC_CONF``) unless the user set ``PYTORCH_CUDA_ALLOC_CONF``, and
+    return the setting in force. Call before the process's first CUDA allocation (torch reads it once)."""
+    return os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", DEFAULT_ALLOC_CONF)
+
+
 def _git(*args: str) -> Optional[str]:
     try:
         out = subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10)
@@ -58,6 +71,7 @@ def collect(device: str) -> dict[str, Any]:
         "cuda_version": torch.version.cuda,
         "device": device,
         "num_gpus": torch.cuda.device_count() if torch.cuda.is_available() else 0,
+        "cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") if device == "cuda" else None,
     }
     nccl = None
     if torch.cuda.is_available():

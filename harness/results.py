@@ -115,6 +115,7 @@ COLUMNS: dict[str, str] = {
     "torch_version": "string",
     "cuda_version": "string",
     "nccl_version": "string",
+    "cuda_alloc_conf": "string",  # PYTORCH_CUDA_ALLOC_CONF in force (harness.env.cuda_alloc_conf)
     "triton_version": "string",
     "deepep_version": "string",
     "transformer_engine_version": "string",

@@ -186,6 +186,8 @@ def worker(payload: dict, renv: RankEnv) -> None:
     c, device = payload["cfg"], payload["device"]
     if device == "cpu":  # ranks share the machine's cores: oversubscribed intra-op threads distort the timings
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, renv.world_size)))
+    if device == "cuda":
+        envinfo.cuda_alloc_conf()  # before the first CUDA allocation of this process
     dev = init(renv, device, timeout_s=c["dist_timeout_s"])
     group = dist.group.WORLD
     ctrl = dist.new_group(backend="gloo") if device == "cuda" else group

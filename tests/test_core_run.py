@@ -105,6 +105,24 @@ def test_a_finished_backend_leaves_no_compiled_state():
     assert len(compiles) == 2
 
 
+def test_the_allocator_default_is_set_unless_the_user_set_one(monkeypatch):
+    """CUDA workers run with expandable segments (kimi_k2_7's mok_hopper backward ran out of memory with 10.8 GiB
+    reserved but unallocated without them) unless PYTORCH_CUDA_ALLOC_CONF is set, and rows record the setting."""
+    from harness import env
+
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    assert env.cuda_alloc_conf() == env.DEFAULT_ALLOC_CONF == "expandable_segments:True"
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == env.DEFAULT_ALLOC_CONF
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
+    assert env.cuda_alloc_conf() == "max_split_size_mb:512"
+    env.collect.cache_clear()
+    try:
+        assert env.collect("cpu")["cuda_alloc_conf"] is None  # a CPU row has no CUDA allocator (CUDA: the setting)
+    finally:
+        env.collect.cache_clear()
+    assert "cuda_alloc_conf" in results.COLUMNS
+
+
 @pytest.mark.slow
 def test_backends_run_in_the_order_asked_and_rows_say_where(results_dir):
     df = run_benchmark(cpu_cfg(results_dir, "ep_size=2", "backends=[nccl,fwd_only]", "directions=[fwd]",
