@@ -7,6 +7,7 @@
 #   PART glm  : glm_5_2 and the compute-bound point glm_5_2 shape.local_experts=16 (16 experts on the GPU)
 #   PART glm16: the compute-bound point alone
 #   PART kq   : kimi_k2_7 and qwen3_5_397b
+#   PART kimi, PART qwen: one of them
 #   PART all  : both, one after another (default)
 # Each point is one harness invocation; every point uses the same run_id (MOKBENCH_RUN_ID, default
 # h200-anchors-<UTC time>), so rows of two calls on two leases still form one run in the report: pass the same
@@ -41,7 +42,7 @@
 set -uo pipefail
 OUTDIR=${1:?output folder}
 PART=${2:-all}
-case $PART in glm|glm16|kq|all) ;; *) echo "PART must be glm, glm16, kq or all (got $PART)" >&2; exit 2 ;; esac
+case $PART in glm|glm16|kq|kimi|qwen|all) ;; *) echo "PART must be glm, glm16, kq, kimi, qwen or all (got $PART)" >&2; exit 2 ;; esac
 mkdir -p "$OUTDIR"
 WHEELS=${WHEELS:-.whl}
 SITE=/tmp/site
@@ -96,6 +97,8 @@ case $PART in
   glm) glm ;;
   glm16) precompile glm_5_2; run glm16 shape=glm_5_2 shape.local_experts=16 ;;
   kq) kq ;;
+  kimi) precompile kimi_k2_7; run kimi shape=kimi_k2_7 ;;
+  qwen) precompile qwen3_5_397b; run qwen shape=qwen3_5_397b ;;
   all) glm; kq ;;
 esac
 echo "rows: $OUTDIR/runs/$MOKBENCH_RUN_ID; report: python3 -m harness.report $OUTDIR/runs/$MOKBENCH_RUN_ID --out $OUTDIR/report"

@@ -780,6 +780,36 @@ def test_down_programs_per_sm_and_fp8_down_width():
 
 @pytest.mark.slow
 @needs_triton
+@pytest.mark.parametrize("precision,operands", [("fp8", "tma tiled"), ("fp8", "pointers"), ("bf16", "tma tiled")])
+def test_down_halves_change_no_bit(precision, operands):
+    """down_halves (every down-GEMM tile as BM/2-row items, a full tile as two) computes each output row over the
+    same K steps in the same order: identical bits, with full tiles in the schedule (experts of 48 rows at BM 32),
+    at 4 warps and two programs an SM as the GPU variant runs it."""
+    from dataclasses import replace
+
+    from kernels.mok_hopper.tiles import TileConfig
+
+    P, T, K, E, H, I = 2, 48, 4, 8, 256, 128
+    tiled = operands == "tma tiled"
+    tile = TileConfig(block_m=32, up_n=32, up_k=32, down_n=64, down_k=32, num_chunks=1, gemm_programs=3,
+                      pull_programs=5, pull_rows=4, group_m=2, tma=operands != "pointers", w_tiled=tiled,
+                      fp8_up_fused=tiled)
+    xs, idx, ws, w13, w2, sh = make_layer_inputs(P, T, K, E, H, I, seed=37)
+    counts = torch.bincount(torch.cat([i.reshape(-1) for i in idx]), minlength=E)
+    assert (counts > tile.block_m).any() and (counts % tile.block_m <= tile.block_m // 2).any()  # full and half
+    fp8 = precision == "fp8"
+    one, _, _ = run_kernels(xs, idx, ws, w13, w2, sh, precision=precision, tile=tile.for_fp8() if fp8 else tile)
+    halves = replace(tile, down_halves=True, down_warps=4, down_per_sm=2)
+    two, _, _ = run_kernels(xs, idx, ws, w13, w2, sh, precision=precision,
+                            tile=halves.for_fp8() if fp8 else halves)
+    for r in range(P):
+        assert torch.equal(two[0][r], one[0][r])
+    with pytest.raises(ValueError, match="down_halves"):
+        replace(tile, down_halves=True, flat_down=True)
+
+
+@pytest.mark.slow
+@needs_triton
 def test_fp8_down_two_programs_an_sm_matches_the_twin():
     """The fp8 down GEMM 32 columns an item at 4 warps, twice the programs (down_per_sm; a CPU has 4 "SMs"): the
     forward the twin computes, as with the default launch."""

@@ -156,7 +156,7 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048, extras: bool 
                                dict(BM=c.block_m, BN=c.down_n, BK=c.down_k, FP8=fp8, APPLY_W=apply_w,
                                     NUM_PROGS=nprog, UPCAST=False, STAGES=c.down_stages, GROUP_M=c.group_m, TMA=tma,
                                     HALF=c.half_tiles, WB=128, FLAT=c.flat_down, TAIL=c.tail_rows,
-                                    WT=c.w_tiled and tma, PAIR=fp8 and c.fp8_down_pair),
+                                    WT=c.w_tiled and tma, PAIR=fp8 and c.fp8_down_pair, SPLIT=c.down_halves),
                                c.down_warps))
     plain = cfg.half_tiles and not (cfg.flat_up or cfg.flat_down or cfg.tail_rows or cfg.up_fused)
     if plain and extras:  # the other default tiles' GEMMs (bf16, TMA): glm_5_2's tails (v9)

@@ -75,6 +75,10 @@ class TileConfig:
     # the 128-wide weight-scale block)
     down_per_sm: int = 1  # programs of the down GEMM per SM: with 2 (at 4 warps, so two fit an SM), one program's
     # fp8 promotion and barriers run beside the other's MMAs and loads (PERF_NOTES, session 22)
+    down_halves: bool = False  # half tiles, no tails, not flattened: the down GEMM runs every row tile as BM/2-row
+    # items, a full tile as two (its weight blocks read twice; rare where experts average well under BM/2 rows), so
+    # it holds a BM/2-row accumulator only: with down_warps=4 a 128-wide fp8 item fits two programs an SM
+    # (down_per_sm=2) without spilling (PERF_NOTES, session 24)
     fp8: bool = False  # set by for_fp8 (the fp8 GEMM steps and pipeline depths)
 
     def __post_init__(self) -> None:
@@ -84,6 +88,9 @@ class TileConfig:
         if self.shared_sms < 0 or (self.shared_sms and self.shared_last):
             raise ValueError("shared_sms (the shared expert beside the up GEMM) must be >= 0 and cannot be combined "
                              "with shared_last (the shared expert after the routed GEMMs)")
+        if self.down_halves and not (self.half_tiles and not self.tail_rows and not self.flat_down):
+            raise ValueError("down_halves (every down tile as BM/2-row items) needs half_tiles=True, no tails and no "
+                             "flattened down loop")
         if self.w_tiled and not self.tma:
             raise ValueError("w_tiled (weights in TMA block order) needs tma=True")
         if self.up_fused and not self.w_tiled:

@@ -62,6 +62,12 @@ SWEEP = [  # (label, overrides of the base tile, layer options); tiles checked b
     # the two changes apart (128 wide at 4 warps spills 184-192 B: not a variant)
     ("fp8: down 64 wide, 4 warps, two programs an SM", dict(fp8_down_n=64, down_warps=4, down_per_sm=2), {}),
     ("fp8: down 64 wide, one program an SM", dict(fp8_down_n=64), {}),
+    # fp8 only: two programs an SM at 128-wide items, each row tile run as 64-row items (down_halves: a full tile as
+    # two, its weights read twice), which fit 4 warps without spilling (session 24); and the 64-row items alone, one
+    # program of 8 warps an SM, to tell the two changes apart
+    ("fp8: down 64-row items, 4 warps, two programs an SM",
+     dict(down_halves=True, down_warps=4, down_per_sm=2, flat_down=False, tail_rows=0), {}),
+    ("fp8: down 64-row items, one program an SM", dict(down_halves=True, flat_down=False, tail_rows=0), {}),
 ]
 SWEEP_FP8 = ("default again (A/A control)", "pull 24 x 16 warps x 8 rows", "shared last",
              "shared before up, beside the pull (v7)",
@@ -70,5 +76,6 @@ SWEEP_FP8 = ("default again (A/A control)", "pull 24 x 16 warps x 8 rows", "shar
              "fp8: down one hidden block a step (v14)", "fp8: down two hidden blocks a step, 5 stages",
              "fp8: down two hidden blocks a step, 6 stages", "fp8: up and down two blocks a step",
              "fp8: down flat, two blocks a step", "fp8: down 64 wide, 4 warps, two programs an SM",
-             "fp8: down 64 wide, one program an SM")
+             "fp8: down 64 wide, one program an SM", "fp8: down 64-row items, 4 warps, two programs an SM",
+             "fp8: down 64-row items, one program an SM")
 TIMELINE_VARIANTS = ("v3 layout (full tiles, events, 3/4 stages, torch schedule)",)  # also get a timeline
