@@ -778,6 +778,23 @@ def test_down_programs_per_sm_and_fp8_down_width():
         TileConfig(fp8_down_n=96)
 
 
+def test_fp8_down_halves_is_the_default_where_few_experts_run_a_full_tile():
+    """v16: the fp8 down GEMM as 64-row items at 4 warps, two programs an SM, where at most DOWN_HALVES_MAX_FULL of
+    the experts have more than BM/2 rows (qwen3_5_397b, kimi_k2_7 at EP=1: 40 and 43 rows an expert), not on glm_5_2
+    (64) or the compute-bound point; bf16 tiles keep their down GEMM."""
+    from kernels.mok_hopper.tiles import DOWN_HALVES_MAX_FULL, default_tile, full_tile_fraction
+
+    cuda = dict(device=None, n_sm=132)
+    for rows, want in ((2048 * 10 / 512, True), (2048 * 8 / 384, True), (2048 * 8 / 256, False), (1024.0, False)):
+        assert (full_tile_fraction(rows) <= DOWN_HALVES_MAX_FULL) == want
+        f8 = default_tile(precision="fp8", rows_per_expert=rows, **cuda)
+        assert (f8.down_halves, f8.down_warps, f8.down_per_sm) == ((True, 4, 2) if want else (False, 8, 1))
+        assert f8.fp8 and not f8.flat_down and not f8.tail_rows
+        bf = default_tile(precision="bf16", rows_per_expert=rows, **cuda)
+        assert not bf.down_halves and bf.down_per_sm == 1 and bf.down_warps == 8
+    assert full_tile_fraction(0) == 0.0 and full_tile_fraction(20) < 1e-6 and full_tile_fraction(200) > 0.999
+
+
 @pytest.mark.slow
 @needs_triton
 @pytest.mark.parametrize("precision,operands", [("fp8", "tma tiled"), ("fp8", "pointers"), ("bf16", "tma tiled")])

@@ -179,6 +179,9 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048, extras: bool 
             out += extra(dict(fp8_up_fused=False), ("up fp8 tma",), tagged("unfused"))
             # the fp8 down GEMM with one 1 x 64 hidden block a loop step (fp8_down_pair off: the default to v14)
             out += extra(dict(fp8_down_pair=False), ("down fp8 x w tma",), tagged("single"))
+            # the fp8 down GEMM as 64-row items at 4 warps, two programs an SM (fp8_down_halves: the default on
+            # qwen3_5_397b and kimi_k2_7 from v16)
+            out += extra(dict(fp8_down_halves=True), ("down fp8 x w tma",), tagged("halves"))
             # the fp8 up GEMM with two 1 x 128 x blocks a loop step (fp8_up_pair, session 20; off), fused and not
             out += extra(dict(fp8_up_pair=True), ("up fp8 tma",), tagged("pair"))
             out += extra(dict(fp8_up_pair=True, fp8_up_fused=False), ("up fp8 tma",), tagged("unfused pair"))

@@ -14,6 +14,8 @@ import torch
 FLAT_DOWN_MAX_WASTE = 0.05  # extra MMA rows per routed row that the flattened down loop may add (default_tile)
 PAIR_MIN_FRACTION = 0.2  # experts ending in a full + a half tile above which default_tile gives them tails (bf16)
 TAIL_ROWS = 32  # default_tile's tails there (16 and 32 measured on glm_5_2, PERF_NOTES session 9)
+DOWN_HALVES_MAX_FULL = 0.05  # fp8: experts with more than BM/2 rows (a full tile) below which default_tile runs the
+# down GEMM as 64-row items at two programs an SM (fp8_down_halves; a full tile's weights are then read twice)
 SHARED_SMS = 24  # SMs of the shared expert beside the routed up GEMM (16-40 swept on 2xH200, PERF_NOTES v8)
 
 
@@ -79,6 +81,9 @@ class TileConfig:
     # items, a full tile as two (its weight blocks read twice; rare where experts average well under BM/2 rows), so
     # it holds a BM/2-row accumulator only: with down_warps=4 a 128-wide fp8 item fits two programs an SM
     # (down_per_sm=2) without spilling (PERF_NOTES, session 24)
+    fp8_down_halves: bool = False  # for_fp8: the fp8 down GEMM as 64-row items (down_halves) at 4 warps, two programs
+    # an SM (down_per_sm=2): the forward 14% faster on qwen3_5_397b, 8% on kimi_k2_7, even on glm_5_2 (PERF_NOTES
+    # session 24); default_tile's where few experts run a full tile (DOWN_HALVES_MAX_FULL); ignored in bf16
     fp8: bool = False  # set by for_fp8 (the fp8 GEMM steps and pipeline depths)
 
     def __post_init__(self) -> None:
@@ -121,10 +126,11 @@ class TileConfig:
         up_stages = self.up_stages + 2
         if pair_up:  # the same for the up GEMM's two 1 x 128 blocks
             up_stages = max(2, up_stages // 2)
+        halves = dict(down_halves=True, down_warps=4, down_per_sm=2) if self.fp8_down_halves else {}
         return replace(self, up_n=64, up_k=128, up_stages=up_stages, down_n=self.fp8_down_n, down_k=64,
                        down_stages=down_stages, flat_down=self.fp8_flat_down, tail_rows=0,
                        fp8_down_pair=pair_down, fp8_up_pair=pair_up,
-                       up_fused=self.fp8_up_fused and self.w_tiled, fp8=True)
+                       up_fused=self.fp8_up_fused and self.w_tiled, fp8=True, **halves)
 
     @property
     def h_block(self) -> int:
@@ -165,6 +171,14 @@ def paired_fraction(rows_per_expert: float, block_m: int = 128) -> float:
     return sum(w for r, w in _row_counts(rows_per_expert) if r > block_m and 1 <= r % block_m <= block_m // 2)
 
 
+def full_tile_fraction(rows_per_expert: float, block_m: int = 128) -> float:
+    """Fraction of experts with more than ``block_m / 2`` rows (at least one full tile), for experts getting
+    ``rows_per_expert`` rows on average (uniform routing, as :func:`half_tile_waste`)."""
+    if rows_per_expert <= 0:
+        return 0.0
+    return sum(w for r, w in _row_counts(rows_per_expert) if r > block_m // 2)
+
+
 def default_tile(*, precision: str = "bf16", device: Optional[torch.device] = None, comm_sms: Optional[int] = None,
                  hidden: Optional[int] = None, ffn: Optional[int] = None,
                  rows_per_expert: Optional[float] = None, n_sm: Optional[int] = None) -> TileConfig:
@@ -178,7 +192,9 @@ def default_tile(*, precision: str = "bf16", device: Optional[torch.device] = No
     ``PAIR_MIN_FRACTION`` of the experts end in a full tile and a half tile (:func:`paired_fraction`),
     ``TAIL_ROWS``-row tails in both GEMMs and the fused gate/up MMA (``up_fused``). fp8 runs its up GEMM as one
     MMA over interleaved gate and up rows (``fp8_up_fused``, v14) and its down GEMM two 1 x 64 hidden blocks a loop
-    step (``fp8_down_pair``, v15; where ``ffn`` is a multiple of 128 or not given).
+    step (``fp8_down_pair``, v15; where ``ffn`` is a multiple of 128 or not given); where at most
+    ``DOWN_HALVES_MAX_FULL`` of the experts run a full tile (:func:`full_tile_fraction`), as 64-row items at two
+    programs an SM (``fp8_down_halves``, v16).
 
     On the CPU (Triton interpreter) the cost is per operation, not per FLOP: few programs, small row tiles and
     the widest column / depth steps that divide ``hidden`` / ``ffn``, and pointer loads (``tma`` off).
@@ -194,6 +210,8 @@ def default_tile(*, precision: str = "bf16", device: Optional[torch.device] = No
         cfg = replace(cfg, flat_down=True)  # (256 wide, 4 stages: as every bf16 down tile)
     elif rows_per_expert is not None and paired_fraction(rows_per_expert, cfg.block_m) >= PAIR_MIN_FRACTION:
         cfg = replace(cfg, tail_rows=TAIL_ROWS, up_fused=True)
+    if rows_per_expert is not None and full_tile_fraction(rows_per_expert, cfg.block_m) <= DOWN_HALVES_MAX_FULL:
+        cfg = replace(cfg, fp8_down_halves=True)  # (fp8 only: for_fp8 applies it)
     if device is not None and torch.device(device).type != "cuda":
         def widest(n: Optional[int], cap: int) -> int:
             return next(b for b in (256, 128, 64, 32, 16) if b <= cap and (n is None or n % b == 0))

@@ -63,11 +63,15 @@ SWEEP = [  # (label, overrides of the base tile, layer options); tiles checked b
     ("fp8: down 64 wide, 4 warps, two programs an SM", dict(fp8_down_n=64, down_warps=4, down_per_sm=2), {}),
     ("fp8: down 64 wide, one program an SM", dict(fp8_down_n=64), {}),
     # fp8 only: two programs an SM at 128-wide items, each row tile run as 64-row items (down_halves: a full tile as
-    # two, its weights read twice), which fit 4 warps without spilling (session 24); and the 64-row items alone, one
-    # program of 8 warps an SM, to tell the two changes apart
-    ("fp8: down 64-row items, 4 warps, two programs an SM",
-     dict(down_halves=True, down_warps=4, down_per_sm=2, flat_down=False, tail_rows=0), {}),
-    ("fp8: down 64-row items, one program an SM", dict(down_halves=True, flat_down=False, tail_rows=0), {}),
+    # two, its weights read twice), which fit 4 warps without spilling (session 24; fp8_down_halves, v16's default
+    # on qwen3_5_397b and kimi_k2_7); and the 64-row items alone, one program of 8 warps an SM, to tell the two
+    # changes apart
+    ("fp8: down 64-row items, 4 warps, two programs an SM", dict(fp8_down_halves=True), {}),
+    ("fp8: down 64-row items, one program an SM",
+     dict(fp8_down_halves=False, down_halves=True, flat_down=False, tail_rows=0), {}),
+    # fp8 only: the down GEMM as before v16, one program of 8 warps an SM over whole tiles, where v16's default runs
+    # it as 64-row items at two programs an SM (fp8_down_halves; on glm_5_2 an A/A)
+    ("fp8: down whole tiles, one program an SM (v15)", dict(fp8_down_halves=False), {}),
 ]
 SWEEP_FP8 = ("default again (A/A control)", "pull 24 x 16 warps x 8 rows", "shared last",
              "shared before up, beside the pull (v7)",
@@ -77,5 +81,5 @@ SWEEP_FP8 = ("default again (A/A control)", "pull 24 x 16 warps x 8 rows", "shar
              "fp8: down two hidden blocks a step, 6 stages", "fp8: up and down two blocks a step",
              "fp8: down flat, two blocks a step", "fp8: down 64 wide, 4 warps, two programs an SM",
              "fp8: down 64 wide, one program an SM", "fp8: down 64-row items, 4 warps, two programs an SM",
-             "fp8: down 64-row items, one program an SM")
+             "fp8: down 64-row items, one program an SM", "fp8: down whole tiles, one program an SM (v15)")
 TIMELINE_VARIANTS = ("v3 layout (full tiles, events, 3/4 stages, torch schedule)",)  # also get a timeline
