@@ -69,6 +69,12 @@ SWEEP = [  # (label, overrides of the base tile, layer options); tiles checked b
     ("fp8: down 64-row items, 4 warps, two programs an SM", dict(fp8_down_halves=True), {}),
     ("fp8: down 64-row items, one program an SM",
      dict(fp8_down_halves=False, down_halves=True, flat_down=False, tail_rows=0), {}),
+    # bf16 (no "fp8:"): the same two programs an SM over 64-row items (session 24), 128 wide with 4 stages and 256
+    # wide with 2 (two programs' stages must fit one SM's shared memory)
+    ("down 64-row items, 4 warps, two programs an SM, 128 wide x 4",
+     dict(down_halves=True, down_warps=4, down_per_sm=2, flat_down=False, tail_rows=0, down_n=128, down_stages=4), {}),
+    ("down 64-row items, 4 warps, two programs an SM, 256 wide x 2",
+     dict(down_halves=True, down_warps=4, down_per_sm=2, flat_down=False, tail_rows=0, down_n=256, down_stages=2), {}),
     # fp8 only: the down GEMM as before v16, one program of 8 warps an SM over whole tiles, where v16's default runs
     # it as 64-row items at two programs an SM (fp8_down_halves; on glm_5_2 an A/A)
     ("fp8: down whole tiles, one program an SM (v15)", dict(fp8_down_halves=False), {}),
