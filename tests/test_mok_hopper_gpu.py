@@ -115,6 +115,31 @@ def test_single_gpu_tiled_weights_change_no_bit(precision, rows):
         assert torch.equal(tiled(x, idx, w), want)
 
 
+def test_single_gpu_fp8_down_halves_change_no_bit():
+    """v16's fp8 default where experts average well under 64 rows (40 here): the down GEMM as 64-row items at 4
+    warps, two programs an SM. Each output row is summed over the same K steps in the same order as by v15's 8-warp
+    programs over whole tiles: bitwise v15's output, and bitwise repeatable over 20 calls (two programs sharing an
+    SM race for nothing)."""
+    from dataclasses import replace
+
+    from kernels.mok_hopper.api import MoKHopperLayer, default_tile
+
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 needs SM89+")
+    T, K, E, H, I = 1024, 5, 128, 2048, 1024
+    x, idx, w, w13, w2, sh, _ = _inputs("uniform", K, T=T, E=E, H=H, I=I)
+    tile = default_tile(device=x.device, hidden=H, ffn=I, rows_per_expert=T * K / E)  # the layer's own (bf16)
+    assert tile.fp8_down_halves
+    v16 = MoKHopperLayer(w13, w2, topk=K, tokens=T, shared=sh, precision="fp8")
+    assert v16.cfg == tile.for_fp8() and v16.cfg.down_halves and (v16.cfg.down_per_sm, v16.cfg.down_warps) == (2, 4)
+    v15 = MoKHopperLayer(w13, w2, topk=K, tokens=T, shared=sh, precision="fp8",
+                         tile=replace(tile, fp8_down_halves=False))
+    assert not v15.cfg.down_halves and v15.gemm_programs * 2 == v16.gemm_programs
+    want = v15(x, idx, w)
+    for _ in range(20):
+        assert torch.equal(v16(x, idx, w), want)
+
+
 @pytest.mark.parametrize("rows", [128, 192])
 def test_single_gpu_fused_gate_up_mma_matches_the_default_per_token(rows):
     """``up_fused``: one MMA of N = 2 x up_n over interleaved gate and up weight rows, split after the loop. The
