@@ -13,9 +13,13 @@ Byte counts are deliberately rough lower bounds:
 * activations: ``tokens_per_gpu * hidden * 2 * (2 + 2 * topk)`` (x in, out, routed rows in and out);
 * remote: ``dispatch_bytes + combine_bytes`` (bytes sent to other ranks, one forward).
 
-Directions scale the work (:data:`PASSES`): FLOPs x1 / x2 / x3 for fwd / bwd / fwd_bwd (the published formula);
-HBM bytes likewise (a backward reads the weights and writes their gradients, reads and writes activation
-gradients); remote bytes x1 / x1 / x2 (a backward runs the combine and the dispatch once each, reversed).
+The backward has its own bytes (:func:`backward_bytes`; issues 23 and 25): the weights read once (at the precision's
+bytes), their gradients written once (bf16 in every precision), X read (2 bytes an element, 1 in fp8: the form a
+training forward saves it in), H read (the pre-SwiGLU gate/up rows of every routed and shared row, bf16: recompute
+off), the output gradient read and dX written (bf16). A forward plus backward (fwd_bwd) moves both.
+
+FLOPs scale with the direction (:data:`PASSES`): x1 / x2 / x3 for fwd / bwd / fwd_bwd (the published formula);
+remote bytes x1 / x1 / x2 (a backward runs the combine and the dispatch once each, reversed).
 """
 
 from __future__ import annotations
@@ -28,9 +32,10 @@ import pandas as pd
 
 BYTES_PER_WEIGHT = {"bf16": 2, "fp8": 1, "mxfp8": 1}
 SHARED_EXPERT_BYTES = 2  # the shared expert stays bf16 in every precision
+GRAD_BYTES = 2  # weight gradients, the output gradient, dX and the saved H are bf16 in every precision
 
-# direction -> (FLOPs, HBM bytes, remote bytes) multipliers relative to one forward
-PASSES: dict[str, tuple[int, int, int]] = {"fwd": (1, 1, 1), "bwd": (2, 2, 1), "fwd_bwd": (3, 3, 2)}
+# direction -> (FLOPs, remote bytes) multipliers relative to one forward
+PASSES: dict[str, tuple[int, int]] = {"fwd": (1, 1), "bwd": (2, 1), "fwd_bwd": (3, 2)}
 
 BOUNDS = ("compute", "memory", "link")
 
@@ -67,20 +72,48 @@ def layer_flops(row: Mapping[str, Any]) -> Optional[float]:
     return 6.0 * rows * h * i * PASSES.get(str(row.get("direction")), PASSES["fwd"])[0]
 
 
+def _weights(local: float, h: float, i: float, bpw: float, shared: bool) -> float:
+    return 3 * local * h * i * bpw + (3 * h * i * SHARED_EXPERT_BYTES if shared else 0)
+
+
+def backward_bytes(t: float, h: float, i: float, k: float, local: float, precision: str,
+                   shared: bool) -> tuple[float, float]:
+    """(weight bytes, activation bytes) a backward must move through HBM at the least: the weights read once and
+    their bf16 gradients written once; X read (bf16, or e4m3 in fp8), the bf16 pre-SwiGLU H of every routed and
+    shared row read (recompute off), the output gradient read and dX written (bf16)."""
+    bpw = BYTES_PER_WEIGHT.get(precision, 2)
+    weight = _weights(local, h, i, bpw, shared) + 3 * local * h * i * GRAD_BYTES + (
+        3 * h * i * GRAD_BYTES if shared else 0)
+    x_bytes = 1 if precision in ("fp8", "mxfp8") else 2
+    rows = t * k + (t if shared else 0)
+    act = t * h * x_bytes + rows * 2 * i * GRAD_BYTES + 2 * t * h * GRAD_BYTES
+    return weight, act
+
+
 def layer_bytes(row: Mapping[str, Any]) -> dict[str, Optional[float]]:
-    """Weight, activation and remote bytes per GPU for the row's direction (None where an input is missing)."""
+    """Weight, activation and remote bytes per GPU for the row's direction (None where an input is missing): the
+    forward's, :func:`backward_bytes`, or both for fwd_bwd."""
     t, h, i, k = (_get(row, c) for c in ("tokens_per_gpu", "hidden", "ffn", "topk"))
     local = _get(row, "local_experts")
     if local is None:
         e, ep = _get(row, "num_experts"), _get(row, "ep_size")
         local = e / ep if e is not None and ep else None
-    _, hbm_x, link_x = PASSES.get(str(row.get("direction")), PASSES["fwd"])
-    bpw = BYTES_PER_WEIGHT.get(str(row.get("precision")), 2)
-    weight = None
-    if None not in (local, h, i):
-        weight = 3 * local * h * i * bpw + (3 * h * i * SHARED_EXPERT_BYTES if _shared(row) else 0)
-        weight *= hbm_x
-    act = t * h * 2 * (2 + 2 * k) * hbm_x if None not in (t, h, k) else None
+    direction = str(row.get("direction"))
+    _, link_x = PASSES.get(direction, PASSES["fwd"])
+    precision = str(row.get("precision"))
+    weights: list[Optional[float]] = []
+    acts: list[Optional[float]] = []
+    if direction != "bwd":  # the forward's (fwd, fwd_bwd, and a row of no known direction)
+        bpw = BYTES_PER_WEIGHT.get(precision, 2)
+        weights.append(_weights(local, h, i, bpw, _shared(row)) if None not in (local, h, i) else None)
+        acts.append(t * h * 2 * (2 + 2 * k) if None not in (t, h, k) else None)
+    if direction in ("bwd", "fwd_bwd"):
+        w_b, a_b = backward_bytes(t, h, i, k, local, precision, _shared(row)) if None not in (t, h, i, k, local) \
+            else (None, None)
+        weights.append(w_b)
+        acts.append(a_b)
+    weight = None if None in weights else sum(weights)
+    act = None if None in acts else sum(acts)
     d, c = _get(row, "dispatch_bytes"), _get(row, "combine_bytes")
     remote = (d + c) * link_x if d is not None and c is not None else None
     return {"weight_bytes": weight, "activation_bytes": act, "remote_bytes": remote}

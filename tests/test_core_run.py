@@ -257,15 +257,19 @@ def test_a_rank_whose_experts_get_no_token(results_dir, case):
     m = by(df, "mok_hopper", "fwd")  # the CPU twin of the fused kernel
     assert m.status == "ok" and m.rel_err < rtol, m.error
     b = by(df, "mok_hopper", "bwd")  # its backward twin: an idle rank still takes part in every delivery
-    if case == "fp8":
-        assert b.status == "unsupported" and "fp8 backward is not built" in b.error
-    elif case == "hot_experts":
+    if case == "hot_experts":
         # one token per GPU: the router-weight gradient is two numbers a rank. The harness's reference runs its GEMMs
         # in bf16 (outputs rounded), the twin sums in fp32 from the saved bf16 H: they differ by 1.5% rel-L1 here, over
         # the gate's 1%, while the twin is within 0.23% of an fp32 autograd reference on these inputs (3e-7 with an
         # fp32 H; session 13). On the published shapes the kernel's is within 0.3% of the reference.
         assert b.status == "mismatch" and b.worst_tensor == "d_topk_w" and b.rel_err < 0.05, (b.status, b.error)
         assert b.max_abs_err < atol
+    elif case == "fp8":
+        # the fp8 backward twin (issue 25): the router-weight gradient is <G, A> with G = dO W2 in e4m3 (SonicMoE's
+        # form, which needs no Y), noisier than the emulated nccl's <dO, Y> (Y from the forward): 0.06-0.07 rel-L1
+        # on the twin at H = 2048, 0.109 here on the two numbers a rank has at one token per GPU
+        assert b.status in ("ok", "mismatch") and b.max_abs_err < atol and b.rel_err < 0.15, b.error
+        assert b.status == "ok" or b.worst_tensor == "d_topk_w", b.error
     else:
         assert b.status == "ok" and b.rel_err < rtol, b.error
 

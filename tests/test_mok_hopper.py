@@ -635,12 +635,35 @@ def test_save_h_stores_the_pre_swiglu_h_and_clamp_decisions(layout, limit):
     assert sizes == ({16, 32} if layout == "default" else {32, 48, 64, 80})
 
 
-def test_save_h_is_bf16_only():
+def test_an_fp8_training_layer_saves_h_and_keeps_its_plain_weights():
+    """fp8 with save_h (issue 25): the up GEMM's epilogue saves every routed row's pre-SwiGLU H from the e4m3 GEMM
+    (the twin's ``saved_fp8``); train=True keeps the e4m3 weights in the plain layout, the forward's values and
+    scales; an inference layer keeps none."""
+    from contract.fp8 import quantize_blocks
+    from kernels.mok_hopper import twin_bwd
     from kernels.mok_hopper.api import MoKHopperLayer
+    from kernels.mok_hopper.fp8 import quantize_expert_weights
 
-    xs, idx, ws, w13, w2, _ = make_layer_inputs(1, 8, 2, 4, 128, 64, seed=1, shared=False)
-    with pytest.raises(ValueError, match="save_h .* bf16 only"):
-        MoKHopperLayer(w13[0], w2[0], topk=2, tokens=8, precision="fp8", save_h=True, rank=0, world=1)
+    xs, idx, ws, w13, w2, _ = make_layer_inputs(1, 16, 2, 4, 128, 128, seed=1, shared=False)
+    layer = MoKHopperLayer(w13[0], w2[0], topk=2, tokens=16, precision="fp8", save_h=True, train=True, rank=0,
+                           world=1, cuda_graph=False)
+    for got, want in ((layer.w13_bwd, quantize_expert_weights(w13[0])), (layer.w2_bwd, quantize_expert_weights(w2[0]))):
+        assert got.shape == want[0].shape and torch.equal(got.view(torch.uint8), want[0].view(torch.uint8))
+    assert torch.equal(layer.w13_scale, quantize_expert_weights(w13[0])[1])
+    layer(xs[0], idx[0], ws[0])
+    s = layer.sched
+    codes = s.row_code_R.long()
+    valid = (codes >= 0).nonzero().flatten()
+    n = int(s.num_tiles)
+    expert = torch.repeat_interleave(s.tile_expert_M[:n].long(), s.tile_row_M1[1 : n + 1] - s.tile_row_M1[:n])
+    xq, xsc = quantize_blocks(xs[0], 1, 128)
+    tok = codes[valid] // 2
+    q13, s13 = quantize_expert_weights(w13[0])
+    for r, t in zip(valid.tolist(), tok.tolist()):
+        h, _ = twin_bwd.saved_fp8(xq[t : t + 1], xsc[t : t + 1], q13[expert[r]], s13[expert[r]], None)
+        assert torch.allclose(layer.h_save[r].float(), h[0].float(), rtol=1e-2, atol=1e-2)
+    inference = MoKHopperLayer(w13[0], w2[0], topk=2, tokens=16, precision="fp8", rank=0, world=1)
+    assert inference.w13_bwd is None and inference.w2_bwd is None and inference.h_save is None
 
 
 def test_tile_weights_puts_each_tma_block_in_one_run_of_memory():

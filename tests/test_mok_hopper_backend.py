@@ -82,7 +82,7 @@ def test_directions_it_declines():
     assert why("fwd", precision="fp8", ep_size=8) is None
     assert why("bwd") is None and why("fwd_bwd", mok_hopper_forward="recompute") is None
     assert why("bwd", device="cpu", ep_size=4) is None  # the twin's backward
-    assert "issue 25" in why("bwd", precision="fp8")
+    assert why("bwd", precision="fp8") is None and why("fwd_bwd", precision="fp8", ep_size=2) is None  # issue 25
     assert why("fwd_bwd", ep_size=2) is None  # across ranks: the dO pull and the dX push
     assert "saves nothing" in why("bwd", mok_hopper_forward="inference")
 

@@ -387,10 +387,11 @@ def test_the_backward_twin_on_gloo_ranks_is_the_simulated_one(tmp_path, world, l
 
 
 @pytest.mark.slow
-def test_bwd_check_runs_on_the_cpu(tmp_path):
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_bwd_check_runs_on_the_cpu(tmp_path, precision):
     """benchmarks/mok_hopper/bwd_check.py end to end on one CPU rank (the backend's CPU twin, tiny shape): every
-    gradient checked against the reference, the repeat check, the CSV. Measures nothing; guards the script the GPU
-    runs use. A bad mode is one line and exit 2."""
+    gradient checked against the reference in the precision's gate, the repeat check, the CSV. Measures nothing;
+    guards the script the GPU runs use. A bad mode is one line and exit 2."""
     import csv
     import subprocess
     import sys
@@ -399,15 +400,16 @@ def test_bwd_check_runs_on_the_cpu(tmp_path):
     root = Path(__file__).resolve().parent.parent
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(root))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1", "-m", "benchmarks.mok_hopper.bwd_check",
-           "--smoke", "--out", str(tmp_path)]
+           "--smoke", "--out", str(tmp_path), "--precision", precision]
     p = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     with open(tmp_path / "mok_hopper_bwd_check.csv") as f:
         rows = [r for r in csv.DictReader(f) if r["section"] == "backward"]
     assert [r["mode"] for r in rows] == ["save_h", "recompute"]
+    lo, hi = (0.01, 0.1) if precision == "fp8" else (0, 0.01)  # fp8: quantised, within its gate
     for r in rows:
-        assert r["ok"] == "True" and r["identical"] == "2/2" and 0 < float(r["rel_err"]) < 0.01
-        assert float(r["d_w_gate_rel"]) < 0.01 and float(r["d_topk_w_rel"]) < 0.01
+        assert r["ok"] == "True" and r["identical"] == "2/2" and lo < float(r["rel_err"]) < hi
+        assert r["precision"] == precision and float(r["d_w_gate_rel"]) < hi and float(r["d_topk_w_rel"]) < hi
     p = subprocess.run([sys.executable, "-m", "benchmarks.mok_hopper.bwd_check", "--out", str(tmp_path / "x"),
                         "--modes", "fast"], cwd=root, env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 2 and "unknown mode" in p.stderr and not (tmp_path / "x").exists()

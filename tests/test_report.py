@@ -328,8 +328,18 @@ def test_layer_floors_by_hand():
     assert fp8["weight_bytes"] == 3 * 8 * 4096 * 1024 * 1 + 3 * 4096 * 1024 * 2  # shared expert stays bf16
     bwd = layer_floors(dict(row, direction="bwd"), 1000.0, 4000.0, 300.0)
     assert bwd["flops"] == pytest.approx(2 * flops) and bwd["remote_bytes"] == 300e6
+    # the backward's own bytes: weights read, bf16 weight gradients written; X, H (routed and shared rows) and dO
+    # read, dX written
+    grads = 3 * 8 * 4096 * 1024 * 2 + 3 * 4096 * 1024 * 2
+    act_b = 2048 * 4096 * 2 + (2048 * 10 + 2048) * 2 * 1024 * 2 + 2 * 2048 * 4096 * 2
+    assert bwd["weight_bytes"] == weight + grads and bwd["activation_bytes"] == act_b
+    assert bwd["memory_ms"] == pytest.approx((weight + grads + act_b) / 4e12 * 1e3)
+    fp8_b = layer_floors(dict(row, direction="bwd", precision="fp8"), 1000.0, 4000.0, 300.0)
+    assert fp8_b["weight_bytes"] == fp8["weight_bytes"] + grads  # e4m3 weights read, bf16 gradients written
+    assert fp8_b["activation_bytes"] == act_b - 2048 * 4096  # X saved in e4m3
     fb = layer_floors(dict(row, direction="fwd_bwd", flops_per_gpu=123.0), 1000.0, 4000.0, 300.0)
     assert fb["flops"] == 123.0 and fb["remote_bytes"] == 600e6  # the flops_per_gpu column wins
+    assert fb["weight_bytes"] == 2 * weight + grads and fb["activation_bytes"] == act + act_b
 
 
 def test_layer_floors_with_missing_inputs():

@@ -1,10 +1,12 @@
-"""GPU check of mok_hopper's bf16 backward (issue 23) at EP=1: every gradient against the harness's reference,
-bitwise determinism over repeats, the backward timed alone and per stage, and the memory a training step takes.
+"""GPU check of mok_hopper's backward (bf16: issue 23; ``--precision fp8``: issue 25) at EP=1: every gradient
+against the harness's reference (in the precision's gate), bitwise determinism over repeats, the backward timed
+alone and per stage, and the memory a training step takes.
 
 Run (repository root, one GPU)::
 
     torchrun --nproc-per-node=1 -m benchmarks.mok_hopper.bwd_check --out DIR
     torchrun --nproc-per-node=1 -m benchmarks.mok_hopper.bwd_check --out DIR --shapes glm_5_2 --modes recompute
+    torchrun --nproc-per-node=1 -m benchmarks.mok_hopper.bwd_check --out DIR --precision fp8 --no-nccl
     # CPU, Triton interpreter, a tiny shape: checks this script's plumbing, measures nothing
     TRITON_INTERPRET=1 torchrun --nproc-per-node=1 -m benchmarks.mok_hopper.bwd_check --out DIR --smoke
 
@@ -172,9 +174,10 @@ def step_memory(ctx: Ctx, backend: Any, inp: Any) -> dict[str, float]:
 
 
 def saved_per_token(case: Any, mode: str) -> dict[str, int]:
-    """Bytes per token kept from forward to backward (counted): this design, and SonicMoE's X + H."""
+    """Bytes per token kept from forward to backward (counted): this design, and SonicMoE's X + H (bf16)."""
     K, H, I = case.topk, case.hidden, case.ffn
-    x_rows = K * H * 2  # the gathered X rows (the layer's pulled rows)
+    # the gathered X rows (the layer's pulled rows; fp8: e4m3 and a 4-byte scale per 128)
+    x_rows = K * (H + 4 * (H // 128)) if case.precision == "fp8" else K * H * 2
     h = K * 2 * I * 2 if mode == "save_h" else 0
     clip = K * 2 * I if (mode == "save_h" and case.swiglu_limit is not None) else 0  # one byte per element today
     return {"saved_bytes_per_token": x_rows + h + clip + H * 2,  # + this rank's X (the input, saved by autograd)
@@ -309,7 +312,7 @@ def repeats_identical(ctx: Ctx, backend: Any, inp: Any, first: dict, n: int) -> 
 
 
 def check_shape(ctx: Ctx, name: str, args: argparse.Namespace) -> None:
-    case = shape_cases(name, ctx.world, "cpu" if ctx.smoke else "cuda", args.tokens, ["bf16"])["bf16"]
+    case = shape_cases(name, ctx.world, "cpu" if ctx.smoke else "cuda", args.tokens, args.precisions)[args.precision]
     inp = layer_inputs(ctx, case)
     t = {"num_warmup": args.warmup, "num_iters": args.iters}
     # the reference: gradients, and its step memory
@@ -339,7 +342,8 @@ def check_shape(ctx: Ctx, name: str, args: argparse.Namespace) -> None:
         del first
         ok = ok and same == args.repeats
         ctx.failed += not ok
-        row: dict[str, Any] = dict(section="backward", shape=name, mode=mode, ok=ok, identical=f"{same}/{args.repeats}",
+        row: dict[str, Any] = dict(section="backward", shape=name, precision=case.precision, mode=mode, ok=ok,
+                                   identical=f"{same}/{args.repeats}",
                                    max_abs_err=round(verdict["max_abs_err"], 5), rel_err=round(verdict["rel_err"], 6),
                                    worst=verdict["worst_tensor"], setup_mb=setup_mb, **saved_per_token(case, mode))
         ctx.log(f"{name} {mode}: {'ok' if ok else 'FAILED'} abs {verdict['max_abs_err']:.4g} rel "
@@ -354,7 +358,7 @@ def check_shape(ctx: Ctx, name: str, args: argparse.Namespace) -> None:
                     f"stages {stages}; memory setup {setup_mb} MB, step {row.get('step_peak_mb')} MB")
         row.update(errs)
         ctx.add(**row)
-        if args.sweep and not ctx.smoke and mode == args.modes[0]:
+        if args.sweep and not ctx.smoke and mode == args.modes[0] and case.precision == "bf16":  # (bf16 launches)
             base_bits = backward_bits(b, inp, None) if args.sweep_bits else None
             for label, over in SWEEP.items():
                 if args.sweep_only and not any(w in label for w in args.sweep_only):
@@ -383,10 +387,10 @@ def check_shape(ctx: Ctx, name: str, args: argparse.Namespace) -> None:
     if args.nccl and not ctx.smoke:
         from baselines.nccl import NcclBackend
 
-        nb = NcclBackend(replace(case, compile=False), ctx.group)
+        nb = NcclBackend(replace(case, compile=False, fp8_gemm="rowwise"), ctx.group)  # (fp8: the fastest real path)
         nb.setup(inp)
         mem = step_memory(ctx, nb, inp)
-        row = dict(section="memory", shape=name, backend="nccl (eager)", **mem)
+        row = dict(section="memory", shape=name, precision=case.precision, backend="nccl (eager)", **mem)
         for d in ("bwd", "fwd_bwd"):
             row[f"{d}_ms"] = round(time_direction(nb, inp, d, ctx.timer, t).median_ms, 4)
         ctx.add(**row)
@@ -417,10 +421,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--sweep-rel", action="store_true",
                     help="for each variant whose gradients are not the default's bits: the largest relative L1 "
                     "difference of one gradient from the default's (the default is checked against the reference)")
+    ap.add_argument("--precision", default="bf16", help="bf16 or fp8 (the fp8 backward, issue 25)")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args(argv)
     args.modes = [m for m in args.modes.split(",") if m]
-    args.precisions = ["bf16"]
+    args.precisions = [args.precision]
     shapes = [s for s in args.shapes.split(",") if s]
     if args.smoke:
         shapes, args.tokens, args.repeats = [SMOKE_SHAPE], 32, 2

@@ -22,7 +22,7 @@ from typing import Any, Optional
 
 SMEM_LIMIT = {90: 232448, 100: 232448}  # bytes of dynamic shared memory per block (opt-in maximum)
 # where the kernels live, by stage
-KERNEL_MODULES = ("schedule_kernels", "pull", "up_gemm", "down_gemm", "bwd_gemm", "bwd_fused")
+KERNEL_MODULES = ("schedule_kernels", "pull", "up_gemm", "down_gemm", "bwd_gemm", "bwd_fused", "bwd_fp8")
 # Stack bytes a variant may spill, by a part of its label; any other spill is a problem. The training forward's up
 # GEMMs (save H) add two to four stores to an epilogue that sits at the 255-register cap already (the inference
 # kernels use 240-254): they spill 0-48 B on Triton 3.8 and 0-56 B on 3.6 (PERF_NOTES, "save_h"). The backward's
@@ -33,7 +33,11 @@ KERNEL_MODULES = ("schedule_kernels", "pull", "up_gemm", "down_gemm", "bwd_gemm"
 # where it ran glm_5_2's dgate in 2.18 against 3.06 ms; the resident weight gradients over 128 rows (P held in
 # registers beside a 128 x 64 accumulator, 4 warps) spill 16 B on 3.8 and 8 B on 3.6, and ran dW13 + dW2 in 7.88
 # against 9.32 ms, where the spill-free 8-warp build took 8.45 ms.
-SPILL_BUDGET = ((" save H", 64), ("bwd dgate", 64), ("bwd dgate pair", 144), ("bwd wgrad P resident 128 rows", 16))
+# The fp8 backward v0 (PERF_NOTES, "Session 25"): dgate's epilogue also quantises dH (two more fp32 tiles and their
+# row maxima beside the SwiGLU's): 40 / 88 B (plain / clamped) on Triton 3.8, 80 / 128 B on 3.6, in the epilogue
+# only (once a 64 x 128 tile, after its H / 128 K steps); dW13's weight gradient 8 B on both.
+SPILL_BUDGET = ((" save H", 64), ("bwd dgate", 64), ("bwd dgate pair", 144), ("bwd wgrad P resident 128 rows", 16),
+                ("bwd fp8 dgate", 128), ("bwd fp8 wgrad", 8))
 
 
 def kernel(name: str) -> Any:
@@ -119,7 +123,7 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048, extras: bool 
         # fp8: the tile the layer runs on this operand path (for_fp8 decides what needs TMA: the paired steps)
         f8 = replace(cfg, tma=True).for_fp8() if tma else replace(cfg, tma=False, w_tiled=False,
                                                                    up_fused=False).for_fp8()
-        saves = ((False, False, True), (False, True, True)) if save_h else ()
+        saves = ((False, False, True), (False, True, True), (True, False, True), (True, True, True)) if save_h else ()
         for fp8, limit, save in ((False, False, False), (False, True, False), (True, False, False)) + saves:
             c = f8 if fp8 else cfg
             t = "*fp8e4nv" if fp8 else "*bf16"
@@ -193,7 +197,8 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048, extras: bool 
                          lambda label: label + " row-major")
         # the training forward's up GEMMs (MoKHopperLayer(save_h=True)): the epilogue also stores H (and the clamp's
         # decisions), in every item kind: pointers and TMA, tails, the fused MMA with and without tails, row-major
-        saves = ("up bf16 save H", "up bf16 clamp save H", "up bf16 save H tma", "up bf16 clamp save H tma")
+        saves = ("up bf16 save H", "up bf16 clamp save H", "up bf16 save H tma", "up bf16 clamp save H tma",
+                 "up fp8 save H", "up fp8 clamp save H", "up fp8 save H tma", "up fp8 clamp save H tma")
         out += [v for v in variants(cfg, hidden, ffn, extras=False, save_h=True) if v.label in saves]
         clamp_tma = ("up bf16 clamp save H tma",)
         out += extra(dict(tail_rows=TAIL_ROWS), clamp_tma, tagged(f"tails {TAIL_ROWS}"), save_h=True)
@@ -264,6 +269,26 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048, extras: bool 
             desc = f"tensordesc<bf16[{bn}, {bk}]>"
             out.append(Variant(label, "_dx_dw13_kernel", dict(dx_t, w13_ptr=desc, dw13_ptr=desc),
                                dict(fz_c, BR=br, BN=bn, BK=bk), warps))
+        # the fp8 backward (bwd_fp8.py, issue 25), at its launches: dgrad GEMMs over the plain e4m3 weights by TMA
+        # (dgate with dH quantised in its epilogue, clamped too; dX pushed), the weight gradients quantising both
+        # operands along the tokens (dW13: P bf16 dH, Q e4m3 X rows; dW2: P e4m3 dO rows, Q bf16 s*A)
+        f8_t = dict(a_ptr="*fp8e4nv", as_ptr="*fp32", w_ptr="tensordesc<fp8e4nv[128, 128]>", ws_ptr="*fp32",
+                    out_ptr="*bf16", h_ptr="*bf16", clip_ptr="*u8", s_ptr="*fp32", sa_ptr="*bf16", ds_ptr="*fp32",
+                    dhq_ptr="*fp8e4nv", dhs_ptr="*fp32", code_ptr="*i32", delta_ptr="*i64", tile_expert_ptr="*i32",
+                    tile_row_ptr="*i32", chunk_ptr="*i32", n_rows="i32", K="i32", N="i32", TK="i32", limit="fp32")
+        f8_c = dict(BN=128, BK=128, NUM_PROGS=nprog, UPCAST=False, GROUP_M=4, STAGES=3, DGATE=False, HAS_LIMIT=False,
+                    WTMA=True, PUSH=False)
+        for label, over in (("bwd fp8 dgate", dict(DGATE=True, BM=64)),
+                            ("bwd fp8 dgate clamp", dict(DGATE=True, HAS_LIMIT=True, BM=64)),
+                            ("bwd fp8 dx push", dict(PUSH=True, BM=128))):
+            out.append(Variant(label, "_fp8_rows_kernel", f8_t, {**f8_c, **over}, 8))
+        fw_t = dict(ps_ptr="*fp32", qs_ptr="*fp32", dw_ptr="tensordesc<bf16[128, 128]>", code_ptr="*i32",
+                    expert_row_ptr="*i32", N="i32", K="i32", L="i32")
+        fw_c = dict(BN=128, BK=128, BR=128, NUM_PROGS=nprog, UPCAST=False, STAGES=2, TMA_STORE=True)
+        for label, p8 in (("bwd fp8 wgrad dW13", False), ("bwd fp8 wgrad dW2", True)):
+            out.append(Variant(label, "_fp8_wgrad_kernel",
+                               dict(fw_t, p_ptr="*fp8e4nv" if p8 else "*bf16", q_ptr="*bf16" if p8 else "*fp8e4nv"),
+                               dict(fw_c, P_FP8=p8, Q_FP8=not p8), 8))
         # a module whose parameters are in the forward's TMA block order (MoKHopperMoE(layout="tiled"); blocks of
         # the glm_5_2 default: W13 gate/up interleaved up_n x up_k, W2 down_n x down_k), read and written by pointers
         up_t, dn_t = dict(TBN=cfg.up_n, TBK=cfg.up_k, GU=True), dict(TBN=cfg.down_n, TBK=cfg.down_k)

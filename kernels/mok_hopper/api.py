@@ -89,7 +89,7 @@ class MoKHopperLayer(torch.nn.Module):
         timeline: diagnostics (CUDA): every forward writes the GPU timer at each phase boundary (``STAMPS``) into
             ``stamps``; :meth:`timeline_ms` reads them. Adds about a dozen one-thread launches per forward.
         rank, world, workspace: for tests that simulate several ranks in one process (see ``workspace.link_local``).
-        save_h: the training forward (bf16 only; fp8 raises ValueError): the routed up GEMM's epilogue also stores
+        save_h: the training forward (bf16 and fp8): the routed up GEMM's epilogue also stores
             the pre-SwiGLU H of every row it computes into ``h_save`` (bf16 [R, 2I], row r = routed row r as in
             ``x_rows``, gate columns then up columns, the fp32 accumulators rounded once: 4I bytes a row) and, with
             ``swiglu_limit``, where the clamp clipped them, decided on the fp32 accumulators, into ``clip_save``
@@ -97,6 +97,10 @@ class MoKHopperLayer(torch.nn.Module):
             stage reads (``bwd_gemm.bwd_rows``, ``twin_bwd.saved``). Both are allocated here and overwritten by
             every forward (CUDA graph replays too); rows outside the last forward's tiles keep older values. The
             shared expert saves nothing. False (the default): None, and the inference kernels are unchanged.
+        train: a layer a backward will follow (:mod:`kernels.mok_hopper.train`). fp8: it also keeps its e4m3
+            weights in the plain layout (``w13_bwd`` [L, 2I, H], ``w2_bwd`` [L, H, I]; the forward's values and
+            scales, which its GEMMs may read in TMA block order), what the fp8 backward's dgrad GEMMs read (no copy
+            where the forward's weights are plain). bf16: nothing more (its backward reads the caller's weights).
     """
 
     def __init__(self, w13_LIH: torch.Tensor, w2_LHI: torch.Tensor, *, topk: int, tokens: int,
@@ -105,14 +109,12 @@ class MoKHopperLayer(torch.nn.Module):
                  capacity_multiplier: Optional[float] = 0.5, capacity: Optional[int] = None,
                  router_weight_in: str = "expert", cuda_graph: bool = True, rank: Optional[int] = None,
                  world: Optional[int] = None, workspace: Optional[Workspace] = None, timeline: bool = False,
-                 schedule: str = "triton", adopt_weights: bool = False, save_h: bool = False) -> None:
+                 schedule: str = "triton", adopt_weights: bool = False, save_h: bool = False,
+                 train: bool = False) -> None:
         super().__init__()
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS} (got {precision!r}); mxfp8 is the `mok` "
                              f"backend's format on Blackwell")
-        if save_h and precision != "bf16":
-            raise ValueError(f"save_h (the training forward saving H) is bf16 only for now (got precision="
-                             f"{precision!r}): the fp8 backward is not built; use precision='bf16'")
         if router_weight_in not in ROUTER_WEIGHT_IN:
             raise ValueError(f"router_weight_in must be one of {ROUTER_WEIGHT_IN} (got {router_weight_in!r})")
         self.rank, self.world = _rank_world(group, rank, world)
@@ -146,6 +148,7 @@ class MoKHopperLayer(torch.nn.Module):
             self.register_buffer("w13", w13_LIH.detach(), persistent=False)
             self.register_buffer("w2", w2_LHI.detach(), persistent=False)
             self.w13_scale = self.w2_scale = None
+            self.w13_bwd = self.w2_bwd = None
         elif self.fp8:
             q13, s13 = quantize_expert_weights(w13_LIH)
             q2, s2 = quantize_expert_weights(w2_LHI)
@@ -153,10 +156,12 @@ class MoKHopperLayer(torch.nn.Module):
             self.register_buffer("w13_scale", s13, persistent=False)
             self.register_buffer("w2", q2, persistent=False)
             self.register_buffer("w2_scale", s2, persistent=False)
+            self.w13_bwd, self.w2_bwd = (q13, q2) if train else (None, None)  # the plain e4m3 weights (no copy)
         else:
             self.register_buffer("w13", w13_LIH.detach().contiguous(), persistent=False)
             self.register_buffer("w2", w2_LHI.detach().contiguous(), persistent=False)
             self.w13_scale = self.w2_scale = None
+            self.w13_bwd = self.w2_bwd = None
         if self.cfg.w_tiled and not adopt_weights:  # each TMA block of the weights one contiguous run (a copy, once)
             tile13 = tile_weights_gu if self.cfg.up_fused else tile_weights
             self.w13 = tile13(self.w13, self.cfg.up_n, self.cfg.up_k)

@@ -7,9 +7,8 @@ says so: those rows check the schedule / combine logic and the backend plumbing,
 
 The forward is a training forward (autograd records it, as the baselines' forwards are recorded) unless the case's
 ``mok_hopper_forward`` is ``inference``: ``save_h`` (default) keeps X and the pre-SwiGLU H, ``recompute`` keeps X and
-the backward recomputes H (:mod:`kernels.mok_hopper.train`). The bf16 backward runs at any EP (across ranks: the
-expert owners pull the dO rows and push the dX rows back); for fp8 its rows are ``unsupported`` with the reason
-(:meth:`MokHopperBackend.direction_unsupported`).
+the backward recomputes H (:mod:`kernels.mok_hopper.train`). The backward runs at any EP, bf16 and fp8 (across
+ranks: the expert owners pull the dO rows and push the dX rows back; fp8: :mod:`kernels.mok_hopper.bwd_fp8`).
 
 Legend: T tokens per rank, K top-k, H hidden, I ffn, L local experts, P ranks.
 """
@@ -49,8 +48,6 @@ class MokHopperBackend:
     def direction_unsupported(cls, case: Case, direction: str) -> Optional[str]:
         if direction == "fwd":
             return None
-        if case.precision == "fp8":
-            return "mok_hopper's fp8 backward is not built yet (issue 25); its fp8 forward runs (direction=fwd)"
         if getattr(case, "mok_hopper_forward", "save_h") == "inference":
             return ("mok_hopper_forward=inference saves nothing for a backward; use mok_hopper_forward=save_h "
                     "(default) or recompute")
@@ -94,7 +91,7 @@ class MokHopperBackend:
     def setup(self, inputs: LayerInputs) -> None:
         c = self.case
         shared = (inputs.ws_gate_IH, inputs.ws_up_IH, inputs.ws_down_HI) if c.shared_expert else None
-        if self.mode != "inference" and c.precision == "bf16":  # (no fp8 backward yet: its forward saves nothing)
+        if self.mode != "inference":
             self.params = ExpertLeaves(c, inputs)
         if c.device != "cuda":
             from kernels.mok_hopper.twin import DistributedTwin
@@ -112,7 +109,8 @@ class MokHopperBackend:
         self.impl = MoKHopperLayer(inputs.w13_LIH, inputs.w2_LHI, topk=c.topk, tokens=c.tokens_per_gpu,
                                    shared=shared, swiglu_limit=c.swiglu_limit, precision=c.precision,
                                    group=self.group, tile=self._tile,
-                                   save_h=self.params is not None and self.mode == "save_h")
+                                   save_h=self.params is not None and self.mode == "save_h",
+                                   train=self.params is not None)
         # Untimed warm-up: compiles every kernel variant (all ranks run setup together, so barriers pair up).
         self.impl(inputs.x_TH, inputs.topk_idx_TK, inputs.topk_w_TK)
         torch.cuda.synchronize()
@@ -169,7 +167,9 @@ class MokHopperBackend:
         scaling = "none"
         if c.precision == "fp8":
             scaling = ("block 1x128 act (1x64 hidden) / 128x128 weight, e4m3 GEMMs (Triton), fp32 accumulation; "
-                       "activations quantised at the source, before the pull")
+                       "activations quantised at the source, before the pull; backward: dgrad e4m3 (dO 1x128 at the "
+                       "source, dH 1x128 in dgate's epilogue, the forward's 128x128 weights), wgrad e4m3 with "
+                       "128-row token blocks quantised in the wgrad kernels; shared expert bf16")
         saves = {"save_h": "training forward (saves X and H)", "recompute": "training forward (saves X; the backward "
                  "recomputes H)"}.get(self.mode, "inference forward (saves nothing)") if self.params is not None \
             else "inference forward (saves nothing)"

@@ -27,8 +27,11 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.mok_hopper.gemm_common import _mma, _work_tile
+from contract.fp8 import FP8_MAX
+from kernels.mok_hopper.gemm_common import _mma, _quant_e4m3, _work_tile
 from kernels.mok_hopper.interp import INTERPRET
+
+FP8_MAX_C = tl.constexpr(FP8_MAX)  # (a global a jitted function reads must be a constexpr)
 
 
 @triton.jit
@@ -125,9 +128,12 @@ def _bwd_rows_block(a_ptr, w_ptr, out_ptr, h_ptr, clip_ptr, s_ptr, sa_ptr, ds_pt
 @triton.jit
 def _bwd_rows_epilogue(acc, rows, rmask, cols, n, n_n, out_ptr, h_ptr, clip_ptr, s_ptr, sa_ptr, ds_ptr, code_ptr,
                        delta_ptr, N, TK, limit, DGATE: tl.constexpr, HAS_LIMIT: tl.constexpr, SAVE_H: tl.constexpr,
-                       PUSH: tl.constexpr, SA: tl.constexpr = True):
+                       PUSH: tl.constexpr, SA: tl.constexpr = True, dhq_ptr=None, dhs_ptr=None,
+                       QUANT: tl.constexpr = False):
     """One [BM, BN] block of :func:`_bwd_rows_block`'s results: the dgate epilogue, the push, or a plain store.
-    SA (dgate): store s*A too (the fused dgate of :mod:`kernels.mok_hopper.bwd_fused` uses it in place)."""
+    SA (dgate): store s*A too (the fused dgate of :mod:`kernels.mok_hopper.bwd_fused` uses it in place). QUANT
+    (dgate, fp8: :mod:`kernels.mok_hopper.bwd_fp8`, BN = 128): dH also as e4m3 from its fp32 values, one scale per
+    1 x BN block of each row (``dhq_ptr`` [R, 2N], ``dhs_ptr`` [R, 2N / BN]: gate blocks, then up blocks)."""
     if DGATE:  # N = I: G = dO @ W2[e]; H and the masks are [R, 2I] (gate columns, then up columns)
         h_off = rows[:, None] * (2 * N) + cols[None, :]
         g = tl.load(h_ptr + h_off, mask=rmask[:, None], other=0.0).to(tl.float32)
@@ -149,6 +155,13 @@ def _bwd_rows_epilogue(acc, rows, rmask, cols, n, n_n, out_ptr, h_ptr, clip_ptr,
             du = tl.where(clip_u, 0.0, du)
         tl.store(out_ptr + h_off, dg.to(tl.bfloat16), mask=rmask[:, None])
         tl.store(out_ptr + h_off + N, du.to(tl.bfloat16), mask=rmask[:, None])
+        if QUANT:
+            qg, sg = _quant_e4m3(dg, FP8_MAX_C)
+            tl.store(dhq_ptr + h_off, qg, mask=rmask[:, None])
+            tl.store(dhs_ptr + rows * (2 * n_n) + n, sg, mask=rmask)
+            qu, su = _quant_e4m3(du, FP8_MAX_C)
+            tl.store(dhq_ptr + h_off + N, qu, mask=rmask[:, None])
+            tl.store(dhs_ptr + rows * (2 * n_n) + n_n + n, su, mask=rmask)
         if SA:
             tl.store(sa_ptr + rows[:, None] * N + cols[None, :], (act * s[:, None]).to(tl.bfloat16),
                      mask=rmask[:, None])

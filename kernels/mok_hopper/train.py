@@ -1,4 +1,4 @@
-"""The bf16 training step through mok_hopper at EP=1 (issue 23): :func:`mok_hopper_train` runs the fused forward
+"""The training step through mok_hopper (bf16: issue 23; fp8: issue 25): :func:`mok_hopper_train` runs the fused forward
 and records a backward, :func:`layer_backward`, made of the backward GEMMs (:mod:`kernels.mok_hopper.bwd_gemm`):
 H from the forward (``MoKHopperLayer(save_h=True)``) or recomputed from the layer's X rows, dgate (dO rows x W2,
 SwiGLU's derivative and the router-weight gradient in its epilogue), dX (each row pushed into its token slot and
@@ -11,6 +11,11 @@ interpreter, 1, 2 and 4 ranks (simulated in one process; tests/test_mok_hopper_b
 harness's reference on one H200 (benchmarks/mok_hopper/bwd_check.py; PERF_NOTES "Session 13"); not yet run on
 several GPUs. The trainable module and custom ops over it (EP=1) are in :mod:`kernels.mok_hopper.module`.
 
+fp8 (issue 25; a layer built with ``precision="fp8", train=True``): the same dataflow at every EP through the
+three phases below (dO quantised 1 x 128 at its source, pulled as e4m3), the routed stages of
+:mod:`kernels.mok_hopper.bwd_fp8` (e4m3 GEMMs over the forward's quantised weights), the shared expert in bf16 as in
+the forward. Checked against its twin (``twin_bwd.expert_backward_fp8``) under the interpreter.
+
 Legend: T tokens, K top-k, H hidden, I ffn, L local experts, R capacity rows.
 """
 
@@ -20,7 +25,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from kernels.mok_hopper import bwd_fused, bwd_gemm, pull, twin_bwd
+from kernels.mok_hopper import bwd_fp8, bwd_fused, bwd_gemm, pull, twin_bwd, up_gemm
 from kernels.mok_hopper.api import MoKHopperLayer
 from kernels.mok_hopper.pull import combine_epilogue
 from kernels.mok_hopper.tiles import num_sms
@@ -205,18 +210,19 @@ def layer_backward(layer: MoKHopperLayer, dO_TH: torch.Tensor, x_TH: torch.Tenso
                    tiles: Optional[dict[str, dict[str, Any]]] = None) -> dict[str, Any]:
     """The gradients of the layer's last forward: x (bf16 [T, H]), topk_w (fp32 [T, K]), w13 (bf16 [L, 2I, H]), w2
     (bf16 [L, H, I]) and, with a shared expert, its (gate, up, down) gradients. H comes from the forward
-    (``layer.save_h``) or is recomputed here from the layer's X rows. At EP >= 2 every rank of the group calls
-    this (autograd does, in the backward of each rank's forward): :func:`backward_stage`, a barrier,
+    (``layer.save_h``) or is recomputed here from the layer's X rows. At EP >= 2 (and in fp8 at any EP) every rank
+    of the group calls this (autograd does, in the backward of each rank's forward): :func:`backward_stage`, a
+    barrier,
     :func:`backward_compute`, a barrier, :func:`backward_finish`. ``marks(stage)`` is called after
     each stage of :data:`BWD_STAGES` (diagnostics: a stage timer records an event there). ``tiles``: launch
     overrides per GEMM (``_tiles``' keys; sweeps). No host synchronisation.
 
     Rows of the schedule that hold no token (padding, code < 0) go through the GEMMs with router weight 0 and are
     left out of every sum: the weight gradients skip them, their dX rows are pushed nowhere."""
-    if layer.world > 1:
+    if layer.world > 1 or layer.fp8:  # (fp8 at EP=1 too: dO is quantised at its source and pulled as e4m3)
         backward_stage(layer, dO_TH)
         layer.ws.barrier(0)
-        part = backward_compute(layer, x_TH, w13_LIH, w2_LHI, shared, marks=marks, tiles=tiles)
+        part = backward_compute(layer, x_TH, w13_LIH, w2_LHI, shared, marks=marks, tiles=tiles, dO_TH=dO_TH)
         layer.ws.barrier(1)
         return backward_finish(layer, topk_idx_TK, part, marks=marks)
     mark = marks or (lambda name: None)
@@ -302,24 +308,34 @@ def _shared_torch(x: torch.Tensor, dO: torch.Tensor, g_w: torch.Tensor, u_w: tor
 
 def backward_stage(layer: MoKHopperLayer, dO_TH: torch.Tensor) -> None:
     """This rank's output gradient into its workspace's ``x`` region, where the expert owners pull it from (the
-    forward is done with that region once every rank has passed its last barrier)."""
-    assert not layer.fp8 and layer.weights_in_expert, \
-        "the backward covers bf16 with the router weight applied in the expert (the default router_weight_in)"
-    layer.ws.x.copy_(dO_TH.detach())
+    forward is done with that region once every rank has passed its last barrier); fp8: quantised on the way, 1 x
+    128 (the forward's stage kernel), into ``x`` and ``xs``."""
+    assert layer.weights_in_expert, \
+        "the backward covers the router weight applied in the expert (the default router_weight_in)"
+    if layer.fp8:
+        assert layer.w13_bwd is not None, "the fp8 backward needs a layer built with train=True (its plain weights)"
+        pull.quantize_rows(dO_TH.detach().to(torch.bfloat16).contiguous(), layer.ws.x, layer.ws.xs)
+    else:
+        layer.ws.x.copy_(dO_TH.detach())
 
 
 def backward_compute(layer: MoKHopperLayer, x_TH: torch.Tensor, w13_LIH: torch.Tensor, w2_LHI: torch.Tensor,
                      shared: Optional[Sequence[torch.Tensor]], *, marks: Optional[Callable[[str], None]] = None,
-                     tiles: Optional[dict[str, dict[str, Any]]] = None) -> dict[str, Any]:
+                     tiles: Optional[dict[str, dict[str, Any]]] = None,
+                     dO_TH: Optional[torch.Tensor] = None) -> dict[str, Any]:
     """After every rank's stage: pull the dO rows of this rank's experts from their source ranks (the forward's
     pull kernel and schedule), run the four stages, push each dX row into its source rank's ``comb`` slot and each
-    row's router-weight gradient into its ``w`` slot; this rank's weight gradients and shared expert locally."""
+    row's router-weight gradient into its ``w`` slot; this rank's weight gradients and shared expert locally.
+    fp8 (:func:`_fp8_compute`): the dO rows arrive as e4m3 and the stages are :mod:`kernels.mok_hopper.bwd_fp8`'s;
+    ``dO_TH`` (this rank's bf16 output gradient) is then needed for the shared expert, which stays bf16."""
     mark = marks or (lambda name: None)
     T, K, H, L = layer.T, layer.K, layer.H, layer.L
     s, ws = layer.sched, layer.ws
     dev = x_TH.device
     TK = T * K
     chunk = torch.stack([s.chunk_tiles_C1[0], s.chunk_tiles_C1[-1]]).to(torch.int32)
+    if layer.fp8:
+        return _fp8_compute(layer, x_TH, dO_TH, shared, chunk, mark, tiles)
     dO_rows = torch.empty(layer.R, H, dtype=torch.bfloat16, device=dev)
     pull.pull_rows(s.row_code_R, chunk, s.tile_row_M1, ws.x, ws.tables["x"], None, None, None, None, dO_rows, None,
                    None, tokens=T, topk=K, cfg=layer.cfg, programs=layer.pull_programs)
@@ -339,6 +355,45 @@ def backward_compute(layer: MoKHopperLayer, x_TH: torch.Tensor, w13_LIH: torch.T
     out: dict[str, Any] = {"w13": dW13, "w2": dW2, "sh_dx": None}
     if shared is not None:
         out["shared"], out["sh_dx"] = _shared(layer, x_TH, ws.x, shared, programs=progs, tiles=tiles)
+    mark("shared")
+    return out
+
+
+def _fp8_compute(layer: MoKHopperLayer, x_TH: torch.Tensor, dO_TH: Optional[torch.Tensor],
+                 shared: Optional[Sequence[torch.Tensor]], chunk: torch.Tensor, mark: Callable[[str], None],
+                 tiles: Optional[dict[str, dict[str, Any]]]) -> dict[str, Any]:
+    """:func:`backward_compute` in fp8: pull the e4m3 dO rows and their scales, H from the forward (``save_h``) or
+    recomputed by the forward's own up GEMM (its epilogue's ``h_save``; the hidden rows it also writes are the
+    layer's scratch), the four stages of :func:`kernels.mok_hopper.bwd_fp8.expert_backward` over the layer's plain
+    e4m3 weights, the pushes, and the shared expert in bf16."""
+    assert shared is None or dO_TH is not None, "fp8 with a shared expert: pass dO_TH (its backward is bf16)"
+    T, K, H = layer.T, layer.K, layer.H
+    s, ws, dev = layer.sched, layer.ws, x_TH.device
+    dO_rows = torch.empty(layer.R, H, dtype=torch.float8_e4m3fn, device=dev)
+    dOs_rows = torch.empty(layer.R, H // 128, dtype=torch.float32, device=dev)
+    pull.pull_rows(s.row_code_R, chunk, s.tile_row_M1, ws.x, ws.tables["x"], ws.xs, ws.tables["xs"], None, None,
+                   dO_rows, dOs_rows, None, tokens=T, topk=K, cfg=layer.cfg, programs=layer.pull_programs)
+    mark("gather")
+    progs = num_sms(dev)
+    limit = layer.limit
+    if getattr(layer, "save_h", False):
+        h, clip = layer.h_save, (layer.clip_save if limit is not None else None)
+    else:
+        h = torch.empty(layer.R, 2 * layer.I, dtype=torch.bfloat16, device=dev)
+        clip = torch.empty(layer.R, 2 * layer.I, dtype=torch.uint8, device=dev) if limit is not None else None
+        up_gemm.up_swiglu(layer.x_rows, layer.xs_rows, layer.w13, layer.w13_scale, layer.h_rows, layer.hs_rows,
+                          s.tile_expert_M, s.tile_row_M1, chunk, limit=limit, cfg=layer.cfg, programs=progs,
+                          h_save=h, clip_save=clip)
+    mark("recompute_h")
+    starts = bwd_gemm.expert_rows(s.tile_expert_M, s.tile_row_M1, layer.L)
+    dW13, dW2, ds = bwd_fp8.expert_backward(
+        layer.x_rows, layer.xs_rows, dO_rows, dOs_rows, layer.rw_rows, h, clip, layer.w13_bwd, layer.w13_scale,
+        layer.w2_bwd, layer.w2_scale, s.row_code_R, s.tile_expert_M, s.tile_row_M1, chunk, starts, ws.comb,
+        limit=limit, programs=progs, mark=mark, push=(ws.tables["comb"], T * K), tiles=tiles)
+    bwd_gemm.push_scalars(s.row_code_R, ds, ws.w, ws.tables["w"], T * K)
+    out: dict[str, Any] = {"w13": dW13, "w2": dW2, "sh_dx": None}
+    if shared is not None:
+        out["shared"], out["sh_dx"] = _shared(layer, x_TH, dO_TH, shared, programs=progs, tiles=tiles)
     mark("shared")
     return out
 

@@ -195,13 +195,13 @@ class DistributedTwin:
 
     def backward(self, x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, topk_w_TK: torch.Tensor,
                  dO_TH: torch.Tensor) -> dict[str, Any]:
-        """This rank's gradients of the planned bf16 backward (:mod:`kernels.mok_hopper.twin_bwd`) on real ranks:
-        all-gather x, dO, ids and router weights; this rank's experts' rows (H recomputed); the dX rows and
+        """This rank's gradients of the backward (:mod:`kernels.mok_hopper.twin_bwd`; fp8: its fp8 recipe) on real
+        ranks: all-gather x, dO, ids and router weights; this rank's experts' rows (H recomputed); the dX rows and
         router-weight gradients delivered to their source ranks with one all-reduce each (one writer per slot, so
         the sums are exact); dx summed per token, k ascending. Keys as :func:`twin_bwd.simulate_backward`."""
         from kernels.mok_hopper import twin_bwd
 
-        assert not self.fp8 and self.rw_in == "expert", "the backward twin covers bf16, router weight in the expert"
+        assert self.rw_in == "expert", "the backward twin covers the router weight applied in the expert"
         with torch.no_grad():
             T, K = topk_idx_TK.shape
             H = x_TH.shape[1]
@@ -211,7 +211,7 @@ class DistributedTwin:
             w_all = self._all_gather(topk_w_TK.detach().float()).reshape(-1)
             out = twin_bwd.rank_backward(x_all, dO_all, idx_all, w_all, self.w13, self.w2, rank=self.rank,
                                          limit=self.limit, block_m=self.block_m,
-                                         capacity_multiplier=self.cap_mult)
+                                         capacity_multiplier=self.cap_mult, fp8=self.fp8, w_quant=self.w_quant)
             dx_all = torch.zeros(self.world * T * K, H, dtype=torch.float32)
             ds_all = torch.zeros(self.world * T * K, dtype=torch.float32)
             if out["rows"]:

@@ -26,6 +26,8 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from contract.fp8 import dequantize_blocks, quantize_blocks
+from kernels.mok_hopper.fp8 import quantize_expert_weights
 from kernels.mok_hopper.schedule import build_schedule, capacity_rows
 from kernels.mok_hopper.twin import epilogue
 
@@ -77,6 +79,63 @@ def expert_backward(x_rH: torch.Tensor, h_r2I: torch.Tensor, dO_rH: torch.Tensor
     return {"dX": dX, "ds": ds, "dW13": dW13, "dW2": dW2}
 
 
+def token_quant(v_rC: torch.Tensor, block: int = 128) -> torch.Tensor:
+    """The fp8 weight gradients' operand rounding (issue 25): e4m3 with one scale per column over each ``block``
+    rows of the expert's rows (from its first row; the last block may be short), dequantised (fp32)."""
+    r, C = v_rC.shape
+    pad = -(-r // block) * block - r
+    vp = torch.cat([v_rC.float(), v_rC.new_zeros(pad, C, dtype=torch.float32)]) if pad else v_rC.float()
+    q, s = quantize_blocks(vp, block, 1)
+    return dequantize_blocks(q, s, block, 1)[:r]
+
+
+def expert_backward_fp8(xq_rH: torch.Tensor, xs_rB: torch.Tensor, h_r2I: torch.Tensor, dOq_rH: torch.Tensor,
+                        dOs_rB: torch.Tensor, s_r: torch.Tensor, w13q_2IH: torch.Tensor, w13s: torch.Tensor,
+                        w2q_HI: torch.Tensor, w2s: torch.Tensor, *, limit: Optional[float],
+                        clip_r2I: Optional[torch.Tensor] = None) -> dict[str, torch.Tensor]:
+    """The fp8 backward of one expert's rows (issue 25), the recipe the kernels run (:mod:`kernels.mok_hopper.
+    bwd_fp8`): every GEMM on e4m3 operands with fp32 accumulation.
+
+    * dgate: G = dO @ W2 with dO in 1 x 128 blocks along H (quantised at its source rank, as the forward's x) and
+      W2 in the forward's 128 x 128 blocks; the epilogue as in bf16, and dH also quantised 1 x 128 along 2I (from
+      its fp32 values) for dX;
+    * dX = dH @ W13 (dH 1 x 128, W13's 128 x 128 blocks: the forward's, transposed);
+    * dW13 = dH^T X, dW2 = dO^T sA, reduced over the expert's rows with both operands quantised in 128-row blocks
+      along the tokens (:func:`token_quant`): dH and sA from their bf16 values, X and dO from their 1 x 128 e4m3
+      rows (dequantised, then quantised along the tokens: the forward keeps X only in fp8).
+
+    Inputs: X rows and dO rows as e4m3 + 1 x 128 scales, ``h_r2I`` the fp8 forward's pre-SwiGLU H (bf16), weights
+    as e4m3 + 128 x 128 scales. Outputs as :func:`expert_backward` (bf16 dX, dW13, dW2; fp32 ds)."""
+    I = w2q_HI.shape[1]
+    x = dequantize_blocks(xq_rH, xs_rB, 1, 128)
+    dO = dequantize_blocks(dOq_rH, dOs_rB, 1, 128)
+    w13 = dequantize_blocks(w13q_2IH, w13s, 128, 128)
+    w2 = dequantize_blocks(w2q_HI, w2s, 128, 128)
+    G = dO @ w2
+    clipped = (clip_r2I[:, :I], clip_r2I[:, I:]) if clip_r2I is not None else None
+    A, dg, du = swiglu_grads(h_r2I[:, :I], h_r2I[:, I:], G * s_r[:, None], limit, clipped)
+    ds = (G * A).sum(dim=1)
+    dH32 = torch.cat([dg, du], dim=1)
+    dHq, dHs = quantize_blocks(dH32, 1, 128)
+    dH = dH32.to(torch.bfloat16)
+    sA = (A * s_r[:, None]).to(torch.bfloat16)
+    dX = (dequantize_blocks(dHq, dHs, 1, 128) @ w13).to(torch.bfloat16)
+    dW13 = (token_quant(dH).t() @ token_quant(x)).to(torch.bfloat16)
+    dW2 = (token_quant(dO).t() @ token_quant(sA)).to(torch.bfloat16)
+    return {"dX": dX, "ds": ds, "dW13": dW13, "dW2": dW2}
+
+
+def saved_fp8(xq_rH: torch.Tensor, xs_rB: torch.Tensor, w13q_2IH: torch.Tensor, w13s: torch.Tensor,
+              limit: Optional[float]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """:func:`saved` of the fp8 forward: H from the e4m3 X rows and weights (fp32 accumulation), rounded to bf16."""
+    h = dequantize_blocks(xq_rH, xs_rB, 1, 128) @ dequantize_blocks(w13q_2IH, w13s, 128, 128).t()
+    clip = None
+    if limit is not None:
+        I = h.shape[1] // 2
+        clip = torch.cat([h[:, :I] > limit, h[:, I:].abs() > limit], dim=1)
+    return h.to(torch.bfloat16), clip
+
+
 def saved(x_rH: torch.Tensor, w13_2IH: torch.Tensor,
           limit: Optional[float]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """What the training forward saves per routed row: the pre-SwiGLU gate and up outputs, bf16 [r, 2I], and with
@@ -92,9 +151,12 @@ def saved(x_rH: torch.Tensor, w13_2IH: torch.Tensor,
 
 def rank_backward(x_all: torch.Tensor, dO_all: torch.Tensor, idx_all_PS: torch.Tensor, w_all_S: torch.Tensor,
                   w13_LIH: torch.Tensor, w2_LHI: torch.Tensor, *, rank: int, limit: Optional[float],
-                  block_m: int = 128, capacity_multiplier: Optional[float] = 0.5) -> dict[str, object]:
+                  block_m: int = 128, capacity_multiplier: Optional[float] = 0.5, fp8: bool = False,
+                  w_quant: Optional[tuple] = None) -> dict[str, object]:
     """One rank's part of the backward: for every row its experts computed, (slot code, bf16 dX row, fp32 ds), and
-    the bf16 gradients of its experts' weights ([L, 2I, H], [L, H, I]; zero for an expert with no row)."""
+    the bf16 gradients of its experts' weights ([L, 2I, H], [L, H, I]; zero for an expert with no row). ``fp8``:
+    the fp8 recipe (:func:`expert_backward_fp8`): x and dO quantised 1 x 128 at their source, the weights in
+    128 x 128 blocks (``w_quant``: (q13, s13, q2, s2), else quantised here)."""
     P, S_per = idx_all_PS.shape
     T = x_all.shape[0] // P
     K = S_per // T
@@ -107,15 +169,27 @@ def rank_backward(x_all: torch.Tensor, dO_all: torch.Tensor, idx_all_PS: torch.T
     dW13 = torch.zeros_like(w13_LIH)
     dW2 = torch.zeros_like(w2_LHI)
     rows: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+    if fp8:  # each source rank quantises its own rows, once (the stage kernel)
+        xq, xs = quantize_blocks(x_all, 1, 128)
+        dOq, dOs = quantize_blocks(dO_all, 1, 128)
+        if w_quant is None:
+            w_quant = (*quantize_expert_weights(w13_LIH), *quantize_expert_weights(w2_LHI))
     for e in range(L):
         r = ((codes >= 0) & (expert == e)).nonzero().flatten()  # schedule order
         if r.numel() == 0:
             continue
         c = codes[r]
         tok = (c // (T * K)) * T + (c % (T * K)) // K
-        x_r, dO_r, s_r = x_all[tok], dO_all[tok], w_all_S[c].float()
-        h, clip = saved(x_r, w13_LIH[e], limit)
-        out = expert_backward(x_r, h, dO_r, s_r, w13_LIH[e], w2_LHI[e], limit=limit, clip_r2I=clip)
+        s_r = w_all_S[c].float()
+        if fp8:
+            q13, s13, q2, s2 = w_quant
+            h, clip = saved_fp8(xq[tok], xs[tok], q13[e], s13[e], limit)
+            out = expert_backward_fp8(xq[tok], xs[tok], h, dOq[tok], dOs[tok], s_r, q13[e], s13[e], q2[e], s2[e],
+                                      limit=limit, clip_r2I=clip)
+        else:
+            x_r, dO_r = x_all[tok], dO_all[tok]
+            h, clip = saved(x_r, w13_LIH[e], limit)
+            out = expert_backward(x_r, h, dO_r, s_r, w13_LIH[e], w2_LHI[e], limit=limit, clip_r2I=clip)
         dW13[e], dW2[e] = out["dW13"], out["dW2"]
         rows += [(int(ci), dx, ds) for ci, dx, ds in zip(c.tolist(), out["dX"], out["ds"])]
     return {"rows": rows, "dW13": dW13, "dW2": dW2, "H": H}
@@ -138,10 +212,12 @@ def simulate_backward(xs_PTH: Sequence[torch.Tensor], idx_PTK: Sequence[torch.Te
                       w_PTK: Sequence[torch.Tensor], dO_PTH: Sequence[torch.Tensor],
                       w13_PLIH: Sequence[torch.Tensor], w2_PLHI: Sequence[torch.Tensor], *,
                       shared: Optional[Sequence[torch.Tensor]] = None, limit: Optional[float] = None,
-                      block_m: int = 128, capacity_multiplier: Optional[float] = 0.5) -> list[dict[str, object]]:
+                      block_m: int = 128, capacity_multiplier: Optional[float] = 0.5,
+                      fp8: bool = False) -> list[dict[str, object]]:
     """Every rank's gradients, all P ranks in one process (the twin of a P-rank backward): per rank ``x`` bf16
     [T, H], ``topk_w`` fp32 [T, K], ``w13`` / ``w2`` bf16 (its experts), and with a shared expert ``shared`` (bf16
-    gate, up, down; each rank's own, as data parallel would have it before any reduction)."""
+    gate, up, down; each rank's own, as data parallel would have it before any reduction). ``fp8``: the routed
+    experts' fp8 recipe (:func:`expert_backward_fp8`); the shared expert is bf16 in every precision."""
     P = len(xs_PTH)
     T, K = idx_PTK[0].shape
     idx_all = torch.stack([i.reshape(-1) for i in idx_PTK]).to(torch.int64)
@@ -153,7 +229,7 @@ def simulate_backward(xs_PTH: Sequence[torch.Tensor], idx_PTK: Sequence[torch.Te
     grads = []
     for r in range(P):
         out = rank_backward(x_all, dO_all, idx_all, w_all, w13_PLIH[r], w2_PLHI[r], rank=r, limit=limit,
-                            block_m=block_m, capacity_multiplier=capacity_multiplier)
+                            block_m=block_m, capacity_multiplier=capacity_multiplier, fp8=fp8)
         for code, dx_row, ds_row in out["rows"]:  # pushed to the source rank's slot
             src, slot = divmod(code, T * K)
             dx_rows[src][slot], ds[src][slot] = dx_row, ds_row

@@ -147,9 +147,9 @@ def _up_store(acc_g, acc_u, rows, rmask, n, h_ptr, hs_ptr, I, limit, BN: tl.cons
               HAS_LIMIT: tl.constexpr, FP8_MAX_: tl.constexpr, hsv_ptr=None, clip_ptr=None,
               SAVE_H: tl.constexpr = False, srow0=0):
     """h[rows, column tile n] = SwiGLU(gate, up) (clamped with HAS_LIMIT), bf16 or e4m3 + its 1 x BN scale.
-    SAVE_H (bf16, the training forward): also the pre-SwiGLU gate and up columns into ``hsv_ptr`` (bf16 [R, 2I],
-    gate columns then up columns: the fp32 accumulators rounded once) and, with HAS_LIMIT, the clamp's decisions
-    on the fp32 accumulators into ``clip_ptr`` (uint8 [R, 2I], 1 where clipped: gate > limit, |up| > limit).
+    SAVE_H (the training forward, bf16 and fp8): also the pre-SwiGLU gate and up columns into ``hsv_ptr`` (bf16
+    [R, 2I], gate columns then up columns: the fp32 accumulators rounded once) and, with HAS_LIMIT, the clamp's
+    decisions on the fp32 accumulators into ``clip_ptr`` (uint8 [R, 2I], 1 where clipped: gate > limit, |up| > limit).
     ``srow0``: the first of ``rows`` (offsets within the item in int32, from one base per item: fewer live
     pointers at the 255-register cap). The bf16 copies are made first and stored last, after the accumulators
     are consumed (the order with the least spill in ``aot_check``)."""
@@ -256,8 +256,8 @@ def _up_swiglu_kernel(a_ptr, a_half, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_pt
     BM/2 rows (the schedule's half tiles) run a BM/2-row MMA. READY: wait for the pull per row granule. DYN: work
     items off the counter at ``work_ptr`` (zero before the first launch that shares it). FLAT (neither READY nor
     DYN): static round robin in one flattened loop nest, as in the down kernel. TAIL: see ``_up_tile``. SAVE_H
-    (bf16): also the pre-SwiGLU H into ``hsv_ptr`` and, with HAS_LIMIT, the clamp's decisions into ``clip_ptr``
-    (``_up_store``); off, both are None (constexprs: the kernel is the inference kernel, parameter for parameter).
+    (the training forward): also the pre-SwiGLU H into ``hsv_ptr`` and, with HAS_LIMIT, the clamp's decisions
+    into ``clip_ptr`` (``_up_store``); off, both are None (constexprs: the kernel is the inference kernel, parameter for parameter).
     PAIR (fp8): two 128-deep blocks a loop step (``_up_item``)."""
     m_lo = tl.load(chunk_ptr)
     m_hi = tl.load(chunk_ptr + 1)
@@ -291,10 +291,10 @@ def up_swiglu(a_RH: torch.Tensor, a_scale: Optional[torch.Tensor], w13_LIH: torc
     its rows [tile_row_M1[m], tile_row_M1[m+1]) (BM, or BM/2 with ``cfg.half_tiles``). ``ready``: wait for the
     pull's per-granule counts (see :func:`pull_rows`) before reading a tile's rows. ``work``: an int32 counter,
     zero before the first launch over these tiles; launches given the same counter share the work items.
-    ``h_save`` (bf16 [R, 2I], bf16 only): the epilogue also stores the pre-SwiGLU gate and up outputs (the fp32
+    ``h_save`` (bf16 [R, 2I], in bf16 and fp8): the epilogue also stores the pre-SwiGLU gate and up outputs (the fp32
     accumulators rounded once; gate columns then up columns) of every row it stores, and ``clip_save`` (uint8
     [R, 2I], given exactly when ``limit`` is) where the clamp clipped them, decided on the fp32 accumulators (1:
-    gate > limit, |up| > limit): what the bf16 backward's dgate stage reads (``bwd_gemm.bwd_rows``)."""
+    gate > limit, |up| > limit): what the backward's dgate stage reads (``bwd_gemm.bwd_rows``, ``bwd_fp8.fp8_rows``)."""
     R, H = a_RH.shape
     I = h_RI.shape[1]
     fp8 = a_RH.dtype == torch.float8_e4m3fn
@@ -313,7 +313,6 @@ def up_swiglu(a_RH: torch.Tensor, a_scale: Optional[torch.Tensor], w13_LIH: torc
     assert _weights(w13_LIH, wn, bk, cfg.w_tiled) == (2 * I, H), "w13 must be [L, 2I, H] (or tiled)"
     save = h_save is not None
     if save:
-        assert not fp8, "h_save: the bf16 forward only"
         assert h_save.shape == (R, 2 * I) and h_save.dtype == torch.bfloat16 and h_save.is_contiguous(), \
             f"h_save must be contiguous bf16 [{R}, {2 * I}]"
         assert (clip_save is not None) == (limit is not None), "clip_save goes with h_save exactly when limit is set"

@@ -1,0 +1,262 @@
+"""The fp8 backward's GEMMs (issue 25), the recipe of :func:`kernels.mok_hopper.twin_bwd.expert_backward_fp8`:
+e4m3 operands, fp32 accumulation, every block's product promoted by its scales. Launched by
+:func:`expert_backward` (the four stages of one rank's routed rows; :mod:`kernels.mok_hopper.train` calls it).
+
+* :func:`fp8_rows` - the dgrad GEMMs over the forward's row tiles, out[r] = A[r] @ W[e] with A in 1 x 128 blocks
+  (e4m3 rows + fp32 scales [R, K / 128]) and W the forward's e4m3 weights in the plain layout [L, K, N] with their
+  128 x 128 block scales [L, K / 128, N / 128] (128 x 128 blocks are those of W^T too: no second quantisation).
+  Epilogues of :func:`kernels.mok_hopper.bwd_gemm._bwd_rows_epilogue`:
+  - ``dgate``: A = dO rows (quantised at their source rank by the stage kernel, pulled as e4m3), W = W2 [H, I];
+    dH (bf16, for dW13), dH again as e4m3 1 x 128 along 2I from its fp32 values (for dX: the quantisation fused into
+    the epilogue that produces dH, no pass over it), s*A (bf16) and the router-weight gradient's partial sums;
+  - ``push``: A = dH (e4m3), W = W13 [2I, H]: the dX rows (bf16) pushed to their token slots / source ranks.
+* :func:`fp8_wgrad` - dW[e] = P_e^T Q_e over each expert's rows, both operands quantised along the tokens in the
+  kernel that consumes them, in 128-row blocks from the expert's first row (one scale per block and column): from
+  bf16 rows (dH, s*A) or from 1 x 128 e4m3 rows, dequantised first (X, dO: the forward keeps X only in fp8, and dO
+  arrives quantised). No pass over memory to quantise, no split-K, no atomics: bitwise deterministic.
+
+The passes over memory that remain outside the GEMMs: the stage's quantisation of dO (one read of [T, H] bf16, as the
+forward's x) and the router-weight gradient's sum over the column tiles (:func:`~kernels.mok_hopper.bwd_gemm.
+router_grad`). The shared expert stays bf16, as in the forward.
+
+Legend: R routed rows, L local experts, H hidden, I ffn, N / K a GEMM's output / reduction dims.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.mok_hopper.bwd_gemm import FP8_MAX_C, _bwd_rows_epilogue, _store_dw, router_grad
+from kernels.mok_hopper.gemm_common import _mm, _work_tile
+from kernels.mok_hopper.interp import INTERPRET
+
+BLOCK = 128  # the format's block: 1 x 128 activations, 128 x 128 weights, 128-row token blocks for the wgrad
+E4M3 = torch.float8_e4m3fn
+
+
+@triton.jit
+def _fp8_rows_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, h_ptr, clip_ptr, s_ptr, sa_ptr, ds_ptr, dhq_ptr,
+                     dhs_ptr, code_ptr, delta_ptr, tile_expert_ptr, tile_row_ptr, chunk_ptr, n_rows, K, N, TK, limit,
+                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NUM_PROGS: tl.constexpr,
+                     UPCAST: tl.constexpr, GROUP_M: tl.constexpr, STAGES: tl.constexpr, DGATE: tl.constexpr,
+                     HAS_LIMIT: tl.constexpr, WTMA: tl.constexpr, PUSH: tl.constexpr):
+    """Work items (row tile, column tile), each tile in BM-row blocks; K steps of BK = 128 (one scale block of A and
+    of W). WTMA: ``w_ptr`` is a TMA descriptor over W's [L K, N] view, blocks [BK, BN]; else W is contiguous
+    [L, K, N]. Each column's weight scale is that of its 128-column block (BN may span several)."""
+    m_lo = tl.load(chunk_ptr)
+    m_hi = tl.load(chunk_ptr + 1)
+    n_n = N // BN
+    n_work = (m_hi - m_lo) * n_n
+    KB = K // BK
+    NB = N // 128
+    kk = tl.arange(0, BK)
+    for wk in range(tl.program_id(0), n_work, NUM_PROGS):
+        m, n, e_tile, row0, row1 = _work_tile(wk, tile_expert_ptr, tile_row_ptr, m_lo, m_hi, n_n, GROUP_M)
+        e = e_tile.to(tl.int64)
+        cols = n * BN + tl.arange(0, BN)
+        wsc = ws_ptr + e * KB * NB + cols // 128  # [BN]: each column's weight-scale block, at K block 0
+        for rb in range(row0, row1, BM):
+            rows = (rb + tl.arange(0, BM)).to(tl.int64)
+            rmask = (rows < n_rows) & (rows < row1)
+            acc = tl.zeros((BM, BN), dtype=tl.float32)
+            for k0 in tl.range(0, K, BK, num_stages=STAGES):
+                a = tl.load(a_ptr + rows[:, None] * K + (k0 + kk)[None, :], mask=rmask[:, None], other=0.0)
+                sa = tl.load(as_ptr + rows * KB + k0 // BK, mask=rmask, other=0.0)
+                if WTMA:
+                    b = w_ptr.load([e_tile * K + k0, n * BN])
+                else:
+                    b = tl.load(w_ptr + e * K * N + (k0 + kk)[:, None].to(tl.int64) * N + cols[None, :])
+                sw = tl.load(wsc + (k0 // BK) * NB)
+                acc += _mm(a, b, UPCAST) * (sa[:, None] * sw[None, :])
+            _bwd_rows_epilogue(acc, rows, rmask, cols, n, n_n, out_ptr, h_ptr, clip_ptr, s_ptr, sa_ptr, ds_ptr,
+                               code_ptr, delta_ptr, N, TK, limit, DGATE, HAS_LIMIT, False, PUSH, True, dhq_ptr,
+                               dhs_ptr, DGATE)
+
+
+def fp8_rows(a_RK: torch.Tensor, a_scale: torch.Tensor, w_LKN: torch.Tensor, w_scale: torch.Tensor,
+             out: torch.Tensor, tile_expert_M: torch.Tensor, tile_row_M1: torch.Tensor, chunk_2: torch.Tensor, *,
+             block_m: int, programs: int, block_n: int = 128, stages: int = 3, group_m: int = 4,
+             dgate: Optional[dict] = None, limit: Optional[float] = None, push_code: Optional[torch.Tensor] = None,
+             push_delta: Optional[torch.Tensor] = None, slots_per_rank: Optional[int] = None,
+             num_warps: int = 8) -> None:
+    """out[r] = a[r] @ w[e(r)] in fp8 over the row tiles [chunk_2[0], chunk_2[1]): ``a`` e4m3 [R, K] with
+    ``a_scale`` fp32 [R, K / 128], ``w`` contiguous e4m3 [L, K, N] with ``w_scale`` fp32 [L, K / 128, N / 128].
+    ``dgate`` = dict(h, clip, s, sa, ds, dhq, dhs): the dgate epilogue (as :func:`~kernels.mok_hopper.bwd_gemm.
+    bwd_rows`; ``out`` is dH bf16 [R, 2N]; ``dhq`` e4m3 [R, 2N] and ``dhs`` fp32 [R, 2N / 128] get dH in 1 x 128
+    blocks; ``block_n`` must be 128). ``push_code`` / ``push_delta`` / ``slots_per_rank``: the dX rows to their
+    token slots, as :func:`~kernels.mok_hopper.bwd_gemm.bwd_rows`."""
+    R, K = a_RK.shape
+    L, Kw, N = w_LKN.shape
+    assert a_RK.dtype == E4M3 and w_LKN.dtype == E4M3 and w_LKN.is_contiguous() and Kw == K, \
+        "fp8_rows: e4m3 rows [R, K] and contiguous e4m3 weights [L, K, N]"
+    assert K % BLOCK == 0 and N % BLOCK == 0 and (BLOCK % block_n == 0 or block_n % BLOCK == 0), \
+        f"K {K} / N {N} must be multiples of {BLOCK}, block_n ({block_n}) divide or be a multiple of it"
+    assert a_scale.shape == (R, K // BLOCK) and w_scale.shape == (L, K // BLOCK, N // BLOCK)
+    d = dgate or {}
+    if dgate is not None:
+        assert block_n == BLOCK, "the dgate epilogue quantises dH in 1 x 128 blocks: block_n must be 128"
+        assert out.shape == (R, 2 * N) and d["ds"].shape == (R, N // block_n)
+        assert d["dhq"].shape == (R, 2 * N) and d["dhs"].shape == (R, 2 * N // BLOCK)
+    if push_delta is None:
+        delta, tk = torch.zeros(1, dtype=torch.int64, device=out.device), 1 << 30
+    else:
+        delta, tk = push_delta, slots_per_rank
+    wtma = w_LKN.is_cuda
+    w = w_LKN
+    if wtma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        w = TensorDescriptor.from_tensor(w_LKN.reshape(-1, N), [BLOCK, block_n])
+    clip = d.get("clip") if limit is not None else None
+    _fp8_rows_kernel[(programs,)](
+        a_RK, a_scale, w, w_scale, out, d.get("h", out), clip if clip is not None else out, d.get("s", out),
+        d.get("sa", out), d.get("ds", out), d.get("dhq", out), d.get("dhs", out),
+        push_code if push_code is not None else tile_row_M1, delta, tile_expert_M, tile_row_M1, chunk_2, R, K, N, tk,
+        0.0 if limit is None else float(limit), BM=block_m, BN=block_n, BK=BLOCK, NUM_PROGS=programs,
+        UPCAST=INTERPRET, GROUP_M=group_m, STAGES=stages, DGATE=dgate is not None,
+        HAS_LIMIT=dgate is not None and limit is not None, WTMA=wtma, PUSH=push_code is not None,
+        num_warps=num_warps)
+
+
+@triton.jit
+def _tok_block(ptr, s_ptr, rows, live, cols, c_block, C, FP8: tl.constexpr):
+    """Rows ``rows`` x columns ``cols`` (one 128-column block, ``c_block``) of a row-major [R, C] operand, as e4m3
+    with one scale per column over these rows (fp32 [BC]); FP8: the rows are e4m3 with 1 x 128 scales
+    (``s_ptr`` [R, C / 128]), dequantised first. Rows not ``live`` are zeros (and set no scale)."""
+    v = tl.load(ptr + rows[:, None] * C + cols[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+    if FP8:
+        v = v * tl.load(s_ptr + rows * (C // 128) + c_block, mask=live, other=0.0)[:, None]
+    amax = tl.max(tl.abs(v), axis=0)
+    scale = tl.maximum(amax, 1e-12) / FP8_MAX_C
+    q = tl.minimum(tl.maximum(v / scale[None, :], -FP8_MAX_C), FP8_MAX_C)
+    return q.to(tl.float8e4nv), scale
+
+
+@triton.jit
+def _tok_rows(code_ptr, r0, r_hi, BR: tl.constexpr):
+    rows = (r0 + tl.arange(0, BR)).to(tl.int64)
+    live = (rows < r_hi) & (tl.load(code_ptr + rows, mask=rows < r_hi, other=-1) >= 0)  # padding rows: zeros
+    return rows, live
+
+
+@triton.jit
+def _fp8_wgrad_kernel(p_ptr, ps_ptr, q_ptr, qs_ptr, dw_ptr, code_ptr, expert_row_ptr, N, K, L,
+                      BN: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, NUM_PROGS: tl.constexpr,
+                      UPCAST: tl.constexpr, STAGES: tl.constexpr, TMA_STORE: tl.constexpr, P_FP8: tl.constexpr,
+                      Q_FP8: tl.constexpr):
+    """Work items (expert, column block of N), each a strip of dW[e] [BN, K]. An expert of at most BR rows (one
+    token block: the published shapes at EP=1) quantises its P block once and streams its Q blocks, one output
+    block per K step; a larger expert sums its token blocks, ascending, for every output block (P quantised again
+    each time: the same values). Every block's product is promoted by its P and Q column scales."""
+    n_n = N // BN
+    n_k = K // BK
+    kk = tl.arange(0, BK)
+    for wk in range(tl.program_id(0), L * n_n, NUM_PROGS):
+        e = wk // n_n
+        n = wk % n_n
+        r_lo = tl.load(expert_row_ptr + e)
+        r_hi = tl.load(expert_row_ptr + e + 1)
+        ncols = n * BN + tl.arange(0, BN)
+        if r_hi - r_lo <= BR:
+            rows, live = _tok_rows(code_ptr, r_lo, r_hi, BR)
+            pq, ps = _tok_block(p_ptr, ps_ptr, rows, live, ncols, (n * BN) // 128, N, P_FP8)
+            for k in tl.range(0, n_k, num_stages=STAGES):
+                qq, qs = _tok_block(q_ptr, qs_ptr, rows, live, k * BK + kk, (k * BK) // 128, K, Q_FP8)
+                acc = _mm(pq.T, qq, UPCAST) * (ps[:, None] * qs[None, :])
+                _store_dw(dw_ptr, acc, e, n, k, N, K, BN, BK, TMA_STORE)
+        else:
+            for k in range(0, n_k):
+                acc = tl.zeros((BN, BK), dtype=tl.float32)
+                for r0 in tl.range(r_lo, r_hi, BR, num_stages=STAGES):
+                    rows, live = _tok_rows(code_ptr, r0, r_hi, BR)
+                    pq, ps = _tok_block(p_ptr, ps_ptr, rows, live, ncols, (n * BN) // 128, N, P_FP8)
+                    qq, qs = _tok_block(q_ptr, qs_ptr, rows, live, k * BK + kk, (k * BK) // 128, K, Q_FP8)
+                    acc += _mm(pq.T, qq, UPCAST) * (ps[:, None] * qs[None, :])
+                _store_dw(dw_ptr, acc, e, n, k, N, K, BN, BK, TMA_STORE)
+
+
+def fp8_wgrad(p_RN: torch.Tensor, p_scale: Optional[torch.Tensor], q_RK: torch.Tensor,
+              q_scale: Optional[torch.Tensor], dw_LNK: torch.Tensor, row_code_R: torch.Tensor,
+              expert_row_L1: torch.Tensor, *, programs: int, block_n: int = 128, block_k: int = 128, stages: int = 2,
+              num_warps: int = 8, tma_store: bool = False) -> None:
+    """dw[e] = p[rows of e]^T @ q[rows of e] in fp8: both operands quantised along the tokens in 128-row blocks from
+    the expert's first row (``expert_row_L1``), one scale per block and column, fp32 accumulation, the blocks in
+    schedule order (padding rows, code < 0, add nothing). An operand is bf16 rows, or e4m3 rows with 1 x 128
+    scales (``*_scale`` given: dequantised, then quantised along the tokens). ``dw`` bf16 [L, N, K]."""
+    R, N = p_RN.shape
+    K = q_RK.shape[1]
+    L = dw_LNK.shape[0]
+    assert dw_LNK.shape == (L, N, K) and q_RK.shape[0] == R
+    assert N % block_n == 0 and K % block_k == 0 and BLOCK % block_n == 0 and BLOCK % block_k == 0, \
+        f"N {N} / K {K}: blocks ({block_n}, {block_k}) must divide them and {BLOCK}"
+    for t, s in ((p_RN, p_scale), (q_RK, q_scale)):
+        assert (s is not None) == (t.dtype == E4M3), "an e4m3 operand comes with its 1 x 128 scales, bf16 without"
+        assert s is None or s.shape == (R, t.shape[1] // BLOCK)
+    dw = dw_LNK
+    if tma_store and dw_LNK.is_cuda:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        dw = TensorDescriptor.from_tensor(dw_LNK.view(-1, K), [block_n, block_k])
+    _fp8_wgrad_kernel[(programs,)](
+        p_RN, p_scale if p_scale is not None else p_RN, q_RK, q_scale if q_scale is not None else q_RK, dw,
+        row_code_R, expert_row_L1, N, K, L, BN=block_n, BK=block_k, BR=BLOCK, NUM_PROGS=programs, UPCAST=INTERPRET,
+        STAGES=stages, TMA_STORE=tma_store and dw_LNK.is_cuda, P_FP8=p_scale is not None,
+        Q_FP8=q_scale is not None, num_warps=num_warps)
+
+
+def _tiles(H: int, I: int, cuda: bool) -> dict[str, dict[str, Any]]:
+    """Launch parameters of the fp8 backward's GEMMs (v0, PERF_NOTES "Session 25"): dgate 64 x 128 (its epilogue
+    quantises dH in 1 x 128 blocks), dX 128 x 128, the weight gradients 128 x 128 strips over 128-row token
+    blocks, 8 warps, one program an SM. On the CPU (interpreter) the same, the column blocks capped at what
+    divides the toy shapes."""
+    bn = 128 if (H % 128 == 0 and I % 128 == 0) else 64
+    return {"dgate": dict(block_m=64, block_n=BLOCK, stages=3),
+            "dx": dict(block_m=128 if cuda else 64, block_n=bn, stages=3),
+            "dw13": dict(block_n=bn, block_k=bn, stages=2, tma_store=cuda),
+            "dw2": dict(block_n=bn, block_k=bn, stages=2, tma_store=cuda)}
+
+
+def expert_backward(x_rows: torch.Tensor, xs_rows: torch.Tensor, dO_rows: torch.Tensor, dOs_rows: torch.Tensor,
+                    s_rows: torch.Tensor, h: torch.Tensor, clip: Optional[torch.Tensor], w13: torch.Tensor,
+                    w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor, code_R: torch.Tensor,
+                    tile_expert: torch.Tensor, tile_row: torch.Tensor, chunk: torch.Tensor, starts: torch.Tensor,
+                    dx_slots: torch.Tensor, *, limit: Optional[float], programs: int,
+                    mark: Callable[[str], None], push: Optional[tuple[torch.Tensor, int]] = None,
+                    tiles: Optional[dict[str, dict[str, Any]]] = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The four fp8 stages over this rank's routed rows (the fp8 counterpart of ``train._expert_backward``): the
+    dX rows pushed into ``dx_slots`` by their code (``push``: every rank's offset from ``dx_slots``, T K), and
+    (dW13 bf16 [L, 2I, H], dW2 bf16 [L, H, I], the router-weight gradient of every row, fp32 [R]). X rows and dO
+    rows are e4m3 with 1 x 128 scales, ``h`` the forward's pre-SwiGLU H (bf16 [R, 2I]) with its clamp masks, the
+    weights the forward's e4m3 values in the plain layout with their 128 x 128 scales. ``tiles``: launch
+    overrides per stage (:func:`_tiles`' keys)."""
+    R, H = x_rows.shape
+    L, I = w2.shape[0], w2.shape[2]
+    dev = x_rows.device
+    t = _tiles(H, I, dev.type == "cuda")
+    for stage, over in (tiles or {}).items():
+        if stage in t:
+            t[stage] = {**t[stage], **over}
+    dH = torch.empty(R, 2 * I, dtype=torch.bfloat16, device=dev)
+    dHq = torch.empty(R, 2 * I, dtype=E4M3, device=dev)
+    dHs = torch.empty(R, 2 * I // BLOCK, dtype=torch.float32, device=dev)
+    sA = torch.empty(R, I, dtype=torch.bfloat16, device=dev)
+    ds_parts = torch.empty(R, I // BLOCK, dtype=torch.float32, device=dev)
+    fp8_rows(dO_rows, dOs_rows, w2, w2_scale, dH, tile_expert, tile_row, chunk, programs=programs, limit=limit,
+             dgate=dict(h=h, clip=clip, s=s_rows, sa=sA, ds=ds_parts, dhq=dHq, dhs=dHs), **t["dgate"])
+    mark("dgate")
+    fp8_rows(dHq, dHs, w13, w13_scale, dx_slots, tile_expert, tile_row, chunk, programs=programs, push_code=code_R,
+             push_delta=push[0] if push else None, slots_per_rank=push[1] if push else None, **t["dx"])
+    mark("dx")
+    ds = router_grad(ds_parts)
+    dW13 = torch.empty(L, 2 * I, H, dtype=torch.bfloat16, device=dev)
+    fp8_wgrad(dH, None, x_rows, xs_rows, dW13, code_R, starts, programs=programs, **t["dw13"])
+    mark("dw13")
+    dW2 = torch.empty(L, H, I, dtype=torch.bfloat16, device=dev)
+    fp8_wgrad(dO_rows, dOs_rows, sA, None, dW2, code_R, starts, programs=programs, **t["dw2"])
+    mark("dw2")
+    return dW13, dW2, ds
