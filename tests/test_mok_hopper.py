@@ -635,10 +635,10 @@ def test_save_h_stores_the_pre_swiglu_h_and_clamp_decisions(layout, limit):
     assert sizes == ({16, 32} if layout == "default" else {32, 48, 64, 80})
 
 
-def test_an_fp8_training_layer_saves_h_and_keeps_its_plain_weights():
+def test_an_fp8_training_layer_saves_h_and_keeps_its_transposed_weights():
     """fp8 with save_h (issue 25): the up GEMM's epilogue saves every routed row's pre-SwiGLU H from the e4m3 GEMM
-    (the twin's ``saved_fp8``); train=True keeps the e4m3 weights in the plain layout, the forward's values and
-    scales; an inference layer keeps none."""
+    (the twin's ``saved_fp8``); train=True keeps the e4m3 weights transposed (the forward's values; its scales);
+    an inference layer keeps none."""
     from contract.fp8 import quantize_blocks
     from kernels.mok_hopper import twin_bwd
     from kernels.mok_hopper.api import MoKHopperLayer
@@ -648,7 +648,8 @@ def test_an_fp8_training_layer_saves_h_and_keeps_its_plain_weights():
     layer = MoKHopperLayer(w13[0], w2[0], topk=2, tokens=16, precision="fp8", save_h=True, train=True, rank=0,
                            world=1, cuda_graph=False)
     for got, want in ((layer.w13_bwd, quantize_expert_weights(w13[0])), (layer.w2_bwd, quantize_expert_weights(w2[0]))):
-        assert got.shape == want[0].shape and torch.equal(got.view(torch.uint8), want[0].view(torch.uint8))
+        want_t = want[0].transpose(1, 2).contiguous()  # W^T: the dgrad GEMMs read it K-major
+        assert got.shape == want_t.shape and torch.equal(got.view(torch.uint8), want_t.view(torch.uint8))
     assert torch.equal(layer.w13_scale, quantize_expert_weights(w13[0])[1])
     layer(xs[0], idx[0], ws[0])
     s = layer.sched

@@ -35,9 +35,9 @@ KERNEL_MODULES = ("schedule_kernels", "pull", "up_gemm", "down_gemm", "bwd_gemm"
 # against 9.32 ms, where the spill-free 8-warp build took 8.45 ms.
 # The fp8 backward v0 (PERF_NOTES, "Session 25"): dgate's epilogue also quantises dH (two more fp32 tiles and their
 # row maxima beside the SwiGLU's): 40 / 88 B (plain / clamped) on Triton 3.8, 80 / 128 B on 3.6, in the epilogue
-# only (once a 64 x 128 tile, after its H / 128 K steps); dW13's weight gradient 8 B on both.
+# only (once a 64 x 128 tile, after its H / 128 K steps).
 SPILL_BUDGET = ((" save H", 64), ("bwd dgate", 64), ("bwd dgate pair", 144), ("bwd wgrad P resident 128 rows", 16),
-                ("bwd fp8 dgate", 128), ("bwd fp8 wgrad", 8))
+                ("bwd fp8 dgate", 128))
 
 
 def kernel(name: str) -> Any:
@@ -269,9 +269,9 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048, extras: bool 
             desc = f"tensordesc<bf16[{bn}, {bk}]>"
             out.append(Variant(label, "_dx_dw13_kernel", dict(dx_t, w13_ptr=desc, dw13_ptr=desc),
                                dict(fz_c, BR=br, BN=bn, BK=bk), warps))
-        # the fp8 backward (bwd_fp8.py, issue 25), at its launches: dgrad GEMMs over the plain e4m3 weights by TMA
-        # (dgate with dH quantised in its epilogue, clamped too; dX pushed), the weight gradients quantising both
-        # operands along the tokens (dW13: P bf16 dH, Q e4m3 X rows; dW2: P e4m3 dO rows, Q bf16 s*A)
+        # the fp8 backward (bwd_fp8.py, issue 25), at its launches: dgrad GEMMs over the e4m3 W^T by TMA (dgate with
+        # dH quantised in its epilogue, clamped too; dX pushed), the token-axis quantisation of the weight gradients'
+        # operands (from bf16 and from e4m3 rows) and their K-major e4m3 GEMM
         f8_t = dict(a_ptr="*fp8e4nv", as_ptr="*fp32", w_ptr="tensordesc<fp8e4nv[128, 128]>", ws_ptr="*fp32",
                     out_ptr="*bf16", h_ptr="*bf16", clip_ptr="*u8", s_ptr="*fp32", sa_ptr="*bf16", ds_ptr="*fp32",
                     dhq_ptr="*fp8e4nv", dhs_ptr="*fp32", code_ptr="*i32", delta_ptr="*i64", tile_expert_ptr="*i32",
@@ -282,13 +282,18 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048, extras: bool 
                             ("bwd fp8 dgate clamp", dict(DGATE=True, HAS_LIMIT=True, BM=64)),
                             ("bwd fp8 dx push", dict(PUSH=True, BM=128))):
             out.append(Variant(label, "_fp8_rows_kernel", f8_t, {**f8_c, **over}, 8))
-        fw_t = dict(ps_ptr="*fp32", qs_ptr="*fp32", dw_ptr="tensordesc<bf16[128, 128]>", code_ptr="*i32",
-                    expert_row_ptr="*i32", N="i32", K="i32", L="i32")
-        fw_c = dict(BN=128, BK=128, BR=128, NUM_PROGS=nprog, UPCAST=False, STAGES=2, TMA_STORE=True)
-        for label, p8 in (("bwd fp8 wgrad dW13", False), ("bwd fp8 wgrad dW2", True)):
-            out.append(Variant(label, "_fp8_wgrad_kernel",
-                               dict(fw_t, p_ptr="*fp8e4nv" if p8 else "*bf16", q_ptr="*bf16" if p8 else "*fp8e4nv"),
-                               dict(fw_c, P_FP8=p8, Q_FP8=not p8), 8))
+        fw_t = dict(pt_ptr="*fp8e4nv", ps_ptr="*fp32", qt_ptr="*fp8e4nv", qs_ptr="*fp32",
+                    dw_ptr="tensordesc<bf16[128, 128]>", expert_row_ptr="*i32", block_base_ptr="*i32", RP="i32",
+                    N="i32", K="i32", L="i32")
+        fw_t.update(pt_ptr="tensordesc<fp8e4nv[128, 128]>", qt_ptr="tensordesc<fp8e4nv[128, 128]>")
+        out.append(Variant("bwd fp8 wgrad", "_fp8_wgrad_kernel", fw_t,
+                           dict(BN=128, BK=128, BR=128, NUM_PROGS=nprog, UPCAST=False, STAGES=3, TMA=True,
+                                TMA_STORE=True), 8))
+        tq_t = dict(srcs_ptr="*fp32", dst_ptr="*fp8e4nv", dsts_ptr="*fp32", code_ptr="*i32", expert_row_ptr="*i32",
+                    block_base_ptr="*i32", C="i32", RP="i32", L="i32")
+        for label, src in (("bwd fp8 token quant bf16", "*bf16"), ("bwd fp8 token quant e4m3", "*fp8e4nv")):
+            out.append(Variant(label, "_tok_quant_t_kernel", dict(tq_t, src_ptr=src),
+                               dict(BR=128, BC=64, FP8=src != "*bf16", NUM_PROGS=nprog), 8))
         # a module whose parameters are in the forward's TMA block order (MoKHopperMoE(layout="tiled"); blocks of
         # the glm_5_2 default: W13 gate/up interleaved up_n x up_k, W2 down_n x down_k), read and written by pointers
         up_t, dn_t = dict(TBN=cfg.up_n, TBK=cfg.up_k, GU=True), dict(TBN=cfg.down_n, TBK=cfg.down_k)

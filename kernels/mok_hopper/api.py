@@ -98,9 +98,9 @@ class MoKHopperLayer(torch.nn.Module):
             every forward (CUDA graph replays too); rows outside the last forward's tiles keep older values. The
             shared expert saves nothing. False (the default): None, and the inference kernels are unchanged.
         train: a layer a backward will follow (:mod:`kernels.mok_hopper.train`). fp8: it also keeps its e4m3
-            weights in the plain layout (``w13_bwd`` [L, 2I, H], ``w2_bwd`` [L, H, I]; the forward's values and
-            scales, which its GEMMs may read in TMA block order), what the fp8 backward's dgrad GEMMs read (no copy
-            where the forward's weights are plain). bf16: nothing more (its backward reads the caller's weights).
+            weights transposed (``w13_bwd`` [L, H, 2I], ``w2_bwd`` [L, I, H]; the forward's values, with its scales
+            ``w13_scale`` / ``w2_scale``), what the fp8 backward's dgrad GEMMs read K-major (1 byte a parameter).
+            bf16: nothing more (its backward reads the caller's weights).
     """
 
     def __init__(self, w13_LIH: torch.Tensor, w2_LHI: torch.Tensor, *, topk: int, tokens: int,
@@ -156,7 +156,10 @@ class MoKHopperLayer(torch.nn.Module):
             self.register_buffer("w13_scale", s13, persistent=False)
             self.register_buffer("w2", q2, persistent=False)
             self.register_buffer("w2_scale", s2, persistent=False)
-            self.w13_bwd, self.w2_bwd = (q13, q2) if train else (None, None)  # the plain e4m3 weights (no copy)
+            # the backward's dgrad GEMMs reduce over W's rows: Hopper's e4m3 MMA wants them contiguous (K-major), so
+            # a training layer keeps W^T (the same e4m3 values; W's 128 x 128 scales serve it transposed)
+            self.w13_bwd, self.w2_bwd = ((q13.transpose(1, 2).contiguous(), q2.transpose(1, 2).contiguous())
+                                         if train else (None, None))
         else:
             self.register_buffer("w13", w13_LIH.detach().contiguous(), persistent=False)
             self.register_buffer("w2", w2_LHI.detach().contiguous(), persistent=False)

@@ -10,14 +10,22 @@ e4m3 operands, fp32 accumulation, every block's product promoted by its scales. 
     dH (bf16, for dW13), dH again as e4m3 1 x 128 along 2I from its fp32 values (for dX: the quantisation fused into
     the epilogue that produces dH, no pass over it), s*A (bf16) and the router-weight gradient's partial sums;
   - ``push``: A = dH (e4m3), W = W13 [2I, H]: the dX rows (bf16) pushed to their token slots / source ranks.
-* :func:`fp8_wgrad` - dW[e] = P_e^T Q_e over each expert's rows, both operands quantised along the tokens in the
-  kernel that consumes them, in 128-row blocks from the expert's first row (one scale per block and column): from
-  bf16 rows (dH, s*A) or from 1 x 128 e4m3 rows, dequantised first (X, dO: the forward keeps X only in fp8, and dO
-  arrives quantised). No pass over memory to quantise, no split-K, no atomics: bitwise deterministic.
+* :func:`fp8_wgrad` - dW[e] = P_e^T Q_e over each expert's rows, both operands quantised along the tokens in 128-row
+  blocks from the expert's first row (one scale per block and column): from bf16 rows (dH, s*A) or from 1 x 128
+  e4m3 rows, dequantised first (X, dO: the forward keeps X only in fp8, and dO arrives quantised). One pass over each
+  operand quantises it and writes it transposed (:func:`token_quantise_t`: the tokens contiguous, K-major, as
+  Hopper's e4m3 MMA needs), then the e4m3 GEMM. No split-K, no atomics: bitwise deterministic.
+
+Hopper's e4m3 MMA (QGMMA) takes both operands K-major only. The dgrad GEMMs reduce over W's rows, so a training layer
+keeps W^T in e4m3 (the same values; 1 byte a parameter); v0 read W row-major, and Triton's transposes in the loop made
+dgate and dX 4-6x slower than their floors (PERF_NOTES "Session 25"). The wgrad quantised its operands inside the
+GEMM in v0 (no pass over memory), 3-6x slower than the store floor; v1 quantises them in a pass of their own.
 
 The passes over memory that remain outside the GEMMs: the stage's quantisation of dO (one read of [T, H] bf16, as the
-forward's x) and the router-weight gradient's sum over the column tiles (:func:`~kernels.mok_hopper.bwd_gemm.
-router_grad`). The shared expert stays bf16, as in the forward.
+forward's x), the four token-axis quantisations of the wgrad operands (dH and s*A bf16, X and dO e4m3: about
+0.6 GB on glm_5_2 at EP=1, against the 19 GB of weight gradients written) and the router-weight gradient's sum over
+the column tiles (:func:`~kernels.mok_hopper.bwd_gemm.router_grad`). The shared expert stays bf16, as in the
+forward.
 
 Legend: R routed rows, L local experts, H hidden, I ffn, N / K a GEMM's output / reduction dims.
 """
@@ -45,8 +53,9 @@ def _fp8_rows_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, h_ptr, clip_ptr, s_p
                      UPCAST: tl.constexpr, GROUP_M: tl.constexpr, STAGES: tl.constexpr, DGATE: tl.constexpr,
                      HAS_LIMIT: tl.constexpr, WTMA: tl.constexpr, PUSH: tl.constexpr):
     """Work items (row tile, column tile), each tile in BM-row blocks; K steps of BK = 128 (one scale block of A and
-    of W). WTMA: ``w_ptr`` is a TMA descriptor over W's [L K, N] view, blocks [BK, BN]; else W is contiguous
-    [L, K, N]. Each column's weight scale is that of its 128-column block (BN may span several)."""
+    of W). The weights come transposed, W^T contiguous [L, N, K] (K-major, as Hopper's e4m3 MMA needs): WTMA:
+    ``w_ptr`` is a TMA descriptor over its [L N, K] view, blocks [BN, BK]. Each column's weight scale is that of its
+    128-column block (BN may span several); the scales are W's, [L, K / 128, N / 128]."""
     m_lo = tl.load(chunk_ptr)
     m_hi = tl.load(chunk_ptr + 1)
     n_n = N // BN
@@ -66,10 +75,10 @@ def _fp8_rows_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, h_ptr, clip_ptr, s_p
             for k0 in tl.range(0, K, BK, num_stages=STAGES):
                 a = tl.load(a_ptr + rows[:, None] * K + (k0 + kk)[None, :], mask=rmask[:, None], other=0.0)
                 sa = tl.load(as_ptr + rows * KB + k0 // BK, mask=rmask, other=0.0)
-                if WTMA:
-                    b = w_ptr.load([e_tile * K + k0, n * BN])
+                if WTMA:  # W^T's [BN, BK] block, K contiguous: Hopper's e4m3 MMA takes K-major operands only
+                    b = w_ptr.load([e_tile * N + n * BN, k0]).T
                 else:
-                    b = tl.load(w_ptr + e * K * N + (k0 + kk)[:, None].to(tl.int64) * N + cols[None, :])
+                    b = tl.load(w_ptr + e * N * K + cols[None, :].to(tl.int64) * K + (k0 + kk)[:, None])
                 sw = tl.load(wsc + (k0 // BK) * NB)
                 acc += _mm(a, b, UPCAST) * (sa[:, None] * sw[None, :])
             _bwd_rows_epilogue(acc, rows, rmask, cols, n, n_n, out_ptr, h_ptr, clip_ptr, s_ptr, sa_ptr, ds_ptr,
@@ -77,22 +86,24 @@ def _fp8_rows_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, h_ptr, clip_ptr, s_p
                                dhs_ptr, DGATE)
 
 
-def fp8_rows(a_RK: torch.Tensor, a_scale: torch.Tensor, w_LKN: torch.Tensor, w_scale: torch.Tensor,
+def fp8_rows(a_RK: torch.Tensor, a_scale: torch.Tensor, wt_LNK: torch.Tensor, w_scale: torch.Tensor,
              out: torch.Tensor, tile_expert_M: torch.Tensor, tile_row_M1: torch.Tensor, chunk_2: torch.Tensor, *,
              block_m: int, programs: int, block_n: int = 128, stages: int = 3, group_m: int = 4,
              dgate: Optional[dict] = None, limit: Optional[float] = None, push_code: Optional[torch.Tensor] = None,
              push_delta: Optional[torch.Tensor] = None, slots_per_rank: Optional[int] = None,
              num_warps: int = 8) -> None:
     """out[r] = a[r] @ w[e(r)] in fp8 over the row tiles [chunk_2[0], chunk_2[1]): ``a`` e4m3 [R, K] with
-    ``a_scale`` fp32 [R, K / 128], ``w`` contiguous e4m3 [L, K, N] with ``w_scale`` fp32 [L, K / 128, N / 128].
+    ``a_scale`` fp32 [R, K / 128]; the weights given transposed, ``wt`` contiguous e4m3 [L, N, K] (W2^T [L, I, H] for
+    dgate, W13^T [L, H, 2I] for dX: the layer's ``w2_bwd`` / ``w13_bwd``), with W's scales ``w_scale`` fp32
+    [L, K / 128, N / 128] (the 128 x 128 blocks of W^T are W's, transposed).
     ``dgate`` = dict(h, clip, s, sa, ds, dhq, dhs): the dgate epilogue (as :func:`~kernels.mok_hopper.bwd_gemm.
     bwd_rows`; ``out`` is dH bf16 [R, 2N]; ``dhq`` e4m3 [R, 2N] and ``dhs`` fp32 [R, 2N / 128] get dH in 1 x 128
     blocks; ``block_n`` must be 128). ``push_code`` / ``push_delta`` / ``slots_per_rank``: the dX rows to their
     token slots, as :func:`~kernels.mok_hopper.bwd_gemm.bwd_rows`."""
     R, K = a_RK.shape
-    L, Kw, N = w_LKN.shape
-    assert a_RK.dtype == E4M3 and w_LKN.dtype == E4M3 and w_LKN.is_contiguous() and Kw == K, \
-        "fp8_rows: e4m3 rows [R, K] and contiguous e4m3 weights [L, K, N]"
+    L, N, Kw = wt_LNK.shape
+    assert a_RK.dtype == E4M3 and wt_LNK.dtype == E4M3 and wt_LNK.is_contiguous() and Kw == K, \
+        "fp8_rows: e4m3 rows [R, K] and contiguous transposed e4m3 weights [L, N, K]"
     assert K % BLOCK == 0 and N % BLOCK == 0 and (BLOCK % block_n == 0 or block_n % BLOCK == 0), \
         f"K {K} / N {N} must be multiples of {BLOCK}, block_n ({block_n}) divide or be a multiple of it"
     assert a_scale.shape == (R, K // BLOCK) and w_scale.shape == (L, K // BLOCK, N // BLOCK)
@@ -105,12 +116,12 @@ def fp8_rows(a_RK: torch.Tensor, a_scale: torch.Tensor, w_LKN: torch.Tensor, w_s
         delta, tk = torch.zeros(1, dtype=torch.int64, device=out.device), 1 << 30
     else:
         delta, tk = push_delta, slots_per_rank
-    wtma = w_LKN.is_cuda
-    w = w_LKN
+    wtma = wt_LNK.is_cuda
+    w = wt_LNK
     if wtma:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
-        w = TensorDescriptor.from_tensor(w_LKN.reshape(-1, N), [BLOCK, block_n])
+        w = TensorDescriptor.from_tensor(wt_LNK.reshape(-1, K), [block_n, BLOCK])
     clip = d.get("clip") if limit is not None else None
     _fp8_rows_kernel[(programs,)](
         a_RK, a_scale, w, w_scale, out, d.get("h", out), clip if clip is not None else out, d.get("s", out),
@@ -123,101 +134,146 @@ def fp8_rows(a_RK: torch.Tensor, a_scale: torch.Tensor, w_LKN: torch.Tensor, w_s
 
 
 @triton.jit
-def _tok_block(ptr, s_ptr, rows, live, cols, c_block, C, FP8: tl.constexpr):
-    """Rows ``rows`` x columns ``cols`` (one 128-column block, ``c_block``) of a row-major [R, C] operand, as e4m3
-    with one scale per column over these rows (fp32 [BC]); FP8: the rows are e4m3 with 1 x 128 scales
-    (``s_ptr`` [R, C / 128]), dequantised first. Rows not ``live`` are zeros (and set no scale)."""
-    v = tl.load(ptr + rows[:, None] * C + cols[None, :], mask=live[:, None], other=0.0).to(tl.float32)
-    if FP8:
-        v = v * tl.load(s_ptr + rows * (C // 128) + c_block, mask=live, other=0.0)[:, None]
-    amax = tl.max(tl.abs(v), axis=0)
-    scale = tl.maximum(amax, 1e-12) / FP8_MAX_C
-    q = tl.minimum(tl.maximum(v / scale[None, :], -FP8_MAX_C), FP8_MAX_C)
-    return q.to(tl.float8e4nv), scale
-
-
-@triton.jit
-def _tok_rows(code_ptr, r0, r_hi, BR: tl.constexpr):
-    rows = (r0 + tl.arange(0, BR)).to(tl.int64)
-    live = (rows < r_hi) & (tl.load(code_ptr + rows, mask=rows < r_hi, other=-1) >= 0)  # padding rows: zeros
-    return rows, live
-
-
-@triton.jit
-def _fp8_wgrad_kernel(p_ptr, ps_ptr, q_ptr, qs_ptr, dw_ptr, code_ptr, expert_row_ptr, N, K, L,
-                      BN: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, NUM_PROGS: tl.constexpr,
-                      UPCAST: tl.constexpr, STAGES: tl.constexpr, TMA_STORE: tl.constexpr, P_FP8: tl.constexpr,
-                      Q_FP8: tl.constexpr):
-    """Work items (expert, column block of N), each a strip of dW[e] [BN, K]. An expert of at most BR rows (one
-    token block: the published shapes at EP=1) quantises its P block once and streams its Q blocks, one output
-    block per K step; a larger expert sums its token blocks, ascending, for every output block (P quantised again
-    each time: the same values). Every block's product is promoted by its P and Q column scales."""
-    n_n = N // BN
-    n_k = K // BK
-    kk = tl.arange(0, BK)
-    for wk in range(tl.program_id(0), L * n_n, NUM_PROGS):
-        e = wk // n_n
-        n = wk % n_n
+def _tok_quant_t_kernel(src_ptr, srcs_ptr, dst_ptr, dsts_ptr, code_ptr, expert_row_ptr, block_base_ptr, C, RP, L,
+                        BR: tl.constexpr, BC: tl.constexpr, FP8: tl.constexpr, NUM_PROGS: tl.constexpr):
+    """Work items (expert, column block): the expert's j-th 128-row token block of ``src`` [R, C] (``src`` e4m3 with
+    1 x 128 scales if FP8, dequantised first) quantised to e4m3 with one scale per column, written transposed into
+    slot ``block_base[e] + j`` of ``dst`` [C, RP] (columns [slot 128, slot 128 + 128): the tokens contiguous,
+    K-major for the GEMM; rows past the expert's end and padding rows as zeros) and its scales into row ``slot`` of
+    ``dsts`` [blocks, C]. Offsets in int32 (the launcher checks the sizes)."""
+    n_c = C // BC
+    r_off = tl.arange(0, BR)
+    for wk in range(tl.program_id(0), L * n_c, NUM_PROGS):
+        e = wk // n_c
+        c = wk % n_c
         r_lo = tl.load(expert_row_ptr + e)
         r_hi = tl.load(expert_row_ptr + e + 1)
+        b0 = tl.load(block_base_ptr + e)
+        cols = c * BC + tl.arange(0, BC)
+        for r0 in range(r_lo, r_hi, BR):
+            rows = r0 + r_off
+            live = (rows < r_hi) & (tl.load(code_ptr + rows, mask=rows < r_hi, other=-1) >= 0)  # padding rows: 0
+            v = tl.load(src_ptr + rows[:, None] * C + cols[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+            if FP8:
+                v = v * tl.load(srcs_ptr + rows * (C // 128) + (c * BC) // 128, mask=live, other=0.0)[:, None]
+            amax = tl.max(tl.abs(v), axis=0)
+            scale = tl.maximum(amax, 1e-12) / FP8_MAX_C
+            q = tl.minimum(tl.maximum(v / scale[None, :], -FP8_MAX_C), FP8_MAX_C).to(tl.float8e4nv)
+            slot = b0 + (r0 - r_lo) // BR
+            tl.store(dst_ptr + cols[None, :] * RP + (slot * BR + r_off)[:, None], q)
+            tl.store(dsts_ptr + slot * C + cols, scale)
+
+
+@triton.jit
+def _fp8_wgrad_kernel(pt_ptr, ps_ptr, qt_ptr, qs_ptr, dw_ptr, expert_row_ptr, block_base_ptr, RP, N, K, L,
+                      BN: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, NUM_PROGS: tl.constexpr,
+                      UPCAST: tl.constexpr, STAGES: tl.constexpr, TMA: tl.constexpr, TMA_STORE: tl.constexpr):
+    """Work items (expert, column block of N, column block of K), expert-major, K fastest (programs running
+    together share one expert's P^T block from L2): dW[e] block = sum over the expert's token blocks, ascending, of
+    P^T block @ Q^T block^T (e4m3, K = the block's 128 tokens, both K-major; :func:`token_quantise_t`'s slots),
+    promoted by the block's P and Q column scales. The item loop is flattened with the token loop (the next item's
+    loads are issued during this item's store). TMA: ``pt_ptr`` / ``qt_ptr`` are descriptors over [N, RP] / [K, RP]
+    with blocks [BN, BR] / [BK, BR]."""
+    n_n = N // BN
+    n_k = K // BK
+    r_off = tl.arange(0, BR)
+    for wk in tl.range(tl.program_id(0), L * n_n * n_k, NUM_PROGS, flatten=True):
+        e = wk // (n_n * n_k)
+        n = (wk // n_k) % n_n
+        k = wk % n_k
+        r_lo = tl.load(expert_row_ptr + e)
+        n_blk = tl.cdiv(tl.load(expert_row_ptr + e + 1) - r_lo, BR)
+        b0 = tl.load(block_base_ptr + e)
         ncols = n * BN + tl.arange(0, BN)
-        if r_hi - r_lo <= BR:
-            rows, live = _tok_rows(code_ptr, r_lo, r_hi, BR)
-            pq, ps = _tok_block(p_ptr, ps_ptr, rows, live, ncols, (n * BN) // 128, N, P_FP8)
-            for k in tl.range(0, n_k, num_stages=STAGES):
-                qq, qs = _tok_block(q_ptr, qs_ptr, rows, live, k * BK + kk, (k * BK) // 128, K, Q_FP8)
-                acc = _mm(pq.T, qq, UPCAST) * (ps[:, None] * qs[None, :])
-                _store_dw(dw_ptr, acc, e, n, k, N, K, BN, BK, TMA_STORE)
-        else:
-            for k in range(0, n_k):
-                acc = tl.zeros((BN, BK), dtype=tl.float32)
-                for r0 in tl.range(r_lo, r_hi, BR, num_stages=STAGES):
-                    rows, live = _tok_rows(code_ptr, r0, r_hi, BR)
-                    pq, ps = _tok_block(p_ptr, ps_ptr, rows, live, ncols, (n * BN) // 128, N, P_FP8)
-                    qq, qs = _tok_block(q_ptr, qs_ptr, rows, live, k * BK + kk, (k * BK) // 128, K, Q_FP8)
-                    acc += _mm(pq.T, qq, UPCAST) * (ps[:, None] * qs[None, :])
-                _store_dw(dw_ptr, acc, e, n, k, N, K, BN, BK, TMA_STORE)
+        kcols = k * BK + tl.arange(0, BK)
+        acc = tl.zeros((BN, BK), dtype=tl.float32)
+        for j in tl.range(0, n_blk, num_stages=STAGES):
+            slot = b0 + j
+            if TMA:
+                a = pt_ptr.load([n * BN, slot * BR])
+                b = qt_ptr.load([k * BK, slot * BR])
+            else:
+                a = tl.load(pt_ptr + ncols[:, None] * RP + (slot * BR + r_off)[None, :])
+                b = tl.load(qt_ptr + kcols[:, None] * RP + (slot * BR + r_off)[None, :])
+            sp = tl.load(ps_ptr + slot * N + ncols)
+            sq = tl.load(qs_ptr + slot * K + kcols)
+            acc += _mm(a, b.T, UPCAST) * (sp[:, None] * sq[None, :])
+        _store_dw(dw_ptr, acc, e, n, k, N, K, BN, BK, TMA_STORE)
+
+
+def token_blocks(expert_row_L1: torch.Tensor, R: int) -> tuple[torch.Tensor, int]:
+    """(each expert's first token-block slot, int32 [L], on the device: no host sync; the number of slots, a bound:
+    every 128 rows of R plus one partial block an expert)."""
+    counts = (expert_row_L1[1:] - expert_row_L1[:-1]).clamp(min=0)
+    blocks = (counts + BLOCK - 1) // BLOCK
+    return (torch.cumsum(blocks, 0) - blocks).to(torch.int32), -(-R // BLOCK) + blocks.numel()
+
+
+def token_quantise_t(x_RC: torch.Tensor, x_scale: Optional[torch.Tensor], row_code_R: torch.Tensor,
+                     expert_row_L1: torch.Tensor, block_base_L: torch.Tensor, n_blocks: int, *, programs: int,
+                     block_c: int = 64, num_warps: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """The weight gradients' operand, quantised along the tokens (each expert's rows in 128-row blocks from its first
+    row, one scale per block and column; padding rows zero) and transposed into token-block slots: (e4m3
+    [C, n_blocks 128], fp32 [n_blocks, C]). ``x`` bf16, or e4m3 with 1 x 128 ``x_scale`` (dequantised first)."""
+    R, C = x_RC.shape
+    assert (x_scale is not None) == (x_RC.dtype == E4M3), "an e4m3 operand comes with its 1 x 128 scales, bf16 without"
+    assert C % block_c == 0 and BLOCK % block_c == 0 and (x_scale is None or x_scale.shape == (R, C // BLOCK))
+    RP = n_blocks * BLOCK
+    assert max(R, RP) * C < 2**31, "token_quantise_t indexes in int32"
+    qt = torch.empty(C, RP, dtype=E4M3, device=x_RC.device)  # slots no expert uses stay unwritten, and unread
+    qs = torch.empty(n_blocks, C, dtype=torch.float32, device=x_RC.device)
+    L = expert_row_L1.numel() - 1
+    _tok_quant_t_kernel[(programs,)](x_RC, x_scale if x_scale is not None else x_RC, qt, qs, row_code_R,
+                                     expert_row_L1, block_base_L, C, RP, L, BR=BLOCK, BC=block_c,
+                                     FP8=x_scale is not None, NUM_PROGS=programs, num_warps=num_warps)
+    return qt, qs
 
 
 def fp8_wgrad(p_RN: torch.Tensor, p_scale: Optional[torch.Tensor], q_RK: torch.Tensor,
               q_scale: Optional[torch.Tensor], dw_LNK: torch.Tensor, row_code_R: torch.Tensor,
-              expert_row_L1: torch.Tensor, *, programs: int, block_n: int = 128, block_k: int = 128, stages: int = 2,
-              num_warps: int = 8, tma_store: bool = False) -> None:
+              expert_row_L1: torch.Tensor, *, programs: int, block_n: int = 128, block_k: int = 128, stages: int = 3,
+              num_warps: int = 8, programs_per_sm: int = 1, tma_store: bool = False) -> None:
     """dw[e] = p[rows of e]^T @ q[rows of e] in fp8: both operands quantised along the tokens in 128-row blocks from
-    the expert's first row (``expert_row_L1``), one scale per block and column, fp32 accumulation, the blocks in
-    schedule order (padding rows, code < 0, add nothing). An operand is bf16 rows, or e4m3 rows with 1 x 128
+    the expert's first row (``expert_row_L1``), one scale per block and column (:func:`token_quantise_t`, one pass
+    over each operand into K-major e4m3 token-block slots), then the e4m3 GEMM with fp32 accumulation, the blocks
+    in schedule order (padding rows, code < 0, add nothing). An operand is bf16 rows, or e4m3 rows with 1 x 128
     scales (``*_scale`` given: dequantised, then quantised along the tokens). ``dw`` bf16 [L, N, K]."""
     R, N = p_RN.shape
     K = q_RK.shape[1]
     L = dw_LNK.shape[0]
     assert dw_LNK.shape == (L, N, K) and q_RK.shape[0] == R
-    assert N % block_n == 0 and K % block_k == 0 and BLOCK % block_n == 0 and BLOCK % block_k == 0, \
-        f"N {N} / K {K}: blocks ({block_n}, {block_k}) must divide them and {BLOCK}"
-    for t, s in ((p_RN, p_scale), (q_RK, q_scale)):
-        assert (s is not None) == (t.dtype == E4M3), "an e4m3 operand comes with its 1 x 128 scales, bf16 without"
-        assert s is None or s.shape == (R, t.shape[1] // BLOCK)
+    assert N % block_n == 0 and K % block_k == 0, f"N {N} / K {K} must be multiples of ({block_n}, {block_k})"
+    base, n_blocks = token_blocks(expert_row_L1, R)
+    bc = 64 if (N % 64 == 0 and K % 64 == 0) else 32
+    pt, ps = token_quantise_t(p_RN, p_scale, row_code_R, expert_row_L1, base, n_blocks, programs=programs,
+                              block_c=bc)
+    qt, qs = token_quantise_t(q_RK, q_scale, row_code_R, expert_row_L1, base, n_blocks, programs=programs,
+                              block_c=bc)
+    cuda = dw_LNK.is_cuda
     dw = dw_LNK
-    if tma_store and dw_LNK.is_cuda:
+    if cuda:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
-        dw = TensorDescriptor.from_tensor(dw_LNK.view(-1, K), [block_n, block_k])
-    _fp8_wgrad_kernel[(programs,)](
-        p_RN, p_scale if p_scale is not None else p_RN, q_RK, q_scale if q_scale is not None else q_RK, dw,
-        row_code_R, expert_row_L1, N, K, L, BN=block_n, BK=block_k, BR=BLOCK, NUM_PROGS=programs, UPCAST=INTERPRET,
-        STAGES=stages, TMA_STORE=tma_store and dw_LNK.is_cuda, P_FP8=p_scale is not None,
-        Q_FP8=q_scale is not None, num_warps=num_warps)
+        pt = TensorDescriptor.from_tensor(pt, [block_n, BLOCK])
+        qt = TensorDescriptor.from_tensor(qt, [block_k, BLOCK])
+        if tma_store:
+            dw = TensorDescriptor.from_tensor(dw_LNK.view(-1, K), [block_n, block_k])
+    progs = programs * programs_per_sm
+    _fp8_wgrad_kernel[(progs,)](pt, ps, qt, qs, dw, expert_row_L1, base, n_blocks * BLOCK, N, K, L, BN=block_n,
+                                BK=block_k, BR=BLOCK, NUM_PROGS=progs, UPCAST=INTERPRET, STAGES=stages, TMA=cuda,
+                                TMA_STORE=tma_store and cuda, num_warps=num_warps)
 
 
 def _tiles(H: int, I: int, cuda: bool) -> dict[str, dict[str, Any]]:
-    """Launch parameters of the fp8 backward's GEMMs (v0, PERF_NOTES "Session 25"): dgate 64 x 128 (its epilogue
-    quantises dH in 1 x 128 blocks), dX 128 x 128, the weight gradients 128 x 128 strips over 128-row token
-    blocks, 8 warps, one program an SM. On the CPU (interpreter) the same, the column blocks capped at what
-    divides the toy shapes."""
+    """Launch parameters of the fp8 backward's GEMMs (v1, PERF_NOTES "Session 25"): dgate 64 x 128 (its epilogue
+    quantises dH in 1 x 128 blocks), dX 128 x 128, both over W^T (K-major), 8 warps; the weight gradients 128 x 128
+    blocks over 128-row token blocks, 8 warps, one program an SM. On the CPU (interpreter) the same, the column
+    blocks capped at what divides the toy shapes."""
     bn = 128 if (H % 128 == 0 and I % 128 == 0) else 64
     return {"dgate": dict(block_m=64, block_n=BLOCK, stages=3),
-            "dx": dict(block_m=128 if cuda else 64, block_n=bn, stages=3),
-            "dw13": dict(block_n=bn, block_k=bn, stages=2, tma_store=cuda),
-            "dw2": dict(block_n=bn, block_k=bn, stages=2, tma_store=cuda)}
+            "dx": dict(block_m=128 if cuda else 32, block_n=bn, stages=3),
+            "dw13": dict(block_n=bn, block_k=bn, tma_store=cuda),
+            "dw2": dict(block_n=bn, block_k=bn, tma_store=cuda)}
 
 
 def expert_backward(x_rows: torch.Tensor, xs_rows: torch.Tensor, dO_rows: torch.Tensor, dOs_rows: torch.Tensor,
@@ -232,10 +288,10 @@ def expert_backward(x_rows: torch.Tensor, xs_rows: torch.Tensor, dO_rows: torch.
     dX rows pushed into ``dx_slots`` by their code (``push``: every rank's offset from ``dx_slots``, T K), and
     (dW13 bf16 [L, 2I, H], dW2 bf16 [L, H, I], the router-weight gradient of every row, fp32 [R]). X rows and dO
     rows are e4m3 with 1 x 128 scales, ``h`` the forward's pre-SwiGLU H (bf16 [R, 2I]) with its clamp masks, the
-    weights the forward's e4m3 values in the plain layout with their 128 x 128 scales. ``tiles``: launch
-    overrides per stage (:func:`_tiles`' keys)."""
+    weights the forward's e4m3 values transposed (W13^T [L, H, 2I], W2^T [L, I, H]) with W's 128 x 128 scales.
+    ``tiles``: launch overrides per stage (:func:`_tiles`' keys)."""
     R, H = x_rows.shape
-    L, I = w2.shape[0], w2.shape[2]
+    L, I = w2.shape[0], w2.shape[1]
     dev = x_rows.device
     t = _tiles(H, I, dev.type == "cuda")
     for stage, over in (tiles or {}).items():

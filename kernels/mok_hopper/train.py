@@ -313,7 +313,7 @@ def backward_stage(layer: MoKHopperLayer, dO_TH: torch.Tensor) -> None:
     assert layer.weights_in_expert, \
         "the backward covers the router weight applied in the expert (the default router_weight_in)"
     if layer.fp8:
-        assert layer.w13_bwd is not None, "the fp8 backward needs a layer built with train=True (its plain weights)"
+        assert layer.w13_bwd is not None, "the fp8 backward needs a layer built with train=True (its e4m3 W^T)"
         pull.quantize_rows(dO_TH.detach().to(torch.bfloat16).contiguous(), layer.ws.x, layer.ws.xs)
     else:
         layer.ws.x.copy_(dO_TH.detach())
@@ -364,8 +364,8 @@ def _fp8_compute(layer: MoKHopperLayer, x_TH: torch.Tensor, dO_TH: Optional[torc
                  tiles: Optional[dict[str, dict[str, Any]]]) -> dict[str, Any]:
     """:func:`backward_compute` in fp8: pull the e4m3 dO rows and their scales, H from the forward (``save_h``) or
     recomputed by the forward's own up GEMM (its epilogue's ``h_save``; the hidden rows it also writes are the
-    layer's scratch), the four stages of :func:`kernels.mok_hopper.bwd_fp8.expert_backward` over the layer's plain
-    e4m3 weights, the pushes, and the shared expert in bf16."""
+    layer's scratch), the four stages of :func:`kernels.mok_hopper.bwd_fp8.expert_backward` over the layer's e4m3
+    W^T, the pushes, and the shared expert in bf16."""
     assert shared is None or dO_TH is not None, "fp8 with a shared expert: pass dO_TH (its backward is bf16)"
     T, K, H = layer.T, layer.K, layer.H
     s, ws, dev = layer.sched, layer.ws, x_TH.device
