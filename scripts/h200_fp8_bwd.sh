@@ -6,6 +6,9 @@
 #               compute-bound point (glm_5_2@16epg): every gradient against the reference in the fp8 gate, 20
 #               repeats bitwise, stage times, memory (H saved); then qwen3_5_397b with H recomputed
 #               (OUTDIR/bwd_check_<mode>/mok_hopper_bwd_check.csv, OUTDIR/bwd_check_<mode>.log)
+#   PART sweep: the same on kimi_k2_7, glm_5_2, qwen3_5_397b (5 repeats) with bwd_check's FP8_SWEEP launch variants
+#               (stage times, whether each variant's gradients are the default's bits)
+#               (OUTDIR/bwd_check_sweep/mok_hopper_bwd_check.csv, OUTDIR/bwd_check_sweep.log)
 #   PART rows:  the harness rows: mok_hopper and nccl (fp8_gemm=rowwise, the fastest real fp8 path of sessions 21
 #               and 24, eager as in h200x1-s24-v16-fp8), forward and backward timed in one process per point
 #               (direction=fwd_and_bwd), published timing (500 warmup / 100 timed), calibrated roofline; the four
@@ -14,7 +17,7 @@
 # MOKBENCH_GIT_SHA names the commit (the device copy has no .git of the session's commit).
 set -uo pipefail
 OUTDIR=${1:?output folder}
-PART=${2:?PART: check or rows}
+PART=${2:?PART: check, sweep or rows}
 source scripts/gpu_env.sh "${WHEELS:-.whl}" || exit 1
 export MOKBENCH_RUN_ID=${MOKBENCH_RUN_ID:-h200x1-fp8-bwd-$(date -u +%Y%m%dT%H%M%S)}
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
@@ -30,6 +33,11 @@ case "$PART" in
         --shapes qwen3_5_397b --modes recompute --repeats 5 --out "$OUTDIR/bwd_check_recompute" \
         2>&1 | grep -v -e Warning -e warnings.warn | tee "$OUTDIR/bwd_check_recompute.log"
     ;;
+  sweep)
+    timeout 500 torchrun --nproc-per-node=1 -m benchmarks.mok_hopper.bwd_check --precision fp8 --no-nccl --sweep \
+        --shapes glm_5_2,qwen3_5_397b,kimi_k2_7 --modes save_h --repeats 5 --out "$OUTDIR/bwd_check_sweep" \
+        2>&1 | grep -v -e Warning -e warnings.warn | tee "$OUTDIR/bwd_check_sweep.log"
+    ;;
   rows)
     C="ep_size=1 precision=fp8 direction=fwd_and_bwd backends=[mok_hopper,nccl] fp8_gemm=rowwise compile=false"
     C="$C timing=published calibrate=true dist_timeout_s=900 run_id=$MOKBENCH_RUN_ID results_dir=$OUTDIR/runs"
@@ -42,6 +50,6 @@ case "$PART" in
       tail -n 3 "$OUTDIR/harness_$point.log"
     done
     ;;
-  *) echo "PART must be check or rows (got $PART)"; exit 2 ;;
+  *) echo "PART must be check, sweep or rows (got $PART)"; exit 2 ;;
 esac
 nvidia-smi --query-gpu=clocks.sm,power.draw,temperature.gpu --format=csv >> "$OUTDIR/smi_$PART.txt" 2>&1

@@ -109,12 +109,14 @@ def test_the_fp8_kernels_backward_across_simulated_ranks_matches_its_twin(P, lim
 
 
 @NEEDS_TRITON
+@pytest.mark.parametrize("resident", [False, True], ids=["blocks", "P-resident"])
 @pytest.mark.parametrize("p8", [False, True], ids=["P-bf16-Q-e4m3", "P-e4m3-Q-bf16"])
-def test_the_fp8_weight_gradient_over_several_token_blocks(p8):
+def test_the_fp8_weight_gradient_over_several_token_blocks(p8, resident):
     """fp8_wgrad over experts of 0, 1, 100, 128, 129 and 300 rows (padding rows between them): each expert's rows
     in 128-row token blocks from its first row, both operands quantised per block and column (an e4m3 operand
-    dequantised first), against the twin's ``token_quant``; an expert of one block takes the resident path, a larger
-    one sums its blocks. Padding rows add nothing even when they hold garbage."""
+    dequantised first), against the twin's ``token_quant``; ``resident``: an expert of one block loads its P block
+    once a strip, a larger one sums its blocks, an empty one writes zeros. Padding rows add nothing even when they
+    hold garbage."""
     from contract.fp8 import dequantize_blocks, quantize_blocks
     from kernels.mok_hopper.bwd_fp8 import fp8_wgrad
 
@@ -141,7 +143,8 @@ def test_the_fp8_weight_gradient_over_several_token_blocks(p8):
     for t in (args[0], args[2]):  # garbage on the padding rows: the kernel must not read it into any sum
         t.view(torch.uint8)[~live] = 0x7E
     dw = torch.full((len(sizes), N, Kd), float("nan"), dtype=torch.bfloat16)
-    fp8_wgrad(*args, dw, code, torch.tensor(starts, dtype=torch.int32), programs=3, block_n=64, block_k=128)
+    fp8_wgrad(*args, dw, code, torch.tensor(starts, dtype=torch.int32), programs=3, block_n=64, block_k=128,
+              resident=resident)
     for e, n in enumerate(sizes):
         rows = torch.arange(starts[e], starts[e] + n)
         want = (twin_bwd.token_quant(pv[rows]).t() @ twin_bwd.token_quant(qv[rows])).bfloat16()

@@ -136,6 +136,16 @@ SWEEP: dict[str, dict[str, dict[str, Any]]] = {
         "dw13": dict(q_resident=True, tma_store=False, num_warps=8, programs_per_sm=1),
         "dw2": dict(q_resident=True, tma_store=False, num_warps=8, programs_per_sm=1)},
 }
+# the fp8 backward's launch variants (bwd_fp8.py's stage keys; session 25: P-resident weight gradients, two programs
+# an SM at 4 warps)
+FP8_SWEEP: dict[str, dict[str, dict[str, Any]]] = {
+    "default again": {},
+    "fp8 wgrad P resident": {"dw13": dict(resident=True), "dw2": dict(resident=True)},
+    "fp8 wgrad 4 warps 2/SM": {"dw13": dict(num_warps=4, programs_per_sm=2),
+                               "dw2": dict(num_warps=4, programs_per_sm=2)},
+    "fp8 wgrad P resident 4 warps 2/SM": {"dw13": dict(resident=True, num_warps=4, programs_per_sm=2),
+                                          "dw2": dict(resident=True, num_warps=4, programs_per_sm=2)},
+}
 SMOKE_SHAPE = "tiny"
 
 
@@ -358,9 +368,9 @@ def check_shape(ctx: Ctx, name: str, args: argparse.Namespace) -> None:
                     f"stages {stages}; memory setup {setup_mb} MB, step {row.get('step_peak_mb')} MB")
         row.update(errs)
         ctx.add(**row)
-        if args.sweep and not ctx.smoke and mode == args.modes[0] and case.precision == "bf16":  # (bf16 launches)
+        if args.sweep and not ctx.smoke and mode == args.modes[0]:
             base_bits = backward_bits(b, inp, None) if args.sweep_bits else None
-            for label, over in SWEEP.items():
+            for label, over in (SWEEP if case.precision == "bf16" else FP8_SWEEP).items():
                 if args.sweep_only and not any(w in label for w in args.sweep_only):
                     continue
                 try:

@@ -286,9 +286,10 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048, extras: bool 
                     dw_ptr="tensordesc<bf16[128, 128]>", expert_row_ptr="*i32", block_base_ptr="*i32", RP="i32",
                     N="i32", K="i32", L="i32")
         fw_t.update(pt_ptr="tensordesc<fp8e4nv[128, 128]>", qt_ptr="tensordesc<fp8e4nv[128, 128]>")
-        out.append(Variant("bwd fp8 wgrad", "_fp8_wgrad_kernel", fw_t,
-                           dict(BN=128, BK=128, BR=128, NUM_PROGS=nprog, UPCAST=False, STAGES=3, TMA=True,
-                                TMA_STORE=True), 8))
+        for label, res in (("bwd fp8 wgrad", False), ("bwd fp8 wgrad P resident", True)):
+            out.append(Variant(label, "_fp8_wgrad_kernel", fw_t,
+                               dict(BN=128, BK=128, BR=128, NUM_PROGS=nprog, UPCAST=False, STAGES=3, TMA=True,
+                                    TMA_STORE=True, RESIDENT=res), 8))
         tq_t = dict(srcs_ptr="*fp32", dst_ptr="*fp8e4nv", dsts_ptr="*fp32", code_ptr="*i32", expert_row_ptr="*i32",
                     block_base_ptr="*i32", C="i32", RP="i32", L="i32")
         for label, src in (("bwd fp8 token quant bf16", "*bf16"), ("bwd fp8 token quant e4m3", "*fp8e4nv")):

@@ -167,7 +167,8 @@ def _tok_quant_t_kernel(src_ptr, srcs_ptr, dst_ptr, dsts_ptr, code_ptr, expert_r
 @triton.jit
 def _fp8_wgrad_kernel(pt_ptr, ps_ptr, qt_ptr, qs_ptr, dw_ptr, expert_row_ptr, block_base_ptr, RP, N, K, L,
                       BN: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, NUM_PROGS: tl.constexpr,
-                      UPCAST: tl.constexpr, STAGES: tl.constexpr, TMA: tl.constexpr, TMA_STORE: tl.constexpr):
+                      UPCAST: tl.constexpr, STAGES: tl.constexpr, TMA: tl.constexpr, TMA_STORE: tl.constexpr,
+                      RESIDENT: tl.constexpr = False):
     """Work items (expert, column block of N, column block of K), expert-major, K fastest (programs running
     together share one expert's P^T block from L2): dW[e] block = sum over the expert's token blocks, ascending, of
     P^T block @ Q^T block^T (e4m3, K = the block's 128 tokens, both K-major; :func:`token_quantise_t`'s slots),
@@ -177,6 +178,10 @@ def _fp8_wgrad_kernel(pt_ptr, ps_ptr, qt_ptr, qs_ptr, dw_ptr, expert_row_ptr, bl
     n_n = N // BN
     n_k = K // BK
     r_off = tl.arange(0, BR)
+    if RESIDENT:
+        _fp8_wgrad_resident(pt_ptr, ps_ptr, qt_ptr, qs_ptr, dw_ptr, expert_row_ptr, block_base_ptr, RP, N, K, L, BN,
+                            BK, BR, NUM_PROGS, UPCAST, STAGES, TMA, TMA_STORE)
+        return
     for wk in tl.range(tl.program_id(0), L * n_n * n_k, NUM_PROGS, flatten=True):
         e = wk // (n_n * n_k)
         n = (wk // n_k) % n_n
@@ -199,6 +204,56 @@ def _fp8_wgrad_kernel(pt_ptr, ps_ptr, qt_ptr, qs_ptr, dw_ptr, expert_row_ptr, bl
             sq = tl.load(qs_ptr + slot * K + kcols)
             acc += _mm(a, b.T, UPCAST) * (sp[:, None] * sq[None, :])
         _store_dw(dw_ptr, acc, e, n, k, N, K, BN, BK, TMA_STORE)
+
+
+@triton.jit
+def _tok_block_ld(t_ptr, c0, cols, slot, RP, BR: tl.constexpr, TMA: tl.constexpr):
+    """The block of columns ``cols`` (from ``c0``) of token-block slot ``slot`` of a K-major [C, RP] operand, [BC, BR]
+    (TMA: ``t_ptr`` a descriptor with that block)."""
+    if TMA:
+        blk = t_ptr.load([c0, slot * BR])
+    else:
+        blk = tl.load(t_ptr + cols[:, None] * RP + (slot * BR + tl.arange(0, BR))[None, :])
+    return blk
+
+
+@triton.jit
+def _fp8_wgrad_resident(pt_ptr, ps_ptr, qt_ptr, qs_ptr, dw_ptr, expert_row_ptr, block_base_ptr, RP, N, K, L,
+                        BN: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, NUM_PROGS: tl.constexpr,
+                        UPCAST: tl.constexpr, STAGES: tl.constexpr, TMA: tl.constexpr, TMA_STORE: tl.constexpr):
+    """P resident: work items (expert, column block of N), each a strip of dW[e] [BN, K]. An expert of one token
+    block (the published shapes at EP=1) loads its P^T block once and streams its Q^T blocks, one output block per K
+    step; an expert of none writes zeros; a larger one sums its token blocks for each output block. The same sums,
+    in the same order, as :func:`_fp8_wgrad_kernel`."""
+    n_n = N // BN
+    n_k = K // BK
+    for wk in range(tl.program_id(0), L * n_n, NUM_PROGS):
+        e = wk // n_n
+        n = wk % n_n
+        r_lo = tl.load(expert_row_ptr + e)
+        n_blk = tl.cdiv(tl.load(expert_row_ptr + e + 1) - r_lo, BR)
+        b0 = tl.load(block_base_ptr + e)
+        ncols = n * BN + tl.arange(0, BN)
+        if n_blk == 1:
+            a = _tok_block_ld(pt_ptr, n * BN, ncols, b0, RP, BR, TMA)
+            sp = tl.load(ps_ptr + b0 * N + ncols)
+            for k in tl.range(0, n_k, num_stages=STAGES):
+                kcols = k * BK + tl.arange(0, BK)
+                b = _tok_block_ld(qt_ptr, k * BK, kcols, b0, RP, BR, TMA)
+                sq = tl.load(qs_ptr + b0 * K + kcols)
+                acc = _mm(a, b.T, UPCAST) * (sp[:, None] * sq[None, :])
+                _store_dw(dw_ptr, acc, e, n, k, N, K, BN, BK, TMA_STORE)
+        else:
+            for k in range(0, n_k):
+                kcols = k * BK + tl.arange(0, BK)
+                acc = tl.zeros((BN, BK), dtype=tl.float32)
+                for j in tl.range(0, n_blk, num_stages=STAGES):
+                    a = _tok_block_ld(pt_ptr, n * BN, ncols, b0 + j, RP, BR, TMA)
+                    b = _tok_block_ld(qt_ptr, k * BK, kcols, b0 + j, RP, BR, TMA)
+                    sp = tl.load(ps_ptr + (b0 + j) * N + ncols)
+                    sq = tl.load(qs_ptr + (b0 + j) * K + kcols)
+                    acc += _mm(a, b.T, UPCAST) * (sp[:, None] * sq[None, :])
+                _store_dw(dw_ptr, acc, e, n, k, N, K, BN, BK, TMA_STORE)
 
 
 def token_blocks(expert_row_L1: torch.Tensor, R: int) -> tuple[torch.Tensor, int]:
@@ -232,12 +287,14 @@ def token_quantise_t(x_RC: torch.Tensor, x_scale: Optional[torch.Tensor], row_co
 def fp8_wgrad(p_RN: torch.Tensor, p_scale: Optional[torch.Tensor], q_RK: torch.Tensor,
               q_scale: Optional[torch.Tensor], dw_LNK: torch.Tensor, row_code_R: torch.Tensor,
               expert_row_L1: torch.Tensor, *, programs: int, block_n: int = 128, block_k: int = 128, stages: int = 3,
-              num_warps: int = 8, programs_per_sm: int = 1, tma_store: bool = False) -> None:
+              num_warps: int = 8, programs_per_sm: int = 1, tma_store: bool = False, resident: bool = False) -> None:
     """dw[e] = p[rows of e]^T @ q[rows of e] in fp8: both operands quantised along the tokens in 128-row blocks from
     the expert's first row (``expert_row_L1``), one scale per block and column (:func:`token_quantise_t`, one pass
     over each operand into K-major e4m3 token-block slots), then the e4m3 GEMM with fp32 accumulation, the blocks
     in schedule order (padding rows, code < 0, add nothing). An operand is bf16 rows, or e4m3 rows with 1 x 128
-    scales (``*_scale`` given: dequantised, then quantised along the tokens). ``dw`` bf16 [L, N, K]."""
+    scales (``*_scale`` given: dequantised, then quantised along the tokens). ``dw`` bf16 [L, N, K]. ``resident``:
+    one work item a strip (expert, N block), P^T loaded once where the expert has one token block
+    (:func:`_fp8_wgrad_resident`); the same sums in the same order."""
     R, N = p_RN.shape
     K = q_RK.shape[1]
     L = dw_LNK.shape[0]
@@ -261,7 +318,7 @@ def fp8_wgrad(p_RN: torch.Tensor, p_scale: Optional[torch.Tensor], q_RK: torch.T
     progs = programs * programs_per_sm
     _fp8_wgrad_kernel[(progs,)](pt, ps, qt, qs, dw, expert_row_L1, base, n_blocks * BLOCK, N, K, L, BN=block_n,
                                 BK=block_k, BR=BLOCK, NUM_PROGS=progs, UPCAST=INTERPRET, STAGES=stages, TMA=cuda,
-                                TMA_STORE=tma_store and cuda, num_warps=num_warps)
+                                TMA_STORE=tma_store and cuda, RESIDENT=resident, num_warps=num_warps)
 
 
 def _tiles(H: int, I: int, cuda: bool) -> dict[str, dict[str, Any]]:
