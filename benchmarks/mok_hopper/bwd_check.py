@@ -140,7 +140,8 @@ SWEEP: dict[str, dict[str, dict[str, Any]]] = {
 # an SM at 4 warps)
 FP8_SWEEP: dict[str, dict[str, dict[str, Any]]] = {
     "default again": {},
-    "fp8 wgrad P resident": {"dw13": dict(resident=True), "dw2": dict(resident=True)},
+    "fp8 wgrad P resident": {"dw13": dict(resident=True), "dw2": dict(resident=True)},  # (v2's default to 128 rows)
+    "fp8 wgrad flattened items (v1)": {"dw13": dict(resident=False), "dw2": dict(resident=False)},
     "fp8 wgrad 4 warps 2/SM": {"dw13": dict(num_warps=4, programs_per_sm=2),
                                "dw2": dict(num_warps=4, programs_per_sm=2)},
     "fp8 wgrad P resident 4 warps 2/SM": {"dw13": dict(resident=True, num_warps=4, programs_per_sm=2),

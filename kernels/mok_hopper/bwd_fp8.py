@@ -321,16 +321,20 @@ def fp8_wgrad(p_RN: torch.Tensor, p_scale: Optional[torch.Tensor], q_RK: torch.T
                                 TMA_STORE=tma_store and cuda, RESIDENT=resident, num_warps=num_warps)
 
 
-def _tiles(H: int, I: int, cuda: bool) -> dict[str, dict[str, Any]]:
+def _tiles(H: int, I: int, cuda: bool, rows_per_expert: float = 0.0) -> dict[str, dict[str, Any]]:
     """Launch parameters of the fp8 backward's GEMMs (v1, PERF_NOTES "Session 25"): dgate 64 x 128 (its epilogue
     quantises dH in 1 x 128 blocks), dX 128 x 128, both over W^T (K-major), 8 warps; the weight gradients 128 x 128
     blocks over 128-row token blocks, 8 warps, one program an SM. On the CPU (interpreter) the same, the column
-    blocks capped at what divides the toy shapes."""
+    blocks capped at what divides the toy shapes. v2 (session 25, call D): where the experts average at most 128 rows
+    (one token block: the published shapes at EP=1), the weight gradients P-resident (glm_5_2 dW13 9.10 -> 5.88 ms,
+    dW2 4.98 -> 3.35; bitwise the same); larger experts (the compute-bound point, not measured resident) keep the
+    flattened item loop."""
     bn = 128 if (H % 128 == 0 and I % 128 == 0) else 64
+    res = 0 < rows_per_expert <= BLOCK
     return {"dgate": dict(block_m=64, block_n=BLOCK, stages=3),
             "dx": dict(block_m=128 if cuda else 32, block_n=bn, stages=3),
-            "dw13": dict(block_n=bn, block_k=bn, tma_store=cuda),
-            "dw2": dict(block_n=bn, block_k=bn, tma_store=cuda)}
+            "dw13": dict(block_n=bn, block_k=bn, tma_store=cuda, resident=res),
+            "dw2": dict(block_n=bn, block_k=bn, tma_store=cuda, resident=res)}
 
 
 def expert_backward(x_rows: torch.Tensor, xs_rows: torch.Tensor, dO_rows: torch.Tensor, dOs_rows: torch.Tensor,
@@ -339,18 +343,19 @@ def expert_backward(x_rows: torch.Tensor, xs_rows: torch.Tensor, dO_rows: torch.
                     tile_expert: torch.Tensor, tile_row: torch.Tensor, chunk: torch.Tensor, starts: torch.Tensor,
                     dx_slots: torch.Tensor, *, limit: Optional[float], programs: int,
                     mark: Callable[[str], None], push: Optional[tuple[torch.Tensor, int]] = None,
-                    tiles: Optional[dict[str, dict[str, Any]]] = None
+                    tiles: Optional[dict[str, dict[str, Any]]] = None, rows_per_expert: float = 0.0
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The four fp8 stages over this rank's routed rows (the fp8 counterpart of ``train._expert_backward``): the
     dX rows pushed into ``dx_slots`` by their code (``push``: every rank's offset from ``dx_slots``, T K), and
     (dW13 bf16 [L, 2I, H], dW2 bf16 [L, H, I], the router-weight gradient of every row, fp32 [R]). X rows and dO
     rows are e4m3 with 1 x 128 scales, ``h`` the forward's pre-SwiGLU H (bf16 [R, 2I]) with its clamp masks, the
     weights the forward's e4m3 values transposed (W13^T [L, H, 2I], W2^T [L, I, H]) with W's 128 x 128 scales.
-    ``tiles``: launch overrides per stage (:func:`_tiles`' keys)."""
+    ``rows_per_expert``: the rows an expert gets on average (picks the weight-gradient kernel). ``tiles``: launch
+    overrides per stage (:func:`_tiles`' keys)."""
     R, H = x_rows.shape
     L, I = w2.shape[0], w2.shape[1]
     dev = x_rows.device
-    t = _tiles(H, I, dev.type == "cuda")
+    t = _tiles(H, I, dev.type == "cuda", rows_per_expert)
     for stage, over in (tiles or {}).items():
         if stage in t:
             t[stage] = {**t[stage], **over}

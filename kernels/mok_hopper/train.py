@@ -389,7 +389,8 @@ def _fp8_compute(layer: MoKHopperLayer, x_TH: torch.Tensor, dO_TH: Optional[torc
     dW13, dW2, ds = bwd_fp8.expert_backward(
         layer.x_rows, layer.xs_rows, dO_rows, dOs_rows, layer.rw_rows, h, clip, layer.w13_bwd, layer.w13_scale,
         layer.w2_bwd, layer.w2_scale, s.row_code_R, s.tile_expert_M, s.tile_row_M1, chunk, starts, ws.comb,
-        limit=limit, programs=progs, mark=mark, push=(ws.tables["comb"], T * K), tiles=tiles)
+        limit=limit, programs=progs, mark=mark, push=(ws.tables["comb"], T * K), tiles=tiles,
+        rows_per_expert=layer.rows_per_expert)
     bwd_gemm.push_scalars(s.row_code_R, ds, ws.w, ws.tables["w"], T * K)
     out: dict[str, Any] = {"w13": dW13, "w2": dW2, "sh_dx": None}
     if shared is not None:
