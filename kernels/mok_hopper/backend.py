@@ -168,8 +168,9 @@ class MokHopperBackend:
         if c.precision == "fp8":
             scaling = ("block 1x128 act (1x64 hidden) / 128x128 weight, e4m3 GEMMs (Triton), fp32 accumulation; "
                        "activations quantised at the source, before the pull; backward: dgrad e4m3 (dO 1x128 at the "
-                       "source, dH 1x128 in dgate's epilogue, the forward's 128x128 weights), wgrad e4m3 with "
-                       "128-row token blocks quantised in the wgrad kernels; shared expert bf16")
+                       "source, dH 1x128 in dgate's epilogue, the forward's 128x128 weights as e4m3 W^T), wgrad e4m3 "
+                       "with 128-row token blocks (operands quantised and transposed in a pass before the GEMM); "
+                       "shared expert bf16")
         saves = {"save_h": "training forward (saves X and H)", "recompute": "training forward (saves X; the backward "
                  "recomputes H)"}.get(self.mode, "inference forward (saves nothing)") if self.params is not None \
             else "inference forward (saves nothing)"

@@ -1,5 +1,5 @@
-"""The training step through mok_hopper (bf16: issue 23; fp8: issue 25): :func:`mok_hopper_train` runs the fused forward
-and records a backward, :func:`layer_backward`, made of the backward GEMMs (:mod:`kernels.mok_hopper.bwd_gemm`):
+"""The training step through mok_hopper (bf16: issue 23; fp8: issue 25): :func:`mok_hopper_train` runs the fused
+forward and records a backward, :func:`layer_backward`, made of the backward GEMMs (:mod:`kernels.mok_hopper.bwd_gemm`):
 H from the forward (``MoKHopperLayer(save_h=True)``) or recomputed from the layer's X rows, dgate (dO rows x W2,
 SwiGLU's derivative and the router-weight gradient in its epilogue), dX (each row pushed into its token slot and
 summed per token by the forward's epilogue kernel), the weight gradients (each expert's rows in schedule order:
@@ -13,8 +13,8 @@ several GPUs. The trainable module and custom ops over it (EP=1) are in :mod:`ke
 
 fp8 (issue 25; a layer built with ``precision="fp8", train=True``): the same dataflow at every EP through the
 three phases below (dO quantised 1 x 128 at its source, pulled as e4m3), the routed stages of
-:mod:`kernels.mok_hopper.bwd_fp8` (e4m3 GEMMs over the forward's quantised weights), the shared expert in bf16 as in
-the forward. Checked against its twin (``twin_bwd.expert_backward_fp8``) under the interpreter.
+:mod:`kernels.mok_hopper.bwd_fp8` (e4m3 GEMMs over the forward's quantised weights, transposed), the shared expert
+in bf16 as in the forward. Checked against its twin (``twin_bwd.expert_backward_fp8``) under the interpreter.
 
 Legend: T tokens, K top-k, H hidden, I ffn, L local experts, R capacity rows.
 """
@@ -212,8 +212,7 @@ def layer_backward(layer: MoKHopperLayer, dO_TH: torch.Tensor, x_TH: torch.Tenso
     (bf16 [L, H, I]) and, with a shared expert, its (gate, up, down) gradients. H comes from the forward
     (``layer.save_h``) or is recomputed here from the layer's X rows. At EP >= 2 (and in fp8 at any EP) every rank
     of the group calls this (autograd does, in the backward of each rank's forward): :func:`backward_stage`, a
-    barrier,
-    :func:`backward_compute`, a barrier, :func:`backward_finish`. ``marks(stage)`` is called after
+    barrier, :func:`backward_compute`, a barrier, :func:`backward_finish`. ``marks(stage)`` is called after
     each stage of :data:`BWD_STAGES` (diagnostics: a stage timer records an event there). ``tiles``: launch
     overrides per GEMM (``_tiles``' keys; sweeps). No host synchronisation.
 

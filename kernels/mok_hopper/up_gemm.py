@@ -257,8 +257,8 @@ def _up_swiglu_kernel(a_ptr, a_half, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_pt
     items off the counter at ``work_ptr`` (zero before the first launch that shares it). FLAT (neither READY nor
     DYN): static round robin in one flattened loop nest, as in the down kernel. TAIL: see ``_up_tile``. SAVE_H
     (the training forward): also the pre-SwiGLU H into ``hsv_ptr`` and, with HAS_LIMIT, the clamp's decisions
-    into ``clip_ptr`` (``_up_store``); off, both are None (constexprs: the kernel is the inference kernel, parameter for parameter).
-    PAIR (fp8): two 128-deep blocks a loop step (``_up_item``)."""
+    into ``clip_ptr`` (``_up_store``); off, both are None (constexprs: the kernel is the inference kernel, parameter
+    for parameter). PAIR (fp8): two 128-deep blocks a loop step (``_up_item``)."""
     m_lo = tl.load(chunk_ptr)
     m_hi = tl.load(chunk_ptr + 1)
     n_n = I // BN
