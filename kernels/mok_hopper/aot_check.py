@@ -34,8 +34,8 @@ KERNEL_MODULES = ("schedule_kernels", "pull", "up_gemm", "down_gemm", "bwd_gemm"
 # registers beside a 128 x 64 accumulator, 4 warps) spill 16 B on 3.8 and 8 B on 3.6, and ran dW13 + dW2 in 7.88
 # against 9.32 ms, where the spill-free 8-warp build took 8.45 ms.
 # The fp8 backward v0 (PERF_NOTES, "Session 25"): dgate's epilogue also quantises dH (two more fp32 tiles and their
-# row maxima beside the SwiGLU's): 40 / 88 B (plain / clamped) on Triton 3.8, 80 / 128 B on 3.6, in the epilogue
-# only (once a 64 x 128 tile, after its H / 128 K steps).
+# row maxima beside the SwiGLU's): at v2 40 / 104 B (plain / clamped) on Triton 3.8, 72 / 112 B on 3.6, in the
+# epilogue only (once a 64 x 128 tile, after its H / 128 K steps).
 SPILL_BUDGET = ((" save H", 64), ("bwd dgate", 64), ("bwd dgate pair", 144), ("bwd wgrad P resident 128 rows", 16),
                 ("bwd fp8 dgate", 128))
 
