@@ -3,7 +3,7 @@ e4m3 operands, fp32 accumulation, every block's product promoted by its scales. 
 :func:`expert_backward` (the four stages of one rank's routed rows; :mod:`kernels.mok_hopper.train` calls it).
 
 * :func:`fp8_rows` - the dgrad GEMMs over the forward's row tiles, out[r] = A[r] @ W[e] with A in 1 x 128 blocks
-  (e4m3 rows + fp32 scales [R, K / 128]) and W the forward's e4m3 weights in the plain layout [L, K, N] with their
+  (e4m3 rows + fp32 scales [R, K / 128]) and W given as W^T, the forward's e4m3 values transposed [L, N, K], with W's
   128 x 128 block scales [L, K / 128, N / 128] (128 x 128 blocks are those of W^T too: no second quantisation).
   Epilogues of :func:`kernels.mok_hopper.bwd_gemm._bwd_rows_epilogue`:
   - ``dgate``: A = dO rows (quantised at their source rank by the stage kernel, pulled as e4m3), W = W2 [H, I];
@@ -17,9 +17,9 @@ e4m3 operands, fp32 accumulation, every block's product promoted by its scales. 
   Hopper's e4m3 MMA needs), then the e4m3 GEMM. No split-K, no atomics: bitwise deterministic.
 
 Hopper's e4m3 MMA (QGMMA) takes both operands K-major only. The dgrad GEMMs reduce over W's rows, so a training layer
-keeps W^T in e4m3 (the same values; 1 byte a parameter); v0 read W row-major, and Triton's transposes in the loop made
-dgate and dX 4-6x slower than their floors (PERF_NOTES "Session 25"). The wgrad quantised its operands inside the
-GEMM in v0 (no pass over memory), 3-6x slower than the store floor; v1 quantises them in a pass of their own.
+keeps W^T in e4m3 (the same values; 1 byte a parameter); v0 read W row-major, and Triton's transposes in the loop ran
+dgate and dX at 7-10x their floors (PERF_NOTES "Session 25"). The wgrad quantised its operands inside the GEMM in
+v0 (no pass over memory) and ran at 6x its store floor; v1 quantises them in a pass of their own.
 
 The passes over memory that remain outside the GEMMs: the stage's quantisation of dO (one read of [T, H] bf16, as the
 forward's x), the four token-axis quantisations of the wgrad operands (dH and s*A bf16, X and dO e4m3: about
