@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from kernels.mok_hopper.bwd_gemm import FP8_MAX_C, _bwd_rows_epilogue, _store_dw, router_grad
-from kernels.mok_hopper.gemm_common import _mm, _work_tile
+from kernels.mok_hopper.gemm_common import _mm, _quant_e4m3, _work_tile
 from kernels.mok_hopper.interp import INTERPRET
 
 BLOCK = 128  # the format's block: 1 x 128 activations, 128 x 128 weights, 128-row token blocks for the wgrad
@@ -156,9 +156,7 @@ def _tok_quant_t_kernel(src_ptr, srcs_ptr, dst_ptr, dsts_ptr, code_ptr, expert_r
             v = tl.load(src_ptr + rows[:, None] * C + cols[None, :], mask=live[:, None], other=0.0).to(tl.float32)
             if FP8:
                 v = v * tl.load(srcs_ptr + rows * (C // 128) + (c * BC) // 128, mask=live, other=0.0)[:, None]
-            amax = tl.max(tl.abs(v), axis=0)
-            scale = tl.maximum(amax, 1e-12) / FP8_MAX_C
-            q = tl.minimum(tl.maximum(v / scale[None, :], -FP8_MAX_C), FP8_MAX_C).to(tl.float8e4nv)
+            q, scale = _quant_e4m3(v, FP8_MAX_C, 0)
             slot = b0 + (r0 - r_lo) // BR
             tl.store(dst_ptr + cols[None, :] * RP + (slot * BR + r_off)[:, None], q)
             tl.store(dsts_ptr + slot * C + cols, scale)
@@ -177,7 +175,6 @@ def _fp8_wgrad_kernel(pt_ptr, ps_ptr, qt_ptr, qs_ptr, dw_ptr, expert_row_ptr, bl
     with blocks [BN, BR] / [BK, BR]."""
     n_n = N // BN
     n_k = K // BK
-    r_off = tl.arange(0, BR)
     if RESIDENT:
         _fp8_wgrad_resident(pt_ptr, ps_ptr, qt_ptr, qs_ptr, dw_ptr, expert_row_ptr, block_base_ptr, RP, N, K, L, BN,
                             BK, BR, NUM_PROGS, UPCAST, STAGES, TMA, TMA_STORE)
@@ -194,12 +191,8 @@ def _fp8_wgrad_kernel(pt_ptr, ps_ptr, qt_ptr, qs_ptr, dw_ptr, expert_row_ptr, bl
         acc = tl.zeros((BN, BK), dtype=tl.float32)
         for j in tl.range(0, n_blk, num_stages=STAGES):
             slot = b0 + j
-            if TMA:
-                a = pt_ptr.load([n * BN, slot * BR])
-                b = qt_ptr.load([k * BK, slot * BR])
-            else:
-                a = tl.load(pt_ptr + ncols[:, None] * RP + (slot * BR + r_off)[None, :])
-                b = tl.load(qt_ptr + kcols[:, None] * RP + (slot * BR + r_off)[None, :])
+            a = _tok_block_ld(pt_ptr, n * BN, ncols, slot, RP, BR, TMA)
+            b = _tok_block_ld(qt_ptr, k * BK, kcols, slot, RP, BR, TMA)
             sp = tl.load(ps_ptr + slot * N + ncols)
             sq = tl.load(qs_ptr + slot * K + kcols)
             acc += _mm(a, b.T, UPCAST) * (sp[:, None] * sq[None, :])
@@ -287,20 +280,22 @@ def token_quantise_t(x_RC: torch.Tensor, x_scale: Optional[torch.Tensor], row_co
 def fp8_wgrad(p_RN: torch.Tensor, p_scale: Optional[torch.Tensor], q_RK: torch.Tensor,
               q_scale: Optional[torch.Tensor], dw_LNK: torch.Tensor, row_code_R: torch.Tensor,
               expert_row_L1: torch.Tensor, *, programs: int, block_n: int = 128, block_k: int = 128, stages: int = 3,
-              num_warps: int = 8, programs_per_sm: int = 1, tma_store: bool = False, resident: bool = False) -> None:
+              num_warps: int = 8, programs_per_sm: int = 1, tma_store: bool = False, resident: bool = False,
+              blocks: Optional[tuple[torch.Tensor, int]] = None) -> None:
     """dw[e] = p[rows of e]^T @ q[rows of e] in fp8: both operands quantised along the tokens in 128-row blocks from
     the expert's first row (``expert_row_L1``), one scale per block and column (:func:`token_quantise_t`, one pass
     over each operand into K-major e4m3 token-block slots), then the e4m3 GEMM with fp32 accumulation, the blocks
     in schedule order (padding rows, code < 0, add nothing). An operand is bf16 rows, or e4m3 rows with 1 x 128
     scales (``*_scale`` given: dequantised, then quantised along the tokens). ``dw`` bf16 [L, N, K]. ``resident``:
     one work item a strip (expert, N block), P^T loaded once where the expert has one token block
-    (:func:`_fp8_wgrad_resident`); the same sums in the same order."""
+    (:func:`_fp8_wgrad_resident`); the same sums in the same order. ``blocks``: :func:`token_blocks` of these
+    experts, where the caller has it already."""
     R, N = p_RN.shape
     K = q_RK.shape[1]
     L = dw_LNK.shape[0]
     assert dw_LNK.shape == (L, N, K) and q_RK.shape[0] == R
     assert N % block_n == 0 and K % block_k == 0, f"N {N} / K {K} must be multiples of ({block_n}, {block_k})"
-    base, n_blocks = token_blocks(expert_row_L1, R)
+    base, n_blocks = blocks if blocks is not None else token_blocks(expert_row_L1, R)
     bc = 64 if (N % 64 == 0 and K % 64 == 0) else 32
     pt, ps = token_quantise_t(p_RN, p_scale, row_code_R, expert_row_L1, base, n_blocks, programs=programs,
                               block_c=bc)
@@ -338,8 +333,8 @@ def _tiles(H: int, I: int, cuda: bool, rows_per_expert: float = 0.0) -> dict[str
 
 
 def expert_backward(x_rows: torch.Tensor, xs_rows: torch.Tensor, dO_rows: torch.Tensor, dOs_rows: torch.Tensor,
-                    s_rows: torch.Tensor, h: torch.Tensor, clip: Optional[torch.Tensor], w13: torch.Tensor,
-                    w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor, code_R: torch.Tensor,
+                    s_rows: torch.Tensor, h: torch.Tensor, clip: Optional[torch.Tensor], w13_t: torch.Tensor,
+                    w13_scale: torch.Tensor, w2_t: torch.Tensor, w2_scale: torch.Tensor, code_R: torch.Tensor,
                     tile_expert: torch.Tensor, tile_row: torch.Tensor, chunk: torch.Tensor, starts: torch.Tensor,
                     dx_slots: torch.Tensor, *, limit: Optional[float], programs: int,
                     mark: Callable[[str], None], push: Optional[tuple[torch.Tensor, int]] = None,
@@ -353,7 +348,7 @@ def expert_backward(x_rows: torch.Tensor, xs_rows: torch.Tensor, dO_rows: torch.
     ``rows_per_expert``: the rows an expert gets on average (picks the weight-gradient kernel). ``tiles``: launch
     overrides per stage (:func:`_tiles`' keys)."""
     R, H = x_rows.shape
-    L, I = w2.shape[0], w2.shape[1]
+    L, I = w2_t.shape[0], w2_t.shape[1]
     dev = x_rows.device
     t = _tiles(H, I, dev.type == "cuda", rows_per_expert)
     for stage, over in (tiles or {}).items():
@@ -364,17 +359,18 @@ def expert_backward(x_rows: torch.Tensor, xs_rows: torch.Tensor, dO_rows: torch.
     dHs = torch.empty(R, 2 * I // BLOCK, dtype=torch.float32, device=dev)
     sA = torch.empty(R, I, dtype=torch.bfloat16, device=dev)
     ds_parts = torch.empty(R, I // BLOCK, dtype=torch.float32, device=dev)
-    fp8_rows(dO_rows, dOs_rows, w2, w2_scale, dH, tile_expert, tile_row, chunk, programs=programs, limit=limit,
+    fp8_rows(dO_rows, dOs_rows, w2_t, w2_scale, dH, tile_expert, tile_row, chunk, programs=programs, limit=limit,
              dgate=dict(h=h, clip=clip, s=s_rows, sa=sA, ds=ds_parts, dhq=dHq, dhs=dHs), **t["dgate"])
     mark("dgate")
-    fp8_rows(dHq, dHs, w13, w13_scale, dx_slots, tile_expert, tile_row, chunk, programs=programs, push_code=code_R,
+    fp8_rows(dHq, dHs, w13_t, w13_scale, dx_slots, tile_expert, tile_row, chunk, programs=programs, push_code=code_R,
              push_delta=push[0] if push else None, slots_per_rank=push[1] if push else None, **t["dx"])
     mark("dx")
     ds = router_grad(ds_parts)
+    blocks = token_blocks(starts, R)  # (both weight gradients' token-block slots)
     dW13 = torch.empty(L, 2 * I, H, dtype=torch.bfloat16, device=dev)
-    fp8_wgrad(dH, None, x_rows, xs_rows, dW13, code_R, starts, programs=programs, **t["dw13"])
+    fp8_wgrad(dH, None, x_rows, xs_rows, dW13, code_R, starts, programs=programs, blocks=blocks, **t["dw13"])
     mark("dw13")
     dW2 = torch.empty(L, H, I, dtype=torch.bfloat16, device=dev)
-    fp8_wgrad(dO_rows, dOs_rows, sA, None, dW2, code_R, starts, programs=programs, **t["dw2"])
+    fp8_wgrad(dO_rows, dOs_rows, sA, None, dW2, code_R, starts, programs=programs, blocks=blocks, **t["dw2"])
     mark("dw2")
     return dW13, dW2, ds

@@ -50,11 +50,15 @@ def _work_tile(wk, tile_expert_ptr, tile_row_ptr, m_lo, m_hi, n_n, GROUP_M: tl.c
 
 
 @triton.jit
-def _quant_e4m3(v, FP8_MAX_: tl.constexpr):
-    """Row-wise 1xN block quantisation of an fp32 block [R, N]: (e4m3 values, fp32 scale [R])."""
-    amax = tl.max(tl.abs(v), axis=1)
+def _quant_e4m3(v, FP8_MAX_: tl.constexpr, AXIS: tl.constexpr = 1):
+    """Row-wise 1xN block quantisation of an fp32 block [R, N]: (e4m3 values, fp32 scale [R]). AXIS 0: column-wise,
+    one scale per column over the R rows (fp32 scale [N]; the fp8 weight gradients' token blocks)."""
+    amax = tl.max(tl.abs(v), axis=AXIS)
     scale = tl.maximum(amax, 1e-12) / FP8_MAX_
-    q = v / scale[:, None]
+    if AXIS == 1:
+        q = v / scale[:, None]
+    else:
+        q = v / scale[None, :]
     q = tl.minimum(tl.maximum(q, -FP8_MAX_), FP8_MAX_)
     return q.to(tl.float8e4nv), scale
 
