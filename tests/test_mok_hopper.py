@@ -1014,18 +1014,24 @@ def test_a_sweep_variant_is_timed_against_the_default_interleaved(monkeypatch):
     shared by both sides of a round cancels."""
     from benchmarks.mok_hopper import gpu_check as gc
 
+    from harness.timing import Stats
+
     calls = []
     drift = iter([1.0, 1.0, 2.0, 2.0, 4.0, 4.0])  # the board slows down round by round
+    clock = iter([1980, 1900, 1500, 1400, 1450, 1350])  # and its SM clock falls (the power limit)
 
-    def fake_forward_ms(ctx, fn, iters, warmup):
+    def fake_forward_stats(ctx, fn, iters, warmup):
         calls.append(fn())
-        return next(drift) * (1.1 if calls[-1] == "var" else 1.0)
+        ms = next(drift) * (1.1 if calls[-1] == "var" else 1.0)
+        return Stats(ms, ms, ms, ms, ms, warmup, iters, clocks={"sm_clock_mhz": float(next(clock))})
 
-    monkeypatch.setattr(gc, "forward_ms", fake_forward_ms)
+    monkeypatch.setattr(gc, "forward_stats", fake_forward_stats)
     ab = gc.ab_times(None, lambda: "base", lambda: "var", rounds=3, iters=4, warmup=1)
     assert calls == ["base", "var", "var", "base", "base", "var"]
     assert ab["ratio"] == ab["ratio_min"] == ab["ratio_max"] == pytest.approx(1.1)  # the drift is gone
     assert ab["base_forward_ms"] == 2.0 and ab["forward_ms"] == pytest.approx(2.2)
+    # each side's median SM clock over the rounds: base 1980, 1400, 1450; variant 1900, 1500, 1350
+    assert ab["base_sm_clock_mhz"] == 1450 and ab["sm_clock_mhz"] == 1500
 
 
 @pytest.mark.slow

@@ -59,7 +59,7 @@ from harness.check import compare
 from harness.config import ConfigError
 from harness.inputs import make_inputs
 from harness.reference import ReferenceBackend
-from harness.timing import Timer
+from harness.timing import Stats, Timer
 from kernels.mok_hopper.api import MoKHopperLayer, default_tile
 from kernels.mok_hopper.tiles import TileConfig
 from kernels.mok_hopper.variants import SWEEP, SWEEP_FP8, TIMELINE_VARIANTS
@@ -172,9 +172,15 @@ def errors(ctx: Ctx, got: torch.Tensor, want: torch.Tensor) -> tuple[float, floa
 # timing: whole forwards through the harness's timer; the kernel's stages and timeline stamps here
 
 
+def forward_stats(ctx: Ctx, fn: Callable[[], Any], iters: int, warmup: int) -> Stats:
+    """``fn`` through ``harness.timing.Timer`` (per-iteration events, aligned, max over ranks; the SM clock and
+    power of the timed iterations in ``clocks``)."""
+    return ctx.timer.run(fn, num_warmup=warmup, num_iters=iters)
+
+
 def forward_ms(ctx: Ctx, fn: Callable[[], Any], iters: int, warmup: int) -> float:
-    """Median ms of ``fn`` through ``harness.timing.Timer`` (per-iteration events, aligned, max over ranks)."""
-    return ctx.timer.run(fn, num_warmup=warmup, num_iters=iters).median_ms
+    """Median ms of ``fn`` (:func:`forward_stats`)."""
+    return forward_stats(ctx, fn, iters, warmup).median_ms
 
 
 class _HostEvent:
@@ -451,7 +457,8 @@ def published(ctx: Ctx, name: str, args: argparse.Namespace, rates: dict[str, fl
             ctx.log("  timeline (ms from start, phase ends): " + "  ".join(f"{k} {v:.3f}" for k, v in tline.items()))
         if args.sweep:
             sweep(ctx, name, inp, layer, base, prec, only=[v for v in args.variants.lower().split(",") if v],
-                  ab_rounds=args.ab_rounds, iters=min(20, args.iters), warmup=min(5, args.warmup))
+                  ab_rounds=args.ab_rounds, iters=args.ab_iters or min(20, args.iters),
+                  warmup=args.ab_warmup if args.ab_warmup is not None else min(5, args.warmup))
         layer = None  # frees the layer's buffers (and, with the cache cleared, the workspace)
         clear_workspace_cache()
         _empty_cache(ctx)
@@ -473,13 +480,16 @@ def ab_times(ctx: Ctx, base_fn: Callable[[], Any], var_fn: Callable[[], Any], *,
     drift alone; the ratio of each round's medians cancels what the two share. Returns the medians over the
     rounds' medians (``forward_ms``, ``base_forward_ms``) and the median, lowest and highest per-round ratio
     variant / default."""
-    var, base = [], []
+    var, base, var_clk, base_clk = [], [], [], []
     for r in range(max(1, rounds)):
-        for fn, out in ((base_fn, base), (var_fn, var)) if r % 2 == 0 else ((var_fn, var), (base_fn, base)):
-            out.append(forward_ms(ctx, fn, iters, warmup))
+        pairs = ((base_fn, base, base_clk), (var_fn, var, var_clk))
+        for fn, out, clk in pairs if r % 2 == 0 else pairs[::-1]:
+            st = forward_stats(ctx, fn, iters, warmup)
+            out.append(st.median_ms)
+            clk.append(st.clocks.get("sm_clock_mhz", float("nan")))
     ratios = [v / b for v, b in zip(var, base)]
     return {"forward_ms": med(var), "base_forward_ms": med(base), "ratio": med(ratios), "ratio_min": min(ratios),
-            "ratio_max": max(ratios)}
+            "ratio_max": max(ratios), "sm_clock_mhz": med(var_clk), "base_sm_clock_mhz": med(base_clk)}
 
 
 def sweep(ctx: Ctx, name: str, inp: LayerInputs, base_layer: MoKHopperLayer, base: TileConfig,
@@ -507,12 +517,15 @@ def sweep(ctx: Ctx, name: str, inp: LayerInputs, base_layer: MoKHopperLayer, bas
             st = time_stages(ctx, layer, inp, 5)
             ctx.add(section="sweep", shape=name, precision=precision, variant=label, ok=ok, forward_ms=ab["forward_ms"],
                     base_forward_ms=ab["base_forward_ms"], ratio=ab["ratio"], ratio_min=ab["ratio_min"],
-                    ratio_max=ab["ratio_max"], ab_rounds=ab_rounds, up_ms=st["up"], down_ms=st["down"],
+                    ratio_max=ab["ratio_max"], ab_rounds=ab_rounds, ab_iters=iters, ab_warmup=warmup,
+                    sm_clock_mhz=ab["sm_clock_mhz"], base_sm_clock_mhz=ab["base_sm_clock_mhz"],
+                    up_ms=st["up"], down_ms=st["down"],
                     pull_ms=st["pull"], shared_ms=st["shared"], schedule_ms=st["schedule"],
                     graph_error=layer.graph_error)
             ctx.log(f"  sweep {precision} {label:<22} forward {ab['forward_ms']:.3f} (default "
                     f"{ab['base_forward_ms']:.3f}; x{ab['ratio']:.3f}, rounds {ab['ratio_min']:.3f}-"
-                    f"{ab['ratio_max']:.3f})  up {st['up']:.3f}  down {st['down']:.3f}  pull {st['pull']:.3f} ms"
+                    f"{ab['ratio_max']:.3f}; {ab['sm_clock_mhz']:.0f} / {ab['base_sm_clock_mhz']:.0f} MHz)  up "
+                    f"{st['up']:.3f}  down {st['down']:.3f}  pull {st['pull']:.3f} ms"
                     + ("" if ok else "  MISMATCH")
                     + (f"  graph failed: {layer.graph_error}" if layer.graph_error else ""))
             layer = None
@@ -564,6 +577,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="comma list: run only the sweep variants whose label contains one of these (case-insensitive)")
     ap.add_argument("--ab-rounds", type=int, default=3,
                     help="sweep: rounds of default / variant forwards, interleaved (their per-round ratio is reported)")
+    ap.add_argument("--ab-iters", type=int, default=0,
+                    help="sweep: timed forwards per round and side (0: min(20, --iters)); a few hundred keep the "
+                         "board at its power limit, as the harness's published timing does")
+    ap.add_argument("--ab-warmup", type=int, default=None, help="sweep: untimed forwards before each (min(5, --warmup))")
     ap.add_argument("--no-edge", dest="edge", action="store_false")
     ap.add_argument("--quick", action="store_true", help="edge cases + the first of --shapes, bf16, few iterations")
     ap.add_argument("--smoke", action="store_true",

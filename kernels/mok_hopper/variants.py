@@ -7,6 +7,8 @@ from __future__ import annotations
 SWEEP = [  # (label, overrides of the base tile, layer options); tiles checked by aot_check to fit on sm_90
     # the default itself, as a second layer: its ratio is what a sweep reads when nothing changes (A/A control)
     ("default again (A/A control)", {}, {}),
+    # the training forward the harness's fwd rows time (the up GEMM also writes the pre-SwiGLU H for the backward)
+    ("training forward (save_h)", {}, dict(save_h=True)),
     # the expert weights row-major, as given, instead of in TMA block order (w_tiled, the default from session 10)
     ("row-major weights (v9)", dict(w_tiled=False, up_fused=False), {}),
     # one up-GEMM MMA of N = 2 x up_n over gate and up weight rows interleaved (up_fused; the default on glm_5_2
