@@ -457,7 +457,8 @@ def published(ctx: Ctx, name: str, args: argparse.Namespace, rates: dict[str, fl
             ctx.log("  timeline (ms from start, phase ends): " + "  ".join(f"{k} {v:.3f}" for k, v in tline.items()))
         if args.sweep:
             sweep(ctx, name, inp, layer, base, prec, only=[v for v in args.variants.lower().split(",") if v],
-                  ab_rounds=args.ab_rounds, iters=args.ab_iters or min(20, args.iters),
+                  ab_rounds=args.ab_rounds,
+                  iters=args.ab_iters if args.ab_iters is not None else min(20, args.iters),
                   warmup=args.ab_warmup if args.ab_warmup is not None else min(5, args.warmup))
         layer = None  # frees the layer's buffers (and, with the cache cleared, the workspace)
         clear_workspace_cache()
@@ -478,8 +479,9 @@ def ab_times(ctx: Ctx, base_fn: Callable[[], Any], var_fn: Callable[[], Any], *,
     alternating (default first in even rounds). A board at its power limit drifts in clock by several percent
     within a minute (PERF_NOTES, session 8), so a variant timed once after the default can win or lose by the
     drift alone; the ratio of each round's medians cancels what the two share. Returns the medians over the
-    rounds' medians (``forward_ms``, ``base_forward_ms``) and the median, lowest and highest per-round ratio
-    variant / default."""
+    rounds' medians (``forward_ms``, ``base_forward_ms``), the median, lowest and highest per-round ratio
+    variant / default, and each side's median SM clock over the rounds (``sm_clock_mhz``, ``base_sm_clock_mhz``;
+    NaN without NVML)."""
     var, base, var_clk, base_clk = [], [], [], []
     for r in range(max(1, rounds)):
         pairs = ((base_fn, base, base_clk), (var_fn, var, var_clk))
@@ -577,10 +579,11 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="comma list: run only the sweep variants whose label contains one of these (case-insensitive)")
     ap.add_argument("--ab-rounds", type=int, default=3,
                     help="sweep: rounds of default / variant forwards, interleaved (their per-round ratio is reported)")
-    ap.add_argument("--ab-iters", type=int, default=0,
-                    help="sweep: timed forwards per round and side (0: min(20, --iters)); a few hundred keep the "
+    ap.add_argument("--ab-iters", type=int, default=None,
+                    help="sweep: timed forwards per round and side (default min(20, --iters)); a few hundred keep the "
                          "board at its power limit, as the harness's published timing does")
-    ap.add_argument("--ab-warmup", type=int, default=None, help="sweep: untimed forwards before each (min(5, --warmup))")
+    ap.add_argument("--ab-warmup", type=int, default=None,
+                    help="sweep: untimed forwards before each (default min(5, --warmup))")
     ap.add_argument("--no-edge", dest="edge", action="store_false")
     ap.add_argument("--quick", action="store_true", help="edge cases + the first of --shapes, bf16, few iterations")
     ap.add_argument("--smoke", action="store_true",
