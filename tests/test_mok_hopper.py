@@ -302,9 +302,9 @@ def test_launch_programs_split_the_sms():
     base = TileConfig()
     kw = dict(ready=True, overlap=True, has_shared=True)
     assert launch_programs(132, base, **kw) == {"pull": 24, "shared": 108, "up": 108, "up_helper": 24, "side": 0,
-                                                "down": 132}
+                                                "up_side": 0, "down": 132}
     side = launch_programs(132, replace(base, shared_sms=16), **kw)
-    assert side == {"pull": 24, "shared": 16, "up": 92, "up_helper": 24, "side": 16, "down": 132}
+    assert side == {"pull": 24, "shared": 16, "up": 92, "up_helper": 24, "side": 16, "up_side": 16, "down": 132}
     assert side["up"] + side["side"] + side["pull"] == 132  # spinning up programs never fill every SM
     # nothing to move (no shared expert, no streams on the CPU, no work counter, chunks): the default split
     for over, args in ((dict(), dict(has_shared=False)), (dict(), dict(overlap=False)),
@@ -795,6 +795,14 @@ def test_down_programs_per_sm_and_fp8_down_width():
     two_p = launch_programs(132, two, ready=True, overlap=True, has_shared=True)
     assert two_p["down"] == 2 * one_p["down"] == 264
     assert {k: v for k, v in two_p.items() if k != "down"} == {k: v for k, v in one_p.items() if k != "down"}
+    # up_per_sm: each up launch (main, the helper after the pull, the side stream's after the shared expert) twice
+    # the programs on the same SMs; the pull, the shared expert and the down GEMM as before
+    ups = ("up", "up_helper", "up_side")
+    up2 = launch_programs(132, replace(base, up_per_sm=2, up_warps=4), ready=True, overlap=True, has_shared=True)
+    assert {k: up2[k] for k in ups} == {k: 2 * one_p[k] for k in ups} == {"up": 168, "up_helper": 48, "up_side": 48}
+    assert {k: v for k, v in up2.items() if k not in ups} == {k: v for k, v in one_p.items() if k not in ups}
+    with pytest.raises(ValueError, match="up_per_sm"):
+        TileConfig(up_per_sm=0)
     assert replace(base, fp8_down_n=64).for_fp8().down_n == 64 and base.for_fp8().down_n == 128
     with pytest.raises(ValueError, match="down_per_sm"):
         TileConfig(down_per_sm=0)
@@ -847,6 +855,41 @@ def test_down_halves_change_no_bit(precision, operands):
         assert torch.equal(two[0][r], one[0][r])
     with pytest.raises(ValueError, match="down_halves"):
         replace(tile, down_halves=True, flat_down=True)
+
+
+@pytest.mark.slow
+@needs_triton
+@pytest.mark.parametrize("precision,operands", [("fp8", "tma tiled"), ("fp8", "pointers"), ("bf16", "tma tiled")])
+def test_up_halves_change_no_bit(precision, operands):
+    """up_halves (every up-GEMM tile as BM/2-row items, a full tile as two; fp8_up_halves in fp8) computes each
+    hidden row over the same K steps in the same order: identical output, saved H and clamp decisions, with full
+    and half tiles in the schedule, at 4 warps and two programs per SM of every up launch as the GPU runs it."""
+    from dataclasses import replace
+
+    from kernels.mok_hopper.tiles import TileConfig
+
+    P, T, K, E, H, I = 2, 48, 4, 8, 256, 128
+    tiled = operands == "tma tiled"
+    tile = TileConfig(block_m=32, up_n=32, up_k=32, down_n=64, down_k=32, num_chunks=1, gemm_programs=3,
+                      pull_programs=5, pull_rows=4, group_m=2, tma=operands != "pointers", w_tiled=tiled,
+                      fp8_up_fused=tiled)
+    xs, idx, ws, w13, w2, sh = make_layer_inputs(P, T, K, E, H, I, seed=41)
+    counts = torch.bincount(torch.cat([i.reshape(-1) for i in idx]), minlength=E)
+    assert (counts > tile.block_m).any() and (counts % tile.block_m <= tile.block_m // 2).any()  # full and half
+    fp8 = precision == "fp8"
+    kw = dict(precision=precision, limit=0.5, save_h=True)
+    one, l1, _ = run_kernels(xs, idx, ws, w13, w2, sh, tile=tile.for_fp8() if fp8 else tile, **kw)
+    halves = replace(tile, fp8_up_halves=True) if fp8 else replace(tile, up_halves=True, up_warps=4, up_per_sm=2)
+    two, l2, _ = run_kernels(xs, idx, ws, w13, w2, sh, tile=halves.for_fp8() if fp8 else halves, **kw)
+    assert l2[0].cfg.up_halves and (l2[0].cfg.up_warps, l2[0].cfg.up_per_sm) == (4, 2)
+    assert not l1[0].cfg.up_halves
+    for r in range(P):
+        assert torch.equal(two[0][r], one[0][r])
+        assert not l1[r].h_save.isnan().all() and torch.equal(l2[r].h_save.isnan(), l1[r].h_save.isnan())
+        assert torch.equal(l2[r].h_save.nan_to_num(), l1[r].h_save.nan_to_num())
+        assert torch.equal(l2[r].clip_save, l1[r].clip_save)
+    with pytest.raises(ValueError, match="up_halves"):
+        replace(tile, up_halves=True, tail_rows=16)
 
 
 @pytest.mark.slow

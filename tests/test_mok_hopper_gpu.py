@@ -140,6 +140,34 @@ def test_single_gpu_fp8_down_halves_change_no_bit():
         assert torch.equal(v16(x, idx, w), want)
 
 
+@pytest.mark.parametrize("rows", [40, 96])
+def test_single_gpu_fp8_up_halves_change_no_bit(rows):
+    """fp8_up_halves (session 27): the fp8 up GEMM as 64-row items at 4 warps, two programs an SM in every up launch
+    (beside the pull's spinning ready flags). Each hidden row is summed over the same K steps in the same order as
+    by the 8-warp programs over whole tiles: bitwise the same output and saved H (training forward), with experts
+    of 40 rows (half tiles only) and of 96 (full tiles, run as two items), and bitwise repeatable over 20 calls."""
+    from dataclasses import replace
+
+    from kernels.mok_hopper.api import MoKHopperLayer, default_tile
+
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 needs SM89+")
+    T, K, H, I = 1024, 5, 2048, 1024
+    E = T * K // rows
+    x, idx, w, w13, w2, sh, _ = _inputs("uniform", K, T=T, E=E, H=H, I=I)
+    tile = default_tile(device=x.device, hidden=H, ffn=I, rows_per_expert=rows)
+    kw = dict(topk=K, tokens=T, shared=sh, precision="fp8", save_h=True)
+    base = MoKHopperLayer(w13, w2, tile=tile, **kw)
+    halves = MoKHopperLayer(w13, w2, tile=replace(tile, fp8_up_halves=True), **kw)
+    assert halves.cfg.up_halves and (halves.cfg.up_warps, halves.cfg.up_per_sm) == (4, 2)
+    assert halves.up_programs == 2 * base.up_programs and not base.cfg.up_halves
+    want = base(x, idx, w)
+    want_h = base.h_save.clone()
+    for _ in range(20):
+        assert torch.equal(halves(x, idx, w), want)
+    assert want_h.abs().sum() > 0 and torch.equal(halves.h_save, want_h)
+
+
 @pytest.mark.parametrize("rows", [128, 192])
 def test_single_gpu_fused_gate_up_mma_matches_the_default_per_token(rows):
     """``up_fused``: one MMA of N = 2 x up_n over interleaved gate and up weight rows, split after the loop. The

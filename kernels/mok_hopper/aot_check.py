@@ -144,7 +144,7 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048, extras: bool 
                                     HALF=c.half_tiles, READY=c.ready_flags, GRAN=ready_granule(c), SPIN=True,
                                     DYN=c.ready_flags, WB=128, FLAT=c.flat_up, TAIL=c.tail_rows,
                                     WT=(2 if c.up_fused else c.w_tiled) if tma else False, SAVE_H=save,
-                                    PAIR=fp8 and c.fp8_up_pair, **sv_c),
+                                    PAIR=fp8 and c.fp8_up_pair, SPLIT=c.up_halves, **sv_c),
                                c.up_warps))
         for fp8, apply_w in ((False, True), (False, False), (True, True)):
             c = f8 if fp8 else cfg
@@ -186,6 +186,11 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048, extras: bool 
             # the fp8 down GEMM as 64-row items at 4 warps, two programs an SM (fp8_down_halves: the default on
             # qwen3_5_397b and kimi_k2_7 from v16)
             out += extra(dict(fp8_down_halves=True), ("down fp8 x w tma",), tagged("halves"))
+            # the fp8 up GEMM as 64-row items at 4 warps and 4 stages, two programs an SM (fp8_up_halves, session 27),
+            # the inference and the training forward's (save H) kernels
+            out += extra(dict(fp8_up_halves=True), ("up fp8 tma",), tagged("halves"))
+            out += extra(dict(fp8_up_halves=True), ("up fp8 save H tma", "up fp8 clamp save H tma"),
+                         tagged("halves"), save_h=True)
             # the fp8 up GEMM with two 1 x 128 x blocks a loop step (fp8_up_pair, session 20; off), fused and not
             out += extra(dict(fp8_up_pair=True), ("up fp8 tma",), tagged("pair"))
             out += extra(dict(fp8_up_pair=True, fp8_up_fused=False), ("up fp8 tma",), tagged("unfused pair"))

@@ -139,7 +139,7 @@ class MoKHopperLayer(torch.nn.Module):
         # the shared expert: one "expert" of T rows in full tiles, nothing to wait for
         self.cfg_bf16 = replace(self.cfg_bf16, block_m=self.cfg.block_m, tma=self.cfg.tma, half_tiles=False,
                                 ready_flags=False, tail_rows=0, w_tiled=False, up_fused=False,
-                                down_halves=False)
+                                down_halves=False, up_halves=False, up_per_sm=1)
         _check_divisible(H, I, self.cfg, self.cfg_bf16, shared is not None)
         BM = self.cfg.block_m
 
@@ -229,6 +229,7 @@ class MoKHopperLayer(torch.nn.Module):
                                 has_shared=self.has_shared)
         self.shared_programs, self.up_programs = progs["shared"], progs["up"]
         self.up_helper_programs, self.side_programs = progs["up_helper"], progs["side"]
+        self.up_side_programs = progs["up_side"]
         self.gemm_programs, self.pull_programs = progs["down"], progs["pull"]
         if self.cuda:
             self.comm_stream = torch.cuda.Stream(device=dev, priority=-1)
@@ -345,7 +346,7 @@ class MoKHopperLayer(torch.nn.Module):
             with torch.cuda.stream(self.side_stream):
                 self.shared_expert(x_TH)
                 self._mark("shared")
-                self.up(0, programs=self.side_programs)
+                self.up(0, programs=self.up_side_programs)
                 self.ev_side.record(self.side_stream)
         elif self.has_shared and not self.cfg.shared_last:
             self.shared_expert(x_TH)

@@ -84,6 +84,12 @@ class TileConfig:
     fp8_down_halves: bool = False  # for_fp8: the fp8 down GEMM as 64-row items (down_halves) at 4 warps, two programs
     # an SM (down_per_sm=2): the forward 14% faster on qwen3_5_397b, 8% on kimi_k2_7, even on glm_5_2 (PERF_NOTES
     # session 24); default_tile's where few experts run a full tile (DOWN_HALVES_MAX_FULL); ignored in bf16
+    up_per_sm: int = 1  # programs of each routed up-GEMM launch per SM it is given (main, helper, side): with 2
+    # (at 4 warps over BM/2-row items, so two fit an SM) one program's fp8 promotion runs beside the other's MMAs
+    up_halves: bool = False  # half tiles, no tails, not flattened: the up GEMM runs every row tile as BM/2-row items
+    # (a full tile as two, its weight blocks read twice), so it holds BM/2-row accumulators only (as down_halves)
+    fp8_up_halves: bool = False  # for_fp8: the fp8 up GEMM as 64-row items (up_halves) at 4 warps and 4 stages, two
+    # programs an SM (up_per_sm=2): the up GEMM's counterpart of fp8_down_halves (PERF_NOTES session 27)
     fp8: bool = False  # set by for_fp8 (the fp8 GEMM steps and pipeline depths)
 
     def __post_init__(self) -> None:
@@ -96,6 +102,11 @@ class TileConfig:
         if self.down_halves and not (self.half_tiles and not self.tail_rows and not self.flat_down):
             raise ValueError("down_halves (every down tile as BM/2-row items) needs half_tiles=True, no tails and no "
                              "flattened down loop")
+        if self.up_per_sm < 1:
+            raise ValueError(f"up_per_sm={self.up_per_sm} must be >= 1")
+        if self.up_halves and not (self.half_tiles and not self.tail_rows and not self.flat_up):
+            raise ValueError("up_halves (every up tile as BM/2-row items) needs half_tiles=True, no tails and no "
+                             "flattened up loop")
         if self.w_tiled and not self.tma:
             raise ValueError("w_tiled (weights in TMA block order) needs tma=True")
         if self.up_fused and not self.w_tiled:
@@ -127,6 +138,9 @@ class TileConfig:
         if pair_up:  # the same for the up GEMM's two 1 x 128 blocks
             up_stages = max(2, up_stages // 2)
         halves = dict(down_halves=True, down_warps=4, down_per_sm=2) if self.fp8_down_halves else {}
+        if self.fp8_up_halves:  # two programs' stages must fit one SM: 4 x (8 KB of x + 16 KB of weights) each
+            halves.update(up_halves=True, up_warps=4, up_per_sm=2)
+            up_stages = min(up_stages, 4)
         return replace(self, up_n=64, up_k=128, up_stages=up_stages, down_n=self.fp8_down_n, down_k=64,
                        down_stages=down_stages, flat_down=self.fp8_flat_down, tail_rows=0,
                        fp8_down_pair=pair_down, fp8_up_pair=pair_up,
@@ -227,7 +241,8 @@ def launch_programs(n_sm: int, cfg: TileConfig, *, ready: bool, overlap: bool,
                     has_shared: bool) -> dict[str, int]:
     """Programs per launch of one forward on ``n_sm`` SMs: ``pull``, ``shared`` (both shared-expert GEMMs), ``up``
     (the routed up GEMM on the main stream), ``up_helper`` (a second up launch after the pull, on the comm
-    stream), ``side`` (``shared_sms``: the shared expert's stream, then a third up launch there), ``down``.
+    stream), ``side`` (``shared_sms``: the shared expert's stream), ``up_side`` (a third up launch there, after the
+    shared expert), ``down``. Each up launch gets ``up_per_sm`` programs for each SM it is given.
 
     With ``overlap`` (CUDA) the pulls run on their own stream with ``comm_sms`` programs, beside the shared expert
     and the up GEMM (ready counters) or the previous chunk's GEMMs (chunks). A GEMM that can run while pulls still
@@ -254,6 +269,7 @@ def launch_programs(n_sm: int, cfg: TileConfig, *, ready: bool, overlap: bool,
         shared = side
     else:
         shared = cfg.gemm_programs or (n_sm if cfg.shared_last else max(1, n_sm - comm))
-    return {"pull": cfg.pull_programs or (comm if overlap else n_sm), "shared": shared, "up": up,
-            "up_helper": comm if helpers else 0, "side": side,
+    per = cfg.up_per_sm  # up programs a launch's SMs hold (up_halves: two programs of 4 warps fill what one of 8 did)
+    return {"pull": cfg.pull_programs or (comm if overlap else n_sm), "shared": shared, "up": up * per,
+            "up_helper": comm * per if helpers else 0, "side": side, "up_side": side * per,
             "down": cfg.gemm_programs or (n_sm if C == 1 else max(1, n_sm - comm)) * cfg.down_per_sm}

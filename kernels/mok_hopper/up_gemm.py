@@ -184,10 +184,21 @@ def _up_tile(a_ptr, a_half, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, 
              limit, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FP8: tl.constexpr,
              HAS_LIMIT: tl.constexpr, UPCAST: tl.constexpr, STAGES: tl.constexpr, FP8_MAX_: tl.constexpr,
              TMA: tl.constexpr, WB: tl.constexpr, HALF: tl.constexpr, TAIL: tl.constexpr, WT: tl.constexpr = False,
-             hsv_ptr=None, clip_ptr=None, SAVE_H: tl.constexpr = False, PAIR: tl.constexpr = False):
+             hsv_ptr=None, clip_ptr=None, SAVE_H: tl.constexpr = False, PAIR: tl.constexpr = False,
+             SPLIT: tl.constexpr = False):
     """The item of one row tile: a BM/2-row MMA for a half tile (HALF), else BM rows; TAIL: a tile whose size is
-    not a multiple of BM/2 (BM/2 + TAIL or BM + TAIL rows) adds the swapped TAIL-row MMA."""
-    if TAIL > 0:  # (HALF: TileConfig)
+    not a multiple of BM/2 (BM/2 + TAIL or BM + TAIL rows) adds the swapped TAIL-row MMA. SPLIT (HALF, no TAIL):
+    every tile as BM/2-row items, a full tile as two (its weight blocks read twice), so the kernel holds BM/2-row
+    accumulators only (``TileConfig.up_halves``)."""
+    if SPLIT:
+        _up_item(a_half, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row1, n, e_tile, n_rows, H, I,
+                 limit, BM // 2, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB, 0, WT, hsv_ptr,
+                 clip_ptr, SAVE_H, PAIR)
+        if row1 - row0 > BM // 2:
+            _up_item(a_half, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0 + BM // 2, row1, n, e_tile, n_rows,
+                     H, I, limit, BM // 2, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB, 0, WT,
+                     hsv_ptr, clip_ptr, SAVE_H, PAIR)
+    elif TAIL > 0:  # (HALF: TileConfig)
         size = row1 - row0
         if size % (BM // 2) != 0:
             if size < BM:
@@ -249,7 +260,7 @@ def _up_swiglu_kernel(a_ptr, a_half, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_pt
                       HALF: tl.constexpr = False, READY: tl.constexpr = False, GRAN: tl.constexpr = 64,
                       SPIN: tl.constexpr = True, DYN: tl.constexpr = False, WB: tl.constexpr = 128,
                       FLAT: tl.constexpr = False, TAIL: tl.constexpr = 0, WT: tl.constexpr = False,
-                      SAVE_H: tl.constexpr = False, PAIR: tl.constexpr = False):
+                      SAVE_H: tl.constexpr = False, PAIR: tl.constexpr = False, SPLIT: tl.constexpr = False):
     """TMA: ``a_ptr`` / ``a_half`` / ``a_tail`` / ``w_ptr`` are TMA descriptors over A [R, H] (blocks [BM, BK],
     [BM/2, BK] and [TAIL, BK]) and W13 [L*2I, H] (blocks [BN, BK]; WT: W13 from :func:`tile_weights`, a
     [L*2I*H/BK, BK] view), read by Hopper's bulk copy engine; otherwise pointers. HALF: tiles of
@@ -258,7 +269,7 @@ def _up_swiglu_kernel(a_ptr, a_half, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_pt
     DYN): static round robin in one flattened loop nest, as in the down kernel. TAIL: see ``_up_tile``. SAVE_H
     (the training forward): also the pre-SwiGLU H into ``hsv_ptr`` and, with HAS_LIMIT, the clamp's decisions
     into ``clip_ptr`` (``_up_store``); off, both are None (constexprs: the kernel is the inference kernel, parameter
-    for parameter). PAIR (fp8): two 128-deep blocks a loop step (``_up_item``)."""
+    for parameter). PAIR (fp8): two 128-deep blocks a loop step (``_up_item``). SPLIT: see ``_up_tile``."""
     m_lo = tl.load(chunk_ptr)
     m_hi = tl.load(chunk_ptr + 1)
     n_n = I // BN
@@ -277,7 +288,7 @@ def _up_swiglu_kernel(a_ptr, a_half, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_pt
                 _wait_rows(ready_ptr, row0, row1, GRAN, SPIN, TMA)
             _up_tile(a_ptr, a_half, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row1, n, e_tile, n_rows,
                      H, I, limit, BM, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB, HALF, TAIL, WT,
-                     hsv_ptr, clip_ptr, SAVE_H, PAIR)
+                     hsv_ptr, clip_ptr, SAVE_H, PAIR, SPLIT)
             wk = _next_work(wk, work_ptr, NUM_PROGS, DYN)
 
 
@@ -334,4 +345,4 @@ def up_swiglu(a_RH: torch.Tensor, a_scale: Optional[torch.Tensor], w13_LIH: torc
         STAGES=cfg.up_stages, FP8_MAX_=FP8_MAX, GROUP_M=cfg.group_m, TMA=cfg.tma, HALF=cfg.half_tiles,
         READY=ready is not None, GRAN=ready_granule(cfg), SPIN=not INTERPRET, DYN=work is not None,
         FLAT=flat, TAIL=tail, WT=2 if fused else cfg.w_tiled, SAVE_H=save, PAIR=fp8 and cfg.fp8_up_pair,
-        num_warps=cfg.up_warps)
+        SPLIT=cfg.up_halves, num_warps=cfg.up_warps)

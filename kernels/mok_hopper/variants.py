@@ -80,6 +80,15 @@ SWEEP = [  # (label, overrides of the base tile, layer options); tiles checked b
     # fp8 only: the down GEMM as before v16, one program of 8 warps an SM over whole tiles, where v16's default runs
     # it as 64-row items at two programs an SM (fp8_down_halves; on glm_5_2 an A/A)
     ("fp8: down whole tiles, one program an SM (v15)", dict(fp8_down_halves=False), {}),
+    # fp8 only: the up GEMM's counterpart (session 27): every row tile as 64-row items at 4 warps and 4 stages, two
+    # programs an SM in each up launch (fp8_up_halves); in the inference and the training forward (save_h), with the
+    # shared expert before the up GEMM too (then no side stream takes SMs while two up programs share one); and the
+    # 64-row items alone at one program of 8 warps an SM, to tell the two changes apart
+    ("fp8: up 64-row items, 4 warps, two programs an SM", dict(fp8_up_halves=True), {}),
+    ("fp8: up 64-row items, two programs an SM, training forward (save_h)", dict(fp8_up_halves=True),
+     dict(save_h=True)),
+    ("fp8: up 64-row items, two programs an SM, shared before up", dict(fp8_up_halves=True, shared_sms=0), {}),
+    ("fp8: up 64-row items, one program an SM", dict(up_halves=True, tail_rows=0), {}),
 ]
 SWEEP_FP8 = ("default again (A/A control)", "pull 24 x 16 warps x 8 rows", "shared last",
              "shared before up, beside the pull (v7)",
@@ -89,5 +98,8 @@ SWEEP_FP8 = ("default again (A/A control)", "pull 24 x 16 warps x 8 rows", "shar
              "fp8: down two hidden blocks a step, 6 stages", "fp8: up and down two blocks a step",
              "fp8: down flat, two blocks a step", "fp8: down 64 wide, 4 warps, two programs an SM",
              "fp8: down 64 wide, one program an SM", "fp8: down 64-row items, 4 warps, two programs an SM",
-             "fp8: down 64-row items, one program an SM", "fp8: down whole tiles, one program an SM (v15)")
+             "fp8: down 64-row items, one program an SM", "fp8: down whole tiles, one program an SM (v15)",
+             "training forward (save_h)", "fp8: up 64-row items, 4 warps, two programs an SM",
+             "fp8: up 64-row items, two programs an SM, training forward (save_h)",
+             "fp8: up 64-row items, two programs an SM, shared before up", "fp8: up 64-row items, one program an SM")
 TIMELINE_VARIANTS = ("v3 layout (full tiles, events, 3/4 stages, torch schedule)",)  # also get a timeline
