@@ -50,7 +50,7 @@ from kernels.mok_hopper.workspace import Workspace, get_workspace
 PRECISIONS = ("bf16", "fp8")
 # timeline stamps (``timeline=True``): where each phase of a forward ends, on the stream that runs it
 STAMPS = ("start", "stage", "barrier0", "schedule", "shared", "up", "down", "join", "barrier1", "epilogue",
-          "pull [comm]", "up helper [comm]")
+          "pull [comm]", "up helper [comm]", "up [side]")
 MAX_GRAPHS = 4  # captured forwards kept per layer (one per set of input tensors)
 ROUTER_WEIGHT_IN = ("expert", "epilogue")
 SCHEDULES = ("triton", "torch")
@@ -347,6 +347,7 @@ class MoKHopperLayer(torch.nn.Module):
                 self.shared_expert(x_TH)
                 self._mark("shared")
                 self.up(0, programs=self.up_side_programs)
+                self._mark("up [side]")
                 self.ev_side.record(self.side_stream)
         elif self.has_shared and not self.cfg.shared_last:
             self.shared_expert(x_TH)

@@ -102,4 +102,8 @@ SWEEP_FP8 = ("default again (A/A control)", "pull 24 x 16 warps x 8 rows", "shar
              "training forward (save_h)", "fp8: up 64-row items, 4 warps, two programs an SM",
              "fp8: up 64-row items, two programs an SM, training forward (save_h)",
              "fp8: up 64-row items, two programs an SM, shared before up", "fp8: up 64-row items, one program an SM")
-TIMELINE_VARIANTS = ("v3 layout (full tiles, events, 3/4 stages, torch schedule)",)  # also get a timeline
+TIMELINE_VARIANTS = ("v3 layout (full tiles, events, 3/4 stages, torch schedule)",  # these also get a timeline
+                     # where two up programs an SM leave the shared expert and the pull their SMs (session 27)
+                     "fp8: up 64-row items, 4 warps, two programs an SM",
+                     "fp8: up 64-row items, two programs an SM, shared before up",
+                     "shared before up, beside the pull (v7)")
