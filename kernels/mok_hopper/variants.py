@@ -89,6 +89,13 @@ SWEEP = [  # (label, overrides of the base tile, layer options); tiles checked b
      dict(save_h=True)),
     ("fp8: up 64-row items, two programs an SM, shared before up", dict(fp8_up_halves=True, shared_sms=0), {}),
     ("fp8: up 64-row items, one program an SM", dict(up_halves=True, tail_rows=0), {}),
+    # with two up programs an SM the pull (a latency-bound loop: one BR-row step of loads, stores, a barrier and a
+    # release at a time) gates the up GEMM (session 27, call B's timelines): longer pull steps, alone and with it
+    ("fp8: pull 16 rows a step", dict(pull_rows=16), {}),
+    ("fp8: up 64-row items, two programs an SM, pull 8 rows a step", dict(fp8_up_halves=True, pull_rows=8), {}),
+    ("fp8: up 64-row items, two programs an SM, pull 16 rows a step", dict(fp8_up_halves=True, pull_rows=16), {}),
+    ("fp8: up 64-row items, two programs an SM, pull 16 rows a step, shared before up",
+     dict(fp8_up_halves=True, pull_rows=16, shared_sms=0), {}),
 ]
 SWEEP_FP8 = ("default again (A/A control)", "pull 24 x 16 warps x 8 rows", "shared last",
              "shared before up, beside the pull (v7)",
@@ -101,9 +108,14 @@ SWEEP_FP8 = ("default again (A/A control)", "pull 24 x 16 warps x 8 rows", "shar
              "fp8: down 64-row items, one program an SM", "fp8: down whole tiles, one program an SM (v15)",
              "training forward (save_h)", "fp8: up 64-row items, 4 warps, two programs an SM",
              "fp8: up 64-row items, two programs an SM, training forward (save_h)",
-             "fp8: up 64-row items, two programs an SM, shared before up", "fp8: up 64-row items, one program an SM")
+             "fp8: up 64-row items, two programs an SM, shared before up", "fp8: up 64-row items, one program an SM",
+             "fp8: pull 16 rows a step", "fp8: up 64-row items, two programs an SM, pull 8 rows a step",
+             "fp8: up 64-row items, two programs an SM, pull 16 rows a step",
+             "fp8: up 64-row items, two programs an SM, pull 16 rows a step, shared before up")
 TIMELINE_VARIANTS = ("v3 layout (full tiles, events, 3/4 stages, torch schedule)",  # these also get a timeline
                      # where two up programs an SM leave the shared expert and the pull their SMs (session 27)
                      "fp8: up 64-row items, 4 warps, two programs an SM",
                      "fp8: up 64-row items, two programs an SM, shared before up",
-                     "shared before up, beside the pull (v7)")
+                     "shared before up, beside the pull (v7)",
+                     "fp8: up 64-row items, two programs an SM, pull 16 rows a step",
+                     "fp8: up 64-row items, two programs an SM, pull 16 rows a step, shared before up")
