@@ -12,7 +12,8 @@
 #   PART rows:  the harness rows: mok_hopper and nccl (fp8_gemm=rowwise, the fastest real fp8 path of sessions 21
 #               and 24, eager as in h200x1-s24-v16-fp8; FP8_GEMM=blockwise for DeepGEMM, which must then be
 #               importable, README "Optional: DeepGEMM"), forward and backward timed in one process per point
-#               (direction=fwd_and_bwd), published timing (500 warmup / 100 timed), calibrated roofline; the four
+#               (direction=fwd_and_bwd; DIRECTION=fwd for the forward alone), published timing (500 warmup / 100
+#               timed), calibrated roofline; the four
 #               points above, one run_id (MOKBENCH_RUN_ID, default h200x1-fp8-bwd-<UTC time>)
 #               (OUTDIR/runs/<run_id>/*.csv, OUTDIR/harness_<point>.log)
 # MOKBENCH_GIT_SHA names the commit (the device copy has no .git of the session's commit).
@@ -40,7 +41,7 @@ case "$PART" in
         2>&1 | grep -v -e Warning -e warnings.warn | tee "$OUTDIR/bwd_check_sweep.log"
     ;;
   rows)
-    C="ep_size=1 precision=fp8 direction=fwd_and_bwd backends=[mok_hopper,nccl] fp8_gemm=${FP8_GEMM:-rowwise} compile=false"
+    C="ep_size=1 precision=fp8 direction=${DIRECTION:-fwd_and_bwd} backends=[mok_hopper,nccl] fp8_gemm=${FP8_GEMM:-rowwise} compile=false"
     C="$C timing=published calibrate=true dist_timeout_s=900 run_id=$MOKBENCH_RUN_ID results_dir=$OUTDIR/runs"
     C="$C hydra.run.dir=/tmp/mokbench-run hydra.sweep.dir=/tmp/mokbench-sweep"
     for point in ${POINTS:-kimi_k2_7 glm_5_2 qwen3_5_397b glm16}; do

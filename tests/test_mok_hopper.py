@@ -821,9 +821,14 @@ def test_fp8_down_halves_is_the_default_where_few_experts_run_a_full_tile():
         assert (full_tile_fraction(rows) <= DOWN_HALVES_MAX_FULL) == want
         f8 = default_tile(precision="fp8", rows_per_expert=rows, **cuda)
         assert (f8.down_halves, f8.down_warps, f8.down_per_sm) == ((True, 4, 2) if want else (False, 8, 1))
+        # v17: the up GEMM too (two programs of 4 warps an SM over 64-row items, 4 stages); 16-row pull steps
+        assert (f8.up_halves, f8.up_warps, f8.up_per_sm, f8.up_stages) == ((True, 4, 2, 4) if want else
+                                                                           (False, 8, 1, 6))
+        assert f8.pull_rows == 16 and (f8.block_m // 2) % f8.pull_rows == 0  # (it must divide the ready granule)
         assert f8.fp8 and not f8.flat_down and not f8.tail_rows
         bf = default_tile(precision="bf16", rows_per_expert=rows, **cuda)
         assert not bf.down_halves and bf.down_per_sm == 1 and bf.down_warps == 8
+        assert not bf.up_halves and bf.up_per_sm == 1 and bf.up_warps == 8 and bf.pull_rows == 4
     assert full_tile_fraction(0) == 0.0 and full_tile_fraction(20) < 1e-6 and full_tile_fraction(200) > 0.999
 
 

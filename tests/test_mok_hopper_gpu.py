@@ -157,7 +157,7 @@ def test_single_gpu_fp8_up_halves_change_no_bit(rows):
     x, idx, w, w13, w2, sh, _ = _inputs("uniform", K, T=T, E=E, H=H, I=I)
     tile = default_tile(device=x.device, hidden=H, ffn=I, rows_per_expert=rows)
     kw = dict(topk=K, tokens=T, shared=sh, precision="fp8", save_h=True)
-    base = MoKHopperLayer(w13, w2, tile=tile, **kw)
+    base = MoKHopperLayer(w13, w2, tile=replace(tile, fp8_up_halves=False), **kw)
     halves = MoKHopperLayer(w13, w2, tile=replace(tile, fp8_up_halves=True), **kw)
     assert halves.cfg.up_halves and (halves.cfg.up_warps, halves.cfg.up_per_sm) == (4, 2)
     assert halves.up_programs == 2 * base.up_programs and not base.cfg.up_halves

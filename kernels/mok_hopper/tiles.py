@@ -90,6 +90,8 @@ class TileConfig:
     # (a full tile as two, its weight blocks read twice), so it holds BM/2-row accumulators only (as down_halves)
     fp8_up_halves: bool = False  # for_fp8: the fp8 up GEMM as 64-row items (up_halves) at 4 warps and 4 stages, two
     # programs an SM (up_per_sm=2): the up GEMM's counterpart of fp8_down_halves (PERF_NOTES session 27)
+    fp8_pull_rows: int = 0  # for_fp8: the pull's rows a step (0: pull_rows); default_tile's 16 (PERF_NOTES session 27:
+    # an fp8 row is half a bf16 one, and with two up programs an SM the pull's 4-row steps gated the up GEMM)
     fp8: bool = False  # set by for_fp8 (the fp8 GEMM steps and pipeline depths)
 
     def __post_init__(self) -> None:
@@ -141,6 +143,8 @@ class TileConfig:
         if self.fp8_up_halves:  # two programs' stages must fit one SM: 4 x (8 KB of x + 16 KB of weights) each
             halves.update(up_halves=True, up_warps=4, up_per_sm=2)
             up_stages = min(up_stages, 4)
+        if self.fp8_pull_rows:
+            halves.update(pull_rows=self.fp8_pull_rows)
         return replace(self, up_n=64, up_k=128, up_stages=up_stages, down_n=self.fp8_down_n, down_k=64,
                        down_stages=down_stages, flat_down=self.fp8_flat_down, tail_rows=0,
                        fp8_down_pair=pair_down, fp8_up_pair=pair_up,
@@ -208,14 +212,15 @@ def default_tile(*, precision: str = "bf16", device: Optional[torch.device] = No
     MMA over interleaved gate and up rows (``fp8_up_fused``, v14) and its down GEMM two 1 x 64 hidden blocks a loop
     step (``fp8_down_pair``, v15; where ``ffn`` is a multiple of 128 or not given); where at most
     ``DOWN_HALVES_MAX_FULL`` of the experts run a full tile (:func:`full_tile_fraction`), as 64-row items at two
-    programs an SM (``fp8_down_halves``, v16).
+    programs an SM (``fp8_down_halves``, v16), and there its up GEMM too (``fp8_up_halves``, v17); its pull steps
+    16 rows (``fp8_pull_rows``, v17).
 
     On the CPU (Triton interpreter) the cost is per operation, not per FLOP: few programs, small row tiles and
     the widest column / depth steps that divide ``hidden`` / ``ffn``, and pointer loads (``tma`` off).
 
     The measurements behind each choice: PERF_NOTES.md, "The default tiles and why"."""
     cfg = TileConfig(shared_sms=SHARED_SMS, w_tiled=True, down_n=256, down_stages=4, fp8_up_fused=True,
-                     fp8_down_pair=ffn is None or ffn % 128 == 0)
+                     fp8_down_pair=ffn is None or ffn % 128 == 0, fp8_pull_rows=16)
     if comm_sms is not None:
         cfg = replace(cfg, comm_sms=comm_sms)
     if n_sm is not None and n_sm - cfg.comm_sms - cfg.shared_sms < SHARED_SMS:
@@ -225,7 +230,7 @@ def default_tile(*, precision: str = "bf16", device: Optional[torch.device] = No
     elif rows_per_expert is not None and paired_fraction(rows_per_expert, cfg.block_m) >= PAIR_MIN_FRACTION:
         cfg = replace(cfg, tail_rows=TAIL_ROWS, up_fused=True)
     if rows_per_expert is not None and full_tile_fraction(rows_per_expert, cfg.block_m) <= DOWN_HALVES_MAX_FULL:
-        cfg = replace(cfg, fp8_down_halves=True)  # (fp8 only: for_fp8 applies it)
+        cfg = replace(cfg, fp8_down_halves=True, fp8_up_halves=True)  # (fp8 only: for_fp8 applies them)
     if device is not None and torch.device(device).type != "cuda":
         def widest(n: Optional[int], cap: int) -> int:
             return next(b for b in (256, 128, 64, 32, 16) if b <= cap and (n is None or n % b == 0))

@@ -96,6 +96,9 @@ SWEEP = [  # (label, overrides of the base tile, layer options); tiles checked b
     ("fp8: up 64-row items, two programs an SM, pull 16 rows a step", dict(fp8_up_halves=True, pull_rows=16), {}),
     ("fp8: up 64-row items, two programs an SM, pull 16 rows a step, shared before up",
      dict(fp8_up_halves=True, pull_rows=16, shared_sms=0), {}),
+    # fp8 only: v16's up GEMM and pull (one program of 8 warps an SM over whole tiles, 4-row pull steps) where v17's
+    # default runs two up programs an SM over 64-row items and 16-row pull steps
+    ("fp8: up whole tiles, pull 4 rows a step (v16)", dict(fp8_up_halves=False, fp8_pull_rows=0), {}),
 ]
 SWEEP_FP8 = ("default again (A/A control)", "pull 24 x 16 warps x 8 rows", "shared last",
              "shared before up, beside the pull (v7)",
@@ -111,7 +114,8 @@ SWEEP_FP8 = ("default again (A/A control)", "pull 24 x 16 warps x 8 rows", "shar
              "fp8: up 64-row items, two programs an SM, shared before up", "fp8: up 64-row items, one program an SM",
              "fp8: pull 16 rows a step", "fp8: up 64-row items, two programs an SM, pull 8 rows a step",
              "fp8: up 64-row items, two programs an SM, pull 16 rows a step",
-             "fp8: up 64-row items, two programs an SM, pull 16 rows a step, shared before up")
+             "fp8: up 64-row items, two programs an SM, pull 16 rows a step, shared before up",
+             "fp8: up whole tiles, pull 4 rows a step (v16)")
 TIMELINE_VARIANTS = ("v3 layout (full tiles, events, 3/4 stages, torch schedule)",  # these also get a timeline
                      # where two up programs an SM leave the shared expert and the pull their SMs (session 27)
                      "fp8: up 64-row items, 4 warps, two programs an SM",
