@@ -12,7 +12,7 @@ from typing import Any, Iterable, Sequence
 
 import pandas as pd
 
-from harness.backends import REGISTRY, base_name, names_with_role, role, spec
+from harness.backends import REGISTRY, base_name, names_with_role, role, series_parts, spec
 from harness.config import shape_table
 
 # Backend names, labels and roles come from the one registry (harness.backends.REGISTRY)
@@ -87,6 +87,28 @@ def compile_caption(df: pd.DataFrame) -> str:
                  for c, m in zip(rows["compiled"], rows["compile_mode"])]
         parts.append(f"{system_label(b)} {' + '.join(dict.fromkeys(modes))}")
     return "torch.compile: " + "; ".join(parts) if parts else ""
+
+
+def fp8_caption(df: pd.DataFrame) -> str:
+    """Which fp8 GEMM path each baseline and anchor ran in these rows (``ok`` rows of a precision other than bf16
+    that record ``scaling``; :func:`scaling_variant` names), e.g. ``fp8 GEMMs: NCCL+PyTorch rowwise``. A series
+    already named by its variant (a run with several, :func:`claims.split_variants`) says it in its own label and is
+    left out; a system with several paths lists them all."""
+    if "scaling" not in df or "precision" not in df:
+        return ""
+    others = df["backend"].map(lambda b: (is_baseline(b) or is_anchor(b)) and not series_parts(b)[1])
+    d = df[(df["status"] == "ok") & others & df["precision"].astype(str).ne("bf16") & df["scaling"].notna()
+           & df["scaling"].astype(str).ne("")]
+    parts = []
+    for b in [x for x in SYSTEM_ORDER if x in set(d["backend"])] + sorted(set(d["backend"]) - set(SYSTEM_ORDER)):
+        paths = dict.fromkeys(scaling_variant(sc) for sc in d.loc[d["backend"] == b, "scaling"])
+        parts.append(f"{system_label(b)} {' + '.join(paths)}")
+    return "fp8 GEMMs: " + "; ".join(parts) if parts else ""
+
+
+def run_caption(df: pd.DataFrame) -> str:
+    """A chart's footnote on how the baselines ran: :func:`compile_caption`, then :func:`fp8_caption`."""
+    return ". ".join(x for x in (compile_caption(df), fp8_caption(df)) if x)
 
 
 def shape_label(shape: str) -> str:

@@ -214,7 +214,7 @@ def plot_panels(df: pd.DataFrame, env: Optional[dict[str, Any]] = None, title: O
                 _no_ok_panel(ax)
             elif j == 0 or len(directions) * len(precisions) > 1:
                 ax.set_ylabel("TFLOP/s per GPU (whiskers: p20-p80)", fontsize=9)
-    caption = L.compile_caption(df)
+    caption = L.run_caption(df)
     if any(L.is_anchor(s) for s in systems):
         caption = ("Dotted bars: anchors (fused MoE layers a user could pick), not baselines; a fused kernel's label "
                    "is its speedup over the fastest baseline, then over the fastest of all. " + caption).strip()
@@ -495,7 +495,7 @@ def plot_roofline(df: pd.DataFrame, calibration: Optional[pd.DataFrame] = None,
     if not drawn:
         default += " (no calibration rates matched: floors not drawn)"
     finish(fig, title or default, [_patch(s) for s in systems], [L.system_label(s) for s in systems], notes=notes,
-           extra_legend=(floors, floor_labels), caption=L.compile_caption(df))
+           extra_legend=(floors, floor_labels), caption=L.run_caption(df))
     return fig
 
 

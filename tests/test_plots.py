@@ -81,6 +81,29 @@ def test_charts_say_how_the_baselines_ran():
     assert L.compile_caption(results.to_frame([S.row("mok_hopper")])) == ""
 
 
+def test_charts_name_the_baselines_fp8_gemm_path():
+    """A run with one fp8 GEMM path per baseline keeps the plain series name ("NCCL+PyTorch"), so the footnote says
+    which path ran (from the rows' ``scaling``): rowwise here, DeepGEMM there; bf16 rows, not-ok rows and the fused
+    kernel add nothing, and a series already named by its variant is not repeated."""
+    rowwise = "e4m3 rowwise (per-row activation / per-channel weight scales), torch._scaled_grouped_mm: forward"
+    deepgemm = "e4m3 block 1x128 / 128x128, DeepGEMM m-grouped contiguous: forward"
+    rows = [S.row("nccl", s, precision="fp8", scaling=rowwise, compiled=False, compile_mode="")
+            for s in ("glm_5_2", "kimi_k2_7")]
+    rows += [S.row("mok_hopper", "glm_5_2", precision="fp8", scaling="block 1x128 act / 128x128 weight, e4m3"),
+             S.row("nccl", "glm_5_2", precision="bf16", scaling="bf16"),
+             S.row("deepep", "glm_5_2", precision="fp8", status="error", scaling=deepgemm)]
+    df = results.to_frame(rows)
+    assert L.fp8_caption(df) == "fp8 GEMMs: NCCL+PyTorch rowwise"
+    assert L.run_caption(df) == "torch.compile: NCCL+PyTorch eager. fp8 GEMMs: NCCL+PyTorch rowwise"
+    for fig in (P.plot_panels(df[df["precision"] == "fp8"]), P.plot_roofline(df[df["precision"] == "fp8"])):
+        foot = " ".join(t.get_text() for t in fig.texts).replace("\n", " ")
+        assert "fp8 GEMMs: NCCL+PyTorch rowwise" in foot
+    df2 = results.to_frame([S.row("nccl", precision="fp8", scaling=deepgemm)])
+    assert L.fp8_caption(df2) == "fp8 GEMMs: NCCL+PyTorch DeepGEMM"
+    split = results.to_frame([S.row("nccl · rowwise", precision="fp8", tflops=100.0, scaling=rowwise)])
+    assert L.fp8_caption(split) == "" and L.fp8_caption(results.to_frame([S.row("mok_hopper")])) == ""
+
+
 def test_panels_need_one_environment():
     df = S.mixed_environments()
     with pytest.raises(ValueError, match="environments"):
