@@ -254,7 +254,14 @@ def launch_programs(n_sm: int, cfg: TileConfig, *, ready: bool, overlap: bool,
     run leaves those SMs free: the up GEMM with ready counters must (its programs wait for the pull). The down GEMM
     runs after every pull it depends on when there is one chunk, so it takes every SM. With ready counters and one
     chunk the up launches after the pull (and after the side stream's shared expert) take work items off the same
-    counter, so the up GEMM gets every SM once the pull is done."""
+    counter, so the up GEMM gets every SM once the pull is done.
+
+    With ``up_per_sm`` = 2 (``up_halves``: programs of 4 warps) the spinning up programs no longer fill an SM each,
+    and the block scheduler may put them beside the pull's. The pull still always finds room: at most 2 x (SMs
+    given to the up launches) programs wait while it runs, so some SM holds at most one of them, and a pull program
+    (16 warps at 58 registers under Triton 3.6, aot_check) fits beside one up program (4 warps at up to 252). Measured
+    cost of that sharing: the 4-row pull got 35% slower beside them (PERF_NOTES session 27), hence fp8's 16-row
+    steps; and the side stream's shared expert, which needs a whole SM, can wait for the up GEMM's end."""
     C = cfg.num_chunks
     comm = cfg.comm_sms if overlap else 0
     helpers = ready and C == 1 and overlap
