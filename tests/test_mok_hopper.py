@@ -899,6 +899,38 @@ def test_up_halves_change_no_bit(precision, operands):
 
 @pytest.mark.slow
 @needs_triton
+@pytest.mark.parametrize("precision,halves", [("bf16", False), ("fp8", False), ("fp8", True)])
+def test_save_h_by_tma_stores_changes_no_bit(precision, halves):
+    """save_h_tma: the training forward's saved H leaves the up GEMM as TMA block stores ([BM, BN] and [BM/2, BN]
+    descriptors) instead of pointer stores: the same output, saved H and clamp decisions, with full and half tiles
+    in the schedule (and every tile as 64-row items with fp8_up_halves); rows no tile covers stay untouched."""
+    from dataclasses import replace
+
+    from kernels.mok_hopper.tiles import TileConfig
+
+    P, T, K, E, H, I = 2, 48, 4, 8, 256, 128
+    tile = TileConfig(block_m=32, up_n=32, up_k=32, down_n=64, down_k=32, num_chunks=1, gemm_programs=3,
+                      pull_programs=5, pull_rows=4, group_m=2, tma=True, w_tiled=True, fp8_up_fused=True,
+                      fp8_up_halves=halves)
+    xs, idx, ws, w13, w2, sh = make_layer_inputs(P, T, K, E, H, I, seed=43)
+    counts = torch.bincount(torch.cat([i.reshape(-1) for i in idx]), minlength=E)
+    assert (counts > tile.block_m).any() and (counts % tile.block_m <= tile.block_m // 2).any()  # full and half
+    fp8 = precision == "fp8"
+    kw = dict(precision=precision, limit=0.5, save_h=True)
+    one, l1, _ = run_kernels(xs, idx, ws, w13, w2, sh, tile=tile.for_fp8() if fp8 else tile, **kw)
+    tma = replace(tile, save_h_tma=True)
+    two, l2, _ = run_kernels(xs, idx, ws, w13, w2, sh, tile=tma.for_fp8() if fp8 else tma, **kw)
+    assert l2[0].cfg.save_h_tma and l2[0].cfg.up_halves == halves
+    for r in range(P):
+        assert torch.equal(two[0][r], one[0][r])
+        nan = l1[r].h_save.isnan()
+        assert nan.any() and not nan.all() and torch.equal(l2[r].h_save.isnan(), nan)  # untouched rows stay NaN
+        assert torch.equal(l2[r].h_save.nan_to_num(), l1[r].h_save.nan_to_num())
+        assert torch.equal(l2[r].clip_save, l1[r].clip_save)
+
+
+@pytest.mark.slow
+@needs_triton
 def test_fp8_down_two_programs_an_sm_matches_the_twin():
     """The fp8 down GEMM 32 columns an item at 4 warps, twice the programs (down_per_sm; a CPU has 4 "SMs"): the
     forward the twin computes, as with the default launch."""

@@ -129,7 +129,11 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048, extras: bool 
             t = "*fp8e4nv" if fp8 else "*bf16"
             # the saved H and clamp decisions: pointers with SAVE_H, else None (constexprs: no kernel parameter)
             sv = dict(hsv_ptr="*bf16", clip_ptr="*u8") if save and limit else dict(hsv_ptr="*bf16") if save else {}
-            sv_c = {k: None for k in ("hsv_ptr", "clip_ptr") if k not in sv}
+            hsv_tma = save and c.save_h_tma and tma and not c.flat_up and not c.tail_rows  # (as up_swiglu decides)
+            if hsv_tma:  # the saved H through TMA descriptors of [BM, BN] and [BM/2, BN] blocks
+                sv.update(hsv_ptr=operand("*bf16", [c.block_m, c.up_n], True),
+                          hsv_half=operand("*bf16", [c.block_m // 2, c.up_n], True))
+            sv_c = {k: None for k in ("hsv_ptr", "clip_ptr", "hsv_half") if k not in sv}
             label = f"up {'fp8' if fp8 else 'bf16'}{' clamp' if limit else ''}{' save H' if save else ''}{path}"
             out.append(Variant(label, "_up_swiglu_kernel",
                                dict(a_ptr=operand(t, [c.block_m, c.up_k], tma),
@@ -144,7 +148,7 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048, extras: bool 
                                     HALF=c.half_tiles, READY=c.ready_flags, GRAN=ready_granule(c), SPIN=True,
                                     DYN=c.ready_flags, WB=128, FLAT=c.flat_up, TAIL=c.tail_rows,
                                     WT=(2 if c.up_fused else c.w_tiled) if tma else False, SAVE_H=save,
-                                    PAIR=fp8 and c.fp8_up_pair, SPLIT=c.up_halves, **sv_c),
+                                    PAIR=fp8 and c.fp8_up_pair, SPLIT=c.up_halves, HSV_TMA=hsv_tma, **sv_c),
                                c.up_warps))
         for fp8, apply_w in ((False, True), (False, False), (True, True)):
             c = f8 if fp8 else cfg
@@ -205,6 +209,12 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048, extras: bool 
         saves = ("up bf16 save H", "up bf16 clamp save H", "up bf16 save H tma", "up bf16 clamp save H tma",
                  "up fp8 save H", "up fp8 clamp save H", "up fp8 save H tma", "up fp8 clamp save H tma")
         out += [v for v in variants(cfg, hidden, ffn, extras=False, save_h=True) if v.label in saves]
+        # the saved H by TMA stores (save_h_tma, session 27): bf16, fp8, fp8 at 64-row items two programs an SM
+        out += extra(dict(save_h_tma=True), ("up bf16 save H tma", "up bf16 clamp save H tma", "up fp8 save H tma"),
+                     tagged("H by TMA"), save_h=True)
+        if cfg.w_tiled:
+            out += extra(dict(save_h_tma=True, fp8_up_halves=True), ("up fp8 save H tma",),
+                         tagged("halves H by TMA"), save_h=True)
         clamp_tma = ("up bf16 clamp save H tma",)
         out += extra(dict(tail_rows=TAIL_ROWS), clamp_tma, tagged(f"tails {TAIL_ROWS}"), save_h=True)
         if cfg.w_tiled:

@@ -90,6 +90,9 @@ class TileConfig:
     # (a full tile as two, its weight blocks read twice), so it holds BM/2-row accumulators only (as down_halves)
     fp8_up_halves: bool = False  # for_fp8: the fp8 up GEMM as 64-row items (up_halves) at 4 warps and 4 stages, two
     # programs an SM (up_per_sm=2): the up GEMM's counterpart of fp8_down_halves (PERF_NOTES session 27)
+    save_h_tma: bool = False  # TMA (no tails, no flattened up loop): the training forward's saved H leaves the up
+    # GEMM's epilogue as two bulk TMA stores an item instead of scattered stores from the MMA layout (PERF_NOTES
+    # session 26: those cost 0.125 ms, six times their bytes, on qwen3_5_397b bf16)
     fp8_pull_rows: int = 0  # for_fp8: the pull's rows a step (0: pull_rows); default_tile's 16 (PERF_NOTES session 27:
     # an fp8 row is half a bf16 one, and with two up programs an SM the pull's 4-row steps gated the up GEMM)
     fp8: bool = False  # set by for_fp8 (the fp8 GEMM steps and pipeline depths)

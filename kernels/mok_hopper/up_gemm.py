@@ -20,7 +20,7 @@ def _up_item(a_ptr, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row_end,
              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FP8: tl.constexpr, HAS_LIMIT: tl.constexpr,
              UPCAST: tl.constexpr, STAGES: tl.constexpr, FP8_MAX_: tl.constexpr, TMA: tl.constexpr,
              WB: tl.constexpr, TAIL: tl.constexpr, WT: tl.constexpr = False, hsv_ptr=None, clip_ptr=None,
-             SAVE_H: tl.constexpr = False, PAIR: tl.constexpr = False):
+             SAVE_H: tl.constexpr = False, PAIR: tl.constexpr = False, HSV_TMA: tl.constexpr = False):
     """One work item: rows [row0, min(row0 + BM, row_end)) x hidden columns [n*BN, (n+1)*BN) of expert ``e_tile``
     (rows from row_end on belong to the next tile: computed, not stored). TAIL > 0 (bf16): also the TAIL rows
     after those (``a_tail``: their TMA descriptor), as W @ A^T with the rows in N, off the same weight tiles.
@@ -112,7 +112,7 @@ def _up_item(a_ptr, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row_end,
             _up_store(acc_tg.T, acc_tu.T, rows_t32.to(tl.int64), rmask_t, n, h_ptr, hs_ptr, I, limit, BN, FP8,
                       HAS_LIMIT, FP8_MAX_, hsv_ptr, clip_ptr, SAVE_H, row0 + BM)
     _up_store(acc_g, acc_u, rows, rmask, n, h_ptr, hs_ptr, I, limit, BN, FP8, HAS_LIMIT, FP8_MAX_, hsv_ptr, clip_ptr,
-              SAVE_H, row0)
+              SAVE_H, row0, HSV_TMA)
 
 
 @triton.jit
@@ -145,14 +145,16 @@ def _fp8_g_u_blocks(a_ptr, a_at, as_ptr, w_ptr, g_at, u_at, wsb, rows, rmask, n,
 @triton.jit
 def _up_store(acc_g, acc_u, rows, rmask, n, h_ptr, hs_ptr, I, limit, BN: tl.constexpr, FP8: tl.constexpr,
               HAS_LIMIT: tl.constexpr, FP8_MAX_: tl.constexpr, hsv_ptr=None, clip_ptr=None,
-              SAVE_H: tl.constexpr = False, srow0=0):
+              SAVE_H: tl.constexpr = False, srow0=0, HSV_TMA: tl.constexpr = False):
     """h[rows, column tile n] = SwiGLU(gate, up) (clamped with HAS_LIMIT), bf16 or e4m3 + its 1 x BN scale.
     SAVE_H (the training forward, bf16 and fp8): also the pre-SwiGLU gate and up columns into ``hsv_ptr`` (bf16
     [R, 2I], gate columns then up columns: the fp32 accumulators rounded once) and, with HAS_LIMIT, the clamp's
     decisions on the fp32 accumulators into ``clip_ptr`` (uint8 [R, 2I], 1 where clipped: gate > limit, |up| > limit).
     ``srow0``: the first of ``rows`` (offsets within the item in int32, from one base per item: fewer live
     pointers at the 255-register cap). The bf16 copies are made first and stored last, after the accumulators
-    are consumed (the order with the least spill in ``aot_check``)."""
+    are consumed (the order with the least spill in ``aot_check``). HSV_TMA: ``hsv_ptr`` is a TMA descriptor with
+    [rows, BN] blocks: every row of the item is the tile's own (its padding rows too), so each half of H goes out
+    as one bulk store instead of scattered stores from the MMA layout (``TileConfig.save_h_tma``)."""
     if SAVE_H:
         g16 = acc_g.to(tl.bfloat16)
         u16 = acc_u.to(tl.bfloat16)
@@ -175,8 +177,12 @@ def _up_store(acc_g, acc_u, rows, rmask, n, h_ptr, hs_ptr, I, limit, BN: tl.cons
     else:
         tl.store(h_ptr + h_off, hv.to(tl.bfloat16), mask=rmask[:, None])
     if SAVE_H:
-        tl.store(hsv_ptr + s_at + s_off, g16, mask=rmask[:, None])
-        tl.store(hsv_ptr + (s_at + I) + s_off, u16, mask=rmask[:, None])
+        if HSV_TMA:
+            hsv_ptr.store([srow0, n * BN], g16)
+            hsv_ptr.store([srow0, I + n * BN], u16)
+        else:
+            tl.store(hsv_ptr + s_at + s_off, g16, mask=rmask[:, None])
+            tl.store(hsv_ptr + (s_at + I) + s_off, u16, mask=rmask[:, None])
 
 
 @triton.jit
@@ -185,50 +191,56 @@ def _up_tile(a_ptr, a_half, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, 
              HAS_LIMIT: tl.constexpr, UPCAST: tl.constexpr, STAGES: tl.constexpr, FP8_MAX_: tl.constexpr,
              TMA: tl.constexpr, WB: tl.constexpr, HALF: tl.constexpr, TAIL: tl.constexpr, WT: tl.constexpr = False,
              hsv_ptr=None, clip_ptr=None, SAVE_H: tl.constexpr = False, PAIR: tl.constexpr = False,
-             SPLIT: tl.constexpr = False):
+             SPLIT: tl.constexpr = False, hsv_half=None, HSV_TMA: tl.constexpr = False):
     """The item of one row tile: a BM/2-row MMA for a half tile (HALF), else BM rows; TAIL: a tile whose size is
     not a multiple of BM/2 (BM/2 + TAIL or BM + TAIL rows) adds the swapped TAIL-row MMA. SPLIT (HALF, no TAIL):
     every tile as BM/2-row items, a full tile as two (its weight blocks read twice), so the kernel holds BM/2-row
-    accumulators only (``TileConfig.up_halves``)."""
+    accumulators only (``TileConfig.up_halves``). HSV_TMA (SAVE_H, no TAIL): ``hsv_ptr`` / ``hsv_half`` are TMA
+    descriptors over the saved H with [BM, BN] / [BM/2, BN] blocks (``_up_store``)."""
+    if HSV_TMA:
+        hv_half = hsv_half
+    else:
+        hv_half = hsv_ptr
     if SPLIT:
         _up_item(a_half, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row1, n, e_tile, n_rows, H, I,
-                 limit, BM // 2, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB, 0, WT, hsv_ptr,
-                 clip_ptr, SAVE_H, PAIR)
+                 limit, BM // 2, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB, 0, WT, hv_half,
+                 clip_ptr, SAVE_H, PAIR, HSV_TMA)
         if row1 - row0 > BM // 2:
             _up_item(a_half, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0 + BM // 2, row1, n, e_tile, n_rows,
                      H, I, limit, BM // 2, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB, 0, WT,
-                     hsv_ptr, clip_ptr, SAVE_H, PAIR)
+                     hv_half, clip_ptr, SAVE_H, PAIR, HSV_TMA)
     elif TAIL > 0:  # (HALF: TileConfig)
         size = row1 - row0
         if size % (BM // 2) != 0:
             if size < BM:
                 _up_item(a_half, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row1, n, e_tile, n_rows, H, I,
-                         limit, BM // 2, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB, TAIL, WT, hsv_ptr,
-                         clip_ptr, SAVE_H, PAIR)
+                         limit, BM // 2, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB, TAIL, WT, hv_half,
+                         clip_ptr, SAVE_H, PAIR, HSV_TMA)
             else:
                 _up_item(a_ptr, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row1, n, e_tile, n_rows, H, I,
                          limit, BM, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB, TAIL, WT, hsv_ptr,
-                         clip_ptr, SAVE_H, PAIR)
+                         clip_ptr, SAVE_H, PAIR, HSV_TMA)
         elif size < BM:
             _up_item(a_half, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row1, n, e_tile, n_rows, H, I,
-                     limit, BM // 2, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB, 0, WT, hsv_ptr,
-                     clip_ptr, SAVE_H, PAIR)
+                     limit, BM // 2, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB, 0, WT, hv_half,
+                     clip_ptr, SAVE_H, PAIR, HSV_TMA)
         else:
             _up_item(a_ptr, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row1, n, e_tile, n_rows, H, I,
                      limit, BM, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB, 0, WT, hsv_ptr,
-                     clip_ptr, SAVE_H, PAIR)
+                     clip_ptr, SAVE_H, PAIR, HSV_TMA)
     elif HALF:
         if row1 - row0 < BM:
             _up_item(a_half, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row1, n, e_tile, n_rows, H, I,
-                     limit, BM // 2, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB, 0, WT, hsv_ptr,
-                     clip_ptr, SAVE_H, PAIR)
+                     limit, BM // 2, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB, 0, WT, hv_half,
+                     clip_ptr, SAVE_H, PAIR, HSV_TMA)
         else:
             _up_item(a_ptr, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row1, n, e_tile, n_rows, H, I,
                      limit, BM, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB, 0, WT, hsv_ptr,
-                     clip_ptr, SAVE_H, PAIR)
+                     clip_ptr, SAVE_H, PAIR, HSV_TMA)
     else:
         _up_item(a_ptr, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row1, n, e_tile, n_rows, H, I, limit,
-                 BM, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB, 0, WT, hsv_ptr, clip_ptr, SAVE_H, PAIR)
+                 BM, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB, 0, WT, hsv_ptr, clip_ptr, SAVE_H, PAIR,
+                 HSV_TMA)
 
 
 @triton.jit
@@ -260,7 +272,8 @@ def _up_swiglu_kernel(a_ptr, a_half, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_pt
                       HALF: tl.constexpr = False, READY: tl.constexpr = False, GRAN: tl.constexpr = 64,
                       SPIN: tl.constexpr = True, DYN: tl.constexpr = False, WB: tl.constexpr = 128,
                       FLAT: tl.constexpr = False, TAIL: tl.constexpr = 0, WT: tl.constexpr = False,
-                      SAVE_H: tl.constexpr = False, PAIR: tl.constexpr = False, SPLIT: tl.constexpr = False):
+                      SAVE_H: tl.constexpr = False, PAIR: tl.constexpr = False, SPLIT: tl.constexpr = False,
+                      hsv_half=None, HSV_TMA: tl.constexpr = False):
     """TMA: ``a_ptr`` / ``a_half`` / ``a_tail`` / ``w_ptr`` are TMA descriptors over A [R, H] (blocks [BM, BK],
     [BM/2, BK] and [TAIL, BK]) and W13 [L*2I, H] (blocks [BN, BK]; WT: W13 from :func:`tile_weights`, a
     [L*2I*H/BK, BK] view), read by Hopper's bulk copy engine; otherwise pointers. HALF: tiles of
@@ -269,7 +282,8 @@ def _up_swiglu_kernel(a_ptr, a_half, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_pt
     DYN): static round robin in one flattened loop nest, as in the down kernel. TAIL: see ``_up_tile``. SAVE_H
     (the training forward): also the pre-SwiGLU H into ``hsv_ptr`` and, with HAS_LIMIT, the clamp's decisions
     into ``clip_ptr`` (``_up_store``); off, both are None (constexprs: the kernel is the inference kernel, parameter
-    for parameter). PAIR (fp8): two 128-deep blocks a loop step (``_up_item``). SPLIT: see ``_up_tile``."""
+    for parameter). PAIR (fp8): two 128-deep blocks a loop step (``_up_item``). SPLIT, HSV_TMA (with ``hsv_half``):
+    see ``_up_tile``."""
     m_lo = tl.load(chunk_ptr)
     m_hi = tl.load(chunk_ptr + 1)
     n_n = I // BN
@@ -288,7 +302,7 @@ def _up_swiglu_kernel(a_ptr, a_half, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_pt
                 _wait_rows(ready_ptr, row0, row1, GRAN, SPIN, TMA)
             _up_tile(a_ptr, a_half, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row1, n, e_tile, n_rows,
                      H, I, limit, BM, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB, HALF, TAIL, WT,
-                     hsv_ptr, clip_ptr, SAVE_H, PAIR, SPLIT)
+                     hsv_ptr, clip_ptr, SAVE_H, PAIR, SPLIT, hsv_half, HSV_TMA)
             wk = _next_work(wk, work_ptr, NUM_PROGS, DYN)
 
 
@@ -332,6 +346,9 @@ def up_swiglu(a_RH: torch.Tensor, a_scale: Optional[torch.Tensor], w13_LIH: torc
                 f"clip_save must be contiguous uint8 [{R}, {2 * I}]"
     else:
         assert clip_save is None, "clip_save needs h_save"
+    # the saved H by TMA stores: every row an item computes must be its tile's own (no flattened loop, whose half
+    # tiles run BM rows) and the items' row counts the descriptors' blocks (no tails)
+    hsv_tma = save and cfg.save_h_tma and cfg.tma and not flat and not tail
     _up_swiglu_kernel[(programs,)](
         _operand(a_RH, [bm, bk], cfg.tma), _operand(a_RH, [bm // 2, bk], cfg.tma and cfg.half_tiles),
         _operand(a_RH, [tail, bk], cfg.tma and tail > 0),
@@ -340,9 +357,10 @@ def up_swiglu(a_RH: torch.Tensor, a_scale: Optional[torch.Tensor], w13_LIH: torc
         tile_expert_M, tile_row_M1, chunk_2, ready if ready is not None else tile_row_M1,
         work if work is not None else tile_row_M1, R if n_rows is None else n_rows, H, I,
         0.0 if limit is None else float(limit),
-        h_save, clip_save,
+        _operand(h_save, [bm, bn], True) if hsv_tma else h_save, clip_save,
         BM=bm, BN=bn, BK=bk, FP8=fp8, HAS_LIMIT=limit is not None, NUM_PROGS=programs, UPCAST=INTERPRET,
         STAGES=cfg.up_stages, FP8_MAX_=FP8_MAX, GROUP_M=cfg.group_m, TMA=cfg.tma, HALF=cfg.half_tiles,
         READY=ready is not None, GRAN=ready_granule(cfg), SPIN=not INTERPRET, DYN=work is not None,
         FLAT=flat, TAIL=tail, WT=2 if fused else cfg.w_tiled, SAVE_H=save, PAIR=fp8 and cfg.fp8_up_pair,
-        SPLIT=cfg.up_halves, num_warps=cfg.up_warps)
+        SPLIT=cfg.up_halves, hsv_half=_operand(h_save, [bm // 2, bn], True) if hsv_tma else None, HSV_TMA=hsv_tma,
+        num_warps=cfg.up_warps)

@@ -9,6 +9,8 @@ SWEEP = [  # (label, overrides of the base tile, layer options); tiles checked b
     ("default again (A/A control)", {}, {}),
     # the training forward the harness's fwd rows time (the up GEMM also writes the pre-SwiGLU H for the backward)
     ("training forward (save_h)", {}, dict(save_h=True)),
+    # the same with the saved H leaving the up GEMM as TMA block stores (save_h_tma, session 27)
+    ("training forward (save_h), H by TMA stores", dict(save_h_tma=True), dict(save_h=True)),
     # the expert weights row-major, as given, instead of in TMA block order (w_tiled, the default from session 10)
     ("row-major weights (v9)", dict(w_tiled=False, up_fused=False), {}),
     # one up-GEMM MMA of N = 2 x up_n over gate and up weight rows interleaved (up_fused; the default on glm_5_2
@@ -109,7 +111,8 @@ SWEEP_FP8 = ("default again (A/A control)", "pull 24 x 16 warps x 8 rows", "shar
              "fp8: down flat, two blocks a step", "fp8: down 64 wide, 4 warps, two programs an SM",
              "fp8: down 64 wide, one program an SM", "fp8: down 64-row items, 4 warps, two programs an SM",
              "fp8: down 64-row items, one program an SM", "fp8: down whole tiles, one program an SM (v15)",
-             "training forward (save_h)", "fp8: up 64-row items, 4 warps, two programs an SM",
+             "training forward (save_h)", "training forward (save_h), H by TMA stores",
+             "fp8: up 64-row items, 4 warps, two programs an SM",
              "fp8: up 64-row items, two programs an SM, training forward (save_h)",
              "fp8: up 64-row items, two programs an SM, shared before up", "fp8: up 64-row items, one program an SM",
              "fp8: pull 16 rows a step", "fp8: up 64-row items, two programs an SM, pull 8 rows a step",
