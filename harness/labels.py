@@ -72,20 +72,29 @@ def scaling_variant(scaling: Any) -> str:
     return next((name for mark, name in SCALING_VARIANTS if mark in text), text[:24] or "unrecorded")
 
 
+def _ok_others(df: pd.DataFrame) -> pd.DataFrame:
+    """The ``ok`` rows of baselines and anchors (what a caption on how the baselines ran reads)."""
+    return df[(df["status"] == "ok") & df["backend"].map(lambda b: is_baseline(b) or is_anchor(b)).astype(bool)]
+
+
+def _per_system(d: pd.DataFrame, values: Any) -> list[str]:
+    """``<label> <v1 + v2 ...>`` for each system of ``d`` (published order, then by name): ``values(rows)`` of its
+    rows, each distinct value once in order of first appearance."""
+    present = set(d["backend"])
+    return [f"{system_label(b)} {' + '.join(dict.fromkeys(values(d[d['backend'] == b])))}"
+            for b in [x for x in SYSTEM_ORDER if x in present] + sorted(present - set(SYSTEM_ORDER))]
+
+
 def compile_caption(df: pd.DataFrame) -> str:
     """How the baselines' PyTorch compute ran in these rows (``ok`` rows that record it; modes in order of first
     appearance), e.g. ``torch.compile: NCCL+PyTorch max-autotune; DeepEP+TE eager``. A system with both eager and
     compiled rows lists both: the aggregate's medians mix them."""
     if "compiled" not in df or "compile_mode" not in df:
         return ""
-    others = df["backend"].map(lambda b: is_baseline(b) or is_anchor(b))
-    d = df[(df["status"] == "ok") & others & df["compiled"].notna()]  # NA: not recorded
-    parts = []
-    for b in [x for x in SYSTEM_ORDER if x in set(d["backend"])] + sorted(set(d["backend"]) - set(SYSTEM_ORDER)):
-        rows = d[d["backend"] == b]
-        modes = [str(m) if bool(c) and not isna(m) and str(m) else "eager"
-                 for c, m in zip(rows["compiled"], rows["compile_mode"])]
-        parts.append(f"{system_label(b)} {' + '.join(dict.fromkeys(modes))}")
+    d = _ok_others(df)
+    d = d[d["compiled"].notna()]  # NA: not recorded
+    parts = _per_system(d, lambda rows: [str(m) if bool(c) and not isna(m) and str(m) else "eager"
+                                         for c, m in zip(rows["compiled"], rows["compile_mode"])])
     return "torch.compile: " + "; ".join(parts) if parts else ""
 
 
@@ -96,13 +105,10 @@ def fp8_caption(df: pd.DataFrame) -> str:
     left out; a system with several paths lists them all."""
     if "scaling" not in df or "precision" not in df:
         return ""
-    others = df["backend"].map(lambda b: (is_baseline(b) or is_anchor(b)) and not series_parts(b)[1])
-    d = df[(df["status"] == "ok") & others & df["precision"].astype(str).ne("bf16") & df["scaling"].notna()
-           & df["scaling"].astype(str).ne("")]
-    parts = []
-    for b in [x for x in SYSTEM_ORDER if x in set(d["backend"])] + sorted(set(d["backend"]) - set(SYSTEM_ORDER)):
-        paths = dict.fromkeys(scaling_variant(sc) for sc in d.loc[d["backend"] == b, "scaling"])
-        parts.append(f"{system_label(b)} {' + '.join(paths)}")
+    d = _ok_others(df)
+    d = d[~d["backend"].map(lambda b: bool(series_parts(b)[1])).astype(bool) & d["precision"].astype(str).ne("bf16")
+          & d["scaling"].notna() & d["scaling"].astype(str).ne("")]
+    parts = _per_system(d, lambda rows: [scaling_variant(sc) for sc in rows["scaling"]])
     return "fp8 GEMMs: " + "; ".join(parts) if parts else ""
 
 
