@@ -71,7 +71,7 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048, extras: bool 
 
     from contract.fp8 import FP8_MAX
     from kernels.mok_hopper.schedule_kernels import DeviceScheduler
-    from kernels.mok_hopper.tiles import TileConfig, ready_granule
+    from kernels.mok_hopper.tiles import TileConfig, h_save_by_tma, ready_granule
 
     cfg = cfg or TileConfig(w_tiled=True, fp8_up_fused=True, fp8_down_pair=True)  # default_tile's GEMM kernels
     nprog = 108
@@ -129,7 +129,7 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048, extras: bool 
             t = "*fp8e4nv" if fp8 else "*bf16"
             # the saved H and clamp decisions: pointers with SAVE_H, else None (constexprs: no kernel parameter)
             sv = dict(hsv_ptr="*bf16", clip_ptr="*u8") if save and limit else dict(hsv_ptr="*bf16") if save else {}
-            hsv_tma = save and c.save_h_tma and tma and not c.flat_up and not c.tail_rows  # (as up_swiglu decides)
+            hsv_tma = save and tma and h_save_by_tma(c)  # (as up_swiglu decides, on this operand path)
             if hsv_tma:  # the saved H through TMA descriptors of [BM, BN] and [BM/2, BN] blocks
                 sv.update(hsv_ptr=operand("*bf16", [c.block_m, c.up_n], True),
                           hsv_half=operand("*bf16", [c.block_m // 2, c.up_n], True))

@@ -159,6 +159,13 @@ class TileConfig:
         return self.up_n
 
 
+def h_save_by_tma(cfg: TileConfig) -> bool:
+    """Whether a training forward's up GEMM stores the saved H by TMA (``save_h_tma``): only with TMA operands and
+    where every row an item computes is its tile's own and the items' row counts are the descriptors' blocks (no
+    flattened up loop, whose half tiles run BM rows; no tails)."""
+    return cfg.save_h_tma and cfg.tma and not cfg.flat_up and not cfg.tail_rows
+
+
 def ready_granule(cfg: TileConfig) -> int:
     """Rows per ready flag: every tile starts on a multiple of it (the tail, the half tile, or the tile)."""
     return cfg.tail_rows or (cfg.block_m // 2 if cfg.half_tiles else cfg.block_m)

@@ -13,7 +13,7 @@ from contract.fp8 import FP8_MAX
 from kernels.mok_hopper.gemm_common import (_ld_a, _ld_w, _mm, _mma, _operand, _quant_e4m3, _tail_rows, _wait_rows,
                                             _weights, _work_tile)
 from kernels.mok_hopper.interp import INTERPRET
-from kernels.mok_hopper.tiles import TileConfig, ready_granule
+from kernels.mok_hopper.tiles import TileConfig, h_save_by_tma, ready_granule
 
 @triton.jit
 def _up_item(a_ptr, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row_end, n, e_tile, n_rows, H, I, limit,
@@ -346,9 +346,7 @@ def up_swiglu(a_RH: torch.Tensor, a_scale: Optional[torch.Tensor], w13_LIH: torc
                 f"clip_save must be contiguous uint8 [{R}, {2 * I}]"
     else:
         assert clip_save is None, "clip_save needs h_save"
-    # the saved H by TMA stores: every row an item computes must be its tile's own (no flattened loop, whose half
-    # tiles run BM rows) and the items' row counts the descriptors' blocks (no tails)
-    hsv_tma = save and cfg.save_h_tma and cfg.tma and not flat and not tail
+    hsv_tma = save and h_save_by_tma(cfg)
     _up_swiglu_kernel[(programs,)](
         _operand(a_RH, [bm, bk], cfg.tma), _operand(a_RH, [bm // 2, bk], cfg.tma and cfg.half_tiles),
         _operand(a_RH, [tail, bk], cfg.tma and tail > 0),
