@@ -832,6 +832,40 @@ def test_fp8_down_halves_is_the_default_where_few_experts_run_a_full_tile():
     assert full_tile_fraction(0) == 0.0 and full_tile_fraction(20) < 1e-6 and full_tile_fraction(200) > 0.999
 
 
+def _small_tile(operands: str, **over):
+    """A tile for the interpreter's small layers: 32-row tiles with half tiles, TMA descriptors over tiled weights
+    (``operands`` "tma tiled") or pointers."""
+    from kernels.mok_hopper.tiles import TileConfig
+
+    tiled = operands == "tma tiled"
+    return TileConfig(block_m=32, up_n=32, up_k=32, down_n=64, down_k=32, num_chunks=1, gemm_programs=3,
+                      pull_programs=5, pull_rows=4, group_m=2, tma=operands != "pointers", w_tiled=tiled,
+                      fp8_up_fused=tiled, **over)
+
+
+def _run_ab_full_and_half(tile_a, tile_b, precision, seed, **kw):
+    """The kernels on 2 simulated ranks (experts of 48 rows at BM 32: full and half tiles in the schedule, checked)
+    under ``tile_a`` and under ``tile_b`` (``for_fp8`` applied in fp8): (P, outputs a, layers a, outputs b,
+    layers b)."""
+    P, T, K, E, H, I = 2, 48, 4, 8, 256, 128
+    xs, idx, ws, w13, w2, sh = make_layer_inputs(P, T, K, E, H, I, seed=seed)
+    counts = torch.bincount(torch.cat([i.reshape(-1) for i in idx]), minlength=E)
+    assert (counts > tile_a.block_m).any() and (counts % tile_a.block_m <= tile_a.block_m // 2).any()  # full, half
+    fp8 = precision == "fp8"
+    one, l1, _ = run_kernels(xs, idx, ws, w13, w2, sh, precision=precision,
+                             tile=tile_a.for_fp8() if fp8 else tile_a, **kw)
+    two, l2, _ = run_kernels(xs, idx, ws, w13, w2, sh, precision=precision,
+                             tile=tile_b.for_fp8() if fp8 else tile_b, **kw)
+    return P, one, l1, two, l2
+
+
+def _assert_same_saves(a, b):
+    """Two layers' saved H (NaN where never written, see ``run_kernels``) and clamp decisions bitwise equal."""
+    assert torch.equal(b.h_save.isnan(), a.h_save.isnan())
+    assert torch.equal(b.h_save.nan_to_num(), a.h_save.nan_to_num())
+    assert torch.equal(b.clip_save, a.clip_save)
+
+
 @pytest.mark.slow
 @needs_triton
 @pytest.mark.parametrize("precision,operands", [("fp8", "tma tiled"), ("fp8", "pointers"), ("bf16", "tma tiled")])
@@ -841,21 +875,9 @@ def test_down_halves_change_no_bit(precision, operands):
     at 4 warps and two programs an SM as the GPU variant runs it."""
     from dataclasses import replace
 
-    from kernels.mok_hopper.tiles import TileConfig
-
-    P, T, K, E, H, I = 2, 48, 4, 8, 256, 128
-    tiled = operands == "tma tiled"
-    tile = TileConfig(block_m=32, up_n=32, up_k=32, down_n=64, down_k=32, num_chunks=1, gemm_programs=3,
-                      pull_programs=5, pull_rows=4, group_m=2, tma=operands != "pointers", w_tiled=tiled,
-                      fp8_up_fused=tiled)
-    xs, idx, ws, w13, w2, sh = make_layer_inputs(P, T, K, E, H, I, seed=37)
-    counts = torch.bincount(torch.cat([i.reshape(-1) for i in idx]), minlength=E)
-    assert (counts > tile.block_m).any() and (counts % tile.block_m <= tile.block_m // 2).any()  # full and half
-    fp8 = precision == "fp8"
-    one, _, _ = run_kernels(xs, idx, ws, w13, w2, sh, precision=precision, tile=tile.for_fp8() if fp8 else tile)
+    tile = _small_tile(operands)
     halves = replace(tile, down_halves=True, down_warps=4, down_per_sm=2)
-    two, _, _ = run_kernels(xs, idx, ws, w13, w2, sh, precision=precision,
-                            tile=halves.for_fp8() if fp8 else halves)
+    P, one, _, two, _ = _run_ab_full_and_half(tile, halves, precision, 37)
     for r in range(P):
         assert torch.equal(two[0][r], one[0][r])
     with pytest.raises(ValueError, match="down_halves"):
@@ -871,28 +893,16 @@ def test_up_halves_change_no_bit(precision, operands):
     and half tiles in the schedule, at 4 warps and two programs per SM of every up launch as the GPU runs it."""
     from dataclasses import replace
 
-    from kernels.mok_hopper.tiles import TileConfig
-
-    P, T, K, E, H, I = 2, 48, 4, 8, 256, 128
-    tiled = operands == "tma tiled"
-    tile = TileConfig(block_m=32, up_n=32, up_k=32, down_n=64, down_k=32, num_chunks=1, gemm_programs=3,
-                      pull_programs=5, pull_rows=4, group_m=2, tma=operands != "pointers", w_tiled=tiled,
-                      fp8_up_fused=tiled)
-    xs, idx, ws, w13, w2, sh = make_layer_inputs(P, T, K, E, H, I, seed=41)
-    counts = torch.bincount(torch.cat([i.reshape(-1) for i in idx]), minlength=E)
-    assert (counts > tile.block_m).any() and (counts % tile.block_m <= tile.block_m // 2).any()  # full and half
+    tile = _small_tile(operands)
     fp8 = precision == "fp8"
-    kw = dict(precision=precision, limit=0.5, save_h=True)
-    one, l1, _ = run_kernels(xs, idx, ws, w13, w2, sh, tile=tile.for_fp8() if fp8 else tile, **kw)
     halves = replace(tile, fp8_up_halves=True) if fp8 else replace(tile, up_halves=True, up_warps=4, up_per_sm=2)
-    two, l2, _ = run_kernels(xs, idx, ws, w13, w2, sh, tile=halves.for_fp8() if fp8 else halves, **kw)
+    P, one, l1, two, l2 = _run_ab_full_and_half(tile, halves, precision, 41, limit=0.5, save_h=True)
     assert l2[0].cfg.up_halves and (l2[0].cfg.up_warps, l2[0].cfg.up_per_sm) == (4, 2)
     assert not l1[0].cfg.up_halves
     for r in range(P):
         assert torch.equal(two[0][r], one[0][r])
-        assert not l1[r].h_save.isnan().all() and torch.equal(l2[r].h_save.isnan(), l1[r].h_save.isnan())
-        assert torch.equal(l2[r].h_save.nan_to_num(), l1[r].h_save.nan_to_num())
-        assert torch.equal(l2[r].clip_save, l1[r].clip_save)
+        assert not l1[r].h_save.isnan().all()
+        _assert_same_saves(l1[r], l2[r])
     with pytest.raises(ValueError, match="up_halves"):
         replace(tile, up_halves=True, tail_rows=16)
 
@@ -906,27 +916,15 @@ def test_save_h_by_tma_stores_changes_no_bit(precision, halves):
     in the schedule (and every tile as 64-row items with fp8_up_halves); rows no tile covers stay untouched."""
     from dataclasses import replace
 
-    from kernels.mok_hopper.tiles import TileConfig
-
-    P, T, K, E, H, I = 2, 48, 4, 8, 256, 128
-    tile = TileConfig(block_m=32, up_n=32, up_k=32, down_n=64, down_k=32, num_chunks=1, gemm_programs=3,
-                      pull_programs=5, pull_rows=4, group_m=2, tma=True, w_tiled=True, fp8_up_fused=True,
-                      fp8_up_halves=halves)
-    xs, idx, ws, w13, w2, sh = make_layer_inputs(P, T, K, E, H, I, seed=43)
-    counts = torch.bincount(torch.cat([i.reshape(-1) for i in idx]), minlength=E)
-    assert (counts > tile.block_m).any() and (counts % tile.block_m <= tile.block_m // 2).any()  # full and half
-    fp8 = precision == "fp8"
-    kw = dict(precision=precision, limit=0.5, save_h=True)
-    one, l1, _ = run_kernels(xs, idx, ws, w13, w2, sh, tile=tile.for_fp8() if fp8 else tile, **kw)
+    tile = _small_tile("tma tiled", fp8_up_halves=halves)
     tma = replace(tile, save_h_tma=True)
-    two, l2, _ = run_kernels(xs, idx, ws, w13, w2, sh, tile=tma.for_fp8() if fp8 else tma, **kw)
+    P, one, l1, two, l2 = _run_ab_full_and_half(tile, tma, precision, 43, limit=0.5, save_h=True)
     assert l2[0].cfg.save_h_tma and l2[0].cfg.up_halves == halves
     for r in range(P):
         assert torch.equal(two[0][r], one[0][r])
         nan = l1[r].h_save.isnan()
-        assert nan.any() and not nan.all() and torch.equal(l2[r].h_save.isnan(), nan)  # untouched rows stay NaN
-        assert torch.equal(l2[r].h_save.nan_to_num(), l1[r].h_save.nan_to_num())
-        assert torch.equal(l2[r].clip_save, l1[r].clip_save)
+        assert nan.any() and not nan.all()  # untouched rows stay NaN
+        _assert_same_saves(l1[r], l2[r])
 
 
 @pytest.mark.slow
