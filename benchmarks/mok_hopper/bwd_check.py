@@ -76,6 +76,13 @@ SWEEP: dict[str, dict[str, dict[str, Any]]] = {
     # after v5 (session 16, call 5): dW13 stored by pointers (faster on qwen3_5_397b and kimi_k2_7 in calls 1 and 2,
     # dW2 slower), the shared expert's backward by torch GEMMs (it ran at about a quarter of the GEMM rate)
     "dW13 no TMA store": {"dw13": dict(tma_store=False)},
+    # session 28: pointer stores that build without a spill where the launch's K divisibility is known (aot_check
+    # compiled these kernels with K of unknown divisibility before; see PERF_NOTES "Session 28")
+    "dW13 128x64 pointer stores": {"dw13": dict(block_k=64, tma_store=False)},
+    "wgrad 128x64 pointer stores": {"dw13": dict(block_k=64, tma_store=False),
+                                    "dw2": dict(block_k=64, tma_store=False)},
+    "wgrad pointer stores, 8 warps, 1/SM": {"dw13": dict(tma_store=False, num_warps=8, programs_per_sm=1),
+                                            "dw2": dict(tma_store=False, num_warps=8, programs_per_sm=1)},
     # v6 (session 17): the shared expert's backward by torch GEMMs is the default; the kernels' way, for comparison
     "shared expert by the kernels (v5)": {"shared_bwd": {"torch": False}},
     "wgrad 128x64 blocks (64-row steps)": {"dw13": dict(block_k=64), "dw2": dict(block_k=64)},
