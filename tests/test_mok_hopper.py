@@ -1052,6 +1052,26 @@ def test_every_kernel_variant_compiles_for_hopper_without_spills():
     assert "up bf16 clamp save H fused tails 32 tma" in p.stdout and "up bf16 save H" in p.stdout  # (save_h)
     assert "bwd dgate clamp" in p.stdout and "bwd wgrad P resident" in p.stdout  # the backward's GEMMs
     assert "bwd dx push tiled gate/up" in p.stdout and "bwd wgrad tiled gate/up" in p.stdout  # (tiled parameters)
+    assert "bwd wgrad P resident pointers" in p.stdout  # (v10's dW13)
+
+
+@needs_triton
+def test_aot_check_compiles_each_kernel_as_launched():
+    """aot_check's specialisation: pointers and sizes divisible by 16, as the launch sees them, except the i32s a
+    variant names plain (the pull's and the epilogue's K is the top-k). The backward's K is a hidden size: compiled
+    without its divisibility, its loads and stores were not those that run (session 28)."""
+    from kernels.mok_hopper import aot_check
+
+    by_label = {v.label: v for v in aot_check.variants()}
+    for label, k_divisible in (("bwd wgrad P resident", True), ("bwd wgrad P resident pointers", True),
+                               ("bwd dgate", True), ("epilogue", False), ("pull bf16", False)):
+        v = by_label[label]
+        fn = aot_check.kernel(v.kernel)
+        sig, attrs, _ = aot_check.specialisation(v, fn)
+        k = fn.arg_names.index("K")
+        assert sig["K"] == "i32"
+        assert ((k,) in attrs) == k_divisible, label
+        assert all((i,) in attrs for i, n in enumerate(fn.arg_names) if sig[n].startswith("*")), label
 
 
 @needs_triton

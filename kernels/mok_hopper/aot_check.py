@@ -36,8 +36,16 @@ KERNEL_MODULES = ("schedule_kernels", "pull", "up_gemm", "down_gemm", "bwd_gemm"
 # The fp8 backward v0 (PERF_NOTES, "Session 25"): dgate's epilogue also quantises dH (two more fp32 tiles and their
 # row maxima beside the SwiGLU's): at v2 40 / 104 B (plain / clamped) on Triton 3.8, 72 / 112 B on 3.6, in the
 # epilogue only (once a 64 x 128 tile, after its H / 128 K steps).
-SPILL_BUDGET = ((" save H", 64), ("bwd dgate", 64), ("bwd dgate pair", 144), ("bwd wgrad P resident 128 rows", 16),
-                ("bwd fp8 dgate", 128))
+# Session 28: until then every kernel was compiled with ``K`` of unknown divisibility (``Variant.plain``), which in
+# the backward's kernels is not what the launches run (there K is a hidden size). Compiled as launched, the 128-row
+# resident weight gradients above no longer spill (210-218 registers), and three kernels spilled all along on the
+# H200's Triton 3.6 and were timed so: the resident weight gradients at 128 x 128 by TMA (dW2's launch on the
+# 64-row path) 40 B, the Q-resident ones (an option) 40 B, the fp8 dgate with the clamp 160 B (184 B on 3.8). v10's
+# dW13 by pointer stores (128 x 128, 64-row steps) spills 8 B on 3.8 and 176 B on 3.6, where it ran dW13 9-10%
+# faster than by TMA (PERF_NOTES "Session 28"). (A label takes the largest budget of the parts it contains.)
+SPILL_BUDGET = ((" save H", 64), ("bwd dgate", 64), ("bwd dgate pair", 144), ("bwd fp8 dgate", 128),
+                ("bwd fp8 dgate clamp", 192), ("bwd wgrad P resident", 40), ("bwd wgrad Q resident", 40),
+                ("bwd wgrad P resident pointers", 176))
 
 
 def kernel(name: str) -> Any:
@@ -58,6 +66,10 @@ class Variant:
     types: dict[str, str]  # runtime argument -> Triton type string
     constexprs: dict[str, Any]
     num_warps: int
+    # i32 arguments compiled without divisibility by 16, as the launch sees them (the pull's and the epilogue's K
+    # is the top-k, HS the hidden size / 128); every other i32 is a size the launch sees divisible by 16 (the
+    # backward's K is a hidden size: compiled otherwise, its loads and stores are not those that run)
+    plain: tuple[str, ...] = ()
 
 
 def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048, extras: bool = True,
@@ -114,7 +126,7 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048, extras: bool 
                                 H="i32", HS="i32"),
                            dict(BR=cfg.pull_rows, BH=hp, HSP=1 << (hs - 1).bit_length(), FP8=fp8,
                                 PULL_W=pull_w, NUM_PROGS=48, READY=cfg.ready_flags, GRAN=ready_granule(cfg)),
-                           cfg.pull_warps))
+                           cfg.pull_warps, plain=("K", "HS")))
     def operand(t: str, block: list[int], tma: bool) -> str:  # a pointer, or a TMA descriptor with its block
         return f"tensordesc<{t[1:]}[{block[0]}, {block[1]}]>" if tma else t
 
@@ -225,7 +237,7 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048, extras: bool 
     out.append(Variant("epilogue", "_epilogue_kernel",
                        dict(comb_ptr="*bf16", idx_ptr="*i64", rw_ptr="*fp32", shared_ptr="*bf16", out_ptr="*bf16",
                             T="i32", H="i32", K="i32"),
-                       dict(BT=2, BH=1024, APPLY_W=False, HAS_SHARED=True), 4))
+                       dict(BT=2, BH=1024, APPLY_W=False, HAS_SHARED=True), 4, plain=("K",)))
     if extras:  # the backward's GEMMs (bwd_gemm.py), at the block sizes train.py launches them with
         rows_t = dict(a_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", h_ptr="*bf16", clip_ptr="*u8", s_ptr="*fp32",
                       sa_ptr="*bf16", ds_ptr="*fp32", code_ptr="*i32", delta_ptr="*i64", tile_expert_ptr="*i32",
@@ -260,6 +272,11 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048, extras: bool 
         # experts of 48-128 rows on average (glm_5_2 at EP=1): 128-row steps, 128 x 64 output blocks
         out.append(Variant("bwd wgrad P resident 128 rows", "_bwd_wgrad_resident_kernel",
                            dict(wg_t, dw_ptr="tensordesc<bf16[128, 64]>"), dict(wg_c, BK=64, BR=128), 4))
+        # v10 (session 28): dW13 on the resident path by pointer stores (dW2 keeps the TMA launches above)
+        out.append(Variant("bwd wgrad P resident pointers", "_bwd_wgrad_resident_kernel", dict(wg_t, dw_ptr="*bf16"),
+                           dict(wg_c, TMA_STORE=False), 4))
+        out.append(Variant("bwd wgrad P resident 128 rows pointers", "_bwd_wgrad_resident_kernel",
+                           dict(wg_t, dw_ptr="*bf16"), dict(wg_c, BK=64, BR=128, TMA_STORE=False), 4))
         # the fused stages (bwd_fused.py, an option; train.py's launches: 64-row blocks where the experts average at
         # most 48 rows, else 128) and bwd_check's sweep launches (4 warps, two programs per SM)
         dg_t = dict(do_ptr="*bf16", h_ptr="*bf16", clip_ptr="*u8", s_ptr="*fp32", dh_ptr="*bf16", ds_ptr="*fp32",
@@ -327,6 +344,27 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048, extras: bool 
     return out
 
 
+def specialisation(v: Variant, fn: Any) -> tuple[dict[str, str], dict[tuple[int], list], dict[str, Any]]:
+    """(signature, attributes, constexprs) of ``fn`` compiled as variant ``v``: every pointer and every i32 not in
+    ``v.plain`` divisible by 16, as the launcher's specialisation sees them at the shapes the layer runs."""
+    import inspect
+
+    params = inspect.signature(fn.fn).parameters  # (fn.fn: the Python function, jitted or interpreted)
+    sig, attrs, constexprs = {}, {}, dict(v.constexprs)
+    for i, name in enumerate(fn.arg_names):
+        if name not in constexprs and name not in v.types:  # a constexpr the variant leaves at its default
+            default = params[name].default
+            assert default is not inspect.Parameter.empty, f"{v.label}: no type or value for {name}"
+            constexprs[name] = default
+        if name in constexprs:
+            sig[name] = "constexpr"
+            continue
+        sig[name] = v.types[name]
+        if v.types[name].startswith("*") or (v.types[name] == "i32" and name not in v.plain):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return sig, attrs, constexprs
+
+
 def compile_variant(v: Variant, arch: int = 90, sass: bool = False, fn: Any = None) -> dict[str, Any]:
     """Compile one variant; registers / spills from cuobjdump's resource usage of the cubin. With ``sass``, also
     its machine code as ``res["sass"]``: one instruction a line, without addresses or encodings, so that two
@@ -337,18 +375,7 @@ def compile_variant(v: Variant, arch: int = 90, sass: bool = False, fn: Any = No
     from triton.compiler import ASTSource
 
     fn = fn if fn is not None else kernel(v.kernel)
-    sig, attrs, constexprs = {}, {}, dict(v.constexprs)
-    for i, name in enumerate(fn.arg_names):
-        if name not in constexprs and name not in v.types:  # a constexpr the variant leaves at its default
-            param = fn.params[i]
-            assert param.is_constexpr and param.has_default, f"{v.label}: no type or value for {name}"
-            constexprs[name] = param.default
-        if name in constexprs:
-            sig[name] = "constexpr"
-            continue
-        sig[name] = v.types[name]
-        if v.types[name].startswith("*") or (v.types[name] == "i32" and name not in ("K", "HS")):
-            attrs[(i,)] = [["tt.divisibility", 16]]  # what the launcher's specialisation sees at these shapes
+    sig, attrs, constexprs = specialisation(v, fn)
     src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
     target = GPUTarget("cuda", arch, 32)
     k = triton.compile(src, target=target, options={"num_warps": v.num_warps})
@@ -413,7 +440,7 @@ def sweep_variants() -> list[Variant]:
                 continue  # gpu_check runs an "fp8:" variant in fp8 only (its bf16 tile may not fit)
             if v.label.startswith(("up ", "down ")) and v.label.endswith(" tma") and key(v) not in seen:
                 seen.add(key(v))
-                out.append(Variant(f"{v.label} [{label[:18]}]", v.kernel, v.types, v.constexprs, v.num_warps))
+                out.append(Variant(f"{v.label} [{label[:18]}]", v.kernel, v.types, v.constexprs, v.num_warps, v.plain))
     return out
 
 

@@ -72,7 +72,11 @@ def _tiles(H: int, I: int, cuda: bool, clamped: bool = False, rows_per_expert: f
     64-row blocks, 11% slower in 128-row ones; taken as v8 where the experts average at most 48 rows, its harness
     rows (qwen3_5_397b 8.25, kimi_k2_7 20.49 ms) were no faster than v6's on the lease before (8.19, 20.34), so v6
     stays the default and both fusions are options (with 64-row blocks, pointer stores: ``{"dx_dw13": {"on": True,
-    "tma_store": False}}``)."""
+    "tma_store": False}}``).
+
+    v10 (PERF_NOTES "Session 28"): on the resident path dW13 leaves the kernel by pointer stores (session 17
+    measured the gain and left it for a spill that aot_check overstated: it compiled ``K`` without the divisibility
+    by 16 the launch has)."""
     wide = 48 < rows_per_expert <= 128  # (the shared expert's T rows, and 1024-row experts, keep the 64-row steps)
     resident = wide or 0 < rows_per_expert <= 64
     two = dict(num_warps=4, programs_per_sm=2, resident=resident, block_r=128 if wide else 64,
@@ -87,6 +91,10 @@ def _tiles(H: int, I: int, cuda: bool, clamped: bool = False, rows_per_expert: f
     # faster there; on the published shapes' 32-64-row experts slower or even, so the kernels keep them
     grouped = rows_per_expert > 128
     two["grouped_mm"] = grouped
+    # v10 (PERF_NOTES "Session 28"): dW13 stored by pointers on the resident path (published shapes): dW13 -9 to
+    # -10% there (glm_5_2 5.42 -> 4.91 ms, kimi_k2_7 7.64 -> 6.88, qwen3_5_397b 2.89 -> 2.63); dW2 stays TMA
+    # (by pointers 0-5% slower)
+    dw13_tma = cuda and not resident
     return {"dgate_dw2": dict(on=False, block_r=br, block_h=_blocks(H, 128 if br == 64 else 64),
                               block_i=_blocks(I, 64), stages=3, num_warps=8, programs_per_sm=1, tma_store=cuda),
             "dx_dw13": dict(on=False, block_r=br, block_n=_blocks(2 * I, 128),
@@ -96,7 +104,7 @@ def _tiles(H: int, I: int, cuda: bool, clamped: bool = False, rows_per_expert: f
                           pair=not (clamped or tiled), grouped_mm=grouped),
             "dx": dict(block_m=128, block_k=_blocks(2 * I, 64), **dx),
             "recompute": dict(block_m=128, block_n=_blocks(2 * I, 64), block_k=_blocks(H, 64)),
-            "dw13": dict(block_n=_blocks(2 * I, 128), block_k=_blocks(H, wk), tma_store=cuda, **two),
+            "dw13": dict(block_n=_blocks(2 * I, 128), block_k=_blocks(H, wk), tma_store=dw13_tma, **two),
             "dw2": dict(block_n=_blocks(H, 128), block_k=_blocks(I, wk), tma_store=cuda, **two)}
 
 
