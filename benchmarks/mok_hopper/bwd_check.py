@@ -78,6 +78,7 @@ SWEEP: dict[str, dict[str, dict[str, Any]]] = {
     "dW13 no TMA store": {"dw13": dict(tma_store=False)},
     # session 28: pointer stores that build without a spill where the launch's K divisibility is known (aot_check
     # compiled these kernels with K of unknown divisibility before; see PERF_NOTES "Session 28")
+    "dW13 TMA store (v9)": {"dw13": dict(tma_store=True)},
     "dW13 128x64 pointer stores": {"dw13": dict(block_k=64, tma_store=False)},
     "wgrad 128x64 pointer stores": {"dw13": dict(block_k=64, tma_store=False),
                                     "dw2": dict(block_k=64, tma_store=False)},
