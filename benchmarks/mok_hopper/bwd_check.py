@@ -7,6 +7,10 @@ Run (repository root, one GPU)::
     torchrun --nproc-per-node=1 -m benchmarks.mok_hopper.bwd_check --out DIR
     torchrun --nproc-per-node=1 -m benchmarks.mok_hopper.bwd_check --out DIR --shapes glm_5_2 --modes recompute
     torchrun --nproc-per-node=1 -m benchmarks.mok_hopper.bwd_check --out DIR --precision fp8 --no-nccl
+    # launch variants against the default in 4 interleaved rounds (D A B, B A D, ...): ratios that a drift of the
+    # board's state over the sweep does not bias (section sweep_rounds)
+    torchrun --nproc-per-node=1 -m benchmarks.mok_hopper.bwd_check --out DIR --shapes glm_5_2 --modes save_h \
+        --no-nccl --repeats 2 --sweep --sweep-only "default again,dW13 TMA store" --sweep-rounds 4
     # CPU, Triton interpreter, a tiny shape: checks this script's plumbing, measures nothing
     TRITON_INTERPRET=1 torchrun --nproc-per-node=1 -m benchmarks.mok_hopper.bwd_check --out DIR --smoke
 
@@ -290,6 +294,41 @@ def rel_l1_to_default(backend: Any, inp: Any, tiles: dict[str, Any]) -> float:
     return worst
 
 
+def interleaved_rounds(measure: Any, labels: list[str], rounds: int) -> dict[Optional[str], list[dict[str, float]]]:
+    """``measure(label)`` (stage ms by stage; ``None``: the default) for the default and every variant, ``rounds``
+    times, each round in the reverse order of the one before (D A B, B A D, ...). Over an even number of rounds
+    every label then sits at the same mean position in time, so a drift of the board's state (clock, power,
+    temperature) that is linear over the rounds adds the same to every label's sum (session 28: one-shot stage
+    medians taken one after another drifted by more than the effects sought)."""
+    order: list[Optional[str]] = [None, *labels]
+    out: dict[Optional[str], list[dict[str, float]]] = {k: [] for k in order}
+    for r in range(rounds):
+        for k in order if r % 2 == 0 else order[::-1]:
+            out[k].append(measure(k))
+    return out
+
+
+def ratios_to_default(samples: dict[Optional[str], list[dict[str, float]]]) -> dict[str, dict[str, float]]:
+    """For every variant of :func:`interleaved_rounds`' samples: its stage total summed over the rounds over the
+    default's (``total_ratio``), the same per stage (``stage_<name>_ratio``), the range of the per-round ratios of
+    the totals, and its median stage total (ms)."""
+    base = samples[None]
+    out = {}
+    for label, runs in samples.items():
+        if label is None:
+            continue
+        per_round = [sum(v.values()) / sum(d.values()) for v, d in zip(runs, base)]
+        row = {"total_ratio": round(sum(sum(v.values()) for v in runs) / sum(sum(d.values()) for d in base), 4),
+               "round_ratio_min": round(min(per_round), 4), "round_ratio_max": round(max(per_round), 4),
+               "stages_total_ms": round(med([sum(v.values()) for v in runs]), 4)}
+        for stage in base[0]:
+            d = sum(r[stage] for r in base)
+            if d > 0:
+                row[f"stage_{stage}_ratio"] = round(sum(r.get(stage, 0.0) for r in runs) / d, 4)
+        out[label] = row
+    return out
+
+
 def per_tensor_errors(ctx: Ctx, got: dict, ref: dict) -> dict[str, float]:
     out = {}
     for k, r in ref.items():
@@ -379,6 +418,7 @@ def check_shape(ctx: Ctx, name: str, args: argparse.Namespace) -> None:
         ctx.add(**row)
         if args.sweep and not ctx.smoke and mode == args.modes[0]:
             base_bits = backward_bits(b, inp, None) if args.sweep_bits else None
+            ran: dict[str, dict[str, Any]] = {}  # the variants that built and ran, for the interleaved rounds
             for label, over in (SWEEP if case.precision == "bf16" else FP8_SWEEP).items():
                 if args.sweep_only and not any(w in label for w in args.sweep_only):
                     continue
@@ -398,6 +438,17 @@ def check_shape(ctx: Ctx, name: str, args: argparse.Namespace) -> None:
                         stages_total_ms=total, **extra, **{f"stage_{k}_ms": v for k, v in st.items()})
                 ctx.log(f"{name} sweep {label}: total {total} ms {st}; gradients bitwise the default's: {same}, "
                         f"the same again: {repeatable} {extra or ''}")
+                ran[label] = over
+            if args.sweep_rounds > 1 and ran:
+                def measure(label: Optional[str]) -> dict[str, float]:
+                    return stage_times(ctx, b, inp, args.stage_iters, tiles=None if label is None else ran[label])
+
+                for label, summary in ratios_to_default(interleaved_rounds(measure, list(ran),
+                                                                           args.sweep_rounds)).items():
+                    ctx.add(section="sweep_rounds", shape=name, variant=label, rounds=args.sweep_rounds, **summary)
+                    stages = {k: v for k, v in summary.items() if k.startswith("stage_") and k.endswith("_ratio")}
+                    ctx.log(f"{name} sweep rounds {label}: x{summary['total_ratio']} of the default (rounds "
+                            f"{summary['round_ratio_min']}-{summary['round_ratio_max']}); {stages}")
         b.teardown()
         del b
         clear_workspace_cache()
@@ -435,6 +486,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                     "whether each one's gradients are the default's, and the same twice")
     ap.add_argument("--sweep-only", type=lambda v: [w for w in v.split(",") if w], default=[],
                     help="comma-separated parts of SWEEP labels: only the variants whose label holds one")
+    ap.add_argument("--sweep-rounds", type=int, default=1,
+                    help="after the sweep, time the default and the variants that ran in this many interleaved "
+                    "rounds (each in the reverse order of the one before; use an even number) and report each "
+                    "variant's stage times as ratios to the default's (section sweep_rounds)")
     ap.add_argument("--no-sweep-bits", dest="sweep_bits", action="store_false",
                     help="skip the sweep's check that each variant's gradients are bitwise the default's")
     ap.add_argument("--sweep-rel", action="store_true",
