@@ -7,8 +7,8 @@ Run (repository root, one GPU)::
     torchrun --nproc-per-node=1 -m benchmarks.mok_hopper.bwd_check --out DIR
     torchrun --nproc-per-node=1 -m benchmarks.mok_hopper.bwd_check --out DIR --shapes glm_5_2 --modes recompute
     torchrun --nproc-per-node=1 -m benchmarks.mok_hopper.bwd_check --out DIR --precision fp8 --no-nccl
-    # launch variants against the default in 4 interleaved rounds (D A B, B A D, ...): ratios that a drift of the
-    # board's state over the sweep does not bias (section sweep_rounds)
+    # launch variants against the default in 4 rounds of D A D B D: each variant's ratio to the default timed just
+    # before and after it, which a drift of the board's state does not bias (section sweep_rounds)
     torchrun --nproc-per-node=1 -m benchmarks.mok_hopper.bwd_check --out DIR --shapes glm_5_2 --modes save_h \
         --no-nccl --repeats 2 --sweep --sweep-only "default again,dW13 TMA store" --sweep-rounds 4
     # CPU, Triton interpreter, a tiny shape: checks this script's plumbing, measures nothing
@@ -295,36 +295,40 @@ def rel_l1_to_default(backend: Any, inp: Any, tiles: dict[str, Any]) -> float:
 
 
 def interleaved_rounds(measure: Any, labels: list[str], rounds: int) -> dict[Optional[str], list[dict[str, float]]]:
-    """``measure(label)`` (stage ms by stage; ``None``: the default) for the default and every variant, ``rounds``
-    times, each round in the reverse order of the one before (D A B, B A D, ...). Over an even number of rounds
-    every label then sits at the same mean position in time, so a drift of the board's state (clock, power,
-    temperature) that is linear over the rounds adds the same to every label's sum (session 28: one-shot stage
-    medians taken one after another drifted by more than the effects sought)."""
-    order: list[Optional[str]] = [None, *labels]
-    out: dict[Optional[str], list[dict[str, float]]] = {k: [] for k in order}
-    for r in range(rounds):
-        for k in order if r % 2 == 0 else order[::-1]:
+    """``measure(label)`` (stage ms by stage; ``None``: the default) in ``rounds`` rounds of D V1 D V2 ... Vn D:
+    every variant bracketed by two timings of the default, so its ratio to their mean (:func:`ratios_to_default`)
+    is not biased by a drift of the board's state (clock, power, temperature) that is linear over the bracket, and
+    no label runs twice in a row. (Session 28, call E: rounds of D A B, B A D, ... ran a label twice in a row at
+    each round's end, and an A/A variant read x1.02 there.) Returns every label's timings in the order taken; the
+    default's has ``1 + rounds * len(labels)``."""
+    out: dict[Optional[str], list[dict[str, float]]] = {None: [measure(None)], **{k: [] for k in labels}}
+    for _ in range(rounds):  # (a round starts from the last one's closing default timing)
+        for k in labels:
             out[k].append(measure(k))
+            out[None].append(measure(None))
     return out
 
 
 def ratios_to_default(samples: dict[Optional[str], list[dict[str, float]]]) -> dict[str, dict[str, float]]:
-    """For every variant of :func:`interleaved_rounds`' samples: its stage total summed over the rounds over the
-    default's (``total_ratio``), the same per stage (``stage_<name>_ratio``), the range of the per-round ratios of
-    the totals, and its median stage total (ms)."""
+    """For every variant of :func:`interleaved_rounds`' samples: the median over rounds of its stage total over the
+    mean of the two default timings around it (``total_ratio``), their range, the same median per stage
+    (``stage_<name>_ratio``), and its median stage total (ms)."""
+    labels = [k for k in samples if k is not None]
+    n = len(labels)
     base = samples[None]
     out = {}
-    for label, runs in samples.items():
-        if label is None:
-            continue
-        per_round = [sum(v.values()) / sum(d.values()) for v, d in zip(runs, base)]
-        row = {"total_ratio": round(sum(sum(v.values()) for v in runs) / sum(sum(d.values()) for d in base), 4),
-               "round_ratio_min": round(min(per_round), 4), "round_ratio_max": round(max(per_round), 4),
+    for i, label in enumerate(labels):
+        runs = samples[label]
+        around = [(base[r * n + i], base[r * n + i + 1]) for r in range(len(runs))]
+        per_round = [sum(v.values()) / ((sum(a.values()) + sum(b.values())) / 2) for v, (a, b) in zip(runs, around)]
+        row = {"total_ratio": round(med(per_round), 4), "round_ratio_min": round(min(per_round), 4),
+               "round_ratio_max": round(max(per_round), 4),
                "stages_total_ms": round(med([sum(v.values()) for v in runs]), 4)}
         for stage in base[0]:
-            d = sum(r[stage] for r in base)
-            if d > 0:
-                row[f"stage_{stage}_ratio"] = round(sum(r.get(stage, 0.0) for r in runs) / d, 4)
+            rs = [v.get(stage, 0.0) / ((a[stage] + b[stage]) / 2) for v, (a, b) in zip(runs, around)
+                  if a[stage] + b[stage] > 0]
+            if rs:
+                row[f"stage_{stage}_ratio"] = round(med(rs), 4)
         out[label] = row
     return out
 
@@ -487,9 +491,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--sweep-only", type=lambda v: [w for w in v.split(",") if w], default=[],
                     help="comma-separated parts of SWEEP labels: only the variants whose label holds one")
     ap.add_argument("--sweep-rounds", type=int, default=1,
-                    help="after the sweep, time the default and the variants that ran in this many interleaved "
-                    "rounds (each in the reverse order of the one before; use an even number) and report each "
-                    "variant's stage times as ratios to the default's (section sweep_rounds)")
+                    help="after the sweep, time the variants that ran in this many rounds of D V1 D V2 ... D (each "
+                    "variant between two timings of the default) and report each one's stage times as ratios to "
+                    "the mean of the two around it, the median over rounds (section sweep_rounds)")
     ap.add_argument("--no-sweep-bits", dest="sweep_bits", action="store_false",
                     help="skip the sweep's check that each variant's gradients are bitwise the default's")
     ap.add_argument("--sweep-rel", action="store_true",
