@@ -91,9 +91,9 @@ def _tiles(H: int, I: int, cuda: bool, clamped: bool = False, rows_per_expert: f
     # faster there; on the published shapes' 32-64-row experts slower or even, so the kernels keep them
     grouped = rows_per_expert > 128
     two["grouped_mm"] = grouped
-    # v10 (PERF_NOTES "Session 28"): dW13 stored by pointers on the resident path (published shapes): side by side
-    # with the TMA store -1 to -9% of the dW13 stage (glm_5_2 -1%, kimi_k2_7 -5%, qwen3_5_397b -9%), the same bits;
-    # dW2 stays TMA (by pointers 0-5% slower)
+    # v10 (PERF_NOTES "Session 28"): dW13 stored by pointers on the resident path (published shapes), the same bits:
+    # the dW13 stage 1.5-3% faster than by TMA against an A/A in interleaved rounds (qwen3_5_397b, kimi_k2_7; glm_5_2
+    # -1% side by side); dW2 stays TMA (by pointers 0-5% slower)
     dw13_tma = cuda and not resident
     return {"dgate_dw2": dict(on=False, block_r=br, block_h=_blocks(H, 128 if br == 64 else 64),
                               block_i=_blocks(I, 64), stages=3, num_warps=8, programs_per_sm=1, tma_store=cuda),
