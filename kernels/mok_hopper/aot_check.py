@@ -41,8 +41,9 @@ KERNEL_MODULES = ("schedule_kernels", "pull", "up_gemm", "down_gemm", "bwd_gemm"
 # resident weight gradients above no longer spill (210-218 registers), and three kernels spilled all along on the
 # H200's Triton 3.6 and were timed so: the resident weight gradients at 128 x 128 by TMA (dW2's launch on the
 # 64-row path) 40 B, the Q-resident ones (an option) 40 B, the fp8 dgate with the clamp 160 B (184 B on 3.8). v10's
-# dW13 by pointer stores (128 x 128, 64-row steps) spills 8 B on 3.8 and 176 B on 3.6, where it ran dW13 9-10%
-# faster than by TMA (PERF_NOTES "Session 28"). (A label takes the largest budget of the parts it contains.)
+# dW13 by pointer stores (128 x 128, 64-row steps) spills 8 B on 3.8 and 176 B on 3.6, where it ran the dW13
+# stage 1-3% faster than by TMA (PERF_NOTES "Session 28"). (A label takes the largest budget of the parts it
+# contains.)
 SPILL_BUDGET = ((" save H", 64), ("bwd dgate", 64), ("bwd dgate pair", 144), ("bwd fp8 dgate", 128),
                 ("bwd fp8 dgate clamp", 192), ("bwd wgrad P resident", 40), ("bwd wgrad Q resident", 40),
                 ("bwd wgrad P resident pointers", 176))
