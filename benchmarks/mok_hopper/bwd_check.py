@@ -80,8 +80,8 @@ SWEEP: dict[str, dict[str, dict[str, Any]]] = {
     # after v5 (session 16, call 5): dW13 stored by pointers (faster on qwen3_5_397b and kimi_k2_7 in calls 1 and 2,
     # dW2 slower), the shared expert's backward by torch GEMMs (it ran at about a quarter of the GEMM rate)
     "dW13 no TMA store": {"dw13": dict(tma_store=False)},
-    # session 28: pointer stores that build without a spill where the launch's K divisibility is known (aot_check
-    # compiled these kernels with K of unknown divisibility before; see PERF_NOTES "Session 28")
+    # session 28: v10 stores dW13 by pointers ("default again"); v9's TMA store, and pointer-store launches at 128 x
+    # 64 (no spill where aot_check compiles K as launched) and at 8 warps one an SM (PERF_NOTES "Session 28")
     "dW13 TMA store (v9)": {"dw13": dict(tma_store=True)},
     "dW13 128x64 pointer stores": {"dw13": dict(block_k=64, tma_store=False)},
     "wgrad 128x64 pointer stores": {"dw13": dict(block_k=64, tma_store=False),
