@@ -697,3 +697,18 @@ def test_bwd_check_interleaved_rounds_cancel_a_linear_drift():
     for label, want, dw13 in (("A/A", 1.0, 1.0), ("dW13 slower", round(7.7 / 7.0, 4), 1.14)):
         assert r[label]["total_ratio"] == r[label]["round_ratio_min"] == r[label]["round_ratio_max"] == want
         assert r[label]["stage_dw13_ratio"] == dw13 and r[label]["stage_dgate_ratio"] == 1.0
+
+
+def test_backward_launch_defaults_store_dw13_by_pointers_on_the_resident_path():
+    """v10 (PERF_NOTES "Session 28"): on CUDA the resident weight gradients (experts of at most 128 rows on
+    average: every published shape at EP=1) store dW13 by pointers and dW2 by TMA; above 128 rows (the
+    compute-bound point) the weight gradients are torch._grouped_mm's and the kernels' launch keeps TMA stores;
+    the interpreter (CPU) stores by pointers everywhere."""
+    from kernels.mok_hopper.train import _tiles
+
+    for rows, resident in ((40.0, True), (64.0, True), (1024.0, False)):
+        t = _tiles(4096, 1024, True, rows_per_expert=rows)
+        assert t["dw13"]["resident"] is resident and t["dw13"]["tma_store"] is not resident, rows
+        assert t["dw2"]["tma_store"] is True and t["dw13"]["grouped_mm"] is (rows > 128), rows
+    t = _tiles(4096, 1024, False, rows_per_expert=40.0)
+    assert t["dw13"]["tma_store"] is False and t["dw2"]["tma_store"] is False
