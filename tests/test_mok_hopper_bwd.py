@@ -651,7 +651,8 @@ def test_bwd_checks_tiled_layout_variant_runs_the_tiled_backward(fused, monkeypa
 def test_the_store_probe_writes_every_block_once_in_each_order():
     """benchmarks/experiments/wgrad_store_probe.py's kernel under the interpreter: in every order, by TMA and by
     pointers, each [BN, BK] block of the gradient is written (none left NaN), and both ways write the same values
-    (so the probe times the same stores both ways)."""
+    (so the probe times the same stores both ways); with the kernel's MMA (session 28), each block is P^T @ Q of the
+    strip's expert (column sums of its rows, P being all ones), Q from registers or loaded."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     from benchmarks.experiments.wgrad_store_probe import ORDERS, _store_kernel
@@ -670,6 +671,22 @@ def test_the_store_probe_writes_every_block_once_in_each_order():
             got.append(dw)
         assert not got[0].isnan().any(), order
         assert torch.equal(got[0], got[1]), order
+    # session 28: the strips with the kernel's MMA (P all ones), Q made in registers or loaded (an expert's rows)
+    br = 16
+    q = torch.randn(L * br, K).to(torch.bfloat16)
+    for q_load in (False, True):
+        want = torch.empty(L, N, K)
+        for e in range(L):
+            for k in range(K // bk):
+                cols = slice(k * bk, (k + 1) * bk)
+                col_sums = q[e * br:(e + 1) * br, cols].float().sum(0) if q_load else torch.full((bk,), br * (k + 1.0))
+                want[e, :, cols] = col_sums.expand(N, bk)
+        for tma in (False, True):
+            dw = torch.full((L, N, K), float("nan"), dtype=torch.bfloat16)
+            arg = TensorDescriptor.from_tensor(dw.view(-1, K), [bn, bk]) if tma else dw
+            _store_kernel[(3,)](arg, N, K, L, BN=bn, BK=bk, NUM_PROGS=3, ORDER=ORDERS["strips"], TMA=tma, STAGES=3,
+                                q_ptr=q if q_load else None, BR=br, Q_LOAD=q_load, UPCAST=True, num_warps=4)
+            assert torch.allclose(dw.float(), want.to(torch.bfloat16).float(), rtol=1e-2, atol=1e-2), (q_load, tma)
 
 
 def test_bwd_check_interleaved_rounds_cancel_a_linear_drift():

@@ -12,6 +12,14 @@ probe writes the same tensors with no loads and no MMA, so what it measures is t
 * ``columns``: the Q-resident kernel's order (a program owns one (expert, K block) strip and walks its N blocks:
   programs running together write neighbouring column blocks of the same rows).
 
+Session 28 adds the kernel's other work to the strips, one part at a time, to find what holds the resident kernel
+at 2.4 TB/s on glm_5_2's dW13 where the stores alone reach 3.6-4.3 (PERF_NOTES "Session 28", next steps):
+
+* ``+ MMA``: each stored block is an MMA over ``BR`` rows (P^T @ Q, the kernel's shapes) of operands made in
+  registers (no global loads);
+* ``+ MMA + Q loads``: the same with Q loaded each step from an [L BR, K] tensor (an expert's X rows, as the kernel
+  reads them: the strips of one expert running together share them through L2).
+
 Each variant is timed with CUDA events (median of ``--iters`` after two untimed passes) and reported as GB/s of
 bytes written, beside the copy rate of the same bytes (``copy_``: read + write). One GPU::
 
@@ -45,10 +53,32 @@ def _put(dw_ptr, val, row0, col0, width, BN: tl.constexpr, BK: tl.constexpr, TMA
 
 
 @triton.jit
+def _strip_value(q_ptr, e, k, wk, K, BN: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, Q_LOAD: tl.constexpr,
+                 UPCAST: tl.constexpr):
+    """The block a strips step stores: a constant (BR 0), or P^T @ Q over BR rows with P all ones and Q made in
+    registers (``k + 1`` everywhere) or loaded from rows [e BR, (e + 1) BR) of the [L BR, K] tensor ``q_ptr``.
+    UPCAST: fp32 operands (the interpreter's bf16 dot is broken)."""
+    if BR == 0:
+        return tl.full((BN, BK), 1.0, tl.float32) * (wk + k)
+    p = tl.full((BR, BN), 1.0, tl.float32).to(tl.bfloat16)
+    if Q_LOAD:
+        rows = (e * BR + tl.arange(0, BR)).to(tl.int64)
+        q = tl.load(q_ptr + rows[:, None] * K + (k * BK + tl.arange(0, BK))[None, :])
+    else:
+        q = (tl.full((BR, BK), 1.0, tl.float32) * (k + 1)).to(tl.bfloat16)
+    if UPCAST:
+        return tl.dot(p.T.to(tl.float32), q.to(tl.float32))
+    return tl.dot(p.T, q)
+
+
+@triton.jit
 def _store_kernel(dw_ptr, N, K, L, BN: tl.constexpr, BK: tl.constexpr, NUM_PROGS: tl.constexpr,
-                  ORDER: tl.constexpr, TMA: tl.constexpr, STAGES: tl.constexpr):
+                  ORDER: tl.constexpr, TMA: tl.constexpr, STAGES: tl.constexpr, q_ptr=None, BR: tl.constexpr = 0,
+                  Q_LOAD: tl.constexpr = False, UPCAST: tl.constexpr = False):
     """ORDER 0: strips (e, n), K blocks inner; 1: blocks (e, n, k), k fastest; 2: strips into contiguous blocks
-    (the [L N K / BK, BK] view: block (e, n, k) is rows blk BN ... of it); 3: strips (e, k), N blocks inner."""
+    (the [L N K / BK, BK] view: block (e, n, k) is rows blk BN ... of it); 3: strips (e, k), N blocks inner.
+    BR > 0 (strips): each block an MMA over BR rows, its Q from registers or (Q_LOAD) from ``q_ptr``
+    (:func:`_strip_value`)."""
     n_n = N // BN
     n_k = K // BK
     if ORDER == 3:
@@ -68,7 +98,7 @@ def _store_kernel(dw_ptr, N, K, L, BN: tl.constexpr, BK: tl.constexpr, NUM_PROGS
             e = wk // n_n
             n = wk % n_n
             for k in tl.range(0, n_k, num_stages=STAGES):
-                val = tl.full((BN, BK), 1.0, tl.float32) * (wk + k)
+                val = _strip_value(q_ptr, e, k, wk, K, BN, BK, BR, Q_LOAD, UPCAST)
                 if ORDER == 2:
                     _put(dw_ptr, val, ((e * n_n + n) * n_k + k) * BN, 0, BK, BN, BK, TMA)
                 else:
@@ -76,7 +106,7 @@ def _store_kernel(dw_ptr, N, K, L, BN: tl.constexpr, BK: tl.constexpr, NUM_PROGS
 
 
 ORDERS = {"strips": 0, "blocks": 1, "contiguous": 2, "columns": 3}
-# (label, order, tma, BN, BK, warps, programs per SM, stages)
+# (label, order, tma, BN, BK, warps, programs per SM, stages[, MMA rows BR, Q loaded])
 VARIANTS = [
     ("strips tma 128x64 4w 2/SM (v5 wide)", "strips", True, 128, 64, 4, 2, 3),
     ("strips tma 128x128 4w 2/SM (v5)", "strips", True, 128, 128, 4, 2, 3),
@@ -96,6 +126,14 @@ VARIANTS = [
     ("columns tma 128x128 4w 2/SM", "columns", True, 128, 128, 4, 2, 3),
     ("columns ptr 128x128 8w 2/SM", "columns", False, 128, 128, 8, 2, 3),
     ("columns ptr 128x128 8w 1/SM", "columns", False, 128, 128, 8, 1, 3),
+    # session 28: the resident kernel's launches with its MMA, then with its MMA and its Q loads (glm_5_2: 128 rows,
+    # 128 x 64 blocks; qwen3_5_397b / kimi_k2_7: 64 rows, 128 x 128, dW13 by pointers since v10)
+    ("strips tma 128x64 4w 2/SM + MMA 128 rows", "strips", True, 128, 64, 4, 2, 3, 128, False),
+    ("strips tma 128x64 4w 2/SM + MMA 128 rows + Q loads", "strips", True, 128, 64, 4, 2, 3, 128, True),
+    ("strips ptr 128x64 4w 2/SM + MMA 128 rows + Q loads", "strips", False, 128, 64, 4, 2, 3, 128, True),
+    ("strips tma 128x128 4w 2/SM + MMA 64 rows", "strips", True, 128, 128, 4, 2, 3, 64, False),
+    ("strips tma 128x128 4w 2/SM + MMA 64 rows + Q loads", "strips", True, 128, 128, 4, 2, 3, 64, True),
+    ("strips ptr 128x128 4w 2/SM + MMA 64 rows + Q loads", "strips", False, 128, 128, 4, 2, 3, 64, True),
 ]
 
 
@@ -139,17 +177,23 @@ def main(argv: Optional[list[str]] = None) -> int:
         rows.append(dict(tensor=name, variant="torch copy_ (read + write)", ms=round(ms, 4),
                          GBps=round(gb / ms * 1e3, 1)))
         del src
-        for label, order, tma, bn, bk, warps, per_sm, stages in VARIANTS:
+        q_rows = {}  # BR -> an [L BR, K] tensor of "X rows", BR per expert
+        for label, order, tma, bn, bk, warps, per_sm, stages, *mma in VARIANTS:
+            br, q_load = mma if mma else (0, False)
             progs = sms * per_sm
             if order == "contiguous":
                 view = dw.view(-1, bk)
             else:
                 view = dw.view(-1, K)
             arg = TensorDescriptor.from_tensor(view, [bn, bk]) if tma else dw
+            q = None
+            if q_load:
+                q = q_rows.setdefault(br, torch.randn(L * br, K, dtype=torch.bfloat16, device=dev))
 
-            def run(arg=arg, order=order, tma=tma, bn=bn, bk=bk, warps=warps, progs=progs, stages=stages):
+            def run(arg=arg, order=order, tma=tma, bn=bn, bk=bk, warps=warps, progs=progs, stages=stages, q=q, br=br,
+                    q_load=q_load):
                 _store_kernel[(progs,)](arg, N, K, L, BN=bn, BK=bk, NUM_PROGS=progs, ORDER=ORDERS[order], TMA=tma,
-                                        STAGES=stages, num_warps=warps)
+                                        STAGES=stages, q_ptr=q, BR=br, Q_LOAD=q_load, num_warps=warps)
 
             try:
                 ms = _time(run, args.iters)
@@ -157,7 +201,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 rows.append(dict(tensor=name, variant=label, error=f"{type(e).__name__}: {e}"[:200]))
                 continue
             rows.append(dict(tensor=name, variant=label, ms=round(ms, 4), GBps=round(gb / ms * 1e3, 1)))
-        del dw
+        del dw, q_rows
         torch.cuda.empty_cache()
     for r in rows:
         print(f"{args.shape} {r['tensor']} {r['variant']}: {r.get('ms')} ms, {r.get('GBps')} GB/s {r.get('error', '')}",
