@@ -886,6 +886,28 @@ def test_down_halves_change_no_bit(precision, operands):
 
 @pytest.mark.slow
 @needs_triton
+def test_fp8_down_at_128_registers_changes_no_bit():
+    """gpu_check's "fp8: 128-register down" variant (whole tiles 64 columns wide, two 8-warp programs an SM, the
+    down GEMM capped at 128 registers a thread on the GPU; the interpreter has no registers to cap): each output
+    column over the same K steps in the same order, so the same bits as the default's 128-wide items."""
+    from dataclasses import replace
+
+    from kernels.mok_hopper.variants import SWEEP
+
+    over = next(o for label, o, _ in SWEEP if label.startswith("fp8: 128-register down"))
+    tile = _small_tile("tma tiled")
+    capped = replace(tile, **over)
+    P, one, _, two, l2 = _run_ab_full_and_half(tile, capped, "fp8", 43)
+    c = l2[0].cfg
+    assert (c.down_n, c.down_warps, c.down_per_sm, c.down_maxnreg, c.down_halves) == (64, 8, 2, 128, False)
+    for r in range(P):
+        assert torch.equal(two[0][r], one[0][r])
+    with pytest.raises(ValueError, match="down_maxnreg"):
+        replace(tile, down_maxnreg=8)
+
+
+@pytest.mark.slow
+@needs_triton
 @pytest.mark.parametrize("precision,operands", [("fp8", "tma tiled"), ("fp8", "pointers"), ("bf16", "tma tiled")])
 def test_up_halves_change_no_bit(precision, operands):
     """up_halves (every up-GEMM tile as BM/2-row items, a full tile as two; fp8_up_halves in fp8) computes each

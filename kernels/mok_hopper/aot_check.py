@@ -42,11 +42,12 @@ KERNEL_MODULES = ("schedule_kernels", "pull", "up_gemm", "down_gemm", "bwd_gemm"
 # H200's Triton 3.6 and were timed so: the resident weight gradients at 128 x 128 by TMA (dW2's launch on the
 # 64-row path) 40 B, the Q-resident ones (an option) 40 B, the fp8 dgate with the clamp 160 B (184 B on 3.8). v10's
 # dW13 by pointer stores (128 x 128, 64-row steps) spills 8 B on 3.8 and 176 B on 3.6, where it ran the dW13
-# stage 1-3% faster than by TMA (PERF_NOTES "Session 28"). (A label takes the largest budget of the parts it
-# contains.)
+# stage 1-3% faster than by TMA (PERF_NOTES "Session 28"). The sweep's fp8 down GEMM capped at 128 registers
+# (``TileConfig.down_maxnreg``, so that two 8-warp programs fit an SM) spills 16 B under both Tritons (not yet
+# timed). (A label takes the largest budget of the parts it contains.)
 SPILL_BUDGET = ((" save H", 64), ("bwd dgate", 64), ("bwd dgate pair", 144), ("bwd fp8 dgate", 128),
                 ("bwd fp8 dgate clamp", 192), ("bwd wgrad P resident", 40), ("bwd wgrad Q resident", 40),
-                ("bwd wgrad P resident pointers", 176))
+                ("bwd wgrad P resident pointers", 176), ("[fp8: 128-register", 16))
 
 
 def kernel(name: str) -> Any:
@@ -71,6 +72,7 @@ class Variant:
     # is the top-k, HS the hidden size / 128); every other i32 is a size the launch sees divisible by 16 (the
     # backward's K is a hidden size: compiled otherwise, its loads and stores are not those that run)
     plain: tuple[str, ...] = ()
+    maxnreg: int = 0  # the registers a thread the launch caps the kernel at (0: none)
 
 
 def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048, extras: bool = True,
@@ -178,14 +180,14 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048, extras: bool 
                                     NUM_PROGS=nprog, UPCAST=False, STAGES=c.down_stages, GROUP_M=c.group_m, TMA=tma,
                                     HALF=c.half_tiles, WB=128, FLAT=c.flat_down, TAIL=c.tail_rows,
                                     WT=c.w_tiled and tma, PAIR=fp8 and c.fp8_down_pair, SPLIT=c.down_halves),
-                               c.down_warps))
+                               c.down_warps, maxnreg=c.down_maxnreg))
     plain = cfg.half_tiles and not (cfg.flat_up or cfg.flat_down or cfg.tail_rows or cfg.up_fused)
     if plain and extras:  # the other default tiles' GEMMs (bf16, TMA): glm_5_2's tails (v9)
         from kernels.mok_hopper.tiles import TAIL_ROWS
 
         def extra(over: dict[str, Any], labels: tuple[str, ...], rename: Any, save_h: bool = False) -> list[Variant]:
             """The launches ``labels`` of the tile with ``over`` applied, renamed."""
-            return [Variant(rename(v.label), v.kernel, v.types, v.constexprs, v.num_warps)
+            return [replace(v, label=rename(v.label))
                     for v in variants(replace(cfg, **over), hidden, ffn, extras=False, save_h=save_h)
                     if v.label in labels]
 
@@ -379,7 +381,8 @@ def compile_variant(v: Variant, arch: int = 90, sass: bool = False, fn: Any = No
     sig, attrs, constexprs = specialisation(v, fn)
     src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
     target = GPUTarget("cuda", arch, 32)
-    k = triton.compile(src, target=target, options={"num_warps": v.num_warps})
+    k = triton.compile(src, target=target,
+                       options={"num_warps": v.num_warps, **({"maxnreg": v.maxnreg} if v.maxnreg else {})})
     res = {"label": v.label, "shared": int(k.metadata.shared), "regs": None, "stack": None, "local": None}
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
@@ -430,7 +433,7 @@ def sweep_variants() -> list[Variant]:
     from kernels.mok_hopper.tiles import default_tile
 
     def key(v: Variant) -> tuple:
-        return v.kernel, tuple(sorted(v.constexprs.items())), v.num_warps
+        return v.kernel, tuple(sorted(v.constexprs.items())), v.num_warps, v.maxnreg
 
     seen = {key(v) for v in variants()}
     out = []
@@ -441,7 +444,7 @@ def sweep_variants() -> list[Variant]:
                 continue  # gpu_check runs an "fp8:" variant in fp8 only (its bf16 tile may not fit)
             if v.label.startswith(("up ", "down ")) and v.label.endswith(" tma") and key(v) not in seen:
                 seen.add(key(v))
-                out.append(Variant(f"{v.label} [{label[:18]}]", v.kernel, v.types, v.constexprs, v.num_warps, v.plain))
+                out.append(replace(v, label=f"{v.label} [{label[:18]}]"))
     return out
 
 

@@ -189,4 +189,5 @@ def down_push(h_RI: torch.Tensor, h_scale: Optional[torch.Tensor], w2_LHI: torch
         slots_per_rank,
         BM=bm, BN=bn, BK=bk, FP8=fp8, APPLY_W=rw_R is not None, NUM_PROGS=programs, UPCAST=INTERPRET,
         STAGES=cfg.down_stages, GROUP_M=cfg.group_m, TMA=cfg.tma, HALF=cfg.half_tiles, FLAT=cfg.flat_down,
-        TAIL=tail, WT=cfg.w_tiled, PAIR=fp8 and cfg.fp8_down_pair, SPLIT=cfg.down_halves, num_warps=cfg.down_warps)
+        TAIL=tail, WT=cfg.w_tiled, PAIR=fp8 and cfg.fp8_down_pair, SPLIT=cfg.down_halves, num_warps=cfg.down_warps,
+        **({"maxnreg": cfg.down_maxnreg} if cfg.down_maxnreg and not INTERPRET else {}))

@@ -95,9 +95,15 @@ class TileConfig:
     # session 26: those cost 0.125 ms, six times their bytes, on qwen3_5_397b bf16)
     fp8_pull_rows: int = 0  # for_fp8: the pull's rows a step (0: pull_rows); default_tile's 16 (PERF_NOTES session 27:
     # an fp8 row is half a bf16 one, and with two up programs an SM the pull's 4-row steps gated the up GEMM)
+    down_maxnreg: int = 0  # registers a thread the down GEMM is compiled for (0: the compiler's choice). 128 lets
+    # two programs of 8 warps share an SM: the fp8 down GEMM over whole 128-row tiles 64 columns wide (an 8-warp
+    # item holds a 32-register accumulator) at two programs an SM, for glm_5_2 whose full tiles the 64-row items
+    # read twice (PERF_NOTES session 28: 16 B of spill at 128 registers under Triton 3.6 and 3.8; not yet timed)
     fp8: bool = False  # set by for_fp8 (the fp8 GEMM steps and pipeline depths)
 
     def __post_init__(self) -> None:
+        if self.down_maxnreg and not 24 <= self.down_maxnreg <= 255:
+            raise ValueError(f"down_maxnreg={self.down_maxnreg} must be 0 (the compiler's choice) or 24-255")
         if self.down_per_sm < 1 or 128 % self.fp8_down_n:
             raise ValueError(f"down_per_sm={self.down_per_sm} must be >= 1 and fp8_down_n={self.fp8_down_n} divide 128 "
                              "(one weight scale a 128 x 128 block)")
