@@ -47,7 +47,7 @@ KERNEL_MODULES = ("schedule_kernels", "pull", "up_gemm", "down_gemm", "bwd_gemm"
 # timed). (A label takes the largest budget of the parts it contains.)
 SPILL_BUDGET = ((" save H", 64), ("bwd dgate", 64), ("bwd dgate pair", 144), ("bwd fp8 dgate", 128),
                 ("bwd fp8 dgate clamp", 192), ("bwd wgrad P resident", 40), ("bwd wgrad Q resident", 40),
-                ("bwd wgrad P resident pointers", 176), ("[fp8: 128-register", 16))
+                ("bwd wgrad P resident pointers", 176), ("down fp8 x w 128 registers", 16))
 
 
 def kernel(name: str) -> Any:
@@ -168,7 +168,9 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048, extras: bool 
         for fp8, apply_w in ((False, True), (False, False), (True, True)):
             c = f8 if fp8 else cfg
             t = "*fp8e4nv" if fp8 else "*bf16"
-            out.append(Variant(f"down {'fp8' if fp8 else 'bf16'}{' x w' if apply_w else ''}{path}", "_down_push_kernel",
+            regs = f" {c.down_maxnreg} registers" if c.down_maxnreg else ""  # (a launch capped at maxnreg)
+            out.append(Variant(f"down {'fp8' if fp8 else 'bf16'}{' x w' if apply_w else ''}{regs}{path}",
+                               "_down_push_kernel",
                                dict(h_ptr=operand(t, [c.block_m, c.down_k], tma),
                                     h_half=operand(t, [c.block_m // 2, c.down_k], tma and c.half_tiles),
                                     h_tail=operand(t, [c.tail_rows, c.down_k], tma and c.tail_rows > 0), hs_ptr="*fp32",
