@@ -134,6 +134,13 @@ VARIANTS = [
     ("strips tma 128x128 4w 2/SM + MMA 64 rows", "strips", True, 128, 128, 4, 2, 3, 64, False),
     ("strips tma 128x128 4w 2/SM + MMA 64 rows + Q loads", "strips", True, 128, 128, 4, 2, 3, 64, True),
     ("strips ptr 128x128 4w 2/SM + MMA 64 rows + Q loads", "strips", False, 128, 128, 4, 2, 3, 64, True),
+    # session 29: every weight-gradient stage so far takes about its stores at 4.2 TB/s plus its MMA (over the
+    # padded rows) at 790 TFLOP/s, as if the two never overlapped (PERF_NOTES "Session 29"). Half the MMA rows: does
+    # the time follow the MMA's FLOPs? Four programs an SM: do more programs overlap one's MMA with another's stores?
+    ("strips tma 128x64 4w 2/SM + MMA 64 rows", "strips", True, 128, 64, 4, 2, 3, 64, False),
+    ("strips tma 128x64 4w 2/SM + MMA 32 rows", "strips", True, 128, 64, 4, 2, 3, 32, False),
+    ("strips tma 128x64 4w 4/SM + MMA 128 rows", "strips", True, 128, 64, 4, 4, 3, 128, False),
+    ("strips ptr 128x128 4w 2/SM + MMA 32 rows + Q loads", "strips", False, 128, 128, 4, 2, 3, 32, True),
 ]
 
 
