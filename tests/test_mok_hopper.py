@@ -207,16 +207,21 @@ def test_every_sweep_variant_is_a_valid_tile_on_every_published_shape():
 
     from benchmarks.shapes import published_shapes, shape_config
     from kernels.mok_hopper.tiles import default_tile
-    from kernels.mok_hopper.variants import SWEEP, SWEEP_FP8
+    from kernels.mok_hopper.variants import SWEEP, SWEEP_FP8, runs_at
 
     assert set(SWEEP_FP8) <= {label for label, _, _ in SWEEP}
+    assert not any(label.startswith("fp8:") for label in SWEEP_FP8)  # (those run in fp8 by their label alone)
+    assert runs_at("fp8: 128-register down 64 wide, 8 warps, two programs an SM", "fp8")  # (session 28's, lost)
+    assert not runs_at("fp8: 128-register down 64 wide, 8 warps, two programs an SM", "bf16")
+    assert runs_at("default again (A/A control)", "fp8") and runs_at("default again (A/A control)", "bf16")
+    assert not runs_at("v3 layout (full tiles, events, 3/4 stages, torch schedule)", "fp8")
     shapes = [shape_config(n) for n in published_shapes()]
     assert len(shapes) == 4
     for E, H, I, K in ((s["num_experts"], s["hidden"], s["ffn"], s["topk"]) for s in shapes):
         base = default_tile(hidden=H, ffn=I, rows_per_expert=2 * 2048 * K / E)
         for label, over, _ in SWEEP:
             tile = replace(base, **over)
-            if label in SWEEP_FP8:
+            if runs_at(label, "fp8"):
                 tile.for_fp8()
 
 

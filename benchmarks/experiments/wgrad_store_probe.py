@@ -24,8 +24,9 @@ Each variant is timed with CUDA events (median of ``--iters`` after two untimed 
 bytes written, beside the copy rate of the same bytes (``copy_``: read + write). One GPU::
 
     python3 -m benchmarks.experiments.wgrad_store_probe --out DIR [--shape glm_5_2]
+    python3 -m benchmarks.experiments.wgrad_store_probe --aot    # compile each variant for sm_90, no GPU
 
-Writes ``DIR/wgrad_store_probe.csv``. Needs CUDA (exit 2 on a machine without it).
+Writes ``DIR/wgrad_store_probe.csv``. Needs CUDA (exit 2 on a machine without it), except ``--aot``.
 """
 
 from __future__ import annotations
@@ -58,17 +59,20 @@ def _strip_value(q_ptr, e, k, wk, K, BN: tl.constexpr, BK: tl.constexpr, BR: tl.
     """The block a strips step stores: a constant (BR 0), or P^T @ Q over BR rows with P all ones and Q made in
     registers (``k + 1`` everywhere) or loaded from rows [e BR, (e + 1) BR) of the [L BR, K] tensor ``q_ptr``.
     UPCAST: fp32 operands (the interpreter's bf16 dot is broken)."""
-    if BR == 0:
-        return tl.full((BN, BK), 1.0, tl.float32) * (wk + k)
-    p = tl.full((BR, BN), 1.0, tl.float32).to(tl.bfloat16)
-    if Q_LOAD:
-        rows = (e * BR + tl.arange(0, BR)).to(tl.int64)
-        q = tl.load(q_ptr + rows[:, None] * K + (k * BK + tl.arange(0, BK))[None, :])
+    if BR == 0:  # (one return at the end: the compiler visits what follows an early return in a static if)
+        val = tl.full((BN, BK), 1.0, tl.float32) * (wk + k)
     else:
-        q = (tl.full((BR, BK), 1.0, tl.float32) * (k + 1)).to(tl.bfloat16)
-    if UPCAST:
-        return tl.dot(p.T.to(tl.float32), q.to(tl.float32))
-    return tl.dot(p.T, q)
+        p = tl.full((BR, BN), 1.0, tl.float32).to(tl.bfloat16)
+        if Q_LOAD:
+            rows = (e * BR + tl.arange(0, BR)).to(tl.int64)
+            q = tl.load(q_ptr + rows[:, None] * K + (k * BK + tl.arange(0, BK))[None, :])
+        else:
+            q = (tl.full((BR, BK), 1.0, tl.float32) * (k + 1)).to(tl.bfloat16)
+        if UPCAST:
+            val = tl.dot(p.T.to(tl.float32), q.to(tl.float32))
+        else:
+            val = tl.dot(p.T, q)
+    return val
 
 
 @triton.jit
@@ -156,12 +160,43 @@ def _time(fn, iters: int) -> float:
     return sorted(a.elapsed_time(b) for a, b in ev)[iters // 2]
 
 
+def aot(arch: int = 90) -> list[dict]:
+    """Compile every variant of :data:`VARIANTS` for ``arch`` without a GPU (aot_check's compiler): registers,
+    spill and shared memory, or the error (session 29: the strips without MMA had never compiled on the GPU)."""
+    from kernels.mok_hopper import aot_check
+
+    out = []
+    for label, order, tma, bn, bk, warps, per_sm, stages, *mma in VARIANTS:
+        br, q_load = mma if mma else (0, False)
+        types = dict(dw_ptr=f"tensordesc<bf16[{bn}, {bk}]>" if tma else "*bf16", N="i32", K="i32", L="i32",
+                     q_ptr="*bf16")
+        consts = dict(BN=bn, BK=bk, NUM_PROGS=132 * per_sm, ORDER=ORDERS[order], TMA=tma, STAGES=stages, BR=br,
+                      Q_LOAD=q_load, UPCAST=False)
+        v = aot_check.Variant(label, "_store_kernel", types, consts, warps)
+        try:
+            res = aot_check.compile_variant(v, arch=arch, fn=_store_kernel)
+            out.append(dict(variant=label, regs=res["regs"], stack=res["stack"], shared=res["shared"]))
+        except Exception as e:  # noqa: BLE001 - reported, and the exit status says so
+            out.append(dict(variant=label, error=f"{type(e).__name__}: {e}"[:300]))
+    return out
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out", default=None, help="folder for wgrad_store_probe.csv (needed unless --aot)")
     ap.add_argument("--shape", default="glm_5_2")
     ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--aot", action="store_true", help="compile every variant for sm_90 (no GPU), exit 1 on an error")
     args = ap.parse_args(argv)
+    if args.aot:
+        res = aot()
+        for r in res:
+            print(f"{r['variant']:<56} " + (r["error"] if "error" in r else
+                                              f"{r['regs']} registers, {r['stack']} B spill, {r['shared']} B shared"))
+        return 1 if any("error" in r for r in res) else 0
+    if args.out is None:
+        print("wgrad_store_probe: --out DIR is needed to time the variants", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("wgrad_store_probe: needs a CUDA GPU", file=sys.stderr)
         return 2

@@ -24,7 +24,7 @@ What it does, every rank in lockstep:
    timer: median of per-iteration max over ranks), then every stage timed alone (non-overlapped), with bandwidths
    and FLOP rates, and torch._grouped_mm on the same rows for comparison;
    then a timeline of the real forward (GPU-timer stamps at every phase end, both streams, graph replayed);
-3. a sweep of tile / pipeline variants against the defaults (``SWEEP``; fp8 runs ``SWEEP_FP8``; ``--no-sweep``
+3. a sweep of tile / pipeline variants against the defaults (``SWEEP``; fp8 runs the "fp8:" ones and ``SWEEP_FP8``; ``--no-sweep``
    skips it);
 4. rates of this machine for the floors (``harness.calibrate``): HBM copy, dense bf16 GEMM, link.
 
@@ -62,7 +62,7 @@ from harness.reference import ReferenceBackend
 from harness.timing import Stats, Timer
 from kernels.mok_hopper.api import MoKHopperLayer, default_tile
 from kernels.mok_hopper.tiles import TileConfig
-from kernels.mok_hopper.variants import SWEEP, SWEEP_FP8, TIMELINE_VARIANTS
+from kernels.mok_hopper.variants import SWEEP, TIMELINE_VARIANTS, runs_at
 from kernels.mok_hopper.workspace import clear_workspace_cache
 
 PRECISIONS = ("bf16", "fp8")  # the layer's (configs/precision/<name>.yaml gives each one's gate)
@@ -499,10 +499,10 @@ def sweep(ctx: Ctx, name: str, inp: LayerInputs, base_layer: MoKHopperLayer, bas
           warmup: int = 5) -> None:
     """Forward and stage times of tile / pipeline variants on the same inputs (a layer per variant), each forward
     timed against the default interleaved (:func:`ab_times`). ``only``: the variants whose label contains one of
-    these (lower case); fp8 runs the ``SWEEP_FP8`` ones."""
+    these (lower case); which run at ``precision``: :func:`~kernels.mok_hopper.variants.runs_at`."""
     T, K = inp.topk_idx_TK.shape
     for label, over, layer_kw in SWEEP:
-        if (precision == "fp8" and label not in SWEEP_FP8) or (precision != "fp8" and label.startswith("fp8:")):
+        if not runs_at(label, precision):
             continue
         if only and not any(o in label.lower() for o in only):
             continue

@@ -44,10 +44,13 @@ KERNEL_MODULES = ("schedule_kernels", "pull", "up_gemm", "down_gemm", "bwd_gemm"
 # dW13 by pointer stores (128 x 128, 64-row steps) spills 8 B on 3.8 and 176 B on 3.6, where it ran the dW13
 # stage 1-3% faster than by TMA (PERF_NOTES "Session 28"). The sweep's fp8 down GEMM capped at 128 registers
 # (``TileConfig.down_maxnreg``, so that two 8-warp programs fit an SM) spills 16 B under both Tritons (not yet
-# timed). (A label takes the largest budget of the parts it contains.)
+# timed). Session 29: the 64-row resident weight gradients with strips over 32 + 16 rows for the experts that
+# have that few (bwd_check's sweep) spill 64-96 B by TMA under Triton 3.6 (none under 3.8), 160-168 B by pointers
+# (16 B under 3.8). (A label takes the largest budget of the parts it contains.)
 SPILL_BUDGET = ((" save H", 64), ("bwd dgate", 64), ("bwd dgate pair", 144), ("bwd fp8 dgate", 128),
                 ("bwd fp8 dgate clamp", 192), ("bwd wgrad P resident", 40), ("bwd wgrad Q resident", 40),
-                ("bwd wgrad P resident pointers", 176), ("down fp8 x w 128 registers", 16))
+                ("bwd wgrad P resident pointers", 176), ("down fp8 x w 128 registers", 16),
+                ("bwd wgrad P resident, 32 + 16-row strips", 96))
 
 
 def kernel(name: str) -> Any:
@@ -282,6 +285,18 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048, extras: bool 
                            dict(wg_c, TMA_STORE=False), 4))
         out.append(Variant("bwd wgrad P resident 128 rows pointers", "_bwd_wgrad_resident_kernel",
                            dict(wg_t, dw_ptr="*bf16"), dict(wg_c, BK=64, BR=128, TMA_STORE=False), 4))
+        # session 29 (bwd_check's sweep): an expert's strips over fewer rows where it has fewer (BR_SMALL, then
+        # BR_SMALL + BR_TAIL as two row blocks): glm_5_2's 128-row launches with 64 and 64 + 32, the 64-row ones
+        # with 32 + 16
+        for label, over, dw in (
+                ("bwd wgrad P resident 128 rows, 64 + 32-row strips", dict(BK=64, BR=128, BR_SMALL=64, BR_TAIL=32),
+                 "tensordesc<bf16[128, 64]>"),
+                ("bwd wgrad P resident 128 rows pointers, 64 + 32-row strips",
+                 dict(BK=64, BR=128, BR_SMALL=64, BR_TAIL=32, TMA_STORE=False), "*bf16"),
+                ("bwd wgrad P resident, 32 + 16-row strips", dict(BR_SMALL=32, BR_TAIL=16), wg_t["dw_ptr"]),
+                ("bwd wgrad P resident pointers, 32 + 16-row strips", dict(BR_SMALL=32, BR_TAIL=16, TMA_STORE=False),
+                 "*bf16")):
+            out.append(Variant(label, "_bwd_wgrad_resident_kernel", dict(wg_t, dw_ptr=dw), dict(wg_c, **over), 4))
         # the fused stages (bwd_fused.py, an option; train.py's launches: 64-row blocks where the experts average at
         # most 48 rows, else 128) and bwd_check's sweep launches (4 warps, two programs per SM)
         dg_t = dict(do_ptr="*bf16", h_ptr="*bf16", clip_ptr="*u8", s_ptr="*fp32", dh_ptr="*bf16", ds_ptr="*fp32",

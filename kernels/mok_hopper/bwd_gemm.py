@@ -354,13 +354,18 @@ def _bwd_wgrad_resident_kernel(p_ptr, q_ptr, dw_ptr, code_ptr, expert_row_ptr, N
                                BN: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, NUM_PROGS: tl.constexpr,
                                UPCAST: tl.constexpr, STAGES: tl.constexpr, TMA_STORE: tl.constexpr = False,
                                TBN: tl.constexpr = 0, TBK: tl.constexpr = 0, GU: tl.constexpr = False,
-                               Q_RESIDENT: tl.constexpr = False):
+                               Q_RESIDENT: tl.constexpr = False, BR_SMALL: tl.constexpr = 0,
+                               BR_TAIL: tl.constexpr = 0):
     """The weight gradients with P resident: work items (expert, column block of N), each a strip of dW[e]
     [BN, K]. An expert of at most BR rows (every published shape at EP=1: 32-64 rows) loads its P block once and
     streams its Q blocks, one output block per K step (P read once per strip instead of once per output block);
     a larger expert reads P again for every K block (the rows loop inside). Same sums, same order, as
     :func:`_bwd_wgrad_kernel`: one row step, or the row steps ascending. ``Q_RESIDENT``: the other way round
-    (:func:`_bwd_wgrad_q_resident`), the same sums."""
+    (:func:`_bwd_wgrad_q_resident`), the same sums. ``BR_SMALL`` (session 29): an expert of at most BR_SMALL rows
+    takes a strip over BR_SMALL rows instead (:func:`_resident_strip`): the rows past an expert's end are zeros in
+    both operands, so its sums are those over BR rows, with half the MMA (or less) a stored block. ``BR_TAIL``: an
+    expert of at most BR_SMALL + BR_TAIL rows takes strips over its first BR_SMALL rows and the BR_TAIL after them
+    (two MMAs into one accumulator, in the rows' order: the sums of one MMA over BR rows)."""
     if Q_RESIDENT:
         _bwd_wgrad_q_resident(p_ptr, q_ptr, dw_ptr, code_ptr, expert_row_ptr, N, K, L, BN, BK, BR, NUM_PROGS, UPCAST,
                               STAGES, TMA_STORE, TBN, TBK, GU)
@@ -374,14 +379,15 @@ def _bwd_wgrad_resident_kernel(p_ptr, q_ptr, dw_ptr, code_ptr, expert_row_ptr, N
         r_hi = tl.load(expert_row_ptr + e + 1)
         ncols = n * BN + tl.arange(0, BN)
         kk = tl.arange(0, BK)
-        if r_hi - r_lo <= BR:
-            rows = (r_lo + tl.arange(0, BR)).to(tl.int64)
-            live = (rows < r_hi) & (tl.load(code_ptr + rows, mask=rows < r_hi, other=-1) >= 0)
-            p = tl.load(p_ptr + rows[:, None] * N + ncols[None, :], mask=live[:, None], other=0.0)  # [BR, BN]
-            for k in tl.range(0, n_k, num_stages=STAGES):
-                q = tl.load(q_ptr + rows[:, None] * K + (k * BK + kk)[None, :], mask=live[:, None], other=0.0)
-                acc = _mma(p.T, q, tl.zeros((BN, BK), dtype=tl.float32), UPCAST)
-                _store_dw(dw_ptr, acc, e, n, k, N, K, BN, BK, TMA_STORE, TBN, TBK, GU)
+        if BR_SMALL > 0 and r_hi - r_lo <= BR_SMALL:
+            _resident_strip(p_ptr, q_ptr, dw_ptr, code_ptr, e, n, r_lo, r_hi, N, K, BN, BK, BR_SMALL, 0, UPCAST,
+                            STAGES, TMA_STORE, TBN, TBK, GU)
+        elif BR_TAIL > 0 and r_hi - r_lo <= BR_SMALL + BR_TAIL:
+            _resident_strip(p_ptr, q_ptr, dw_ptr, code_ptr, e, n, r_lo, r_hi, N, K, BN, BK, BR_SMALL, BR_TAIL, UPCAST,
+                            STAGES, TMA_STORE, TBN, TBK, GU)
+        elif r_hi - r_lo <= BR:
+            _resident_strip(p_ptr, q_ptr, dw_ptr, code_ptr, e, n, r_lo, r_hi, N, K, BN, BK, BR, 0, UPCAST, STAGES,
+                            TMA_STORE, TBN, TBK, GU)
         else:
             for k in range(0, n_k):
                 acc = tl.zeros((BN, BK), dtype=tl.float32)
@@ -392,6 +398,32 @@ def _bwd_wgrad_resident_kernel(p_ptr, q_ptr, dw_ptr, code_ptr, expert_row_ptr, N
                     q = tl.load(q_ptr + rows[:, None] * K + (k * BK + kk)[None, :], mask=live[:, None], other=0.0)
                     acc = _mma(p.T, q, acc, UPCAST)
                 _store_dw(dw_ptr, acc, e, n, k, N, K, BN, BK, TMA_STORE, TBN, TBK, GU)
+
+
+@triton.jit
+def _resident_strip(p_ptr, q_ptr, dw_ptr, code_ptr, e, n, r_lo, r_hi, N, K, BN: tl.constexpr, BK: tl.constexpr,
+                    RB: tl.constexpr, RB1: tl.constexpr, UPCAST: tl.constexpr, STAGES: tl.constexpr,
+                    TMA_STORE: tl.constexpr, TBN: tl.constexpr, TBK: tl.constexpr, GU: tl.constexpr):
+    """One strip dW[e][n BN : (n + 1) BN, :] of an expert of at most RB + RB1 rows: its P block [RB, BN] (and
+    [RB1, BN] after it) loaded once, its Q blocks [RB, BK] (and [RB1, BK]) streamed, one MMA over RB rows (then
+    one over RB1 into the same accumulator) and one stored block a K step."""
+    n_k = K // BK
+    ncols = n * BN + tl.arange(0, BN)
+    kk = tl.arange(0, BK)
+    rows = (r_lo + tl.arange(0, RB)).to(tl.int64)
+    live = (rows < r_hi) & (tl.load(code_ptr + rows, mask=rows < r_hi, other=-1) >= 0)
+    p = tl.load(p_ptr + rows[:, None] * N + ncols[None, :], mask=live[:, None], other=0.0)  # [RB, BN]
+    if RB1 > 0:
+        rows1 = (r_lo + RB + tl.arange(0, RB1)).to(tl.int64)
+        live1 = (rows1 < r_hi) & (tl.load(code_ptr + rows1, mask=rows1 < r_hi, other=-1) >= 0)
+        p1 = tl.load(p_ptr + rows1[:, None] * N + ncols[None, :], mask=live1[:, None], other=0.0)  # [RB1, BN]
+    for k in tl.range(0, n_k, num_stages=STAGES):
+        q = tl.load(q_ptr + rows[:, None] * K + (k * BK + kk)[None, :], mask=live[:, None], other=0.0)
+        acc = _mma(p.T, q, tl.zeros((BN, BK), dtype=tl.float32), UPCAST)
+        if RB1 > 0:
+            q1 = tl.load(q_ptr + rows1[:, None] * K + (k * BK + kk)[None, :], mask=live1[:, None], other=0.0)
+            acc = _mma(p1.T, q1, acc, UPCAST)
+        _store_dw(dw_ptr, acc, e, n, k, N, K, BN, BK, TMA_STORE, TBN, TBK, GU)
 
 
 @triton.jit
@@ -444,13 +476,16 @@ def expert_rows(tile_expert_M: torch.Tensor, tile_row_M1: torch.Tensor, local_ex
 def bwd_wgrad(p_RN: torch.Tensor, q_RK: torch.Tensor, dw_LNK: torch.Tensor, row_code_R: torch.Tensor,
               expert_row_L1: torch.Tensor, *, programs: int, block_n: int = 128, block_k: int = 128,
               block_r: int = 64, stages: int = 3, num_warps: int = 8, tma_store: bool = False,
-              resident: bool = False, q_resident: bool = False,
+              resident: bool = False, q_resident: bool = False, block_r_small: int = 0, block_r_tail: int = 0,
               dw_tiles: Optional[tuple[int, int, bool]] = None) -> None:
     """dw[e] = p[rows of e]^T @ q[rows of e] (fp32 accumulation, the rows in schedule order; rows whose code is
     negative are padding and add nothing). ``dw`` [L, N, K] (bf16, or fp32 for a main-grad accumulator).
     ``resident``: one work item per (expert, N block), P loaded once for the strip where the expert has at most
     ``block_r`` rows (:func:`_bwd_wgrad_resident_kernel`); the same sums in the same order; with ``q_resident``
-    the Q block is the one loaded once, per (expert, K block). ``dw_tiles`` (bn, bk,
+    the Q block is the one loaded once, per (expert, K block); with ``block_r_small`` (P resident) an expert of at
+    most that many rows runs its strips over ``block_r_small`` rows, and with ``block_r_tail`` one of at most
+    ``block_r_small + block_r_tail`` rows over two row blocks of those sizes (the same sums; a size not under
+    ``block_r`` turns its path off). ``dw_tiles`` (bn, bk,
     gate/up interleaved): ``dw`` is in the forward's TMA block order (the layout of tiled parameters), stored by
     pointers."""
     R, N = p_RN.shape
@@ -467,6 +502,10 @@ def bwd_wgrad(p_RN: torch.Tensor, q_RK: torch.Tensor, dw_LNK: torch.Tensor, row_
         dw = TensorDescriptor.from_tensor(dw_LNK.view(-1, K), [block_n, block_k])
     kernel = _bwd_wgrad_resident_kernel if resident or q_resident else _bwd_wgrad_kernel
     extra = dict(Q_RESIDENT=True) if q_resident else {}
+    if 0 < block_r_small < block_r and resident and not q_resident:
+        extra["BR_SMALL"] = block_r_small
+        if 0 < block_r_tail and block_r_small + block_r_tail < block_r:
+            extra["BR_TAIL"] = block_r_tail
     kernel[(programs,)](p_RN, q_RK, dw, row_code_R, expert_row_L1, N, K, L, BN=block_n, BK=block_k, BR=block_r,
                         NUM_PROGS=programs, UPCAST=INTERPRET, STAGES=stages, TMA_STORE=tma_store,
                         TBN=dw_tiles[0] if dw_tiles else 0, TBK=dw_tiles[1] if dw_tiles else 0,
