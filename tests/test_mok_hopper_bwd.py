@@ -763,12 +763,20 @@ def test_backward_launch_defaults_store_dw13_by_pointers_on_the_resident_path():
     """v10 (PERF_NOTES "Session 28"): on CUDA the resident weight gradients (experts of at most 128 rows on
     average: every published shape at EP=1) store dW13 by pointers and dW2 by TMA; above 128 rows (the
     compute-bound point) the weight gradients are torch._grouped_mm's and the kernels' launch keeps TMA stores;
-    the interpreter (CPU) stores by pointers everywhere."""
+    the interpreter (CPU) stores by pointers everywhere. v11 (session 29): where the experts average 48-128 rows
+    (glm_5_2), the 128-row launches run the strips of an expert of at most 64 / 96 rows over 64 / 64 + 32 rows,
+    and store dW2 by pointers too (not with the tiled layout, whose launch keeps v10's)."""
     from kernels.mok_hopper.train import _tiles
 
     for rows, resident in ((40.0, True), (64.0, True), (1024.0, False)):
         t = _tiles(4096, 1024, True, rows_per_expert=rows)
         assert t["dw13"]["resident"] is resident and t["dw13"]["tma_store"] is not resident, rows
-        assert t["dw2"]["tma_store"] is True and t["dw13"]["grouped_mm"] is (rows > 128), rows
+        assert t["dw2"]["tma_store"] is (rows != 64.0) and t["dw13"]["grouped_mm"] is (rows > 128), rows
+        for stage in ("dw13", "dw2"):
+            small = (t[stage].get("block_r_small"), t[stage].get("block_r_tail"))
+            assert small == ((64, 32) if rows == 64.0 else (None, None)), (rows, stage)
+            assert t[stage]["block_r"] == (128 if rows == 64.0 else 64), (rows, stage)
+    tiled = _tiles(4096, 1024, True, rows_per_expert=64.0, tiled=True)
+    assert "block_r_small" not in tiled["dw13"] and tiled["dw2"]["tma_store"] is True
     t = _tiles(4096, 1024, False, rows_per_expert=40.0)
     assert t["dw13"]["tma_store"] is False and t["dw2"]["tma_store"] is False

@@ -89,18 +89,18 @@ SWEEP: dict[str, dict[str, dict[str, Any]]] = {
     "wgrad pointer stores, 8 warps, 1/SM": {"dw13": dict(tma_store=False, num_warps=8, programs_per_sm=1),
                                             "dw2": dict(tma_store=False, num_warps=8, programs_per_sm=1)},
     # session 29: every weight-gradient stage has taken about its stores at 4.2 TB/s plus its MMA over the padded
-    # rows at 790 TFLOP/s; an expert's strips over fewer rows where it has fewer (bwd_gemm's BR_SMALL / BR_TAIL):
-    # the first two for glm_5_2's 128-row launches (its experts have 40-88 rows), the third for the 64-row ones of
-    # qwen3_5_397b and kimi_k2_7 (28-62 rows); a size not under the launch's row block is off (then an A/A)
-    "wgrad small experts: 64-row strips": {"dw13": dict(block_r_small=64), "dw2": dict(block_r_small=64)},
-    "wgrad small experts: 64 + 32-row strips": {"dw13": dict(block_r_small=64, block_r_tail=32),
-                                                "dw2": dict(block_r_small=64, block_r_tail=32)},
+    # rows at 790 TFLOP/s; an expert's strips over fewer rows where it has fewer (bwd_gemm's BR_SMALL / BR_TAIL).
+    # v11 runs glm_5_2's 128-row launches (experts of 40-88 rows) with 64 + 32-row strips and dW2 by pointers; these
+    # take it back to v10, or to 64-row strips alone, or keep dW2 on TMA; "32 + 16" is for the 64-row launches of
+    # qwen3_5_397b and kimi_k2_7 (28-62 rows: it spills there and was 2-4% slower in call B). A size not under the
+    # launch's row block is off (so on qwen3_5_397b and kimi_k2_7 the first three are A/As)
+    "wgrad small experts off, dW2 by TMA (v10)": {"dw13": dict(block_r_small=0), "dw2": dict(block_r_small=0,
+                                                                                         tma_store=True)},
+    "wgrad small experts: 64-row strips only": {"dw13": dict(block_r_small=64, block_r_tail=0),
+                                                "dw2": dict(block_r_small=64, block_r_tail=0)},
+    "wgrad small experts: 64 + 32-row strips, dW2 by TMA": {"dw2": dict(tma_store=True)},
     "wgrad small experts: 32 + 16-row strips": {"dw13": dict(block_r_small=32, block_r_tail=16),
                                                 "dw2": dict(block_r_small=32, block_r_tail=16)},
-    # (call A's probe: on glm_5_2's 128 x 64 launch with the 128-row MMA, pointer stores beat TMA's by a fifth)
-    "wgrad small experts: 64 + 32-row strips, dW2 by pointers": {
-        "dw13": dict(block_r_small=64, block_r_tail=32), "dw2": dict(block_r_small=64, block_r_tail=32,
-                                                                     tma_store=False)},
     # v6 (session 17): the shared expert's backward by torch GEMMs is the default; the kernels' way, for comparison
     "shared expert by the kernels (v5)": {"shared_bwd": {"torch": False}},
     "wgrad 128x64 blocks (64-row steps)": {"dw13": dict(block_k=64), "dw2": dict(block_k=64)},

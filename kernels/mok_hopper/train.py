@@ -95,6 +95,12 @@ def _tiles(H: int, I: int, cuda: bool, clamped: bool = False, rows_per_expert: f
     # the dW13 stage 1.5-3% faster than by TMA against an A/A in interleaved rounds (qwen3_5_397b, kimi_k2_7; glm_5_2
     # -1% side by side); dW2 stays TMA (by pointers 0-5% slower)
     dw13_tma = cuda and not resident
+    # v11 (PERF_NOTES "Session 29"): where the experts average 48-128 rows (glm_5_2: 40-88, all on the 128-row
+    # path), an expert's strips run over 64 rows where it has at most 64, over 64 + 32 where at most 96 (the 128-row
+    # MMA at 128 x 64 blocks does not hide under the stores; the same bits), and dW2 leaves by pointer stores
+    # (faster than TMA's at this launch): the backward's stages x0.973 of v10's in bracketed rounds (A/A x1.001)
+    small = dict(block_r_small=64, block_r_tail=32) if wide and not tiled else {}
+    dw2_tma = cuda and not small
     return {"dgate_dw2": dict(on=False, block_r=br, block_h=_blocks(H, 128 if br == 64 else 64),
                               block_i=_blocks(I, 64), stages=3, num_warps=8, programs_per_sm=1, tma_store=cuda),
             "dx_dw13": dict(on=False, block_r=br, block_n=_blocks(2 * I, 128),
@@ -104,8 +110,8 @@ def _tiles(H: int, I: int, cuda: bool, clamped: bool = False, rows_per_expert: f
                           pair=not (clamped or tiled), grouped_mm=grouped),
             "dx": dict(block_m=128, block_k=_blocks(2 * I, 64), **dx),
             "recompute": dict(block_m=128, block_n=_blocks(2 * I, 64), block_k=_blocks(H, 64)),
-            "dw13": dict(block_n=_blocks(2 * I, 128), block_k=_blocks(H, wk), tma_store=dw13_tma, **two),
-            "dw2": dict(block_n=_blocks(H, 128), block_k=_blocks(I, wk), tma_store=cuda, **two)}
+            "dw13": dict(block_n=_blocks(2 * I, 128), block_k=_blocks(H, wk), tma_store=dw13_tma, **two, **small),
+            "dw2": dict(block_n=_blocks(H, 128), block_k=_blocks(I, wk), tma_store=dw2_tma, **two, **small)}
 
 
 def _weight_layout(layer: MoKHopperLayer, w13: torch.Tensor) -> Optional[dict[str, Any]]:
