@@ -424,7 +424,9 @@ def test_weight_gradient_with_p_resident_is_the_default_one(tma_store):
     against torch: experts of 0, 40, 64 and 130 rows (130 > the 64-row step: the other branch), padding rows (code
     -1) inside an expert. Session 29: with ``block_r_small`` 16 and ``block_r_tail`` 32 (64-row steps), the expert
     of 12 rows takes 16-row strips, those of 20, 32 and 40 rows two row blocks (16 + 32), the 64-row one the 64-row
-    strips; with ``block_r_small`` 32 alone, the 20- and 32-row experts 32-row strips. Every block is the same
+    strips; with ``block_r_small`` 32 alone, the 20- and 32-row experts 32-row strips; with ``block_r_small`` 64
+    (the launch's own row block) and ``block_r_tail`` 32, the 80-row expert, which the default runs by reloading
+    P at 64-row steps, takes two resident row blocks (64 + 32). Every block is the same
     bits, except with the tail block: the interpreter's dot is numpy's, which rounds a 64-row sum taken as 16 + 32
     rows differently (on the GPU both are the same chain of 16-row MMA steps: bwd_check's sweep says whether the
     bits are the default's), so there to an fp32 rounding, at most one unit in the last place of the bf16 result."""
@@ -433,15 +435,15 @@ def test_weight_gradient_with_p_resident_is_the_default_one(tma_store):
     if not interp.INTERPRET:
         pytest.skip("the kernels run on the CPU under TRITON_INTERPRET=1 (set at the top of this file without a GPU)")
     g = torch.Generator().manual_seed(3)
-    sizes = [0, 40, 64, 130, 20, 32, 12]
+    sizes = [0, 40, 64, 130, 20, 32, 12, 80]
     starts = torch.tensor([0, *torch.tensor(sizes).cumsum(0).tolist()], dtype=torch.int32)
     R, N, K = int(starts[-1]), 128, 256
     p = torch.randn(R, N, generator=g).bfloat16()
     q = torch.randn(R, K, generator=g).bfloat16()
     code = torch.arange(R, dtype=torch.int32)
-    code[[5, 70, 150, 240, 260]] = -1
+    code[[5, 70, 150, 240, 260, 330]] = -1
     out = {}
-    small = {"p small": (32, 0), "p small + tail": (16, 32)}
+    small = {"p small": (32, 0), "p small + tail": (16, 32), "p block + tail": (64, 32)}
     for mode in ("default", "p", "q", *small):
         dw = torch.full((len(sizes), N, K), float("nan"), dtype=torch.bfloat16)
         r_small, r_tail = small.get(mode, (0, 0))
@@ -451,13 +453,18 @@ def test_weight_gradient_with_p_resident_is_the_default_one(tma_store):
         out[mode] = dw
     for mode in ("p", "q", "p small"):
         assert torch.equal(out[mode], out["default"]), mode
-    assert torch.allclose(out["p small + tail"].float(), out["default"].float(), rtol=2 ** -7, atol=1e-6)
-    assert not torch.equal(out["p small + tail"][sizes.index(40)], out["default"][sizes.index(40)])  # (see above)
+    for mode in ("p small + tail", "p block + tail"):
+        assert torch.allclose(out[mode].float(), out["default"].float(), rtol=2 ** -7, atol=1e-6), mode
+    # (the split sums are numpy's here, so a two-block expert differs from the default somewhere: the path ran)
+    assert any(not torch.equal(out["p small + tail"][sizes.index(n)], out["default"][sizes.index(n)])
+               for n in (20, 32, 40))
+    # (the default reloads the 80-row expert's P in 64-row steps: the same split as 64 + 32, so the same bits)
+    assert torch.equal(out["p block + tail"], out["default"])
     live = (code >= 0).float()[:, None]
     for e in range(len(sizes)):
         a, b = int(starts[e]), int(starts[e + 1])
         want = (p[a:b].float() * live[a:b]).t() @ q[a:b].float()
-        for mode in ("p", "p small + tail"):
+        for mode in ("p", "p small + tail", "p block + tail"):
             assert torch.allclose(out[mode][e].float(), want, rtol=1e-2, atol=0.1), (mode, e)
     assert not out["p"][0].any()  # the expert without rows: zeros, written
 

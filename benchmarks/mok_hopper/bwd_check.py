@@ -101,6 +101,15 @@ SWEEP: dict[str, dict[str, dict[str, Any]]] = {
     "wgrad small experts: 64 + 32-row strips, dW2 by TMA": {"dw2": dict(tma_store=True)},
     "wgrad small experts: 32 + 16-row strips": {"dw13": dict(block_r_small=32, block_r_tail=16),
                                                 "dw2": dict(block_r_small=32, block_r_tail=16)},
+    # after call C: glm_5_2's weight gradients at qwen3_5_397b's 128 x 128 blocks (a 64-row launch whose experts of
+    # 65-96 rows keep P resident as 64 + 32 rows; the call A probe: 128 x 128 blocks over 64 rows 3.5-3.9 ms where
+    # 128 x 64 take 3.7-4.8), dW2 by pointers (v11's) or both at 2 stages with dW2 by TMA (no spill under 3.6)
+    "wgrad small experts: 128 x 128 blocks, 64-row launch, 64 + 32-row strips": {
+        "dw13": dict(block_k=128, block_r=64, block_r_small=64, block_r_tail=32, stages=3),
+        "dw2": dict(block_k=128, block_r=64, block_r_small=64, block_r_tail=32, stages=3)},
+    "wgrad small experts: 128 x 128 blocks, 64-row launch, 64 + 32-row strips, 2 stages, dW2 by TMA": {
+        "dw13": dict(block_k=128, block_r=64, block_r_small=64, block_r_tail=32, stages=2),
+        "dw2": dict(block_k=128, block_r=64, block_r_small=64, block_r_tail=32, stages=2, tma_store=True)},
     # v6 (session 17): the shared expert's backward by torch GEMMs is the default; the kernels' way, for comparison
     "shared expert by the kernels (v5)": {"shared_bwd": {"torch": False}},
     "wgrad 128x64 blocks (64-row steps)": {"dw13": dict(block_k=64), "dw2": dict(block_k=64)},

@@ -46,7 +46,9 @@ KERNEL_MODULES = ("schedule_kernels", "pull", "up_gemm", "down_gemm", "bwd_gemm"
 # (``TileConfig.down_maxnreg``, so that two 8-warp programs fit an SM) spills 16 B under both Tritons (not yet
 # timed). Session 29: the 64-row resident weight gradients with strips over 32 + 16 rows for the experts that
 # have that few (bwd_check's sweep) spill 64-96 B by TMA under Triton 3.6 (none under 3.8), 160-168 B by pointers
-# (16 B under 3.8). (A label takes the largest budget of the parts it contains.)
+# (16 B under 3.8); the 64-row launch whose experts of up to 96 rows run 64 + 32 (glm_5_2 at 128 x 128 blocks) by
+# pointers 176 B at 3 stages (v10's 64-row launch: the same) and 48 B at 2. (A label takes the largest budget of
+# the parts it contains.)
 SPILL_BUDGET = ((" save H", 64), ("bwd dgate", 64), ("bwd dgate pair", 144), ("bwd fp8 dgate", 128),
                 ("bwd fp8 dgate clamp", 192), ("bwd wgrad P resident", 40), ("bwd wgrad Q resident", 40),
                 ("bwd wgrad P resident pointers", 176), ("down fp8 x w 128 registers", 16),
@@ -295,7 +297,14 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048, extras: bool 
                  dict(BK=64, BR=128, BR_SMALL=64, BR_TAIL=32, TMA_STORE=False), "*bf16"),
                 ("bwd wgrad P resident, 32 + 16-row strips", dict(BR_SMALL=32, BR_TAIL=16), wg_t["dw_ptr"]),
                 ("bwd wgrad P resident pointers, 32 + 16-row strips", dict(BR_SMALL=32, BR_TAIL=16, TMA_STORE=False),
-                 "*bf16")):
+                 "*bf16"),
+                # (bwd_check's 128 x 128 launches for glm_5_2: 64-row, experts of up to 96 rows as 64 + 32)
+                ("bwd wgrad P resident pointers, 64 + 32-row strips", dict(BR_SMALL=64, BR_TAIL=32, TMA_STORE=False),
+                 "*bf16"),
+                ("bwd wgrad P resident pointers, 64 + 32-row strips, 2 stages",
+                 dict(BR_SMALL=64, BR_TAIL=32, TMA_STORE=False, STAGES=2), "*bf16"),
+                ("bwd wgrad P resident, 64 + 32-row strips, 2 stages", dict(BR_SMALL=64, BR_TAIL=32, STAGES=2),
+                 wg_t["dw_ptr"])):
             out.append(Variant(label, "_bwd_wgrad_resident_kernel", dict(wg_t, dw_ptr=dw), dict(wg_c, **over), 4))
         # the fused stages (bwd_fused.py, an option; train.py's launches: 64-row blocks where the experts average at
         # most 48 rows, else 128) and bwd_check's sweep launches (4 warps, two programs per SM)

@@ -365,7 +365,8 @@ def _bwd_wgrad_resident_kernel(p_ptr, q_ptr, dw_ptr, code_ptr, expert_row_ptr, N
     takes a strip over BR_SMALL rows instead (:func:`_resident_strip`): the rows past an expert's end are zeros in
     both operands, so its sums are those over BR rows, with half the MMA (or less) a stored block. ``BR_TAIL``: an
     expert of at most BR_SMALL + BR_TAIL rows takes strips over its first BR_SMALL rows and the BR_TAIL after them
-    (two MMAs into one accumulator, in the rows' order: the sums of one MMA over BR rows)."""
+    (two MMAs into one accumulator, in the rows' order: the sums of one MMA over BR rows). BR_SMALL may equal BR,
+    and BR_SMALL + BR_TAIL exceed it: then the experts of BR to BR + BR_TAIL rows keep P resident too."""
     if Q_RESIDENT:
         _bwd_wgrad_q_resident(p_ptr, q_ptr, dw_ptr, code_ptr, expert_row_ptr, N, K, L, BN, BK, BR, NUM_PROGS, UPCAST,
                               STAGES, TMA_STORE, TBN, TBK, GU)
@@ -484,8 +485,9 @@ def bwd_wgrad(p_RN: torch.Tensor, q_RK: torch.Tensor, dw_LNK: torch.Tensor, row_
     ``block_r`` rows (:func:`_bwd_wgrad_resident_kernel`); the same sums in the same order; with ``q_resident``
     the Q block is the one loaded once, per (expert, K block); with ``block_r_small`` (P resident) an expert of at
     most that many rows runs its strips over ``block_r_small`` rows, and with ``block_r_tail`` one of at most
-    ``block_r_small + block_r_tail`` rows over two row blocks of those sizes (the same sums; a size not under
-    ``block_r`` turns its path off). ``dw_tiles`` (bn, bk,
+    ``block_r_small + block_r_tail`` rows over two row blocks of those sizes (the same sums). ``block_r_small`` over
+    ``block_r`` turns both off; equal to it, only the two-block path is on (experts of ``block_r`` to
+    ``block_r + block_r_tail`` rows, which would otherwise reload P at every K block). ``dw_tiles`` (bn, bk,
     gate/up interleaved): ``dw`` is in the forward's TMA block order (the layout of tiled parameters), stored by
     pointers."""
     R, N = p_RN.shape
@@ -502,10 +504,11 @@ def bwd_wgrad(p_RN: torch.Tensor, q_RK: torch.Tensor, dw_LNK: torch.Tensor, row_
         dw = TensorDescriptor.from_tensor(dw_LNK.view(-1, K), [block_n, block_k])
     kernel = _bwd_wgrad_resident_kernel if resident or q_resident else _bwd_wgrad_kernel
     extra = dict(Q_RESIDENT=True) if q_resident else {}
-    if 0 < block_r_small < block_r and resident and not q_resident:
-        extra["BR_SMALL"] = block_r_small
-        if 0 < block_r_tail and block_r_small + block_r_tail < block_r:
-            extra["BR_TAIL"] = block_r_tail
+    if 0 < block_r_small <= block_r and resident and not q_resident:
+        if block_r_small < block_r:
+            extra["BR_SMALL"] = block_r_small
+        if 0 < block_r_tail and block_r_small + block_r_tail != block_r:
+            extra.update(BR_SMALL=block_r_small, BR_TAIL=block_r_tail)
     kernel[(programs,)](p_RN, q_RK, dw, row_code_R, expert_row_L1, N, K, L, BN=block_n, BK=block_k, BR=block_r,
                         NUM_PROGS=programs, UPCAST=INTERPRET, STAGES=stages, TMA_STORE=tma_store,
                         TBN=dw_tiles[0] if dw_tiles else 0, TBK=dw_tiles[1] if dw_tiles else 0,
