@@ -549,6 +549,38 @@ def test_paired_row_blocks_give_the_single_blocks_gradients_bit_for_bit():
 
 @pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (it comes with torch on Linux; pip install -e "
                                            "'.[test]'): the interpreter kernel tests need it")
+def test_dgate_and_dw2_gather_the_output_gradient_rows_themselves():
+    """v12 (PERF_NOTES "Session 29"): at EP=1 dgate and dW2 read each schedule row's output gradient from its
+    token (``code // K``) instead of a gathered copy of dO's T K rows. With paired dgate blocks (a second block's
+    rows gathered too) and the P-resident weight gradients, every gradient is bitwise the copy's, and right against
+    autograd; the launches that cannot gather (here the fused dgate + dW2) get the copy made for them."""
+    from kernels.mok_hopper import interp, train
+    from kernels.mok_hopper.train import layer_backward
+
+    if not interp.INTERPRET:
+        pytest.skip("the kernels run on the CPU under TRITON_INTERPRET=1 (set at the top of this file without a GPU)")
+    T, K, E, H, I = TOY
+    layer, w13, w2, shared = _toy_layer()
+    xs, idx, ws, dOs, _, _, _ = make(1, T, K, E, H, I, seed=8)
+    assert train._tiles(H, I, False, rows_per_expert=layer.rows_per_expert)["dw2"]["resident"]
+    grads = {}
+    for label, tiles in (("copy", {"gather_dO": {"in_kernels": False}}), ("kernels", {}),
+                         ("fused", {"dgate_dw2": {"on": True}})):
+        tiles = {**tiles, "dgate": dict(block_m=16, pair=True)}
+        with torch.no_grad():
+            layer(xs[0], idx[0], ws[0])
+            g = layer_backward(layer, dOs[0], xs[0], idx[0], ws[0], w13[0], w2[0], shared, tiles=tiles)
+        grads[label] = [g["x"], g["topk_w"], g["w13"], g["w2"]]
+    for a, b in zip(grads["copy"], grads["kernels"]):
+        assert torch.equal(a, b)
+    want = twin_bwd.autograd_reference(xs, idx, ws, dOs, w13, w2, shared=shared)[0]
+    for label in ("kernels", "fused"):
+        for name, got in zip(("x", "topk_w", "w13", "w2"), grads[label]):
+            assert rel_l1(got, want[name]) < 1e-2, (label, name, rel_l1(got, want[name]))
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (it comes with torch on Linux; pip install -e "
+                                           "'.[test]'): the interpreter kernel tests need it")
 @pytest.mark.parametrize("limit", [None, 0.5], ids=["plain", "clamped"])
 def test_the_shared_experts_backward_by_torch_gemms(limit):
     """``tiles["shared_bwd"] = {"torch": True}`` (the default): the shared expert's gradients by torch GEMMs, right

@@ -110,6 +110,8 @@ SWEEP: dict[str, dict[str, dict[str, Any]]] = {
     "wgrad small experts: 128 x 128 blocks, 64-row launch, 64 + 32-row strips, 2 stages, dW2 by TMA": {
         "dw13": dict(block_k=128, block_r=64, block_r_small=64, block_r_tail=32, stages=2),
         "dw2": dict(block_k=128, block_r=64, block_r_small=64, block_r_tail=32, stages=2, tma_store=True)},
+    # v12: dgate and dW2 read dO's rows by token; v11 gathered a copy of them first (the "gather" stage)
+    "dO rows gathered first (v11)": {"gather_dO": {"in_kernels": False}},
     # v6 (session 17): the shared expert's backward by torch GEMMs is the default; the kernels' way, for comparison
     "shared expert by the kernels (v5)": {"shared_bwd": {"torch": False}},
     "wgrad 128x64 blocks (64-row steps)": {"dw13": dict(block_k=64), "dw2": dict(block_k=64)},

@@ -256,6 +256,11 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048, extras: bool 
         rows_c = dict(BK=64, NUM_PROGS=nprog, UPCAST=False, GROUP_M=4, STAGES=3, SAVE_H=False, HAS_LIMIT=False,
                       DGATE=False, WTMA=True, PUSH=False, TBN=0, TBK=0, GU=False, RK=True, PAIR=False)
         for label, over, warps in (("bwd dgate pair", dict(DGATE=True, BM=64, BN=128, STAGES=4, PAIR=True), 8),
+                                   # v12 (EP=1): dO's rows read by token (code // K, here K = 8)
+                                   ("bwd dgate pair, dO gathered",
+                                    dict(DGATE=True, BM=64, BN=128, STAGES=4, PAIR=True, A_GATHER=8), 8),
+                                   ("bwd dgate clamp, dO gathered",
+                                    dict(DGATE=True, HAS_LIMIT=True, BM=64, BN=128, A_GATHER=8), 8),
                                    ("bwd dgate", dict(DGATE=True, BM=64, BN=128, STAGES=4), 8),
                                    ("bwd dgate clamp", dict(DGATE=True, HAS_LIMIT=True, BM=64, BN=128), 8),
                                    ("bwd dx push", dict(BM=128, BN=256, PUSH=True, STAGES=3), 8),
@@ -306,6 +311,12 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048, extras: bool 
                 ("bwd wgrad P resident, 64 + 32-row strips, 2 stages", dict(BR_SMALL=64, BR_TAIL=32, STAGES=2),
                  wg_t["dw_ptr"])):
             out.append(Variant(label, "_bwd_wgrad_resident_kernel", dict(wg_t, dw_ptr=dw), dict(wg_c, **over), 4))
+        # v12 (EP=1): dW2's P (dO) read by token: the 64-row launch by TMA, glm_5_2's 128-row one by pointers
+        out.append(Variant("bwd wgrad P resident, dO gathered", "_bwd_wgrad_resident_kernel", wg_t,
+                           dict(wg_c, P_GATHER=8), 4))
+        out.append(Variant("bwd wgrad P resident 128 rows pointers, 64 + 32-row strips, dO gathered",
+                           "_bwd_wgrad_resident_kernel", dict(wg_t, dw_ptr="*bf16"),
+                           dict(wg_c, BK=64, BR=128, BR_SMALL=64, BR_TAIL=32, TMA_STORE=False, P_GATHER=8), 4))
         # the fused stages (bwd_fused.py, an option; train.py's launches: 64-row blocks where the experts average at
         # most 48 rows, else 128) and bwd_check's sweep launches (4 warps, two programs per SM)
         dg_t = dict(do_ptr="*bf16", h_ptr="*bf16", clip_ptr="*u8", s_ptr="*fp32", dh_ptr="*bf16", ds_ptr="*fp32",

@@ -41,10 +41,13 @@ def _bwd_rows_kernel(a_ptr, w_ptr, out_ptr, h_ptr, clip_ptr, s_ptr, sa_ptr, ds_p
                      UPCAST: tl.constexpr, GROUP_M: tl.constexpr, STAGES: tl.constexpr, DGATE: tl.constexpr,
                      HAS_LIMIT: tl.constexpr, SAVE_H: tl.constexpr = False, WTMA: tl.constexpr = False,
                      PUSH: tl.constexpr = False, TBN: tl.constexpr = 0, TBK: tl.constexpr = 0,
-                     GU: tl.constexpr = False, RK: tl.constexpr = True, PAIR: tl.constexpr = False):
+                     GU: tl.constexpr = False, RK: tl.constexpr = True, PAIR: tl.constexpr = False,
+                     A_GATHER: tl.constexpr = 0):
     """Work items (row tile, column tile); a tile of any size (half tiles, tails) runs in BM-row blocks. PAIR: two
     BM-row blocks at a time where the tile has more than BM rows left, one weight block load for both (the
-    weights are read once for a tile of up to 2 BM rows instead of once per block)."""
+    weights are read once for a tile of up to 2 BM rows instead of once per block). A_GATHER (the top-k K, not
+    with PUSH): ``a_ptr`` is per token, and row r's A row is token ``code[r] // K`` (``code_ptr``; rows with a
+    negative code read zeros)."""
     m_lo = tl.load(chunk_ptr)
     m_hi = tl.load(chunk_ptr + 1)
     n_n = N // BN
@@ -56,12 +59,12 @@ def _bwd_rows_kernel(a_ptr, w_ptr, out_ptr, h_ptr, clip_ptr, s_ptr, sa_ptr, ds_p
                 _bwd_rows_block(a_ptr, w_ptr, out_ptr, h_ptr, clip_ptr, s_ptr, sa_ptr, ds_ptr, code_ptr, delta_ptr,
                                 rb, row1, n, n_n, e_tile, n_rows, K, N, TK, stride_we, stride_wk, stride_wn, limit,
                                 BM, BN, BK, UPCAST, STAGES, DGATE, HAS_LIMIT, SAVE_H, WTMA, PUSH, TBN, TBK, GU, RK,
-                                True)
+                                True, A_GATHER)
             else:
                 _bwd_rows_block(a_ptr, w_ptr, out_ptr, h_ptr, clip_ptr, s_ptr, sa_ptr, ds_ptr, code_ptr, delta_ptr,
                                 rb, row1, n, n_n, e_tile, n_rows, K, N, TK, stride_we, stride_wk, stride_wn, limit,
                                 BM, BN, BK, UPCAST, STAGES, DGATE, HAS_LIMIT, SAVE_H, WTMA, PUSH, TBN, TBK, GU, RK,
-                                False)
+                                False, A_GATHER)
 
 
 @triton.jit
@@ -85,12 +88,14 @@ def _bwd_rows_block(a_ptr, w_ptr, out_ptr, h_ptr, clip_ptr, s_ptr, sa_ptr, ds_pt
                     BN: tl.constexpr, BK: tl.constexpr, UPCAST: tl.constexpr, STAGES: tl.constexpr,
                     DGATE: tl.constexpr, HAS_LIMIT: tl.constexpr, SAVE_H: tl.constexpr, WTMA: tl.constexpr,
                     PUSH: tl.constexpr, TBN: tl.constexpr, TBK: tl.constexpr, GU: tl.constexpr, RK: tl.constexpr,
-                    TWO: tl.constexpr):
+                    TWO: tl.constexpr, A_GATHER: tl.constexpr = 0):
     """Rows [row0, min(row0 + BM, row1)) x columns [n BN, (n + 1) BN) of expert ``e_tile``; TWO: and the next BM
     rows (up to row1), from the same weight block loads, each block's epilogue in turn. WTMA: ``w_ptr`` is a TMA
-    descriptor over the weights' [L K, N] view (row-major [L, K, N]) with blocks [BK, BN]."""
+    descriptor over the weights' [L K, N] view (row-major [L, K, N]) with blocks [BK, BN]. A_GATHER: A's rows by
+    token (:func:`_gather_rows`)."""
     rows = (row0 + tl.arange(0, BM)).to(tl.int64)
     rmask = (rows < n_rows) & (rows < row1)
+    a_rows, a_mask = _gather_rows(code_ptr, rows, rmask, A_GATHER)
     cols = n * BN + tl.arange(0, BN)
     kk = tl.arange(0, BK)
     e = e_tile.to(tl.int64)
@@ -98,11 +103,12 @@ def _bwd_rows_block(a_ptr, w_ptr, out_ptr, h_ptr, clip_ptr, s_ptr, sa_ptr, ds_pt
     if TWO:
         rows2 = rows + BM
         rmask2 = (rows2 < n_rows) & (rows2 < row1)
+        a_rows2, a_mask2 = _gather_rows(code_ptr, rows2, rmask2, A_GATHER)
         acc2 = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in tl.range(0, K, BK, num_stages=STAGES):
-        a = tl.load(a_ptr + rows[:, None] * K + (k0 + kk)[None, :], mask=rmask[:, None], other=0.0)
+        a = tl.load(a_ptr + a_rows[:, None] * K + (k0 + kk)[None, :], mask=a_mask[:, None], other=0.0)
         if TWO:
-            a2 = tl.load(a_ptr + rows2[:, None] * K + (k0 + kk)[None, :], mask=rmask2[:, None], other=0.0)
+            a2 = tl.load(a_ptr + a_rows2[:, None] * K + (k0 + kk)[None, :], mask=a_mask2[:, None], other=0.0)
         if WTMA:
             b = w_ptr.load([e_tile * K + k0, n * BN])
         elif TBN > 0:  # weights in the forward's TMA block order: element (k, n) of W[e] by index arithmetic
@@ -123,6 +129,22 @@ def _bwd_rows_block(a_ptr, w_ptr, out_ptr, h_ptr, clip_ptr, s_ptr, sa_ptr, ds_pt
     if TWO:
         _bwd_rows_epilogue(acc2, rows2, rmask2, cols, n, n_n, out_ptr, h_ptr, clip_ptr, s_ptr, sa_ptr, ds_ptr,
                            code_ptr, delta_ptr, N, TK, limit, DGATE, HAS_LIMIT, SAVE_H, PUSH)
+
+
+@triton.jit
+def _gather_rows(code_ptr, rows, rmask, GATHER: tl.constexpr, LIVE: tl.constexpr = False):
+    """(source rows, mask) of schedule rows ``rows``: themselves (masked by ``rmask``, and with LIVE where the
+    code is negative too), or with GATHER (the top-k K) the token of each row's code (``code // K``), masked where
+    the code is negative (padding rows: their values are zeros, where a gathered copy held token 0's row; either
+    way the sums skip them or weigh them by 0)."""
+    if GATHER > 0:
+        code = tl.load(code_ptr + rows, mask=rmask, other=-1)
+        valid = rmask & (code >= 0)
+        return (tl.where(valid, code, 0) // GATHER).to(tl.int64), valid
+    elif LIVE:
+        return rows, rmask & (tl.load(code_ptr + rows, mask=rmask, other=-1) >= 0)
+    else:
+        return rows, rmask
 
 
 @triton.jit
@@ -188,7 +210,8 @@ def bwd_rows(a_RK: torch.Tensor, w_LKN: torch.Tensor, out: torch.Tensor, tile_ex
              save_clip: Optional[torch.Tensor] = None, push_code: Optional[torch.Tensor] = None,
              push_delta: Optional[torch.Tensor] = None, slots_per_rank: Optional[int] = None,
              num_warps: int = 8, w_tiles: Optional[tuple[int, int, bool, bool]] = None,
-             w_dims: Optional[tuple[int, int]] = None, pair: bool = False) -> None:
+             w_dims: Optional[tuple[int, int]] = None, pair: bool = False,
+             a_code: Optional[torch.Tensor] = None, a_gather_k: int = 0) -> None:
     """out[r] = a[r] @ w[e(r)] over the row tiles [chunk_2[0], chunk_2[1]) (``w`` [L, K, N], any strides: W2
     [L, H, I] as is, W13 [L, 2I, H] as is, W13.transpose(1, 2) to recompute H). ``dgate`` = dict(h=[R, 2I] bf16,
     clip=[R, 2I] uint8 or None, s=[R] fp32, sa=[R, N] bf16 out, ds=[R, N / block_n] fp32 out): the dgate epilogue,
@@ -204,8 +227,12 @@ def bwd_rows(a_RK: torch.Tensor, w_LKN: torch.Tensor, out: torch.Tensor, tile_ex
     given by ``w_dims`` (NF, KF); read by pointers.
     ``block_n``: 32 for dgate (its epilogue holds eight [BM, BN] fp32 tiles: 64 wide spilled at BM 128, aot_check),
     else 64. ``pair``: where a tile has more than ``block_m`` rows left, two row blocks from one weight load (the
-    same sums per row: each row's dot products are those of the single block)."""
-    R, K = a_RK.shape
+    same sums per row: each row's dot products are those of the single block). ``a_gather_k`` (the top-k K) with
+    ``a_code`` (int32 [R], the rows' codes): ``a_RK`` is per token ([T, K]) and row r reads token
+    ``a_code[r] // a_gather_k`` (the output gradient's rows gathered in the kernel; padding rows read zeros)."""
+    K = a_RK.shape[1]
+    R = a_RK.shape[0] if not a_gather_k else a_code.shape[0]
+    assert not a_gather_k or push_code is None, "a gathered A takes the code pointer a push needs"
     if w_tiles is not None:
         NF, KF = w_dims
         N = KF if w_tiles[3] else NF
@@ -232,13 +259,15 @@ def bwd_rows(a_RK: torch.Tensor, w_LKN: torch.Tensor, out: torch.Tensor, tile_ex
         w = TensorDescriptor.from_tensor(w_LKN.reshape(-1, N), [block_k, block_n])
     _bwd_rows_kernel[(programs,)](
         a_RK, w, out, d.get("h", out), clip if clip is not None else out, d.get("s", out), d.get("sa", out),
-        d.get("ds", out), push_code if push_code is not None else tile_row_M1, delta, tile_expert_M, tile_row_M1,
+        d.get("ds", out), push_code if push_code is not None else (a_code if a_gather_k else tile_row_M1), delta,
+        tile_expert_M, tile_row_M1,
         chunk_2, R, K, N, tk, w_LKN.stride(0), w_LKN.stride(1) if w_tiles is None else 0,
         w_LKN.stride(2) if w_tiles is None else 0, 0.0 if limit is None else float(limit),
         BM=block_m, BN=block_n, BK=block_k, NUM_PROGS=programs, UPCAST=INTERPRET, GROUP_M=group_m, STAGES=stages,
         DGATE=dgate is not None, HAS_LIMIT=dgate is not None and limit is not None, SAVE_H=save_clip is not None,
         WTMA=wtma, PUSH=push_code is not None, TBN=w_tiles[0] if w_tiles else 0, TBK=w_tiles[1] if w_tiles else 0,
-        GU=bool(w_tiles and w_tiles[2]), RK=bool(w_tiles[3]) if w_tiles else True, PAIR=pair, num_warps=num_warps)
+        GU=bool(w_tiles and w_tiles[2]), RK=bool(w_tiles[3]) if w_tiles else True, PAIR=pair,
+        num_warps=num_warps, **(dict(A_GATHER=a_gather_k) if a_gather_k else {}))
 
 
 @triton.jit
@@ -355,7 +384,7 @@ def _bwd_wgrad_resident_kernel(p_ptr, q_ptr, dw_ptr, code_ptr, expert_row_ptr, N
                                UPCAST: tl.constexpr, STAGES: tl.constexpr, TMA_STORE: tl.constexpr = False,
                                TBN: tl.constexpr = 0, TBK: tl.constexpr = 0, GU: tl.constexpr = False,
                                Q_RESIDENT: tl.constexpr = False, BR_SMALL: tl.constexpr = 0,
-                               BR_TAIL: tl.constexpr = 0):
+                               BR_TAIL: tl.constexpr = 0, P_GATHER: tl.constexpr = 0):
     """The weight gradients with P resident: work items (expert, column block of N), each a strip of dW[e]
     [BN, K]. An expert of at most BR rows (every published shape at EP=1: 32-64 rows) loads its P block once and
     streams its Q blocks, one output block per K step (P read once per strip instead of once per output block);
@@ -366,7 +395,8 @@ def _bwd_wgrad_resident_kernel(p_ptr, q_ptr, dw_ptr, code_ptr, expert_row_ptr, N
     both operands, so its sums are those over BR rows, with half the MMA (or less) a stored block. ``BR_TAIL``: an
     expert of at most BR_SMALL + BR_TAIL rows takes strips over its first BR_SMALL rows and the BR_TAIL after them
     (two MMAs into one accumulator, in the rows' order: the sums of one MMA over BR rows). BR_SMALL may equal BR,
-    and BR_SMALL + BR_TAIL exceed it: then the experts of BR to BR + BR_TAIL rows keep P resident too."""
+    and BR_SMALL + BR_TAIL exceed it: then the experts of BR to BR + BR_TAIL rows keep P resident too. P_GATHER
+    (the top-k K; not with Q_RESIDENT): ``p_ptr`` is per token, row r's P row token ``code[r] // K``."""
     if Q_RESIDENT:
         _bwd_wgrad_q_resident(p_ptr, q_ptr, dw_ptr, code_ptr, expert_row_ptr, N, K, L, BN, BK, BR, NUM_PROGS, UPCAST,
                               STAGES, TMA_STORE, TBN, TBK, GU)
@@ -382,20 +412,20 @@ def _bwd_wgrad_resident_kernel(p_ptr, q_ptr, dw_ptr, code_ptr, expert_row_ptr, N
         kk = tl.arange(0, BK)
         if BR_SMALL > 0 and r_hi - r_lo <= BR_SMALL:
             _resident_strip(p_ptr, q_ptr, dw_ptr, code_ptr, e, n, r_lo, r_hi, N, K, BN, BK, BR_SMALL, 0, UPCAST,
-                            STAGES, TMA_STORE, TBN, TBK, GU)
+                            STAGES, TMA_STORE, TBN, TBK, GU, P_GATHER)
         elif BR_TAIL > 0 and r_hi - r_lo <= BR_SMALL + BR_TAIL:
             _resident_strip(p_ptr, q_ptr, dw_ptr, code_ptr, e, n, r_lo, r_hi, N, K, BN, BK, BR_SMALL, BR_TAIL, UPCAST,
-                            STAGES, TMA_STORE, TBN, TBK, GU)
+                            STAGES, TMA_STORE, TBN, TBK, GU, P_GATHER)
         elif r_hi - r_lo <= BR:
             _resident_strip(p_ptr, q_ptr, dw_ptr, code_ptr, e, n, r_lo, r_hi, N, K, BN, BK, BR, 0, UPCAST, STAGES,
-                            TMA_STORE, TBN, TBK, GU)
+                            TMA_STORE, TBN, TBK, GU, P_GATHER)
         else:
             for k in range(0, n_k):
                 acc = tl.zeros((BN, BK), dtype=tl.float32)
                 for r0 in tl.range(r_lo, r_hi, BR, num_stages=STAGES):
                     rows = (r0 + tl.arange(0, BR)).to(tl.int64)
-                    live = (rows < r_hi) & (tl.load(code_ptr + rows, mask=rows < r_hi, other=-1) >= 0)
-                    p = tl.load(p_ptr + rows[:, None] * N + ncols[None, :], mask=live[:, None], other=0.0)
+                    p_rows, live = _gather_rows(code_ptr, rows, rows < r_hi, P_GATHER, True)
+                    p = tl.load(p_ptr + p_rows[:, None] * N + ncols[None, :], mask=live[:, None], other=0.0)
                     q = tl.load(q_ptr + rows[:, None] * K + (k * BK + kk)[None, :], mask=live[:, None], other=0.0)
                     acc = _mma(p.T, q, acc, UPCAST)
                 _store_dw(dw_ptr, acc, e, n, k, N, K, BN, BK, TMA_STORE, TBN, TBK, GU)
@@ -404,20 +434,22 @@ def _bwd_wgrad_resident_kernel(p_ptr, q_ptr, dw_ptr, code_ptr, expert_row_ptr, N
 @triton.jit
 def _resident_strip(p_ptr, q_ptr, dw_ptr, code_ptr, e, n, r_lo, r_hi, N, K, BN: tl.constexpr, BK: tl.constexpr,
                     RB: tl.constexpr, RB1: tl.constexpr, UPCAST: tl.constexpr, STAGES: tl.constexpr,
-                    TMA_STORE: tl.constexpr, TBN: tl.constexpr, TBK: tl.constexpr, GU: tl.constexpr):
+                    TMA_STORE: tl.constexpr, TBN: tl.constexpr, TBK: tl.constexpr, GU: tl.constexpr,
+                    P_GATHER: tl.constexpr = 0):
     """One strip dW[e][n BN : (n + 1) BN, :] of an expert of at most RB + RB1 rows: its P block [RB, BN] (and
     [RB1, BN] after it) loaded once, its Q blocks [RB, BK] (and [RB1, BK]) streamed, one MMA over RB rows (then
-    one over RB1 into the same accumulator) and one stored block a K step."""
+    one over RB1 into the same accumulator) and one stored block a K step. P_GATHER: P's rows by token
+    (:func:`_gather_rows`)."""
     n_k = K // BK
     ncols = n * BN + tl.arange(0, BN)
     kk = tl.arange(0, BK)
     rows = (r_lo + tl.arange(0, RB)).to(tl.int64)
-    live = (rows < r_hi) & (tl.load(code_ptr + rows, mask=rows < r_hi, other=-1) >= 0)
-    p = tl.load(p_ptr + rows[:, None] * N + ncols[None, :], mask=live[:, None], other=0.0)  # [RB, BN]
+    p_rows, live = _gather_rows(code_ptr, rows, rows < r_hi, P_GATHER, True)
+    p = tl.load(p_ptr + p_rows[:, None] * N + ncols[None, :], mask=live[:, None], other=0.0)  # [RB, BN]
     if RB1 > 0:
         rows1 = (r_lo + RB + tl.arange(0, RB1)).to(tl.int64)
-        live1 = (rows1 < r_hi) & (tl.load(code_ptr + rows1, mask=rows1 < r_hi, other=-1) >= 0)
-        p1 = tl.load(p_ptr + rows1[:, None] * N + ncols[None, :], mask=live1[:, None], other=0.0)  # [RB1, BN]
+        p_rows1, live1 = _gather_rows(code_ptr, rows1, rows1 < r_hi, P_GATHER, True)
+        p1 = tl.load(p_ptr + p_rows1[:, None] * N + ncols[None, :], mask=live1[:, None], other=0.0)  # [RB1, BN]
     for k in tl.range(0, n_k, num_stages=STAGES):
         q = tl.load(q_ptr + rows[:, None] * K + (k * BK + kk)[None, :], mask=live[:, None], other=0.0)
         acc = _mma(p.T, q, tl.zeros((BN, BK), dtype=tl.float32), UPCAST)
@@ -478,7 +510,7 @@ def bwd_wgrad(p_RN: torch.Tensor, q_RK: torch.Tensor, dw_LNK: torch.Tensor, row_
               expert_row_L1: torch.Tensor, *, programs: int, block_n: int = 128, block_k: int = 128,
               block_r: int = 64, stages: int = 3, num_warps: int = 8, tma_store: bool = False,
               resident: bool = False, q_resident: bool = False, block_r_small: int = 0, block_r_tail: int = 0,
-              dw_tiles: Optional[tuple[int, int, bool]] = None) -> None:
+              dw_tiles: Optional[tuple[int, int, bool]] = None, p_gather_k: int = 0) -> None:
     """dw[e] = p[rows of e]^T @ q[rows of e] (fp32 accumulation, the rows in schedule order; rows whose code is
     negative are padding and add nothing). ``dw`` [L, N, K] (bf16, or fp32 for a main-grad accumulator).
     ``resident``: one work item per (expert, N block), P loaded once for the strip where the expert has at most
@@ -489,11 +521,14 @@ def bwd_wgrad(p_RN: torch.Tensor, q_RK: torch.Tensor, dw_LNK: torch.Tensor, row_
     ``block_r`` turns both off; equal to it, only the two-block path is on (experts of ``block_r`` to
     ``block_r + block_r_tail`` rows, which would otherwise reload P at every K block). ``dw_tiles`` (bn, bk,
     gate/up interleaved): ``dw`` is in the forward's TMA block order (the layout of tiled parameters), stored by
-    pointers."""
-    R, N = p_RN.shape
+    pointers. ``p_gather_k`` (the top-k K; P resident, not ``q_resident``): ``p`` is per token ([T, N]) and row r
+    reads token ``row_code[r] // p_gather_k`` (the output gradient's rows gathered in the kernel)."""
+    N = p_RN.shape[1]
+    R = q_RK.shape[0]
     K = q_RK.shape[1]
+    assert not p_gather_k or (resident and not q_resident), "P is gathered by the P-resident kernel only"
     L = dw_LNK.shape[0]
-    assert dw_LNK.numel() == L * N * K and q_RK.shape[0] == R
+    assert dw_LNK.numel() == L * N * K and (p_gather_k or p_RN.shape[0] == R)
     assert dw_tiles is not None or dw_LNK.shape == (L, N, K)
     tma_store = tma_store and dw_tiles is None
     assert N % block_n == 0 and K % block_k == 0, f"N {N} / K {K} must be multiples of ({block_n}, {block_k})"
@@ -504,6 +539,8 @@ def bwd_wgrad(p_RN: torch.Tensor, q_RK: torch.Tensor, dw_LNK: torch.Tensor, row_
         dw = TensorDescriptor.from_tensor(dw_LNK.view(-1, K), [block_n, block_k])
     kernel = _bwd_wgrad_resident_kernel if resident or q_resident else _bwd_wgrad_kernel
     extra = dict(Q_RESIDENT=True) if q_resident else {}
+    if p_gather_k:
+        extra["P_GATHER"] = p_gather_k
     if 0 < block_r_small <= block_r and resident and not q_resident:
         if block_r_small < block_r:
             extra["BR_SMALL"] = block_r_small

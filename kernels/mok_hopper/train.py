@@ -130,15 +130,18 @@ def _expert_backward(x_rows: torch.Tensor, dO_rows: torch.Tensor, s_rows: torch.
                      tile_expert: torch.Tensor, tile_row: torch.Tensor, chunk: torch.Tensor, starts: torch.Tensor,
                      dx_slots: torch.Tensor, *, limit: Optional[float], programs: int, rows_per_expert: float,
                      mark: Callable[[str], None], tiles: Optional[dict[str, dict[str, Any]]] = None,
-                     push: Optional[tuple[torch.Tensor, int]] = None, layout: Optional[dict[str, Any]] = None
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     push: Optional[tuple[torch.Tensor, int]] = None, layout: Optional[dict[str, Any]] = None,
+                     dO_gather_k: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The four stages over rows grouped by expert (the routed experts, or the shared one): dX rows pushed into
     ``dx_slots`` by their code, and (dW13, dW2, the router-weight gradient of every row). ``h`` None: recompute H
     (and the clamp's decisions) from the X rows first. ``push`` (every rank's offset from ``dx_slots``, T K): the
     dX rows go to their source ranks' copies of ``dx_slots``. ``layout`` (:func:`_weight_layout`): the weights,
     and the weight gradients returned, in the forward's TMA block order. ``rows_per_expert``: the rows an expert
     gets on average (the layer's ``rows_per_expert``; not ``x_rows``' length, which is the capacity, tile padding
-    included), which picks the weight-gradient launch."""
+    included), which picks the weight-gradient launch. ``dO_gather_k`` (the top-k K): ``dO_rows`` is the output
+    gradient per token ([T, H]), and dgate and dW2 read row r's from token ``code_R[r] // K`` themselves (v12,
+    :data:`GATHER_DO`); where a launch cannot (the fused dgate + dW2, torch._grouped_mm, the reloaded-P weight
+    gradients) the rows are gathered here first."""
     R, H = x_rows.shape
     if layout is None:
         I = w13.shape[1] // 2
@@ -153,9 +156,14 @@ def _expert_backward(x_rows: torch.Tensor, dO_rows: torch.Tensor, s_rows: torch.
     t = _tiles(H, I, dev.type == "cuda", clamped=limit is not None, rows_per_expert=rows_per_expert,
                tiled=layout is not None)
     for stage, over in (tiles or {}).items():  # launch overrides (sweeps); programs_per_sm scales ``programs``
-        if stage != "shared_bwd":  # (how the shared expert's backward runs: :func:`_shared`)
+        if stage not in ("shared_bwd", "gather_dO"):  # (not launches: :func:`_shared`, :data:`GATHER_DO`)
             t[stage] = {**t[stage], **over}
     progs = {k: programs * v.pop("programs_per_sm", 1) for k, v in t.items()}
+    if dO_gather_k and (t["dgate_dw2"]["on"] or t["dgate"]["grouped_mm"] or t["dw2"]["grouped_mm"]
+                        or not t["dw2"]["resident"] or t["dw2"].get("q_resident")):
+        c = torch.where(code_R >= 0, code_R, torch.zeros_like(code_R)).long()
+        dO_rows, dO_gather_k = dO_rows.index_select(0, c // dO_gather_k), 0
+    a_gather = dict(a_code=code_R, a_gather_k=dO_gather_k) if dO_gather_k else {}
     if h is None:
         h = torch.empty(R, 2 * I, dtype=torch.bfloat16, device=dev)
         clip = torch.zeros(R, 2 * I, dtype=torch.uint8, device=dev) if limit is not None else None
@@ -180,7 +188,7 @@ def _expert_backward(x_rows: torch.Tensor, dO_rows: torch.Tensor, s_rows: torch.
             bwd_gemm.dgate_grouped_mm(dO_rows, w2, dH, starts, dgate=dg, limit=limit, block_n=t["dgate"]["block_n"])
         else:
             bwd_gemm.bwd_rows(dO_rows, w2, dH, tile_expert, tile_row, chunk, programs=progs["dgate"], dgate=dg,
-                              limit=limit, **t["dgate"], **w2k)
+                              limit=limit, **t["dgate"], **w2k, **a_gather)
         mark("dgate")
     pushed = dict(push_delta=push[0] if push else None, slots_per_rank=push[1] if push else None)
     if fuse_dx:  # dX and dW13 in one pass over W13
@@ -197,7 +205,7 @@ def _expert_backward(x_rows: torch.Tensor, dO_rows: torch.Tensor, s_rows: torch.
         dW13 = _wgrad(dH, x_rows, w13, code_R, starts, progs["dw13"], t["dw13"], dw13k)
         mark("dw13")
     if not fuse_dg:
-        dW2 = _wgrad(dO_rows, sA, w2, code_R, starts, progs["dw2"], t["dw2"], dw2k)
+        dW2 = _wgrad(dO_rows, sA, w2, code_R, starts, progs["dw2"], dict(t["dw2"], p_gather_k=dO_gather_k), dw2k)
         mark("dw2")
     return dW13, dW2, ds
 
@@ -212,6 +220,7 @@ def _wgrad(p_RN: torch.Tensor, q_RK: torch.Tensor, w: torch.Tensor, code_R: torc
     only zeros, and it needs the first expert's rows to start at row 0 (the schedule's tiles start there)."""
     t = dict(t)
     if t.pop("grouped_mm") and not layout:
+        assert not t.get("p_gather_k"), "torch._grouped_mm takes P's rows as they are"
         return torch._grouped_mm(p_RN.t(), q_RK, offs=starts[1:])
     dw = torch.empty_like(w)
     bwd_gemm.bwd_wgrad(p_RN, q_RK, dw, code_R, starts, programs=programs, **t, **layout)
@@ -246,7 +255,10 @@ def layer_backward(layer: MoKHopperLayer, dO_TH: torch.Tensor, x_TH: torch.Tenso
     valid = code >= 0
     c = torch.where(valid, code, torch.zeros_like(code)).long()
     dO = dO_TH.detach().to(torch.bfloat16).contiguous()
-    dO_rows = dO.index_select(0, c // K)  # padding rows: token 0's (router weight 0, skipped by the sums)
+    gather_k = K if {**GATHER_DO, **(tiles or {}).get("gather_dO", {})}["in_kernels"] else 0
+    # (v12: dgate and dW2 read dO's rows by token themselves; else gathered here, padding rows getting token 0's,
+    # which router weight 0 and the sums' skip leave out)
+    dO_rows = dO if gather_k else dO.index_select(0, c // K)
     s_rows = torch.where(valid, topk_w_TK.detach().reshape(-1).float().index_select(0, c),
                          torch.zeros((), device=dev))
     mark("gather")
@@ -261,7 +273,7 @@ def layer_backward(layer: MoKHopperLayer, dO_TH: torch.Tensor, x_TH: torch.Tenso
     dW13, dW2, ds = _expert_backward(layer.x_rows, dO_rows, s_rows, h, clip, w13_LIH, w2_LHI, code,
                                      s.tile_expert_M, s.tile_row_M1, chunk, starts, slots, limit=limit,
                                      programs=progs, rows_per_expert=layer.rows_per_expert, mark=mark,
-                                     tiles=tiles, layout=_weight_layout(layer, w13_LIH))
+                                     tiles=tiles, layout=_weight_layout(layer, w13_LIH), dO_gather_k=gather_k)
     dtopk = torch.zeros(T * K + 1, dtype=torch.float32, device=dev)  # the last: where padding rows' values go
     dtopk.scatter_(0, torch.where(valid, c, torch.full_like(c, T * K)), ds)
     out: dict[str, Any] = {"w13": dW13, "w2": dW2, "topk_w": dtopk[: T * K].view(T, K) * (topk_idx_TK >= 0)}
@@ -300,6 +312,11 @@ def _shared(layer: MoKHopperLayer, x_TH: torch.Tensor, dO_TH: torch.Tensor, shar
 # v6 (PERF_NOTES "Session 17"): torch by default (the kernels ran the one 2048-row expert at 22-37% of the GEMM
 # rate: 1.49 -> 0.85 ms on glm_5_2 in session 16's sweep).
 SHARED_BWD = dict(torch=True)
+# Where the routed backward's output-gradient rows come from at EP=1 (``tiles["gather_dO"]`` overrides):
+# ``in_kernels`` True (v12, PERF_NOTES "Session 29"), dgate and dW2 load each row's dO from its token (``code //
+# K``) as they go, instead of a gathered copy of dO's T K rows written and read back (the "gather" stage: 0.21-0.34
+# ms on the published shapes); False, the copy (v11).
+GATHER_DO = dict(in_kernels=True)
 
 
 def _shared_torch(x: torch.Tensor, dO: torch.Tensor, g_w: torch.Tensor, u_w: torch.Tensor, d_w: torch.Tensor
