@@ -26,6 +26,15 @@ HAS_GPU = torch.cuda.is_available()
 NUM_GPUS = torch.cuda.device_count() if HAS_GPU else 0
 
 
+def has_nvidia_backend() -> bool:
+    """Whether Triton here can compile for an NVIDIA GPU without one (its NVIDIA backend and ptxas)."""
+    try:
+        import triton.backends.nvidia  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def compose_cfg(*overrides: str):
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base=None):

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernels module imports triton
 
+from conftest import has_nvidia_backend  # noqa: E402
 from kernels.mok_hopper import twin  # noqa: E402
 from kernels.mok_hopper.fp8 import quantize_blocks  # noqa: E402
 from kernels.mok_hopper.schedule import build_schedule, capacity_rows, padded_rows, reference_schedule  # noqa: E402
@@ -1046,17 +1047,9 @@ def test_quantize_rows_kernel_matches_torch():
     assert torch.equal(s, ws_) and torch.equal(q.view(torch.uint8), wq.view(torch.uint8))
 
 
-def _has_nvidia_backend() -> bool:
-    try:
-        import triton.backends.nvidia  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 @pytest.mark.slow
 @needs_triton
-@pytest.mark.skipif(not _has_nvidia_backend(), reason="Triton has no NVIDIA backend (ptxas) here")
+@pytest.mark.skipif(not has_nvidia_backend(), reason="Triton has no NVIDIA backend (ptxas) here")
 def test_every_kernel_variant_compiles_for_hopper_without_spills():
     """Ahead-of-time compilation for sm_90 (Triton's own ptxas, no GPU): catches lowering errors, shared memory
     over the limit and register spills, which the interpreter cannot see."""
@@ -1103,7 +1096,7 @@ def test_aot_check_compiles_each_kernel_as_launched():
 
 @needs_triton
 @pytest.mark.slow
-@pytest.mark.skipif(not _has_nvidia_backend(), reason="Triton has no NVIDIA backend (ptxas) here")
+@pytest.mark.skipif(not has_nvidia_backend(), reason="Triton has no NVIDIA backend (ptxas) here")
 def test_every_sweep_variant_compiles_for_hopper_without_spills():
     """gpu_check's sweep tiles too: a variant that cannot compile would only fail on a leased GPU."""
     import subprocess

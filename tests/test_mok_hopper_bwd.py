@@ -13,6 +13,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernels module imports triton (also run alone)
 
+from conftest import has_nvidia_backend  # noqa: E402
 from kernels.mok_hopper import twin_bwd  # noqa: E402
 
 
@@ -740,18 +741,10 @@ def test_the_store_probe_writes_every_block_once_in_each_order():
             assert torch.allclose(dw.float(), want.to(torch.bfloat16).float(), rtol=1e-2, atol=1e-2), (q_load, tma)
 
 
-def _has_nvidia_backend() -> bool:
-    try:
-        import triton.backends.nvidia  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 @pytest.mark.slow
 @pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (it comes with torch on Linux; pip install -e "
                                            "'.[test]'): the compile needs it")
-@pytest.mark.skipif(HAS_TRITON and not _has_nvidia_backend(), reason="Triton has no NVIDIA backend (ptxas) here")
+@pytest.mark.skipif(HAS_TRITON and not has_nvidia_backend(), reason="Triton has no NVIDIA backend (ptxas) here")
 def test_every_store_probe_variant_compiles_for_hopper():
     """wgrad_store_probe --aot compiles each variant for sm_90 without a GPU. Session 29: the strips without MMA
     had an early return in a static if, which the interpreter runs and the compiler rejects; they failed only
