@@ -145,6 +145,8 @@ VARIANTS = [
     ("strips tma 128x64 4w 2/SM + MMA 32 rows", "strips", True, 128, 64, 4, 2, 3, 32, False),
     ("strips tma 128x64 4w 4/SM + MMA 128 rows", "strips", True, 128, 64, 4, 4, 3, 128, False),
     ("strips ptr 128x128 4w 2/SM + MMA 32 rows + Q loads", "strips", False, 128, 128, 4, 2, 3, 32, True),
+    # after call D: v11's launch for glm_5_2's experts of at most 64 rows (128 x 64 by pointers over 64 rows)
+    ("strips ptr 128x64 4w 2/SM + MMA 64 rows + Q loads", "strips", False, 128, 64, 4, 2, 3, 64, True),
 ]
 
 
