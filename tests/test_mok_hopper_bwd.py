@@ -177,9 +177,9 @@ def test_backward_gemms_match_the_twin_under_the_interpreter(limit, monkeypatch)
     """The v0 backward GEMMs (kernels/mok_hopper/bwd_gemm.py) against the twin's stages, expert by expert: dH, s*A,
     the router-weight gradient, dX rows, dW13 and dW2 (several row tiles per expert, an expert with no row,
     padding rows, several column tiles and K steps)."""
-    from kernels.mok_hopper import bwd_gemm
+    from kernels.mok_hopper import bwd_gemm, bwd_wgrad
 
-    _interpreted(monkeypatch, bwd_gemm)
+    _interpreted(monkeypatch, bwd_gemm, bwd_wgrad)
     d = _stage_toy(limit)
     sch, x_rows, dO_rows, s_rows, h_rows, clip_rows, w13, w2, want, valid = (
         d[k] for k in ("sch", "x_rows", "dO_rows", "s_rows", "h_rows", "clip_rows", "w13", "w2", "want", "valid"))
@@ -203,11 +203,11 @@ def test_backward_gemms_match_the_twin_under_the_interpreter(limit, monkeypatch)
     dX = torch.zeros(R, H, dtype=torch.bfloat16)
     bwd_gemm.bwd_rows(dH, w13, dX, sch.tile_expert_M, sch.tile_row_M1, chunk, block_m=BM, programs=3, block_n=32,
                       block_k=32)
-    starts = bwd_gemm.expert_rows(sch.tile_expert_M, sch.tile_row_M1, E)
+    starts = bwd_wgrad.expert_rows(sch.tile_expert_M, sch.tile_row_M1, E)
     dW13 = torch.zeros_like(w13)
     dW2 = torch.zeros_like(w2)
-    bwd_gemm.bwd_wgrad(dH, x_rows, dW13, sch.row_code_R, starts, programs=5, block_n=32, block_k=32, block_r=32)
-    bwd_gemm.bwd_wgrad(dO_rows, sA, dW2, sch.row_code_R, starts, programs=5, block_n=32, block_k=32, block_r=32)
+    bwd_wgrad.bwd_wgrad(dH, x_rows, dW13, sch.row_code_R, starts, programs=5, block_n=32, block_k=32, block_r=32)
+    bwd_wgrad.bwd_wgrad(dO_rows, sA, dW2, sch.row_code_R, starts, programs=5, block_n=32, block_k=32, block_r=32)
     ds = bwd_gemm.router_grad(ds_parts)
     for e, (r, out) in want.items():
         assert rel_l1(dX[r], out["dX"]) < 2e-3, (e, "dX")
@@ -226,14 +226,14 @@ def test_fused_weight_streaming_stages_match_the_twin_under_the_interpreter(limi
     """kernels/mok_hopper/bwd_fused.py: dgate + dW2 and dX + dW13, each in one pass over its weights, against the
     twin's stages expert by expert; with every expert in one row block (the fast path) and with experts over
     several row blocks (the GEMM over row blocks, then each gradient block over them)."""
-    from kernels.mok_hopper import bwd_fused, bwd_gemm
+    from kernels.mok_hopper import bwd_fused, bwd_gemm, bwd_wgrad
 
-    _interpreted(monkeypatch, bwd_gemm, bwd_fused)
+    _interpreted(monkeypatch, bwd_gemm, bwd_wgrad, bwd_fused)
     d = _stage_toy(limit)
     sch, x_rows, dO_rows, s_rows, h_rows, clip_rows, w13, w2, want, valid = (
         d[k] for k in ("sch", "x_rows", "dO_rows", "s_rows", "h_rows", "clip_rows", "w13", "w2", "want", "valid"))
     T, K, E, H, I, BM, R = d["dims"]
-    starts = bwd_gemm.expert_rows(sch.tile_expert_M, sch.tile_row_M1, E)
+    starts = bwd_wgrad.expert_rows(sch.tile_expert_M, sch.tile_row_M1, E)
     spans = (starts[1:] - starts[:-1]).tolist()
     assert (max(spans) <= block_r) == (block_r == 64) and min(spans) == 0  # the path under test; the idle expert
     dH = torch.zeros(R, 2 * I, dtype=torch.bfloat16)
@@ -431,7 +431,7 @@ def test_weight_gradient_with_p_resident_is_the_default_one(tma_store):
     bits, except with the tail block: the interpreter's dot is numpy's, which rounds a 64-row sum taken as 16 + 32
     rows differently (on the GPU both are the same chain of 16-row MMA steps: bwd_check's sweep says whether the
     bits are the default's), so there to an fp32 rounding, at most one unit in the last place of the bf16 result."""
-    from kernels.mok_hopper import bwd_gemm, interp
+    from kernels.mok_hopper import bwd_wgrad, interp
 
     if not interp.INTERPRET:
         pytest.skip("the kernels run on the CPU under TRITON_INTERPRET=1 (set at the top of this file without a GPU)")
@@ -448,7 +448,7 @@ def test_weight_gradient_with_p_resident_is_the_default_one(tma_store):
     for mode in ("default", "p", "q", *small):
         dw = torch.full((len(sizes), N, K), float("nan"), dtype=torch.bfloat16)
         r_small, r_tail = small.get(mode, (0, 0))
-        bwd_gemm.bwd_wgrad(p, q, dw, code, starts, programs=3, block_n=64, block_k=64, block_r=64,
+        bwd_wgrad.bwd_wgrad(p, q, dw, code, starts, programs=3, block_n=64, block_k=64, block_r=64,
                            tma_store=tma_store, resident=mode.startswith("p"), q_resident=mode == "q",
                            block_r_small=r_small, block_r_tail=r_tail)
         out[mode] = dw
@@ -478,7 +478,7 @@ def test_the_weight_gradient_launch_follows_the_routed_rows_not_the_capacity(mon
     64 routed, and dividing it turned the resident launch off on every published shape. Here the capacity is 256
     rows an expert and the experts get 9: the routed experts' weight gradients are P-resident; the fused stages
     (options) take 64-row blocks, dX + dW13 alone or with dgate + dW2; the step is right every way."""
-    from kernels.mok_hopper import bwd_fused, bwd_gemm, interp
+    from kernels.mok_hopper import bwd_fused, bwd_wgrad, interp
     from kernels.mok_hopper.schedule import capacity_rows
     from kernels.mok_hopper.train import layer_backward
 
@@ -497,7 +497,7 @@ def test_the_weight_gradient_launch_follows_the_routed_rows_not_the_capacity(mon
             return real(*args, **kw)
         return call
 
-    for mod, name in ((bwd_gemm, "bwd_wgrad"), (bwd_fused, "dgate_dw2"), (bwd_fused, "dx_dw13")):
+    for mod, name in ((bwd_wgrad, "bwd_wgrad"), (bwd_fused, "dgate_dw2"), (bwd_fused, "dx_dw13")):
         monkeypatch.setattr(mod, name, spy(name, getattr(mod, name)))
     xs, idx, ws, dOs, _, _, _ = make(1, T, K, E, H, I, seed=4)
     want = twin_bwd.autograd_reference(xs, idx, ws, dOs, w13, w2, shared=shared)[0]

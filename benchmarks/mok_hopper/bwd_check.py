@@ -89,7 +89,7 @@ SWEEP: dict[str, dict[str, dict[str, Any]]] = {
     "wgrad pointer stores, 8 warps, 1/SM": {"dw13": dict(tma_store=False, num_warps=8, programs_per_sm=1),
                                             "dw2": dict(tma_store=False, num_warps=8, programs_per_sm=1)},
     # session 29: every weight-gradient stage has taken about its stores at 4.2 TB/s plus its MMA over the padded
-    # rows at 790 TFLOP/s; an expert's strips over fewer rows where it has fewer (bwd_gemm's BR_SMALL / BR_TAIL).
+    # rows at 790 TFLOP/s; an expert's strips over fewer rows where it has fewer (bwd_wgrad's BR_SMALL / BR_TAIL).
     # v11 runs glm_5_2's 128-row launches (experts of 40-88 rows) with 64 + 32-row strips and dW2 by pointers; these
     # take it back to v10, or to 64-row strips alone, or keep dW2 on TMA; "32 + 16" is for the 64-row launches of
     # qwen3_5_397b and kimi_k2_7 (28-62 rows: it spills there and was 2-4% slower in call B). A size not under the
@@ -153,7 +153,7 @@ SWEEP: dict[str, dict[str, dict[str, Any]]] = {
     "fused dgate 64x64, 4 warps, 2/SM (64-row blocks)": {
         "dgate_dw2": dict(on=True, block_h=64, block_i=64, num_warps=4, programs_per_sm=2)},
     "fused dX 64x128": {"dx_dw13": dict(on=True, block_n=64, block_k=128)},
-    # the Q-resident weight gradients (bwd_gemm._bwd_wgrad_q_resident: programs running together write
+    # the Q-resident weight gradients (bwd_wgrad._bwd_wgrad_q_resident: programs running together write
     # neighbouring column blocks of the same rows); by pointers at 8 warps they build without a spill on both
     # Triton ends (128 / 178 registers at 128 x 128, 64-row steps), as the P-resident pointer stores do not
     # session 23: the GEMMs by torch._grouped_mm (CUTLASS's grouped GEMM on sm90): the weight gradients over the

@@ -22,7 +22,8 @@ from typing import Any, Optional
 
 SMEM_LIMIT = {90: 232448, 100: 232448}  # bytes of dynamic shared memory per block (opt-in maximum)
 # where the kernels live, by stage
-KERNEL_MODULES = ("schedule_kernels", "pull", "up_gemm", "down_gemm", "bwd_gemm", "bwd_fused", "bwd_fp8")
+KERNEL_MODULES = ("schedule_kernels", "pull", "up_gemm", "down_gemm", "bwd_gemm", "bwd_wgrad", "bwd_fused",
+                  "bwd_fp8")
 # Stack bytes a variant may spill, by a part of its label; any other spill is a problem. The training forward's up
 # GEMMs (save H) add two to four stores to an epilogue that sits at the 255-register cap already (the inference
 # kernels use 240-254): they spill 0-48 B on Triton 3.8 and 0-56 B on 3.6 (PERF_NOTES, "save_h"). The backward's
@@ -248,7 +249,7 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048, extras: bool 
                        dict(comb_ptr="*bf16", idx_ptr="*i64", rw_ptr="*fp32", shared_ptr="*bf16", out_ptr="*bf16",
                             T="i32", H="i32", K="i32"),
                        dict(BT=2, BH=1024, APPLY_W=False, HAS_SHARED=True), 4, plain=("K",)))
-    if extras:  # the backward's GEMMs (bwd_gemm.py), at the block sizes train.py launches them with
+    if extras:  # the backward's GEMMs (bwd_gemm.py, bwd_wgrad.py), at the block sizes train.py launches them with
         rows_t = dict(a_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", h_ptr="*bf16", clip_ptr="*u8", s_ptr="*fp32",
                       sa_ptr="*bf16", ds_ptr="*fp32", code_ptr="*i32", delta_ptr="*i64", tile_expert_ptr="*i32",
                       tile_row_ptr="*i32", chunk_ptr="*i32", n_rows="i32", K="i32", N="i32", TK="i32",

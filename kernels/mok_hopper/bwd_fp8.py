@@ -38,7 +38,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.mok_hopper.bwd_gemm import FP8_MAX_C, _bwd_rows_epilogue, _store_dw, router_grad
+from kernels.mok_hopper.bwd_gemm import FP8_MAX_C, _bwd_rows_epilogue, router_grad
+from kernels.mok_hopper.bwd_wgrad import _store_dw
 from kernels.mok_hopper.gemm_common import _mm, _quant_e4m3, _work_tile
 from kernels.mok_hopper.interp import INTERPRET
 

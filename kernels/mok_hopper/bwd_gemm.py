@@ -12,9 +12,7 @@ W13), pointers through strides otherwise (W13 transposed, to recompute H).
     over the tiles in a fixed order by :func:`router_grad`);
   - ``plain``: A = dH rows, W = W13 ([2I, H]: K = 2I, N = H): the dX rows (bf16 [R, H]), stored by row or pushed
     to the row's token slot (``push_code``); or, with ``save_clip``, H recomputed from the X rows.
-* :func:`bwd_wgrad` - dW[e] = P_e^T @ Q_e, each expert's rows in schedule order (no split-K, no atomics: bitwise
-  deterministic): dW13 (P = dH, Q = X rows) and dW2 (P = dO rows, Q = s*A); padding rows (code < 0) add nothing.
-  Optionally stored by TMA (asynchronous).
+* the weight gradients: :mod:`kernels.mok_hopper.bwd_wgrad`.
 
 Legend: R routed rows, M row tiles (BM rows each, or BM/2 with half tiles), L local experts, H hidden, I ffn.
 """
@@ -28,7 +26,7 @@ import triton
 import triton.language as tl
 
 from contract.fp8 import FP8_MAX
-from kernels.mok_hopper.gemm_common import _mma, _quant_e4m3, _work_tile
+from kernels.mok_hopper.gemm_common import _gather_rows, _mma, _quant_e4m3, _tiled_offset, _work_tile
 from kernels.mok_hopper.interp import INTERPRET
 
 FP8_MAX_C = tl.constexpr(FP8_MAX)  # (a global a jitted function reads must be a constexpr)
@@ -65,21 +63,6 @@ def _bwd_rows_kernel(a_ptr, w_ptr, out_ptr, h_ptr, clip_ptr, s_ptr, sa_ptr, ds_p
                                 rb, row1, n, n_n, e_tile, n_rows, K, N, TK, stride_we, stride_wk, stride_wn, limit,
                                 BM, BN, BK, UPCAST, STAGES, DGATE, HAS_LIMIT, SAVE_H, WTMA, PUSH, TBN, TBK, GU, RK,
                                 False, A_GATHER)
-
-
-@triton.jit
-def _tiled_offset(e, r, c, NF, KF, TBN: tl.constexpr, TBK: tl.constexpr, GU: tl.constexpr):
-    """Element offset of W[e, r, c] (W [L, NF, KF] as the forward reads it: NF output rows, KF input columns) in
-    the forward's TMA block order: :func:`~kernels.mok_hopper.gemm_common.tile_weights` ([L, NF/TBN, KF/TBK, TBN,
-    TBK]) or, GU, ``tile_weights_gu`` (gate row j and up row j of block j // TBN at rows 2 (j % TBN) and
-    2 (j % TBN) + 1 of a [2 TBN, TBK] block)."""
-    base = e * NF * KF + (c // TBK) * (TBK * (2 * TBN if GU else TBN)) + c % TBK
-    if GU:
-        half = NF // 2
-        up = (r >= half).to(tl.int64)
-        j = r - up * half
-        return base + (j // TBN) * (2 * TBN * KF) + (2 * (j % TBN) + up) * TBK
-    return base + (r // TBN) * (TBN * KF) + (r % TBN) * TBK
 
 
 @triton.jit
@@ -129,22 +112,6 @@ def _bwd_rows_block(a_ptr, w_ptr, out_ptr, h_ptr, clip_ptr, s_ptr, sa_ptr, ds_pt
     if TWO:
         _bwd_rows_epilogue(acc2, rows2, rmask2, cols, n, n_n, out_ptr, h_ptr, clip_ptr, s_ptr, sa_ptr, ds_ptr,
                            code_ptr, delta_ptr, N, TK, limit, DGATE, HAS_LIMIT, SAVE_H, PUSH)
-
-
-@triton.jit
-def _gather_rows(code_ptr, rows, rmask, GATHER: tl.constexpr, LIVE: tl.constexpr = False):
-    """(source rows, mask) of schedule rows ``rows``: themselves (masked by ``rmask``, and with LIVE where the
-    code is negative too), or with GATHER (the top-k K) the token of each row's code (``code // K``), masked where
-    the code is negative (padding rows: their values are zeros, where a gathered copy held token 0's row; either
-    way the sums skip them or weigh them by 0)."""
-    if GATHER > 0:
-        code = tl.load(code_ptr + rows, mask=rmask, other=-1)
-        valid = rmask & (code >= 0)
-        return (tl.where(valid, code, 0) // GATHER).to(tl.int64), valid
-    elif LIVE:
-        return rows, rmask & (tl.load(code_ptr + rows, mask=rmask, other=-1) >= 0)
-    else:
-        return rows, rmask
 
 
 @triton.jit
@@ -327,226 +294,3 @@ def router_grad(ds_parts_RN: torch.Tensor) -> torch.Tensor:
     """The router-weight gradient of every row: the dgate epilogue's partial sums over its column tiles, summed by
     torch (fp32; a fixed reduction tree for a given shape, no atomics: deterministic)."""
     return ds_parts_RN.sum(dim=1)
-
-
-@triton.jit
-def _bwd_wgrad_kernel(p_ptr, q_ptr, dw_ptr, code_ptr, expert_row_ptr, N, K, L,
-                      BN: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, NUM_PROGS: tl.constexpr,
-                      UPCAST: tl.constexpr, STAGES: tl.constexpr, TMA_STORE: tl.constexpr = False,
-                      TBN: tl.constexpr = 0, TBK: tl.constexpr = 0, GU: tl.constexpr = False):
-    """Work items (expert, column block of N, column block of K), expert-major, K fastest: programs running together
-    share one expert's P and Q rows (from L2). The item loop is flattened with its row loop, so the next item's
-    loads are issued during this item's store. TMA_STORE: ``dw_ptr`` is a TMA descriptor over dW's [L N, K] view
-    (blocks [BN, BK]): the store is asynchronous."""
-    n_n = N // BN
-    n_k = K // BK
-    n_work = L * n_n * n_k
-    for wk in tl.range(tl.program_id(0), n_work, NUM_PROGS, flatten=True):
-        e = wk // (n_n * n_k)
-        n = (wk // n_k) % n_n
-        k = wk % n_k
-        r_lo = tl.load(expert_row_ptr + e)
-        r_hi = tl.load(expert_row_ptr + e + 1)
-        ncols = n * BN + tl.arange(0, BN)
-        kcols = k * BK + tl.arange(0, BK)
-        acc = tl.zeros((BN, BK), dtype=tl.float32)
-        for r0 in tl.range(r_lo, r_hi, BR, num_stages=STAGES):
-            rows = (r0 + tl.arange(0, BR)).to(tl.int64)
-            live = (rows < r_hi) & (tl.load(code_ptr + rows, mask=rows < r_hi, other=-1) >= 0)  # padding rows: 0
-            p = tl.load(p_ptr + rows[:, None] * N + ncols[None, :], mask=live[:, None], other=0.0)  # [BR, BN]
-            q = tl.load(q_ptr + rows[:, None] * K + kcols[None, :], mask=live[:, None], other=0.0)  # [BR, BK]
-            acc = _mma(p.T, q, acc, UPCAST)
-        _store_dw(dw_ptr, acc, e, n, k, N, K, BN, BK, TMA_STORE, TBN, TBK, GU)
-
-
-@triton.jit
-def _store_dw(dw_ptr, acc, e, n, k, N, K, BN: tl.constexpr, BK: tl.constexpr, TMA_STORE: tl.constexpr,
-              TBN: tl.constexpr = 0, TBK: tl.constexpr = 0, GU: tl.constexpr = False):
-    """dW[e] block (n, k) = acc, by TMA (``dw_ptr`` a descriptor over [L N, K], blocks [BN, BK]) or pointers; TBN
-    > 0: dW in the forward's TMA block order (:func:`_tiled_offset`), by pointers."""
-    if TMA_STORE:
-        dw_ptr.store([e * N + n * BN, k * BK], acc.to(dw_ptr.dtype))
-    elif TBN > 0:
-        ncols = (n * BN + tl.arange(0, BN)).to(tl.int64)
-        kcols = (k * BK + tl.arange(0, BK)).to(tl.int64)
-        off = _tiled_offset(e.to(tl.int64), ncols[:, None], kcols[None, :], N, K, TBN, TBK, GU)
-        tl.store(dw_ptr + off, acc.to(dw_ptr.dtype.element_ty))
-    else:
-        ncols = n * BN + tl.arange(0, BN)
-        kcols = k * BK + tl.arange(0, BK)
-        tl.store(dw_ptr + e.to(tl.int64) * N * K + ncols[:, None].to(tl.int64) * K + kcols[None, :],
-                 acc.to(dw_ptr.dtype.element_ty))
-
-
-@triton.jit
-def _bwd_wgrad_resident_kernel(p_ptr, q_ptr, dw_ptr, code_ptr, expert_row_ptr, N, K, L,
-                               BN: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, NUM_PROGS: tl.constexpr,
-                               UPCAST: tl.constexpr, STAGES: tl.constexpr, TMA_STORE: tl.constexpr = False,
-                               TBN: tl.constexpr = 0, TBK: tl.constexpr = 0, GU: tl.constexpr = False,
-                               Q_RESIDENT: tl.constexpr = False, BR_SMALL: tl.constexpr = 0,
-                               BR_TAIL: tl.constexpr = 0, P_GATHER: tl.constexpr = 0):
-    """The weight gradients with P resident: work items (expert, column block of N), each a strip of dW[e]
-    [BN, K]. An expert of at most BR rows (every published shape at EP=1: 32-64 rows) loads its P block once and
-    streams its Q blocks, one output block per K step (P read once per strip instead of once per output block);
-    a larger expert reads P again for every K block (the rows loop inside). Same sums, same order, as
-    :func:`_bwd_wgrad_kernel`: one row step, or the row steps ascending. ``Q_RESIDENT``: the other way round
-    (:func:`_bwd_wgrad_q_resident`), the same sums. ``BR_SMALL`` (session 29): an expert of at most BR_SMALL rows
-    takes a strip over BR_SMALL rows instead (:func:`_resident_strip`): the rows past an expert's end are zeros in
-    both operands, so its sums are those over BR rows, with half the MMA (or less) a stored block. ``BR_TAIL``: an
-    expert of at most BR_SMALL + BR_TAIL rows takes strips over its first BR_SMALL rows and the BR_TAIL after them
-    (two MMAs into one accumulator, in the rows' order: the sums of one MMA over BR rows). BR_SMALL may equal BR,
-    and BR_SMALL + BR_TAIL exceed it: then the experts of BR to BR + BR_TAIL rows keep P resident too. P_GATHER
-    (the top-k K; not with Q_RESIDENT): ``p_ptr`` is per token, row r's P row token ``code[r] // K``."""
-    if Q_RESIDENT:
-        _bwd_wgrad_q_resident(p_ptr, q_ptr, dw_ptr, code_ptr, expert_row_ptr, N, K, L, BN, BK, BR, NUM_PROGS, UPCAST,
-                              STAGES, TMA_STORE, TBN, TBK, GU)
-        return
-    n_n = N // BN
-    n_k = K // BK
-    for wk in range(tl.program_id(0), L * n_n, NUM_PROGS):
-        e = wk // n_n
-        n = wk % n_n
-        r_lo = tl.load(expert_row_ptr + e)
-        r_hi = tl.load(expert_row_ptr + e + 1)
-        ncols = n * BN + tl.arange(0, BN)
-        kk = tl.arange(0, BK)
-        if BR_SMALL > 0 and r_hi - r_lo <= BR_SMALL:
-            _resident_strip(p_ptr, q_ptr, dw_ptr, code_ptr, e, n, r_lo, r_hi, N, K, BN, BK, BR_SMALL, 0, UPCAST,
-                            STAGES, TMA_STORE, TBN, TBK, GU, P_GATHER)
-        elif BR_TAIL > 0 and r_hi - r_lo <= BR_SMALL + BR_TAIL:
-            _resident_strip(p_ptr, q_ptr, dw_ptr, code_ptr, e, n, r_lo, r_hi, N, K, BN, BK, BR_SMALL, BR_TAIL, UPCAST,
-                            STAGES, TMA_STORE, TBN, TBK, GU, P_GATHER)
-        elif r_hi - r_lo <= BR:
-            _resident_strip(p_ptr, q_ptr, dw_ptr, code_ptr, e, n, r_lo, r_hi, N, K, BN, BK, BR, 0, UPCAST, STAGES,
-                            TMA_STORE, TBN, TBK, GU, P_GATHER)
-        else:
-            for k in range(0, n_k):
-                acc = tl.zeros((BN, BK), dtype=tl.float32)
-                for r0 in tl.range(r_lo, r_hi, BR, num_stages=STAGES):
-                    rows = (r0 + tl.arange(0, BR)).to(tl.int64)
-                    p_rows, live = _gather_rows(code_ptr, rows, rows < r_hi, P_GATHER, True)
-                    p = tl.load(p_ptr + p_rows[:, None] * N + ncols[None, :], mask=live[:, None], other=0.0)
-                    q = tl.load(q_ptr + rows[:, None] * K + (k * BK + kk)[None, :], mask=live[:, None], other=0.0)
-                    acc = _mma(p.T, q, acc, UPCAST)
-                _store_dw(dw_ptr, acc, e, n, k, N, K, BN, BK, TMA_STORE, TBN, TBK, GU)
-
-
-@triton.jit
-def _resident_strip(p_ptr, q_ptr, dw_ptr, code_ptr, e, n, r_lo, r_hi, N, K, BN: tl.constexpr, BK: tl.constexpr,
-                    RB: tl.constexpr, RB1: tl.constexpr, UPCAST: tl.constexpr, STAGES: tl.constexpr,
-                    TMA_STORE: tl.constexpr, TBN: tl.constexpr, TBK: tl.constexpr, GU: tl.constexpr,
-                    P_GATHER: tl.constexpr = 0):
-    """One strip dW[e][n BN : (n + 1) BN, :] of an expert of at most RB + RB1 rows: its P block [RB, BN] (and
-    [RB1, BN] after it) loaded once, its Q blocks [RB, BK] (and [RB1, BK]) streamed, one MMA over RB rows (then
-    one over RB1 into the same accumulator) and one stored block a K step. P_GATHER: P's rows by token
-    (:func:`_gather_rows`)."""
-    n_k = K // BK
-    ncols = n * BN + tl.arange(0, BN)
-    kk = tl.arange(0, BK)
-    rows = (r_lo + tl.arange(0, RB)).to(tl.int64)
-    p_rows, live = _gather_rows(code_ptr, rows, rows < r_hi, P_GATHER, True)
-    p = tl.load(p_ptr + p_rows[:, None] * N + ncols[None, :], mask=live[:, None], other=0.0)  # [RB, BN]
-    if RB1 > 0:
-        rows1 = (r_lo + RB + tl.arange(0, RB1)).to(tl.int64)
-        p_rows1, live1 = _gather_rows(code_ptr, rows1, rows1 < r_hi, P_GATHER, True)
-        p1 = tl.load(p_ptr + p_rows1[:, None] * N + ncols[None, :], mask=live1[:, None], other=0.0)  # [RB1, BN]
-    for k in tl.range(0, n_k, num_stages=STAGES):
-        q = tl.load(q_ptr + rows[:, None] * K + (k * BK + kk)[None, :], mask=live[:, None], other=0.0)
-        acc = _mma(p.T, q, tl.zeros((BN, BK), dtype=tl.float32), UPCAST)
-        if RB1 > 0:
-            q1 = tl.load(q_ptr + rows1[:, None] * K + (k * BK + kk)[None, :], mask=live1[:, None], other=0.0)
-            acc = _mma(p1.T, q1, acc, UPCAST)
-        _store_dw(dw_ptr, acc, e, n, k, N, K, BN, BK, TMA_STORE, TBN, TBK, GU)
-
-
-@triton.jit
-def _bwd_wgrad_q_resident(p_ptr, q_ptr, dw_ptr, code_ptr, expert_row_ptr, N, K, L, BN: tl.constexpr,
-                          BK: tl.constexpr, BR: tl.constexpr, NUM_PROGS: tl.constexpr, UPCAST: tl.constexpr,
-                          STAGES: tl.constexpr, TMA_STORE: tl.constexpr, TBN: tl.constexpr, TBK: tl.constexpr,
-                          GU: tl.constexpr):
-    """Q resident: work items (expert, column block of K), each a strip of dW[e] [N, BK], its Q block loaded once
-    and its P blocks streamed, one output block per N step. Programs running together hold neighbouring K blocks
-    of one expert, so at any moment they write neighbouring column blocks of the same rows (the store probe of
-    session 17: the P-resident strips write one column band of many rows at a time, which HBM takes more slowly).
-    Each output block is the same sum, in the same order, as the P-resident kernel's."""
-    n_n = N // BN
-    n_k = K // BK
-    for wk in range(tl.program_id(0), L * n_k, NUM_PROGS):
-        e = wk // n_k
-        k = wk % n_k
-        r_lo = tl.load(expert_row_ptr + e)
-        r_hi = tl.load(expert_row_ptr + e + 1)
-        kcols = k * BK + tl.arange(0, BK)
-        nn = tl.arange(0, BN)
-        if r_hi - r_lo <= BR:
-            rows = (r_lo + tl.arange(0, BR)).to(tl.int64)
-            live = (rows < r_hi) & (tl.load(code_ptr + rows, mask=rows < r_hi, other=-1) >= 0)
-            q = tl.load(q_ptr + rows[:, None] * K + kcols[None, :], mask=live[:, None], other=0.0)  # [BR, BK]
-            for n in tl.range(0, n_n, num_stages=STAGES):
-                p = tl.load(p_ptr + rows[:, None] * N + (n * BN + nn)[None, :], mask=live[:, None], other=0.0)
-                acc = _mma(p.T, q, tl.zeros((BN, BK), dtype=tl.float32), UPCAST)
-                _store_dw(dw_ptr, acc, e, n, k, N, K, BN, BK, TMA_STORE, TBN, TBK, GU)
-        else:
-            for n in range(0, n_n):
-                acc = tl.zeros((BN, BK), dtype=tl.float32)
-                for r0 in tl.range(r_lo, r_hi, BR, num_stages=STAGES):
-                    rows = (r0 + tl.arange(0, BR)).to(tl.int64)
-                    live = (rows < r_hi) & (tl.load(code_ptr + rows, mask=rows < r_hi, other=-1) >= 0)
-                    p = tl.load(p_ptr + rows[:, None] * N + (n * BN + nn)[None, :], mask=live[:, None], other=0.0)
-                    q = tl.load(q_ptr + rows[:, None] * K + kcols[None, :], mask=live[:, None], other=0.0)
-                    acc = _mma(p.T, q, acc, UPCAST)
-                _store_dw(dw_ptr, acc, e, n, k, N, K, BN, BK, TMA_STORE, TBN, TBK, GU)
-
-
-def expert_rows(tile_expert_M: torch.Tensor, tile_row_M1: torch.Tensor, local_experts: int) -> torch.Tensor:
-    """int32 [L+1]: the first row of each local expert's tiles (and the end of the last), from the schedule's tile
-    tables on the device (no host sync). An expert without rows gets an empty range."""
-    first = torch.searchsorted(tile_expert_M.contiguous(),
-                               torch.arange(local_experts + 1, device=tile_expert_M.device, dtype=torch.int32))
-    return tile_row_M1.index_select(0, first.clamp(max=tile_row_M1.numel() - 1)).to(torch.int32)
-
-
-def bwd_wgrad(p_RN: torch.Tensor, q_RK: torch.Tensor, dw_LNK: torch.Tensor, row_code_R: torch.Tensor,
-              expert_row_L1: torch.Tensor, *, programs: int, block_n: int = 128, block_k: int = 128,
-              block_r: int = 64, stages: int = 3, num_warps: int = 8, tma_store: bool = False,
-              resident: bool = False, q_resident: bool = False, block_r_small: int = 0, block_r_tail: int = 0,
-              dw_tiles: Optional[tuple[int, int, bool]] = None, p_gather_k: int = 0) -> None:
-    """dw[e] = p[rows of e]^T @ q[rows of e] (fp32 accumulation, the rows in schedule order; rows whose code is
-    negative are padding and add nothing). ``dw`` [L, N, K] (bf16, or fp32 for a main-grad accumulator).
-    ``resident``: one work item per (expert, N block), P loaded once for the strip where the expert has at most
-    ``block_r`` rows (:func:`_bwd_wgrad_resident_kernel`); the same sums in the same order; with ``q_resident``
-    the Q block is the one loaded once, per (expert, K block); with ``block_r_small`` (P resident) an expert of at
-    most that many rows runs its strips over ``block_r_small`` rows, and with ``block_r_tail`` one of at most
-    ``block_r_small + block_r_tail`` rows over two row blocks of those sizes (the same sums). ``block_r_small`` over
-    ``block_r`` turns both off; equal to it, only the two-block path is on (experts of ``block_r`` to
-    ``block_r + block_r_tail`` rows, which would otherwise reload P at every K block). ``dw_tiles`` (bn, bk,
-    gate/up interleaved): ``dw`` is in the forward's TMA block order (the layout of tiled parameters), stored by
-    pointers. ``p_gather_k`` (the top-k K; P resident, not ``q_resident``): ``p`` is per token ([T, N]) and row r
-    reads token ``row_code[r] // p_gather_k`` (the output gradient's rows gathered in the kernel)."""
-    N = p_RN.shape[1]
-    R = q_RK.shape[0]
-    K = q_RK.shape[1]
-    assert not p_gather_k or (resident and not q_resident), "P is gathered by the P-resident kernel only"
-    L = dw_LNK.shape[0]
-    assert dw_LNK.numel() == L * N * K and (p_gather_k or p_RN.shape[0] == R)
-    assert dw_tiles is not None or dw_LNK.shape == (L, N, K)
-    tma_store = tma_store and dw_tiles is None
-    assert N % block_n == 0 and K % block_k == 0, f"N {N} / K {K} must be multiples of ({block_n}, {block_k})"
-    dw = dw_LNK
-    if tma_store:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
-        dw = TensorDescriptor.from_tensor(dw_LNK.view(-1, K), [block_n, block_k])
-    kernel = _bwd_wgrad_resident_kernel if resident or q_resident else _bwd_wgrad_kernel
-    extra = dict(Q_RESIDENT=True) if q_resident else {}
-    if p_gather_k:
-        extra["P_GATHER"] = p_gather_k
-    if 0 < block_r_small <= block_r and resident and not q_resident:
-        if block_r_small < block_r:
-            extra["BR_SMALL"] = block_r_small
-        if 0 < block_r_tail and block_r_small + block_r_tail != block_r:
-            extra.update(BR_SMALL=block_r_small, BR_TAIL=block_r_tail)
-    kernel[(programs,)](p_RN, q_RK, dw, row_code_R, expert_row_L1, N, K, L, BN=block_n, BK=block_k, BR=block_r,
-                        NUM_PROGS=programs, UPCAST=INTERPRET, STAGES=stages, TMA_STORE=tma_store,
-                        TBN=dw_tiles[0] if dw_tiles else 0, TBK=dw_tiles[1] if dw_tiles else 0,
-                        GU=bool(dw_tiles and dw_tiles[2]), num_warps=num_warps, **extra)

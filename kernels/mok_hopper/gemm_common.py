@@ -226,3 +226,34 @@ def _operand(t: torch.Tensor, block: list[int], tma: bool):
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     return TensorDescriptor.from_tensor(t.reshape(-1, t.shape[-1]), block)
+
+
+@triton.jit
+def _gather_rows(code_ptr, rows, rmask, GATHER: tl.constexpr, LIVE: tl.constexpr = False):
+    """(source rows, mask) of schedule rows ``rows``: themselves (masked by ``rmask``, and with LIVE where the
+    code is negative too), or with GATHER (the top-k K) the token of each row's code (``code // K``), masked where
+    the code is negative (padding rows: their values are zeros, where a gathered copy held token 0's row; either
+    way the sums skip them or weigh them by 0)."""
+    if GATHER > 0:
+        code = tl.load(code_ptr + rows, mask=rmask, other=-1)
+        valid = rmask & (code >= 0)
+        return (tl.where(valid, code, 0) // GATHER).to(tl.int64), valid
+    elif LIVE:
+        return rows, rmask & (tl.load(code_ptr + rows, mask=rmask, other=-1) >= 0)
+    else:
+        return rows, rmask
+
+
+@triton.jit
+def _tiled_offset(e, r, c, NF, KF, TBN: tl.constexpr, TBK: tl.constexpr, GU: tl.constexpr):
+    """Element offset of W[e, r, c] (W [L, NF, KF] as the forward reads it: NF output rows, KF input columns) in
+    the forward's TMA block order: :func:`~kernels.mok_hopper.gemm_common.tile_weights` ([L, NF/TBN, KF/TBK, TBN,
+    TBK]) or, GU, ``tile_weights_gu`` (gate row j and up row j of block j // TBN at rows 2 (j % TBN) and
+    2 (j % TBN) + 1 of a [2 TBN, TBK] block)."""
+    base = e * NF * KF + (c // TBK) * (TBK * (2 * TBN if GU else TBN)) + c % TBK
+    if GU:
+        half = NF // 2
+        up = (r >= half).to(tl.int64)
+        j = r - up * half
+        return base + (j // TBN) * (2 * TBN * KF) + (2 * (j % TBN) + up) * TBK
+    return base + (r // TBN) * (TBN * KF) + (r % TBN) * TBK

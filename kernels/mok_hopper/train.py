@@ -1,5 +1,6 @@
 """The training step through mok_hopper (bf16: issue 23; fp8: issue 25): :func:`mok_hopper_train` runs the fused
-forward and records a backward, :func:`layer_backward`, made of the backward GEMMs (:mod:`kernels.mok_hopper.bwd_gemm`):
+forward and records a backward, :func:`layer_backward`, made of the backward GEMMs (:mod:`kernels.mok_hopper.bwd_gemm`,
+:mod:`kernels.mok_hopper.bwd_wgrad`):
 H from the forward (``MoKHopperLayer(save_h=True)``) or recomputed from the layer's X rows, dgate (dO rows x W2,
 SwiGLU's derivative and the router-weight gradient in its epilogue), dX (each row pushed into its token slot and
 summed per token by the forward's epilogue kernel), the weight gradients (each expert's rows in schedule order:
@@ -25,7 +26,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from kernels.mok_hopper import bwd_fp8, bwd_fused, bwd_gemm, pull, twin_bwd, up_gemm
+from kernels.mok_hopper import bwd_fp8, bwd_fused, bwd_gemm, bwd_wgrad, pull, twin_bwd, up_gemm
 from kernels.mok_hopper.api import MoKHopperLayer
 from kernels.mok_hopper.pull import combine_epilogue
 from kernels.mok_hopper.tiles import num_sms
@@ -213,7 +214,7 @@ def _expert_backward(x_rows: torch.Tensor, dO_rows: torch.Tensor, s_rows: torch.
 def _wgrad(p_RN: torch.Tensor, q_RK: torch.Tensor, w: torch.Tensor, code_R: torch.Tensor, starts: torch.Tensor,
            programs: int, t: dict[str, Any], layout: dict[str, Any]) -> torch.Tensor:
     """A weight gradient (shaped like ``w``): dW[e] = P_e^T Q_e over expert e's rows ``starts[e]:starts[e+1]``.
-    By :func:`~kernels.mok_hopper.bwd_gemm.bwd_wgrad`, or with ``t["grouped_mm"]`` (plain layout only) by
+    By :func:`~kernels.mok_hopper.bwd_wgrad.bwd_wgrad`, or with ``t["grouped_mm"]`` (plain layout only) by
     ``torch._grouped_mm`` with the experts' row ranges as the groups of its reduction (CUTLASS's grouped GEMM on
     sm90: no split-K, the same sums on every run). That path adds the padding rows (code < 0) instead of skipping
     them: they are zero in dH and s*A (router weight 0, zero X rows: the pull writes zeros there), so they add
@@ -223,7 +224,7 @@ def _wgrad(p_RN: torch.Tensor, q_RK: torch.Tensor, w: torch.Tensor, code_R: torc
         assert not t.get("p_gather_k"), "torch._grouped_mm takes P's rows as they are"
         return torch._grouped_mm(p_RN.t(), q_RK, offs=starts[1:])
     dw = torch.empty_like(w)
-    bwd_gemm.bwd_wgrad(p_RN, q_RK, dw, code_R, starts, programs=programs, **t, **layout)
+    bwd_wgrad.bwd_wgrad(p_RN, q_RK, dw, code_R, starts, programs=programs, **t, **layout)
     return dw
 
 
@@ -269,7 +270,7 @@ def layer_backward(layer: MoKHopperLayer, dO_TH: torch.Tensor, x_TH: torch.Tenso
     if getattr(layer, "save_h", False):  # saved by the forward's up GEMM
         h, clip = layer.h_save, (layer.clip_save if limit is not None else None)
     slots = torch.empty(T * K, H, dtype=torch.bfloat16, device=dev)  # masked slots stay unwritten, and unread
-    starts = bwd_gemm.expert_rows(s.tile_expert_M, s.tile_row_M1, L)
+    starts = bwd_wgrad.expert_rows(s.tile_expert_M, s.tile_row_M1, L)
     dW13, dW2, ds = _expert_backward(layer.x_rows, dO_rows, s_rows, h, clip, w13_LIH, w2_LHI, code,
                                      s.tile_expert_M, s.tile_row_M1, chunk, starts, slots, limit=limit,
                                      programs=progs, rows_per_expert=layer.rows_per_expert, mark=mark,
@@ -375,7 +376,7 @@ def backward_compute(layer: MoKHopperLayer, x_TH: torch.Tensor, w13_LIH: torch.T
     h = clip = None
     if getattr(layer, "save_h", False):
         h, clip = layer.h_save, (layer.clip_save if limit is not None else None)
-    starts = bwd_gemm.expert_rows(s.tile_expert_M, s.tile_row_M1, L)
+    starts = bwd_wgrad.expert_rows(s.tile_expert_M, s.tile_row_M1, L)
     dW13, dW2, ds = _expert_backward(layer.x_rows, dO_rows, layer.rw_rows, h, clip, w13_LIH, w2_LHI, s.row_code_R,
                                      s.tile_expert_M, s.tile_row_M1, chunk, starts, ws.comb, limit=limit,
                                      programs=progs, rows_per_expert=layer.rows_per_expert, mark=mark,
@@ -415,7 +416,7 @@ def _fp8_compute(layer: MoKHopperLayer, x_TH: torch.Tensor, dO_TH: Optional[torc
                           s.tile_expert_M, s.tile_row_M1, chunk, limit=limit, cfg=layer.cfg, programs=progs,
                           h_save=h, clip_save=clip)
     mark("recompute_h")
-    starts = bwd_gemm.expert_rows(s.tile_expert_M, s.tile_row_M1, layer.L)
+    starts = bwd_wgrad.expert_rows(s.tile_expert_M, s.tile_row_M1, layer.L)
     dW13, dW2, ds = bwd_fp8.expert_backward(
         layer.x_rows, layer.xs_rows, dO_rows, dOs_rows, layer.rw_rows, h, clip, layer.w13_bwd, layer.w13_scale,
         layer.w2_bwd, layer.w2_scale, s.row_code_R, s.tile_expert_M, s.tile_row_M1, chunk, starts, ws.comb,
