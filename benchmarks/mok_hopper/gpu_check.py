@@ -24,8 +24,8 @@ What it does, every rank in lockstep:
    timer: median of per-iteration max over ranks), then every stage timed alone (non-overlapped), with bandwidths
    and FLOP rates, and torch._grouped_mm on the same rows for comparison;
    then a timeline of the real forward (GPU-timer stamps at every phase end, both streams, graph replayed);
-3. a sweep of tile / pipeline variants against the defaults (``SWEEP``; fp8 runs the "fp8:" ones and ``SWEEP_FP8``; ``--no-sweep``
-   skips it);
+3. a sweep of tile / pipeline variants against the defaults (``SWEEP``; fp8 runs the "fp8:" ones and
+   ``SWEEP_FP8``; ``--no-sweep`` skips it);
 4. rates of this machine for the floors (``harness.calibrate``): HBM copy, dense bf16 GEMM, link.
 
 Prints a compact table and writes ``DIR/mok_hopper_gpu_check.csv`` (rank 0). Exit code 1 if any check failed, 2
