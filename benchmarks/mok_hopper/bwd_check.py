@@ -90,9 +90,9 @@ SWEEP: dict[str, dict[str, dict[str, Any]]] = {
                                             "dw2": dict(tma_store=False, num_warps=8, programs_per_sm=1)},
     # session 29: every weight-gradient stage has taken about its stores at 4.2 TB/s plus its MMA over the padded
     # rows at 790 TFLOP/s; an expert's strips over fewer rows where it has fewer (bwd_wgrad's BR_SMALL / BR_TAIL).
-    # v11 runs glm_5_2's 128-row launches (experts of 40-88 rows) with 64 + 32-row strips and dW2 by pointers; these
+    # v11 runs glm_5_2's 128-row launches (experts of 39-84 rows) with 64 + 32-row strips and dW2 by pointers; these
     # take it back to v10, or to 64-row strips alone, or keep dW2 on TMA; "32 + 16" is for the 64-row launches of
-    # qwen3_5_397b and kimi_k2_7 (28-62 rows: it spills there and was 2-4% slower in call B). A size not under the
+    # qwen3_5_397b and kimi_k2_7 (23-62 rows: it spills there and was 2-4% slower in call B). A size not under the
     # launch's row block is off (so on qwen3_5_397b and kimi_k2_7 the first three are A/As)
     "wgrad small experts off, dW2 by TMA (v10)": {"dw13": dict(block_r_small=0), "dw2": dict(block_r_small=0,
                                                                                          tma_store=True)},

@@ -96,7 +96,7 @@ def _tiles(H: int, I: int, cuda: bool, clamped: bool = False, rows_per_expert: f
     # the dW13 stage 1.5-3% faster than by TMA against an A/A in interleaved rounds (qwen3_5_397b, kimi_k2_7; glm_5_2
     # -1% side by side); dW2 stays TMA (by pointers 0-5% slower)
     dw13_tma = cuda and not resident
-    # v11 (PERF_NOTES "Session 29"): where the experts average 48-128 rows (glm_5_2: 40-88, all on the 128-row
+    # v11 (PERF_NOTES "Session 29"): where the experts average 48-128 rows (glm_5_2: 39-84, all on the 128-row
     # path), an expert's strips run over 64 rows where it has at most 64, over 64 + 32 where at most 96 (the 128-row
     # MMA at 128 x 64 blocks does not hide under the stores; the same bits), and dW2 leaves by pointer stores
     # (faster than TMA's at this launch): the backward's stages x0.973 of v10's in bracketed rounds (A/A x1.001)
