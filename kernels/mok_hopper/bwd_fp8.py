@@ -40,7 +40,7 @@ import triton.language as tl
 
 from kernels.mok_hopper.bwd_gemm import FP8_MAX_C, _bwd_rows_epilogue, router_grad
 from kernels.mok_hopper.bwd_wgrad import _store_dw
-from kernels.mok_hopper.gemm_common import _mm, _quant_e4m3, _work_tile
+from kernels.mok_hopper.gemm_common import _gather_rows, _mm, _quant_e4m3, _work_tile
 from kernels.mok_hopper.interp import INTERPRET
 
 BLOCK = 128  # the format's block: 1 x 128 activations, 128 x 128 weights, 128-row token blocks for the wgrad
@@ -153,7 +153,7 @@ def _tok_quant_t_kernel(src_ptr, srcs_ptr, dst_ptr, dsts_ptr, code_ptr, expert_r
         cols = c * BC + tl.arange(0, BC)
         for r0 in range(r_lo, r_hi, BR):
             rows = r0 + r_off
-            live = (rows < r_hi) & (tl.load(code_ptr + rows, mask=rows < r_hi, other=-1) >= 0)  # padding rows: 0
+            _, live = _gather_rows(code_ptr, rows, rows < r_hi, 0, True)  # padding rows: 0
             v = tl.load(src_ptr + rows[:, None] * C + cols[None, :], mask=live[:, None], other=0.0).to(tl.float32)
             if FP8:
                 v = v * tl.load(srcs_ptr + rows * (C // 128) + (c * BC) // 128, mask=live, other=0.0)[:, None]

@@ -45,7 +45,7 @@ def _bwd_wgrad_kernel(p_ptr, q_ptr, dw_ptr, code_ptr, expert_row_ptr, N, K, L,
         acc = tl.zeros((BN, BK), dtype=tl.float32)
         for r0 in tl.range(r_lo, r_hi, BR, num_stages=STAGES):
             rows = (r0 + tl.arange(0, BR)).to(tl.int64)
-            live = (rows < r_hi) & (tl.load(code_ptr + rows, mask=rows < r_hi, other=-1) >= 0)  # padding rows: 0
+            _, live = _gather_rows(code_ptr, rows, rows < r_hi, 0, True)  # padding rows: 0
             p = tl.load(p_ptr + rows[:, None] * N + ncols[None, :], mask=live[:, None], other=0.0)  # [BR, BN]
             q = tl.load(q_ptr + rows[:, None] * K + kcols[None, :], mask=live[:, None], other=0.0)  # [BR, BK]
             acc = _mma(p.T, q, acc, UPCAST)
@@ -173,7 +173,7 @@ def _bwd_wgrad_q_resident(p_ptr, q_ptr, dw_ptr, code_ptr, expert_row_ptr, N, K, 
         nn = tl.arange(0, BN)
         if r_hi - r_lo <= BR:
             rows = (r_lo + tl.arange(0, BR)).to(tl.int64)
-            live = (rows < r_hi) & (tl.load(code_ptr + rows, mask=rows < r_hi, other=-1) >= 0)
+            _, live = _gather_rows(code_ptr, rows, rows < r_hi, 0, True)
             q = tl.load(q_ptr + rows[:, None] * K + kcols[None, :], mask=live[:, None], other=0.0)  # [BR, BK]
             for n in tl.range(0, n_n, num_stages=STAGES):
                 p = tl.load(p_ptr + rows[:, None] * N + (n * BN + nn)[None, :], mask=live[:, None], other=0.0)
@@ -184,7 +184,7 @@ def _bwd_wgrad_q_resident(p_ptr, q_ptr, dw_ptr, code_ptr, expert_row_ptr, N, K, 
                 acc = tl.zeros((BN, BK), dtype=tl.float32)
                 for r0 in tl.range(r_lo, r_hi, BR, num_stages=STAGES):
                     rows = (r0 + tl.arange(0, BR)).to(tl.int64)
-                    live = (rows < r_hi) & (tl.load(code_ptr + rows, mask=rows < r_hi, other=-1) >= 0)
+                    _, live = _gather_rows(code_ptr, rows, rows < r_hi, 0, True)
                     p = tl.load(p_ptr + rows[:, None] * N + (n * BN + nn)[None, :], mask=live[:, None], other=0.0)
                     q = tl.load(q_ptr + rows[:, None] * K + kcols[None, :], mask=live[:, None], other=0.0)
                     acc = _mma(p.T, q, acc, UPCAST)
