@@ -98,7 +98,8 @@ class TileConfig:
     down_maxnreg: int = 0  # registers a thread the down GEMM is compiled for (0: the compiler's choice). 128 lets
     # two programs of 8 warps share an SM: the fp8 down GEMM over whole 128-row tiles 64 columns wide (an 8-warp
     # item holds a 32-register accumulator) at two programs an SM, for glm_5_2 whose full tiles the 64-row items
-    # read twice (PERF_NOTES session 28: 16 B of spill at 128 registers under Triton 3.6 and 3.8; not yet timed)
+    # read twice (PERF_NOTES session 28: 16 B of spill at 128 registers under Triton 3.6 and 3.8; session 29: the
+    # forward 10-21% slower, so off)
     fp8: bool = False  # set by for_fp8 (the fp8 GEMM steps and pipeline depths)
 
     def __post_init__(self) -> None:

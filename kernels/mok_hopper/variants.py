@@ -82,9 +82,10 @@ SWEEP = [  # (label, overrides of the base tile, layer options); tiles checked b
     # fp8 only: the down GEMM as before v16, one program of 8 warps an SM over whole tiles, where v16's default runs
     # it as 64-row items at two programs an SM (fp8_down_halves; on glm_5_2 an A/A)
     ("fp8: down whole tiles, one program an SM (v15)", dict(fp8_down_halves=False), {}),
-    # fp8 only (session 28, for glm_5_2, not yet timed): whole 128-row tiles 64 columns wide at two programs of 8
-    # warps an SM, the down GEMM compiled for 128 registers a thread (16 B of spill) so that two fit: no full tile's
-    # weights read twice (as v16's 64-row items do), each program's promotion beside the other's MMAs
+    # fp8 only (session 28, for glm_5_2): whole 128-row tiles 64 columns wide at two programs of 8 warps an SM, the
+    # down GEMM compiled for 128 registers a thread (16 B of spill) so that two fit: no full tile's weights read
+    # twice (as v16's 64-row items do), each program's promotion beside the other's MMAs. Session 29, call B: the
+    # forward x1.096 (glm_5_2) and x1.213 (qwen3_5_397b) of the default; off
     ("fp8: 128-register down 64 wide, 8 warps, two programs an SM",
      dict(fp8_down_halves=False, fp8_down_n=64, down_warps=8, down_per_sm=2, down_maxnreg=128), {}),
     # fp8 only: the up GEMM's counterpart (session 27): every row tile as 64-row items at 4 warps and 4 stages, two
