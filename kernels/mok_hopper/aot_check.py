@@ -46,10 +46,10 @@ KERNEL_MODULES = ("schedule_kernels", "pull", "up_gemm", "down_gemm", "bwd_gemm"
 # stage 1-3% faster than by TMA (PERF_NOTES "Session 28"). The sweep's fp8 down GEMM capped at 128 registers
 # (``TileConfig.down_maxnreg``, so that two 8-warp programs fit an SM) spills 16 B under both Tritons (session 29:
 # 10-21% slower than the default). Session 29: the 64-row resident weight gradients with strips over 32 + 16 rows
-# for the experts that have that few (bwd_check's sweep) spill 64-96 B by TMA under Triton 3.6 (none under 3.8), 160-168 B by pointers
-# (16 B under 3.8); the 64-row launch whose experts of up to 96 rows run 64 + 32 (glm_5_2 at 128 x 128 blocks) by
-# pointers 176 B at 3 stages (v10's 64-row launch: the same) and 48 B at 2. (A label takes the largest budget of
-# the parts it contains.)
+# for the experts that have that few (bwd_check's sweep) spill 64-96 B by TMA under Triton 3.6 (none under 3.8),
+# 160-168 B by pointers (16 B under 3.8); the 64-row launch whose experts of up to 96 rows run 64 + 32 (glm_5_2 at
+# 128 x 128 blocks) by pointers 176 B at 3 stages (v10's 64-row launch: the same) and 48 B at 2. (A label takes the
+# largest budget of the parts it contains.)
 SPILL_BUDGET = ((" save H", 64), ("bwd dgate", 64), ("bwd dgate pair", 144), ("bwd fp8 dgate", 128),
                 ("bwd fp8 dgate clamp", 192), ("bwd wgrad P resident", 40), ("bwd wgrad Q resident", 40),
                 ("bwd wgrad P resident pointers", 176), ("down fp8 x w 128 registers", 16),
