@@ -59,7 +59,17 @@ if [ -n "${SONIC_WHEELS:-}" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
     "$SONIC_WHEELS"/*.whl || exit 1
 fi
-export PYTHONPATH=$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}
+# pip --target does not run the .pth files a wheel installs (nvidia-cutlass-dsl's puts its python_packages folder
+# on the path): put the folders they name on PYTHONPATH.
+PTH_DIRS=""
+for pth in "$SITE"/*.pth; do
+  [ -e "$pth" ] || continue
+  while IFS= read -r line || [ -n "$line" ]; do
+    case $line in ''|'#'*|import*) continue ;; esac
+    [ -d "$SITE/$line" ] && PTH_DIRS="$PTH_DIRS:$SITE/$line"
+  done < "$pth"
+done
+export PYTHONPATH=$SITE$PTH_DIRS:$PWD${PYTHONPATH:+:$PYTHONPATH}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export TORCHINDUCTOR_AUTOTUNE_IN_SUBPROC=${TORCHINDUCTOR_AUTOTUNE_IN_SUBPROC:-1}
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/mokbench-triton-cache}
@@ -68,6 +78,8 @@ export MOKBENCH_RUN_ID=${MOKBENCH_RUN_ID:-h200-anchors-$(date -u +%Y%m%dT%H%M%S)
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
 python3 -c "import liger_kernel, importlib.metadata as m; print('liger-kernel', m.version('liger-kernel'))" \
   || echo "liger-kernel is not importable: its rows will be unsupported"
+python3 -c "import sonicmoe, importlib.metadata as m; print('sonic-moe', m.version('sonic-moe'), 'quack-kernels',
+m.version('quack-kernels'))" 2>&1 | tail -4 || true
 
 COMMON=(-m hydra/launcher=node ep_size=1 precision=bf16 direction=fwd_and_bwd workload.tokens_per_gpu=2048
         'backends=[nccl,liger,sonicmoe,mok_hopper]' "compile=${COMPILE:-true}" compile_mode=published timing=published
