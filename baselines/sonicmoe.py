@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import os
+import time
 from typing import Any, Callable, Optional
 
 import torch
@@ -101,6 +103,17 @@ class SonicMoEBackend:
         self._moe, activation = _import_sonic()
         self._swiglu = activation.SWIGLU
         self.params = ExpertParams(self.case, inputs)  # leaves aliasing the inputs; the shared expert's compile
+        # QuACK autotunes each of SonicMoE's GEMMs on first use (CuTe DSL compiles of its configs, in
+        # QUACK_COMPILE_WORKERS processes, then benchmarks): one untimed forward and backward here, so that all of it
+        # is in setup_s, as for Liger
+        t0 = time.perf_counter()
+        x = inputs.x_TH.detach().requires_grad_()
+        w = inputs.topk_w_TK.detach().requires_grad_()
+        self.forward(x, inputs.topk_idx_TK, w).backward(inputs.grad_out_TH)
+        if x.is_cuda:
+            torch.cuda.synchronize()
+        self.params.zero_grad()
+        self.autotune_s = time.perf_counter() - t0
 
     def token_indices(self, T: int, K: int, device: torch.device) -> torch.Tensor:
         """Token t repeated K times, ascending (what SonicMoE requires); a constant of the shape, made once."""
@@ -133,8 +146,11 @@ class SonicMoEBackend:
 
     def info(self) -> dict[str, Any]:
         pin = "" if torch_within_pin() else f" (its pin is torch<={PINNED_TORCH}; run as installed)"
+        workers = os.environ.get("QUACK_COMPILE_WORKERS", "8 (its default)")
         notes = [f"SonicMoE {sonic_version()} moe_general_routing_inputs with the harness's top-k (its router "
                  f"replaced), concat gate/up layout, torch {torch.__version__}{pin}",
+                 f"first forward + backward in setup, untimed: {self.autotune_s:.1f} s (QuACK's GEMM autotuning and "
+                 f"compiles, QUACK_COMPILE_WORKERS={workers})",
                  "shared expert: the PyTorch baselines' dense SwiGLU, added to SonicMoE's output",
                  "EP=1 only (single-GPU layer)"]
         return {**self.params.columns(), "notes": "; ".join(notes)}

@@ -28,6 +28,9 @@
 #   the ones that run). SONIC_WHEELS=DIR adds SonicMoE's wheels the same way (sonic-moe, quack-kernels,
 #   nvidia-cutlass-dsl and its libs): to try SonicMoE with torch 2.11; parts made with `split` (NAME.whl.part-aa,
 #   -ab, ...) are joined first. Without them the sonicmoe rows are `unsupported` with the reason.
+# * BACKENDS overrides the list (default [nccl,liger,sonicmoe,mok_hopper]); COMPILE=false runs nccl eager.
+# * SonicMoE's GEMMs (QuACK) autotune in its setup; QUACK_COMPILE_WORKERS (default here: the CPU count) processes
+#   compile their configs.
 # * NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 (no NVLink multicast).
 # * TRITON_CACHE_DIR (the precompiled cache; each point copies it) and TORCHINDUCTOR_CACHE_DIR under /tmp, one
 #   folder each for the whole call (the liger backend sets TRITON_CACHE_AUTOTUNING=1 where TRITON_CACHE_DIR is set,
@@ -71,6 +74,7 @@ for pth in "$SITE"/*.pth; do
 done
 export PYTHONPATH=$SITE$PTH_DIRS:$PWD${PYTHONPATH:+:$PYTHONPATH}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export QUACK_COMPILE_WORKERS=${QUACK_COMPILE_WORKERS:-$(nproc)}
 export TORCHINDUCTOR_AUTOTUNE_IN_SUBPROC=${TORCHINDUCTOR_AUTOTUNE_IN_SUBPROC:-1}
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/mokbench-triton-cache}
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/mokbench-inductor-cache}
@@ -82,8 +86,8 @@ python3 -c "import sonicmoe, importlib.metadata as m; print('sonic-moe', m.versi
 m.version('quack-kernels'))" 2>&1 | tail -4 || true
 
 COMMON=(-m hydra/launcher=node ep_size=1 precision=bf16 direction=fwd_and_bwd workload.tokens_per_gpu=2048
-        'backends=[nccl,liger,sonicmoe,mok_hopper]' "compile=${COMPILE:-true}" compile_mode=published timing=published
-        calibrate=true dist_timeout_s=900 "run_id=$MOKBENCH_RUN_ID" "results_dir=$OUTDIR/runs"
+        "backends=${BACKENDS:-[nccl,liger,sonicmoe,mok_hopper]}" "compile=${COMPILE:-true}" compile_mode=published
+        timing=published calibrate=true dist_timeout_s=900 "run_id=$MOKBENCH_RUN_ID" "results_dir=$OUTDIR/runs"
         hydra.sweep.dir=/tmp/mokbench-sweep hydra.run.dir=/tmp/mokbench-run)
 TUNE=${LIGER_FUSED_MOE_AUTOTUNE:-1}
 precompile() {  # shapes: Liger's compiles ahead, in parallel (nothing to do when it is pinned)

@@ -344,9 +344,11 @@ def test_sonicmoe_adapter_against_a_stand_in(monkeypatch):
     inp = _fp32_inputs(case)
     b = sonicmoe.SonicMoEBackend(case, None)
     b.setup(inp)
+    assert calls == [True]  # setup's untimed forward + backward (QuACK's autotuning); concat_layout: gate, then up
+    assert all(g is None or not g.any() for g in b.weight_grads().values())  # setup leaves no gradient behind
     _check_backend(b, case, inp)
-    assert calls == [True]  # concat_layout: the harness's gate-then-up rows
-    assert "moe_general_routing_inputs" in b.info()["notes"]
+    assert calls == [True, True]
+    assert "moe_general_routing_inputs" in b.info()["notes"] and "untimed" in b.info()["notes"]
 
 
 def test_sonicmoe_unsupported_reasons(monkeypatch):
