@@ -18,7 +18,14 @@ Environment: ``sonic-moe`` 0.1.2.post1 requires torch <= 2.9.1, ``nvidia-cutlass
 libraries) and ``quack-kernels``; its GEMMs are CuTe DSL kernels for SM90 / SM100. Where it does not import (not
 installed, or its CuTe DSL stack does not load with this torch) the rows are ``unsupported`` with the error and the
 environment it runs in (README, 'Anchors: Liger-Kernel and SonicMoE'). With another torch than its pin it is tried
-as installed, and ``notes`` says so.
+as installed, and ``notes`` says so: on the GPU image's torch 2.11.0+cu130, installed with ``--no-deps``
+(``nvidia-cutlass-dsl-libs-cu13``), it imports, and QuACK compiled, ran and autotuned its forward's GEMMs (session
+30); no SonicMoE row has been checked or timed there yet.
+
+QuACK autotunes each GEMM on first use, compiling every config (70-140 s of a CPU each; about 9 minutes of 16 CPUs
+for the six GEMMs). Setup runs one untimed forward and backward, so that this lands in ``setup_s``;
+``benchmarks.sonic_precompile`` does the compiles once, ahead, into ``QUACK_CACHE_DIR`` (kept kernels do not depend on
+the problem's sizes), and the rows' notes cite that.
 
 Not supported, as ``unsupported`` rows: precisions other than bf16 (its fp8 is an open pull request); the clamped
 SwiGLU (SonicMoE's SWIGLU has no clamp); EP >= 2 (SonicMoE 0.1.2 is a single-GPU layer; expert parallelism is open
@@ -31,8 +38,10 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import json
 import os
 import time
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
@@ -40,6 +49,7 @@ import torch
 from contract import Case, LayerInputs
 from baselines.common import ExpertParams, device_capability
 
+PRECOMPILE_RECORD = "mokbench-sonic-precompile.json"  # what benchmarks.sonic_precompile wrote to QUACK_CACHE_DIR
 PINNED_TORCH = "2.9.1"  # sonic-moe 0.1.2.post1: torch>=2.7.1,<=2.9.1
 INSTALL_HINT = (f"SonicMoE 0.1.2.post1 pins torch<={PINNED_TORCH} and nvidia-cutlass-dsl==4.4.2: in a Python 3.12 "
                 f"environment with torch {PINNED_TORCH} (CUDA 12.8 or 13.0 build), pip install sonic-moe==0.1.2.post1 "
@@ -67,6 +77,33 @@ def _import_sonic() -> tuple[Callable, Any]:
     from sonicmoe.enums import ActivationType
 
     return moe_general_routing_inputs, ActivationType
+
+
+def sonic_routed(x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, topk_w_TK: torch.Tensor, w13_EIH: torch.Tensor,
+                 w2_EHI: torch.Tensor, token_indices: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """SonicMoE's routed experts for the harness's top-k: ``moe_general_routing_inputs`` with the routing as its flat
+    lists and the harness's [E, 2I, H] / [E, H, I] weights as its (2I, H, E) / (H, I, E) views (module docstring)."""
+    moe, activation = _import_sonic()
+    T, K = topk_idx_TK.shape
+    if token_indices is None:
+        token_indices = torch.arange(T, device=x_TH.device, dtype=torch.int32).repeat_interleave(K)
+    stream = torch.cuda.current_stream().cuda_stream if x_TH.is_cuda else 0
+    out, _ = moe(x_TH, topk_w_TK.reshape(-1), token_indices, topk_idx_TK.reshape(-1).to(torch.int32),
+                 w13_EIH.permute(1, 2, 0), None, w2_EHI.permute(1, 2, 0), None, w13_EIH.shape[0], stream,
+                 activation.SWIGLU, False, True)  # is_inference_mode_enabled=False, concat_layout=True
+    return out
+
+
+def precompile_record() -> Optional[dict]:
+    """The record ``benchmarks.sonic_precompile`` left in ``QUACK_CACHE_DIR``, if it prepared that cache."""
+    cache = os.environ.get("QUACK_CACHE_DIR")
+    path = Path(cache) / PRECOMPILE_RECORD if cache else None
+    if path is None or not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
 
 
 class SonicMoEBackend:
@@ -100,8 +137,7 @@ class SonicMoEBackend:
         self._tokens: dict[tuple[int, int, str], torch.Tensor] = {}
 
     def setup(self, inputs: LayerInputs) -> None:
-        self._moe, activation = _import_sonic()
-        self._swiglu = activation.SWIGLU
+        _import_sonic()
         self.params = ExpertParams(self.case, inputs)  # leaves aliasing the inputs; the shared expert's compile
         # QuACK autotunes each of SonicMoE's GEMMs on first use (CuTe DSL compiles of its configs, in
         # QUACK_COMPILE_WORKERS processes, then benchmarks): one untimed forward and backward here, so that all of it
@@ -124,12 +160,8 @@ class SonicMoEBackend:
 
     def forward(self, x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, topk_w_TK: torch.Tensor) -> torch.Tensor:
         T, K = topk_idx_TK.shape
-        w1 = self.params.w13.permute(1, 2, 0)  # (2I, H, E), stride order (2, 0, 1): gate rows, then up rows
-        w2 = self.params.w2.permute(1, 2, 0)  # (H, I, E), stride order (2, 0, 1)
-        stream = torch.cuda.current_stream().cuda_stream if x_TH.is_cuda else 0
-        out, _ = self._moe(x_TH, topk_w_TK.reshape(-1), self.token_indices(T, K, x_TH.device),
-                           topk_idx_TK.reshape(-1).to(torch.int32), w1, None, w2, None, self.case.num_experts, stream,
-                           self._swiglu, False, True)  # is_inference_mode_enabled=False, concat_layout=True
+        out = sonic_routed(x_TH, topk_idx_TK, topk_w_TK, self.params.w13, self.params.w2,
+                           self.token_indices(T, K, x_TH.device))
         return self.params.add_shared(out, x_TH)
 
     def zero_grad(self) -> None:
@@ -147,10 +179,16 @@ class SonicMoEBackend:
     def info(self) -> dict[str, Any]:
         pin = "" if torch_within_pin() else f" (its pin is torch<={PINNED_TORCH}; run as installed)"
         workers = os.environ.get("QUACK_COMPILE_WORKERS", "8 (its default)")
+        pre = precompile_record()
+        cache = (f"QuACK's kernel cache {os.environ['QUACK_CACHE_DIR']}" if os.environ.get("QUACK_CACHE_DIR")
+                 else "QuACK's default kernel cache")
+        if pre:
+            cache += (f" (compiled ahead by benchmarks.sonic_precompile: {pre.get('workers')} workers, "
+                      f"{pre.get('seconds')} s, {pre.get('utc')})")
         notes = [f"SonicMoE {sonic_version()} moe_general_routing_inputs with the harness's top-k (its router "
                  f"replaced), concat gate/up layout, torch {torch.__version__}{pin}",
                  f"first forward + backward in setup, untimed: {self.autotune_s:.1f} s (QuACK's GEMM autotuning and "
-                 f"compiles, QUACK_COMPILE_WORKERS={workers})",
+                 f"compiles, QUACK_COMPILE_WORKERS={workers}); {cache}",
                  "shared expert: the PyTorch baselines' dense SwiGLU, added to SonicMoE's output",
                  "EP=1 only (single-GPU layer)"]
         return {**self.params.columns(), "notes": "; ".join(notes)}

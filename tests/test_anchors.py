@@ -351,6 +351,72 @@ def test_sonicmoe_adapter_against_a_stand_in(monkeypatch):
     assert "moe_general_routing_inputs" in b.info()["notes"] and "untimed" in b.info()["notes"]
 
 
+def test_sonic_routed_matches_a_per_expert_loop(monkeypatch):
+    """The adapter's call (shared with benchmarks.sonic_precompile) through the stand-in, against plain torch."""
+    from baselines import sonicmoe
+
+    calls: list = []
+    mod = _fake_sonic(calls)
+    monkeypatch.setitem(sys.modules, "sonicmoe", mod)
+    monkeypatch.setitem(sys.modules, "sonicmoe.enums", mod.enums)
+    g = torch.Generator().manual_seed(1)
+    T, H, I, E, K = 12, 16, 8, 4, 2
+    x, w13 = torch.randn(T, H, generator=g), torch.randn(E, 2 * I, H, generator=g)
+    w2 = torch.randn(E, H, I, generator=g)
+    w_TK, idx_TK = torch.softmax(torch.randn(T, E, generator=g), -1).topk(K, -1)
+    got = sonicmoe.sonic_routed(x, idx_TK, w_TK, w13, w2)
+    want = torch.zeros(T, H)
+    for t in range(T):
+        for k in range(K):
+            e = int(idx_TK[t, k])
+            h = w13[e] @ x[t]
+            want[t] += w_TK[t, k] * (w2[e] @ (F.silu(h[:I]) * h[I:]))
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert calls == [True]
+
+
+def test_sonic_precompile_small_problem_through_a_stand_in(monkeypatch):
+    from benchmarks import sonic_precompile as P
+
+    mod = _fake_sonic([])
+    monkeypatch.setitem(sys.modules, "sonicmoe", mod)
+    monkeypatch.setitem(sys.modules, "sonicmoe.enums", mod.enums)
+    out, dx = P.run_small_problem(32, 16, 4, device="cpu")
+    assert out.shape == (P.TOKENS, 32) and dx is not None and dx.shape == (P.TOKENS, 32) and bool(dx.abs().sum() > 0)
+    assert P.shape_dims(["glm_5_2", "glm_5_2"]) == P.shape_dims(["glm_5_2"])
+
+
+@pytest.mark.parametrize("env, args, says", [
+    ({}, [], "set QUACK_CACHE_DIR"),
+    ({"QUACK_CACHE_DIR": "CACHE"}, ["--shapes", "no_such_shape"], "unknown shape"),
+    ({"QUACK_CACHE_DIR": "CACHE"}, ["--workers", "0"], "at least 1"),
+    ({"QUACK_CACHE_DIR": "CACHE", "CUDA_VISIBLE_DEVICES": ""}, [],
+     "pip install sonic-moe" if importlib.util.find_spec("sonicmoe") is None else "needs a Hopper"),
+])
+def test_sonic_precompile_refuses_what_cannot_run(tmp_path, env, args, says):
+    """One line naming the fix, exit code 2, and nothing written to the cache."""
+    run_env = {k: v for k, v in os.environ.items() if k != "QUACK_CACHE_DIR"}
+    run_env.update({k: v.replace("CACHE", str(tmp_path)) for k, v in env.items()})
+    r = subprocess.run([sys.executable, "-m", "benchmarks.sonic_precompile", *args], cwd=ROOT, env=run_env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert says in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_sonic_notes_cite_a_precompiled_cache(monkeypatch, tmp_path):
+    from baselines import sonicmoe
+
+    monkeypatch.setenv("QUACK_CACHE_DIR", str(tmp_path))
+    assert sonicmoe.precompile_record() is None
+    b = sonicmoe.SonicMoEBackend(_case(), None)
+    b.params, b.autotune_s = types.SimpleNamespace(columns=lambda: {}), 12.5
+    assert "compiled ahead" not in b.info()["notes"] and str(tmp_path) in b.info()["notes"]
+    (tmp_path / sonicmoe.PRECOMPILE_RECORD).write_text(
+        '{"workers": 16, "seconds": 530.2, "utc": "2026-12-05T10:00:00Z"}')
+    assert "compiled ahead by benchmarks.sonic_precompile: 16 workers, 530.2 s" in b.info()["notes"]
+
+
 def test_sonicmoe_unsupported_reasons(monkeypatch):
     from baselines import sonicmoe
 

@@ -1,0 +1,139 @@
+"""SonicMoE's kernels compiled once, ahead, into QuACK's kernel cache, so that each harness point only benchmarks.
+
+    QUACK_CACHE_DIR=/path/to/cache python -m benchmarks.sonic_precompile [--shapes qwen3_5_397b] [--workers N]
+
+Why: SonicMoE's GEMMs are QuACK's CuTe DSL kernels, and QuACK autotunes each GEMM on its first call: it compiles
+every config of that GEMM (9-22 on SM90), in ``QUACK_COMPILE_WORKERS`` processes, then benchmarks them. On the H200
+machine (16 CPUs) one config took 70-140 s of a CPU to compile, and the six GEMMs of a forward and backward about
+9 minutes, more than one 600 s call holds beside the other backends (session 30, PERF_NOTES).
+
+What it does: one SonicMoE forward and backward (``baselines.sonicmoe.sonic_routed``, the adapter's own call) on a
+small problem with each named shape's H, I and K (16 experts, 256 tokens, bf16). QuACK's compile keys are the
+dtypes, majors, tiles, clusters and epilogue, never the problem's sizes, so the kernels compiled here are the ones
+every shape's GEMMs use; QuACK writes them to ``QUACK_CACHE_DIR`` as .o files (a few MB for all of them), which a
+later process loads instead of compiling. The small problem's autotuning results are keyed by its own sizes, so the
+harness's ``sonicmoe`` setup still autotunes on each point's real inputs (and its ``setup_s`` is then the
+benchmarking). The record ``baselines.sonicmoe.PRECOMPILE_RECORD`` in the cache folder says what was done, and the
+rows' notes cite it. The folder can be copied to another machine with the same Python, CUTLASS DSL, tvm-ffi and
+QuACK (QuACK's cache fingerprint).
+
+Needs a CUDA GPU of SM90 / SM100, sonic-moe, and ``QUACK_CACHE_DIR`` (without it the kernels would go to a per-user
+temporary folder: exit code 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Sequence
+
+EXPERTS, TOKENS = 16, 256  # the small problem (QuACK's compiled kernels do not depend on its sizes)
+
+
+def shape_dims(names: Sequence[str]) -> list[tuple[int, int, int]]:
+    """(H, I, K) of each named shape (configs/shape), without repeats."""
+    from harness.config import shape_table
+
+    table = shape_table()
+    unknown = [n for n in names if n not in table]
+    if unknown:
+        raise KeyError(f"unknown shape(s) {unknown}; known: {sorted(table)}")
+    dims: list[tuple[int, int, int]] = []
+    for n in names:
+        d = (int(table[n]["hidden"]), int(table[n]["ffn"]), int(table[n]["topk"]))
+        if d not in dims:
+            dims.append(d)
+    return dims
+
+
+def run_small_problem(H: int, I: int, K: int, device: str = "cuda"):
+    """SonicMoE's routed layer, forward and backward, on EXPERTS experts and TOKENS tokens (bf16 on the GPU, fp32
+    elsewhere); returns the output and the input's gradient."""
+    import torch
+
+    from baselines.sonicmoe import sonic_routed
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    g = torch.Generator(device="cpu").manual_seed(0)
+    x = (torch.randn(TOKENS, H, generator=g) * 0.5).to(device, dtype).requires_grad_()
+    w13 = (torch.randn(EXPERTS, 2 * I, H, generator=g) * 0.02).to(device, dtype).requires_grad_()
+    w2 = (torch.randn(EXPERTS, H, I, generator=g) * 0.02).to(device, dtype).requires_grad_()
+    w_TK, idx_TK = torch.softmax(torch.randn(TOKENS, EXPERTS, generator=g), dim=-1).topk(K, dim=-1)
+    w_TK = w_TK.to(device).requires_grad_()
+    out = sonic_routed(x, idx_TK.to(device), w_TK, w13, w2)
+    out.backward(torch.randn(out.shape, generator=g).to(device, out.dtype))
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return out.detach(), x.grad
+
+
+def _files(cache: Path) -> int:
+    return sum(1 for p in cache.rglob("*.o")) if cache.is_dir() else 0
+
+
+def _version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "?"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.sonic_precompile", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", default="qwen3_5_397b",
+                    help="comma-separated shape names (configs/shape); one is enough: the kernels do not depend on it")
+    ap.add_argument("--workers", type=int, default=os.cpu_count() or 1,
+                    help="QUACK_COMPILE_WORKERS, the processes that compile (default: the CPUs)")
+    args = ap.parse_args(argv)
+    cache = os.environ.get("QUACK_CACHE_DIR")
+    if not cache:
+        print("sonic_precompile: set QUACK_CACHE_DIR (the folder the harness's sonicmoe setup will load the compiled "
+              "kernels from); nothing was compiled", file=sys.stderr)
+        return 2
+    try:
+        dims = shape_dims([s for s in args.shapes.split(",") if s])
+    except KeyError as e:
+        print(f"sonic_precompile: {e.args[0]}", file=sys.stderr)
+        return 2
+    if args.workers < 1:
+        print("sonic_precompile: --workers must be at least 1", file=sys.stderr)
+        return 2
+    import importlib.util
+
+    from baselines.sonicmoe import INSTALL_HINT, PRECOMPILE_RECORD
+
+    if importlib.util.find_spec("sonicmoe") is None:
+        print(f"sonic_precompile: sonic-moe is not installed; {INSTALL_HINT}", file=sys.stderr)
+        return 2
+    import torch
+
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] not in (9, 10):
+        print("sonic_precompile: needs a Hopper (SM90) or Blackwell (SM100) GPU, where SonicMoE's GEMMs run; nothing "
+              "was compiled", file=sys.stderr)
+        return 2
+    os.environ["QUACK_COMPILE_WORKERS"] = str(args.workers)
+    cache_dir = Path(cache)
+    before = _files(cache_dir)
+    t0 = time.perf_counter()
+    for H, I, K in dims:
+        run_small_problem(H, I, K)
+    seconds = time.perf_counter() - t0
+    record = {"shapes": args.shapes, "dims_HIK": dims, "workers": args.workers, "seconds": round(seconds, 1),
+              "kernel_files_before": before, "kernel_files_after": _files(cache_dir),
+              "small_problem": {"experts": EXPERTS, "tokens": TOKENS},
+              "versions": {d: _version(d) for d in ("sonic-moe", "quack-kernels", "nvidia-cutlass-dsl-libs-cu13",
+                                                    "nvidia-cutlass-dsl-libs-base", "apache-tvm-ffi")},
+              "torch": torch.__version__, "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    (cache_dir / PRECOMPILE_RECORD).write_text(json.dumps(record, indent=1))
+    print(f"sonic_precompile: {len(dims)} (H, I, K) with {args.workers} compile workers in {seconds:.1f} s; kernel "
+          f"files {before} -> {record['kernel_files_after']} ({cache_dir / PRECOMPILE_RECORD})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
