@@ -116,6 +116,7 @@ run() {  # point name, then the point's overrides
   local cache=$TRITON_CACHE_DIR-$name
   rm -rf "$cache"; mkdir -p "$TRITON_CACHE_DIR"; cp -r "$TRITON_CACHE_DIR" "$cache"
   find "$cache" -name '*.autotune.json' -delete
+  find "$QUACK_CACHE_DIR" -name '*.autotune.json' -delete 2>/dev/null  # SonicMoE autotunes on the point's problem too
   echo "+ TRITON_CACHE_DIR=$cache python3 -m harness.run ${COMMON[*]} $*"
   echo "Triton cache entries before $name: $(ls "$cache" | wc -l)"
   TRITON_CACHE_DIR=$cache python3 -m harness.run "${COMMON[@]}" "$@" 2>&1 | grep -v -e Warning -e warnings.warn \
