@@ -22,10 +22,11 @@ as installed, and ``notes`` says so: on the GPU image's torch 2.11.0+cu130, inst
 (``nvidia-cutlass-dsl-libs-cu13``), it imports, and QuACK compiled, ran and autotuned its forward's GEMMs (session
 30); no SonicMoE row has been checked or timed there yet.
 
-QuACK autotunes each GEMM on first use, compiling every config (70-140 s of a CPU each; about 9 minutes of 16 CPUs
-for the six GEMMs). Setup runs one untimed forward and backward, so that this lands in ``setup_s``;
-``benchmarks.sonic_precompile`` does the compiles once, ahead, into ``QUACK_CACHE_DIR`` (kept kernels do not depend on
-the problem's sizes), and the rows' notes cite that.
+QuACK autotunes each GEMM on first use, compiling every config (9-22 a GEMM on SM90, one to two CPU-minutes
+each; on 16 CPUs the first two of its six GEMMs took 220 s, and the third had not finished 175 s later). Setup runs
+one untimed forward and backward, so that this lands in ``setup_s``; ``benchmarks.sonic_precompile`` does the
+compiles once, ahead, into ``QUACK_CACHE_DIR`` (the kept kernels do not depend on the problem's sizes), and the rows'
+notes cite that.
 
 Not supported, as ``unsupported`` rows: precisions other than bf16 (its fp8 is an open pull request); the clamped
 SwiGLU (SonicMoE's SWIGLU has no clamp); EP >= 2 (SonicMoE 0.1.2 is a single-GPU layer; expert parallelism is open

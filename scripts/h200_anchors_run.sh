@@ -31,7 +31,7 @@
 # * BACKENDS overrides the list (default [nccl,liger,sonicmoe,mok_hopper]); COMPILE=false runs nccl eager.
 # * SonicMoE's GEMMs (QuACK) autotune in its setup; QUACK_COMPILE_WORKERS (default here: the CPU count) processes
 #   compile their configs. Before the points, `python -m benchmarks.sonic_precompile` compiles every config once
-#   into QUACK_CACHE_DIR (default /tmp/mokbench-quack-cache; about 9 minutes on 16 CPUs), unless its record is
+#   into QUACK_CACHE_DIR (default /tmp/mokbench-quack-cache; more than 400 s on 16 CPUs), unless its record is
 #   already there (a cache prepared earlier and copied in), so the points' setups only benchmark.
 # * NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 (no NVLink multicast).
 # * TRITON_CACHE_DIR (the precompiled cache; each point copies it) and TORCHINDUCTOR_CACHE_DIR under /tmp, one
