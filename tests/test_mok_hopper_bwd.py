@@ -472,6 +472,49 @@ def test_weight_gradient_with_p_resident_is_the_default_one(tma_store):
 
 @pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (it comes with torch on Linux; pip install -e "
                                            "'.[test]'): the interpreter kernel tests need it")
+def test_weight_gradient_split_launches_cover_every_expert_once():
+    """Session 30's option: the experts of at most ``rows`` rows in a launch of their own blocks (``rows_max``),
+    the others in a second launch (``rows_min``). Each launch alone writes exactly its experts' blocks (the rest
+    stay NaN: the expert without rows belongs to the first); both together are the default kernel's values, the
+    second launch's experts bit for bit (its launch is the default's), the first's to an fp32 rounding (other
+    blocks: numpy's dot may sum in another order). Through ``train._wgrad``'s ``split`` too."""
+    from kernels.mok_hopper import bwd_wgrad, interp, train
+
+    if not interp.INTERPRET:
+        pytest.skip("the kernels run on the CPU under TRITON_INTERPRET=1 (set at the top of this file without a GPU)")
+    g = torch.Generator().manual_seed(5)
+    sizes = [0, 40, 64, 130, 20, 41, 12, 80]
+    starts = torch.tensor([0, *torch.tensor(sizes).cumsum(0).tolist()], dtype=torch.int32)
+    R, N, K = int(starts[-1]), 128, 256
+    p = torch.randn(R, N, generator=g).bfloat16()
+    q = torch.randn(R, K, generator=g).bfloat16()
+    code = torch.arange(R, dtype=torch.int32)
+    code[[5, 70, 150, 240, 300]] = -1
+    base = dict(programs=3, block_n=64, block_k=64, block_r=64, resident=True, block_r_small=64, block_r_tail=32)
+
+    def run(*launches):
+        dw = torch.full((len(sizes), N, K), float("nan"), dtype=torch.bfloat16)
+        for kw in launches:
+            bwd_wgrad.bwd_wgrad(p, q, dw, code, starts, **kw)
+        return dw
+
+    small = {**base, "block_k": 128, "block_r_small": 0, "block_r_tail": 0, "rows_max": 40}
+    large = {**base, "rows_min": 40}
+    default, lo, hi, both = run(base), run(small), run(large), run(small, large)
+    for e, n in enumerate(sizes):
+        assert not lo[e].isnan().any() if n <= 40 else lo[e].isnan().all(), (e, n)
+        assert not hi[e].isnan().any() if n > 40 else hi[e].isnan().all(), (e, n)
+        if n > 40:
+            assert torch.equal(both[e], default[e]), (e, n)
+    assert torch.allclose(both.float(), default.float(), rtol=2 ** -7, atol=1e-6) and not both[0].any()
+    t = dict(base, grouped_mm=False, split=dict(rows=40, programs=2, block_k=128))
+    t.pop("programs")
+    via = train._wgrad(p, q, torch.empty(len(sizes), N, K, dtype=torch.bfloat16), code, starts, 3, t, {})
+    assert torch.equal(via, both)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (it comes with torch on Linux; pip install -e "
+                                           "'.[test]'): the interpreter kernel tests need it")
 def test_the_weight_gradient_launch_follows_the_routed_rows_not_the_capacity(monkeypatch):
     """The weight-gradient launches are chosen by the rows an expert gets on average (T K / L), not by the layer's
     row capacity over L, which counts tile padding: at EP=1 on glm_5_2 the capacity is 191 rows an expert against
@@ -696,6 +739,42 @@ def test_bwd_checks_tiled_layout_variant_runs_the_tiled_backward(fused, monkeypa
     plain_layer, _, _, _ = _toy_layer()
     with pytest.raises(ValueError, match="plain here"):
         bwd_check._weights(SimpleNamespace(impl=plain_layer, params=backend.params), over)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (it comes with torch on Linux; pip install -e "
+                                           "'.[test]'): the interpreter kernel tests need it")
+def test_split_weight_gradients_through_the_layer_backward(monkeypatch):
+    """``split`` as bwd_check's sweep passes it (train.py's tiles, its own programs an SM): two launches for each
+    weight gradient, the experts of at most ``rows`` rows first, and the layer's gradients those of the default
+    launch (the weight gradients to an fp32 rounding: other blocks, numpy's dot; the rest bit for bit)."""
+    from types import SimpleNamespace
+
+    from benchmarks.mok_hopper import bwd_check
+    from kernels.mok_hopper import bwd_wgrad, interp
+
+    if not interp.INTERPRET:
+        pytest.skip("the kernels run on the CPU under TRITON_INTERPRET=1 (set at the top of this file without a GPU)")
+    T, K, E, H, I = TOY
+    layer, w13, w2, shared = _toy_layer()
+    xs, idx, ws, dOs, _, _, _ = make(1, T, K, E, H, I, seed=8)
+    backend = SimpleNamespace(impl=layer, params=SimpleNamespace(w13=w13[0], w2=w2[0], shared=tuple(shared)))
+    inp = SimpleNamespace(x_TH=xs[0], topk_idx_TK=idx[0], topk_w_TK=ws[0], grad_out_TH=dOs[0])
+    default = bwd_check._backward(backend, inp, None)
+    calls = []
+    launch = bwd_wgrad.bwd_wgrad
+    monkeypatch.setattr(bwd_wgrad, "bwd_wgrad", lambda *a, **kw: calls.append(kw) or launch(*a, **kw))
+    sp = dict(rows=K * T // E, block_k=64, block_r=32, programs_per_sm=3)
+    got = bwd_check._backward(backend, inp, {"dw13": dict(split=sp), "dw2": dict(split=sp)})
+    assert [(c.get("rows_max", -1), c.get("rows_min", -1), c["block_r"]) for c in calls] == [(9, -1, 32),
+                                                                                        (-1, 9, 64)] * 2
+    assert calls[0]["programs"] == 3 * calls[1]["programs"] // 2  # split's 3 an SM against the default's 2
+    for k in default:
+        a, b = default[k], got[k]
+        for x, y in zip(a if isinstance(a, tuple) else (a,), b if isinstance(b, tuple) else (b,)):
+            if k in ("w13", "w2"):
+                assert torch.allclose(x.float(), y.float(), rtol=2 ** -7, atol=1e-6), k
+            else:
+                assert torch.equal(x, y), k
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (it comes with torch on Linux; pip install -e "

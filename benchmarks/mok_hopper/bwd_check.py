@@ -110,6 +110,16 @@ SWEEP: dict[str, dict[str, dict[str, Any]]] = {
     "wgrad small experts: 128 x 128 blocks, 64-row launch, 64 + 32-row strips, 2 stages, dW2 by TMA": {
         "dw13": dict(block_k=128, block_r=64, block_r_small=64, block_r_tail=32, stages=2),
         "dw2": dict(block_k=128, block_r=64, block_r_small=64, block_r_tail=32, stages=2, tma_store=True)},
+    # session 30 (train._wgrad's ``split``): the experts of at most 64 rows in a launch of their own, qwen3_5_397b's
+    # (128 x 128 blocks, 64-row strips; call G's probe: 3.86 ms where glm_5_2's 128 x 64 take 4.68 for dW13), the
+    # others in the shape's launch (glm_5_2: v12's 128 x 64, 64 + 32-row strips). Where every expert has at most 64
+    # rows (qwen3_5_397b, kimi_k2_7) it is the default launch with the row bound, which Triton 3.6 builds without a
+    # spill (212 / 186 registers against 255 with 176 B of spill / 255), plus a launch with no expert
+    "wgrad split at 64 rows": {
+        "dw13": dict(split=dict(rows=64, block_k=128, block_r=64, num_warps=4, programs_per_sm=2, stages=3,
+                                tma_store=False)),
+        "dw2": dict(split=dict(rows=64, block_k=128, block_r=64, num_warps=4, programs_per_sm=2, stages=3,
+                               tma_store=True))},
     # v12: dgate and dW2 read dO's rows by token; v11 gathered a copy of them first (the "gather" stage)
     "dO rows gathered first (v11)": {"gather_dO": {"in_kernels": False}},
     # v6 (session 17): the shared expert's backward by torch GEMMs is the default; the kernels' way, for comparison

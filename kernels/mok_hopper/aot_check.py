@@ -318,6 +318,17 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048, extras: bool 
         out.append(Variant("bwd wgrad P resident 128 rows pointers, 64 + 32-row strips, dO gathered",
                            "_bwd_wgrad_resident_kernel", dict(wg_t, dw_ptr="*bf16"),
                            dict(wg_c, BK=64, BR=128, BR_SMALL=64, BR_TAIL=32, TMA_STORE=False, P_GATHER=8), 4))
+        # session 30 (an option, ``split`` in train._wgrad): glm_5_2's experts of at most 64 rows in the 64-row
+        # launch at 128 x 128 (qwen3_5_397b's, ROWS_MAX), the others in v12's 128-row launch at 128 x 64 (ROWS_MIN)
+        for label, over, dw in (
+                ("bwd wgrad P resident pointers, experts up to 64 rows", dict(TMA_STORE=False, ROWS_MAX=64), "*bf16"),
+                ("bwd wgrad P resident, experts up to 64 rows, dO gathered", dict(ROWS_MAX=64, P_GATHER=8),
+                 wg_t["dw_ptr"]),
+                ("bwd wgrad P resident 128 rows pointers, 64 + 32-row strips, experts over 64 rows",
+                 dict(BK=64, BR=128, BR_SMALL=64, BR_TAIL=32, TMA_STORE=False, ROWS_MIN=64), "*bf16"),
+                ("bwd wgrad P resident 128 rows pointers, 64 + 32-row strips, experts over 64 rows, dO gathered",
+                 dict(BK=64, BR=128, BR_SMALL=64, BR_TAIL=32, TMA_STORE=False, ROWS_MIN=64, P_GATHER=8), "*bf16")):
+            out.append(Variant(label, "_bwd_wgrad_resident_kernel", dict(wg_t, dw_ptr=dw), dict(wg_c, **over), 4))
         # the fused stages (bwd_fused.py, an option; train.py's launches: 64-row blocks where the experts average at
         # most 48 rows, else 128) and bwd_check's sweep launches (4 warps, two programs per SM)
         dg_t = dict(do_ptr="*bf16", h_ptr="*bf16", clip_ptr="*u8", s_ptr="*fp32", dh_ptr="*bf16", ds_ptr="*fp32",

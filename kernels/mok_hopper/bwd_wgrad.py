@@ -4,7 +4,9 @@ launched by :mod:`kernels.mok_hopper.train`; versions and measurements in PERF_N
 * :func:`bwd_wgrad` - dW[e] = P_e^T @ Q_e, each expert's rows in schedule order (no split-K, no atomics: bitwise
   deterministic): dW13 (P = dH, Q = X rows) and dW2 (P = dO rows, or dO by token, Q = s*A); padding rows (code <
   0) add nothing. Optionally stored by TMA (asynchronous). With P resident (:func:`_bwd_wgrad_resident_kernel`),
-  an expert's strips run over as few rows as the launch allows (``block_r_small`` / ``block_r_tail``).
+  an expert's strips run over as few rows as the launch allows (``block_r_small`` / ``block_r_tail``), and a
+  launch may take only the experts above or up to a row count (``rows_min`` / ``rows_max``: two launches with
+  their own blocks).
 * :func:`expert_rows` - each local expert's first row in the schedule, on the device.
 
 Legend: R routed rows, M row tiles, L local experts, N and K the gradient's two dimensions.
@@ -77,7 +79,8 @@ def _bwd_wgrad_resident_kernel(p_ptr, q_ptr, dw_ptr, code_ptr, expert_row_ptr, N
                                UPCAST: tl.constexpr, STAGES: tl.constexpr, TMA_STORE: tl.constexpr = False,
                                TBN: tl.constexpr = 0, TBK: tl.constexpr = 0, GU: tl.constexpr = False,
                                Q_RESIDENT: tl.constexpr = False, BR_SMALL: tl.constexpr = 0,
-                               BR_TAIL: tl.constexpr = 0, P_GATHER: tl.constexpr = 0):
+                               BR_TAIL: tl.constexpr = 0, P_GATHER: tl.constexpr = 0, ROWS_MIN: tl.constexpr = -1,
+                               ROWS_MAX: tl.constexpr = -1):
     """The weight gradients with P resident: work items (expert, column block of N), each a strip of dW[e]
     [BN, K]. An expert of at most BR rows (every published shape at EP=1: 32-64 rows) loads its P block once and
     streams its Q blocks, one output block per K step (P read once per strip instead of once per output block);
@@ -89,39 +92,61 @@ def _bwd_wgrad_resident_kernel(p_ptr, q_ptr, dw_ptr, code_ptr, expert_row_ptr, N
     expert of at most BR_SMALL + BR_TAIL rows takes strips over its first BR_SMALL rows and the BR_TAIL after them
     (two MMAs into one accumulator, in the rows' order: the sums of one MMA over BR rows). BR_SMALL may equal BR,
     and BR_SMALL + BR_TAIL exceed it: then the experts of BR to BR + BR_TAIL rows keep P resident too. P_GATHER
-    (the top-k K; not with Q_RESIDENT): ``p_ptr`` is per token, row r's P row token ``code[r] // K``."""
+    (the top-k K; not with Q_RESIDENT): ``p_ptr`` is per token, row r's P row token ``code[r] // K``. ROWS_MIN
+    (ROWS_MAX; at most one of them, not with Q_RESIDENT): the launch leaves out the experts of at most ROWS_MIN
+    rows (of more than ROWS_MAX): two launches, one with each at the same bound, cover every expert once, each with
+    its own blocks (session 30)."""
     if Q_RESIDENT:
         _bwd_wgrad_q_resident(p_ptr, q_ptr, dw_ptr, code_ptr, expert_row_ptr, N, K, L, BN, BK, BR, NUM_PROGS, UPCAST,
                               STAGES, TMA_STORE, TBN, TBK, GU)
         return
     n_n = N // BN
-    n_k = K // BK
     for wk in range(tl.program_id(0), L * n_n, NUM_PROGS):
         e = wk // n_n
         n = wk % n_n
         r_lo = tl.load(expert_row_ptr + e)
         r_hi = tl.load(expert_row_ptr + e + 1)
-        ncols = n * BN + tl.arange(0, BN)
-        kk = tl.arange(0, BK)
-        if BR_SMALL > 0 and r_hi - r_lo <= BR_SMALL:
-            _resident_strip(p_ptr, q_ptr, dw_ptr, code_ptr, e, n, r_lo, r_hi, N, K, BN, BK, BR_SMALL, 0, UPCAST,
-                            STAGES, TMA_STORE, TBN, TBK, GU, P_GATHER)
-        elif BR_TAIL > 0 and r_hi - r_lo <= BR_SMALL + BR_TAIL:
-            _resident_strip(p_ptr, q_ptr, dw_ptr, code_ptr, e, n, r_lo, r_hi, N, K, BN, BK, BR_SMALL, BR_TAIL, UPCAST,
-                            STAGES, TMA_STORE, TBN, TBK, GU, P_GATHER)
-        elif r_hi - r_lo <= BR:
-            _resident_strip(p_ptr, q_ptr, dw_ptr, code_ptr, e, n, r_lo, r_hi, N, K, BN, BK, BR, 0, UPCAST, STAGES,
-                            TMA_STORE, TBN, TBK, GU, P_GATHER)
+        if ROWS_MIN >= 0:
+            if r_hi - r_lo > ROWS_MIN:
+                _resident_item(p_ptr, q_ptr, dw_ptr, code_ptr, e, n, r_lo, r_hi, N, K, BN, BK, BR, UPCAST, STAGES,
+                               TMA_STORE, TBN, TBK, GU, BR_SMALL, BR_TAIL, P_GATHER)
+        elif ROWS_MAX >= 0:
+            if r_hi - r_lo <= ROWS_MAX:
+                _resident_item(p_ptr, q_ptr, dw_ptr, code_ptr, e, n, r_lo, r_hi, N, K, BN, BK, BR, UPCAST, STAGES,
+                               TMA_STORE, TBN, TBK, GU, BR_SMALL, BR_TAIL, P_GATHER)
         else:
-            for k in range(0, n_k):
-                acc = tl.zeros((BN, BK), dtype=tl.float32)
-                for r0 in tl.range(r_lo, r_hi, BR, num_stages=STAGES):
-                    rows = (r0 + tl.arange(0, BR)).to(tl.int64)
-                    p_rows, live = _gather_rows(code_ptr, rows, rows < r_hi, P_GATHER, True)
-                    p = tl.load(p_ptr + p_rows[:, None] * N + ncols[None, :], mask=live[:, None], other=0.0)
-                    q = tl.load(q_ptr + rows[:, None] * K + (k * BK + kk)[None, :], mask=live[:, None], other=0.0)
-                    acc = _mma(p.T, q, acc, UPCAST)
-                _store_dw(dw_ptr, acc, e, n, k, N, K, BN, BK, TMA_STORE, TBN, TBK, GU)
+            _resident_item(p_ptr, q_ptr, dw_ptr, code_ptr, e, n, r_lo, r_hi, N, K, BN, BK, BR, UPCAST, STAGES,
+                           TMA_STORE, TBN, TBK, GU, BR_SMALL, BR_TAIL, P_GATHER)
+
+
+@triton.jit
+def _resident_item(p_ptr, q_ptr, dw_ptr, code_ptr, e, n, r_lo, r_hi, N, K, BN: tl.constexpr, BK: tl.constexpr,
+                   BR: tl.constexpr, UPCAST: tl.constexpr, STAGES: tl.constexpr, TMA_STORE: tl.constexpr,
+                   TBN: tl.constexpr, TBK: tl.constexpr, GU: tl.constexpr, BR_SMALL: tl.constexpr,
+                   BR_TAIL: tl.constexpr, P_GATHER: tl.constexpr):
+    """One work item of :func:`_bwd_wgrad_resident_kernel` (P resident): the strip dW[e][n BN : (n + 1) BN, :]."""
+    n_k = K // BK
+    ncols = n * BN + tl.arange(0, BN)
+    kk = tl.arange(0, BK)
+    if BR_SMALL > 0 and r_hi - r_lo <= BR_SMALL:
+        _resident_strip(p_ptr, q_ptr, dw_ptr, code_ptr, e, n, r_lo, r_hi, N, K, BN, BK, BR_SMALL, 0, UPCAST,
+                        STAGES, TMA_STORE, TBN, TBK, GU, P_GATHER)
+    elif BR_TAIL > 0 and r_hi - r_lo <= BR_SMALL + BR_TAIL:
+        _resident_strip(p_ptr, q_ptr, dw_ptr, code_ptr, e, n, r_lo, r_hi, N, K, BN, BK, BR_SMALL, BR_TAIL, UPCAST,
+                        STAGES, TMA_STORE, TBN, TBK, GU, P_GATHER)
+    elif r_hi - r_lo <= BR:
+        _resident_strip(p_ptr, q_ptr, dw_ptr, code_ptr, e, n, r_lo, r_hi, N, K, BN, BK, BR, 0, UPCAST, STAGES,
+                        TMA_STORE, TBN, TBK, GU, P_GATHER)
+    else:
+        for k in range(0, n_k):
+            acc = tl.zeros((BN, BK), dtype=tl.float32)
+            for r0 in tl.range(r_lo, r_hi, BR, num_stages=STAGES):
+                rows = (r0 + tl.arange(0, BR)).to(tl.int64)
+                p_rows, live = _gather_rows(code_ptr, rows, rows < r_hi, P_GATHER, True)
+                p = tl.load(p_ptr + p_rows[:, None] * N + ncols[None, :], mask=live[:, None], other=0.0)
+                q = tl.load(q_ptr + rows[:, None] * K + (k * BK + kk)[None, :], mask=live[:, None], other=0.0)
+                acc = _mma(p.T, q, acc, UPCAST)
+            _store_dw(dw_ptr, acc, e, n, k, N, K, BN, BK, TMA_STORE, TBN, TBK, GU)
 
 
 @triton.jit
@@ -203,7 +228,8 @@ def bwd_wgrad(p_RN: torch.Tensor, q_RK: torch.Tensor, dw_LNK: torch.Tensor, row_
               expert_row_L1: torch.Tensor, *, programs: int, block_n: int = 128, block_k: int = 128,
               block_r: int = 64, stages: int = 3, num_warps: int = 8, tma_store: bool = False,
               resident: bool = False, q_resident: bool = False, block_r_small: int = 0, block_r_tail: int = 0,
-              dw_tiles: Optional[tuple[int, int, bool]] = None, p_gather_k: int = 0) -> None:
+              dw_tiles: Optional[tuple[int, int, bool]] = None, p_gather_k: int = 0, rows_min: int = -1,
+              rows_max: int = -1) -> None:
     """dw[e] = p[rows of e]^T @ q[rows of e] (fp32 accumulation, the rows in schedule order; rows whose code is
     negative are padding and add nothing). ``dw`` [L, N, K] (bf16, or fp32 for a main-grad accumulator).
     ``resident``: one work item per (expert, N block), P loaded once for the strip where the expert has at most
@@ -215,7 +241,9 @@ def bwd_wgrad(p_RN: torch.Tensor, q_RK: torch.Tensor, dw_LNK: torch.Tensor, row_
     ``block_r + block_r_tail`` rows, which would otherwise reload P at every K block). ``dw_tiles`` (bn, bk,
     gate/up interleaved): ``dw`` is in the forward's TMA block order (the layout of tiled parameters), stored by
     pointers. ``p_gather_k`` (the top-k K; P resident, not ``q_resident``): ``p`` is per token ([T, N]) and row r
-    reads token ``row_code[r] // p_gather_k`` (the output gradient's rows gathered in the kernel)."""
+    reads token ``row_code[r] // p_gather_k`` (the output gradient's rows gathered in the kernel). ``rows_min``
+    (``rows_max``; P resident, not ``q_resident``, one of the two): only the experts of more than ``rows_min`` rows
+    (of at most ``rows_max``); the others' blocks of ``dw`` are left as they are, for a second launch."""
     N = p_RN.shape[1]
     R = q_RK.shape[0]
     K = q_RK.shape[1]
@@ -234,6 +262,9 @@ def bwd_wgrad(p_RN: torch.Tensor, q_RK: torch.Tensor, dw_LNK: torch.Tensor, row_
     extra = dict(Q_RESIDENT=True) if q_resident else {}
     if p_gather_k:
         extra["P_GATHER"] = p_gather_k
+    if rows_min >= 0 or rows_max >= 0:
+        assert resident and not q_resident and (rows_min < 0 or rows_max < 0), "one row bound, P resident"
+        extra["ROWS_MIN" if rows_min >= 0 else "ROWS_MAX"] = max(rows_min, rows_max)
     if 0 < block_r_small <= block_r and resident and not q_resident:
         if block_r_small < block_r:
             extra["BR_SMALL"] = block_r_small

@@ -160,6 +160,10 @@ def _expert_backward(x_rows: torch.Tensor, dO_rows: torch.Tensor, s_rows: torch.
         if stage not in ("shared_bwd", "gather_dO"):  # (not launches: :func:`_shared`, :data:`GATHER_DO`)
             t[stage] = {**t[stage], **over}
     progs = {k: programs * v.pop("programs_per_sm", 1) for k, v in t.items()}
+    for k in ("dw13", "dw2"):  # a split weight gradient's first launch: its own programs an SM
+        if t[k].get("split"):
+            sp = dict(t[k]["split"])
+            t[k] = dict(t[k], split=dict(sp, programs=programs * sp.pop("programs_per_sm", 1)))
     if dO_gather_k and (t["dgate_dw2"]["on"] or t["dgate"]["grouped_mm"] or t["dw2"]["grouped_mm"]
                         or not t["dw2"]["resident"] or t["dw2"].get("q_resident")):
         c = torch.where(code_R >= 0, code_R, torch.zeros_like(code_R)).long()
@@ -218,12 +222,23 @@ def _wgrad(p_RN: torch.Tensor, q_RK: torch.Tensor, w: torch.Tensor, code_R: torc
     ``torch._grouped_mm`` with the experts' row ranges as the groups of its reduction (CUTLASS's grouped GEMM on
     sm90: no split-K, the same sums on every run). That path adds the padding rows (code < 0) instead of skipping
     them: they are zero in dH and s*A (router weight 0, zero X rows: the pull writes zeros there), so they add
-    only zeros, and it needs the first expert's rows to start at row 0 (the schedule's tiles start there)."""
+    only zeros, and it needs the first expert's rows to start at row 0 (the schedule's tiles start there).
+    ``t["split"]`` (an option, session 30): dict(rows, programs, and launch overrides such as block_k, block_r,
+    num_warps, stages, tma_store): the experts of at most ``rows`` rows in a launch of their own (blocks and strips
+    over ``block_r`` rows, no smaller strips), then the others in ``t``'s launch; the same sums."""
     t = dict(t)
+    split = t.pop("split", None)
     if t.pop("grouped_mm") and not layout:
         assert not t.get("p_gather_k"), "torch._grouped_mm takes P's rows as they are"
         return torch._grouped_mm(p_RN.t(), q_RK, offs=starts[1:])
     dw = torch.empty_like(w)
+    if split:  # the experts of at most split["rows"] rows in a launch of their own blocks, then the others
+        s = dict(split)
+        rows, progs1 = s.pop("rows"), s.pop("programs")
+        first = {**t, "block_r_small": 0, "block_r_tail": 0, **s}
+        bwd_wgrad.bwd_wgrad(p_RN, q_RK, dw, code_R, starts, programs=progs1, rows_max=rows, **first, **layout)
+        bwd_wgrad.bwd_wgrad(p_RN, q_RK, dw, code_R, starts, programs=programs, rows_min=rows, **t, **layout)
+        return dw
     bwd_wgrad.bwd_wgrad(p_RN, q_RK, dw, code_R, starts, programs=programs, **t, **layout)
     return dw
 
