@@ -23,6 +23,23 @@ def device_capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
 
 
+def cache_record(cache_env: str, name: str) -> Optional[dict]:
+    """The JSON record ``name`` that an anchor's precompile tool left in the cache folder named by the environment
+    variable ``cache_env`` (None where that is unset, or holds no readable record)."""
+    import json
+    import os
+    from pathlib import Path
+
+    cache = os.environ.get(cache_env)
+    path = Path(cache) / name if cache else None
+    if path is None or not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def precision_unsupported(precision: str, device: torch.device) -> Optional[str]:
     """Why this device cannot run a precision at all (None if it can)."""
     cap = device_capability(device)

@@ -52,7 +52,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from contract import Case, LayerInputs
-from baselines.common import ExpertParams
+from baselines.common import ExpertParams, cache_record
 
 INSTALL_HINT = "pip install liger-kernel (0.8.5 tested; README, 'Anchors: Liger-Kernel and SonicMoE')"
 AUTOTUNE_ENV = "LIGER_FUSED_MOE_AUTOTUNE"  # Liger's switch: 0 pins one config per kernel (read at import)
@@ -80,17 +80,7 @@ def autotune_pinned() -> bool:
 
 def precompile_record() -> Optional[dict]:
     """The record of ``benchmarks.liger_precompile`` in the user's Triton cache, if it prepared that cache."""
-    import json
-    from pathlib import Path
-
-    cache = os.environ.get("TRITON_CACHE_DIR")
-    path = Path(cache) / PRECOMPILE_RECORD if cache else None
-    if path is None or not path.is_file():
-        return None
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
+    return cache_record("TRITON_CACHE_DIR", PRECOMPILE_RECORD)
 
 
 def liger_version() -> str:

@@ -39,16 +39,14 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
-import json
 import os
 import time
-from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
 
 from contract import Case, LayerInputs
-from baselines.common import ExpertParams, device_capability
+from baselines.common import ExpertParams, cache_record, device_capability
 
 PRECOMPILE_RECORD = "mokbench-sonic-precompile.json"  # what benchmarks.sonic_precompile wrote to QUACK_CACHE_DIR
 PINNED_TORCH = "2.9.1"  # sonic-moe 0.1.2.post1: torch>=2.7.1,<=2.9.1
@@ -97,14 +95,7 @@ def sonic_routed(x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, topk_w_TK: torch
 
 def precompile_record() -> Optional[dict]:
     """The record ``benchmarks.sonic_precompile`` left in ``QUACK_CACHE_DIR``, if it prepared that cache."""
-    cache = os.environ.get("QUACK_CACHE_DIR")
-    path = Path(cache) / PRECOMPILE_RECORD if cache else None
-    if path is None or not path.is_file():
-        return None
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
+    return cache_record("QUACK_CACHE_DIR", PRECOMPILE_RECORD)
 
 
 class SonicMoEBackend:

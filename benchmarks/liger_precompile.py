@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from baselines.liger import AUTOTUNE_ENV, PRECOMPILE_RECORD, autotune_pinned
+from benchmarks.shapes import shape_dims
 
 EXPERTS, TOKENS = 16, 256  # the small problem: E a multiple of 16 like every published shape's, K <= E
 
@@ -45,22 +46,6 @@ def config_slice(configs: Sequence[Any], part: int, parts: int) -> list:
     if not 0 <= part < parts:
         raise ValueError(f"part {part} is not in 0..{parts - 1}")
     return list(configs[part::parts]) or list(configs[:1])
-
-
-def shape_dims(names: Sequence[str]) -> list[tuple[int, int, int]]:
-    """(H, I, K) of each named shape (configs/shape), without repeats: Liger's compiles depend on these only."""
-    from harness.config import shape_table
-
-    table = shape_table()
-    unknown = [n for n in names if n not in table]
-    if unknown:
-        raise KeyError(f"unknown shape(s) {unknown}; known: {sorted(table)}")
-    dims = []
-    for n in names:
-        d = (int(table[n]["hidden"]), int(table[n]["ffn"]), int(table[n]["topk"]))
-        if d not in dims:
-            dims.append(d)
-    return dims
 
 
 def run_small_problem(H: int, I: int, K: int, device: str = "cuda") -> tuple:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from contract import Case
 from harness.config import load_group_option, make_case, shape_table, to_container
@@ -35,3 +35,18 @@ def make_shape_case(shape: dict[str, Any], *, ep_size: int, device: str, tokens:
     cfg = {"shape": shape, "workload": workload, "precision": to_container(load_group_option("precision", precision)),
            "compile": False}
     return make_case(cfg, ep_size=ep_size, device=device)
+
+
+def shape_dims(names: Sequence[str]) -> list[tuple[int, int, int]]:
+    """(H, I, K) of each named shape, without repeats (what the anchors' precompiles need: their kernels depend on
+    these at most). Raises KeyError naming the unknown shapes."""
+    table = shape_table()
+    unknown = [n for n in names if n not in table]
+    if unknown:
+        raise KeyError(f"unknown shape(s) {unknown}; known: {sorted(table)}")
+    dims: list[tuple[int, int, int]] = []
+    for n in names:
+        d = (int(table[n]["hidden"]), int(table[n]["ffn"]), int(table[n]["topk"]))
+        if d not in dims:
+            dims.append(d)
+    return dims

@@ -32,23 +32,9 @@ import time
 from pathlib import Path
 from typing import Sequence
 
+from benchmarks.shapes import shape_dims
+
 EXPERTS, TOKENS = 16, 256  # the small problem (QuACK's compiled kernels do not depend on its sizes)
-
-
-def shape_dims(names: Sequence[str]) -> list[tuple[int, int, int]]:
-    """(H, I, K) of each named shape (configs/shape), without repeats."""
-    from harness.config import shape_table
-
-    table = shape_table()
-    unknown = [n for n in names if n not in table]
-    if unknown:
-        raise KeyError(f"unknown shape(s) {unknown}; known: {sorted(table)}")
-    dims: list[tuple[int, int, int]] = []
-    for n in names:
-        d = (int(table[n]["hidden"]), int(table[n]["ffn"]), int(table[n]["topk"]))
-        if d not in dims:
-            dims.append(d)
-    return dims
 
 
 def run_small_problem(H: int, I: int, K: int, device: str = "cuda"):
