@@ -111,10 +111,10 @@ SWEEP: dict[str, dict[str, dict[str, Any]]] = {
         "dw13": dict(block_k=128, block_r=64, block_r_small=64, block_r_tail=32, stages=2),
         "dw2": dict(block_k=128, block_r=64, block_r_small=64, block_r_tail=32, stages=2, tma_store=True)},
     # session 30 (train._wgrad's ``split``): the experts of at most 64 rows in a launch of their own, qwen3_5_397b's
-    # (128 x 128 blocks, 64-row strips; call G's probe: 3.86 ms where glm_5_2's 128 x 64 take 4.68 for dW13), the
-    # others in the shape's launch (glm_5_2: v12's 128 x 64, 64 + 32-row strips). Where every expert has at most 64
-    # rows (qwen3_5_397b, kimi_k2_7) it is the default launch with the row bound, which Triton 3.6 builds without a
-    # spill (212 / 186 registers against 255 with 176 B of spill / 255), plus a launch with no expert
+    # (128 x 128 blocks, 64-row strips; session 29 call G's probe: 3.86 ms where glm_5_2's 128 x 64 take 4.68 for
+    # dW13), the others in the shape's launch (glm_5_2: v12's 128 x 64, 64 + 32-row strips). Where every expert has
+    # at most 64 rows (qwen3_5_397b, kimi_k2_7) it is the default launch with the row bound, which Triton 3.6 builds
+    # without a spill (212 / 186 registers against 255 with 176 B of spill / 255), plus a launch with no expert
     "wgrad split at 64 rows": {
         "dw13": dict(split=dict(rows=64, block_k=128, block_r=64, num_warps=4, programs_per_sm=2, stages=3,
                                 tma_store=False)),
