@@ -132,6 +132,9 @@ class BenchConfig:
     calibrate: bool = False  # measure GEMM / HBM / interconnect rates and write calibration rows
     print_table: bool = True
     dist_timeout_s: int = 600  # a rank stuck in a collective this long fails; the launcher then writes its rows
+    # a backend whose setup (construction, compiles, autotuning) runs longer becomes a `timeout` row and the point
+    # goes on with the next backend; None: no limit (runner.time_limit says what it can interrupt)
+    setup_timeout_s: Optional[float] = None
 
 
 def register_configs() -> None:
@@ -430,6 +433,8 @@ def validate_run_options(c: dict) -> None:
         raise ConfigError(f"timing.align must be barrier or none (got {t['align']})")
     if c["device"] not in DEVICES:
         raise ConfigError(f"device must be one of {', '.join(DEVICES)} (got {c['device']})")
+    if c.get("setup_timeout_s") is not None and not c["setup_timeout_s"] > 0:
+        raise ConfigError(f"setup_timeout_s must be > 0 seconds, or null for no limit (got {c['setup_timeout_s']})")
     if c["results_format"] not in ("csv", "parquet"):
         raise ConfigError(f"results_format must be csv or parquet (got {c['results_format']})")
     if c.get("ep_size") is not None and c["ep_size"] < 1:
@@ -437,7 +442,7 @@ def validate_run_options(c: dict) -> None:
 
 
 # Fields that identify a measurement, not the run that made it (compare matches rows on this hash).
-_HASH_EXCLUDE = {"run_id", "dist_timeout_s", "results_dir", "results_format", "print_table", "timing", "check", "calibrate",
+_HASH_EXCLUDE = {"run_id", "dist_timeout_s", "setup_timeout_s", "results_dir", "results_format", "print_table", "timing", "check", "calibrate",
                  "time_reference", "backends", "directions", "te_fp8_recipe", "backend_order",
                  "fp8_gemm", "mok_hopper_forward"}
 

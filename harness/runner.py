@@ -40,6 +40,7 @@ from harness.config import (
 )
 from harness.dist import RankEnv, free_port, from_environment, init
 from harness.inputs import load_stats, make_inputs
+from harness.limits import StepTimeout, time_limit
 from harness.results import base_row, make_row
 from harness.timing import Timer
 
@@ -113,6 +114,8 @@ class _Agree:
             value = fn()
         except Unsupported as e:
             status, err = "unsupported", str(e)
+        except StepTimeout as e:
+            status, err = "timeout", str(e)
         except torch.cuda.OutOfMemoryError as e:
             status, err = "oom", f"OutOfMemoryError: {str(e).splitlines()[0]}"
         except Exception as e:  # noqa: BLE001 - any backend failure becomes a row
@@ -302,7 +305,8 @@ def run_backend(name: str, point: PointContext) -> Iterator[dict[str, Any]]:
     def _setup():
         nonlocal backend
         backend = cls(case, group)
-        backend.setup(inputs)
+        with time_limit(c.get("setup_timeout_s"), f"{name}'s setup"):
+            backend.setup(inputs)
 
     progress.start("setup (construct, buffers, JIT builds)")
     status, err, _ = agree(_setup)

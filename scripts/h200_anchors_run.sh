@@ -29,7 +29,8 @@
 #   nvidia-cutlass-dsl and its libs): to try SonicMoE with torch 2.11; parts made with `split` (NAME.whl.part-aa,
 #   -ab, ...) are joined first. Without them the sonicmoe rows are `unsupported` with the reason.
 # * BACKENDS overrides the list (default [nccl,liger,mok_hopper,sonicmoe]: SonicMoE last, so that a setup that
-#   outlasts the call (its compiles, session 30) loses no other row); COMPILE=false runs nccl eager.
+#   outlasts the call (its compiles, session 30) loses no other row); COMPILE=false runs nccl eager;
+#   SETUP_TIMEOUT_S (default 300) is the harness's setup_timeout_s: a longer setup is a `timeout` row.
 # * SonicMoE's GEMMs (QuACK) autotune in its setup; QUACK_COMPILE_WORKERS (default here: the CPU count) processes
 #   compile their configs. Before the points, `python -m benchmarks.sonic_precompile` compiles every config once
 #   into QUACK_CACHE_DIR (default /tmp/mokbench-quack-cache; more than 400 s on 16 CPUs), unless its record is
@@ -91,7 +92,8 @@ m.version('quack-kernels'))" 2>&1 | tail -4 || true
 
 COMMON=(-m hydra/launcher=node ep_size=1 precision=bf16 direction=fwd_and_bwd workload.tokens_per_gpu=2048
         "backends=${BACKENDS:-[nccl,liger,mok_hopper,sonicmoe]}" "compile=${COMPILE:-true}" compile_mode=published
-        timing=published calibrate=true dist_timeout_s=900 "run_id=$MOKBENCH_RUN_ID" "results_dir=$OUTDIR/runs"
+        timing=published calibrate=true dist_timeout_s=900 "setup_timeout_s=${SETUP_TIMEOUT_S:-300}"
+        "run_id=$MOKBENCH_RUN_ID" "results_dir=$OUTDIR/runs"
         hydra.sweep.dir=/tmp/mokbench-sweep hydra.run.dir=/tmp/mokbench-run)
 TUNE=${LIGER_FUSED_MOE_AUTOTUNE:-1}
 precompile() {  # shapes: Liger's compiles ahead, in parallel (nothing to do when it is pinned)

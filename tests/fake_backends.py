@@ -26,6 +26,19 @@ class FailsSetup(NcclBackend):
         raise RuntimeError("boom in setup")
 
 
+class SlowSetup(NcclBackend):
+    """A setup that would take a minute (as SonicMoE's compiles of every autotuning config do): cut by
+    ``setup_timeout_s``."""
+
+    name = "slow_setup"
+
+    def setup(self, inputs):
+        import time
+
+        time.sleep(60)
+        super().setup(inputs)
+
+
 class NotInstalled(NcclBackend):
     name = "not_installed"
 

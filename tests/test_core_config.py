@@ -105,6 +105,7 @@ BAD = [
     (["workload.tokens_per_gpu=0"], "tokens_per_gpu must be >= 1"),
     (["timing.num_iters=0"], "num_iters >= 1"),
     (["backend_order=random"], "unknown backend_order 'random'; choose one of: given, reverse, shuffle"),
+    (["setup_timeout_s=0"], "setup_timeout_s must be > 0 seconds, or null for no limit (got 0"),
 ]
 
 

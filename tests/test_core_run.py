@@ -15,7 +15,7 @@ from harness.runner import run_benchmark
 
 FAKES = ",".join(f"{k}=fake_backends:{v}" for k, v in {
     "wrong": "WrongOutput", "fails_setup": "FailsSetup", "not_installed": "NotInstalled",
-    "fwd_only": "ForwardOnly", "dies": "DiesHard", "nan_grad": "NanGrad"}.items())
+    "fwd_only": "ForwardOnly", "dies": "DiesHard", "nan_grad": "NanGrad", "slow_setup": "SlowSetup"}.items())
 
 
 @pytest.fixture(autouse=True)
@@ -138,6 +138,38 @@ def test_bytes_follow_the_routing(results_dir):
     r = by(df, "nccl", "fwd")
     assert (r.dispatch_bytes + r.dispatch_local_bytes) == 64 * 2 * 256 * 2  # T * topk * H * bf16
     assert r.combine_bytes + r.combine_local_bytes == r.dispatch_bytes + r.dispatch_local_bytes
+
+
+def test_a_setup_past_its_limit_is_a_timeout_row_and_the_point_goes_on(results_dir):
+    """setup_timeout_s: the slow backend's rows say timeout (and why), the backend after it runs as usual, and the
+    limit is gone once the setup is over (nccl's setup and timing outlast nothing)."""
+    import time
+
+    t0 = time.perf_counter()
+    df = run_benchmark(cpu_cfg(results_dir, "ep_size=1", "backends=[slow_setup,nccl]", "directions=[fwd]",
+                               "setup_timeout_s=2"))
+    assert time.perf_counter() - t0 < 55  # the 60 s sleep was cut
+    slow = by(df, "slow_setup", "fwd")
+    assert slow.status == "timeout" and "slow_setup's setup ran past setup_timeout_s=2 s" in slow.error
+    assert by(df, "nccl", "fwd").status == "ok"
+
+
+def test_time_limit_interrupts_and_restores():
+    import signal
+    import time
+
+    from harness.limits import StepTimeout, time_limit
+
+    before = signal.getsignal(signal.SIGALRM)
+    with pytest.raises(StepTimeout, match="the step ran past setup_timeout_s=0.2 s"):
+        with time_limit(0.2, "the step"):
+            time.sleep(5)
+    assert signal.getsignal(signal.SIGALRM) is before and signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+    with time_limit(None, "no limit"):
+        time.sleep(0.3)
+    with time_limit(2, "fast"):  # done in time: nothing raised, and the timer is off after
+        pass
+    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
 
 
 @pytest.mark.slow
