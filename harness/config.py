@@ -442,9 +442,9 @@ def validate_run_options(c: dict) -> None:
 
 
 # Fields that identify a measurement, not the run that made it (compare matches rows on this hash).
-_HASH_EXCLUDE = {"run_id", "dist_timeout_s", "setup_timeout_s", "results_dir", "results_format", "print_table", "timing", "check", "calibrate",
-                 "time_reference", "backends", "directions", "te_fp8_recipe", "backend_order",
-                 "fp8_gemm", "mok_hopper_forward"}
+_HASH_EXCLUDE = {"run_id", "dist_timeout_s", "setup_timeout_s", "results_dir", "results_format", "print_table",
+                 "timing", "check", "calibrate", "time_reference", "backends", "directions", "te_fp8_recipe",
+                 "backend_order", "fp8_gemm", "mok_hopper_forward"}
 
 
 def config_hash(c: dict, case: Case) -> str:
