@@ -21,13 +21,11 @@
 #
 # Environment, set here:
 # * Wheels from WHEELS (default .whl: hydra-core, omegaconf, antlr4, submitit, liger-kernel 0.8.5) are installed
-#   without network into /tmp/site, as
-#     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-#         .whl/*.whl && export PYTHONPATH=/tmp/site
-#   (--target: nothing of the image's site-packages changes; --no-deps: the image's torch 2.11 and Triton 3.6 stay
-#   the ones that run). SONIC_WHEELS=DIR adds SonicMoE's wheels the same way (sonic-moe, quack-kernels,
-#   nvidia-cutlass-dsl and its libs): to try SonicMoE with torch 2.11; parts made with `split` (NAME.whl.part-aa,
-#   -ab, ...) are joined first. Without them the sonicmoe rows are `unsupported` with the reason.
+#   without network into /tmp/mokbench-site by scripts/gpu_env.sh (pip --target --no-deps: nothing of the image's
+#   site-packages changes, and the image's torch 2.11 and Triton 3.6 stay the ones that run). SONIC_WHEELS=DIR adds
+#   SonicMoE's wheels the same way (sonic-moe, quack-kernels, nvidia-cutlass-dsl and its libs): to try SonicMoE
+#   with torch 2.11; parts made with `split` (NAME.whl.part-aa, -ab, ...) are joined first. Without them the
+#   sonicmoe rows are `unsupported` with the reason.
 # * BACKENDS overrides the list (default [nccl,liger,mok_hopper,sonicmoe]: SonicMoE last, so that a setup that
 #   outlasts the call (its compiles, session 30) loses no other row); COMPILE=false runs nccl eager;
 #   SETUP_TIMEOUT_S (default 300) is the harness's setup_timeout_s: a longer setup is a `timeout` row.
@@ -51,33 +49,8 @@ OUTDIR=${1:?output folder}
 PART=${2:-all}
 case $PART in glm|glm16|kq|kimi|qwen|all) ;; *) echo "PART must be glm, glm16, kq, kimi, qwen or all (got $PART)" >&2; exit 2 ;; esac
 mkdir -p "$OUTDIR"
-WHEELS=${WHEELS:-.whl}
-SITE=/tmp/site
-if ls "$WHEELS"/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
-    "$WHEELS"/*.whl || exit 1
-fi
-if [ -n "${SONIC_WHEELS:-}" ]; then
-  for first in "$SONIC_WHEELS"/*.whl.part-aa; do
-    [ -e "$first" ] || continue
-    whl=${first%.part-aa}
-    [ -e "$whl" ] || cat "$whl".part-* > "$whl"
-  done
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
-    "$SONIC_WHEELS"/*.whl || exit 1
-fi
-# pip --target does not run the .pth files a wheel installs (nvidia-cutlass-dsl's puts its python_packages folder
-# on the path): put the folders they name on PYTHONPATH.
-PTH_DIRS=""
-for pth in "$SITE"/*.pth; do
-  [ -e "$pth" ] || continue
-  while IFS= read -r line || [ -n "$line" ]; do
-    case $line in ''|'#'*|import*) continue ;; esac
-    [ -d "$SITE/$line" ] && PTH_DIRS="$PTH_DIRS:$SITE/$line"
-  done < "$pth"
-done
-export PYTHONPATH=$SITE$PTH_DIRS:$PWD${PYTHONPATH:+:$PYTHONPATH}
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+# the wheels of WHEELS and SONIC_WHEELS into /tmp/mokbench-site, PYTHONPATH, NVLink multicast off
+source scripts/gpu_env.sh "${WHEELS:-.whl}" ${SONIC_WHEELS:+"$SONIC_WHEELS"} || exit 1
 export QUACK_COMPILE_WORKERS=${QUACK_COMPILE_WORKERS:-$(nproc)}
 export QUACK_CACHE_DIR=${QUACK_CACHE_DIR:-/tmp/mokbench-quack-cache}
 export TORCHINDUCTOR_AUTOTUNE_IN_SUBPROC=${TORCHINDUCTOR_AUTOTUNE_IN_SUBPROC:-1}

@@ -6,6 +6,9 @@ under kernels/ grows past about 500 lines."""
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -167,3 +170,40 @@ def test_every_backend_signature_is_typed_with_the_contract():
                 if got is None or ast.unparse(got) != ann:
                     untyped.append(f"{key}.{fn.name}({arg}: {ast.unparse(got) if got is not None else '-'})")
     assert not untyped, untyped
+
+
+def _wheel(path: Path, name: str, files: dict[str, str]) -> None:
+    """A minimal wheel (dist-info METADATA / WHEEL / RECORD beside ``files``), as pip installs one."""
+    import zipfile
+
+    info = f"{name}-1.0.dist-info"
+    files = {**files, f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n",
+             f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    files[f"{info}/RECORD"] = "".join(f"{k},,\n" for k in files) + f"{info}/RECORD,,\n"
+    with zipfile.ZipFile(path, "w") as z:
+        for k, v in files.items():
+            z.writestr(k, v)
+
+
+def test_gpu_env_installs_wheel_folders_joins_parts_and_follows_pth_files(tmp_path):
+    """scripts/gpu_env.sh, as every GPU call sources it: the wheels of several folders into MOKBENCH_SITE (a wheel
+    split into parts joined first), and the folder a wheel's .pth names on PYTHONPATH (pip --target runs no .pth;
+    nvidia-cutlass-dsl's Python package is found only that way)."""
+    a, b, site = tmp_path / "a", tmp_path / "b", tmp_path / "site"
+    a.mkdir()
+    b.mkdir()
+    _wheel(a / "plain_pkg-1.0-py3-none-any.whl", "plain_pkg", {"plain_pkg/__init__.py": "X = 1\n"})
+    whole = tmp_path / "pth_pkg-1.0-py3-none-any.whl"
+    _wheel(whole, "pth_pkg", {"pth_pkg.pth": "pth_pkg/inner", "pth_pkg/inner/hidden_mod.py": "Y = 2\n"})
+    data = whole.read_bytes()
+    (b / f"{whole.name}.part-aa").write_bytes(data[: len(data) // 2])
+    (b / f"{whole.name}.part-ab").write_bytes(data[len(data) // 2:])
+    script = (f"source scripts/gpu_env.sh {a} {b} || exit 3; echo \"$PYTHONPATH\"; "
+              f"{sys.executable} -c 'import plain_pkg, hidden_mod; print(plain_pkg.X + hidden_mod.Y)'")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    r = subprocess.run(["bash", "-c", script], cwd=ROOT, env=dict(env, MOKBENCH_SITE=str(site)),
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    path, out = r.stdout.strip().splitlines()
+    assert path.split(":")[:2] == [str(site), str(site / "pth_pkg" / "inner")] and out == "3"
+    assert (b / whole.name).read_bytes() == data  # the parts joined
