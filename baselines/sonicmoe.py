@@ -174,7 +174,12 @@ class SonicMoEBackend:
         pre = precompile_record()
         cache = (f"QuACK's kernel cache {os.environ['QUACK_CACHE_DIR']}" if os.environ.get("QUACK_CACHE_DIR")
                  else "QuACK's default kernel cache")
-        if pre:
+        where = (pre or {}).get("compiled_on") or {}
+        if where.get("mode") == "cpu":
+            cache += (f" (compiled ahead without a GPU by benchmarks.sonic_precompile --cpu {where.get('arch')} on "
+                      f"{(where.get('host_cpu') or {}).get('model')}, for Python {where.get('fingerprint_python')}, "
+                      f"{pre.get('seconds')} s, {pre.get('utc')})")
+        elif pre:
             cache += (f" (compiled ahead by benchmarks.sonic_precompile: {pre.get('workers')} workers, "
                       f"{pre.get('seconds')} s, {pre.get('utc')})")
         notes = [f"SonicMoE {sonic_version()} moe_general_routing_inputs with the harness's top-k (its router "

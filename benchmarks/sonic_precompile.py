@@ -19,6 +19,11 @@ QuACK (QuACK's cache fingerprint).
 
 Needs a CUDA GPU of SM90 / SM100, sonic-moe, and ``QUACK_CACHE_DIR`` (without it the kernels would go to a per-user
 temporary folder: exit code 2).
+
+Without a GPU: ``--cpu sm_90a [--python 3.12]`` compiles the same kernels on the CPU for that arch (and for the GPU
+machine's Python, whose version names QuACK's cache folder), in a few minutes on two cores
+(``benchmarks.sonic_cpu_compile`` says how, and what it changes in QuACK for it). Copy the folder to the GPU
+machine; the record says where and how it was compiled.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import argparse
 import importlib.metadata
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -37,14 +43,14 @@ from benchmarks.shapes import shape_dims
 EXPERTS, TOKENS = 16, 256  # the small problem (QuACK's compiled kernels do not depend on its sizes)
 
 
-def run_small_problem(H: int, I: int, K: int, device: str = "cuda"):
-    """SonicMoE's routed layer, forward and backward, on EXPERTS experts and TOKENS tokens (bf16 on the GPU, fp32
-    elsewhere); returns the output and the input's gradient."""
+def run_small_problem(H: int, I: int, K: int, device: str = "cuda", dtype=None):
+    """SonicMoE's routed layer, forward and backward, on EXPERTS experts and TOKENS tokens (default dtype: bf16 on the
+    GPU, fp32 elsewhere); returns the output and the input's gradient."""
     import torch
 
     from baselines.sonicmoe import sonic_routed
 
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    dtype = dtype or (torch.bfloat16 if device == "cuda" else torch.float32)
     g = torch.Generator(device="cpu").manual_seed(0)
     x = (torch.randn(TOKENS, H, generator=g) * 0.5).to(device, dtype).requires_grad_()
     w13 = (torch.randn(EXPERTS, 2 * I, H, generator=g) * 0.02).to(device, dtype).requires_grad_()
@@ -75,6 +81,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="comma-separated shape names (configs/shape); one is enough: the kernels do not depend on it")
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1,
                     help="QUACK_COMPILE_WORKERS, the processes that compile (default: the CPUs)")
+    ap.add_argument("--cpu", metavar="ARCH", help="compile on this machine's CPU, without a GPU, for ARCH (sm_90a for "
+                    "Hopper): benchmarks.sonic_cpu_compile")
+    ap.add_argument("--python", metavar="X.Y", help="with --cpu: the GPU machine's Python version, which names QuACK's "
+                    "cache folder (default: this one's)")
     args = ap.parse_args(argv)
     cache = os.environ.get("QUACK_CACHE_DIR")
     if not cache:
@@ -89,6 +99,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.workers < 1:
         print("sonic_precompile: --workers must be at least 1", file=sys.stderr)
         return 2
+    if args.python and (not args.cpu or not re.fullmatch(r"3\.\d+", args.python)):
+        print("sonic_precompile: --python takes a version like 3.12, with --cpu", file=sys.stderr)
+        return 2
+    if args.cpu:
+        from benchmarks import sonic_cpu_compile
+
+        try:
+            sonic_cpu_compile.parse_arch(args.cpu)
+        except ValueError as e:
+            print(f"sonic_precompile: {e}", file=sys.stderr)
+            return 2
+        reason = sonic_cpu_compile.check_versions()
+        if reason:
+            print(f"sonic_precompile: {reason}", file=sys.stderr)
+            return 2
+        sonic_cpu_compile.set_environment(args.cpu)  # before triton, cutlass and quack are imported
     import importlib.util
 
     from baselines.sonicmoe import INSTALL_HINT, PRECOMPILE_RECORD
@@ -98,25 +124,38 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     import torch
 
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] not in (9, 10):
-        print("sonic_precompile: needs a Hopper (SM90) or Blackwell (SM100) GPU, where SonicMoE's GEMMs run; nothing "
-              "was compiled", file=sys.stderr)
+    if args.cpu:
+        sonic_cpu_compile.apply(args.python)
+        where = {"mode": "cpu", "arch": args.cpu, "host_cpu": sonic_cpu_compile.host_cpu(),
+                 "fingerprint_python": args.python or f"{sys.version_info.major}.{sys.version_info.minor}",
+                 "fingerprint": sonic_cpu_compile.fingerprint()}
+        device, dtype, workers = "cpu", torch.bfloat16, 1
+    elif not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] not in (9, 10):
+        print("sonic_precompile: needs a Hopper (SM90) or Blackwell (SM100) GPU, where SonicMoE's GEMMs run, or --cpu "
+              "sm_90a (no GPU); nothing was compiled", file=sys.stderr)
         return 2
-    os.environ["QUACK_COMPILE_WORKERS"] = str(args.workers)
+    else:
+        os.environ["QUACK_COMPILE_WORKERS"] = str(args.workers)
+        where = {"mode": "gpu", "device": torch.cuda.get_device_name()}
+        device, dtype, workers = "cuda", None, args.workers
     cache_dir = Path(cache)
     before = _files(cache_dir)
     t0 = time.perf_counter()
     for H, I, K in dims:
-        run_small_problem(H, I, K)
+        run_small_problem(H, I, K, device=device, dtype=dtype)
     seconds = time.perf_counter() - t0
-    record = {"shapes": args.shapes, "dims_HIK": dims, "workers": args.workers, "seconds": round(seconds, 1),
+    if args.cpu:  # the "autotuning" above timed nothing: its results must not be loaded as a choice
+        for p in cache_dir.rglob("*.autotune.json"):
+            p.unlink()
+    record = {"shapes": args.shapes, "dims_HIK": dims, "workers": workers, "seconds": round(seconds, 1),
+              "compiled_on": where,
               "kernel_files_before": before, "kernel_files_after": _files(cache_dir),
               "small_problem": {"experts": EXPERTS, "tokens": TOKENS},
               "versions": {d: _version(d) for d in ("sonic-moe", "quack-kernels", "nvidia-cutlass-dsl-libs-cu13",
                                                     "nvidia-cutlass-dsl-libs-base", "apache-tvm-ffi")},
               "torch": torch.__version__, "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     (cache_dir / PRECOMPILE_RECORD).write_text(json.dumps(record, indent=1))
-    print(f"sonic_precompile: {len(dims)} (H, I, K) with {args.workers} compile workers in {seconds:.1f} s; kernel "
+    print(f"sonic_precompile: {len(dims)} (H, I, K) with {workers} compile workers in {seconds:.1f} s; kernel "
           f"files {before} -> {record['kernel_files_after']} ({cache_dir / PRECOMPILE_RECORD})")
     return 0
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import os
+import platform
 import subprocess
 import sys
 import types
@@ -392,6 +393,11 @@ def test_sonic_precompile_small_problem_through_a_stand_in(monkeypatch):
     ({"QUACK_CACHE_DIR": "CACHE"}, ["--workers", "0"], "at least 1"),
     ({"QUACK_CACHE_DIR": "CACHE", "CUDA_VISIBLE_DEVICES": ""}, [],
      "pip install sonic-moe" if importlib.util.find_spec("sonicmoe") is None else "needs a Hopper"),
+    ({"QUACK_CACHE_DIR": "CACHE"}, ["--cpu", "sm_80"], "an arch like sm_90a"),
+    ({"QUACK_CACHE_DIR": "CACHE"}, ["--python", "3.12"], "with --cpu"),
+    ({"QUACK_CACHE_DIR": "CACHE"}, ["--cpu", "sm_90a", "--python", "312"], "a version like 3.12"),
+    ({"QUACK_CACHE_DIR": "CACHE"}, ["--cpu", "sm_90a"],
+     "quack-kernels==0.3.11 is not installed" if importlib.util.find_spec("quack") is None else "sonic-moe"),
 ])
 def test_sonic_precompile_refuses_what_cannot_run(tmp_path, env, args, says):
     """One line naming the fix, exit code 2, and nothing written to the cache."""
@@ -402,6 +408,31 @@ def test_sonic_precompile_refuses_what_cannot_run(tmp_path, env, args, says):
     assert r.returncode == 2, r.stderr
     assert says in r.stderr and len(r.stderr.strip().splitlines()) == 1
     assert list(tmp_path.iterdir()) == []
+
+
+def test_sonic_cpu_compile_arch_and_host():
+    from benchmarks import sonic_cpu_compile as C
+
+    assert C.parse_arch("sm_90a") == "sm_90a" and C.parse_arch("sm_100a") == "sm_100a"
+    for bad in ("sm_90", "90", "sm_80a", "sm_90a "):
+        with pytest.raises(ValueError):
+            C.parse_arch(bad)
+    cpu = C.host_cpu()
+    assert cpu["model"] and isinstance(cpu["simd_flags"], list)
+    if os.path.exists("/proc/cpuinfo"):  # every x86-64 CPU has SSE2; the flags are what the object files' host code uses
+        assert "sse2" in cpu["simd_flags"] or platform.machine() != "x86_64"
+
+
+def test_sonic_cpu_compile_environment(monkeypatch):
+    from benchmarks import sonic_cpu_compile as C
+
+    for k in ("CUTE_DSL_ARCH", "QUACK_ARCH", "TRITON_INTERPRET", "QUACK_COMPILE_WORKERS"):
+        monkeypatch.setenv(k, "unset")  # restored (or removed) after the test
+    C.set_environment("sm_90a")
+    assert (os.environ["CUTE_DSL_ARCH"], os.environ["QUACK_ARCH"]) == ("sm_90a", "90")
+    assert os.environ["TRITON_INTERPRET"] == "1" and os.environ["QUACK_COMPILE_WORKERS"] == "1"
+    C.set_environment("sm_100a")
+    assert os.environ["QUACK_ARCH"] == "100"
 
 
 def test_sonic_notes_cite_a_precompiled_cache(monkeypatch, tmp_path):
@@ -415,6 +446,10 @@ def test_sonic_notes_cite_a_precompiled_cache(monkeypatch, tmp_path):
     (tmp_path / sonicmoe.PRECOMPILE_RECORD).write_text(
         '{"workers": 16, "seconds": 530.2, "utc": "2026-12-05T10:00:00Z"}')
     assert "compiled ahead by benchmarks.sonic_precompile: 16 workers, 530.2 s" in b.info()["notes"]
+    (tmp_path / sonicmoe.PRECOMPILE_RECORD).write_text(
+        '{"workers": 1, "seconds": 155.8, "utc": "2026-12-04T21:30:00Z", "compiled_on": {"mode": "cpu", '
+        '"arch": "sm_90a", "host_cpu": {"model": "AMD EPYC", "simd_flags": ["avx2"]}, "fingerprint_python": "3.12"}}')
+    assert "compiled ahead without a GPU by benchmarks.sonic_precompile --cpu sm_90a on AMD EPYC" in b.info()["notes"]
 
 
 def test_sonicmoe_unsupported_reasons(monkeypatch):
