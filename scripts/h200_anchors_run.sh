@@ -41,8 +41,9 @@
 # * TRITON_CACHE_DIR (the precompiled cache; each point copies it) and TORCHINDUCTOR_CACHE_DIR under /tmp, one
 #   folder each for the whole call (the liger backend sets TRITON_CACHE_AUTOTUNING=1 where TRITON_CACHE_DIR is set,
 #   so a point's autotuning results stay in its copy).
-# Rows go to OUTDIR/runs/<run_id>/; the log of each point to OUTDIR/anchors-<point>.log (glm, glm16, kimi, qwen),
-# the precompile's to OUTDIR/precompile.log.
+# Rows go to OUTDIR/runs/<run_id>/ and, after each point, bundled into OUTDIR/rows/<run_id>.csv
+# (scripts/merge_results.py; its table in OUTDIR/rows.txt); the log of each point to OUTDIR/anchors-<point>.log
+# (glm, glm16, kimi, qwen), the precompile's to OUTDIR/precompile.log.
 # Known (session 16, torch 2.11 / Triton 3.6): nccl compiled with max-autotune died in inductor's autotuning of the
 # backward graph at EP=1 (an illegal memory access in one autotuning choice, after which every CUDA call failed;
 # results/README.md, h200x1-s16-compiled-nccl). Session 18: with TORCHINDUCTOR_AUTOTUNE_IN_SUBPROC=1 (each
@@ -104,6 +105,10 @@ run() {  # point name, then the point's overrides
   TRITON_CACHE_DIR=$cache python3 -m harness.run "${COMMON[@]}" "$@" 2>&1 | grep -v -e Warning -e warnings.warn \
     | tee "$OUTDIR/anchors-$name.log"
   echo "Triton cache entries after $name: $(ls "$cache" | wc -l) (new ones: kernels compiled in the point)"
+  # the rows so far, one file per run in OUTDIR/rows: a call that is cut off later keeps this point's rows, and the
+  # rows leave the machine without runs/'s nested folders (session 31 call A lost a point's rows that way)
+  python3 scripts/merge_results.py "$OUTDIR/runs" "$OUTDIR/rows" > "$OUTDIR/rows.txt" 2>&1 \
+    || echo "merge_results failed: $OUTDIR/rows.txt"
 }
 glm() { precompile glm_5_2; run glm shape=glm_5_2; run glm16 shape=glm_5_2 shape.local_experts=16; }
 kq() { precompile kimi_k2_7,qwen3_5_397b; run kimi shape=kimi_k2_7; run qwen shape=qwen3_5_397b; }
