@@ -20,8 +20,9 @@ What this module changes, in this process only, each because the machine has no 
   values are never read on the host, and no GEMM runs.
 * QuACK's cache folder name (its source fingerprint) includes the Python minor version. ``python`` writes the cache
   for another Python (the GPU image's 3.12) by computing that fingerprint with QuACK's own function. The kernels
-  themselves do not depend on the Python version: session 31 compiled the forward GEMMs here (Python 3.11) and the
-  cache keys were those of the H200 machine's Python 3.12 cache, with byte-identical device code (cubin).
+  themselves do not depend on the Python version: the 40 kernel files of session 30's partial cache (compiled on
+  the H200 machine, Python 3.12) have the same keys as the ones compiled here (Python 3.11) and byte-identical
+  device code (cubins); session 31 loaded and ran all 80 on the H200.
 
 The host-side launch code in each object file is compiled by LLVM for *this* machine's CPU (CuTe DSL has no
 option for it): the GPU machine's CPU must have the same instruction set extensions (the record holds this CPU's

@@ -34,9 +34,8 @@
 #   /tmp/mokbench-quack-cache; more than 400 s on the H200 machine's 16 CPUs, with QUACK_COMPILE_WORKERS = the CPU
 #   count), unless its record is already there: a cache prepared earlier and copied in, for instance one compiled
 #   without a GPU by `sonic_precompile --cpu sm_90a --python 3.12` (a few minutes on two cores). Then the points'
-#   setups only load and benchmark, with QUACK_COMPILE_WORKERS=1 (default): QuACK otherwise starts its compile
-#   workers for every GEMM even when each config is cached (session 31 call A, 16 workers and every kernel cached:
-#   136 s of SonicMoE setup on qwen3_5_397b).
+#   setups only load and benchmark the kernels: 136 s (16 workers) and 156 s (QUACK_COMPILE_WORKERS=1) of SonicMoE
+#   setup on qwen3_5_397b with every kernel cached (session 31, two leases).
 # * NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 (no NVLink multicast).
 # * TRITON_CACHE_DIR (the precompiled cache; each point copies it) and TORCHINDUCTOR_CACHE_DIR under /tmp, one
 #   folder each for the whole call (the liger backend sets TRITON_CACHE_AUTOTUNING=1 where TRITON_CACHE_DIR is set,
@@ -56,6 +55,7 @@ case $PART in glm|glm16|kq|kimi|qwen|all) ;; *) echo "PART must be glm, glm16, k
 mkdir -p "$OUTDIR"
 # the wheels of WHEELS and SONIC_WHEELS into /tmp/mokbench-site, PYTHONPATH, NVLink multicast off
 source scripts/gpu_env.sh "${WHEELS:-.whl}" ${SONIC_WHEELS:+"$SONIC_WHEELS"} || exit 1
+export QUACK_COMPILE_WORKERS=${QUACK_COMPILE_WORKERS:-$(nproc)}
 export QUACK_CACHE_DIR=${QUACK_CACHE_DIR:-/tmp/mokbench-quack-cache}
 export TORCHINDUCTOR_AUTOTUNE_IN_SUBPROC=${TORCHINDUCTOR_AUTOTUNE_IN_SUBPROC:-1}
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/mokbench-triton-cache}
@@ -85,11 +85,8 @@ sonic_precompile() {  # SonicMoE's QuACK kernels, compiled once into QUACK_CACHE
   if [ -f "$QUACK_CACHE_DIR/mokbench-sonic-precompile.json" ]; then
     echo "QuACK cache $QUACK_CACHE_DIR already prepared: $(cat "$QUACK_CACHE_DIR/mokbench-sonic-precompile.json" \
       | tr -d '\n ' | cut -c1-200)"
-    # nothing to compile: QuACK's autotuner loads each config in-process instead of starting compile workers
-    export QUACK_COMPILE_WORKERS=${QUACK_COMPILE_WORKERS:-1}
     return 0
   fi
-  export QUACK_COMPILE_WORKERS=${QUACK_COMPILE_WORKERS:-$(nproc)}
   echo "+ QUACK_CACHE_DIR=$QUACK_CACHE_DIR python3 -m benchmarks.sonic_precompile --shapes $1"
   python3 -m benchmarks.sonic_precompile --shapes "$1" 2>&1 | grep -v -e Warning -e warnings.warn \
     | tee -a "$OUTDIR/sonic_precompile.log"

@@ -141,7 +141,8 @@ def _case(*overrides: str, ep_size: int = 1, device: str = "cpu"):
 def _fp32_inputs(case):
     inp = make_inputs(case, 0, torch.device("cpu"))
     floats = {f.name: getattr(inp, f.name) for f in dataclasses.fields(inp)}
-    return dataclasses.replace(inp, **{k: t.float() for k, t in floats.items() if t is not None and t.is_floating_point()})
+    return dataclasses.replace(
+        inp, **{k: t.float() for k, t in floats.items() if t is not None and t.is_floating_point()})
 
 
 def _reference(case, inp):
@@ -419,7 +420,7 @@ def test_sonic_cpu_compile_arch_and_host():
             C.parse_arch(bad)
     cpu = C.host_cpu()
     assert cpu["model"] and isinstance(cpu["simd_flags"], list)
-    if os.path.exists("/proc/cpuinfo"):  # every x86-64 CPU has SSE2; the flags are what the object files' host code uses
+    if os.path.exists("/proc/cpuinfo"):  # every x86-64 CPU has SSE2 (the flags are what the host code is built for)
         assert "sse2" in cpu["simd_flags"] or platform.machine() != "x86_64"
 
 
