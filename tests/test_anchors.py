@@ -436,6 +436,73 @@ def test_sonic_cpu_compile_environment(monkeypatch):
     assert os.environ["QUACK_ARCH"] == "100"
 
 
+def _stand_in(monkeypatch, name, **attrs):
+    mod = types.ModuleType(name)
+    mod.__dict__.update(attrs)
+    monkeypatch.setitem(sys.modules, name, mod)
+    if "." in name:
+        parent, _, leaf = name.rpartition(".")
+        monkeypatch.setattr(sys.modules[parent], leaf, mod, raising=False)
+    return mod
+
+
+def test_sonic_cpu_compile_apply_through_stand_ins(monkeypatch):
+    """What --cpu changes, on stand-ins of QuACK and CuTe DSL (the real ones need Python >= 3.12 for sonic-moe): the
+    driver check is skipped, compile-only is on, a CUDA-only GEMM op runs on CPU tensors, the autotuner's benchmark
+    calls the config once (its compile), Triton launches are no-ops, and the cache fingerprint is the named Python's,
+    computed by QuACK's own function."""
+    import functools
+    import hashlib
+
+    import triton.runtime.autotuner as triton_autotuner
+    import triton.runtime.interpreter as triton_interpreter
+
+    from benchmarks import sonic_cpu_compile as C
+
+    for cls, attr in ((triton_autotuner.Autotuner, "do_bench"), (triton_interpreter.InterpretedFunction, "run")):
+        monkeypatch.setattr(cls, attr, cls.__dict__[attr])  # restored after the test
+
+    class Compiler:
+        def _check_cuda_dependencies_once(self, shared_libs):
+            raise RuntimeError("no driver")
+
+    _stand_in(monkeypatch, "cutlass")
+    _stand_in(monkeypatch, "cutlass.base_dsl")
+    _stand_in(monkeypatch, "cutlass.base_dsl.compiler", Compiler=Compiler)
+
+    class Autotuner:
+        @property
+        def do_bench(self):
+            raise RuntimeError("needs a GPU")
+
+    calls = []
+
+    @torch.library.custom_op("mokbench_test::cuda_only_gemm", mutates_args={"out"}, device_types="cuda")
+    def cuda_only_gemm(a: torch.Tensor, out: torch.Tensor) -> None:
+        calls.append(a.device.type)
+
+    _stand_in(monkeypatch, "quack")
+    _stand_in(monkeypatch, "quack.autotuner", Autotuner=Autotuner, _gpu_warmup=lambda: 1 / 0)
+    cache = _stand_in(monkeypatch, "quack.cache_utils", COMPILE_ONLY=False, sys=sys, hashlib=hashlib,
+                      functools=functools)
+    exec("@functools.lru_cache(maxsize=1)\ndef _compute_source_fingerprint():\n"  # reads its module's sys, as QuACK's
+         "    return hashlib.sha256(f'py{sys.version_info.major}.{sys.version_info.minor}'.encode()).hexdigest()",
+         cache.__dict__)
+    _stand_in(monkeypatch, "quack.gemm_interface", gemm_out=cuda_only_gemm)
+    here = cache._compute_source_fingerprint()
+
+    C.apply("3.9")
+    Compiler()._check_cuda_dependencies_once([])
+    assert cache.COMPILE_ONLY is True
+    sys.modules["quack.autotuner"]._gpu_warmup()
+    cuda_only_gemm(torch.zeros(2), torch.zeros(2))
+    assert calls == ["cpu"]
+    assert Autotuner().do_bench(lambda: calls.append("config"), quantiles=(0.5, 0.2, 0.8)) == [0.0, 0.0, 0.0]
+    assert calls == ["cpu", "config"]
+    assert triton_interpreter.InterpretedFunction.run(object(), 1, grid=(1,)) is None
+    assert C.fingerprint() == hashlib.sha256(b"py3.9").hexdigest() != here or sys.version_info[:2] == (3, 9)
+
+
 def test_sonic_notes_cite_a_precompiled_cache(monkeypatch, tmp_path):
     from baselines import sonicmoe
 
