@@ -5,7 +5,8 @@ Legend: M routed rows on this rank, L local experts, H hidden, I expert ffn.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+import time
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -38,6 +39,20 @@ def cache_record(cache_env: str, name: str) -> Optional[dict]:
         return json.loads(path.read_text())
     except (OSError, ValueError):
         return None
+
+
+def warm_forward_backward(routed: Callable[..., torch.Tensor], inputs, params: "ExpertParams") -> float:
+    """One untimed forward and backward of ``routed(x, topk_idx, topk_w)`` on the point's inputs, so that a
+    library's first-use autotuning and compiles land in setup; the gradients it leaves are cleared. Returns its
+    seconds (the adapters report them in their notes)."""
+    t0 = time.perf_counter()
+    x = inputs.x_TH.detach().requires_grad_()
+    w = inputs.topk_w_TK.detach().requires_grad_()
+    routed(x, inputs.topk_idx_TK, w).backward(inputs.grad_out_TH)
+    if x.is_cuda:
+        torch.cuda.synchronize()
+    params.zero_grad()
+    return time.perf_counter() - t0
 
 
 def precision_unsupported(precision: str, device: torch.device) -> Optional[str]:

@@ -46,13 +46,12 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import os
-import time
 from typing import Any, Callable, Optional
 
 import torch
 
 from contract import Case, LayerInputs
-from baselines.common import ExpertParams, cache_record
+from baselines.common import ExpertParams, cache_record, warm_forward_backward
 
 INSTALL_HINT = "pip install liger-kernel (0.8.5 tested; README, 'Anchors: Liger-Kernel and SonicMoE')"
 AUTOTUNE_ENV = "LIGER_FUSED_MOE_AUTOTUNE"  # Liger's switch: 0 pins one config per kernel (read at import)
@@ -136,14 +135,7 @@ class LigerBackend:
         self._op = LigerFusedMoEFunction.apply
         self.params = ExpertParams(self.case, inputs)  # leaves aliasing the inputs; the shared expert's compile
         # Autotuning (and the Triton compiles) of every kernel of the forward and the backward, untimed
-        t0 = time.perf_counter()
-        x = inputs.x_TH.detach().requires_grad_()
-        w = inputs.topk_w_TK.detach().requires_grad_()
-        self._routed(x, inputs.topk_idx_TK, w).backward(inputs.grad_out_TH)
-        if x.is_cuda:
-            torch.cuda.synchronize()
-        self.params.zero_grad()
-        self.autotune_s = time.perf_counter() - t0
+        self.autotune_s = warm_forward_backward(self._routed, inputs, self.params)
         self.tuned = {n.strip("_"): len(t.configs) for n, t in autotuners().items() if getattr(t, "cache", None)}
 
     def _routed(self, x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, topk_w_TK: torch.Tensor) -> torch.Tensor:

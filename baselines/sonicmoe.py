@@ -40,13 +40,12 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import os
-import time
 from typing import Any, Callable, Optional
 
 import torch
 
 from contract import Case, LayerInputs
-from baselines.common import ExpertParams, cache_record, device_capability
+from baselines.common import ExpertParams, cache_record, device_capability, warm_forward_backward
 
 PRECOMPILE_RECORD = "mokbench-sonic-precompile.json"  # what benchmarks.sonic_precompile wrote to QUACK_CACHE_DIR
 PINNED_TORCH = "2.9.1"  # sonic-moe 0.1.2.post1: torch>=2.7.1,<=2.9.1
@@ -134,14 +133,7 @@ class SonicMoEBackend:
         # QuACK autotunes each of SonicMoE's GEMMs on first use (CuTe DSL compiles of its configs, in
         # QUACK_COMPILE_WORKERS processes, then benchmarks): one untimed forward and backward here, so that all of it
         # is in setup_s, as for Liger
-        t0 = time.perf_counter()
-        x = inputs.x_TH.detach().requires_grad_()
-        w = inputs.topk_w_TK.detach().requires_grad_()
-        self.forward(x, inputs.topk_idx_TK, w).backward(inputs.grad_out_TH)
-        if x.is_cuda:
-            torch.cuda.synchronize()
-        self.params.zero_grad()
-        self.autotune_s = time.perf_counter() - t0
+        self.autotune_s = warm_forward_backward(self.forward, inputs, self.params)
 
     def token_indices(self, T: int, K: int, device: torch.device) -> torch.Tensor:
         """Token t repeated K times, ascending (what SonicMoE requires); a constant of the shape, made once."""
