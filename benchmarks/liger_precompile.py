@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from baselines.liger import AUTOTUNE_ENV, PRECOMPILE_RECORD, autotune_pinned
-from benchmarks.shapes import shape_dims
+from benchmarks.shapes import precompile_inputs
 
 EXPERTS, TOKENS = 16, 256  # the small problem: E a multiple of 16 like every published shape's, K <= E
 
@@ -93,22 +93,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--shapes", required=True, help="comma-separated shape names (configs/shape)")
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="parallel processes (default: CPUs)")
     args = ap.parse_args(argv)
-    cache = os.environ.get("TRITON_CACHE_DIR")
-    if not cache:
-        print("liger_precompile: set TRITON_CACHE_DIR (the folder the harness's liger setup will read the compiled "
-              "kernels from); nothing was compiled", file=sys.stderr)
+    checked = precompile_inputs("liger_precompile", "TRITON_CACHE_DIR", "the harness's liger setup", args.shapes,
+                                args.workers)
+    if checked is None:
         return 2
+    cache, dims = checked
     if autotune_pinned():
         print(f"liger_precompile: {AUTOTUNE_ENV}=0 pins one config per kernel, so there is nothing to "
               "precompile; unset it", file=sys.stderr)
-        return 2
-    try:
-        dims = shape_dims([s for s in args.shapes.split(",") if s])
-    except KeyError as e:
-        print(f"liger_precompile: {e.args[0]}", file=sys.stderr)
-        return 2
-    if args.workers < 1:
-        print("liger_precompile: --workers must be at least 1", file=sys.stderr)
         return 2
     import importlib.util
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import Any, Optional, Sequence
 
 from contract import Case
@@ -50,3 +52,25 @@ def shape_dims(names: Sequence[str]) -> list[tuple[int, int, int]]:
         if d not in dims:
             dims.append(d)
     return dims
+
+
+def precompile_inputs(prog: str, cache_env: str, reader: str, shapes: str, workers: int
+                      ) -> Optional[tuple[str, list[tuple[int, int, int]]]]:
+    """The checks every precompile tool (``benchmarks.liger_precompile``, ``benchmarks.sonic_precompile``) makes
+    first: ``cache_env`` names the cache folder (``reader`` loads its kernels from it), ``shapes`` are known and
+    ``workers`` is at least 1. Returns (cache folder, the shapes' (H, I, K)), or None after one line on stderr
+    naming the fix (the tool then exits with code 2, before anything is compiled)."""
+    cache = os.environ.get(cache_env)
+    if not cache:
+        print(f"{prog}: set {cache_env} (the folder {reader} will load the compiled kernels from); nothing was "
+              "compiled", file=sys.stderr)
+        return None
+    try:
+        dims = shape_dims([s for s in shapes.split(",") if s])
+    except KeyError as e:
+        print(f"{prog}: {e.args[0]}", file=sys.stderr)
+        return None
+    if workers < 1:
+        print(f"{prog}: --workers must be at least 1", file=sys.stderr)
+        return None
+    return cache, dims

@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from benchmarks.shapes import shape_dims
+from benchmarks.shapes import precompile_inputs
 
 EXPERTS, TOKENS = 16, 256  # the small problem (QuACK's compiled kernels do not depend on its sizes)
 
@@ -86,19 +86,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--python", metavar="X.Y", help="with --cpu: the GPU machine's Python version, which names QuACK's "
                     "cache folder (default: this one's)")
     args = ap.parse_args(argv)
-    cache = os.environ.get("QUACK_CACHE_DIR")
-    if not cache:
-        print("sonic_precompile: set QUACK_CACHE_DIR (the folder the harness's sonicmoe setup will load the compiled "
-              "kernels from); nothing was compiled", file=sys.stderr)
+    checked = precompile_inputs("sonic_precompile", "QUACK_CACHE_DIR", "the harness's sonicmoe setup", args.shapes,
+                                args.workers)
+    if checked is None:
         return 2
-    try:
-        dims = shape_dims([s for s in args.shapes.split(",") if s])
-    except KeyError as e:
-        print(f"sonic_precompile: {e.args[0]}", file=sys.stderr)
-        return 2
-    if args.workers < 1:
-        print("sonic_precompile: --workers must be at least 1", file=sys.stderr)
-        return 2
+    cache, dims = checked
     if args.python and (not args.cpu or not re.fullmatch(r"3\.\d+", args.python)):
         print("sonic_precompile: --python takes a version like 3.12, with --cpu", file=sys.stderr)
         return 2

@@ -225,7 +225,8 @@ def test_liger_reuses_a_user_triton_cache(monkeypatch):
 
 
 def test_liger_precompile_slices_cover_every_config_once():
-    from benchmarks.liger_precompile import config_slice, shape_dims
+    from benchmarks.liger_precompile import config_slice
+    from benchmarks.shapes import shape_dims
 
     configs = [f"c{i}" for i in range(40)]
     parts = [config_slice(configs, i, 14) for i in range(14)]
@@ -379,13 +380,14 @@ def test_sonic_routed_matches_a_per_expert_loop(monkeypatch):
 
 def test_sonic_precompile_small_problem_through_a_stand_in(monkeypatch):
     from benchmarks import sonic_precompile as P
+    from benchmarks.shapes import shape_dims
 
     mod = _fake_sonic([])
     monkeypatch.setitem(sys.modules, "sonicmoe", mod)
     monkeypatch.setitem(sys.modules, "sonicmoe.enums", mod.enums)
     out, dx = P.run_small_problem(32, 16, 4, device="cpu")
     assert out.shape == (P.TOKENS, 32) and dx is not None and dx.shape == (P.TOKENS, 32) and bool(dx.abs().sum() > 0)
-    assert P.shape_dims(["glm_5_2", "glm_5_2"]) == P.shape_dims(["glm_5_2"])
+    assert shape_dims(["glm_5_2", "glm_5_2"]) == shape_dims(["glm_5_2"])
 
 
 @pytest.mark.parametrize("env, args, says", [
