@@ -269,12 +269,17 @@ def test_liger_precompile_worker_runs_its_slice_of_every_autotuner():
      "needs a CUDA GPU" if HAS_LIGER else "pip install liger-kernel"),
 ])
 def test_liger_precompile_refuses_what_cannot_run(tmp_path, env, args, says):
-    """One line naming the fix, exit code 2, and nothing written to the cache."""
-    run_env = {k: v for k, v in os.environ.items()
-               if k not in ("TRITON_CACHE_DIR", "LIGER_FUSED_MOE_AUTOTUNE")}
+    _assert_refuses("benchmarks.liger_precompile", ("TRITON_CACHE_DIR", "LIGER_FUSED_MOE_AUTOTUNE"), tmp_path, env,
+                    args, says)
+
+
+def _assert_refuses(module, unset, tmp_path, env, args, says):
+    """A precompile tool run with ``unset`` removed from the environment and ``env`` added (CACHE: ``tmp_path``):
+    one line naming the fix, exit code 2, and nothing written to the cache."""
+    run_env = {k: v for k, v in os.environ.items() if k not in unset}
     run_env.update({k: v.replace("CACHE", str(tmp_path)) for k, v in env.items()})
-    r = subprocess.run([sys.executable, "-m", "benchmarks.liger_precompile", *args], cwd=ROOT, env=run_env,
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=run_env, capture_output=True, text=True,
+                       timeout=120)
     assert r.returncode == 2, r.stderr
     assert says in r.stderr and len(r.stderr.strip().splitlines()) == 1
     assert list(tmp_path.iterdir()) == []
@@ -403,14 +408,7 @@ def test_sonic_precompile_small_problem_through_a_stand_in(monkeypatch):
      "quack-kernels==0.3.11 is not installed" if importlib.util.find_spec("quack") is None else "sonic-moe"),
 ])
 def test_sonic_precompile_refuses_what_cannot_run(tmp_path, env, args, says):
-    """One line naming the fix, exit code 2, and nothing written to the cache."""
-    run_env = {k: v for k, v in os.environ.items() if k != "QUACK_CACHE_DIR"}
-    run_env.update({k: v.replace("CACHE", str(tmp_path)) for k, v in env.items()})
-    r = subprocess.run([sys.executable, "-m", "benchmarks.sonic_precompile", *args], cwd=ROOT, env=run_env,
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2, r.stderr
-    assert says in r.stderr and len(r.stderr.strip().splitlines()) == 1
-    assert list(tmp_path.iterdir()) == []
+    _assert_refuses("benchmarks.sonic_precompile", ("QUACK_CACHE_DIR",), tmp_path, env, args, says)
 
 
 def test_sonic_cpu_compile_arch_and_host():

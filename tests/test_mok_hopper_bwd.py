@@ -416,6 +416,19 @@ def test_bwd_check_runs_on_the_cpu(tmp_path, precision):
     assert p.returncode == 2 and "unknown mode" in p.stderr and not (tmp_path / "x").exists()
 
 
+def _wgrad_problem(seed, sizes, padding):
+    """A weight-gradient problem of experts with ``sizes`` rows: their row ``starts``, bf16 P [R, 128] and Q [R, 256],
+    and each row's ``code`` (its index; -1 for the ``padding`` rows)."""
+    g = torch.Generator().manual_seed(seed)
+    starts = torch.tensor([0, *torch.tensor(sizes).cumsum(0).tolist()], dtype=torch.int32)
+    R = int(starts[-1])
+    p = torch.randn(R, 128, generator=g).bfloat16()
+    q = torch.randn(R, 256, generator=g).bfloat16()
+    code = torch.arange(R, dtype=torch.int32)
+    code[padding] = -1
+    return starts, p, q, code
+
+
 @pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (it comes with torch on Linux; pip install -e "
                                            "'.[test]'): the interpreter kernel tests need it")
 @pytest.mark.parametrize("tma_store", [False, True], ids=["pointer-store", "tma-store"])
@@ -435,14 +448,9 @@ def test_weight_gradient_with_p_resident_is_the_default_one(tma_store):
 
     if not interp.INTERPRET:
         pytest.skip("the kernels run on the CPU under TRITON_INTERPRET=1 (set at the top of this file without a GPU)")
-    g = torch.Generator().manual_seed(3)
     sizes = [0, 40, 64, 130, 20, 32, 12, 80]
-    starts = torch.tensor([0, *torch.tensor(sizes).cumsum(0).tolist()], dtype=torch.int32)
-    R, N, K = int(starts[-1]), 128, 256
-    p = torch.randn(R, N, generator=g).bfloat16()
-    q = torch.randn(R, K, generator=g).bfloat16()
-    code = torch.arange(R, dtype=torch.int32)
-    code[[5, 70, 150, 240, 260, 330]] = -1
+    starts, p, q, code = _wgrad_problem(3, sizes, [5, 70, 150, 240, 260, 330])
+    N, K = p.shape[1], q.shape[1]
     out = {}
     small = {"p small": (32, 0), "p small + tail": (16, 32), "p block + tail": (64, 32)}
     for mode in ("default", "p", "q", *small):
@@ -482,14 +490,9 @@ def test_weight_gradient_split_launches_cover_every_expert_once():
 
     if not interp.INTERPRET:
         pytest.skip("the kernels run on the CPU under TRITON_INTERPRET=1 (set at the top of this file without a GPU)")
-    g = torch.Generator().manual_seed(5)
     sizes = [0, 40, 64, 130, 20, 41, 12, 80]
-    starts = torch.tensor([0, *torch.tensor(sizes).cumsum(0).tolist()], dtype=torch.int32)
-    R, N, K = int(starts[-1]), 128, 256
-    p = torch.randn(R, N, generator=g).bfloat16()
-    q = torch.randn(R, K, generator=g).bfloat16()
-    code = torch.arange(R, dtype=torch.int32)
-    code[[5, 70, 150, 240, 300]] = -1
+    starts, p, q, code = _wgrad_problem(5, sizes, [5, 70, 150, 240, 300])
+    N, K = p.shape[1], q.shape[1]
     base = dict(programs=3, block_n=64, block_k=64, block_r=64, resident=True, block_r_small=64, block_r_tail=32)
 
     def run(*launches):
