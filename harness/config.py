@@ -135,6 +135,9 @@ class BenchConfig:
     # a backend whose setup (construction, compiles, autotuning) runs longer becomes a `timeout` row and the point
     # goes on with the next backend; None: no limit (runner.time_limit says what it can interrupt)
     setup_timeout_s: Optional[float] = None
+    # a folder: each backend's setup (construction, setup, checked first call: what setup_s holds) under cProfile,
+    # one <run>-<point>-<backend>-rank<r>.prof / .txt a rank (harness/setup_profile.py); None: off
+    profile_setup_dir: Optional[str] = None
 
 
 def register_configs() -> None:
@@ -442,9 +445,9 @@ def validate_run_options(c: dict) -> None:
 
 
 # Fields that identify a measurement, not the run that made it (compare matches rows on this hash).
-_HASH_EXCLUDE = {"run_id", "dist_timeout_s", "setup_timeout_s", "results_dir", "results_format", "print_table",
-                 "timing", "check", "calibrate", "time_reference", "backends", "directions", "te_fp8_recipe",
-                 "backend_order", "fp8_gemm", "mok_hopper_forward"}
+_HASH_EXCLUDE = {"run_id", "dist_timeout_s", "setup_timeout_s", "profile_setup_dir", "results_dir", "results_format",
+                 "print_table", "timing", "check", "calibrate", "time_reference", "backends", "directions",
+                 "te_fp8_recipe", "backend_order", "fp8_gemm", "mok_hopper_forward"}
 
 
 def config_hash(c: dict, case: Case) -> str:

@@ -42,6 +42,7 @@ from harness.dist import RankEnv, free_port, from_environment, init
 from harness.inputs import load_stats, make_inputs
 from harness.limits import StepTimeout, time_limit
 from harness.results import base_row, make_row
+from harness.setup_profile import SetupProfile
 from harness.timing import Timer
 
 SEVERITY = {s: i for i, s in enumerate(("ok", "unsupported", "mismatch", "timeout", "cancelled", "oom", "error"))}
@@ -281,6 +282,17 @@ def _release_memory() -> None:
         torch.cuda.empty_cache()
 
 
+def _write_setup_profile(prof: SetupProfile, progress: Progress) -> None:
+    """The setup's profile into ``profile_setup_dir`` (once; a failure to write is said, never raised)."""
+    try:
+        path = prof.write()
+    except Exception as e:  # noqa: BLE001 (a profile is a diagnostic: it must not cost the backend its rows)
+        progress.note(f"setup profile not written: {type(e).__name__}: {e}")
+        return
+    if path is not None:
+        progress.note(f"setup profile: {path}")
+
+
 def run_backend(name: str, point: PointContext) -> Iterator[dict[str, Any]]:
     """Yield one row per direction for one backend at one sweep point. Never raises for backend failures."""
     case, c, inputs, ref, group, ctrl = point.case, point.cfg, point.inputs, point.ref, point.group, point.ctrl
@@ -301,12 +313,16 @@ def run_backend(name: str, point: PointContext) -> Iterator[dict[str, Any]]:
 
     backend = None
     t_setup = time.perf_counter()
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    prof = SetupProfile(c.get("profile_setup_dir"), f"{base.get('run_id')}-{base.get('config_hash', '')[:8]}-"
+                        f"{case.shape}-{case.precision}-ep{case.ep_size}-{name}-rank{rank}")
 
     def _setup():
         nonlocal backend
-        backend = cls(case, group)
-        with time_limit(c.get("setup_timeout_s"), f"{name}'s setup"):
-            backend.setup(inputs)
+        with prof.on():
+            backend = cls(case, group)
+            with time_limit(c.get("setup_timeout_s"), f"{name}'s setup"):
+                backend.setup(inputs)
 
     progress.start("setup (construct, buffers, JIT builds)")
     status, err, _ = agree(_setup)
@@ -317,6 +333,9 @@ def run_backend(name: str, point: PointContext) -> Iterator[dict[str, Any]]:
         info = info or {}
     grads_supported = any(direction_unsupported(cls, case, d) is None for d in directions if d != "fwd")
     extra: dict[str, Any] = dict(info)
+    if prof.folder is not None:  # cProfile slows Python-heavy setups: the row says its setup_s was profiled
+        extra["notes"] = "; ".join(filter(None, [extra.get("notes"), "setup under cProfile (profile_setup_dir): "
+                                                 "setup_s includes the profiler's overhead"]))
 
     # The gate, per direction: a forward row needs the output to match; a backward row needs the output and every
     # gradient (a backend whose gradients are off still has a valid forward, and is timed forward).
@@ -325,7 +344,8 @@ def run_backend(name: str, point: PointContext) -> Iterator[dict[str, Any]]:
         with_grads = need_grads and grads_supported
 
         def _check():
-            got = run_once(backend, inputs, with_grads)
+            with prof.on():
+                got = run_once(backend, inputs, with_grads)
             full = compare(got, ref if with_grads else {"out": ref["out"]}, ctrl)
             out_only = compare({"out": got["out"]}, {"out": ref["out"]}, ctrl) if with_grads else full
             return full, out_only
@@ -338,11 +358,13 @@ def run_backend(name: str, point: PointContext) -> Iterator[dict[str, Any]]:
             for d in directions:
                 gate[d] = _gate(verdicts[1] if d == "fwd" else verdicts[0], case)
         progress.end(status, ", ".join(f"{d} {g[0]}" for d, g in gate.items()))
+        _write_setup_profile(prof, progress)
         if status == "ok" and all(g[0] != "ok" for g in gate.values()):
             for d in directions:
                 yield make_row(base, name, d, gate[d][0], error=gate[d][1], **extra, **gate[d][2])
             agree(backend.teardown)
             return
+    _write_setup_profile(prof, progress)
     if status != "ok":
         for d in directions:
             yield make_row(base, name, d, status, error=err, **extra)

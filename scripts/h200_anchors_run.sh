@@ -36,6 +36,11 @@
 #   without a GPU by `sonic_precompile --cpu sm_90a --python 3.12` (a few minutes on two cores). Then the points'
 #   setups only load and benchmark the kernels: 136 s (16 workers) and 156 s (QUACK_COMPILE_WORKERS=1) of SonicMoE
 #   setup on qwen3_5_397b with every kernel cached (session 31, two leases).
+# * PROFILE_SETUP=1: each backend's setup under cProfile (the harness's profile_setup_dir), into
+#   OUTDIR/setup-profiles (<run>-<point>-<backend>-rank0.txt / .prof), with QuACK's and Triton's autotuning printed
+#   (QUACK_PRINT_AUTOTUNING, TRITON_PRINT_AUTOTUNING): where SonicMoE's 136-156 s of setup go (session 32 found on a
+#   CPU: QuACK's loop over its 80 cached kernels 3.9 s without GPU work, its Triton reduction's 84 configs on
+#   qwen3_5_397b 32 s to compile). The rows' setup_s then include the profiler's overhead, and their notes say so.
 # * NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 (no NVLink multicast).
 # * TRITON_CACHE_DIR (the precompiled cache; each point copies it) and TORCHINDUCTOR_CACHE_DIR under /tmp, one
 #   folder each for the whole call (the liger backend sets TRITON_CACHE_AUTOTUNING=1 where TRITON_CACHE_DIR is set,
@@ -61,6 +66,11 @@ export TORCHINDUCTOR_AUTOTUNE_IN_SUBPROC=${TORCHINDUCTOR_AUTOTUNE_IN_SUBPROC:-1}
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/mokbench-triton-cache}
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/mokbench-inductor-cache}
 export MOKBENCH_RUN_ID=${MOKBENCH_RUN_ID:-h200-anchors-$(date -u +%Y%m%dT%H%M%S)}
+PROFILE=()
+if [ "${PROFILE_SETUP:-0}" = 1 ]; then
+  PROFILE=("profile_setup_dir=$OUTDIR/setup-profiles")
+  export QUACK_PRINT_AUTOTUNING=1 TRITON_PRINT_AUTOTUNING=1
+fi
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
 python3 -c "import liger_kernel, importlib.metadata as m; print('liger-kernel', m.version('liger-kernel'))" \
   || echo "liger-kernel is not importable: its rows will be unsupported"
@@ -71,7 +81,7 @@ COMMON=(-m hydra/launcher=node ep_size=1 precision=bf16 direction=fwd_and_bwd wo
         "backends=${BACKENDS:-[nccl,liger,mok_hopper,sonicmoe]}" "compile=${COMPILE:-true}" compile_mode=published
         timing=published calibrate=true dist_timeout_s=900 "setup_timeout_s=${SETUP_TIMEOUT_S:-300}"
         "run_id=$MOKBENCH_RUN_ID" "results_dir=$OUTDIR/runs"
-        hydra.sweep.dir=/tmp/mokbench-sweep hydra.run.dir=/tmp/mokbench-run)
+        hydra.sweep.dir=/tmp/mokbench-sweep hydra.run.dir=/tmp/mokbench-run ${PROFILE[@]+"${PROFILE[@]}"})
 TUNE=${LIGER_FUSED_MOE_AUTOTUNE:-1}
 precompile() {  # shapes: Liger's compiles ahead, in parallel (nothing to do when it is pinned)
   [ "$TUNE" = 0 ] && return 0

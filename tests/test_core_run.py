@@ -154,6 +154,29 @@ def test_a_setup_past_its_limit_is_a_timeout_row_and_the_point_goes_on(results_d
     assert by(df, "nccl", "fwd").status == "ok"
 
 
+def test_setup_profiles_say_where_each_backends_setup_went(results_dir, tmp_path):
+    """profile_setup_dir: one profile a backend a rank, of the steps setup_s holds (construction, setup, the checked
+    first call), written for a setup that failed too; the rows are what they would be without it."""
+    import pstats
+
+    prof_dir = tmp_path / "profiles"
+    df = run_benchmark(cpu_cfg(results_dir, "ep_size=2", "backends=[nccl,fails_setup]", "directions=[fwd]",
+                               f"profile_setup_dir={prof_dir}"))
+    assert by(df, "nccl", "fwd").status == "ok" and by(df, "fails_setup", "fwd").status == "error"
+    assert "setup under cProfile" in by(df, "nccl", "fwd").notes  # its setup_s holds the profiler's overhead
+    for name in ("nccl", "fails_setup"):
+        for rank in (0, 1):
+            stem = [p for p in prof_dir.glob(f"*-{name}-rank{rank}.prof")]
+            assert len(stem) == 1, sorted(p.name for p in prof_dir.iterdir())
+            funcs = {f"{os.path.basename(f)}:{fn}" for f, _, fn in pstats.Stats(str(stem[0])).stats}
+            assert ("nccl.py:setup" if name == "nccl" else "fake_backends.py:setup") in funcs  # the backend's own
+            assert ("check.py:run_once" in funcs) == (name == "nccl")  # the first call only after a setup that ran
+            text = stem[0].with_suffix(".txt").read_text()
+            assert "setup steps under cProfile" in text and "most own time" in text
+    assert {r for r in df.config_hash} == {r for r in run_benchmark(cpu_cfg(
+        results_dir, "ep_size=2", "backends=[nccl]", "directions=[fwd]")).config_hash}
+
+
 def test_time_limit_interrupts_and_restores():
     import signal
     import time
