@@ -480,12 +480,14 @@ def test_weight_gradient_with_p_resident_is_the_default_one(tma_store):
 
 @pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (it comes with torch on Linux; pip install -e "
                                            "'.[test]'): the interpreter kernel tests need it")
-def test_weight_gradient_split_launches_cover_every_expert_once():
+@pytest.mark.parametrize("first_n", [64, 128], ids=["strips-as-default", "strips-twice-as-wide"])
+def test_weight_gradient_split_launches_cover_every_expert_once(first_n):
     """Session 30's option: the experts of at most ``rows`` rows in a launch of their own blocks (``rows_max``),
     the others in a second launch (``rows_min``). Each launch alone writes exactly its experts' blocks (the rest
     stay NaN: the expert without rows belongs to the first); both together are the default kernel's values, the
     second launch's experts bit for bit (its launch is the default's), the first's to an fp32 rounding (other
-    blocks: numpy's dot may sum in another order). Through ``train._wgrad``'s ``split`` too."""
+    blocks: numpy's dot may sum in another order). Through ``train._wgrad``'s ``split`` too. Session 32: the first
+    launch's strips twice as wide as the default's (``block_n``; bwd_check's 256 x 64 candidate), here all of N."""
     from kernels.mok_hopper import bwd_wgrad, interp, train
 
     if not interp.INTERPRET:
@@ -501,7 +503,7 @@ def test_weight_gradient_split_launches_cover_every_expert_once():
             bwd_wgrad.bwd_wgrad(p, q, dw, code, starts, **kw)
         return dw
 
-    small = {**base, "block_k": 128, "block_r_small": 0, "block_r_tail": 0, "rows_max": 40}
+    small = {**base, "block_n": first_n, "block_k": 128, "block_r_small": 0, "block_r_tail": 0, "rows_max": 40}
     large = {**base, "rows_min": 40}
     default, lo, hi, both = run(base), run(small), run(large), run(small, large)
     for e, n in enumerate(sizes):
@@ -510,7 +512,7 @@ def test_weight_gradient_split_launches_cover_every_expert_once():
         if n > 40:
             assert torch.equal(both[e], default[e]), (e, n)
     assert torch.allclose(both.float(), default.float(), rtol=2 ** -7, atol=1e-6) and not both[0].any()
-    t = dict(base, grouped_mm=False, split=dict(rows=40, programs=2, block_k=128))
+    t = dict(base, grouped_mm=False, split=dict(rows=40, programs=2, block_n=first_n, block_k=128))
     t.pop("programs")
     via = train._wgrad(p, q, torch.empty(len(sizes), N, K, dtype=torch.bfloat16), code, starts, 3, t, {})
     assert torch.equal(via, both)

@@ -120,6 +120,13 @@ SWEEP: dict[str, dict[str, dict[str, Any]]] = {
                                 tma_store=False)),
         "dw2": dict(split=dict(rows=64, block_k=128, block_r=64, num_warps=4, programs_per_sm=2, stages=3,
                                tma_store=True))},
+    # session 32 (built, untimed): the split's first launch with strips 256 wide and 64 deep at 8 warps: Q, streamed
+    # from L2, is then half the bytes a stored byte of 128 x 128 blocks (BR / BN), at the same 32 KB stored a step,
+    # and the row bound lets Triton drop the reloaded-P path (aot_check, Triton 3.6: 104-108 registers, no spill,
+    # 72-88 KB of shared memory), so two 8-warp programs fit an SM
+    **{f"wgrad split at 64 rows, 256 x 64 strips, 8 warps, {n}/SM": {
+        k: dict(split=dict(rows=64, block_n=256, block_k=64, block_r=64, num_warps=8, programs_per_sm=n, stages=3,
+                           tma_store=k == "dw2")) for k in ("dw13", "dw2")} for n in (1, 2)},
     # v12: dgate and dW2 read dO's rows by token; v11 gathered a copy of them first (the "gather" stage)
     "dO rows gathered first (v11)": {"gather_dO": {"in_kernels": False}},
     # v6 (session 17): the shared expert's backward by torch GEMMs is the default; the kernels' way, for comparison

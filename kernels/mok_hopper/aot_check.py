@@ -329,6 +329,14 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048, extras: bool 
                 ("bwd wgrad P resident 128 rows pointers, 64 + 32-row strips, experts over 64 rows, dO gathered",
                  dict(BK=64, BR=128, BR_SMALL=64, BR_TAIL=32, TMA_STORE=False, ROWS_MIN=64, P_GATHER=8), "*bf16")):
             out.append(Variant(label, "_bwd_wgrad_resident_kernel", dict(wg_t, dw_ptr=dw), dict(wg_c, **over), 4))
+        # session 32 (bwd_check's sweep, untimed): the split's first launch with strips 256 wide and 64 deep at 8
+        # warps, two programs an SM (the row bound drops the reloaded-P path: about 104 registers)
+        for label, over, dw in (
+                ("bwd wgrad P resident pointers 256 x 64, 8 warps, experts up to 64 rows",
+                 dict(BN=256, BK=64, TMA_STORE=False, ROWS_MAX=64), "*bf16"),
+                ("bwd wgrad P resident 256 x 64, 8 warps, experts up to 64 rows, dO gathered",
+                 dict(BN=256, BK=64, ROWS_MAX=64, P_GATHER=8), "tensordesc<bf16[256, 64]>")):
+            out.append(Variant(label, "_bwd_wgrad_resident_kernel", dict(wg_t, dw_ptr=dw), dict(wg_c, **over), 8))
         # the fused stages (bwd_fused.py, an option; train.py's launches: 64-row blocks where the experts average at
         # most 48 rows, else 128) and bwd_check's sweep launches (4 warps, two programs per SM)
         dg_t = dict(do_ptr="*bf16", h_ptr="*bf16", clip_ptr="*u8", s_ptr="*fp32", dh_ptr="*bf16", ds_ptr="*fp32",
