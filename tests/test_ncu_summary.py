@@ -1,0 +1,66 @@
+"""benchmarks.mok_hopper.ncu_summary on a raw page in Nsight Compute's CSV layout (no GPU here: the file is
+written by the test, in the layout `ncu --import R --csv --page raw --print-units base` prints)."""
+
+from __future__ import annotations
+
+import csv
+
+import pytest
+
+from benchmarks.mok_hopper import ncu_summary
+
+HEADER = ["ID", "Process ID", "Process Name", "Host Name", "Kernel Name", "Block Size", "Grid Size",
+          "gpu__time_duration.sum", "dram__bytes_read.sum", "dram__bytes_write.sum",
+          "lts__throughput.avg.pct_of_peak_sustained_elapsed", "launch__registers_per_thread",
+          "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active",
+          "smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio",
+          "smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio",
+          "smsp__average_warps_issue_stalled_math_pipe_throttle_per_issue_active.ratio"]
+UNITS = ["", "", "", "", "", "", "", "nsecond", "byte", "byte", "%", "register/thread", "%", "inst", "inst", "inst"]
+LAUNCHES = [
+    ["0", "42", "python3", "h", "_bwd_wgrad_resident_kernel", "(128, 1, 1)", "(264, 1, 1)", "2,601,000",
+     "4,300,000,000", "8,600,000,000", "91.5", "255", "27.0", "3.5", "9.25", "0.5"],
+    ["1", "42", "python3", "h", "_bwd_rows_kernel", "(256, 1, 1)", "(132, 1, 1)", "1,271,000",
+     "4,400,000,000", "200,000,000", "40.0", "236", "n/a", "12.0", "1.0", "2.0"],
+]
+
+
+def _write(path, header=HEADER, rows=(UNITS, *LAUNCHES)):
+    with open(path, "w", newline="") as f:
+        f.write('==PROF== Disconnected from process 42\n')  # ncu's notices can precede the table
+        w = csv.writer(f, quoting=csv.QUOTE_ALL)
+        w.writerow(header)
+        w.writerows(rows)
+    return str(path)
+
+
+def test_one_line_per_launch_in_the_units_the_notes_use(tmp_path):
+    header, rows = ncu_summary.read_raw(_write(tmp_path / "raw.csv"))
+    assert [r["ID"] for r in rows] == ["0", "1"]  # the units row is not a launch
+    wgrad, dgate = ncu_summary.summarize(header, rows)
+    assert wgrad["kernel"] == "_bwd_wgrad_resident_kernel"
+    assert wgrad["us"] == pytest.approx(2601.0) and wgrad["HBM wr GB"] == pytest.approx(8.6)
+    assert wgrad["L2 %"] == pytest.approx(91.5) and wgrad["regs"] == 255
+    assert wgrad["tensor %"] == pytest.approx(27.0)  # the hmma name, the only tensor metric this page has
+    assert wgrad["DRAM %"] is None and wgrad["L2 hit %"] is None  # not collected: n/a, not 0
+    assert dgate["tensor %"] is None  # ncu printed n/a
+    other = [c.replace("sm__pipe_tensor_op_hmma_cycles_active", "sm__pipe_tensor_op_dmma_cycles_active")
+             for c in header]  # a name outside the list: found by its pattern
+    assert ncu_summary.summarize(other, [{other[i]: r[c] for i, c in enumerate(header)} for r in rows]
+                                 )[0]["tensor %"] == pytest.approx(27.0)
+    assert wgrad["stalls"] == "barrier 9.2, long_scoreboard 3.5, math_pipe_throttle 0.5"  # largest first
+    assert dgate["stalls"].startswith("long_scoreboard 12.0")
+    only = ncu_summary.summarize(header, rows, match="wgrad")
+    assert [x["kernel"] for x in only] == ["_bwd_wgrad_resident_kernel"]
+    text = ncu_summary.table([wgrad, dgate])
+    assert text.count("\n") == 4 and "| _bwd_rows_kernel | 1.27e+03 |" in text and "| n/a |" in text
+
+
+def test_the_command_refuses_a_file_that_is_not_the_raw_page(tmp_path, capsys):
+    path = _write(tmp_path / "raw.csv")
+    assert ncu_summary.main([path, "--match", "wgrad"]) == 0
+    assert "_bwd_wgrad_resident_kernel" in capsys.readouterr().out
+    assert ncu_summary.main([path, "--match", "no_such_kernel"]) == 1  # nothing matched: not a success
+    other = _write(tmp_path / "other.csv", header=["backend", "latency_ms"], rows=[["nccl", "6.4"]])
+    assert ncu_summary.main([other]) == 2
+    assert "not ncu's raw page" in capsys.readouterr().err
