@@ -9,6 +9,8 @@
 #   bash scripts/h200_ncu_bwd.sh OUTDIR [SHAPES]       SHAPES default qwen3_5_397b,glm_5_2 (comma-separated)
 # SWEEP_ONLY="label part,..." also profiles those bwd_check sweep variants' launches (after the default's);
 # COUNT (default 8 a shape, 4 launches a backward) how many matching launches ncu profiles; KERNELS the regex.
+# The forward runs with ready_flags=0 (its up GEMM waits for the pull by a stream event, not by spinning on the
+# pull's counters: ncu runs kernels one at a time, and a spinning GEMM before its pull would never end).
 # ncu runs with --clock-control none (the clocks are left as the board sets them, as every timing here is) and
 # replays each profiled kernel, restoring the memory it writes: the durations are of single launches at whatever
 # clock the board holds, for reading the counters' proportions, not rows to compare with published timing.
@@ -31,7 +33,7 @@ for shape in ${SHAPES//,/ }; do
     --metrics dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sector_hit_rate.pct \
     -f -o "$OUTDIR/ncu-$shape" \
     torchrun --nproc-per-node=1 -m benchmarks.mok_hopper.bwd_check --out "$OUTDIR/bwd-$shape" --shapes "$shape" \
-      --modes save_h --no-nccl --repeats 1 --iters 1 --warmup 1 --stage-iters 1 \
+      --modes save_h --no-nccl --repeats 1 --iters 1 --warmup 1 --stage-iters 1 --tile ready_flags=0 \
       ${SWEEP_ONLY:+--sweep --sweep-only "$SWEEP_ONLY" --no-sweep-bits} 2>&1 \
     | grep -v -e Warning -e warnings.warn | tail -40 | tee "$OUTDIR/ncu-$shape.log"
   "$NCU" --import "$OUTDIR/ncu-$shape.ncu-rep" --csv --page raw --print-units base > "$OUTDIR/ncu-$shape-raw.csv" \

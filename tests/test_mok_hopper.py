@@ -713,6 +713,20 @@ def test_tile_weights_gu_interleaves_gate_and_up_rows_in_each_block():
                 assert torch.equal(blk[1::2], w13[e, I + n * bn:I + (n + 1) * bn, cols])  # up rows at 2j + 1
 
 
+def test_tile_overrides_from_the_command_line():
+    """gpu_check's and bwd_check's ``--tile``: TileConfig fields, integers, the switches as bools; anything else
+    a ValueError that names it."""
+    from kernels.mok_hopper.tiles import TileConfig, parse_tile_overrides
+
+    got = parse_tile_overrides("ready_flags=0,tma=1,block_m=64")
+    assert got == {"ready_flags": False, "tma": True, "block_m": 64} and got["ready_flags"] is False
+    assert TileConfig(**got).ready_flags is False and parse_tile_overrides("") == {}
+    with pytest.raises(ValueError, match="'ready_flag' is not a TileConfig field"):
+        parse_tile_overrides("ready_flag=0")
+    with pytest.raises(ValueError, match="block_m='64.5' is not an integer"):
+        parse_tile_overrides("block_m=64.5")
+
+
 def test_default_tile_tiles_the_weights_on_cuda_only():
     from kernels.mok_hopper.tiles import default_tile
 
@@ -1163,6 +1177,8 @@ def test_gpu_check_refuses_what_cannot_run_in_one_line_before_anything_runs(tmp_
         assert gc.main(["--out", str(tmp_path / "out"), *args]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and said in err[0], err
+    assert gc.main(["--out", str(tmp_path / "out"), "--tile", "tma=yes"]) == 2  # a switch is 0 / 1
+    assert "tma='yes' is not an integer" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
     assert gc.unrunnable(["glm_5_2@4epg", "kimi_k2_7"], gc.argparse.Namespace(
         precisions=["bf16", "fp8"], smoke=False, tokens=2048)) is None  # 4 per GPU; 384 experts split over 3

@@ -414,6 +414,10 @@ def test_bwd_check_runs_on_the_cpu(tmp_path, precision):
     p = subprocess.run([sys.executable, "-m", "benchmarks.mok_hopper.bwd_check", "--out", str(tmp_path / "x"),
                         "--modes", "fast"], cwd=root, env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 2 and "unknown mode" in p.stderr and not (tmp_path / "x").exists()
+    p = subprocess.run([sys.executable, "-m", "benchmarks.mok_hopper.bwd_check", "--out", str(tmp_path / "x"),
+                        "--tile", "ready_flag=0"], cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 2 and p.stderr.strip().count("\n") == 0 and "not a TileConfig field" in p.stderr
+    assert not (tmp_path / "x").exists()
 
 
 def _wgrad_problem(seed, sizes, padding):

@@ -323,3 +323,39 @@ def test_harness_published_shape_on_two_gpus(results_dir, precision):
     r = df.iloc[0]
     assert r.status == "ok", r.error
     assert r.dispatch_bytes > 0 and r.dispatch_gb_s > 50
+
+
+def test_backend_tile_overrides_without_spin_waits_change_no_bit():
+    """bwd_check's ``--tile ready_flags=0`` (what Nsight Compute needs: it runs kernels one at a time, and an up
+    GEMM spinning on the pull's counters before the pull ran would never end): the backend builds its layer with
+    the overrides, and the up GEMM's wait by stream event gives the same bits as the spin wait, forward and
+    backward."""
+    import torch.distributed as dist
+
+    from harness.check import run_once
+    from harness.config import make_case
+    from harness.inputs import make_inputs
+    from kernels.mok_hopper.backend import MokHopperBackend
+
+    own = not dist.is_initialized()
+    if own:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        case = make_case(compose_cfg("device=cuda", "shape=tiny", "workload.tokens_per_gpu=256"), ep_size=1,
+                         device="cuda")
+        inputs = make_inputs(case, 0, torch.device("cuda"))
+        got = []
+        for over in ({}, {"ready_flags": False}):
+            b = MokHopperBackend(case, dist.group.WORLD)
+            b.tile_overrides = over
+            b.setup(inputs)
+            assert b._tile.ready_flags is (not over) and b.impl.cfg.ready_flags is (not over)
+            got.append({k: None if v is None else v.detach().cpu().clone()
+                        for k, v in run_once(b, inputs, True).items()})
+            b.teardown()
+        assert got[0].keys() == got[1].keys() and got[0]["d_w_up"] is not None
+        for k, v in got[0].items():
+            assert (v is None and got[1][k] is None) or torch.equal(v, got[1][k]), k
+    finally:
+        if own:
+            dist.destroy_process_group()

@@ -45,6 +45,7 @@ from harness.check import compare, run_once
 from harness.reference import ReferenceBackend
 from harness.runner import time_direction
 from kernels.mok_hopper.backend import MokHopperBackend
+from kernels.mok_hopper.tiles import parse_tile_overrides
 from kernels.mok_hopper.train import BWD_STAGES, layer_backward
 from kernels.mok_hopper.workspace import clear_workspace_cache
 
@@ -432,6 +433,7 @@ def check_shape(ctx: Ctx, name: str, args: argparse.Namespace) -> None:
         _sync(ctx)
         a0 = _alloc(ctx)
         b = MokHopperBackend(c, ctx.group)
+        b.tile_overrides = args.tile_over
         b.setup(inp)
         _sync(ctx)
         setup_mb = _mb(_alloc(ctx) - a0)
@@ -541,8 +543,16 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="for each variant whose gradients are not the default's bits: the largest relative L1 "
                     "difference of one gradient from the default's (the default is checked against the reference)")
     ap.add_argument("--precision", default="bf16", help="bf16 or fp8 (the fp8 backward, issue 25)")
+    ap.add_argument("--tile", default="", help="the forward's tile over its default, TileConfig fields as "
+                    "name=int (switches 0 / 1), e.g. ready_flags=0 (no spin wait: what Nsight Compute, which runs "
+                    "kernels one at a time, needs); CUDA only (the CPU twin has no tiles)")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args(argv)
+    try:
+        args.tile_over = parse_tile_overrides(args.tile)
+    except ValueError as e:
+        print(f"bwd_check: {e}", file=sys.stderr)
+        return 2
     args.modes = [m for m in args.modes.split(",") if m]
     args.precisions = [args.precision]
     shapes = [s for s in args.shapes.split(",") if s]
@@ -556,7 +566,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ctx = Ctx(smoke=args.smoke)
     t0 = time.time()
     ctx.log(f"mok_hopper bwd_check: {'cpu (smoke)' if ctx.smoke else torch.cuda.get_device_name()}, torch "
-            f"{torch.__version__}, triton {__import__('triton').__version__}")
+            f"{torch.__version__}, triton {__import__('triton').__version__}"
+            + (f"; the forward's tile with {args.tile_over}" if args.tile_over else ""))
     for name in shapes:
         check_shape(ctx, name, args)
     os.makedirs(args.out, exist_ok=True)

@@ -44,7 +44,7 @@ import os
 import sys
 import time
 import traceback
-from dataclasses import fields, replace
+from dataclasses import replace
 from functools import partial
 from typing import Any, Callable, Optional, Sequence
 
@@ -61,7 +61,7 @@ from harness.inputs import make_inputs
 from harness.reference import ReferenceBackend
 from harness.timing import Stats, Timer
 from kernels.mok_hopper.api import MoKHopperLayer, default_tile
-from kernels.mok_hopper.tiles import TileConfig
+from kernels.mok_hopper.tiles import TileConfig, parse_tile_overrides
 from kernels.mok_hopper.variants import SWEEP, TIMELINE_VARIANTS, runs_at
 from kernels.mok_hopper.workspace import clear_workspace_cache
 
@@ -590,10 +590,11 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="CPU, 1 rank, TRITON_INTERPRET=1, tiny shapes: tests this script, measures nothing")
     args = ap.parse_args(argv)
     args.precisions = [p for p in args.precisions.split(",") if p]
-    args.tile_over = {k: int(v) for k, _, v in (kv.partition("=") for kv in args.tile.split(",") if kv)}
-    for f in fields(TileConfig):  # the on/off switches (annotations are strings here)
-        if f.name in args.tile_over and f.type == "bool":
-            args.tile_over[f.name] = bool(args.tile_over[f.name])
+    try:
+        args.tile_over = parse_tile_overrides(args.tile)
+    except ValueError as e:
+        print(f"gpu_check: {e}", file=sys.stderr)
+        return 2
     shapes = [s for s in args.shapes.split(",") if s]
     if args.quick:
         shapes, args.precisions, args.iters, args.warmup, args.sweep = shapes[:1], ["bf16"], 10, 3, False

@@ -15,6 +15,7 @@ Legend: T tokens per rank, K top-k, H hidden, I ffn, L local experts, P ranks.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Callable, Optional
 
 import torch
@@ -85,6 +86,7 @@ class MokHopperBackend:
         self.impl: Any = None
         self._first_forward = True
         self._tile: Any = None
+        self.tile_overrides: dict[str, Any] = {}  # TileConfig fields over the default tile (CUDA; bwd_check --tile)
         self.params: Optional[ExpertLeaves] = None
         self.mode = getattr(case, "mok_hopper_forward", "save_h")
 
@@ -103,9 +105,9 @@ class MokHopperBackend:
         from kernels.mok_hopper.tiles import num_sms
 
         dev = inputs.x_TH.device
-        self._tile = default_tile(precision=c.precision, device=dev, comm_sms=c.comm_sms,
-                                  rows_per_expert=c.ep_size * c.tokens_per_gpu * c.topk / c.num_experts,
-                                  n_sm=num_sms(dev))
+        self._tile = replace(default_tile(precision=c.precision, device=dev, comm_sms=c.comm_sms,
+                                          rows_per_expert=c.ep_size * c.tokens_per_gpu * c.topk / c.num_experts,
+                                          n_sm=num_sms(dev)), **self.tile_overrides)
         self.impl = MoKHopperLayer(inputs.w13_LIH, inputs.w2_LHI, topk=c.topk, tokens=c.tokens_per_gpu,
                                    shared=shared, swiglu_limit=c.swiglu_limit, precision=c.precision,
                                    group=self.group, tile=self._tile,

@@ -6,7 +6,7 @@ measurements, is in PERF_NOTES.md ("The default tiles and why")."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Optional
 
 import torch
@@ -164,6 +164,25 @@ class TileConfig:
     def h_block(self) -> int:
         """fp8: columns per scale of the hidden activations (the up GEMM's column tile)."""
         return self.up_n
+
+
+def parse_tile_overrides(text: str) -> dict[str, int | bool]:
+    """``"tma=1,ready_flags=0"`` -> ``{"tma": True, "ready_flags": False}``: :class:`TileConfig` fields as the
+    command lines' ``--tile`` gives them (integers; the on/off switches as 0 / 1). ValueError names what is not a
+    field or not an integer."""
+    kinds = {f.name: f.type for f in fields(TileConfig)}  # (annotations are strings here)
+    out: dict[str, int | bool] = {}
+    for item in filter(None, text.split(",")):
+        name, _, value = item.partition("=")
+        if name not in kinds:
+            raise ValueError(f"--tile: {name!r} is not a TileConfig field (kernels/mok_hopper/tiles.py)")
+        try:
+            out[name] = int(value)
+        except ValueError:
+            raise ValueError(f"--tile: {name}={value!r} is not an integer (0 / 1 for on / off)") from None
+        if kinds[name] == "bool":
+            out[name] = bool(out[name])
+    return out
 
 
 def h_save_by_tma(cfg: TileConfig) -> bool:
