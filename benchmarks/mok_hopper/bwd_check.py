@@ -128,6 +128,16 @@ SWEEP: dict[str, dict[str, dict[str, Any]]] = {
     **{f"wgrad split at 64 rows, 256 x 64 strips, 8 warps, {n}/SM": {
         k: dict(split=dict(rows=64, block_n=256, block_k=64, block_r=64, num_warps=8, programs_per_sm=n, stages=3,
                            tma_store=k == "dw2")) for k in ("dw13", "dw2")} for n in (1, 2)},
+    # session 32 (built, untimed): and glm_5_2's experts of 65-96 rows (the split's second launch) at 128 x 128
+    # blocks, 8 warps, one program an SM (no spill: 235-248 registers under Triton 3.6; at 4 warps 224 B of spill,
+    # and session 29 call D's two-block build at 4 warps was x1.24): session 29 call G put glm_5_2's open
+    # millisecond in the 128 x 64 blocks' steps. On qwen3_5_397b and kimi_k2_7 the second launch has no expert
+    **{f"wgrad split at 64 rows, {first}, over 64 rows 128 x 128 at 8 warps 1/SM": {
+        k: dict(block_k=128, num_warps=8, programs_per_sm=1,
+                split=dict(rows=64, block_r=64, stages=3, tma_store=k == "dw2", **over)) for k in ("dw13", "dw2")}
+       for first, over in (("128 x 128 at 4 warps 2/SM", dict(block_k=128, num_warps=4, programs_per_sm=2)),
+                           ("256 x 64 at 8 warps 2/SM", dict(block_n=256, block_k=64, num_warps=8,
+                                                               programs_per_sm=2)))},
     # v12: dgate and dW2 read dO's rows by token; v11 gathered a copy of them first (the "gather" stage)
     "dO rows gathered first (v11)": {"gather_dO": {"in_kernels": False}},
     # v6 (session 17): the shared expert's backward by torch GEMMs is the default; the kernels' way, for comparison

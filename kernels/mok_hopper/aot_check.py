@@ -337,6 +337,18 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048, extras: bool 
                 ("bwd wgrad P resident 256 x 64, 8 warps, experts up to 64 rows, dO gathered",
                  dict(BN=256, BK=64, ROWS_MAX=64, P_GATHER=8), "tensordesc<bf16[256, 64]>")):
             out.append(Variant(label, "_bwd_wgrad_resident_kernel", dict(wg_t, dw_ptr=dw), dict(wg_c, **over), 8))
+        # and the split's second launch (glm_5_2's experts of 65-96 rows) at 128 x 128 blocks, 8 warps, one program
+        # an SM (at 4 warps it spills 224 B, session 29 call D's build 176 B)
+        for label, gather in (("", 0), (", dO gathered", 8)):
+            out.append(Variant(f"bwd wgrad P resident 128 rows pointers 128 x 128, 8 warps, 64 + 32-row strips, "
+                               f"experts over 64 rows{label}", "_bwd_wgrad_resident_kernel", dict(wg_t, dw_ptr="*bf16"),
+                               dict(wg_c, BR=128, BR_SMALL=64, BR_TAIL=32, TMA_STORE=False, ROWS_MIN=64, NUM_PROGS=nprog,
+                                    **({"P_GATHER": gather} if gather else {})), 8))
+            # (the same launch where the experts average at most 64 rows: qwen3_5_397b's, kimi_k2_7's outliers)
+            out.append(Variant(f"bwd wgrad P resident 128 x 128, 8 warps, experts over 64 rows{label}",
+                               "_bwd_wgrad_resident_kernel", dict(wg_t, dw_ptr="*bf16") if not gather else wg_t,
+                               dict(wg_c, ROWS_MIN=64, NUM_PROGS=nprog, TMA_STORE=bool(gather),
+                                    **({"P_GATHER": gather} if gather else {})), 8))
         # the fused stages (bwd_fused.py, an option; train.py's launches: 64-row blocks where the experts average at
         # most 48 rows, else 128) and bwd_check's sweep launches (4 warps, two programs per SM)
         dg_t = dict(do_ptr="*bf16", h_ptr="*bf16", clip_ptr="*u8", s_ptr="*fp32", dh_ptr="*bf16", ds_ptr="*fp32",
