@@ -27,7 +27,6 @@ class SetupProfile:
         self.folder = Path(folder) if folder else None
         self.stem = re.sub(r"[^A-Za-z0-9_.=-]+", "_", stem)
         self.prof = cProfile.Profile() if self.folder else None
-        self.seconds = 0.0
 
     @contextlib.contextmanager
     def on(self) -> Iterator[None]:

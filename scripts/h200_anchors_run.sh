@@ -40,7 +40,7 @@
 #   OUTDIR/setup-profiles (<run>-<point>-<backend>-rank0.txt / .prof), with QuACK's and Triton's autotuning printed
 #   (QUACK_PRINT_AUTOTUNING, TRITON_PRINT_AUTOTUNING): where SonicMoE's 136-156 s of setup go (session 32 found on a
 #   CPU: QuACK's loop over its 80 cached kernels 3.9 s without GPU work, its Triton reduction's 84 configs on
-#   qwen3_5_397b 32 s to compile). The rows' setup_s then include the profiler's overhead, and their notes say so.
+#   qwen3_5_397b 32-33 s to compile). The rows' setup_s then include the profiler's overhead, and their notes say so.
 # * NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 (no NVLink multicast).
 # * TRITON_CACHE_DIR (the precompiled cache; each point copies it) and TORCHINDUCTOR_CACHE_DIR under /tmp, one
 #   folder each for the whole call (the liger backend sets TRITON_CACHE_AUTOTUNING=1 where TRITON_CACHE_DIR is set,
