@@ -339,7 +339,7 @@ def test_backend_tile_overrides_without_spin_waits_change_no_bit():
 
     own = not dist.is_initialized()
     if own:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)  # the harness's group at EP=1
     try:
         case = make_case(compose_cfg("device=cuda", "shape=tiny", "workload.tokens_per_gpu=256"), ep_size=1,
                          device="cuda")
