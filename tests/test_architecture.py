@@ -1,4 +1,4 @@
-"""The import rules of the layout (README, "Layout"): ``contract`` imports none of the other packages; ``baselines``
+"""The import rules of the layout (ARCHITECTURE.md): ``contract`` imports none of the other packages; ``baselines``
 and ``kernels`` import ``contract`` but never the harness or each other; the ground truth (``harness/reference.py``)
 leans on no baseline; nothing imports ``benchmarks`` (the tools that use both the kernels and the harness); no .py file
 under kernels/ grows past about 500 lines."""

@@ -1,6 +1,7 @@
-"""The README's "Reproduce the published comparison" commands, run as dry runs: each one plans every backend of the
-published figure (read from results/published/), on every published shape, precision and direction, at the EP size
-of its case. No GPU or cluster needed: the dry run validates GPU jobs from this machine and runs nothing."""
+"""The reproduce commands (docs/reproduce.md, and the README's one-line "reproduce" job), run as dry runs: each one
+plans every backend of the published figure (read from results/published/), on every published shape, precision and
+direction, at the EP size of its case. No GPU or cluster needed: the dry run validates GPU jobs from this machine and
+runs nothing."""
 
 from __future__ import annotations
 
@@ -16,19 +17,18 @@ from harness.claims import load_published
 from harness.labels import SHAPE_ORDER
 
 REPO = Path(__file__).resolve().parents[1]
-SECTION = "## Reproduce the published comparison"
+PAGE = REPO / "docs" / "reproduce.md"
+TITLE = "# Reproduce the published comparison"
 
 
 def _section() -> str:
-    text = (REPO / "README.md").read_text()
-    assert SECTION in text, f"README.md has no '{SECTION}' section"
-    start = text.index(SECTION) + len(SECTION)
-    end = text.find("\n## ", start)
-    return text[start:end if end >= 0 else None]
+    text = PAGE.read_text()
+    assert text.startswith(TITLE), f"{PAGE} does not start with '{TITLE}'"
+    return text[len(TITLE):]
 
 
 def _cases() -> dict[str, list[list[str]]]:
-    """README commands of the section, by the bold case heading above their code block."""
+    """The page's commands, by the bold case heading above their code block."""
     cases: dict[str, list[list[str]]] = {}
     heading = ""
     for part in re.split(r"(```.*?```)", _section(), flags=re.S):
@@ -45,7 +45,7 @@ def _cases() -> dict[str, list[list[str]]]:
 
 
 CASES = _cases()
-# case heading in the README -> (EP of each job, contender, precisions, node GPUs to plan with when no Slurm)
+# case heading on the page -> (EP of each job, contender, precisions, node GPUs to plan with when no Slurm)
 EXPECT = {
     "GB300 NVL72, upstream MoK, EP=64": (64, "mok", ("bf16", "mxfp8"), None),
     "One 8-GPU H100 / H200 node": (8, "mok_hopper", ("bf16", "fp8"), 8),
@@ -68,6 +68,15 @@ def test_readme_has_the_three_cases():
         # every dry run is the real command plus the flag, so the dry run plans what the real command runs
         for c in dry:
             assert [a for a in c if a != "hydra.launcher.dry_run=true"] in real, (heading, c)
+
+
+def test_the_readme_reproduce_job_is_a_command_of_the_page():
+    """The README's one-line "reproduce" job is one of the page's real commands, so the dry runs below cover it."""
+    readme = (REPO / "README.md").read_text()
+    jobs = re.findall(r"^\| reproduce the published comparison \| `([^`]+)` \|", readme, flags=re.M)
+    assert len(jobs) == 1, "README.md's job table has no single reproduce command"
+    real = [c for cmds in CASES.values() for c in cmds if "hydra.launcher.dry_run=true" not in c]
+    assert shlex.split(jobs[0]) in real, (jobs[0], real)
 
 
 @pytest.mark.slow
