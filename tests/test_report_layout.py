@@ -1,0 +1,199 @@
+"""The committed report's layout: the verdict table, README.md's generated block, results/REPORT.md and its headline
+charts, the size of results/, and the run folders' meta.json."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import synthetic_results as S  # noqa: E402
+
+from harness import claims as C  # noqa: E402
+from harness import results  # noqa: E402
+from harness import verdicts as V  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+MAX_IMAGES = 10
+MAX_RESULTS_BYTES = 10 * 1024 * 1024
+OLD, NEW, NEWER = "2026-12-01T00:00:00+00:00", "2026-12-02T00:00:00+00:00", "2026-12-03T00:00:00+00:00"
+SHAPES = ("kimi_k2_7", "qwen3_5_397b")
+
+
+def frame(*runs: list) -> pd.DataFrame:
+    return results.to_frame([r for run in runs for r in run])
+
+
+def one(table: pd.DataFrame, **where) -> dict:
+    """The one verdict row matching ``where``."""
+    m = table
+    for k, v in where.items():
+        m = m[m[k] == v]
+    assert len(m) == 1, (where, table[["environment", "panel", "run_id"]])
+    return m.iloc[0].to_dict()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the verdict table
+
+
+def test_the_newest_run_of_each_panel_wins():
+    """Each (environment kind, panel) takes its own newest run: the new run has only the forward, so the backward
+    verdict stays the old run's; speedups are min-max over that run's shapes, over its own fastest baseline."""
+    old = S.verdict_run("old", OLD, ["nccl", "deepep", "mok_hopper"], SHAPES,
+                        tflops={"nccl": 100.0, "deepep": 120.0, "mok_hopper": 300.0})
+    new = S.verdict_run("new", NEW, ["nccl", "mok_hopper"], SHAPES, directions=("fwd",),
+                        tflops={"nccl": 100.0, "mok_hopper": 150.0})
+    new[1]["tflops_per_gpu"] = 80.0  # nccl on qwen: 150 / 80
+    t = V.verdict_table(frame(old, new))
+    assert list(t["panel"]) == ["BF16 forward", "BF16 backward"]
+    fwd, bwd = one(t, direction="fwd"), one(t, direction="bwd")
+    assert fwd["run_id"] == "new" and bwd["run_id"] == "old"
+    assert (fwd["speedup_min"], fwd["speedup_max"], fwd["shapes"]) == (pytest.approx(1.5), pytest.approx(1.875), 2)
+    assert bwd["speedup_min"] == pytest.approx(2.5) and bwd["fastest_baselines"] == "deepep"
+    assert fwd["environment"] == "1x NVIDIA H200, EP 1, 4096 tokens/GPU"
+    assert fwd["contender"] == "mok_hopper" and fwd["anchor_shapes"] == 0
+    md = V.format_verdicts(t)
+    assert ("| 1x NVIDIA H200, EP 1, 4096 tokens/GPU | BF16 forward | 1.50-1.88× (2 shapes) | NCCL+PyTorch | — | "
+            "`new` |") in md
+    assert "2.50× (2 shapes) | DeepEP+PyTorch" in md
+
+
+def test_environment_kinds_are_kept_apart():
+    """The GPUs of the machine and the EP size make their own kinds, each with its own newest run."""
+    one_gpu = S.verdict_run("one", OLD, ["nccl", "mok_hopper"], directions=("fwd",))
+    two_gpu = S.verdict_run("two", NEW, ["nccl", "mok_hopper"], directions=("fwd",), num_gpus=2, ep_size=2)
+    t = V.verdict_table(frame(one_gpu, two_gpu))
+    assert list(t["environment"]) == ["1x NVIDIA H200, EP 1, 4096 tokens/GPU", "2x NVIDIA H200, EP 2, 4096 tokens/GPU"]
+    assert list(t["run_id"]) == ["one", "two"]
+
+
+def test_cpu_twin_rows_never_count():
+    """A newer run whose mok_hopper rows ran the CPU twin gives no verdict; the GPU run stays the latest one."""
+    gpu = S.verdict_run("gpu", OLD, ["nccl", "mok_hopper"], directions=("fwd",))
+    cpu = S.verdict_run("cpu", NEWER, ["nccl", "mok_hopper"], directions=("fwd",), device="cpu", gpu_name="cpu",
+                        num_gpus=0)
+    t = V.verdict_table(frame(gpu, cpu))
+    assert list(t["run_id"]) == ["gpu"]
+    assert V.verdict_table(frame(cpu)).empty
+    assert "No verdict" in V.format_verdicts(V.verdict_table(frame(cpu)))
+
+
+def test_a_panel_with_no_baseline_ok_is_skipped():
+    """The newest run's fp8 baseline failed: its fp8 panel gives no verdict, the older run's does; a panel no run
+    has a baseline ok for has no row."""
+    real = {"scaling": "e4m3 rowwise (per-row activation / per-channel weight scales), torch._scaled_grouped_mm"}
+    old = S.verdict_run("old", OLD, ["nccl", "mok_hopper"], precisions=("fp8",), directions=("fwd",),
+                        per_backend={"nccl": real})
+    new = S.verdict_run("new", NEW, ["nccl", "mok_hopper"], precisions=("bf16", "fp8"), directions=("fwd",),
+                        per_backend={"nccl": real})
+    for r in new:
+        if r["backend"] == "nccl" and r["precision"] == "fp8":
+            r.update(status="oom", tflops_per_gpu=None, latency_ms=None, error="CUDA out of memory")
+    only_failed = S.verdict_run("x", NEW, ["nccl", "mok_hopper"], directions=("bwd",), per_backend={
+        "nccl": {"status": "error"}}, ep_size=4)
+    t = V.verdict_table(frame(old, new, only_failed))
+    assert {(r["panel"], r["run_id"]) for r in t.to_dict("records")} == {("BF16 forward", "new"),
+                                                                         ("FP8 forward", "old")}
+
+
+def test_fp8_flag_says_real_or_emulated():
+    """fp8 panels: the fastest baseline's GEMM path, from its ``scaling``; emulated GEMMs say so."""
+    emulated = "block 1x128/128x128 emulated (bf16 GEMM on e4m3 values): measures accuracy, not fp8 GEMM speed"
+    deepgemm = "e4m3 block 1x128/128x128, DeepGEMM (deep_gemm 2.6.1): forward and dgrad m-grouped contiguous"
+    te = "TE Float8BlockScaling e4m3, 1x128 activation / 128x128 weight blocks; dispatch bf16"
+    emu = S.verdict_run("emu", OLD, ["nccl", "deepep", "mok_hopper"], precisions=("fp8",), directions=("fwd",),
+                        tflops={"nccl": 200.0, "deepep": 100.0, "mok_hopper": 300.0},
+                        per_backend={"nccl": {"scaling": emulated}, "deepep": {"scaling": deepgemm}})
+    real = S.verdict_run("real", OLD, ["deepep_te", "mok_hopper"], precisions=("fp8",), directions=("fwd",),
+                         ep_size=2, num_gpus=2, per_backend={"deepep_te": {"scaling": te}})
+    t = V.verdict_table(frame(emu, real))
+    assert one(t, run_id="emu")["fp8"] == "emulated"
+    assert one(t, run_id="real")["fp8"] == "real (TE blockwise)"
+    assert V.fp8_label(deepgemm) == "real (DeepGEMM)"
+    assert one(t, run_id="emu")["published_claim"] == pytest.approx(2.37)  # the MXFP8 forward claim, labelled
+    assert one(t, run_id="emu")["published_claim_panel"] == "MXFP8 forward"
+    md = V.format_verdicts(t)
+    assert "| emulated | 2.37× (published, MXFP8 forward) |" in md
+    bf16 = V.verdict_table(frame(S.verdict_run("b", OLD, ["nccl", "mok_hopper"], directions=("fwd",))))
+    assert one(bf16, run_id="b")["fp8"] == "" and "| — | 1.92× (published) |" in V.format_verdicts(bf16)
+
+
+def test_baseline_flag_says_eager_or_compiled():
+    """The fastest baseline's compile state; where the fastest baseline differs per shape, each distinct state."""
+    compiled = {"compiled": True, "compile_mode": "max-autotune"}
+    run = S.verdict_run("r", OLD, ["nccl", "deepep", "mok_hopper"], SHAPES, directions=("fwd",),
+                        tflops={"nccl": 100.0, "deepep": 90.0, "mok_hopper": 200.0}, per_backend={"nccl": compiled})
+    assert one(V.verdict_table(frame(run)), run_id="r")["baseline"] == "compiled (max-autotune)"
+    for r in run:
+        if r["backend"] == "deepep" and r["shape"] == "qwen3_5_397b":
+            r["tflops_per_gpu"] = 150.0  # deepep (eager) is the fastest on one shape
+    v = one(V.verdict_table(frame(run)), run_id="r")
+    assert v["baseline"] == "compiled (max-autotune), eager" and v["fastest_baselines"] == "nccl, deepep"
+    assert V.compile_label(True, None) == "compiled" and V.compile_label(None, None) == "unrecorded"
+
+
+def test_timing_flag_is_published_only_when_every_compared_row_is():
+    pub = S.verdict_run("p", OLD, ["nccl", "mok_hopper"], directions=("fwd",))
+    assert one(V.verdict_table(frame(pub)), run_id="p")["timing"] == "published"
+    custom = S.verdict_run("c", OLD, ["nccl", "mok_hopper"], directions=("fwd",), per_backend={
+        "mok_hopper": {"timing_preset": "custom", "num_warmup": 20, "num_iters": 50}})
+    assert one(V.verdict_table(frame(custom)), run_id="c")["timing"] == "published, custom 20/50"
+    # the published preset's name with other counts is not the published timing
+    odd = S.verdict_run("o", OLD, ["nccl", "mok_hopper"], directions=("fwd",), num_warmup=10, num_iters=30)
+    assert one(V.verdict_table(frame(odd)), run_id="o")["timing"] == "published 10/30"
+    assert V.timing_label("quick", None, None, (500, 100)) == "quick"
+
+
+def test_a_run_with_anchors():
+    """Anchors never count as a baseline; the contender's speedup over the fastest anchor stands beside."""
+    run = S.verdict_run("a", OLD, ["nccl", "liger", "sonicmoe", "mok_hopper"], SHAPES, directions=("fwd",),
+                        tflops={"nccl": 100.0, "liger": 250.0, "sonicmoe": 200.0, "mok_hopper": 300.0})
+    v = one(V.verdict_table(frame(run)), run_id="a")
+    assert v["speedup_min"] == pytest.approx(3.0) and v["fastest_baselines"] == "nccl"
+    assert v["anchor_speedup_min"] == pytest.approx(1.2) and v["anchor_shapes"] == 2 and v["fastest_anchors"] == "liger"
+    assert "1.20× (2 shapes) over Liger fused MoE (anchor)" in V.format_verdicts(V.verdict_table(frame(run)))
+
+
+def test_published_rows_are_never_a_verdict():
+    pub = C.load_published()
+    assert V.verdict_table(pub).empty
+    run = S.verdict_run("r", OLD, ["nccl", "mok_hopper"], directions=("fwd",))
+    assert list(V.verdict_table(pd.concat([frame(run), pub], ignore_index=True))["run_id"]) == ["r"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the generated block
+
+
+def test_the_block_replaces_what_is_between_the_markers(tmp_path):
+    text = f"intro\n{V.MARK_START}\nold table\n{V.MARK_END}\nrest\n"
+    assert V.block_of(text) == "old table"
+    assert V.replace_block(text, "new\ntable") == f"intro\n{V.MARK_START}\nnew\ntable\n{V.MARK_END}\nrest\n"
+    assert V.block_of("no markers") is None
+    with pytest.raises(ValueError):
+        V.replace_block("no markers", "x")
+    for bad in (f"{V.MARK_START}\nx\n", f"{V.MARK_END}\n{V.MARK_START}\n",
+                f"{V.MARK_START}\n{V.MARK_END}\n{V.MARK_START}\n{V.MARK_END}\n"):
+        with pytest.raises(ValueError):
+            V.block_of(bad)
+    f = tmp_path / "README.md"
+    f.write_text(text)
+    assert V.rewrite_block(f, "x") and not V.rewrite_block(f, "x")
+    assert f.read_text() == f"intro\n{V.MARK_START}\nx\n{V.MARK_END}\nrest\n"
+
+
+def test_the_block_depends_on_the_rows_only():
+    rows = frame(S.verdict_run("r", NEW, ["nccl", "mok_hopper"], directions=("fwd",)),
+                 S.verdict_run("s", OLD, ["nccl", "mok_hopper"], directions=("fwd",), num_gpus=2, ep_size=2))
+    block = V.verdict_block(rows)
+    assert block == V.verdict_block(rows.sample(frac=1.0, random_state=1))
+    assert block.endswith("Generated by `python3 -m harness.report` from results/runs (newest run: 2026-12-02); "
+                          "do not edit by hand.")
+    assert block.startswith(V.format_verdicts(V.verdict_table(rows)))
+
+
