@@ -3,6 +3,7 @@ charts, the size of results/, and the run folders' meta.json."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from harness import claims as C  # noqa: E402
 from harness import plots as P  # noqa: E402
 from harness import report as R  # noqa: E402
 from harness import results  # noqa: E402
+from harness import run_meta as M  # noqa: E402
 from harness import verdicts as V  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -367,3 +369,75 @@ def test_the_writer_on_a_copy_of_the_committed_results_passes_the_layout_checks(
     assert V.block_of((root / "REPORT.md").read_text()) == V.verdict_block(committed)
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# meta.json
+
+
+def _run_folder(tmp_path: Path) -> Path:
+    run = tmp_path / "runs" / "my-run"
+    a = S.verdict_run("r1", OLD, ["nccl", "mok_hopper"], SHAPES, directions=("fwd",), git_sha="aaaa", seed=1,
+                      torch_version="2.11.0", hostname="h1")
+    b = S.verdict_run("r1", NEW, ["nccl"], precisions=("fp8",), directions=("bwd",), git_sha="bbbb", seed=1,
+                      torch_version="2.11.0", hostname="h1", timing_preset="custom", num_warmup=20, num_iters=50,
+                      per_backend={"nccl": {"status": "oom", "scaling": "emulated"}})
+    results.write_rows(run / "job-a.csv", a)
+    results.write_rows(run / "job-b.csv", b)
+    return run
+
+
+def test_meta_json_is_derived_from_the_rows(tmp_path):
+    run = _run_folder(tmp_path)
+    path = M.write_meta(run)
+    assert path == run / "meta.json"
+    meta = json.loads(path.read_text())
+    assert meta["derived_from"] == "rows" and meta["run_dir"] == "my-run" and meta["run_ids"] == ["r1"]
+    assert meta["rows"] == 5 and meta["status_counts"] == {"ok": 4, "oom": 1}
+    assert (meta["first_timestamp"], meta["last_timestamp"]) == (OLD, NEW)
+    assert meta["commits"] == [{"git_sha": "aaaa", "git_dirty": False, "rows": 4},
+                               {"git_sha": "bbbb", "git_dirty": False, "rows": 1}]
+    env = meta["environment"]
+    assert env["constant"]["gpu_name"] == "NVIDIA H200" and env["constant"]["num_gpus"] == 1
+    assert env["constant"]["torch_version"] == "2.11.0" and env["constant"]["hostname"] == "h1"
+    assert env["constant"]["slurm_job_id"] is None and env["varies"] == {}
+    cfg = meta["config"]
+    assert cfg["constant"]["seed"] == 1 and cfg["constant"]["ep_size"] == 1 and cfg["constant"]["routing"] == "uniform"
+    assert cfg["varies"]["shape"] == ["kimi_k2_7", "qwen3_5_397b"]
+    assert cfg["varies"]["backend"] == ["mok_hopper", "nccl"] and cfg["varies"]["precision"] == ["bf16", "fp8"]
+    assert cfg["varies"]["direction"] == ["bwd", "fwd"]
+    assert cfg["varies"]["timing_preset"] == ["custom", "published"] and cfg["varies"]["num_iters"] == [50, 100]
+    assert set(M.ENV_COLUMNS) | set(M.CONFIG_COLUMNS) <= set(results.COLUMNS)
+    before = path.read_bytes()
+    assert M.write_meta(run).read_bytes() == before  # the same rows give the same bytes
+    assert not [p for p in run.iterdir() if p.name.startswith(".")]  # no temp file left
+
+
+def test_the_loader_ignores_meta_json(tmp_path):
+    run = _run_folder(tmp_path)
+    before = results.load(run)
+    M.write_meta(run)
+    after = results.load(run)
+    assert len(after) == len(before) == 5 and after.attrs["skipped"] == {}
+    assert results.find_files(run)[0] == sorted(run.glob("*.csv"))
+
+
+def test_run_meta_cli(tmp_path, capsys):
+    run = _run_folder(tmp_path)
+    assert M.main([str(run)]) == 0
+    assert (run / "meta.json").exists() and "5 rows" in capsys.readouterr().out
+    (run / "meta.json").unlink()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for bad in ([str(run), str(empty)], [str(run), str(tmp_path / "nope")]):
+        assert M.main(bad) == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and "run folder" in err
+        assert not (run / "meta.json").exists()  # nothing written when any path is bad
+    with pytest.raises(SystemExit):
+        M.main(["--help"])
+    assert "meta.json" in capsys.readouterr().out
+
+
+def test_refresh_meta_never_raises(tmp_path, capsys):
+    assert M.refresh_meta(tmp_path / "no-such-run") is None
+    assert "meta.json not written" in capsys.readouterr().err
+    assert M.refresh_meta(_run_folder(tmp_path)) == tmp_path / "runs" / "my-run" / "meta.json"
