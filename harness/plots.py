@@ -597,7 +597,7 @@ def report_charts(df: pd.DataFrame, out_dir: Union[str, Path], *, calibration: O
     if contenders.empty:
         return written
     for env in C.environments(contenders):
-        name = f"panels_{slug(L.env_label(env))}"
+        name = chart_stem("panels", env)
         written[name] = _save_close(plot_panels(contenders, env), out / name, formats)
     runs = C.with_runs(contenders)
     multi = runs["run_id"].nunique() > 1
@@ -611,12 +611,57 @@ def report_charts(df: pd.DataFrame, out_dir: Union[str, Path], *, calibration: O
         for env in C.environments(measured):
             if not has_floors(C.select_env(measured, env), calibration):
                 continue
-            name = f"roofline_{slug(L.env_label(env))}"
+            name = chart_stem("roofline", env)
             written[name] = _save_close(plot_roofline(measured, calibration, env), out / name, formats)
     hist = df if history_rows is None else history_rows
     for h in history:
         name = f"history_{config_slug(hist, h)}"
         written[name] = _save_close(plot_history(hist, h), out / name, formats)
+    return written
+
+
+def chart_stem(kind: str, env: dict[str, Any]) -> str:
+    """The file name (no suffix) of one run environment's ``panels`` or ``roofline`` chart."""
+    return f"{kind}_{slug(L.env_label(env))}"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the headline charts: the committed report's only images
+
+
+def headline_set(df: pd.DataFrame, verdicts: Optional[pd.DataFrame] = None
+                 ) -> tuple[list[tuple[str, str, dict[str, Any]]], pd.DataFrame]:
+    """The headline charts of ``df``'s measured rows, as (file name, chart kind, run environment), and the rows they
+    draw: for each run the verdict table cites (``harness.verdicts.cited_runs``), its panels chart and, where its
+    rows carry floors, its roofline chart, both PNG. The one definition of the committed report's images
+    (``results/figures``). ``verdicts``: the verdict table of ``df``, where already made."""
+    from harness import verdicts as V
+
+    table = V.verdict_table(df) if verdicts is None else verdicts
+    rows = C.prepare(df[~C.is_published(df)] if len(df) else df, "run")
+    rows = rows[~rows["backend"].isin(L.NOT_CONTENDERS)]
+    out = []
+    for cited in V.cited_runs(table):
+        env = {k: cited[k] for k in V.RUN_ENV_KEYS}
+        out.append((chart_stem("panels", env) + ".png", "panels", env))
+        if has_floors(C.select_env(rows, env)):
+            out.append((chart_stem("roofline", env) + ".png", "roofline", env))
+    return out, rows
+
+
+def headline_charts(df: pd.DataFrame, verdicts: Optional[pd.DataFrame] = None) -> list[str]:
+    """The file names of the headline charts of ``df`` (:func:`headline_set`)."""
+    return [name for name, _, _ in headline_set(df, verdicts)[0]]
+
+
+def draw_headline_charts(df: pd.DataFrame, out_dir: Union[str, Path],
+                         verdicts: Optional[pd.DataFrame] = None) -> list[Path]:
+    """Draw :func:`headline_set`'s charts into ``out_dir`` (PNG only); returns the files written."""
+    charts, rows = headline_set(df, verdicts)
+    written = []
+    for name, kind, env in charts:
+        fig = plot_panels(rows, env) if kind == "panels" else plot_roofline(rows, None, env)
+        written += _save_close(fig, Path(out_dir) / Path(name).stem, ("png",))
     return written
 
 

@@ -127,3 +127,25 @@ def mixed_environments() -> pd.DataFrame:
     rows = [row(b, "qwen3_5_397b", env=h100, run_id="h100") for b in ("nccl", "deepep")]
     rows += [row("mok_hopper", "qwen3_5_397b", run_id="h200"), row("nccl", "qwen3_5_397b", run_id="h200")]
     return results.to_frame(rows)
+
+
+PUBLISHED_TIMING = {"timing_preset": "published", "num_warmup": 500, "num_iters": 100}
+
+
+def verdict_run(run_id: str, timestamp: str, backends: Iterable[str], shapes: Iterable[str] = ("qwen3_5_397b",),
+                precisions: Iterable[str] = ("bf16",), directions: Iterable[str] = ("fwd", "bwd"), *,
+                num_gpus: int = 1, ep_size: int = 1, tflops: Optional[dict[str, float]] = None,
+                per_backend: Optional[dict[str, dict[str, Any]]] = None, **kw: Any) -> list[dict[str, Any]]:
+    """One run's rows for the verdict tests: every backend x shape x precision x direction ok on a machine of
+    ``num_gpus`` H200s, eager, timed with the published preset and counts unless ``kw`` (every row) or
+    ``per_backend`` (backend -> columns) says otherwise; ``tflops``: backend -> TFLOP/s (needed for backends
+    without a ``SYSTEM_FACTOR``, e.g. the anchors)."""
+    env = dict(H200, num_gpus=num_gpus, device="cuda")
+    out = []
+    for b, s, p, d in itertools.product(backends, shapes, precisions, directions):
+        cols = dict(PUBLISHED_TIMING, compiled=False, scaling="none" if p == "bf16" else None)
+        cols.update(kw)
+        cols.update((per_backend or {}).get(b, {}))
+        out.append(row(b, s, p, d, run_id=run_id, timestamp=timestamp, ep_size=ep_size, env=env,
+                       tflops=(tflops or {}).get(b), **cols))
+    return out

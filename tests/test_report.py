@@ -415,8 +415,11 @@ def test_report_never_pools_by_default(tmp_path):
     assert len(pd.read_csv(tmp_path / "pool" / "claims.csv")) == 1
 
 
-def test_default_output_keeps_your_runs_out_of_the_committed_reports(tmp_path):
-    assert R.default_out([]) == R.DEFAULT_OUT  # the committed reference runs -> results/reports
+def test_default_output_keeps_full_reports_out_of_the_committed_results(tmp_path):
+    # a full report goes to the ignored results/local/reports, of the committed runs too (what results/ commits from
+    # them is REPORT.md and its headline charts: tests/test_report_layout.py)
+    assert R.DEFAULT_OUT == results.LOCAL_RUNS / "reports"
+    assert R.default_out([]) == R.DEFAULT_OUT
     assert R.default_out([str(results.REFERENCE_RUNS / "h200x2-v11-compiled-20261130T174618")]) == R.DEFAULT_OUT
     assert R.default_out([str(results.LOCAL_RUNS)]) == results.LOCAL_RUNS / "reports"
     assert R.default_out([str(tmp_path)]) == results.LOCAL_RUNS / "reports"

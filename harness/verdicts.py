@@ -1,0 +1,288 @@
+"""The latest measured verdicts: one line per environment kind and panel, from the newest run that measured it.
+
+An environment kind is a GPU model, the number of GPUs of the machine, the EP size, tokens per GPU, nodes and routing;
+a panel is a precision and direction. For each, :func:`verdict_table` takes the newest run (by its first timestamp)
+in which a contender (``mok_hopper``, ``mok``; never the CPU twin) and at least one baseline are ok on the same shape
+of that panel, and gives the contender's speedup over the fastest ok baseline of each such shape of that run (min-max
+over the shapes), over the fastest anchor where the run has anchors, and flags that say how the comparison was made:
+the timing preset and counts, whether the fastest baseline ran eager or compiled, and (fp8) whether its GEMMs were
+real fp8 or emulated. The published claim for the panel stands beside it, labelled published (another GPU and EP
+size: side by side, never a ratio).
+
+:func:`format_verdicts` renders the table as Markdown; :func:`verdict_block` adds the line that says where it comes
+from, and :func:`replace_block` / :func:`rewrite_block` put it between the ``<!-- verdicts:start -->`` and
+``<!-- verdicts:end -->`` lines of a file (README.md, results/REPORT.md).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import pandas as pd
+
+from harness.claims import (CPU_TWIN, ENV_KEYS, claims_table, is_published, load_claims, prepare, published_counts,
+                            select_env, with_runs)
+from harness.labels import (DIRECTION_ORDER, FUSED, NOT_CONTENDERS, SYSTEM_ORDER, in_order, int_text, is_anchor,
+                            is_baseline, isna, panel_label, scaling_variant, system_label)
+
+# the contenders a verdict is about, in registry order (the CPU twin ran pure torch on a CPU, not the kernel)
+CONTENDERS = tuple(f for f in FUSED if f not in CPU_TWIN.values())
+KIND_KEYS = ("gpu_name", "num_gpus", "ep_size", "tokens_per_gpu", "num_nodes", "routing")
+RUN_ENV_KEYS = (*ENV_KEYS, "routing")  # one run's environment: what a chart or claims table of the run selects
+VERDICT_PRECISIONS = ("bf16", "fp8", "mxfp8")  # the table's panel order: BF16, FP8, then MXFP8
+# Hopper has no MXFP8: its fp8 (1x128 / 128x128 block-scaled e4m3) is the counterpart of the published MXFP8 panels,
+# so an fp8 verdict shows the published MXFP8 claim, labelled with its precision
+PUBLISHED_COUNTERPART = {"fp8": "mxfp8"}
+MARK_START = "<!-- verdicts:start -->"
+MARK_END = "<!-- verdicts:end -->"
+COMMAND = "python3 -m harness.report"
+
+COLUMNS = (*KIND_KEYS, "environment", "precision", "direction", "panel", "contender", "run_id", "run_started",
+           "shapes", "speedup_min", "speedup_max", "fastest_baselines", "anchor_shapes", "anchor_speedup_min",
+           "anchor_speedup_max", "fastest_anchors", "timing", "baseline", "fp8", "published_claim",
+           "published_claim_panel")
+
+
+def kind_label(rec: dict[str, Any]) -> str:
+    """``2x NVIDIA H200, EP 2, 2048 tokens/GPU`` (then the nodes where more than one, a routing other than uniform)."""
+    gpu = "unknown GPU" if isna(rec.get("gpu_name")) else str(rec["gpu_name"])
+    parts = [f"{int_text(rec.get('num_gpus'))}x {gpu}", f"EP {int_text(rec.get('ep_size'))}",
+             f"{int_text(rec.get('tokens_per_gpu'))} tokens/GPU"]
+    if not isna(rec.get("num_nodes")) and int(rec["num_nodes"]) != 1:
+        parts.append(f"{int(rec['num_nodes'])} nodes")
+    if not isna(rec.get("routing")) and rec["routing"] != "uniform":
+        parts.append(f"routing {rec['routing']}")
+    return ", ".join(parts)
+
+
+def timing_label(preset: Any, warmup: Any, iters: Any, published: tuple[int, int]) -> str:
+    """``published`` for the published preset at its counts; else the preset and its counts, ``custom 20/50``."""
+    name = "unrecorded" if isna(preset) or not str(preset) else str(preset)
+    counts = None if isna(warmup) or isna(iters) else (int(warmup), int(iters))
+    if name == "published" and counts in (None, published):
+        return "published"
+    return name if counts is None else f"{name} {counts[0]}/{counts[1]}"
+
+
+def compile_label(compiled: Any, mode: Any) -> str:
+    """``eager``, ``compiled (<compile_mode>)`` (``compiled`` where the mode is not recorded) or ``unrecorded``."""
+    if isna(compiled):
+        return "unrecorded"
+    if not bool(compiled):
+        return "eager"
+    return "compiled" if isna(mode) or not str(mode) else f"compiled ({mode})"
+
+
+def fp8_label(scaling: Any) -> str:
+    """``emulated`` (bf16 GEMMs on e4m3 values: accuracy, not fp8 speed), else ``real (<path>)`` by the path's short
+    name (``labels.scaling_variant``: rowwise, DeepGEMM, scaled_mm loop, TE blockwise, ...)."""
+    if isna(scaling) or not str(scaling) or str(scaling) == "none":
+        return "unrecorded"
+    variant = scaling_variant(scaling)
+    return "emulated" if variant == "emulated" or "emulated" in str(scaling) else f"real ({variant})"
+
+
+def _distinct(values: Any) -> str:
+    return ", ".join(dict.fromkeys(str(v) for v in values)) or "unrecorded"
+
+
+def _run_kinds(d: pd.DataFrame) -> dict[tuple, Any]:
+    """A run environment's number of GPUs (the machine's; the largest its rows record)."""
+    n = d.groupby(list(RUN_ENV_KEYS), dropna=False, sort=False)["num_gpus"].max()
+    return {_key(k): v for k, v in n.items()}
+
+
+def _key(k: Any) -> tuple:
+    k = k if isinstance(k, tuple) else (k,)
+    return tuple(None if isna(v) else (int(v) if isinstance(v, float) and v.is_integer() else v) for v in k)
+
+
+def _claim_lookup(claims: Optional[pd.DataFrame]) -> dict[tuple[str, str], float]:
+    if claims is None:
+        claims = load_claims()
+    return {(str(r["precision"]), str(r["direction"])): float(r["claimed_max_speedup"])
+            for r in claims.to_dict("records") if not isna(r["claimed_max_speedup"])}
+
+
+def verdict_table(df: pd.DataFrame, claims: Optional[pd.DataFrame] = None) -> pd.DataFrame:
+    """The latest measured verdicts of ``df``'s measured rows (published rows are left out): one row per
+    environment kind, panel and contender (:data:`COLUMNS`), from the newest run that has the contender and a
+    baseline ok on a shape of the panel. ``claims``: the published claims (default ``load_claims()``)."""
+    measured = df[~is_published(df)] if len(df) else df
+    if measured.empty:
+        return pd.DataFrame(columns=list(COLUMNS))
+    d = prepare(measured, "run")
+    d = d[~d["backend"].isin(NOT_CONTENDERS)]
+    table = claims_table(d)
+    contenders = [f for f in CONTENDERS if f"speedup_{f}" in table]
+    if table.empty or not contenders:
+        return pd.DataFrame(columns=list(COLUMNS))
+    gpus = _run_kinds(d)
+    claimed = _claim_lookup(claims)
+    published = published_counts()
+    newest: dict[tuple, tuple[str, str, pd.DataFrame]] = {}
+    panel_keys = [*RUN_ENV_KEYS, "precision", "direction"]
+    for f in contenders:
+        measured_cells = table[table[f"speedup_{f}"].notna()]
+        for key, g in measured_cells.groupby(panel_keys, dropna=False, sort=False):
+            env = dict(zip(panel_keys, key))
+            n_gpus = gpus.get(_key(tuple(env[k] for k in RUN_ENV_KEYS)))
+            kind = tuple(n_gpus if k == "num_gpus" else env[k] for k in KIND_KEYS)
+            slot = (_key(kind), env["precision"], env["direction"], f)
+            order = ("" if isna(env["run_started"]) else str(env["run_started"]), str(env["run_id"]))
+            if slot not in newest or order > newest[slot][:2]:
+                newest[slot] = (*order, g)
+    rows = [_verdict_row(f, g, d, kind, claimed, published) for (kind, _, _, f), (_, _, g) in newest.items()]
+    out = pd.DataFrame(rows, columns=list(COLUMNS))
+    return _sorted(out).reset_index(drop=True)
+
+
+def _verdict_row(f: str, g: pd.DataFrame, d: pd.DataFrame, kind: tuple, claimed: dict[tuple[str, str], float],
+                 published: tuple[int, int]) -> dict[str, Any]:
+    """One verdict: ``g`` holds the claims-table rows (one per shape) of one run, environment and panel where the
+    contender ``f`` has a speedup; ``d`` the prepared rows they come from."""
+    first = g.iloc[0].to_dict()
+    rec: dict[str, Any] = dict(zip(KIND_KEYS, kind))
+    prec, direction = str(first["precision"]), str(first["direction"])
+    rec.update(environment=kind_label(rec), precision=prec, direction=direction, panel=panel_label(prec, direction),
+               contender=f, run_id=first["run_id"], run_started=first["run_started"])
+    s = g[f"speedup_{f}"]
+    rec.update(shapes=int(s.size), speedup_min=float(s.min()), speedup_max=float(s.max()),
+               fastest_baselines=", ".join(in_order(g["best_baseline"], SYSTEM_ORDER)))
+    has_anchor = g["best_anchor"].astype(str).ne("") & g["best_anchor_tflops"].notna()
+    a = (g[f"tflops_{f}"] / g["best_anchor_tflops"])[has_anchor]
+    rec.update(anchor_shapes=int(a.size), anchor_speedup_min=float(a.min()) if a.size else math.nan,
+               anchor_speedup_max=float(a.max()) if a.size else math.nan,
+               fastest_anchors=", ".join(in_order(g.loc[has_anchor, "best_anchor"], SYSTEM_ORDER)))
+    rows = select_env(d, {k: first[k] for k in RUN_ENV_KEYS})
+    rows = rows[(rows["precision"] == prec) & (rows["direction"] == direction) & (rows["status"] == "ok")
+                & rows["shape"].isin(list(g["shape"]))]
+    compared = rows[rows["backend"].map(lambda b: b == f or is_baseline(b) or is_anchor(b)).astype(bool)]
+    rec["timing"] = _distinct(timing_label(p, w, i, published) for p, w, i in
+                              zip(compared["timing_preset"], compared["num_warmup"], compared["num_iters"]))
+    best = pd.concat([rows[(rows["shape"] == r["shape"]) & (rows["backend"] == r["best_baseline"])]
+                      for r in g.to_dict("records")])
+    rec["baseline"] = _distinct(compile_label(c, m) for c, m in zip(best["compiled"], best["compile_mode"]))
+    rec["fp8"] = "" if prec == "bf16" else _distinct(fp8_label(sc) for sc in best["scaling"])
+    claim_prec = prec if (prec, direction) in claimed else PUBLISHED_COUNTERPART.get(prec, prec)
+    rec["published_claim"] = claimed.get((claim_prec, direction), math.nan)
+    rec["published_claim_panel"] = panel_label(claim_prec, direction) if (claim_prec, direction) in claimed else ""
+    return rec
+
+
+def _sorted(table: pd.DataFrame) -> pd.DataFrame:
+    def key(i: Any) -> tuple:
+        r = table.loc[i]
+        kind = tuple((1, "") if isna(r[k]) else (0, f"{r[k]!s:>12}") for k in KIND_KEYS)
+        prec = VERDICT_PRECISIONS.index(r["precision"]) if r["precision"] in VERDICT_PRECISIONS else 99
+        dire = DIRECTION_ORDER.index(r["direction"]) if r["direction"] in DIRECTION_ORDER else 99
+        return (r["routing"] != "uniform", kind, prec, dire, SYSTEM_ORDER.index(r["contender"]))
+
+    return table.loc[sorted(table.index, key=key)]
+
+
+def cited_runs(table: pd.DataFrame) -> list[dict[str, Any]]:
+    """The run environments (:data:`RUN_ENV_KEYS`, with ``kind``: the environment kind's label) the verdict table
+    cites, each once: by environment kind in the table's order, newest run first."""
+    seen: dict[tuple, dict[str, Any]] = {}
+    for kind, g in table.groupby("environment", sort=False):
+        for r in g.sort_values("run_started", ascending=False, kind="stable").to_dict("records"):
+            seen.setdefault((kind, r["run_id"]), {"kind": kind, "run_id": r["run_id"], "run_started": r["run_started"],
+                                                 **{k: r[k] for k in KIND_KEYS if k in RUN_ENV_KEYS}})
+    return list(seen.values())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Markdown
+
+
+def _range(lo: float, hi: float, n: int) -> str:
+    if n == 0 or isna(lo):
+        return "—"
+    span = f"{lo:.2f}×" if f"{lo:.2f}" == f"{hi:.2f}" else f"{lo:.2f}-{hi:.2f}×"
+    return f"{span} ({n} shape{'s' if n != 1 else ''})"
+
+
+def _labels(keys: str) -> str:
+    return ", ".join(system_label(k) for k in keys.split(", ") if k)
+
+
+def format_verdicts(table: pd.DataFrame) -> str:
+    """The verdict table as Markdown (a contender column only where the table has more than one contender)."""
+    if table.empty:
+        return "No verdict: no run has a contender and a baseline ok on the same shape."
+    several = table["contender"].nunique() > 1
+    header = ["environment", "panel", *(["contender"] if several else []), "× fastest baseline", "fastest baseline",
+              "× fastest anchor", "run", "timing", "baseline", "fp8",
+              "published claim (GB300, EP 64, max over shapes)"]
+    rows = []
+    for r in table.to_dict("records"):
+        anchor = _range(r["anchor_speedup_min"], r["anchor_speedup_max"], r["anchor_shapes"])
+        if r["anchor_shapes"]:
+            anchor += f" over {_labels(r['fastest_anchors'])}"
+        claim = "—"
+        if not isna(r["published_claim"]):
+            other = r["published_claim_panel"] != r["panel"]
+            claim = f"{r['published_claim']:.2f}× (published{', ' + r['published_claim_panel'] if other else ''})"
+        rows.append([r["environment"], r["panel"], *([system_label(r["contender"])] if several else []),
+                     _range(r["speedup_min"], r["speedup_max"], r["shapes"]), _labels(r["fastest_baselines"]), anchor,
+                     f"`{r['run_id']}`", r["timing"], r["baseline"], r["fp8"] or "—", claim])
+    esc = [[str(c).replace("|", "\\|") for c in r] for r in [header, *rows]]
+    lines = ["| " + " | ".join(esc[0]) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in esc[1:]])
+
+
+def newest_date(df: pd.DataFrame) -> str:
+    """The date (YYYY-MM-DD) the newest measured run started (its first timestamp; "unknown" where none)."""
+    measured = df[~is_published(df)] if len(df) else df
+    if measured.empty:
+        return "unknown"
+    t = with_runs(measured)["run_started"].dropna().astype(str)
+    return max(t)[:10] if len(t) else "unknown"
+
+
+def verdict_block(df: pd.DataFrame, claims: Optional[pd.DataFrame] = None,
+                  table: Optional[pd.DataFrame] = None) -> str:
+    """What goes between the markers: the verdict table of ``df`` (or ``table``, already made from it) and one line
+    that says how it is made and the date of the newest run. Depends only on the rows: the same rows give the same
+    text."""
+    table = verdict_table(df, claims) if table is None else table
+    return (f"{format_verdicts(table)}\n\nGenerated by `{COMMAND}` from results/runs (newest run: "
+            f"{newest_date(df)}); do not edit by hand.")
+
+
+def block_of(text: str) -> Optional[str]:
+    """The text between the marker lines (None where the file has neither marker); ValueError where they are
+    malformed: one without the other, more than one pair, or the end before the start."""
+    lines = text.splitlines()
+    starts = [i for i, ln in enumerate(lines) if ln.strip() == MARK_START]
+    ends = [i for i, ln in enumerate(lines) if ln.strip() == MARK_END]
+    if not starts and not ends:
+        return None
+    if len(starts) != 1 or len(ends) != 1 or ends[0] < starts[0]:
+        raise ValueError(f"needs one '{MARK_START}' line and, after it, one '{MARK_END}' line (found "
+                         f"{len(starts)} and {len(ends)})")
+    return "\n".join(lines[starts[0] + 1:ends[0]]).strip("\n")
+
+
+def replace_block(text: str, block: str) -> str:
+    """``text`` with the lines between the markers replaced by ``block`` (ValueError where it has no markers or
+    malformed ones: :func:`block_of`)."""
+    if block_of(text) is None:
+        raise ValueError(f"has no '{MARK_START}' / '{MARK_END}' lines")
+    lines = text.splitlines(keepends=True)
+    start = next(i for i, ln in enumerate(lines) if ln.strip() == MARK_START)
+    end = next(i for i, ln in enumerate(lines) if ln.strip() == MARK_END)
+    return "".join(lines[:start + 1]) + block.strip("\n") + "\n" + "".join(lines[end:])
+
+
+def rewrite_block(path: Union[str, Path], block: str) -> bool:
+    """Replace the block in the file at ``path`` (:func:`replace_block`); True where its text changed."""
+    p = Path(path)
+    old = p.read_text()
+    new = replace_block(old, block)
+    if new != old:
+        p.write_text(new)
+    return new != old
