@@ -35,16 +35,11 @@ def print_rows(df: pd.DataFrame, title: Optional[str] = None) -> None:
 
 
 def report_command(run_dirs: Iterable[str]) -> str:
-    """The command that turns these run folders into a claims table and charts (``harness.report``)."""
-    from harness.results import LOCAL_RUNS, REFERENCE_RUNS
-
+    """The command that turns these run folders into a claims table and charts (``harness.report``), into the ignored
+    ``results/local/reports`` (the committed report, results/REPORT.md, is made from every committed run at once)."""
     dirs = sorted({str(d) for d in run_dirs})
     name = Path(dirs[0]).name if len(dirs) == 1 else "sweep"
-    # the committed report folder only for runs in the committed reference folder; a user's own runs report into
-    # the ignored results/local/reports, as harness.report's own default does
-    ref = REFERENCE_RUNS.resolve()
-    committed = all(Path(d).resolve().is_relative_to(ref) for d in dirs)
-    out = Path("results/reports" if committed else "results/local/reports") / name
+    out = Path("results/local/reports") / name
     return shlex.join(["python", "-m", "harness.report", *dirs, "--out", str(out)])
 
 

@@ -596,6 +596,9 @@ def run_benchmark(cfg: Any) -> pd.DataFrame:
     if results.written_path(path) != path:
         print(f"mokbench: the rows of this run are in {results.written_path(path)} (the results folder could not be "
               f"written)", file=sys.stderr)
+    from harness import run_meta
+
+    run_meta.refresh_meta(results.written_path(path).parent)  # the run's meta.json, from all of its rows so far
     return done
 
 

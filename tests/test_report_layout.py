@@ -165,6 +165,30 @@ def test_a_run_with_anchors():
     assert "1.20× (2 shapes) over Liger fused MoE (anchor)" in V.format_verdicts(V.verdict_table(frame(run)))
 
 
+def test_a_run_with_errata_is_marked(tmp_path):
+    """A verdict whose run has an ERRATA.md beside its rows says so, so that no one reads it without the errata."""
+    run = S.verdict_run("r", OLD, ["nccl", "mok_hopper"], directions=("fwd",))
+    table = V.verdict_table(frame(run))
+    assert V.errata_runs(["r", "s"], tmp_path) == set()
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r" / V.ERRATA).write_text("timings in doubt\n")
+    assert V.errata_runs(["r", "s"], tmp_path) == {"r"}
+    assert "`r` (see its ERRATA.md)" in V.format_verdicts(table, {"r"})
+    assert "ERRATA" not in V.format_verdicts(table)
+
+
+def test_the_committed_errata_reach_the_verdicts():
+    """The DeepGEMM runs' errata (a racing weight-gradient kernel) are marked wherever those runs give a verdict."""
+    committed = results.load(results.REFERENCE_RUNS)
+    table = V.verdict_table(committed)
+    cited = V.errata_runs(table["run_id"])
+    block = V.verdict_block(committed, table=table)
+    for run_id in cited:
+        assert f"`{run_id}` (see its ERRATA.md)" in block
+    assert V.errata_runs(["h200x1-s22-fp8-deepgemm", "h200x1-s26-fp8-deepgemm"]) == {
+        "h200x1-s22-fp8-deepgemm", "h200x1-s26-fp8-deepgemm"}
+
+
 def test_published_rows_are_never_a_verdict():
     pub = C.load_published()
     assert V.verdict_table(pub).empty
