@@ -50,7 +50,7 @@ def import_deep_ep() -> Any:
     global libstdc++, HybridEPBuffer's constructor died with SIGSEGV in ``std::ostream`` (formatting the rank list
     in ``get_comm_id``) in plain processes and harness ranks; with it (or after ``import transformer_engine``,
     which loads its libraries globally, as the HybridEP + Megatron pytest did) it runs. Measured on 2xH200
-    (results/diagnostics/hybridep_preload_20261130/); ``RTLD_DEEPBIND`` on the extension did not help. Every
+    (lab/diagnostics/2026-11-30-hybridep-preload/); ``RTLD_DEEPBIND`` on the extension did not help. Every
     backend imports deep_ep through here, so the order is the same in every process."""
     if os.environ.get(PRELOAD_ENV, "stdcxx") == "stdcxx":
         try:

@@ -378,7 +378,8 @@ try:
         cm = c < C
         z = tl.load(z_ptr + t[:, None] * C + c[None, :], mask=cm[None, :], other=0.0).to(tl.float32)
         # IEEE divisions (div_rn), as torch divides: Triton's `/` on a GPU is approximate (or a reciprocal multiply
-        # for a constant), and its scales then differ from the reference's by an ulp (call F, session 22)
+        # for a constant), and its scales then differ from the reference's by an ulp (tests/test_fp8_gemm.py on one
+        # H200: lab/diagnostics/2026-12-03-s22/)
         scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(z), axis=0), 1e-12), 448.0)
         q = tl.math.div_rn(z, scale[None, :]).to(out_ptr.dtype.element_ty)
         dst = start * C + c[None, :].to(tl.int64) * length + (t[:, None] - start)

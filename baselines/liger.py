@@ -21,10 +21,10 @@ Autotuning: every GEMM kernel autotunes over 32 configs (the weight-gradient ker
 all of it happens there (it is in ``setup_s``, and the seconds it took are in ``notes``); ``LIGER_FUSED_MOE_AUTOTUNE=0``
 pins one config per kernel (Liger's own switch). Where the user sets ``TRITON_CACHE_DIR``, Triton's compiled kernels
 are reused from it, and the autotuning results too (``TRITON_CACHE_AUTOTUNING=1`` is set for Liger's autotuners
-unless the user set it). The compiles, not the benchmarks, are most of the autotuning's time (one shape's did not
-finish within 600 s in session 12): ``python -m benchmarks.liger_precompile`` compiles every config ahead, in
-parallel, into that cache; setup then only benchmarks, and the notes cite the precompile's record
-(``PRECOMPILE_RECORD`` in the cache folder).
+unless the user set it). The compiles, not the benchmarks, are most of the autotuning's time (on one H200 one
+shape's did not finish within 600 s: lab/diagnostics/2026-12-01-s12/): ``python -m benchmarks.liger_precompile``
+compiles every config ahead, in parallel, into that cache; setup then only benchmarks, and the notes cite the
+precompile's record (``PRECOMPILE_RECORD`` in the cache folder).
 
 Not supported, as ``unsupported`` rows: precisions other than bf16; the clamped SwiGLU (``shape.swiglu_limit``: Liger
 has no clamp); EP >= 2 (below); a machine without a CUDA GPU (Triton's CPU interpreter runs Liger's kernels

@@ -19,8 +19,9 @@ libraries) and ``quack-kernels``; its GEMMs are CuTe DSL kernels for SM90 / SM10
 installed, or its CuTe DSL stack does not load with this torch) the rows are ``unsupported`` with the error and the
 environment it runs in (README, 'Anchors: Liger-Kernel and SonicMoE'). With another torch than its pin it is tried
 as installed, and ``notes`` says so: on the GPU image's torch 2.11.0+cu130, installed with ``--no-deps``
-(``nvidia-cutlass-dsl-libs-cu13``), it imports, and QuACK compiled, ran and autotuned its forward's GEMMs (session
-30); no SonicMoE row has been checked or timed there yet.
+(``nvidia-cutlass-dsl-libs-cu13``), it imports, QuACK compiles, runs and autotunes its GEMMs
+(lab/diagnostics/2026-12-04-s30/), and its forward and backward rows on qwen3_5_397b pass the reference check (run
+h200x1-s31-anchors).
 
 QuACK autotunes each GEMM on first use, compiling every config (9-22 a GEMM on SM90, one to two CPU-minutes
 each; on 16 CPUs the first two of its six GEMMs took 220 s, and the third had not finished 175 s later). Setup runs

@@ -5,8 +5,8 @@ Triton cache.
 
 Why: Liger's fused MoE autotunes each GEMM kernel over 16-40 configs keyed on (H, I), about 240 compiles per shape
 (``baselines/liger.py``). Triton compiles every config inside the autotuning, one after another, at 1-3 s each. On
-the H200 machine one shape's autotuning did not finish within a 600 s call (session 12), although its benchmarks
-take about a minute. The compiles are what a parallel pass can take off.
+the H200 machine one shape's autotuning did not finish within 600 s (lab/diagnostics/2026-12-01-s12/), although
+its benchmarks take about a minute. The compiles are what a parallel pass can take off.
 
 What it does: N worker processes each run Liger's op (forward and backward) once on a small problem with the
 shape's hidden size H, expert ffn I and top-k K (16 experts, 256 tokens). Each of Liger's autotuners in worker i

@@ -1,10 +1,10 @@
 """SonicMoE's QuACK kernels compiled on a machine without a GPU: ``benchmarks.sonic_precompile --cpu sm_90a``.
 
-Why: compiling SonicMoE's GEMMs (80 CuTe DSL kernels: every autotuning config of its six GEMMs) outlasted a 600 s
-call on the H200 machine twice (session 30), while the compile itself needs no GPU: CuTe DSL generates the device
-code for the arch it is told (``CUTE_DSL_ARCH``) and QuACK compiles from shapes and dtypes alone (its compile
-workers use fake tensors). On a 2-core CPU machine the whole set takes a few minutes. The resulting cache folder is
-then copied to the GPU machine, where QuACK loads the kernels instead of compiling them.
+Why: compiling SonicMoE's GEMMs (80 CuTe DSL kernels: every autotuning config of its six GEMMs) outlasted 600 s on the
+H200 machine twice (lab/diagnostics/2026-12-04-s30/), while the compile itself needs no GPU: CuTe DSL generates the
+device code for the arch it is told (``CUTE_DSL_ARCH``) and QuACK compiles from shapes and dtypes alone (its compile
+workers use fake tensors). On a 2-core CPU machine the whole set takes a few minutes. The resulting cache folder is then
+copied to the GPU machine, where QuACK loads the kernels instead of compiling them.
 
 What this module changes, in this process only, each because the machine has no GPU or driver:
 
@@ -20,9 +20,10 @@ What this module changes, in this process only, each because the machine has no 
   values are never read on the host, and no GEMM runs.
 * QuACK's cache folder name (its source fingerprint) includes the Python minor version. ``python`` writes the cache
   for another Python (the GPU image's 3.12) by computing that fingerprint with QuACK's own function. The kernels
-  themselves do not depend on the Python version: the 40 kernel files of session 30's partial cache (compiled on
-  the H200 machine, Python 3.12) have the same keys as the ones compiled here (Python 3.11) and byte-identical
-  device code (cubins); session 31 loaded and ran all 80 on the H200.
+  themselves do not depend on the Python version: the 40 kernel files of a partial cache compiled on the H200
+  machine (Python 3.12) have the same keys as the ones compiled here (Python 3.11) and byte-identical device code
+  (cubins), and the H200 loaded and ran all 80 compiled here (run h200x1-s31-anchors;
+  lab/diagnostics/2026-12-04-s31/).
 
 The host-side launch code in each object file is compiled by LLVM for *this* machine's CPU (CuTe DSL has no
 option for it): the GPU machine's CPU must have the same instruction set extensions (the record holds this CPU's

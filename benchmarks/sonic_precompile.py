@@ -5,7 +5,8 @@
 Why: SonicMoE's GEMMs are QuACK's CuTe DSL kernels, and QuACK autotunes each GEMM on its first call: it compiles
 every config of that GEMM (9-22 on SM90), in ``QUACK_COMPILE_WORKERS`` processes, then benchmarks them. On the H200
 machine (16 CPUs) the first GEMM's 9 configs took 76 s on 9 workers, the second's 22 took 144 s on 16, the third's 9
-did not finish in 175 s, and three more GEMMs follow: more than one 600 s call holds (session 30, PERF_NOTES).
+did not finish in 175 s, and three more GEMMs follow: more than one 600 s command holds (the journal,
+lab/perf-notes.md: SonicMoE on the GPU image; lab/diagnostics/2026-12-04-s30/).
 
 What it does: one SonicMoE forward and backward (``baselines.sonicmoe.sonic_routed``, the adapter's own call) on a
 small problem with each named shape's H, I and K (16 experts, 256 tokens, bf16). QuACK's compile keys are the

@@ -13,7 +13,7 @@ Byte counts are deliberately rough lower bounds:
 * activations: ``tokens_per_gpu * hidden * 2 * (2 + 2 * topk)`` (x in, out, routed rows in and out);
 * remote: ``dispatch_bytes + combine_bytes`` (bytes sent to other ranks, one forward).
 
-The backward has its own bytes (:func:`backward_bytes`; issues 23 and 25): the weights read once (at the precision's
+The backward has its own bytes (:func:`backward_bytes`): the weights read once (at the precision's
 bytes), their gradients written once (bf16 in every precision), X read (2 bytes an element, 1 in fp8: the form a
 training forward saves it in), H read (the pre-SwiGLU gate/up rows of every routed and shared row, bf16: recompute
 off), the output gradient read and dX written (bf16). A forward plus backward (fwd_bwd) moves both.

@@ -1,4 +1,4 @@
-"""Per-tensor fp8 errors of the nccl baseline at EP=1 against a float32 and the bf16 reference (issue 24, item 2).
+"""Per-tensor fp8 errors of the nccl baseline at EP=1 against a float32 and the bf16 reference.
 
 For each shape, the harness inputs are made once; the reference layer runs once in bf16 (the harness's gate) and
 once in float32 (the same math on float32 copies of the inputs); then nccl runs eagerly with each fp8 GEMM path

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The Hopper anchors on one H200 (issue 26): nccl, liger (Liger-Kernel's fused MoE), sonicmoe (SonicMoE) and
+# The Hopper anchors on one H200: nccl, liger (Liger-Kernel's fused MoE), sonicmoe (SonicMoE) and
 # mok_hopper, bf16, EP=1, 2048 tokens per GPU, forward and backward timed in one process per point
 # (direction=fwd_and_bwd), published timing (500 warmup / 100 timed), published compile modes, calibrated roofline.
 #
@@ -14,10 +14,10 @@
 # MOKBENCH_RUN_ID to both calls.
 # Liger autotuned (the default; LIGER_FUSED_MOE_AUTOTUNE=0 pins one config per kernel): first
 # `python -m benchmarks.liger_precompile` compiles every config of the part's shapes in parallel into the Triton
-# cache below (the compiles, not the benchmarks, are what made one shape's autotuning outlast a 600 s call in
-# session 12). Each point then runs with its own copy of that cache, without autotuning results (*.autotune.json),
-# so Liger autotunes on each point's own problem: its autotuning key is (H, I), and glm_5_2 and glm_5_2 at 16 experts
-# (64 and 1024 rows an expert) would otherwise share one result.
+# cache below (the compiles, not the benchmarks, are what made one shape's autotuning outlast 600 s on one H200:
+# lab/diagnostics/2026-12-01-s12/). Each point then runs with its own copy of that cache, without autotuning results
+# (*.autotune.json), so Liger autotunes on each point's own problem: its autotuning key is (H, I), and glm_5_2 and
+# glm_5_2 at 16 experts (64 and 1024 rows an expert) would otherwise share one result.
 #
 # Environment, set here:
 # * Wheels from WHEELS (default .whl: hydra-core, omegaconf, antlr4, submitit, liger-kernel 0.8.5) are installed
@@ -26,8 +26,8 @@
 #   SonicMoE's wheels the same way (sonic-moe, quack-kernels, nvidia-cutlass-dsl and its libs): to try SonicMoE
 #   with torch 2.11; parts made with `split` (NAME.whl.part-aa, -ab, ...) are joined first. Without them the
 #   sonicmoe rows are `unsupported` with the reason.
-# * BACKENDS overrides the list (default [nccl,liger,mok_hopper,sonicmoe]: SonicMoE last, so that a setup that
-#   outlasts the call (its compiles, session 30) loses no other row); COMPILE=false runs nccl eager;
+# * BACKENDS overrides the list (default [nccl,liger,mok_hopper,sonicmoe]: SonicMoE last, so that a setup that outlasts
+#   the call (its compiles: lab/diagnostics/2026-12-04-s30/) loses no other row); COMPILE=false runs nccl eager;
 #   SETUP_TIMEOUT_S (default 300) is the harness's setup_timeout_s: a longer setup is a `timeout` row.
 # * SonicMoE's GEMMs (QuACK) autotune in its setup; QUACK_COMPILE_WORKERS processes compile their configs. Before
 #   the points, `python -m benchmarks.sonic_precompile` compiles every config once into QUACK_CACHE_DIR (default
@@ -35,12 +35,13 @@
 #   count), unless its record is already there: a cache prepared earlier and copied in, for instance one compiled
 #   without a GPU by `sonic_precompile --cpu sm_90a --python 3.12` (a few minutes on two cores). Then the points'
 #   setups only load and benchmark the kernels: 136 s (16 workers) and 156 s (QUACK_COMPILE_WORKERS=1) of SonicMoE
-#   setup on qwen3_5_397b with every kernel cached (session 31, two leases).
-# * PROFILE_SETUP=1: each backend's setup under cProfile (the harness's profile_setup_dir), into
-#   OUTDIR/setup-profiles (<run>-<point>-<backend>-rank0.txt / .prof), with QuACK's and Triton's autotuning printed
-#   (QUACK_PRINT_AUTOTUNING, TRITON_PRINT_AUTOTUNING): where SonicMoE's 136-156 s of setup go (session 32 found on a
-#   CPU: QuACK's loop over its 80 cached kernels 3.9 s without GPU work, its Triton reduction's 84 configs on
-#   qwen3_5_397b 32-33 s to compile). The rows' setup_s then include the profiler's overhead, and their notes say so.
+#   setup on qwen3_5_397b with every kernel cached (run h200x1-s31-anchors; lab/diagnostics/2026-12-04-s31/).
+# * PROFILE_SETUP=1: each backend's setup under cProfile (the harness's profile_setup_dir), into OUTDIR/setup-profiles
+#   (<run>-<point>-<backend>-rank0.txt / .prof), with QuACK's and Triton's autotuning printed (QUACK_PRINT_AUTOTUNING,
+#   TRITON_PRINT_AUTOTUNING): where SonicMoE's 136-156 s of setup go (measured on a CPU,
+#   lab/diagnostics/2026-12-04-s32/: QuACK's loop over its 80 cached kernels 3.9 s without GPU work, its Triton
+#   reduction's 84 configs on qwen3_5_397b 32-33 s to compile). The rows' setup_s then include the profiler's overhead,
+#   and their notes say so.
 # * NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 (no NVLink multicast).
 # * TRITON_CACHE_DIR (the precompiled cache; each point copies it) and TORCHINDUCTOR_CACHE_DIR under /tmp, one
 #   folder each for the whole call (the liger backend sets TRITON_CACHE_AUTOTUNING=1 where TRITON_CACHE_DIR is set,
@@ -48,9 +49,9 @@
 # Rows go to OUTDIR/runs/<run_id>/ and, after each point, bundled into OUTDIR/rows/<run_id>.csv
 # (scripts/merge_results.py; its table in OUTDIR/rows.txt); the log of each point to OUTDIR/anchors-<point>.log
 # (glm, glm16, kimi, qwen), the precompile's to OUTDIR/precompile.log.
-# Known (session 16, torch 2.11 / Triton 3.6): nccl compiled with max-autotune died in inductor's autotuning of the
-# backward graph at EP=1 (an illegal memory access in one autotuning choice, after which every CUDA call failed;
-# results/README.md, h200x1-s16-compiled-nccl). Session 18: with TORCHINDUCTOR_AUTOTUNE_IN_SUBPROC=1 (each
+# Known (torch 2.11 / Triton 3.6): nccl compiled with max-autotune died in inductor's autotuning of the backward
+# graph at EP=1 (an illegal memory access in one autotuning choice, after which every CUDA call failed; run
+# h200x1-s16-compiled-nccl, lab/runs.md). With TORCHINDUCTOR_AUTOTUNE_IN_SUBPROC=1 (each
 # choice benchmarked in a subprocess), set below unless the caller sets it, it ran: h200x1-s18-compiled-nccl
 # (qwen3_5_397b, about 220 s of compiling and autotuning in setup). COMPILE=false runs every backend eager.
 set -uo pipefail
@@ -113,7 +114,8 @@ run() {  # point name, then the point's overrides
     | tee "$OUTDIR/anchors-$name.log"
   echo "Triton cache entries after $name: $(ls "$cache" | wc -l) (new ones: kernels compiled in the point)"
   # the rows so far, one file per run in OUTDIR/rows: a call that is cut off later keeps this point's rows, and the
-  # rows leave the machine without runs/'s nested folders (session 31 call A lost a point's rows that way)
+  # rows leave the machine without runs/'s nested folders (a folder nested too deep for the transfer off the GPU
+  # machine stays behind, and its rows with it)
   python3 scripts/merge_results.py "$OUTDIR/runs" "$OUTDIR/rows" > "$OUTDIR/rows.txt" 2>&1 \
     || echo "merge_results failed: $OUTDIR/rows.txt"
 }

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# mok_hopper's fp8 backward on one H200 (issue 25), EP=1, 2048 tokens per GPU.
+# mok_hopper's fp8 backward on one H200, EP=1, 2048 tokens per GPU.
 #
 # Usage (repo root, GPU machine; .whl holds the hydra wheels):  bash scripts/h200_fp8_bwd.sh OUTDIR PART
 #   PART check: benchmarks.mok_hopper.bwd_check --precision fp8 on kimi_k2_7, glm_5_2, qwen3_5_397b and the
@@ -9,14 +9,14 @@
 #   PART sweep: the same on kimi_k2_7, glm_5_2, qwen3_5_397b (5 repeats) with bwd_check's FP8_SWEEP launch variants
 #               (stage times, whether each variant's gradients are the default's bits)
 #               (OUTDIR/bwd_check_sweep/mok_hopper_bwd_check.csv, OUTDIR/bwd_check_sweep.log)
-#   PART rows:  the harness rows: mok_hopper and nccl (fp8_gemm=rowwise, the fastest real fp8 path of sessions 21
-#               and 24, eager as in h200x1-s24-v16-fp8; FP8_GEMM=blockwise for DeepGEMM, which must then be
-#               importable, README "Optional: DeepGEMM"), forward and backward timed in one process per point
-#               (direction=fwd_and_bwd; DIRECTION=fwd for the forward alone), published timing (500 warmup / 100
-#               timed), calibrated roofline; the four
-#               points above, one run_id (MOKBENCH_RUN_ID, default h200x1-fp8-bwd-<UTC time>)
-#               (OUTDIR/runs/<run_id>/*.csv, OUTDIR/harness_<point>.log)
-# MOKBENCH_GIT_SHA names the commit (the device copy has no .git of the session's commit).
+#   PART rows:  the harness rows: mok_hopper and nccl (fp8_gemm=rowwise, the fastest real fp8 path in runs
+#               h200x1-s21-fp8-nccl and h200x1-s24-v16-fp8, eager as in h200x1-s24-v16-fp8; FP8_GEMM=blockwise
+#               for DeepGEMM, which must then be importable, README "Optional: DeepGEMM"), forward and backward
+#               timed in one process per point (direction=fwd_and_bwd; DIRECTION=fwd for the forward alone),
+#               published timing (500 warmup / 100 timed), calibrated roofline; the four points above, one run_id
+#               (MOKBENCH_RUN_ID, default h200x1-fp8-bwd-<UTC time>) (OUTDIR/runs/<run_id>/*.csv,
+#               OUTDIR/harness_<point>.log)
+# MOKBENCH_GIT_SHA names the commit (the device copy has no .git of the checked-out commit).
 set -uo pipefail
 OUTDIR=${1:?output folder}
 PART=${2:?PART: check, sweep or rows}

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Issue 24 on one H200, part 1 of 2 (about 5 minutes): do the real fp8 GEMM paths of the PyTorch baselines load and
-# compute correctly, and what errors do their fp8 backward rows have (item 2)? Eager (compile=false) throughout.
+# The fp8 baselines on one H200, part 1 of 2 (about 5 minutes): do the real fp8 GEMM paths of the PyTorch baselines
+# load and compute correctly, and what errors do their fp8 backward rows have? Eager (compile=false) throughout.
 #   1. versions, and whether rowwise (torch._scaled_grouped_mm), blockwise (DeepGEMM) and blockwise_loop
 #      (torch._scaled_mm per expert) are available here;
 #   2. tests/test_fp8_gemm.py, GPU tests included (the real GEMMs against the pure-torch references);

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Issue 24 on one H200, part 2 of 2 (part 1 is scripts/h200_fp8_check.sh; about 7 minutes when it ran two fp8
-# paths, a third path adds its own share): the target rows. nccl at precision=fp8 with real fp8 GEMMs, blockwise
+# The fp8 baselines on one H200, part 2 of 2 (part 1 is scripts/h200_fp8_check.sh; about 7 minutes when it ran two
+# fp8 paths, a third path adds its own share): the target rows. nccl at precision=fp8 with real fp8 GEMMs, blockwise
 # (DeepGEMM), blockwise_loop (torch._scaled_mm per expert) and rowwise (torch._scaled_grouped_mm), forward and
 # backward, EP=1, 2048 tokens per GPU, published timing and compile mode, on kimi_k2_7, glm_5_2, qwen3_5_397b and
 # at the compute-bound point shape.local_experts=16 (CB_SHAPES, default glm_5_2). One run_id for all rows.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Where mok_hopper's kernels spend their time, from the hardware counters (issues 23 and 24): Nsight Compute over
+# Where mok_hopper's kernels spend their time, from the hardware counters: Nsight Compute over
 # the Triton kernels of one backward (bwd_check: dgate and dX are _bwd_rows_kernel; dW13 and dW2
 # _bwd_wgrad_resident_kernel, or _bwd_wgrad_kernel; the fused and epilogue kernels where a variant runs them) or of
 # one forward (gpu_check: _up_swiglu_kernel, _down_push_kernel), at EP=1, 2048 tokens. Per launch: HBM bytes and

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The multi-GPU comparison on one Hopper node (issues 27 and 28): EP = the GPUs given (2 or 8; 4 works too), every
+# The multi-GPU comparison on one Hopper node: EP = the GPUs given (2 or 8; 4 works too), every
 # backend of the published figure plus hybridep, the anchors where they run and mok_hopper, 2048 tokens per GPU,
 # through the `hopper_published` experiment (README, "Reproduce the published comparison"). A lease cannot hold all
 # of it (30 device-minutes, 10 minutes a call), so the run is cut into PARTs; run each PART in its own call. One

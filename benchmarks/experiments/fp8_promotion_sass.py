@@ -5,9 +5,9 @@ product times its 1 x 128 activation scales and its 128 x 128 weight scale added
 
 * ``inline``: today's order: this step's MMA, then at once its promotion (what the up GEMM does);
 * ``pingpong``: this step's MMA issued, then the previous step's promotion, the product carried one step
-  (PERF_NOTES, session 12's candidate for the fp8 forward).
+  (the candidate for the fp8 forward in the journal, lab/perf-notes.md: ping-pong over K).
 
-With ``--tma`` (session 19) the operands come through TMA descriptors, as in the up GEMM, and a third loop runs
+With ``--tma`` the operands come through TMA descriptors, as in the up GEMM, and a third loop runs
 beside them: ``no promotion`` (``acc = dot(a, w, acc)``, no scales: a wrong result, only to see what the scale
 loads and the promotion add to the schedule).
 

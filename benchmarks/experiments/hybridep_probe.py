@@ -1,5 +1,5 @@
 """Construct one small ``HybridEPBuffer`` (DeepEP's hybrid-ep branch) on 2 ranks after a given import / preload
-order, print which libstdc++ objects are mapped, then OK or crash (results/diagnostics/hybridep_preload_20261130)::
+order, print which libstdc++ objects are mapped, then OK or crash (lab/diagnostics/2026-11-30-hybridep-preload)::
 
     torchrun --nproc-per-node=2 -m benchmarks.experiments.hybridep_probe VARIANT
 

@@ -1,7 +1,8 @@
-"""How fast can one H200 write a weight gradient in the access patterns of mok_hopper's wgrad kernels? (issue 23)
+"""How fast can one H200 write a weight gradient in the access patterns of mok_hopper's wgrad kernels?
 
-The backward's weight-gradient stages write dW13 / dW2 at 57-70% of the copy rate (PERF_NOTES "Session 16"). This
-probe writes the same tensors with no loads and no MMA, so what it measures is the store pattern alone:
+The backward's weight-gradient stages write dW13 / dW2 at 57-70% of the copy rate (backward v5, run
+h200x1-s16-bwd-v5; the journal, lab/perf-notes.md). This probe writes the same tensors with no loads and no MMA, so
+what it measures is the store pattern alone:
 
 * ``zero_``: torch's fill of the whole tensor (contiguous writes);
 * ``strips``: the resident kernel's order (a program owns the rows of one (expert, N block) strip and walks its K
@@ -12,8 +13,9 @@ probe writes the same tensors with no loads and no MMA, so what it measures is t
 * ``columns``: the Q-resident kernel's order (a program owns one (expert, K block) strip and walks its N blocks:
   programs running together write neighbouring column blocks of the same rows).
 
-Session 28 adds the kernel's other work to the strips, one part at a time, to find what holds the resident kernel
-at 2.4 TB/s on glm_5_2's dW13 where the stores alone reach 3.6-4.3 (PERF_NOTES "Session 28", next steps):
+The strips also run with the kernel's other work added, one part at a time, to find what holds the resident kernel
+at 2.4 TB/s on glm_5_2's dW13 where the stores alone reach 3.6-4.3 (the journal, lab/perf-notes.md: v10, dW13 by
+pointer stores):
 
 * ``+ MMA``: each stored block is an MMA over ``BR`` rows (P^T @ Q, the kernel's shapes) of operands made in
   registers (no global loads);
@@ -125,12 +127,12 @@ VARIANTS = [
     ("blocks tma 128x128 4w 2/SM", "blocks", True, 128, 128, 4, 2, 3),
     ("contiguous tma 128x64 4w 2/SM", "contiguous", True, 128, 64, 4, 2, 3),
     ("contiguous ptr 128x64 4w 2/SM", "contiguous", False, 128, 64, 4, 2, 3),
-    # after session 17's first run: the Q-resident order
+    # the Q-resident order
     ("columns tma 128x64 4w 2/SM", "columns", True, 128, 64, 4, 2, 3),
     ("columns tma 128x128 4w 2/SM", "columns", True, 128, 128, 4, 2, 3),
     ("columns ptr 128x128 8w 2/SM", "columns", False, 128, 128, 8, 2, 3),
     ("columns ptr 128x128 8w 1/SM", "columns", False, 128, 128, 8, 1, 3),
-    # session 28: the resident kernel's launches with its MMA, then with its MMA and its Q loads (glm_5_2: 128 rows,
+    # the resident kernel's launches with its MMA, then with its MMA and its Q loads (glm_5_2: 128 rows,
     # 128 x 64 blocks; qwen3_5_397b / kimi_k2_7: 64 rows, 128 x 128, dW13 by pointers since v10)
     ("strips tma 128x64 4w 2/SM + MMA 128 rows", "strips", True, 128, 64, 4, 2, 3, 128, False),
     ("strips tma 128x64 4w 2/SM + MMA 128 rows + Q loads", "strips", True, 128, 64, 4, 2, 3, 128, True),
@@ -138,14 +140,15 @@ VARIANTS = [
     ("strips tma 128x128 4w 2/SM + MMA 64 rows", "strips", True, 128, 128, 4, 2, 3, 64, False),
     ("strips tma 128x128 4w 2/SM + MMA 64 rows + Q loads", "strips", True, 128, 128, 4, 2, 3, 64, True),
     ("strips ptr 128x128 4w 2/SM + MMA 64 rows + Q loads", "strips", False, 128, 128, 4, 2, 3, 64, True),
-    # session 29: every weight-gradient stage so far takes about its stores at 4.2 TB/s plus its MMA (over the
-    # padded rows) at 790 TFLOP/s, as if the two never overlapped (PERF_NOTES "Session 29"). Half the MMA rows: does
-    # the time follow the MMA's FLOPs? Four programs an SM: do more programs overlap one's MMA with another's stores?
+    # every weight-gradient stage measured takes about its stores at 4.2 TB/s plus its MMA (over the padded rows)
+    # at 790 TFLOP/s, as if the two never overlapped (the journal, lab/perf-notes.md: the weight gradients as stores
+    # plus MMA). Half the MMA rows: does the time follow the MMA's FLOPs? Four programs an SM: do more programs
+    # overlap one's MMA with another's stores?
     ("strips tma 128x64 4w 2/SM + MMA 64 rows", "strips", True, 128, 64, 4, 2, 3, 64, False),
     ("strips tma 128x64 4w 2/SM + MMA 32 rows", "strips", True, 128, 64, 4, 2, 3, 32, False),
     ("strips tma 128x64 4w 4/SM + MMA 128 rows", "strips", True, 128, 64, 4, 4, 3, 128, False),
     ("strips ptr 128x128 4w 2/SM + MMA 32 rows + Q loads", "strips", False, 128, 128, 4, 2, 3, 32, True),
-    # after call D: v11's launch for glm_5_2's experts of at most 64 rows (128 x 64 by pointers over 64 rows)
+    # v11's launch for glm_5_2's experts of at most 64 rows (128 x 64 by pointers over 64 rows)
     ("strips ptr 128x64 4w 2/SM + MMA 64 rows + Q loads", "strips", False, 128, 64, 4, 2, 3, 64, True),
 ]
 
@@ -164,7 +167,7 @@ def _time(fn, iters: int) -> float:
 
 def aot(arch: int = 90) -> list[dict]:
     """Compile every variant of :data:`VARIANTS` for ``arch`` without a GPU (aot_check's compiler): registers,
-    spill and shared memory, or the error (session 29: the strips without MMA had never compiled on the GPU)."""
+    spill and shared memory, or the error (a variant that does not compile shows here before it costs GPU time)."""
     from kernels.mok_hopper import aot_check
 
     out = []

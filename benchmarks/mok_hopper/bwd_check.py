@@ -1,6 +1,6 @@
-"""GPU check of mok_hopper's backward (bf16: issue 23; ``--precision fp8``: issue 25) at EP=1: every gradient
-against the harness's reference (in the precision's gate), bitwise determinism over repeats, the backward timed
-alone and per stage, and the memory a training step takes.
+"""GPU check of mok_hopper's backward (bf16, or fp8 with ``--precision fp8``) at EP=1: every gradient against the
+harness's reference (in the precision's gate), bitwise determinism over repeats, the backward timed alone and per stage,
+and the memory a training step takes.
 
 Run (repository root, one GPU)::
 
@@ -52,17 +52,17 @@ from kernels.mok_hopper.workspace import clear_workspace_cache
 MODES = ("save_h", "recompute")
 LAYOUT = "layout"  # a SWEEP key that is no launch override: "tiled" runs the backward on the layer's tiled weights
 # launch variants of the backward's GEMMs, stage times against the default (``--sweep``): earlier versions' launches
-# and the candidates not yet measured (PERF_NOTES, sessions 13 and 14)
-# (session 13's 256-wide, 32-row-step and no-TMA-store weight-gradient launches and the 3-stage dX were measured
-# there and left out since; session 16's overlapped schedules, slower, were removed with their code, 3a7e35f; so
-# were its first sweep's resident launches at 8 warps one per SM and 128 x 64 three per SM, slower on both shapes).
+# and candidates (the journal, lab/perf-notes.md: the bf16 backward v0-v4)
+# (left out: backward v0-v3's 256-wide, 32-row-step and no-TMA-store weight-gradient launches and its 3-stage dX,
+# measured in run h200x1-s13-bwd; the overlapped schedules, slower, removed with their code in 3a7e35f; the resident
+# launches at 8 warps one per SM and 128 x 64 three per SM, slower on both shapes: lab/diagnostics/2026-12-02-s16/).
 SWEEP: dict[str, dict[str, dict[str, Any]]] = {
     "default again": {},
     "dgate 3 stages (v3.1)": {"dgate": dict(stages=3)},
     "dgate 5 stages": {"dgate": dict(stages=5)},
     "wgrad P reloaded (v3.1)": {"dw13": dict(resident=False), "dw2": dict(resident=False)},
     "wgrad resident, no TMA store": {"dw13": dict(tma_store=False), "dw2": dict(tma_store=False)},
-    # session 16: glm_5_2's experts average 64 rows, so about half have more and took the reloaded-P path at
+    # v4's launches: glm_5_2's experts average 64 rows, so about half have more and took the reloaded-P path at
     # 64-row steps; dgate ran such an expert's tile as two 64-row blocks, each streaming W2[e]
     "wgrad resident over 128 rows, 8 warps, 1/SM": {"dw13": dict(block_r=128, num_warps=8, programs_per_sm=1),
                                                     "dw2": dict(block_r=128, num_warps=8, programs_per_sm=1)},
@@ -78,23 +78,26 @@ SWEEP: dict[str, dict[str, dict[str, Any]]] = {
     "dgate pair 64x64, wgrad resident over 128 rows, 8 warps, 1/SM": {
         "dgate": dict(block_n=64, pair=True), "dw13": dict(block_r=128, num_warps=8, programs_per_sm=1),
         "dw2": dict(block_r=128, num_warps=8, programs_per_sm=1)},
-    # after v5 (session 16, call 5): dW13 stored by pointers (faster on qwen3_5_397b and kimi_k2_7 in calls 1 and 2,
-    # dW2 slower), the shared expert's backward by torch GEMMs (it ran at about a quarter of the GEMM rate)
+    # beside v5: dW13 stored by pointers (faster on qwen3_5_397b and kimi_k2_7 in v5's sweeps, dW2 slower:
+    # lab/diagnostics/2026-12-02-s16/), the shared expert's backward by torch GEMMs (it ran at about a quarter of the
+    # GEMM rate)
     "dW13 no TMA store": {"dw13": dict(tma_store=False)},
-    # session 28: v10 stores dW13 by pointers ("default again"); v9's TMA store, and pointer-store launches at 128 x
-    # 64 (no spill where aot_check compiles K as launched) and at 8 warps one an SM (PERF_NOTES "Session 28")
+    # v10 stores dW13 by pointers ("default again"); v9's TMA store, and pointer-store launches at 128 x 64 (no spill
+    # where aot_check compiles K as launched) and at 8 warps one an SM (the journal, lab/perf-notes.md: v10, dW13 by
+    # pointer stores)
     "dW13 TMA store (v9)": {"dw13": dict(tma_store=True)},
     "dW13 128x64 pointer stores": {"dw13": dict(block_k=64, tma_store=False)},
     "wgrad 128x64 pointer stores": {"dw13": dict(block_k=64, tma_store=False),
                                     "dw2": dict(block_k=64, tma_store=False)},
     "wgrad pointer stores, 8 warps, 1/SM": {"dw13": dict(tma_store=False, num_warps=8, programs_per_sm=1),
                                             "dw2": dict(tma_store=False, num_warps=8, programs_per_sm=1)},
-    # session 29: every weight-gradient stage has taken about its stores at 4.2 TB/s plus its MMA over the padded
+    # every weight-gradient stage measured has taken about its stores at 4.2 TB/s plus its MMA over the padded
     # rows at 790 TFLOP/s; an expert's strips over fewer rows where it has fewer (bwd_wgrad's BR_SMALL / BR_TAIL).
     # v11 runs glm_5_2's 128-row launches (experts of 39-84 rows) with 64 + 32-row strips and dW2 by pointers; these
     # take it back to v10, or to 64-row strips alone, or keep dW2 on TMA; "32 + 16" is for the 64-row launches of
-    # qwen3_5_397b and kimi_k2_7 (23-62 rows: it spills there and was 2-4% slower in call B). A size not under the
-    # launch's row block is off (so on qwen3_5_397b and kimi_k2_7 the first three are A/As)
+    # qwen3_5_397b and kimi_k2_7 (23-62 rows: it spills there and was 2-4% slower in bracketed rounds,
+    # lab/diagnostics/2026-12-04-s29/). A size not under the launch's row block is off (so on qwen3_5_397b and kimi_k2_7
+    # the first three are A/As)
     "wgrad small experts off, dW2 by TMA (v10)": {"dw13": dict(block_r_small=0), "dw2": dict(block_r_small=0,
                                                                                          tma_store=True)},
     "wgrad small experts: 64-row strips only": {"dw13": dict(block_r_small=64, block_r_tail=0),
@@ -102,36 +105,39 @@ SWEEP: dict[str, dict[str, dict[str, Any]]] = {
     "wgrad small experts: 64 + 32-row strips, dW2 by TMA": {"dw2": dict(tma_store=True)},
     "wgrad small experts: 32 + 16-row strips": {"dw13": dict(block_r_small=32, block_r_tail=16),
                                                 "dw2": dict(block_r_small=32, block_r_tail=16)},
-    # after call C: glm_5_2's weight gradients at qwen3_5_397b's 128 x 128 blocks (a 64-row launch whose experts of
-    # 65-96 rows keep P resident as 64 + 32 rows; the call A probe: 128 x 128 blocks over 64 rows 3.5-3.9 ms where
-    # 128 x 64 take 3.7-4.8), dW2 by pointers (v11's) or both at 2 stages with dW2 by TMA (no spill under 3.6)
+    # glm_5_2's weight gradients at qwen3_5_397b's 128 x 128 blocks (a 64-row launch whose experts of 65-96 rows
+    # keep P resident as 64 + 32 rows; wgrad_store_probe: 128 x 128 blocks over 64 rows 3.5-3.9 ms where 128 x 64
+    # take 3.7-4.8, lab/diagnostics/2026-12-04-s29/), dW2 by pointers (v11's) or both at 2 stages with dW2 by TMA
+    # (no spill under 3.6)
     "wgrad small experts: 128 x 128 blocks, 64-row launch, 64 + 32-row strips": {
         "dw13": dict(block_k=128, block_r=64, block_r_small=64, block_r_tail=32, stages=3),
         "dw2": dict(block_k=128, block_r=64, block_r_small=64, block_r_tail=32, stages=3)},
     "wgrad small experts: 128 x 128 blocks, 64-row launch, 64 + 32-row strips, 2 stages, dW2 by TMA": {
         "dw13": dict(block_k=128, block_r=64, block_r_small=64, block_r_tail=32, stages=2),
         "dw2": dict(block_k=128, block_r=64, block_r_small=64, block_r_tail=32, stages=2, tma_store=True)},
-    # session 30 (train._wgrad's ``split``): the experts of at most 64 rows in a launch of their own, qwen3_5_397b's
-    # (128 x 128 blocks, 64-row strips; session 29 call G's probe: 3.86 ms where glm_5_2's 128 x 64 take 4.68 for
-    # dW13), the others in the shape's launch (glm_5_2: v12's 128 x 64, 64 + 32-row strips). Where every expert has
-    # at most 64 rows (qwen3_5_397b, kimi_k2_7) it is the default launch with the row bound, which Triton 3.6 builds
-    # without a spill (212 / 186 registers against 255 with 176 B of spill / 255), plus a launch with no expert
+    # train._wgrad's ``split``: the experts of at most 64 rows in a launch of their own, qwen3_5_397b's (128 x 128
+    # blocks, 64-row strips; wgrad_store_probe with the MMA over 64 rows and Q loads: 3.86 ms where glm_5_2's 128 x 64
+    # take 4.68 for dW13, lab/diagnostics/2026-12-04-s29/), the others in the shape's launch (glm_5_2: v12's 128 x 64,
+    # 64 + 32-row strips). Where every expert has at most 64 rows (qwen3_5_397b, kimi_k2_7) it is the default launch
+    # with the row bound, which Triton 3.6 builds without a spill (212 / 186 registers against 255 with 176 B of spill /
+    # 255), plus a launch with no expert
     "wgrad split at 64 rows": {
         "dw13": dict(split=dict(rows=64, block_k=128, block_r=64, num_warps=4, programs_per_sm=2, stages=3,
                                 tma_store=False)),
         "dw2": dict(split=dict(rows=64, block_k=128, block_r=64, num_warps=4, programs_per_sm=2, stages=3,
                                tma_store=True))},
-    # session 32 (built, untimed): the split's first launch with strips 256 wide and 64 deep at 8 warps: Q, streamed
+    # built, not yet timed: the split's first launch with strips 256 wide and 64 deep at 8 warps: Q, streamed
     # from L2, is then half the bytes a stored byte of 128 x 128 blocks (BR / BN), at the same 32 KB stored a step,
     # and the row bound lets Triton drop the reloaded-P path (aot_check, Triton 3.6: 104-108 registers, no spill,
     # 72-88 KB of shared memory), so two 8-warp programs fit an SM
     **{f"wgrad split at 64 rows, 256 x 64 strips, 8 warps, {n}/SM": {
         k: dict(split=dict(rows=64, block_n=256, block_k=64, block_r=64, num_warps=8, programs_per_sm=n, stages=3,
                            tma_store=k == "dw2")) for k in ("dw13", "dw2")} for n in (1, 2)},
-    # session 32 (built, untimed): and glm_5_2's experts of 65-96 rows (the split's second launch) at 128 x 128
-    # blocks, 8 warps, one program an SM (no spill: 235-248 registers under Triton 3.6; at 4 warps 224 B of spill,
-    # and session 29 call D's two-block build at 4 warps was x1.24): session 29 call G put glm_5_2's open
-    # millisecond in the 128 x 64 blocks' steps. On qwen3_5_397b and kimi_k2_7 the second launch has no expert
+    # built, not yet timed: and glm_5_2's experts of 65-96 rows (the split's second launch) at 128 x 128 blocks, 8
+    # warps, one program an SM (no spill: 235-248 registers under Triton 3.6; at 4 warps 224 B of spill, and the 64-row
+    # 128 x 128 launch above with its two-block path at 4 warps was x1.24 of v11): wgrad_store_probe put glm_5_2's open
+    # millisecond in the 128 x 64 blocks' steps (lab/diagnostics/2026-12-04-s29/). On qwen3_5_397b and kimi_k2_7 the
+    # second launch has no expert
     **{f"wgrad split at 64 rows, {first}, over 64 rows 128 x 128 at 8 warps 1/SM": {
         k: dict(block_k=128, num_warps=8, programs_per_sm=1,
                 split=dict(rows=64, block_r=64, stages=3, tma_store=k == "dw2", **over)) for k in ("dw13", "dw2")}
@@ -140,7 +146,7 @@ SWEEP: dict[str, dict[str, dict[str, Any]]] = {
                                                                programs_per_sm=2)))},
     # v12: dgate and dW2 read dO's rows by token; v11 gathered a copy of them first (the "gather" stage)
     "dO rows gathered first (v11)": {"gather_dO": {"in_kernels": False}},
-    # v6 (session 17): the shared expert's backward by torch GEMMs is the default; the kernels' way, for comparison
+    # v6: the shared expert's backward by torch GEMMs is the default; the kernels' way, for comparison
     "shared expert by the kernels (v5)": {"shared_bwd": {"torch": False}},
     "wgrad 128x64 blocks (64-row steps)": {"dw13": dict(block_k=64), "dw2": dict(block_k=64)},
     # the compute-bound point (1024 rows an expert: the reloaded-P weight gradients, 64-row steps, never tuned)
@@ -153,7 +159,8 @@ SWEEP: dict[str, dict[str, dict[str, Any]]] = {
     "cb wgrad 4 stages": {"dw13": dict(stages=4), "dw2": dict(stages=4)},
     "cb dx 128x256": {"dx": dict(block_n=256)},
     "cb dgate 64x128 unpaired": {"dgate": dict(pair=False)},
-    # session 17, call 2: call 1's two compute-bound wins together and on the published shapes
+    # the compute-bound point's two wins (dX 128 x 256, 4-stage weight gradients; lab/diagnostics/2026-12-02-s17/),
+    # together and on the published shapes
     "dx 128x256": {"dx": dict(block_n=256)},
     "dx 128x256 3 stages": {"dx": dict(block_n=256, stages=3)},
     "wgrad 4 stages": {"dw13": dict(stages=4), "dw2": dict(stages=4)},
@@ -164,12 +171,13 @@ SWEEP: dict[str, dict[str, dict[str, Any]]] = {
     "cb dx 128x256, wgrad 128x256 4 stages 8 warps 1/SM": {
         "dx": dict(block_n=256), "dw13": dict(block_k=256, stages=4, num_warps=8, programs_per_sm=1),
         "dw2": dict(block_k=256, stages=4, num_warps=8, programs_per_sm=1)},
-    # session 17's store probe: stores into contiguous blocks reach the copy rate, strips of a row-major tensor by
-    # TMA 83-87% of it. The layer's own weights in TMA block order (what MoKHopperMoE(layout="tiled") trains):
-    # the backward reads them there and writes dW13 / dW2 in that order (by pointers); ``same_bits`` compares
-    # the gradients untiled with the plain run's (``rel_l1_to_default``: their largest relative L1 difference)
+    # wgrad_store_probe: stores into contiguous blocks reach the copy rate, strips of a row-major tensor by TMA 83-87%
+    # of it (lab/diagnostics/2026-12-02-s17/). The layer's own weights in TMA block order (what
+    # MoKHopperMoE(layout="tiled") trains): the backward reads them there and writes dW13 / dW2 in that order (by
+    # pointers); ``same_bits`` compares the gradients untiled with the plain run's (``rel_l1_to_default``: their largest
+    # relative L1 difference)
     "tiled layout": {LAYOUT: "tiled"},
-    # session 18: the fused stages (bwd_fused.py: dgate + dW2, dX + dW13, each one pass over its weights) and their
+    # the fused stages (bwd_fused.py: dgate + dW2, dX + dW13, each one pass over its weights) and their
     # launches (options: v6's separate stages stay the default)
     "fused dX + dW13, pointer stores (v8 as tried)": {"dx_dw13": {"on": True, "tma_store": False}},
     "fused dgate + dW2, dX + dW13": {"dgate_dw2": {"on": True}, "dx_dw13": {"on": True}},
@@ -184,7 +192,7 @@ SWEEP: dict[str, dict[str, dict[str, Any]]] = {
     # the Q-resident weight gradients (bwd_wgrad._bwd_wgrad_q_resident: programs running together write
     # neighbouring column blocks of the same rows); by pointers at 8 warps they build without a spill on both
     # Triton ends (128 / 178 registers at 128 x 128, 64-row steps), as the P-resident pointer stores do not
-    # session 23: the GEMMs by torch._grouped_mm (CUTLASS's grouped GEMM on sm90): the weight gradients over the
+    # the GEMMs by torch._grouped_mm (CUTLASS's grouped GEMM on sm90): the weight gradients over the
     # experts' row ranges, dgate's G = dO @ W2 with its epilogue after it (train._wgrad, bwd_gemm.dgate_grouped_mm)
     # (the default since v9 where the experts average over 128 rows; "kernels only" is v8 there)
     "kernels only (v8; no torch._grouped_mm)": {"dgate": dict(grouped_mm=False), "dw13": dict(grouped_mm=False),
@@ -200,8 +208,8 @@ SWEEP: dict[str, dict[str, dict[str, Any]]] = {
         "dw13": dict(q_resident=True, tma_store=False, num_warps=8, programs_per_sm=1),
         "dw2": dict(q_resident=True, tma_store=False, num_warps=8, programs_per_sm=1)},
 }
-# the fp8 backward's launch variants (bwd_fp8.py's stage keys; session 25: P-resident weight gradients, two programs
-# an SM at 4 warps)
+# the fp8 backward's launch variants (bwd_fp8.py's stage keys): P-resident weight gradients, two programs an SM at
+# 4 warps
 FP8_SWEEP: dict[str, dict[str, dict[str, Any]]] = {
     "default again": {},
     "fp8 wgrad P resident": {"dw13": dict(resident=True), "dw2": dict(resident=True)},  # (v2's default to 128 rows)
@@ -347,11 +355,11 @@ def rel_l1_to_default(backend: Any, inp: Any, tiles: dict[str, Any]) -> float:
 
 
 def interleaved_rounds(measure: Any, labels: list[str], rounds: int) -> dict[Optional[str], list[dict[str, float]]]:
-    """``measure(label)`` (stage ms by stage; ``None``: the default) in ``rounds`` rounds of D V1 D V2 ... Vn D:
-    every variant bracketed by two timings of the default, so its ratio to their mean (:func:`ratios_to_default`)
-    is not biased by a drift of the board's state (clock, power, temperature) that is linear over the bracket, and
-    no label runs twice in a row. (Session 28, call E: rounds of D A B, B A D, ... ran a label twice in a row at
-    each round's end, and an A/A variant read x1.02 there.) Returns every label's timings in the order taken; the
+    """``measure(label)`` (stage ms by stage; ``None``: the default) in ``rounds`` rounds of D V1 D V2 ... Vn D: every
+    variant bracketed by two timings of the default, so its ratio to their mean (:func:`ratios_to_default`) is not
+    biased by a drift of the board's state (clock, power, temperature) that is linear over the bracket, and no label
+    runs twice in a row. (Rounds of D A B, B A D, ... run a label twice in a row at each round's end, and an A/A variant
+    read x1.02 in them: lab/diagnostics/2026-12-04-s28/.) Returns every label's timings in the order taken; the
     default's has ``1 + rounds * len(labels)``."""
     out: dict[Optional[str], list[dict[str, float]]] = {None: [measure(None)], **{k: [] for k in labels}}
     for _ in range(rounds):  # (a round starts from the last one's closing default timing)
@@ -552,7 +560,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--sweep-rel", action="store_true",
                     help="for each variant whose gradients are not the default's bits: the largest relative L1 "
                     "difference of one gradient from the default's (the default is checked against the reference)")
-    ap.add_argument("--precision", default="bf16", help="bf16 or fp8 (the fp8 backward, issue 25)")
+    ap.add_argument("--precision", default="bf16", help="bf16 or fp8 (the fp8 backward)")
     ap.add_argument("--tile", default="", help="the forward's tile over its default, TileConfig fields as "
                     "name=int (switches 0 / 1), e.g. ready_flags=0 (no spin wait: what Nsight Compute, which runs "
                     "kernels one at a time, needs); CUDA only (the CPU twin has no tiles)")

@@ -476,12 +476,12 @@ def _empty_cache(ctx: Ctx) -> None:
 def ab_times(ctx: Ctx, base_fn: Callable[[], Any], var_fn: Callable[[], Any], *, rounds: int, iters: int,
              warmup: int) -> dict[str, float]:
     """A variant against the default, interleaved: ``rounds`` rounds of ``iters`` forwards of each, the order
-    alternating (default first in even rounds). A board at its power limit drifts in clock by several percent
-    within a minute (PERF_NOTES, session 8), so a variant timed once after the default can win or lose by the
-    drift alone; the ratio of each round's medians cancels what the two share. Returns the medians over the
-    rounds' medians (``forward_ms``, ``base_forward_ms``), the median, lowest and highest per-round ratio
-    variant / default, and each side's median SM clock over the rounds (``sm_clock_mhz``, ``base_sm_clock_mhz``;
-    NaN without NVML)."""
+    alternating (default first in even rounds). A board at its power limit drifts in clock by several percent within a
+    minute (the journal, lab/perf-notes.md: the clock each row ran at), so a variant timed once after the default can
+    win or lose by the drift alone; the ratio of each round's medians cancels what the two share. Returns the medians
+    over the rounds' medians (``forward_ms``, ``base_forward_ms``), the median, lowest and highest per-round ratio
+    variant / default, and each side's median SM clock over the rounds (``sm_clock_mhz``, ``base_sm_clock_mhz``; NaN
+    without NVML)."""
     var, base, var_clk, base_clk = [], [], [], []
     for r in range(max(1, rounds)):
         pairs = ((base_fn, base, base_clk), (var_fn, var, var_clk))

@@ -1,15 +1,15 @@
-"""One line per profiled kernel launch from Nsight Compute's raw page: where a kernel's time goes, in the figures
-PERF_NOTES reasons with (bytes to and from HBM, the DRAM / L2 / SM throughput against their peaks, the L2 hit rate,
-the tensor pipe, registers, occupancy, the largest warp stall reasons).
+"""One line per profiled kernel launch from Nsight Compute's raw page: where a kernel's time goes, in the figures the
+journal (lab/perf-notes.md) reasons with (bytes to and from HBM, the DRAM / L2 / SM throughput against their peaks, the
+L2 hit rate, the tensor pipe, registers, occupancy, the largest warp stall reasons).
 
     ncu --import REPORT.ncu-rep --csv --page raw --print-units base > raw.csv
     python -m benchmarks.mok_hopper.ncu_summary raw.csv [--match REGEX]
 
-Why: the backward's weight gradients run at 79% of the copy rate with their MMA and Q loads beside the stores, and
-which resource holds them (HBM, L2 bandwidth, or the per-step waits) was argued from timings of variants only
-(PERF_NOTES, sessions 29-32). ``scripts/h200_ncu.sh`` profiles the backward's or the forward's kernels on the GPU
-machine (its runtime reads the counters; ``--clock-control none`` leaves the clocks alone) and runs this on the
-result.
+Why: the backward's weight gradients run at 79% of the copy rate with their MMA and Q loads beside the stores, and which
+resource holds them (HBM, L2 bandwidth, or the per-step waits) was argued from timings of variants only (the journal,
+lab/perf-notes.md: the weight gradients as stores plus MMA). ``scripts/h200_ncu.sh`` profiles the backward's or the
+forward's kernels on the GPU machine (its runtime reads the counters; ``--clock-control none`` leaves the clocks alone)
+and runs this on the result.
 
 The raw page is a CSV whose header names the metrics, then (with units printed) a row of units, then one row per
 launch. Metrics that a section did not collect print as ``n/a``; numbers may carry thousands separators. Plain

@@ -1,5 +1,5 @@
-"""Floors, targets and the v1 cost model of PERF_NOTES.md, from a results CSV (the measured rates are read, not
-copied).
+"""Floors, targets and the v1 cost model of the journal (lab/perf-notes.md), from a results CSV (the measured rates are
+read, not copied).
 
     python -m benchmarks.mok_hopper.perf_floors results/runs/h200x2-nccl-20261130T005701/h200x2-nccl-20261130T005701.csv \
         [results/runs/h200x2-ep-20261130T010910/h200x2-ep-20261130T010910.csv]

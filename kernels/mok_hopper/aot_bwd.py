@@ -1,5 +1,5 @@
-"""The backward's launches as :mod:`kernels.mok_hopper.aot_check` compiles them (split from it in session 32, by
-what it does: that file holds the forward's launches and the compile and check): the GEMMs of bwd_gemm.py,
+"""The backward's launches as :mod:`kernels.mok_hopper.aot_check` compiles them (a file of their own, by what they
+are: that file holds the forward's launches and the compile and check): the GEMMs of bwd_gemm.py,
 bwd_wgrad.py, bwd_fused.py and bwd_fp8.py at the block sizes train.py launches them with, and the candidates of
 bwd_check's sweep."""
 
@@ -43,7 +43,7 @@ def backward_variants(cfg: Any, nprog: int) -> list[Variant]:
                 GU=False)
     out.append(Variant("bwd wgrad", "_bwd_wgrad_kernel", wg_t, dict(wg_c, STAGES=4), 4))  # over 128 rows
     out.append(Variant("bwd wgrad P resident", "_bwd_wgrad_resident_kernel", wg_t, wg_c, 4))
-    # candidates (bwd_check's sweep, session 17): the Q-resident order, by TMA and by pointers at 8 warps
+    # candidates (bwd_check's sweep): the Q-resident order, by TMA and by pointers at 8 warps
     out.append(Variant("bwd wgrad Q resident", "_bwd_wgrad_resident_kernel", wg_t, dict(wg_c, Q_RESIDENT=True),
                        4))
     out.append(Variant("bwd wgrad Q resident pointers", "_bwd_wgrad_resident_kernel", dict(wg_t, dw_ptr="*bf16"),
@@ -51,12 +51,12 @@ def backward_variants(cfg: Any, nprog: int) -> list[Variant]:
     # experts of 48-128 rows on average (glm_5_2 at EP=1): 128-row steps, 128 x 64 output blocks
     out.append(Variant("bwd wgrad P resident 128 rows", "_bwd_wgrad_resident_kernel",
                        dict(wg_t, dw_ptr="tensordesc<bf16[128, 64]>"), dict(wg_c, BK=64, BR=128), 4))
-    # v10 (session 28): dW13 on the resident path by pointer stores (dW2 keeps the TMA launches above)
+    # v10: dW13 on the resident path by pointer stores (dW2 keeps the TMA launches above)
     out.append(Variant("bwd wgrad P resident pointers", "_bwd_wgrad_resident_kernel", dict(wg_t, dw_ptr="*bf16"),
                        dict(wg_c, TMA_STORE=False), 4))
     out.append(Variant("bwd wgrad P resident 128 rows pointers", "_bwd_wgrad_resident_kernel",
                        dict(wg_t, dw_ptr="*bf16"), dict(wg_c, BK=64, BR=128, TMA_STORE=False), 4))
-    # session 29 (bwd_check's sweep): an expert's strips over fewer rows where it has fewer (BR_SMALL, then
+    # v11 and bwd_check's sweep: an expert's strips over fewer rows where it has fewer (BR_SMALL, then
     # BR_SMALL + BR_TAIL as two row blocks): glm_5_2's 128-row launches with 64 and 64 + 32, the 64-row ones
     # with 32 + 16
     for label, over, dw in (
@@ -81,7 +81,7 @@ def backward_variants(cfg: Any, nprog: int) -> list[Variant]:
     out.append(Variant("bwd wgrad P resident 128 rows pointers, 64 + 32-row strips, dO gathered",
                        "_bwd_wgrad_resident_kernel", dict(wg_t, dw_ptr="*bf16"),
                        dict(wg_c, BK=64, BR=128, BR_SMALL=64, BR_TAIL=32, TMA_STORE=False, P_GATHER=8), 4))
-    # session 30 (an option, ``split`` in train._wgrad): glm_5_2's experts of at most 64 rows in the 64-row
+    # an option (``split`` in train._wgrad): glm_5_2's experts of at most 64 rows in the 64-row
     # launch at 128 x 128 (qwen3_5_397b's, ROWS_MAX), the others in v12's 128-row launch at 128 x 64 (ROWS_MIN)
     for label, over, dw in (
             ("bwd wgrad P resident pointers, experts up to 64 rows", dict(TMA_STORE=False, ROWS_MAX=64), "*bf16"),
@@ -92,8 +92,8 @@ def backward_variants(cfg: Any, nprog: int) -> list[Variant]:
             ("bwd wgrad P resident 128 rows pointers, 64 + 32-row strips, experts over 64 rows, dO gathered",
              dict(BK=64, BR=128, BR_SMALL=64, BR_TAIL=32, TMA_STORE=False, ROWS_MIN=64, P_GATHER=8), "*bf16")):
         out.append(Variant(label, "_bwd_wgrad_resident_kernel", dict(wg_t, dw_ptr=dw), dict(wg_c, **over), 4))
-    # session 32 (bwd_check's sweep, untimed): the split's first launch with strips 256 wide and 64 deep at 8
-    # warps, two programs an SM (the row bound drops the reloaded-P path: about 104 registers)
+    # bwd_check's sweep (not yet timed): the split's first launch with strips 256 wide and 64 deep at 8 warps, two
+    # programs an SM (the row bound drops the reloaded-P path: about 104 registers)
     for label, over, dw in (
             ("bwd wgrad P resident pointers 256 x 64, 8 warps, experts up to 64 rows",
              dict(BN=256, BK=64, TMA_STORE=False, ROWS_MAX=64), "*bf16"),
@@ -101,7 +101,7 @@ def backward_variants(cfg: Any, nprog: int) -> list[Variant]:
              dict(BN=256, BK=64, ROWS_MAX=64, P_GATHER=8), "tensordesc<bf16[256, 64]>")):
         out.append(Variant(label, "_bwd_wgrad_resident_kernel", dict(wg_t, dw_ptr=dw), dict(wg_c, **over), 8))
     # and the split's second launch (glm_5_2's experts of 65-96 rows) at 128 x 128 blocks, 8 warps, one program
-    # an SM (at 4 warps it spills 224 B, session 29 call D's build 176 B)
+    # an SM (at 4 warps it spills 224 B under Triton 3.6, the 64-row launch with 64 + 32-row strips above 176 B)
     for label, gather in (("", 0), (", dO gathered", 8)):
         out.append(Variant(f"bwd wgrad P resident 128 rows pointers 128 x 128, 8 warps, 64 + 32-row strips, "
                            f"experts over 64 rows{label}", "_bwd_wgrad_resident_kernel", dict(wg_t, dw_ptr="*bf16"),
@@ -136,7 +136,7 @@ def backward_variants(cfg: Any, nprog: int) -> list[Variant]:
         desc = f"tensordesc<bf16[{bn}, {bk}]>"
         out.append(Variant(label, "_dx_dw13_kernel", dict(dx_t, w13_ptr=desc, dw13_ptr=desc),
                            dict(fz_c, BR=br, BN=bn, BK=bk), warps))
-    # the fp8 backward (bwd_fp8.py, issue 25), at its launches: dgrad GEMMs over the e4m3 W^T by TMA (dgate with
+    # the fp8 backward (bwd_fp8.py), at its launches: dgrad GEMMs over the e4m3 W^T by TMA (dgate with
     # dH quantised in its epilogue, clamped too; dX pushed), the token-axis quantisation of the weight gradients'
     # operands (from bf16 and from e4m3 rows) and their K-major e4m3 GEMM
     f8_t = dict(a_ptr="*fp8e4nv", as_ptr="*fp32", w_ptr="tensordesc<fp8e4nv[128, 128]>", ws_ptr="*fp32",

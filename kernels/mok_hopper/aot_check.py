@@ -25,32 +25,33 @@ SMEM_LIMIT = {90: 232448, 100: 232448}  # bytes of dynamic shared memory per blo
 # where the kernels live, by stage
 KERNEL_MODULES = ("schedule_kernels", "pull", "up_gemm", "down_gemm", "bwd_gemm", "bwd_wgrad", "bwd_fused",
                   "bwd_fp8")
-# Stack bytes a variant may spill, by a part of its label; any other spill is a problem. The training forward's up
-# GEMMs (save H) add two to four stores to an epilogue that sits at the 255-register cap already (the inference
-# kernels use 240-254): they spill 0-48 B on Triton 3.8 and 0-56 B on 3.6 (PERF_NOTES, "save_h"). The backward's
-# dgate GEMM at 64 x 128 (its epilogue holds about ten fp32 tiles) spills 24-32 B on Triton 3.6 and none on 3.8;
-# on the H200 (Triton 3.6) it ran 1.4x faster than the spill-free 64 x 64 (PERF_NOTES, "Session 13", v2). The
-# budget keeps those from growing unnoticed. Backward v5 (PERF_NOTES, "Session 16"): dgate with paired row blocks
-# (the second block's accumulator live through the first's epilogue) spills 96 B on Triton 3.8 and 144 B on 3.6,
-# where it ran glm_5_2's dgate in 2.18 against 3.06 ms; the resident weight gradients over 128 rows (P held in
-# registers beside a 128 x 64 accumulator, 4 warps) spill 16 B on 3.8 and 8 B on 3.6, and ran dW13 + dW2 in 7.88
-# against 9.32 ms, where the spill-free 8-warp build took 8.45 ms.
-# The fp8 backward v0 (PERF_NOTES, "Session 25"): dgate's epilogue also quantises dH (two more fp32 tiles and their
-# row maxima beside the SwiGLU's): at v2 40 / 104 B (plain / clamped) on Triton 3.8, 72 / 112 B on 3.6, in the
-# epilogue only (once a 64 x 128 tile, after its H / 128 K steps).
-# Session 28: until then every kernel was compiled with ``K`` of unknown divisibility (``Variant.plain``), which in
-# the backward's kernels is not what the launches run (there K is a hidden size). Compiled as launched, the 128-row
-# resident weight gradients above no longer spill (210-218 registers), and three kernels spilled all along on the
-# H200's Triton 3.6 and were timed so: the resident weight gradients at 128 x 128 by TMA (dW2's launch on the
-# 64-row path) 40 B, the Q-resident ones (an option) 40 B, the fp8 dgate with the clamp 160 B (184 B on 3.8). v10's
-# dW13 by pointer stores (128 x 128, 64-row steps) spills 8 B on 3.8 and 176 B on 3.6, where it ran the dW13
-# stage 1-3% faster than by TMA (PERF_NOTES "Session 28"). The sweep's fp8 down GEMM capped at 128 registers
-# (``TileConfig.down_maxnreg``, so that two 8-warp programs fit an SM) spills 16 B under both Tritons (session 29:
-# 10-21% slower than the default). Session 29: the 64-row resident weight gradients with strips over 32 + 16 rows
-# for the experts that have that few (bwd_check's sweep) spill 64-96 B by TMA under Triton 3.6 (none under 3.8),
-# 160-168 B by pointers (16 B under 3.8); the 64-row launch whose experts of up to 96 rows run 64 + 32 (glm_5_2 at
-# 128 x 128 blocks) by pointers 176 B at 3 stages (v10's 64-row launch: the same) and 48 B at 2. (A label takes the
-# largest budget of the parts it contains.)
+# Stack bytes a variant may spill, by a part of its label; any other spill is a problem. The training forward's up GEMMs
+# (save H) add two to four stores to an epilogue that sits at the 255-register cap already (the inference kernels use
+# 240-254): they spill 0-48 B on Triton 3.8 and 0-56 B on 3.6 (the journal, lab/perf-notes.md: save_h). The backward's
+# dgate GEMM at 64 x 128 (its epilogue holds about ten fp32 tiles) spills 24-32 B on Triton 3.6 and none on 3.8; on the
+# H200 (Triton 3.6) it ran 1.4x faster than the spill-free 64 x 64 (the bf16 backward v2's sweep:
+# lab/diagnostics/2026-12-01-s13/). The budget keeps those from growing unnoticed. Backward v5 (run h200x1-s16-bwd-v5):
+# dgate with paired row blocks (the second block's accumulator live through the first's epilogue) spills 96 B on Triton
+# 3.8 and 144 B on 3.6, where it ran glm_5_2's dgate in 2.18 against 3.06 ms; the resident weight gradients over 128
+# rows (P held in registers beside a 128 x 64 accumulator, 4 warps), compiled with ``K`` of unknown divisibility, spill
+# 16 B on 3.8 and 8 B on 3.6, and ran dW13 + dW2 in 7.88 against 9.32 ms, where the spill-free 8-warp build took
+# 8.45 ms.
+# The fp8 backward (run h200x1-s25-fp8-bwd; the journal: fp8 backward v0): dgate's epilogue also quantises dH (two
+# more fp32 tiles and their row maxima beside the SwiGLU's): at v2 40 / 104 B (plain / clamped) on Triton 3.8,
+# 72 / 112 B on 3.6, in the epilogue only (once a 64 x 128 tile, after its H / 128 K steps).
+# Every variant is compiled as launched: each i32 size divisible by 16 as the launch sees it, except those in
+# ``Variant.plain`` (in the backward's kernels ``K`` is a hidden size; compiled otherwise, their loads and stores are
+# not those that run). So compiled, the 128-row resident weight gradients above do not spill (210-218 registers), and
+# three kernels spill on the H200's Triton 3.6 and were timed so: the resident weight gradients at 128 x 128 by TMA
+# (dW2's launch on the 64-row path) 40 B, the Q-resident ones (an option) 40 B, the fp8 dgate with the clamp 160 B
+# (184 B on 3.8). v10's dW13 by pointer stores (128 x 128, 64-row steps) spills 8 B on 3.8 and 176 B on 3.6, where
+# it ran the dW13 stage 1-3% faster than by TMA (the journal: v10, dW13 by pointer stores). The sweep's fp8 down GEMM
+# capped at 128 registers (``TileConfig.down_maxnreg``, so that two 8-warp programs fit an SM) spills 16 B under both
+# Tritons (10-21% slower than the default: lab/diagnostics/2026-12-04-s29/). The 64-row resident weight gradients
+# with strips over 32 + 16 rows for the experts that have that few (bwd_check's sweep) spill 64-96 B by TMA under
+# Triton 3.6 (none under 3.8), 160-168 B by pointers (16 B under 3.8); the 64-row launch whose experts of up to 96
+# rows run 64 + 32 (glm_5_2 at 128 x 128 blocks) by pointers 176 B at 3 stages (v10's 64-row launch: the same) and
+# 48 B at 2. (A label takes the largest budget of the parts it contains.)
 SPILL_BUDGET = ((" save H", 64), ("bwd dgate", 64), ("bwd dgate pair", 144), ("bwd fp8 dgate", 128),
                 ("bwd fp8 dgate clamp", 192), ("bwd wgrad P resident", 40), ("bwd wgrad Q resident", 40),
                 ("bwd wgrad P resident pointers", 176), ("down fp8 x w 128 registers", 16),
@@ -214,12 +215,12 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048, extras: bool 
             # the fp8 down GEMM as 64-row items at 4 warps, two programs an SM (fp8_down_halves: the default on
             # qwen3_5_397b and kimi_k2_7 from v16)
             out += extra(dict(fp8_down_halves=True), ("down fp8 x w tma",), tagged("halves"))
-            # the fp8 up GEMM as 64-row items at 4 warps and 4 stages, two programs an SM (fp8_up_halves, session 27),
+            # the fp8 up GEMM as 64-row items at 4 warps and 4 stages, two programs an SM (fp8_up_halves, v17),
             # the inference and the training forward's (save H) kernels
             out += extra(dict(fp8_up_halves=True), ("up fp8 tma",), tagged("halves"))
             out += extra(dict(fp8_up_halves=True), ("up fp8 save H tma", "up fp8 clamp save H tma"),
                          tagged("halves"), save_h=True)
-            # the fp8 up GEMM with two 1 x 128 x blocks a loop step (fp8_up_pair, session 20; off), fused and not
+            # the fp8 up GEMM with two 1 x 128 x blocks a loop step (fp8_up_pair; off), fused and not
             out += extra(dict(fp8_up_pair=True), ("up fp8 tma",), tagged("pair"))
             out += extra(dict(fp8_up_pair=True, fp8_up_fused=False), ("up fp8 tma",), tagged("unfused pair"))
             # glm_5_2's 256-wide down GEMM with tails (the CUDA default from v11)
@@ -233,7 +234,7 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048, extras: bool 
         saves = ("up bf16 save H", "up bf16 clamp save H", "up bf16 save H tma", "up bf16 clamp save H tma",
                  "up fp8 save H", "up fp8 clamp save H", "up fp8 save H tma", "up fp8 clamp save H tma")
         out += [v for v in variants(cfg, hidden, ffn, extras=False, save_h=True) if v.label in saves]
-        # the saved H by TMA stores (save_h_tma, session 27): bf16, fp8, fp8 at 64-row items two programs an SM
+        # the saved H by TMA stores (save_h_tma; off): bf16, fp8, fp8 at 64-row items two programs an SM
         out += extra(dict(save_h_tma=True), ("up bf16 save H tma", "up bf16 clamp save H tma", "up fp8 save H tma"),
                      tagged("H by TMA"), save_h=True)
         if cfg.w_tiled:

@@ -1,4 +1,4 @@
-"""The fp8 backward's GEMMs (issue 25), the recipe of :func:`kernels.mok_hopper.twin_bwd.expert_backward_fp8`:
+"""The fp8 backward's GEMMs, the recipe of :func:`kernels.mok_hopper.twin_bwd.expert_backward_fp8`:
 e4m3 operands, fp32 accumulation, every block's product promoted by its scales. Launched by
 :func:`expert_backward` (the four stages of one rank's routed rows; :mod:`kernels.mok_hopper.train` calls it).
 
@@ -18,8 +18,9 @@ e4m3 operands, fp32 accumulation, every block's product promoted by its scales. 
 
 Hopper's e4m3 MMA (QGMMA) takes both operands K-major only. The dgrad GEMMs reduce over W's rows, so a training layer
 keeps W^T in e4m3 (the same values; 1 byte a parameter); v0 read W row-major, and Triton's transposes in the loop ran
-dgate and dX at 7-10x their floors (PERF_NOTES "Session 25"). The wgrad quantised its operands inside the GEMM in
-v0 (no pass over memory) and ran at 6x its store floor; v1 quantises them in a pass of their own.
+dgate and dX at 7-10x their floors (the journal, lab/perf-notes.md: the fp8 backward v0). The wgrad quantised its
+operands inside the GEMM in v0 (no pass over memory) and ran at 6x its store floor; v1 quantises them in a pass of their
+own.
 
 The passes over memory that remain outside the GEMMs: the stage's quantisation of dO (one read of [T, H] bf16, as the
 forward's x), the four token-axis quantisations of the wgrad operands (dH and s*A bf16, X and dO e4m3: about
@@ -318,13 +319,13 @@ def fp8_wgrad(p_RN: torch.Tensor, p_scale: Optional[torch.Tensor], q_RK: torch.T
 
 
 def _tiles(H: int, I: int, cuda: bool, rows_per_expert: float = 0.0) -> dict[str, dict[str, Any]]:
-    """Launch parameters of the fp8 backward's GEMMs (v1, PERF_NOTES "Session 25"): dgate 64 x 128 (its epilogue
+    """Launch parameters of the fp8 backward's GEMMs (v1, run h200x1-s25-fp8-bwd): dgate 64 x 128 (its epilogue
     quantises dH in 1 x 128 blocks), dX 128 x 128, both over W^T (K-major), 8 warps; the weight gradients 128 x 128
     blocks over 128-row token blocks, 8 warps, one program an SM. On the CPU (interpreter) the same, the column
-    blocks capped at what divides the toy shapes. v2 (session 25, call D): where the experts average at most 128 rows
-    (one token block: the published shapes at EP=1), the weight gradients P-resident (glm_5_2 dW13 9.10 -> 5.88 ms,
-    dW2 4.98 -> 3.35; bitwise the same); larger experts (the compute-bound point, not measured resident) keep the
-    flattened item loop."""
+    blocks capped at what divides the toy shapes. v2 (run h200x1-s25-fp8-bwd-v2): where the experts average at most
+    128 rows (one token block: the published shapes at EP=1), the weight gradients P-resident (glm_5_2 dW13 9.10 ->
+    5.88 ms, dW2 4.98 -> 3.35 in bwd_check, lab/diagnostics/2026-12-04-s25/; bitwise the same); larger experts (the
+    compute-bound point, not measured resident) keep the flattened item loop."""
     bn = 128 if (H % 128 == 0 and I % 128 == 0) else 64
     res = 0 < rows_per_expert <= BLOCK
     return {"dgate": dict(block_m=64, block_n=BLOCK, stages=3),

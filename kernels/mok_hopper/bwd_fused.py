@@ -1,9 +1,9 @@
-"""The bf16 backward's weight-streaming stages fused in pairs (PERF_NOTES "Session 18"): each reads one expert
-weight block and writes the gradient block of the same place in one step, so HBM sees one stream of reads and
+"""The bf16 backward's weight-streaming stages fused in pairs (the journal, lab/perf-notes.md: backward v7): each reads
+one expert weight block and writes the gradient block of the same place in one step, so HBM sees one stream of reads and
 writes, as in a copy, instead of a read-only stage followed by a write-only one. Measured on one H200 against the
-separate stages' sum: dX + dW13 by pointer stores 6-8% faster in 64-row blocks but no faster in the harness's
-backward, 11% slower in 128-row blocks; dgate + dW2 1.15-1.4x slower. Both are options of
-:func:`kernels.mok_hopper.train._tiles` (off).
+separate stages' sum: dX + dW13 by pointer stores 6-8% faster in 64-row blocks but no faster in the harness's backward,
+11% slower in 128-row blocks; dgate + dW2 1.15-1.4x slower. Both are options of :func:`kernels.mok_hopper.train._tiles`
+(off).
 
 * :func:`dgate_dw2` - work items (expert, I block): G = dO rows @ W2[e][:, I block] accumulated over the H blocks,
   and in the same step dW2[e][H block, I block] = dO rows^T @ (s A) rows, s A = s SwiGLU(H) computed once per

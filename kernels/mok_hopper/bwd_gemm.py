@@ -1,8 +1,8 @@
-"""The bf16 backward's GEMMs (issue 23; the stages of :mod:`kernels.mok_hopper.twin_bwd`; launched by
-:mod:`kernels.mok_hopper.train`; versions and measurements in PERF_NOTES "Session 13"). Checked against the twin
-under the Triton interpreter, compiled for sm_90 without spills by ``aot_check``, and checked against the harness's
-reference on an H200. Row-major weights: TMA descriptors where they are contiguous [L, K, N] (dgate's W2, dX's
-W13), pointers through strides otherwise (W13 transposed, to recompute H).
+"""The bf16 backward's GEMMs (the stages of :mod:`kernels.mok_hopper.twin_bwd`; launched by
+:mod:`kernels.mok_hopper.train`; versions and measurements in the journal, lab/perf-notes.md: the bf16 backward).
+Checked against the twin under the Triton interpreter, compiled for sm_90 without spills by ``aot_check``, and checked
+against the harness's reference on an H200. Row-major weights: TMA descriptors where they are contiguous [L, K, N]
+(dgate's W2, dX's W13), pointers through strides otherwise (W13 transposed, to recompute H).
 
 * :func:`bwd_rows` - a grouped GEMM over the forward's row tiles, out[r] = A[r] @ W[e] with W[e] read [K, N]
   through strides, two epilogues:

@@ -1,5 +1,5 @@
-"""The bf16 backward's weight gradients (issue 23; split from :mod:`kernels.mok_hopper.bwd_gemm` in session 29;
-launched by :mod:`kernels.mok_hopper.train`; versions and measurements in PERF_NOTES, sessions 13-29).
+"""The bf16 backward's weight gradients (beside :mod:`kernels.mok_hopper.bwd_gemm`'s other GEMMs; launched by
+:mod:`kernels.mok_hopper.train`; versions and measurements in the journal, lab/perf-notes.md: the bf16 backward).
 
 * :func:`bwd_wgrad` - dW[e] = P_e^T @ Q_e, each expert's rows in schedule order (no split-K, no atomics: bitwise
   deterministic): dW13 (P = dH, Q = X rows) and dW2 (P = dO rows, or dO by token, Q = s*A); padding rows (code <
@@ -86,7 +86,7 @@ def _bwd_wgrad_resident_kernel(p_ptr, q_ptr, dw_ptr, code_ptr, expert_row_ptr, N
     streams its Q blocks, one output block per K step (P read once per strip instead of once per output block);
     a larger expert reads P again for every K block (the rows loop inside). Same sums, same order, as
     :func:`_bwd_wgrad_kernel`: one row step, or the row steps ascending. ``Q_RESIDENT``: the other way round
-    (:func:`_bwd_wgrad_q_resident`), the same sums. ``BR_SMALL`` (session 29): an expert of at most BR_SMALL rows
+    (:func:`_bwd_wgrad_q_resident`), the same sums. ``BR_SMALL``: an expert of at most BR_SMALL rows
     takes a strip over BR_SMALL rows instead (:func:`_resident_strip`): the rows past an expert's end are zeros in
     both operands, so its sums are those over BR rows, with half the MMA (or less) a stored block. ``BR_TAIL``: an
     expert of at most BR_SMALL + BR_TAIL rows takes strips over its first BR_SMALL rows and the BR_TAIL after them
@@ -95,7 +95,7 @@ def _bwd_wgrad_resident_kernel(p_ptr, q_ptr, dw_ptr, code_ptr, expert_row_ptr, N
     (the top-k K; not with Q_RESIDENT): ``p_ptr`` is per token, row r's P row token ``code[r] // K``. ROWS_MIN
     (ROWS_MAX; at most one of them, not with Q_RESIDENT): the launch leaves out the experts of at most ROWS_MIN
     rows (of more than ROWS_MAX): two launches, one with each at the same bound, cover every expert once, each with
-    its own blocks (session 30)."""
+    its own blocks."""
     if Q_RESIDENT:
         _bwd_wgrad_q_resident(p_ptr, q_ptr, dw_ptr, code_ptr, expert_row_ptr, N, K, L, BN, BK, BR, NUM_PROGS, UPCAST,
                               STAGES, TMA_STORE, TBN, TBK, GU)
@@ -182,11 +182,11 @@ def _bwd_wgrad_q_resident(p_ptr, q_ptr, dw_ptr, code_ptr, expert_row_ptr, N, K, 
                           BK: tl.constexpr, BR: tl.constexpr, NUM_PROGS: tl.constexpr, UPCAST: tl.constexpr,
                           STAGES: tl.constexpr, TMA_STORE: tl.constexpr, TBN: tl.constexpr, TBK: tl.constexpr,
                           GU: tl.constexpr):
-    """Q resident: work items (expert, column block of K), each a strip of dW[e] [N, BK], its Q block loaded once
-    and its P blocks streamed, one output block per N step. Programs running together hold neighbouring K blocks
-    of one expert, so at any moment they write neighbouring column blocks of the same rows (the store probe of
-    session 17: the P-resident strips write one column band of many rows at a time, which HBM takes more slowly).
-    Each output block is the same sum, in the same order, as the P-resident kernel's."""
+    """Q resident: work items (expert, column block of K), each a strip of dW[e] [N, BK], its Q block loaded once and
+    its P blocks streamed, one output block per N step. Programs running together hold neighbouring K blocks of one
+    expert, so at any moment they write neighbouring column blocks of the same rows (the store probe,
+    benchmarks/experiments/wgrad_store_probe.py: the P-resident strips write one column band of many rows at a time,
+    which HBM takes more slowly). Each output block is the same sum, in the same order, as the P-resident kernel's."""
     n_n = N // BN
     n_k = K // BK
     for wk in range(tl.program_id(0), L * n_k, NUM_PROGS):

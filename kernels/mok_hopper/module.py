@@ -1,7 +1,7 @@
-"""A trainable drop-in MoE layer over mok_hopper (issue 23, item 4): :class:`MoKHopperMoE`, an ``nn.Module`` whose
-routed and shared expert weights are ``nn.Parameter``s that the kernels read in place (no second copy), and the
-``torch.library`` custom ops it calls (``mokbench::mok_hopper_moe`` and its backward), with fake implementations so
-that ``torch.compile`` can trace a model that uses it.
+"""A trainable drop-in MoE layer over mok_hopper: :class:`MoKHopperMoE`, an ``nn.Module`` whose routed and shared expert
+weights are ``nn.Parameter``s that the kernels read in place (no second copy), and the ``torch.library`` custom ops it
+calls (``mokbench::mok_hopper_moe`` and its backward), with fake implementations so that ``torch.compile`` can trace a
+model that uses it.
 
 EP = 1, bf16 (the backward of :mod:`kernels.mok_hopper.train`). The op reaches its layer (non-tensor state: the
 schedule, the pulled X rows, the workspace) through an int handle, the key of a registry of live modules.

@@ -1,7 +1,7 @@
 """Tile configuration and its heuristics: :class:`TileConfig` (launch parameters of every kernel),
 :func:`default_tile` (the tile a layer uses unless given one), :func:`launch_programs` (programs per launch),
 :func:`ready_granule`. Plain Python: nothing here needs Triton. Why each default is what it is, with the
-measurements, is in PERF_NOTES.md ("The default tiles and why")."""
+measurements, is in the journal, lab/perf-notes.md ("The default tiles and why")."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ import torch
 
 FLAT_DOWN_MAX_WASTE = 0.05  # extra MMA rows per routed row that the flattened down loop may add (default_tile)
 PAIR_MIN_FRACTION = 0.2  # experts ending in a full + a half tile above which default_tile gives them tails (bf16)
-TAIL_ROWS = 32  # default_tile's tails there (16 and 32 measured on glm_5_2, PERF_NOTES session 9)
+TAIL_ROWS = 32  # default_tile's tails there (16 and 32 measured on glm_5_2, lab/perf-notes.md v9)
 DOWN_HALVES_MAX_FULL = 0.05  # fp8: experts with more than BM/2 rows (a full tile) below which default_tile runs the
 # down GEMM as 64-row items at two programs an SM (fp8_down_halves; a full tile's weights are then read twice)
-SHARED_SMS = 24  # SMs of the shared expert beside the routed up GEMM (16-40 swept on 2xH200, PERF_NOTES v8)
+SHARED_SMS = 24  # SMs of the shared expert beside the routed up GEMM (16-40 swept on 2xH200, lab/perf-notes.md v8)
 
 
 def num_sms(device: torch.device) -> int:
@@ -32,7 +32,7 @@ class TileConfig:
     block_m: int = 128  # rows per tile; the schedule pads every expert to a multiple of it
     up_n: int = 128  # gate and up columns per tile (two accumulators of block_m x up_n)
     up_k: int = 64
-    up_stages: int = 4  # 4 x 48 KB in flight per SM (3 streamed weights 5% slower on 2xH200, PERF_NOTES v5)
+    up_stages: int = 4  # 4 x 48 KB in flight per SM (3 streamed weights 5% slower on 2xH200, lab/perf-notes.md v5)
     up_warps: int = 8
     down_n: int = 128
     down_k: int = 64
@@ -50,8 +50,8 @@ class TileConfig:
     ready_flags: bool = True  # the up GEMM waits per row granule for the pull (no stream-level wait)
     shared_last: bool = False  # the shared expert after the routed GEMMs (every SM) instead of beside the pull
     shared_sms: int = 0  # > 0 (CUDA, ready flags, 1 chunk): the shared expert on this many SMs of its own stream,
-    # beside the routed up GEMM instead of before it, then one more up launch on those SMs (PERF_NOTES v8; 0: before
-    # the up GEMM, beside the pull; default_tile sets api.SHARED_SMS)
+    # beside the routed up GEMM instead of before it, then one more up launch on those SMs (lab/perf-notes.md v8; 0:
+    # before the up GEMM, beside the pull; default_tile sets api.SHARED_SMS)
     flat_down: bool = False  # down GEMM: one flattened, software-pipelined loop over (item, K step) (half tiles
     # then run at block_m rows): the next item's loads overlap this item's epilogue (Triton's ``flatten``)
     flat_up: bool = False  # the same for the up GEMM; needs ready_flags off (a spin wait cannot be flattened)
@@ -63,43 +63,43 @@ class TileConfig:
     up_fused: bool = False  # bf16, w_tiled: the up GEMM's gate and up weight rows interleaved (tile_weights_gu), one
     # [2 up_n, up_k] block and one MMA of N = 2 up_n per K step instead of two of up_n (A read once per step)
     fp8_up_fused: bool = False  # for_fp8 (w_tiled): the fp8 up GEMM as one MMA of N = 2 x 64 over interleaved gate and
-    # up weight rows, each column promoted by its own weight scale (one MMA wait a K step instead of two; PERF_NOTES,
-    # session 13); ignored in bf16 (up_fused is bf16's)
+    # up weight rows, each column promoted by its own weight scale (one MMA wait a K step instead of two;
+    # lab/perf-notes.md v14); ignored in bf16 (up_fused is bf16's)
     fp8_down_pair: bool = False  # fp8: each loop step of the down GEMM runs two 1 x 64 hidden blocks (two MMAs, each
     # promoted by its own scales: the same result bit for bit) instead of one: half the loop steps, 16 KB of weights
-    # a step instead of 8 (PERF_NOTES, session 19: the fp8 down GEMM streams at 1.9-2.3 TB/s; session 20: the down
-    # GEMM 10-12% faster, the forward 4-5%; default_tile's since v15); ignored in bf16
+    # a step instead of 8 (unpaired, the fp8 down GEMM streams at 1.9-2.3 TB/s: run h200x1-s19-fp8-fwd; paired, the
+    # down GEMM 10-12% faster, the forward 4-5%: lab/perf-notes.md v15; default_tile's since v15); ignored in bf16
     fp8_up_pair: bool = False  # fp8: the same for the up GEMM, two 1 x 128 x blocks a loop step (32 KB of weights a
-    # step instead of 16; half the stages; PERF_NOTES session 21: no gain, off); ignored in bf16
+    # step instead of 16; half the stages; no gain: lab/diagnostics/2026-12-03-s21/, so off); ignored in bf16
     fp8_flat_down: bool = False  # fp8: the down GEMM's flattened loop (flat_down; for_fp8 turns it off otherwise:
-    # 0-5% slower in fp8, PERF_NOTES v6; with the paired blocks 5-13% slower, session 21)
+    # 0-5% slower in fp8, lab/perf-notes.md v6; with the paired blocks 5-13% slower, lab/diagnostics/2026-12-03-s21/)
     fp8_down_n: int = 128  # fp8: the down GEMM's output columns per item (for_fp8 sets down_n to it; a divisor of
     # the 128-wide weight-scale block)
     down_per_sm: int = 1  # programs of the down GEMM per SM: with 2 (at 4 warps, so two fit an SM), one program's
-    # fp8 promotion and barriers run beside the other's MMAs and loads (PERF_NOTES, session 22)
+    # fp8 promotion and barriers run beside the other's MMAs and loads (lab/diagnostics/2026-12-03-s22/)
     down_halves: bool = False  # half tiles, no tails, not flattened: the down GEMM runs every row tile as BM/2-row
     # items, a full tile as two (its weight blocks read twice; rare where experts average well under BM/2 rows), so
     # it holds a BM/2-row accumulator only: with down_warps=4 a 128-wide fp8 item fits two programs an SM
-    # (down_per_sm=2) without spilling (PERF_NOTES, session 24)
+    # (down_per_sm=2) without spilling (lab/perf-notes.md v16)
     fp8_down_halves: bool = False  # for_fp8: the fp8 down GEMM as 64-row items (down_halves) at 4 warps, two programs
-    # an SM (down_per_sm=2): the forward 14% faster on qwen3_5_397b, 8% on kimi_k2_7, even on glm_5_2 (PERF_NOTES
-    # session 24); default_tile's where few experts run a full tile (DOWN_HALVES_MAX_FULL); ignored in bf16
+    # an SM (down_per_sm=2): the forward 14% faster on qwen3_5_397b, 8% on kimi_k2_7, even on glm_5_2 (run
+    # h200x1-s24-v16-fp8); default_tile's where few experts run a full tile (DOWN_HALVES_MAX_FULL); ignored in bf16
     up_per_sm: int = 1  # programs of each routed up-GEMM launch per SM it is given (main, helper, side): with 2
     # (at 4 warps over BM/2-row items, so two fit an SM) one program's fp8 promotion runs beside the other's MMAs
     up_halves: bool = False  # half tiles, no tails, not flattened: the up GEMM runs every row tile as BM/2-row items
     # (a full tile as two, its weight blocks read twice), so it holds BM/2-row accumulators only (as down_halves)
     fp8_up_halves: bool = False  # for_fp8: the fp8 up GEMM as 64-row items (up_halves) at 4 warps and 4 stages, two
-    # programs an SM (up_per_sm=2): the up GEMM's counterpart of fp8_down_halves (PERF_NOTES session 27)
+    # programs an SM (up_per_sm=2): the up GEMM's counterpart of fp8_down_halves (lab/perf-notes.md v17)
     save_h_tma: bool = False  # TMA (no tails, no flattened up loop): the training forward's saved H leaves the up
-    # GEMM's epilogue as two bulk TMA stores an item instead of scattered stores from the MMA layout (PERF_NOTES
-    # session 26: those cost 0.125 ms, six times their bytes, on qwen3_5_397b bf16)
-    fp8_pull_rows: int = 0  # for_fp8: the pull's rows a step (0: pull_rows); default_tile's 16 (PERF_NOTES session 27:
+    # GEMM's epilogue as two bulk TMA stores an item instead of scattered stores from the MMA layout (those
+    # cost 0.125 ms, six times their bytes, on qwen3_5_397b bf16: lab/diagnostics/2026-12-04-s26/)
+    fp8_pull_rows: int = 0  # for_fp8: the pull's rows a step (0: pull_rows); default_tile's 16 (lab/perf-notes.md v17:
     # an fp8 row is half a bf16 one, and with two up programs an SM the pull's 4-row steps gated the up GEMM)
     down_maxnreg: int = 0  # registers a thread the down GEMM is compiled for (0: the compiler's choice). 128 lets
     # two programs of 8 warps share an SM: the fp8 down GEMM over whole 128-row tiles 64 columns wide (an 8-warp
     # item holds a 32-register accumulator) at two programs an SM, for glm_5_2 whose full tiles the 64-row items
-    # read twice (PERF_NOTES session 28: 16 B of spill at 128 registers under Triton 3.6 and 3.8; session 29: the
-    # forward 10-21% slower, so off)
+    # read twice (16 B of spill at 128 registers under Triton 3.6 and 3.8; the forward 10-21% slower:
+    # lab/diagnostics/2026-12-04-s29/, so off)
     fp8: bool = False  # set by for_fp8 (the fp8 GEMM steps and pipeline depths)
 
     def __post_init__(self) -> None:
@@ -136,7 +136,7 @@ class TileConfig:
         steps over whole 1 x 128 x blocks (BK = 128) and is 64 columns wide, which keeps its two accumulators and
         their promotion temporaries in registers; the hidden activations are quantised in its 1 x 64 column
         tiles, so the down GEMM steps 64 deep. The flattened down loop is off (it ran 0-5% slower in fp8,
-        PERF_NOTES v6); tails are bf16 only. The paired loop steps (``fp8_down_pair``, ``fp8_up_pair``) need TMA
+        lab/perf-notes.md v6); tails are bf16 only. The paired loop steps (``fp8_down_pair``, ``fp8_up_pair``) need TMA
         operands: with pointer loads the paired down GEMM spills (8-16 B at 255 registers) and was never timed."""
         from dataclasses import replace
 
@@ -254,7 +254,7 @@ def default_tile(*, precision: str = "bf16", device: Optional[torch.device] = No
     On the CPU (Triton interpreter) the cost is per operation, not per FLOP: few programs, small row tiles and
     the widest column / depth steps that divide ``hidden`` / ``ffn``, and pointer loads (``tma`` off).
 
-    The measurements behind each choice: PERF_NOTES.md, "The default tiles and why"."""
+    The measurements behind each choice: the journal, lab/perf-notes.md, "The default tiles and why"."""
     cfg = TileConfig(shared_sms=SHARED_SMS, w_tiled=True, down_n=256, down_stages=4, fp8_up_fused=True,
                      fp8_down_pair=ffn is None or ffn % 128 == 0, fp8_pull_rows=16)
     if comm_sms is not None:
@@ -292,12 +292,12 @@ def launch_programs(n_sm: int, cfg: TileConfig, *, ready: bool, overlap: bool,
     chunk the up launches after the pull (and after the side stream's shared expert) take work items off the same
     counter, so the up GEMM gets every SM once the pull is done.
 
-    With ``up_per_sm`` = 2 (``up_halves``: programs of 4 warps) the spinning up programs no longer fill an SM each,
-    and the block scheduler may put them beside the pull's. The pull still always finds room: at most 2 x (SMs
-    given to the up launches) programs wait while it runs, so some SM holds at most one of them, and a pull program
-    (16 warps at 58 registers under Triton 3.6, aot_check) fits beside one up program (4 warps at up to 252). Measured
-    cost of that sharing: the 4-row pull got 35% slower beside them (PERF_NOTES session 27), hence fp8's 16-row
-    steps; and the side stream's shared expert, which needs a whole SM, can wait for the up GEMM's end."""
+    With ``up_per_sm`` = 2 (``up_halves``: programs of 4 warps) the spinning up programs no longer fill an SM each, and
+    the block scheduler may put them beside the pull's. The pull still always finds room: at most 2 x (SMs given to the
+    up launches) programs wait while it runs, so some SM holds at most one of them, and a pull program (16 warps at 58
+    registers under Triton 3.6, aot_check) fits beside one up program (4 warps at up to 252). Measured cost of that
+    sharing: the 4-row pull got 35% slower beside them (lab/diagnostics/2026-12-04-s27/), hence fp8's 16-row steps; and
+    the side stream's shared expert, which needs a whole SM, can wait for the up GEMM's end."""
     C = cfg.num_chunks
     comm = cfg.comm_sms if overlap else 0
     helpers = ready and C == 1 and overlap

@@ -1,7 +1,7 @@
-"""Pure-torch twin of the planned bf16 backward (issue 23; PERF_NOTES, "Next: the bf16 backward"): the stages the
-kernels will run, with their roundings and their fixed summation orders, so that each kernel can be checked
-against it stage by stage, and the backward's dataflow (which rows go where, what the forward must save) is fixed
-before the kernels are written. Not the kernel.
+"""Pure-torch twin of the bf16 backward (its plan: the journal, lab/perf-notes.md, "Next: the bf16 backward"): the
+stages the kernels run, with their roundings and their fixed summation orders, so that each kernel can be checked
+against it stage by stage; it also fixes the backward's dataflow (which rows go where, what the forward must save).
+Not the kernel.
 
 Per rank, over this rank's routed rows r (the forward's schedule: row code -> source rank, token t, slot k; expert e;
 router weight s_r), with the forward's saved H_r = [x_r W_gate[e]^T, x_r W_up[e]^T] (bf16, pre-SwiGLU):
@@ -80,7 +80,7 @@ def expert_backward(x_rH: torch.Tensor, h_r2I: torch.Tensor, dO_rH: torch.Tensor
 
 
 def token_quant(v_rC: torch.Tensor, block: int = 128) -> torch.Tensor:
-    """The fp8 weight gradients' operand rounding (issue 25): e4m3 with one scale per column over each ``block``
+    """The fp8 weight gradients' operand rounding: e4m3 with one scale per column over each ``block``
     rows of the expert's rows (from its first row; the last block may be short), dequantised (fp32)."""
     r, C = v_rC.shape
     pad = -(-r // block) * block - r
@@ -93,7 +93,7 @@ def expert_backward_fp8(xq_rH: torch.Tensor, xs_rB: torch.Tensor, h_r2I: torch.T
                         dOs_rB: torch.Tensor, s_r: torch.Tensor, w13q_2IH: torch.Tensor, w13s: torch.Tensor,
                         w2q_HI: torch.Tensor, w2s: torch.Tensor, *, limit: Optional[float],
                         clip_r2I: Optional[torch.Tensor] = None) -> dict[str, torch.Tensor]:
-    """The fp8 backward of one expert's rows (issue 25), the recipe the kernels run (:mod:`kernels.mok_hopper.
+    """The fp8 backward of one expert's rows, the recipe the kernels run (:mod:`kernels.mok_hopper.
     bwd_fp8`): every GEMM on e4m3 operands with fp32 accumulation.
 
     * dgate: G = dO @ W2 with dO in 1 x 128 blocks along H (quantised at its source rank, as the forward's x) and
