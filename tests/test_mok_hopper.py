@@ -270,7 +270,7 @@ def test_default_tile_gives_tails_where_experts_often_end_in_a_full_and_a_half_t
 def test_default_tile_runs_the_shared_expert_beside_the_up_gemm_on_cuda_only():
     from kernels.mok_hopper.tiles import SHARED_SMS, default_tile, launch_programs
 
-    assert SHARED_SMS == 24  # measured best of 16/24/32/40 on 2xH200 (PERF_NOTES v8)
+    assert SHARED_SMS == 24  # measured best of 16/24/32/40 on 2xH200 (lab/perf-notes.md, v8)
     for precision in ("bf16", "fp8"):
         t = default_tile(precision=precision)
         assert t.shared_sms == SHARED_SMS and not t.shared_last

@@ -603,7 +603,7 @@ def test_paired_row_blocks_give_the_single_blocks_gradients_bit_for_bit():
 @pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (it comes with torch on Linux; pip install -e "
                                            "'.[test]'): the interpreter kernel tests need it")
 def test_dgate_and_dw2_gather_the_output_gradient_rows_themselves():
-    """v12 (PERF_NOTES "Session 29"): at EP=1 dgate and dW2 read each schedule row's output gradient from its
+    """v12 (lab/perf-notes.md, "Session 29"): at EP=1 dgate and dW2 read each schedule row's output gradient from its
     token (``code // K``) instead of a gathered copy of dO's T K rows. With paired dgate blocks (a second block's
     rows gathered too) and the P-resident weight gradients, every gradient is bitwise the copy's, and right against
     autograd; the launches that cannot gather (here the fused dgate + dW2) get the copy made for them."""
@@ -880,7 +880,7 @@ def test_bwd_check_interleaved_rounds_cancel_a_linear_drift():
 
 
 def test_backward_launch_defaults_store_dw13_by_pointers_on_the_resident_path():
-    """v10 (PERF_NOTES "Session 28"): on CUDA the resident weight gradients (experts of at most 128 rows on
+    """v10 (lab/perf-notes.md, "Session 28"): on CUDA the resident weight gradients (experts of at most 128 rows on
     average: every published shape at EP=1) store dW13 by pointers and dW2 by TMA; above 128 rows (the
     compute-bound point) the weight gradients are torch._grouped_mm's and the kernels' launch keeps TMA stores;
     the interpreter (CPU) stores by pointers everywhere. v11 (session 29): where the experts average 48-128 rows
