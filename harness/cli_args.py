@@ -119,7 +119,8 @@ class ArgumentParser(argparse.ArgumentParser):
             return f"{name} and {m.group(1)} cannot be given together; give one of them"
         if re.fullmatch(r"ignored explicit argument .+", msg):
             return f"{name} takes no value; give {name.split('/')[0]} alone"
-        return msg if ";" in msg else f"{name}: {msg}; {HELP_HINT}"
+        head = msg if msg.startswith(name.split("/")[0]) else f"{name}: {msg}"  # an ArgumentTypeError's own words
+        return head if ";" in msg else f"{head}; {HELP_HINT}"
 
     def _action(self, name: str) -> Optional[argparse.Action]:
         for a in self._actions:

@@ -119,6 +119,10 @@ def test_the_parser_explains_each_kind_of_argparse_error():
     assert ap.explain("argument --mode: invalid choice: 'c' (choose from 'a', 'b')") == (
         "--mode 'c' is not one of its choices; choose one of a, b")
     assert ap.explain("something new happened") == "something new happened; --help lists the options"
+    # a type= function's ArgumentTypeError keeps its words; the option is named once
+    assert ap.explain("argument --n: must be 1 or more (got 0)") == "--n: must be 1 or more (got 0); --help lists " \
+                                                                   "the options"
+    assert ap.explain("argument --n: --n must be 1 or more; give --n 1") == "--n must be 1 or more; give --n 1"
 
 
 # ---------------------------------------------------------------------------------------------------------------
