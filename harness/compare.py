@@ -42,7 +42,6 @@ Exit codes:
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 from pathlib import Path
@@ -51,6 +50,7 @@ from typing import Any, Optional, Sequence
 import pandas as pd
 
 from harness import results
+from harness.cli_args import ArgumentParser, dir_write_problem, fail, file_write_problem
 
 KEY = ("config_hash", "backend", "direction")
 CONTEXT = ("shape", "precision", "tokens_per_gpu", "ep_size", "routing", "gpu_name", "device")
@@ -359,19 +359,22 @@ def _ms(v: Any) -> str:
     return "" if pd.isna(v) else f"{v:.4g}"
 
 
-def _load(path: str, what: str) -> pd.DataFrame:
-    df = results.load(path)
+def _load(path: str, what: str, skip_damaged: bool = False) -> pd.DataFrame:
+    """The rows of one side (``what``: BASE, NEW, ...); ValueError (one line) when it has none."""
+    df = results.load(path, skip_damaged=skip_damaged)
     if df.empty:
-        note = results.skipped_note(df.attrs.get("skipped", {}))
-        raise results.ResultsFileError(f"{what} {path}: no results rows" + (f" ({note})" if note else ""))
+        notes = [n for n in (results.skipped_note(df.attrs.get("skipped", {})),
+                             results.damaged_note(df.attrs.get("damaged", {}))) if n]
+        raise results.ResultsFileError(f"{what} {path}: no results rows" + (f" ({'; '.join(notes)})" if notes else ""))
     return df
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = argparse.ArgumentParser(
+    ap = ArgumentParser(
         prog="python -m harness.compare", description=__doc__.split("\n\n")[0],
-        epilog="exit codes: 0 no regression; 1 regression or status change from ok; 2 bad arguments, unreadable "
-               "input or no rows matched; 3 inconclusive (too noisy to decide, no regression)")
+        epilog="exit codes: 0 no regression; 1 regression or status change from ok; 2 bad arguments, an output that "
+               "cannot be written, unreadable or damaged input, rows of different environments, or no rows matched; "
+               "3 inconclusive (too noisy to decide, no regression)")
     ap.add_argument("base", help="BASE results: a file or a folder")
     ap.add_argument("new", help="NEW results: a file or a folder")
     ap.add_argument("--backend", "-b", action="append", default=[], metavar="NAME",
@@ -390,27 +393,49 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--csv", help="write the full comparison table to this CSV")
     ap.add_argument("--history-dir", help="write a history chart (PNG + SVG) per regressed or changed config, "
                                           "over the rows of both sides")
+    ap.add_argument("--skip-damaged", action="store_true",
+                    help="leave out damaged result files (binary, truncated, a value not of its column's type), "
+                         "naming them, instead of refusing them")
+    ap.add_argument("--mixed-env", action="store_true",
+                    help="compare rows of different environments (CPU and GPU, GPU models, devices) within a side or "
+                         "across BASE and NEW; refused without it")
     a = ap.parse_args(argv)
     backends = [x.strip() for b in a.backend for x in b.split(",") if x.strip()]
     try:
-        base, new = _load(a.base, "BASE"), _load(a.new, "NEW")
-        aa = _load(a.aa, "A/A rerun") if a.aa else None
+        for opt, value, why in (("--csv", a.csv, a.csv and file_write_problem(a.csv)),
+                                ("--history-dir", a.history_dir, a.history_dir and dir_write_problem(a.history_dir))):
+            if why:
+                raise ValueError(f"{opt} {value} {why}; give a path you can write")
+        base, new = _load(a.base, "BASE", a.skip_damaged), _load(a.new, "NEW", a.skip_damaged)
+        aa = _load(a.aa, "A/A rerun", a.skip_damaged) if a.aa else None
         for name in [*backends, *([a.control] if a.control else [])]:
             if not ((base["backend"] == name).any() or (new["backend"] == name).any()):
                 raise ValueError(f"backend {name!r} has no rows in BASE or NEW (backends there: "
                                  f"{', '.join(sorted(set(base['backend'].dropna()) | set(new['backend'].dropna())))})")
+        sides = {"BASE": base, "NEW": new, **({"the A/A rerun": aa} if aa is not None else {})}
+        if not a.mixed_env and (mix := results.mixed_environments(sides)):
+            raise ValueError(f"{mix}; compare runs of one environment, or pass --mixed-env to compare them anyway")
+        if a.normalize == "clock":
+            for side, df in sides.items():
+                judged = df[(df["status"] == "ok").fillna(False) & df["latency_ms"].notna()
+                            & (df["backend"].isin(backends) if backends else True)]
+                if len(judged) and not judged["sm_clock_mhz"].notna().any():
+                    envs = ", ".join(results.environments(judged)) or "rows of an unknown environment"
+                    raise ValueError(f"--normalize clock: no ok row of {side} recorded an SM clock ({envs}: "
+                                     "sm_clock_mhz is read on GPUs only); drop --normalize clock, or use "
+                                     "--normalize control --control BACKEND")
         table = compare(base, new, min_change=a.min_change, noise_factor=a.noise_factor, aa=aa,
                         normalize=a.normalize, control=a.control, backends=backends)
     except (FileNotFoundError, ValueError) as e:
-        print(f"harness.compare: {e}", file=sys.stderr)
-        return EXIT_USAGE
+        return fail("harness.compare", e)
     if matched(table) == 0:
-        print(f"harness.compare: {verdict_line(table)}" + (f" for backend {', '.join(backends)}" if backends else ""),
-              file=sys.stderr)
-        return EXIT_USAGE
-    for side, df in (("BASE", base), ("NEW", new)):
-        if note := results.skipped_note(df.attrs.get("skipped", {})):
-            print(f"{side}: {note}")
+        return fail("harness.compare", verdict_line(table) + (f" for backend {', '.join(backends)}" if backends
+                                                               else ""))
+    for side, df in sides.items():
+        for note in (results.skipped_note(df.attrs.get("skipped", {})),
+                     results.damaged_note(df.attrs.get("damaged", {}))):
+            if note:
+                print(f"{side}: {note}")
     print(format_table(table, show_all=a.all or bool(backends)))
     if a.csv:
         Path(a.csv).parent.mkdir(parents=True, exist_ok=True)

@@ -17,7 +17,7 @@ import math
 import re
 import textwrap
 from pathlib import Path
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import matplotlib
 import numpy as np
@@ -587,37 +587,48 @@ def plot_history(df: pd.DataFrame, config_hash: Optional[str] = None, title: Opt
 
 def report_charts(df: pd.DataFrame, out_dir: Union[str, Path], *, calibration: Optional[pd.DataFrame] = None,
                   formats: Sequence[str] = ("png", "svg"), history: Sequence[str] = (),
-                  history_rows: Optional[pd.DataFrame] = None) -> dict[str, list[Path]]:
+                  history_rows: Optional[pd.DataFrame] = None,
+                  progress: Optional[Callable[[int, int, str], None]] = None) -> dict[str, list[Path]]:
     """Draw and save every chart the data supports: panels and roofline per run and environment, each sweep axis
     that varies within a run, and the history of each config in ``history`` (over ``history_rows``, default
-    ``df``: a history spans runs by nature). Returns chart name -> written files."""
+    ``df``: a history spans runs by nature). ``progress(i, n, name)`` is called before chart ``i`` of ``n`` is
+    drawn. Returns chart name -> written files."""
     out = Path(out_dir)
+    charts = chart_plan(df, calibration=calibration, history=history, history_rows=history_rows)
     written: dict[str, list[Path]] = {}
+    for i, (name, draw) in enumerate(charts, 1):
+        if progress is not None:
+            progress(i, len(charts), name)
+        written[name] = _save_close(draw(), out / name, formats)
+    return written
+
+
+def chart_plan(df: pd.DataFrame, *, calibration: Optional[pd.DataFrame] = None, history: Sequence[str] = (),
+               history_rows: Optional[pd.DataFrame] = None) -> list[tuple[str, Callable[[], Figure]]]:
+    """The charts :func:`report_charts` draws, in order: (file stem, a function that draws it)."""
+    plan: list[tuple[str, Callable[[], Figure]]] = []
     contenders = C.with_runs(df[~df["backend"].isin(L.NOT_CONTENDERS)])
     if contenders.empty:
-        return written
+        return plan
     for env in C.environments(contenders):
-        name = chart_stem("panels", env)
-        written[name] = _save_close(plot_panels(contenders, env), out / name, formats)
+        plan.append((chart_stem("panels", env), lambda env=env: plot_panels(contenders, env)))
     runs = C.with_runs(contenders)
     multi = runs["run_id"].nunique() > 1
     for run in runs["run_id"].dropna().unique():
         rows = runs[runs["run_id"] == run]
         for x in sweep_axes_present(rows):
             name = f"sweep_{x}" + (f"_{slug(run)}" if multi else "")
-            written[name] = _save_close(plot_sweep(rows, x), out / name, formats)
+            plan.append((name, lambda rows=rows, x=x: plot_sweep(rows, x)))
     measured = contenders[~C.is_published(contenders)]
     if len(measured) and has_floors(measured, calibration):
         for env in C.environments(measured):
             if not has_floors(C.select_env(measured, env), calibration):
                 continue
-            name = chart_stem("roofline", env)
-            written[name] = _save_close(plot_roofline(measured, calibration, env), out / name, formats)
+            plan.append((chart_stem("roofline", env), lambda env=env: plot_roofline(measured, calibration, env)))
     hist = df if history_rows is None else history_rows
     for h in history:
-        name = f"history_{config_slug(hist, h)}"
-        written[name] = _save_close(plot_history(hist, h), out / name, formats)
-    return written
+        plan.append((f"history_{config_slug(hist, h)}", lambda h=h: plot_history(hist, h)))
+    return plan
 
 
 def chart_stem(kind: str, env: dict[str, Any]) -> str:

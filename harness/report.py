@@ -26,7 +26,7 @@ charts ``harness.plots``'s.
 
 from __future__ import annotations
 
-import argparse
+import io
 import sys
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
@@ -34,10 +34,11 @@ from typing import Any, Optional, Sequence, Union
 import pandas as pd
 
 from harness import results
+from harness.cli_args import ArgumentParser, Progress, dir_write_problem, fail, is_inside
 from harness.claims import (ENV_KEYS, PUBLISHED_CLAIMS, PUBLISHED_FIGURE, READ_ERROR_TFLOPS, SCOPES, claims_table,
                             clock_rows, fused_columns, headline_table, is_published, load_claims, load_published,
                             not_ok_rows, prepare, published_counts, select_env, timing_counts)
-from harness.labels import env_label, is_anchor, isna, panel_label, shape_label, system_label
+from harness.labels import NOT_CONTENDERS, env_label, is_anchor, isna, panel_label, shape_label, system_label
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = results.LOCAL_RUNS / "reports"  # a full report's folder, ignored by git
@@ -215,11 +216,14 @@ def write_report(df: pd.DataFrame, out_dir: Union[str, Path] = DEFAULT_OUT, *,
                  published: Optional[pd.DataFrame] = None, readme_claims: Optional[pd.DataFrame] = None,
                  calibration: Optional[pd.DataFrame] = None, charts: bool = True,
                  formats: Sequence[str] = ("png", "svg"), history: Sequence[str] = (),
-                 sources: str = "", scope: str = "run") -> dict[str, Path]:
+                 sources: str = "", scope: str = "run", progress: Optional[Progress] = None) -> dict[str, Path]:
     """Write ``claims.md``, ``claims.csv``, ``headline.csv``, ``not_ok.csv``, ``clocks.csv`` (where rows recorded
     a GPU clock) and (``charts=True``) every chart the data supports into ``out_dir``, comparing within each run
     (``scope``: see :func:`prepare`). ``history``: config hashes to draw a git-SHA history for (across runs, by
-    nature). Returns name -> path."""
+    nature). ``progress`` (a :class:`harness.cli_args.Progress`) is told each stage and chart. Returns name ->
+    path."""
+    progress = progress or Progress(enabled=False)
+    progress.note(f"building the tables of {len(df)} rows")
     history_rows = prepare(df, "pooled")
     df = prepare(df, scope)
     out = Path(out_dir)
@@ -239,11 +243,21 @@ def write_report(df: pd.DataFrame, out_dir: Union[str, Path] = DEFAULT_OUT, *,
     if charts:
         from harness import plots
 
-        for name, paths in plots.report_charts(df, out, calibration=calibration, formats=formats,
-                                               history=history, history_rows=history_rows).items():
+        def on_chart(i: int, n: int, name: str) -> None:
+            if i == 1:
+                progress.start("rendering chart", n,
+                               intro=f"rendering {n} chart{'s' if n != 1 else ''} ({', '.join(formats)}) into {out}")
+            progress.step(i, n, name)
+
+        drawn = plots.report_charts(df, out, calibration=calibration, formats=formats, history=history,
+                                    history_rows=history_rows, progress=on_chart)
+        for name, paths in drawn.items():
             chart_paths += paths
             for p in paths:
                 written[p.name] = p
+        if drawn:
+            progress.close(f"rendered {len(drawn)} chart{'s' if len(drawn) != 1 else ''} ({len(chart_paths)} "
+                           "files) in {s} s")
     md = out / "claims.md"
     md.write_text(format_markdown(claims, head, bad, sources=sources, charts=chart_paths, clocks=clocks,
                                   scope=scope, out_dir=out, timing=timing_counts(df)))
@@ -367,15 +381,16 @@ def _rel(p: Path) -> str:
 def default_out(paths: Sequence[str], measured: bool = True) -> Path:
     """A full report's folder when ``--out`` is not given: ``results/local/reports`` (ignored by git) for any input,
     the committed runs included; what the project commits from them is the summary (:func:`write_summary`)."""
-    return DEFAULT_OUT
+    return results.LOCAL_RUNS / "reports"
 
 
 SUMMARY_ONLY_DEFAULTS = {"scope": "run", "calibration": None, "published": str(PUBLISHED_FIGURE),
                          "claims": str(PUBLISHED_CLAIMS), "no_published": False, "include_published": False,
-                         "no_measured": False, "no_charts": False, "formats": "png,svg", "history": None}
+                         "no_measured": False, "no_charts": False, "formats": "png,svg", "history": None,
+                         "skip_damaged": False}
 
 
-def _summary_conflict(a: argparse.Namespace) -> str:
+def _summary_conflict(a: Any) -> str:
     """Why the options cannot make the committed report (no paths, no --out): it is made from the committed runs
     and the published files alone, so that README.md's block and results/REPORT.md always match them ('' if they
     can)."""
@@ -398,14 +413,19 @@ def _readme_markers(readme: Path) -> str:
     return ""
 
 
+TOOL = "harness.report"
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = argparse.ArgumentParser(
+    ap = ArgumentParser(
         prog="python -m harness.report", description=__doc__.split("\n\n")[0],
-        epilog="exit codes: 0 report written; 2 bad arguments, an unreadable or damaged results file, or no rows")
+        epilog="exit codes: 0 report written; 2 bad arguments, an output that cannot be written, an unreadable or "
+               "damaged results file, or no rows. Progress goes to stderr: a bar on a terminal, else plain lines.")
     ap.add_argument("paths", nargs="*", help="result files or folders (default: results/runs, the committed "
                                              "reference runs; your own runs are under results/local)")
-    ap.add_argument("--out", help="output folder of a full report (default: results/local/reports); with no paths "
-                                  "and no --out: the committed report, results/REPORT.md")
+    ap.add_argument("--out", help="output folder of a full report (default: results/local/reports; its files are "
+                                  "never read as input); with no paths and no --out: the committed report, "
+                                  "results/REPORT.md")
     scope = ap.add_mutually_exclusive_group()
     scope.add_argument("--scope", choices=SCOPES, default="run",
                        help="run: each run on its own (default); latest: each environment's latest run; pooled: "
@@ -420,8 +440,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--include-published", action="store_true",
                     help="also report the published values as their own environment (labelled published)")
     ap.add_argument("--no-measured", action="store_true", help="read no result files (with --include-published)")
+    ap.add_argument("--skip-damaged", action="store_true",
+                    help="leave out damaged result files (binary, truncated, a value not of its column's type), "
+                         "naming them, instead of refusing them")
     ap.add_argument("--no-charts", action="store_true", help="tables only")
-    ap.add_argument("--formats", default="png,svg", help="chart formats (default: png,svg)")
+    ap.add_argument("--formats", default="png,svg", help="chart formats, comma-separated (default: png,svg)")
     ap.add_argument("--history", nargs="*", default=None, metavar="CONFIG_HASH",
                     help="draw throughput across git SHAs for these configs (no hash: every config with >1 SHA)")
     a = ap.parse_args(argv)
@@ -430,49 +453,64 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"harness.report: {why}", file=sys.stderr)
         return 2
 
+    progress = Progress()
     frames = []
-    skipped = ""
+    notes: list[str] = []
     try:
+        out = Path(a.out) if a.out else (results.REPO_RESULTS if summary else default_out(a.paths, not a.no_measured))
+        if summary:  # results/REPORT.md and results/figures, beside the committed runs it reads
+            if why := dir_write_problem(out):
+                raise ValueError(f"{_rel(out)} {why}: the committed report is written there")
+        else:
+            _check_out(out, bool(a.out), [] if a.no_measured else (a.paths or [str(results.REFERENCE_RUNS)]))
+        formats = [] if a.no_charts else chart_formats(a.formats)
+        calibration = None
+        if a.calibration:
+            from harness.roofline import load_calibration
+
+            calibration = load_calibration(a.calibration)
+        published = None if a.no_published and not a.include_published else load_published(a.published)
+        readme_claims = None if a.no_published else load_claims(a.claims)
         if not a.no_measured:
-            measured = results.load(*a.paths)
-            skipped = results.skipped_note(measured.attrs.get("skipped", {}))
+            measured = results.load(*a.paths, skip_damaged=a.skip_damaged, exclude=[] if summary else [out],
+                                    progress=progress.reader("reading results files"))
+            notes = [n for n in (results.skipped_note(measured.attrs.get("skipped", {})),
+                                 results.damaged_note(measured.attrs.get("damaged", {}))) if n]
             if is_published(measured).any():
                 raise ValueError("rows labelled published found among result files; refusing to treat them as "
                                  "measured")
             frames.append(measured)
-        published = None if a.no_published and not a.include_published else load_published(a.published)
-    except (FileNotFoundError, ValueError) as e:
-        print(f"harness.report: {e}", file=sys.stderr)
-        return 2
-    if a.include_published:
-        frames.append(published)
-    df = pd.concat(frames, ignore_index=True) if frames else results.to_frame([])
-    if df.empty:
-        where = ", ".join(a.paths) or _rel(results.REFERENCE_RUNS)
-        print(f"harness.report: no rows to report in {where}" + (f" ({skipped})" if skipped else "")
-              + " (pass result files or folders, or --include-published)", file=sys.stderr)
-        return 2
+        if a.include_published:
+            frames.append(published)
+        df = pd.concat(frames, ignore_index=True) if frames else results.to_frame([])
+        if df.empty:
+            where = ", ".join(a.paths) or _rel(results.REFERENCE_RUNS)
+            raise ValueError(f"no rows to report in {where}" + (f" ({'; '.join(notes)})" if notes else "")
+                             + "; pass result files or folders, or --include-published")
+        history: Sequence[str] = ()
+        if a.history is not None:
+            history = a.history or _configs_with_history(df)
+            _check_history(df, a.history)
+    except (FileNotFoundError, ValueError, OSError) as e:
+        progress.close()
+        return fail(TOOL, e)
+    if not a.no_measured:
+        files = len(measured.attrs.get("files", []))
+        runs = measured["run_id"].nunique()
+        progress.note(f"read {len(measured)} rows of {runs} run{'s' if runs != 1 else ''} from {files} "
+                      f"file{'s' if files != 1 else ''}")
+    skipped = "; ".join(notes)
     if summary:
-        return _main_summary(df, published, load_claims(a.claims), skipped)
-    out = Path(a.out) if a.out else default_out(a.paths, not a.no_measured)
-    calibration = None
-    if a.calibration:
-        from harness.roofline import load_calibration
-
-        calibration = load_calibration(a.calibration)
-    history: Sequence[str] = ()
-    if a.history is not None:
-        history = a.history or _configs_with_history(df)
-    written = write_report(df, out, published=None if a.no_published else published,
-                           readme_claims=None if a.no_published else load_claims(a.claims),
-                           calibration=calibration, charts=not a.no_charts,
-                           formats=[f.strip() for f in a.formats.split(",") if f.strip()], history=history,
-                           sources=_describe(df, a.paths, a.include_published, skipped), scope=a.scope)
+        return _main_summary(df, published, readme_claims, skipped)
+    written = write_report(df, out, published=None if a.no_published else published, readme_claims=readme_claims,
+                           calibration=calibration, charts=not a.no_charts, formats=formats, history=history,
+                           sources=_describe(df, a.paths, a.include_published, skipped), scope=a.scope,
+                           progress=progress)
     text = written["claims.md"].read_text()
     if "## Headline" in text:
         print(text[text.index("## Headline"):].split("\n## ", 1)[0].rstrip() + "\n")
-    if skipped:
-        print(skipped)
+    for note in notes:
+        print(note)
     print(f"wrote {len(written)} files to {out}: {', '.join(sorted(written))}")
     return 0
 
@@ -490,6 +528,68 @@ def _main_summary(df: pd.DataFrame, published: pd.DataFrame, claims: pd.DataFram
           + (f"; the verdict block of {_rel(README)}" if readme else
              f"; {_rel(README)} has no verdict markers, its block was not written"))
     return 0
+
+
+def _check_out(out: Path, given: bool, inputs: Sequence[str]) -> None:
+    """Raise ValueError (one line, with the fix) unless the report can be written into ``out``: a folder that can
+    be written (or made), that is not an input folder and holds none (its files would be read as input). An output
+    folder inside an input folder is fine: :func:`results.load` leaves its files out."""
+    what = f"--out {out}" if given else f"the output folder {out}"
+    if why := dir_write_problem(out):
+        raise ValueError(f"{what} {why}; give --out <a folder you can write>")
+    for p in inputs:
+        if Path(p).is_dir() and is_inside(p, out):
+            rel = "is" if Path(p).resolve() == out.resolve() else "holds"
+            raise ValueError(f"{what} {rel} the input folder {p}: the report would be written among the rows it "
+                             "reads; give --out another folder")
+
+
+def chart_formats(text: str) -> list[str]:
+    """The formats of ``--formats`` (comma-separated), each one matplotlib can save here (a tiny figure is saved
+    to memory in each); ValueError (one line, listing the formats it knows) otherwise."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    from harness.plots import new_figure
+
+    known = sorted(FigureCanvasAgg.get_supported_filetypes())
+    fmts = list(dict.fromkeys(f.strip().lower().lstrip(".") for f in text.split(",") if f.strip()))
+    fig = new_figure(1.0, 1.0)
+    fig.subplots().set_title("x")  # text: some writers need a tool only to lay text out (pgf: LaTeX)
+
+    def problem(fmt: str) -> str:
+        try:
+            fig.savefig(io.BytesIO(), format=fmt)
+        except Exception as e:  # noqa: BLE001 - a writer that needs a missing tool (LaTeX for pgf, ...)
+            return f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+        return ""
+
+    def fix() -> str:
+        usable = [f for f in known if not problem(f)]
+        return f"give one or more of {', '.join(usable)}, comma-separated (default png,svg), or --no-charts"
+
+    if not fmts:
+        raise ValueError(f"--formats {text!r} names no format; {fix()}")
+    if unknown := [f for f in fmts if f not in known]:
+        raise ValueError(f"--formats: matplotlib cannot save {', '.join(unknown)}; {fix()}")
+    for f in fmts:
+        if why := problem(f):
+            raise ValueError(f"--formats: {f} cannot be saved here ({why}); {fix()}")
+    return fmts
+
+
+def _check_history(df: pd.DataFrame, hashes: Sequence[str]) -> None:
+    """Raise ValueError (one line) when a config of ``--history`` has no rows to draw, naming the configs that
+    have a history."""
+    have = set(df.loc[~df["backend"].isin(NOT_CONTENDERS), "config_hash"].dropna().astype(str))
+    unknown = [h for h in hashes if h not in have]
+    if not unknown:
+        return
+    many = _configs_with_history(df)
+    listing = ", ".join(many[:8]) + (f", ... ({len(many)} in all)" if len(many) > 8 else "")
+    fix = (f"the configs with a history (rows at more than one git SHA): {listing}; or --history alone draws them"
+           if many else "no config here has rows at more than one git SHA; give a config_hash of these rows")
+    which = "this config" if len(unknown) == 1 else "these configs"
+    raise ValueError(f"--history {' '.join(unknown)}: no rows of {which} to draw; {fix}")
 
 
 def _configs_with_history(df: pd.DataFrame) -> list[str]:

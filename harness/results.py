@@ -8,6 +8,7 @@ finds and keeps repeated runs apart by ``(run_id, row_id)``.
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import csv
 import io
@@ -17,8 +18,9 @@ import sys
 import tempfile
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Union
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Sequence, Union
 
+import numpy as np
 import pandas as pd
 
 if TYPE_CHECKING:
@@ -184,7 +186,12 @@ def job_file(results_dir: Union[str, Path], run_id: str, config_hash: str, fmt: 
 
 
 def to_frame(rows: Iterable[dict[str, Any]]) -> pd.DataFrame:
-    df = pd.DataFrame(list(rows))
+    return _typed(pd.DataFrame(list(rows)))
+
+
+def _typed(df: pd.DataFrame) -> pd.DataFrame:
+    """``df`` with every schema column (missing ones blank) in the schema's order and type, then any others."""
+    df = df.copy()
     for col, dtype in COLUMNS.items():
         if col not in df:
             df[col] = pd.NA
@@ -211,24 +218,12 @@ def check_dir(results_dir: Union[str, Path]) -> None:
     """Raise ``ConfigError`` (naming the fix) unless rows can be written under ``results_dir``: it, or the folder
     it would be made in, must be a writable folder. Probes with a temporary file that is removed at once; creates
     nothing."""
+    from harness.cli_args import dir_write_problem
     from harness.config import ConfigError
 
-    p = Path(results_dir)
-    existing = p
-    while not existing.exists() and existing != existing.parent:
-        if existing.is_symlink():  # a dangling link: mkdir would fail on it
-            break
-        existing = existing.parent
-    fix = "give results_dir=<a folder you can write> (default results/runs)"
-    if existing.exists() and not existing.is_dir():
-        what = "is a file" if existing == p else f"is under {existing}, which is a file"
-        raise ConfigError(f"results_dir={results_dir} {what}: {fix}")
-    try:
-        with tempfile.TemporaryFile(dir=existing):
-            pass
-    except OSError as e:
-        where = "" if existing == p else f" (it would be made in {existing})"
-        raise ConfigError(f"results_dir={results_dir} cannot be written{where}: {e.strerror or e}: {fix}") from None
+    if why := dir_write_problem(results_dir):
+        raise ConfigError(f"results_dir={results_dir} {why}: give results_dir=<a folder you can write> "
+                          "(default results/runs)")
 
 
 def rescue_path(path: Union[str, Path]) -> Path:
@@ -277,75 +272,163 @@ def _write_atomic(path: Path, df: pd.DataFrame) -> Path:
 
 
 class ResultsFileError(ValueError):
-    """A results file that cannot be read as one: the message names the file and what is wrong with it."""
+    """A results file that cannot be read as one: the message names the file (and the line) and what is wrong.
+    ``path``: the file (None for a problem across files); ``reason``: what is wrong, without the file's name."""
+
+    def __init__(self, message: str, path: Optional[Path] = None, reason: str = ""):
+        super().__init__(message)
+        self.path = path
+        self.reason = reason or message
 
 
 REPO_RESULTS = Path(__file__).resolve().parent.parent / "results"
 REFERENCE_RUNS = REPO_RESULTS / "runs"  # the measured runs the project commits (reports and notebook read these)
 LOCAL_RUNS = REPO_RESULTS / "local"  # a user's own runs: harness.run's default results_dir, ignored by git
 HEADER_START = "run_id,row_id,"
+ROW_SUFFIXES = (".csv", ".parquet")
+NOT_TABLE = "not .csv or .parquet"  # the skip reason of logs, text, JSON, charts in a results folder
+RUN_COMPANIONS = ("meta.json", "ERRATA.md")  # a run folder's own files beside its rows: never rows, never counted
+DAMAGED_FIX = "restore or remove it, or leave damaged files out (--skip-damaged; load(skip_damaged=True))"
+_BLANK = ("", "nan", "<na>", "na", "none", "null")  # values that read as missing in any column
+_BOOL_TEXT = ("true", "false", "1", "0")
+
+
+def _damaged(path: Path, reason: str, more: str = "") -> ResultsFileError:
+    return ResultsFileError(f"{path}: {reason}{more}: a damaged file; {DAMAGED_FIX}", path, reason)
 
 
 def read_file(path: Union[str, Path]) -> pd.DataFrame:
-    """One results file (CSV or Parquet) as a typed frame. Raises :class:`ResultsFileError` naming the file when
-    it is empty, not a results table of this schema (no ``run_id`` / ``row_id`` header), truncated (a row with
-    fewer or more fields than the header) or has rows without a ``run_id`` / ``row_id``."""
+    """One results file (CSV or Parquet) as a typed frame. Raises :class:`ResultsFileError` naming the file (and
+    the line) when it is not a results file of this schema (no ``run_id`` / ``row_id`` header) or is damaged (see
+    :func:`load`)."""
     path = Path(path)
+    raw, lines = _read_raw(path)
+    bad = _row_problems(raw, lines, np.zeros(len(raw), dtype=int))
+    if bad:
+        raise _damaged(path, _where(path, *bad[0]))
+    return _typed(raw)
+
+
+def _read_raw(path: Path) -> tuple[pd.DataFrame, np.ndarray]:
+    """A file's rows as given (values unparsed, blanks missing) and the line (CSV) or row (Parquet) of each."""
     if path.suffix == ".parquet":
         try:
             df = pd.read_parquet(path)
         except Exception as e:  # noqa: BLE001 - pyarrow raises several types for a damaged file
-            raise ResultsFileError(f"{path}: not a readable Parquet file ({type(e).__name__}: "
-                                   f"{str(e).splitlines()[0][:120] if str(e) else ''})") from None
-    else:
-        df = _read_csv(path)
-    if missing := [c for c in KEY if c not in df.columns]:
-        raise ResultsFileError(f"{path}: not a results file: no {' / '.join(missing)} column")
-    if len(df):
-        blank = df[list(KEY)].isna().any(axis=1) | (df[list(KEY)].astype(str).apply(lambda s: s.str.strip()) == ""
-                                                     ).any(axis=1)
-        if blank.any():
-            raise ResultsFileError(f"{path}: {int(blank.sum())} row(s) without a run_id / row_id (first at data row "
-                                   f"{int(blank.to_numpy().argmax()) + 1}): a damaged or hand-edited file")
-    return to_frame(df.to_dict("records"))
-
-
-def _read_csv(path: Path) -> pd.DataFrame:
+            detail = str(e).splitlines()[0][:120] if str(e) else ""
+            raise _damaged(path, f"not a readable Parquet file ({type(e).__name__}: {detail})") from None
+        if missing := [c for c in KEY if c not in df.columns]:
+            raise ResultsFileError(f"{path}: not a results file: no {' / '.join(missing)} column", path)
+        return df.reset_index(drop=True), np.arange(1, len(df) + 1)
     try:
-        text = path.read_text()
+        data = path.read_bytes()
+    except OSError as e:
+        raise _damaged(path, f"cannot be read ({e.strerror or e})") from None
+    if b"\x00" in data:
+        raise _damaged(path, "not a CSV file (binary content)")
+    try:
+        text = data.decode("utf-8-sig")
     except UnicodeDecodeError:
-        raise ResultsFileError(f"{path}: not a CSV file (not UTF-8 text)") from None
+        raise _damaged(path, "not a CSV file (not UTF-8 text)") from None
     if not text.strip():
-        raise ResultsFileError(f"{path}: empty file, no header and no rows")
-    if "\x00" in text:
-        raise ResultsFileError(f"{path}: not a CSV file (binary content)")
+        raise _damaged(path, "empty file, no header and no rows")
+    reader = csv.reader(io.StringIO(text))  # quoted fields may hold newlines (error messages)
+    records, starts, prev = [], [], 0
     try:
-        records = list(csv.reader(io.StringIO(text)))  # quoted fields may hold newlines (error messages)
+        for rec in reader:
+            records.append(rec)
+            starts.append(prev + 1)
+            prev = reader.line_num
     except csv.Error as e:
-        raise ResultsFileError(f"{path}: not a CSV file ({e})") from None
+        raise _damaged(path, f"line {prev + 1}: not a CSV file ({e})") from None
     while records and not records[-1]:
         records.pop()  # blank trailing lines
     header = records[0]
     if missing := [c for c in KEY if c not in header]:
         raise ResultsFileError(f"{path}: not a results file: its header has no {' / '.join(missing)} column "
-                               f"(it starts '{','.join(header)[:60]}')")
-    for i, rec in enumerate(records[1:], start=2):
+                               f"(it starts '{','.join(header)[:60]}')", path)
+    if twice := sorted({c for c in header if header.count(c) > 1}):
+        raise _damaged(path, f"its header names {', '.join(twice)} more than once")
+    for rec, line in zip(records[1:], starts[1:]):
         if len(rec) != len(header):
-            raise ResultsFileError(f"{path}: line {i} has {len(rec)} fields, the header {len(header)}: a truncated "
-                                   "or damaged file (rerun, or restore it)")
-    return pd.read_csv(path, dtype=str, keep_default_na=False, na_values=[""])
+            raise _damaged(path, f"line {line} has {len(rec)} fields, the header {len(header)}: a truncated row")
+    df = pd.DataFrame(records[1:], columns=header, dtype=object)
+    return df.mask(df.eq("")), np.array(starts[1:len(records)], dtype=int)
 
 
-def find_files(*paths: Union[str, Path]) -> tuple[list[Path], dict[str, list[Path]]]:
+def _row_problems(df: pd.DataFrame, lines: np.ndarray, owner: np.ndarray) -> dict[int, tuple[int, str, int]]:
+    """For each file (``owner``: the file index of each row) with a value that is not a valid value of its column:
+    (its first such line, what is wrong there, how many such values the file has)."""
+    first: dict[int, tuple[int, int, str]] = {}  # file -> (row position, line, what)
+    count: dict[int, int] = {}
+    for col in [c for c in COLUMNS if c in df.columns]:
+        s, dtype = df[col], COLUMNS[col]
+        text = s.astype(object).where(s.notna(), "").astype(str).str.strip()
+        blank = text.str.lower().isin(_BLANK).to_numpy()
+        if col in KEY or col == "status":
+            bad = blank.copy()
+            if col == "status":
+                bad |= ~blank & ~text.isin(STATUSES).to_numpy()
+        elif dtype in ("Int64", "float64"):
+            num = pd.to_numeric(s.where(~blank), errors="coerce").astype("float64").to_numpy()
+            bad = ~blank & np.isnan(num)
+            if dtype == "Int64":
+                with np.errstate(invalid="ignore"):
+                    bad |= ~blank & ~np.isnan(num) & ~(np.isfinite(num) & (num == np.round(num)))
+        elif dtype == "boolean":
+            bad = ~blank & ~text.str.lower().isin(_BOOL_TEXT).to_numpy()
+        else:
+            continue
+        pos = np.flatnonzero(bad)
+        for fi in np.unique(owner[pos]):
+            here = pos[owner[pos] == fi]
+            count[fi] = count.get(fi, 0) + len(here)
+            p = int(here[0])
+            if fi not in first or p < first[fi][0]:
+                first[fi] = (p, int(lines[p]), _what(col, dtype, text.iloc[p], bool(blank[p])))
+    return {int(fi): (line, what, count[fi]) for fi, (_, line, what) in sorted(first.items())}
+
+
+def _what(col: str, dtype: str, value: str, blank: bool) -> str:
+    if blank:
+        return f"no {col}"
+    if col == "status":
+        return f"status is {value!r}, not one of {', '.join(STATUSES)}"
+    want = {"Int64": "a whole number", "float64": "a number", "boolean": "true or false"}[dtype]
+    return f"{col} is {value!r}, not {want}"
+
+
+def _where(path: Path, line: int, what: str, n: int) -> str:
+    unit = "row" if path.suffix == ".parquet" else "line"
+    return f"{unit} {line}: {what}" + (f" ({n} bad values in the file)" if n > 1 else "")
+
+
+def _hidden(f: Path, root: Path) -> bool:
+    return any(part.startswith(".") for part in f.relative_to(root).parts)
+
+
+def find_files(*paths: Union[str, Path], exclude: Sequence[Union[str, Path]] = ()
+               ) -> tuple[list[Path], dict[str, list[Path]]]:
     """The results files under the given files or folders, and the files in those folders that were skipped, by
-    reason. A file named explicitly is always returned (``read_file`` then says what is wrong with it); in a folder,
-    CSVs without the schema's header (reports, published values, diagnostics) and empty CSVs are skipped."""
+    reason (:func:`load` says which files are results files). A file named explicitly is always returned
+    (``read_file`` then says what is wrong with it). Files under a folder of ``exclude`` (an output folder inside
+    an input folder) are skipped, whatever they hold."""
     files: list[Path] = []
     skipped: dict[str, list[Path]] = {}
+    out = [(Path(x), Path(x).resolve()) for x in exclude]
     for p in map(Path, paths):
         if p.is_dir():
             for f in sorted(p.rglob("*")):
-                if f.suffix not in (".csv", ".parquet") or f.name.startswith(".") or not f.is_file():
+                if f.name.startswith(".") or not f.is_file():
+                    continue  # temporary files of an atomic write, tool state
+                if mine := next((str(x) for x, r in out if f.resolve().is_relative_to(r)), None):
+                    skipped.setdefault(f"in the output folder {mine}", []).append(f)
+                    continue
+                if f.name in RUN_COMPANIONS:
+                    continue
+                if f.suffix not in ROW_SUFFIXES:
+                    if not _hidden(f, p):
+                        skipped.setdefault(NOT_TABLE, []).append(f)
                     continue
                 why = _skip_reason(f)
                 if why:
@@ -362,48 +445,172 @@ def find_files(*paths: Union[str, Path]) -> tuple[list[Path], dict[str, list[Pat
 
 
 def skipped_note(skipped: dict[str, list[Path]]) -> str:
-    """One line: how many CSVs in the given folders were skipped, and why ('' when none)."""
+    """One line: how many files in the given folders were skipped, and why ('' when none)."""
     if not skipped:
         return ""
     n = sum(map(len, skipped.values()))
-    return f"skipped {n} file{'s' if n != 1 else ''} that hold no results: " + "; ".join(
-        f"{len(v)} {why}" for why, v in sorted(skipped.items(), key=lambda kv: -len(kv[1])))
+    parts = []
+    for why, v in sorted(skipped.items(), key=lambda kv: -len(kv[1])):
+        kinds = sorted({f.suffix or "no suffix" for f in v}) if why == NOT_TABLE else []
+        parts.append(f"{len(v)} {why}" + (f" ({', '.join(kinds[:6])}{', ...' if len(kinds) > 6 else ''})"
+                                          if kinds else ""))
+    return f"skipped {n} file{'s' if n != 1 else ''} that hold no results: " + "; ".join(parts)
 
 
-def load(*paths: Union[str, Path]) -> pd.DataFrame:
+def damaged_note(damaged: dict[Path, str], shown: int = 4) -> str:
+    """One line: the damaged files ``load(skip_damaged=True)`` left out, and what is wrong with each ('' when
+    none)."""
+    if not damaged:
+        return ""
+    items = [f"{f} ({why})" for f, why in damaged.items()]
+    more = f"; and {len(items) - shown} more" if len(items) > shown else ""
+    n = len(items)
+    return f"left out {n} damaged file{'s' if n != 1 else ''} (--skip-damaged): " + "; ".join(items[:shown]) + more
+
+
+def load(*paths: Union[str, Path], skip_damaged: bool = False, exclude: Sequence[Union[str, Path]] = (),
+         progress: Optional[Callable[[int, int, Path], None]] = None) -> pd.DataFrame:
     """Every row under the given files or folders (default: results/runs, the committed reference runs), as one
-    DataFrame. Repeated runs are kept: the key is (run_id, row_id). A damaged file raises
-    :class:`ResultsFileError` naming it; ``df.attrs["skipped"]`` maps each reason a file in a folder was skipped
-    to those files (see :func:`skipped_note`)."""
+    DataFrame. Repeated runs are kept: the key is (run_id, row_id).
+
+    Which files are results files: in a folder, a Parquet file, or a ``.csv`` file whose first line starts with
+    the schema's header (``run_id,row_id,``). Files that are not are skipped and counted by reason in
+    ``df.attrs["skipped"]`` (see :func:`skipped_note`): other suffixes (logs, ``.txt``, ``.json``, charts), empty
+    ``.csv`` files, and ``.csv`` text whose first line is another header (nvidia-smi logs, calibration or report
+    tables); so are files under a folder of ``exclude``. A ``.csv`` that is not UTF-8 text (binary, or NUL bytes)
+    shows no header, so nothing tells it from a row file whose bytes were damaged: it is read, and is damaged.
+
+    A results file is damaged when it cannot be read as rows of the schema: binary or undecodable, a row with more
+    or fewer fields than the header (truncated), a value that does not parse as its column's type (``latency_ms``
+    ``abc``; a whole number for ``Int64`` columns, true / false for ``boolean`` ones), a status not in
+    :data:`STATUSES`, a row without run_id / row_id / status. A damaged file raises :class:`ResultsFileError`
+    naming the file and the line; with ``skip_damaged`` it is left out instead and named, with what is wrong, in
+    ``df.attrs["damaged"]`` (see :func:`damaged_note`). ``progress(i, n, path)`` is called after each of the ``n``
+    files is read. ``df.attrs["files"]``: (file, number of rows) of each file read, in the order of the rows."""
     if not paths:
         paths = (REFERENCE_RUNS,)
-    files, skipped = find_files(*paths)
-    frames = [read_file(f) for f in files]
-    if not frames:
-        df = to_frame([])
-        df.attrs["skipped"] = skipped
-        return df
-    df = pd.concat(frames, ignore_index=True)
-    dup = df.duplicated(list(KEY), keep=False)
-    if dup.any():
-        where = pd.Series([f for f, fr in zip(files, frames) for _ in range(len(fr))])[dup.to_numpy()]
-        names = ", ".join(dict.fromkeys(map(str, where)))
-        raise ResultsFileError(f"{int(dup.sum())} rows share a (run_id, row_id) key, in {names[:300]}: a results "
-                               "file copied twice (keep one copy)")
+    files, skipped = find_files(*paths, exclude=exclude)
+    read: list[tuple[Path, pd.DataFrame, np.ndarray]] = []
+    errors: dict[Path, ResultsFileError] = {}
+    for i, f in enumerate(files, 1):
+        try:
+            read.append((f, *_read_raw(f)))
+        except ResultsFileError as e:
+            errors[f] = e
+        if progress is not None:
+            progress(i, len(files), f)
+    if read:
+        frame = pd.concat([r[1] for r in read], ignore_index=True)
+        lines = np.concatenate([r[2] for r in read])
+        owner = np.repeat(np.arange(len(read)), [len(r[1]) for r in read])
+        for fi, (line, what, n) in _row_problems(frame, lines, owner).items():
+            errors[read[fi][0]] = _damaged(read[fi][0], _where(read[fi][0], line, what, n))
+        if errors:
+            kept = [i for i, r in enumerate(read) if r[0] not in errors]
+            keep = np.isin(owner, kept)
+            frame, owner = frame[keep].reset_index(drop=True), np.searchsorted(kept, owner[keep])
+            read = [read[i] for i in kept]
+    if errors and not skip_damaged:
+        order = [f for f in files if f in errors]
+        first = errors[order[0]]
+        more = "" if len(order) == 1 else (f" ({len(order) - 1} more file{'s' if len(order) > 2 else ''} cannot be "
+                                           f"read either: {', '.join(map(str, order[1:3]))}"
+                                           f"{', ...' if len(order) > 3 else ''})")
+        if not more:
+            raise first
+        if str(first).endswith(f": a damaged file; {DAMAGED_FIX}"):
+            raise _damaged(order[0], first.reason, more)
+        raise ResultsFileError(str(first) + more, order[0], first.reason)
+    df = _typed(frame) if read else to_frame([])
+    if read:
+        dup = df.duplicated(list(KEY), keep=False).to_numpy()
+        if dup.any():
+            names = ", ".join(dict.fromkeys(str(read[o][0]) for o in owner[dup]))
+            raise ResultsFileError(f"{int(dup.sum())} rows share a (run_id, row_id) key, in {names[:300]}: a "
+                                   "results file copied twice (keep one copy)")
     df.attrs["skipped"] = skipped
+    df.attrs["damaged"] = {f: errors[f].reason for f in files if f in errors}
+    df.attrs["files"] = [(str(f), len(r)) for f, r, _ in read]
     return df
 
 
 def _skip_reason(f: Path) -> str:
-    """Why a file found in a folder is not a results file ('' when it is one: a CSV with the schema's header, or
-    a Parquet file)."""
+    """Why a file found in a folder is not a results file ('' when it may be one: a Parquet file, a CSV with the
+    schema's header, or a CSV that is not text, which :func:`read_file` then calls damaged)."""
     if f.suffix == ".parquet":
         return ""
     try:
-        with open(f, encoding="utf-8") as fh:
-            head = fh.readline()
+        with open(f, "rb") as fh:
+            head = fh.read(8192)
+    except OSError:
+        return ""  # read_file says why it cannot be read
+    if b"\x00" in head:
+        return ""
+    try:
+        text = codecs.getincrementaldecoder("utf-8-sig")().decode(head, final=len(head) < 8192)
     except UnicodeDecodeError:
-        return "not text"
-    if not head.strip():
+        return ""
+    if not text.strip() and len(head) < 8192:
         return "empty"
-    return "" if head.startswith(HEADER_START) else "without the results header (other tables)"
+    return "" if text.lstrip("\r\n").startswith(HEADER_START) else "without the results header (other tables)"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# environments
+
+
+def environment(device: Any, gpu_name: Any) -> Optional[str]:
+    """The environment a row ran in, as a comparison must match it: ``CPU``, or the GPU model (with the device when
+    it is not ``cuda``); None where the row does not say (a GPU device without a model: rows the launcher wrote for
+    a job that never reported; rows without either column)."""
+    dev = "" if device is None or pd.isna(device) else str(device).strip().lower()
+    gpu = "" if gpu_name is None or pd.isna(gpu_name) else str(gpu_name).strip()
+    if dev == "cpu" or gpu.lower() == "cpu":
+        return "CPU"
+    if not gpu:
+        return None
+    return gpu if dev in ("", "cuda") else f"{gpu} ({dev})"
+
+
+def environments(df: pd.DataFrame) -> dict[str, dict[str, list[str]]]:
+    """Environment (:func:`environment`) -> the runs and files (from ``df.attrs["files"]``, where ``df`` is as
+    :func:`load` returned it) of its rows; rows that do not say where they ran are left out."""
+    if df.empty:
+        return {}
+    env = [environment(d, g) for d, g in zip(df["device"], df["gpu_name"])]
+    sizes = df.attrs.get("files") or []
+    src = [f for f, n in sizes for _ in range(n)] if sum(n for _, n in sizes) == len(df) else [""] * len(df)
+    out: dict[str, dict[str, list[str]]] = {}
+    for e, run, f in zip(env, df["run_id"], src):
+        if e is None:
+            continue
+        d = out.setdefault(e, {"runs": [], "files": []})
+        if str(run) not in d["runs"]:
+            d["runs"].append(str(run))
+        if f and f not in d["files"]:
+            d["files"].append(f)
+    return out
+
+
+def mixed_environments(sides: dict[str, pd.DataFrame]) -> str:
+    """'' when the rows of every side (name -> rows as :func:`load` returned them) that say where they ran ran in
+    one environment (:func:`environment`); else, on one line, the environments and where their rows came from
+    (runs, files)."""
+
+    def where(env: str, info: dict[str, list[str]]) -> str:
+        runs, files = info["runs"], info["files"]
+        text = f"run{'s' if len(runs) > 1 else ''} {', '.join(runs[:3])}{', ...' if len(runs) > 3 else ''}"
+        if files:
+            text += f"; {files[0]}" + (f" and {len(files) - 1} more file{'s' if len(files) > 2 else ''}"
+                                       if len(files) > 1 else "")
+        return f"{env} ({text})"
+
+    envs = {name: environments(df) for name, df in sides.items() if df is not None}
+    for name, e in envs.items():
+        if len(e) > 1:
+            return f"{name} mixes environments: " + " and ".join(where(k, v) for k, v in e.items())
+    if len({k for e in envs.values() for k in e}) > 1:
+        named = [name for name, e in envs.items() if e]
+        return (f"{' and '.join(named)} ran in different environments: "
+                + ", ".join(f"{name} on {where(k, v)}" for name, e in envs.items() for k, v in e.items()))
+    return ""

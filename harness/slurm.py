@@ -842,9 +842,9 @@ def _print_summary(points: Sequence[Point], summary: list[dict]) -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    import argparse
+    from harness.cli_args import ArgumentParser
 
-    ap = argparse.ArgumentParser(prog="python -m harness.slurm", description=__doc__.split("\n\n")[0])
+    ap = ArgumentParser(prog="python -m harness.slurm", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("collect", help="after slurm/submit.sh: wait for the sweep's jobs, then write rows for "
                                        "what their rank 0 did not report")

@@ -23,6 +23,8 @@ SHAPE_FACTOR = {"kimi_k2_7": 1.0, "glm_5_2": 0.95, "qwen3_5_397b": 0.45, "deepse
 PREC_FACTOR = {"bf16": 1.0, "fp8": 1.5, "mxfp8": 1.6}
 DIR_FACTOR = {"fwd": 1.0, "bwd": 1.6, "fwd_bwd": 1.4}
 H200 = {"gpu_name": "NVIDIA H200", "calib_hbm_gb_s": 4300.0, "calib_link_gb_s": 360.0}
+CPU = {"device": "cpu", "gpu_name": "cpu"}  # as harness.env.collect("cpu") records a CPU run
+H100 = {"device": "cuda", "gpu_name": "NVIDIA H100 80GB HBM3"}
 GEMM_TFLOPS = {"bf16": 800.0, "fp8": 1500.0, "mxfp8": 1500.0}  # synthetic "measured" dense GEMM rates
 
 
