@@ -29,7 +29,7 @@ runs, and ``MoEConfig.max_inflight=1`` (its default, kept here) allows one such 
 forwards would fail at the second. Each forward therefore first releases the previous forward when its backward
 has not run (``moe_pop_fwd``, a host call inside the timed forward; LigerCute's own inference path pops right after
 its forward the same way); a backward on a released forward raises instead of reading reused buffers. The forward
-rows are training forwards (intermediates kept), as the other backends' are; ``notes`` counts the releases.
+rows are training forwards (intermediates kept), as the other backends' are, and ``notes`` says so.
 
 Libraries: its ``libliger_cute_kernels_sm90a.so`` needs ``libnvshmem_host.so.3`` (the ``nvidia-nvshmem-cu12`` wheel,
 which LigerCute preloads), ``libcudart.so.12`` (the release wheel is built with CUDA 12.9; beside a CUDA 13 torch
@@ -245,7 +245,7 @@ class LigerCuteBackend:
                  "gate and up copied once in setup into contiguous [L, I, H] (its backward's layout); gradients "
                  "returned in the harness layout, no re-packing",
                  f"forward rows are training forwards; a forward whose backward did not run is released by the next "
-                 f"(moe_pop_fwd inside the timed forward, max_inflight={MAX_INFLIGHT}): {self.released} released",
+                 f"(moe_pop_fwd inside the timed forward, max_inflight={MAX_INFLIGHT})",
                  f"setup forward+backward {self.warm_s:.1f} s{cudart}",
                  "shared expert: the PyTorch baselines' dense SwiGLU, added to LigerCute's output",
                  ep_note(c, EP_ENV) + (f" on {self.hosts} hosts" if self.hosts > 1 else "")]
