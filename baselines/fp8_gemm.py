@@ -158,16 +158,32 @@ def check_k_grouped(dg: Any, device: torch.device, calls: int = BUILD_CHECK_CALL
 
 def deep_gemm_build_check() -> Optional[str]:
     """Why the loaded DeepGEMM cannot be used for the blockwise path (None: it can): ``check_k_grouped`` on this
-    process's GPU, run once per process (JIT compiles included); its line goes to the rows' ``scaling``."""
+    process's GPU, run once per process (JIT compiles included), the same verdict on every rank
+    (``agree_across_ranks``); its line goes to the rows' ``scaling``."""
     if "why" not in _BUILD_CHECK:
         dg, why = load_deep_gemm()
         line = ""
         if dg is not None:
             why, line = check_k_grouped(dg, torch.device("cuda", torch.cuda.current_device()))
             ref = deep_gemm_ref(dg)
-            why = why and f"{why} [deep_gemm {getattr(dg, '__version__', '?')}{', ' + ref if ref else ''}]"
+            why = agree_across_ranks(why and f"{why} [deep_gemm {getattr(dg, '__version__', '?')}"
+                                             f"{', ' + ref if ref else ''}]")
         _BUILD_CHECK.update(why=why, line=line)
     return _BUILD_CHECK["why"]
+
+
+def agree_across_ranks(why: Optional[str]) -> Optional[str]:
+    """The first failing rank's reason on every rank, or None if none failed: a race need not show on every GPU, and
+    ranks that chose different fp8 paths would not pair their collectives. Collective over the default group where
+    it is initialised: the check runs in the same step on every rank (the backends' ``unsupported_reason``)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return why
+    whys: list = [None] * dist.get_world_size()
+    dist.all_gather_object(whys, why)
+    rank = dist.get_rank()
+    return next((w if r == rank else f"on rank {r}: {w}" for r, w in enumerate(whys) if w), None)
 
 
 def _capability(device: str) -> tuple[int, int]:

@@ -255,6 +255,21 @@ def test_deep_gemm_build_check_decides_the_blockwise_path(small_check, monkeypat
     assert "MOKBENCH_DEEPGEMM_REF=42c240d" in label
 
 
+def test_deep_gemm_build_check_agrees_across_ranks(monkeypatch):
+    """A race seen on one rank's GPU makes the path unsupported on every rank (faked collective: rank 0 of two,
+    rank 1 failed); with no failure anywhere, None; without a process group, this rank's own verdict."""
+    import torch.distributed as dist
+
+    assert fg.agree_across_ranks("mine") == "mine" and fg.agree_across_ranks(None) is None  # no group here
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda *a: 2)
+    monkeypatch.setattr(dist, "get_rank", lambda *a: 0)
+    for others, want in (([None, "racy"], "on rank 1: racy"), ([None, None], None), (["mine", "racy"], "mine")):
+        monkeypatch.setattr(dist, "all_gather_object", lambda out, obj, others=others: out.__setitem__(
+            slice(None), others))
+        assert fg.agree_across_ranks(others[0]) == want
+
+
 # ---- GPU: the real GEMMs against the references --------------------------------------------------------------------
 
 gpu = [pytest.mark.gpu, pytest.mark.skipif(not HAS_GPU, reason="no CUDA GPU on this machine")]
