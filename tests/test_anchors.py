@@ -585,3 +585,41 @@ def test_nccl_notes_say_inductor_autotuned_in_subprocesses(monkeypatch):
         notes = b.info()["notes"]
         assert notes.startswith("grouped GEMM: g; shared expert not overlapped")
         assert ("inductor autotuning in subprocesses" in notes) == (compiled and sub)
+
+
+# ---- LigerCute and DeepGEMM MegaMoE through the harness (their adapters: test_anchors_ep.py) ------------------
+
+
+@pytest.mark.slow
+def test_harness_rows_of_the_new_anchors_on_the_cpu(results_dir):
+    """One CPU point: both new anchors give an unsupported row per direction with their reason; nccl still runs."""
+    from conftest import cpu_cfg
+    from harness.runner import run_benchmark
+
+    df = run_benchmark(cpu_cfg(results_dir, "ep_size=1", "backends=[nccl,liger_cute,deepgemm_megamoe]",
+                               "directions=[fwd,bwd]"))
+    st = {(r.backend, r.direction): (r.status, str(r.error)) for r in df.itertuples()}
+    assert st[("nccl", "fwd")][0] == "ok" and st[("nccl", "bwd")][0] == "ok"
+    for d in ("fwd", "bwd"):
+        assert st[("liger_cute", d)][0] == "unsupported" and "Hopper (SM90)" in st[("liger_cute", d)][1]
+        assert st[("deepgemm_megamoe", d)] == ("unsupported", st[("deepgemm_megamoe", "fwd")][1])
+        assert "fp8 only" in st[("deepgemm_megamoe", d)][1]
+
+
+@pytest.mark.slow
+def test_megamoe_beside_mok_hopper_inference_is_one_valid_run(tmp_path):
+    """The comparison's command line on the CPU: exit 0, megamoe's row unsupported (no SM90 GPU), mok_hopper's
+    inference forward (its CPU twin) ok."""
+    from harness import results
+
+    out = tmp_path / "res"
+    r = subprocess.run([sys.executable, "-m", "harness.run", "backends=[deepgemm_megamoe,mok_hopper]", "precision=fp8",
+                        "mok_hopper_forward=inference", "direction=fwd", "ep_size=1", "timing.num_iters=2",
+                        f"results_dir={out}", "print_table=false"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, r.stderr[-2000:]
+    df = results.load(out)
+    st = {r.backend: (r.status, str(r.error)) for r in df.itertuples()}
+    assert set(df["direction"]) == {"fwd"} and st["mok_hopper"][0] == "ok"
+    megamoe = st["deepgemm_megamoe"]
+    assert megamoe[0] == "unsupported" and "Hopper GPU (SM90); this is the CPU" in megamoe[1]
