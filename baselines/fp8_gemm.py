@@ -10,7 +10,10 @@ The option ``fp8_gemm`` picks the path, recorded in each row's ``scaling``:
 * ``blockwise``: the harness's own format (e4m3, 1x128 activation / 128x128 weight blocks) in DeepGEMM (the
   ``sgl-deep-gemm`` package): m-grouped contiguous GEMMs for the forward and dgrad (the 128x128 weight blocks of W^T
   are those of W, transposed), k-grouped contiguous for the wgrad with 1x128 blocks along the tokens. Each expert's
-  rows are padded to DeepGEMM's alignment (``get_mk_alignment_for_contiguous_layout``, 128).
+  rows are padded to DeepGEMM's alignment (``get_mk_alignment_for_contiguous_layout``, 128). Before it is used, the
+  build is checked once per process (``deep_gemm_build_check``): its k-grouped GEMM must give bitwise-equal results
+  over repeated calls on one input, close to the reference product; a build with the race of DeepGEMM #365 makes the
+  path ``unsupported``. The rows name the build (version, commit where known, ``MOKBENCH_DEEPGEMM_REF``).
 * ``blockwise_loop``: the same format and operands through torch's block-scaled ``scaled_mm`` (v2), one GEMM per expert
   (``baselines/fp8_loop.py``): the fallback where DeepGEMM does not load.
 * ``emulated``: bf16 GEMMs on e4m3-rounded operands (``baselines.common.fake_quant``): measures accuracy, never fp8
@@ -30,6 +33,7 @@ Legend: M rows (sorted by expert), P padded rows, G experts, N output features, 
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any, Optional, Sequence
 
 import torch
@@ -46,6 +50,13 @@ AUTO_ITERS = 3  # auto: timed iterations per path at setup (after one untimed), 
 DEEPGEMM_HINT = ("install DeepGEMM: pip install sgl-deep-gemm where it matches your torch, else build it from source "
                  "(README, 'Optional: DeepGEMM for real fp8 GEMMs'), or use fp8_gemm=blockwise_loop (the same format "
                  "through torch's scaled_mm v2, one GEMM per expert) or rowwise")
+DEEPGEMM_REF_ENV = "MOKBENCH_DEEPGEMM_REF"  # the DeepGEMM ref (commit, pull-request head) the user names for the rows
+DEEPGEMM_FIX = ("build DeepGEMM at or after DeepGEMM PR #343 (42c240d, v2.6.1 with the fix; or 1f6f3f3), or use "
+                "fp8_gemm=blockwise_loop or rowwise")
+BUILD_CHECK_CALLS = 8  # repeats of DeepGEMM's k-grouped GEMM on one input at setup (deep_gemm_build_check)
+BUILD_CHECK_KS = (128, 384, 256, 512, 128, 640)  # its expert groups: tokens each, multiples of 128
+BUILD_CHECK_MN = (256, 512)  # its output [groups, M, N]
+_BUILD_CHECK: dict[str, Any] = {}  # deep_gemm_build_check's result, once per process
 
 
 # ---- which path ---------------------------------------------------------------------------------------------------
@@ -80,7 +91,99 @@ def deep_gemm_version() -> str:
             return f"sgl-deep-gemm {dist.version}"
     except Exception:  # noqa: BLE001 (not installed, or installed elsewhere than the module that loaded)
         pass
-    return f"deep_gemm {getattr(dg, '__version__', '?')} (built from source)"
+    ref = deep_gemm_ref(dg)
+    return f"deep_gemm {getattr(dg, '__version__', '?')} (built from source{', ' + ref if ref else ''})"
+
+
+def deep_gemm_ref(dg: Any) -> str:
+    """What is known of the commit a DeepGEMM module was built from: the ``+<sha>`` of its distribution's version
+    (DeepGEMM's setup.py appends the short commit), and the ref the user names in MOKBENCH_DEEPGEMM_REF; "" if none."""
+    import re
+    from importlib.metadata import PackageNotFoundError, packages_distributions, version
+
+    parts = []
+    top = getattr(dg, "__name__", "deep_gemm").split(".")[0]
+    for dist in packages_distributions().get(top, []):
+        try:
+            local = version(dist).partition("+")[2]
+        except PackageNotFoundError:
+            continue
+        if re.fullmatch(r"[0-9a-f]{7,40}", local):
+            parts.append(f"commit {local}")
+            break
+    if os.environ.get(DEEPGEMM_REF_ENV):
+        parts.append(f"{DEEPGEMM_REF_ENV}={os.environ[DEEPGEMM_REF_ENV]}")
+    return ", ".join(parts)
+
+
+def check_k_grouped(dg: Any, device: torch.device, calls: int = BUILD_CHECK_CALLS) -> tuple[Optional[str], str]:
+    """DeepGEMM's ``k_grouped_fp8_gemm_nt_contiguous`` ``calls`` times on one fixed input (the wgrad operands of six
+    expert groups, ``BUILD_CHECK_KS``): the results must be bitwise equal and within fp8 GEMM rounding (relative L1 <
+    1%) of ``reference_k_grouped_nt`` on the same e4m3 operands. At v2.6.1 (54e2261) the SM90 kernel updates its
+    tensormaps while TMA loads are in flight and its results are not repeatable (DeepGEMM #365). Returns (why this
+    build cannot be used, or None; a line for the rows)."""
+    import time
+
+    t0 = time.perf_counter()
+    g = torch.Generator().manual_seed(0)
+    (M, N), ks = BUILD_CHECK_MN, list(BUILD_CHECK_KS)
+    a = reference_k_grouped_operand(torch.randn(sum(ks), M, generator=g).to(device), ks)
+    b = reference_k_grouped_operand(torch.randn(sum(ks), N, generator=g).to(device), ks)
+    ks_t = torch.tensor(ks, dtype=torch.int32, device=device)
+    a, b = (a[0], a[1].t()), (b[0], b[1].t())
+    outs = []
+    try:
+        for _ in range(calls):
+            d = torch.zeros(len(ks), M, N, dtype=torch.float32, device=device)
+            dg.k_grouped_fp8_gemm_nt_contiguous(a, b, d, ks, ks_t, d)
+            outs.append(d)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    except Exception as e:  # noqa: BLE001 (a JIT or launch failure of this build)
+        first = str(e).splitlines()[0] if str(e) else ""
+        return f"DeepGEMM's k_grouped_fp8_gemm_nt_contiguous failed its setup check ({type(e).__name__}: {first})", ""
+    ref = torch.zeros(len(ks), M, N, dtype=torch.float32, device=device)
+    reference_k_grouped_nt(a, b, ref, ks, ks_t, None)
+    differ = sum(not torch.equal(o, outs[0]) for o in outs[1:])
+    err = max(float((o - ref).abs().sum() / ref.abs().sum()) for o in outs)
+    what = f"DeepGEMM's k_grouped_fp8_gemm_nt_contiguous ({calls} calls on one input, {len(ks)} expert groups)"
+    if differ:
+        return (f"{what}: {differ} of {calls - 1} results differ from the first, bitwise (not repeatable: the race "
+                f"of DeepGEMM #365, tensormaps updated while TMA loads are in flight)"), ""
+    if not err < 0.01:
+        return f"{what}: repeatable, but {err:.3g} off the reference product (relative L1; fp8 rounding is < 0.01)", ""
+    return None, (f"setup check: k-grouped wgrad GEMM bitwise equal over {calls} calls, relative L1 {err:.1e} to the "
+                  f"reference ({time.perf_counter() - t0:.1f} s)")
+
+
+def deep_gemm_build_check() -> Optional[str]:
+    """Why the loaded DeepGEMM cannot be used for the blockwise path (None: it can): ``check_k_grouped`` on this
+    process's GPU, run once per process (JIT compiles included), the same verdict on every rank
+    (``agree_across_ranks``); its line goes to the rows' ``scaling``."""
+    if "why" not in _BUILD_CHECK:
+        dg, why = load_deep_gemm()
+        line = ""
+        if dg is not None:
+            why, line = check_k_grouped(dg, torch.device("cuda", torch.cuda.current_device()))
+            ref = deep_gemm_ref(dg)
+            why = agree_across_ranks(why and f"{why} [deep_gemm {getattr(dg, '__version__', '?')}"
+                                             f"{', ' + ref if ref else ''}]")
+        _BUILD_CHECK.update(why=why, line=line)
+    return _BUILD_CHECK["why"]
+
+
+def agree_across_ranks(why: Optional[str]) -> Optional[str]:
+    """The first failing rank's reason on every rank, or None if none failed: a race need not show on every GPU, and
+    ranks that chose different fp8 paths would not pair their collectives. Collective over the default group where
+    it is initialised: the check runs in the same step on every rank (the backends' ``unsupported_reason``)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return why
+    whys: list = [None] * dist.get_world_size()
+    dist.all_gather_object(whys, why)
+    rank = dist.get_rank()
+    return next((w if r == rank else f"on rank {r}: {w}" for r, w in enumerate(whys) if w), None)
 
 
 def _capability(device: str) -> tuple[int, int]:
@@ -109,7 +212,10 @@ def path_unavailable(path: str, device: str) -> Optional[str]:
 
         return fp8_loop.unavailable()
     _, why = load_deep_gemm()
-    return f"{why}; {DEEPGEMM_HINT}" if why else None
+    if why:
+        return f"{why}; {DEEPGEMM_HINT}"
+    bad = deep_gemm_build_check()
+    return f"{bad}; {DEEPGEMM_FIX}" if bad else None
 
 
 def resolve(case: Case) -> tuple[str, Optional[str]]:
@@ -147,9 +253,10 @@ def scaling_label(path: str, case: Case, dispatch: str, picked: str = "") -> str
                 f"dgrad and wgrad in fp8 (wgrad scales per expert and channel along the tokens); dispatch "
                 f"{dispatch}{auto}")
     if path == "blockwise":
+        check = f"; {_BUILD_CHECK['line']}" if _BUILD_CHECK.get("line") else ""
         return (f"e4m3 block 1x{BLOCK}/{BLOCK}x{BLOCK}, DeepGEMM ({deep_gemm_version()}): forward and dgrad m-grouped "
                 f"contiguous, wgrad k-grouped (1x{BLOCK} along tokens), all in fp8, experts eager (not compiled); "
-                f"dispatch {dispatch}{auto}")
+                f"dispatch {dispatch}{auto}{check}")
     if path == "blockwise_loop":
         dg = load_deep_gemm()[0] if case.device == "cuda" else None
         why = "fallback: DeepGEMM not loadable" if dg is None else "DeepGEMM also loads here"

@@ -26,6 +26,18 @@ from baselines import fp8_gemm
 from baselines.common import ExpertParams, all_to_all, precision_unsupported
 
 
+def inductor_note(compiled: bool) -> str:
+    """How inductor autotuned a compiled row, for its notes: in subprocesses where inductor's ``autotune_in_subproc``
+    is on (``TORCHINDUCTOR_AUTOTUNE_IN_SUBPROC=1``; at EP=1 the published ``max-autotune`` hit an illegal memory access
+    autotuning in the process, on H200), else nothing to add."""
+    if not compiled:
+        return ""
+    from torch._inductor import config
+
+    return "inductor autotuning in subprocesses (TORCHINDUCTOR_AUTOTUNE_IN_SUBPROC=1)" if config.autotune_in_subproc \
+        else ""
+
+
 class NcclBackend:
     name = "nccl"
     directions = ("fwd", "bwd", "fwd_bwd")
@@ -105,8 +117,10 @@ class NcclBackend:
         }
 
     def info(self) -> dict[str, Any]:
-        return {**self.params.columns("bf16"),
-                "notes": f"grouped GEMM: {self.params.gemm_name()}; shared expert not overlapped with dispatch"}
+        cols = self.params.columns("bf16")
+        notes = [f"grouped GEMM: {self.params.gemm_name()}", "shared expert not overlapped with dispatch",
+                 inductor_note(bool(cols.get("compiled")))]
+        return {**cols, "notes": "; ".join(filter(None, notes))}
 
     def teardown(self) -> None:
         self._last = {}

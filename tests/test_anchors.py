@@ -43,7 +43,9 @@ def test_registry_is_the_one_table_of_names():
     for key, s in hb.REGISTRY.items():
         assert s.role in hb.ROLES and s.label and s.color.startswith("#"), key
         assert L.system_label(key) == s.label and plots.color(key) == s.color
-    assert hb.names_with_role("anchor") == ("liger", "sonicmoe")
+    assert hb.names_with_role("anchor") == ("liger", "sonicmoe", "liger_cute", "deepgemm_megamoe")
+    assert len({s.color for s in hb.REGISTRY.values()} | set(hb._FALLBACK_COLORS)) == len(hb.REGISTRY) + len(
+        hb._FALLBACK_COLORS)  # every backend its own colour, none a fallback's
     assert set(hb.names_with_role("published baseline")) == {"nccl", "deepep", "deepep_te", "hybridep_megatron"}
     assert L.FUSED == ("mok", "mok_hopper", "mok_hopper_cpu_twin") and L.NOT_CONTENDERS == ("reference",)
     assert L.is_anchor("liger") and not L.is_baseline("liger") and not L.is_fused("sonicmoe")
@@ -72,9 +74,9 @@ def test_reports_import_the_registry_without_torch():
 
 
 def test_anchor_backends_are_valid_config_choices():
-    cfg = compose_cfg("device=cpu", "backends=[nccl,liger,sonicmoe]")
-    assert list(cfg.backends) == ["nccl", "liger", "sonicmoe"]
-    for name in ("liger", "sonicmoe"):  # the adapters import without their libraries (those load in setup)
+    cfg = compose_cfg("device=cpu", "backends=[nccl,liger,sonicmoe,liger_cute,deepgemm_megamoe]")
+    assert list(cfg.backends) == ["nccl", "liger", "sonicmoe", "liger_cute", "deepgemm_megamoe"]
+    for name in ("liger", "sonicmoe", "liger_cute", "deepgemm_megamoe"):  # they import without their libraries
         assert hb.load_backend(name).name == name
 
 
@@ -559,3 +561,65 @@ def test_anchors_on_the_cpu_are_unsupported_rows_beside_ok_rows(results_dir):
         assert st[("liger", d)][0] == "unsupported"
         assert ("CUDA GPU" if HAS_LIGER else "pip install liger-kernel") in st[("liger", d)][1]
         assert st[("sonicmoe", d)][0] == "unsupported" and "sonic" in st[("sonicmoe", d)][1].lower()
+
+
+# ---- nccl compiled: how inductor autotuned --------------------------------------------------------------------------
+
+
+def test_nccl_notes_say_inductor_autotuned_in_subprocesses(monkeypatch):
+    """With TORCHINDUCTOR_AUTOTUNE_IN_SUBPROC=1 (what scripts/h200_anchors_run.sh sets for nccl's published
+    max-autotune at EP=1) a compiled nccl row says so; an eager row, or autotuning in the process, says nothing."""
+    from torch._inductor import config
+
+    from baselines import nccl
+
+    code = "from baselines.nccl import inductor_note; print(inductor_note(True))"
+    for value, says in (("1", "inductor autotuning in subprocesses (TORCHINDUCTOR_AUTOTUNE_IN_SUBPROC=1)"), ("0", "")):
+        env = dict(os.environ, PYTHONPATH=str(ROOT), TORCHINDUCTOR_AUTOTUNE_IN_SUBPROC=value)
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        assert out.stdout.strip() == says
+    b = nccl.NcclBackend.__new__(nccl.NcclBackend)
+    for compiled, sub in ((True, True), (True, False), (False, True)):
+        monkeypatch.setattr(config, "autotune_in_subproc", sub)
+        b.params = types.SimpleNamespace(columns=lambda dispatch, c=compiled: {"compiled": c}, gemm_name=lambda: "g")
+        notes = b.info()["notes"]
+        assert notes.startswith("grouped GEMM: g; shared expert not overlapped")
+        assert ("inductor autotuning in subprocesses" in notes) == (compiled and sub)
+
+
+# ---- LigerCute and DeepGEMM MegaMoE through the harness (their adapters: test_anchors_ep.py) ------------------
+
+
+@pytest.mark.slow
+def test_harness_rows_of_the_new_anchors_on_the_cpu(results_dir):
+    """One CPU point: both new anchors give an unsupported row per direction with their reason; nccl still runs."""
+    from conftest import cpu_cfg
+    from harness.runner import run_benchmark
+
+    df = run_benchmark(cpu_cfg(results_dir, "ep_size=1", "backends=[nccl,liger_cute,deepgemm_megamoe]",
+                               "directions=[fwd,bwd]"))
+    st = {(r.backend, r.direction): (r.status, str(r.error)) for r in df.itertuples()}
+    assert st[("nccl", "fwd")][0] == "ok" and st[("nccl", "bwd")][0] == "ok"
+    for d in ("fwd", "bwd"):
+        assert st[("liger_cute", d)][0] == "unsupported" and "Hopper (SM90)" in st[("liger_cute", d)][1]
+        assert st[("deepgemm_megamoe", d)] == ("unsupported", st[("deepgemm_megamoe", "fwd")][1])
+        assert "fp8 only" in st[("deepgemm_megamoe", d)][1]
+
+
+@pytest.mark.slow
+def test_megamoe_beside_mok_hopper_inference_is_one_valid_run(tmp_path):
+    """The comparison's command line on the CPU: exit 0, megamoe's row unsupported (no SM90 GPU), mok_hopper's
+    inference forward (its CPU twin) ok."""
+    from harness import results
+
+    out = tmp_path / "res"
+    r = subprocess.run([sys.executable, "-m", "harness.run", "backends=[deepgemm_megamoe,mok_hopper]", "precision=fp8",
+                        "mok_hopper_forward=inference", "direction=fwd", "ep_size=1", "timing.num_iters=2",
+                        f"results_dir={out}", "print_table=false"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, r.stderr[-2000:]
+    df = results.load(out)
+    st = {r.backend: (r.status, str(r.error)) for r in df.itertuples()}
+    assert set(df["direction"]) == {"fwd"} and st["mok_hopper"][0] == "ok"
+    megamoe = st["deepgemm_megamoe"]
+    assert megamoe[0] == "unsupported" and "Hopper GPU (SM90); this is the CPU" in megamoe[1]

@@ -183,6 +183,93 @@ def test_cpu_rows_say_emulated_and_a_real_path_is_unsupported(results_dir):
     assert r.status == "unsupported" and "fp8_gemm=emulated" in r.error
 
 
+# ---- the DeepGEMM build check (DeepGEMM #365) ----------------------------------------------------------------------
+
+
+def _stand_in_deep_gemm(kind: str):
+    """A ``deep_gemm`` whose k-grouped GEMM is the reference (``ok``), the reference with a result that changes from
+    call to call (``racy``, as DeepGEMM #365's), or repeatable but 5% off (``wrong``)."""
+    import types
+
+    calls = []
+
+    def k_grouped(a, b, d, ks, ks_tensor, c):
+        fg.reference_k_grouped_nt(a, b, d, ks, ks_tensor, c)
+        calls.append(1)
+        if kind == "racy" and len(calls) % 3 == 0:
+            d[len(ks) - 1, 0, 0] += 1e-3  # one element of one group, in some of the calls
+        if kind == "wrong":
+            d *= 1.05
+
+    return types.SimpleNamespace(__name__="deep_gemm", __version__="2.6.1", k_grouped_fp8_gemm_nt_contiguous=k_grouped,
+                                 m_grouped_fp8_gemm_nt_contiguous=fg.reference_m_grouped_nt,
+                                 get_mk_alignment_for_contiguous_layout=lambda: 128), calls
+
+
+@pytest.fixture
+def small_check(monkeypatch):
+    """The build check on a smaller input (the CPU reference is slow); every other part as at setup."""
+    monkeypatch.setattr(fg, "BUILD_CHECK_KS", (128, 256, 128))
+    monkeypatch.setattr(fg, "BUILD_CHECK_MN", (128, 256))
+
+
+@pytest.mark.parametrize("kind, says", [
+    ("ok", None),
+    ("racy", "2 of 7 results differ from the first, bitwise (not repeatable: the race of DeepGEMM #365"),
+    ("wrong", "repeatable, but 0.05 off the reference product"),
+])
+def test_deep_gemm_build_check(small_check, kind, says):
+    dg, calls = _stand_in_deep_gemm(kind)
+    why, line = fg.check_k_grouped(dg, torch.device("cpu"))
+    assert len(calls) == fg.BUILD_CHECK_CALLS == 8
+    if says is None:
+        assert why is None and line.startswith("setup check: k-grouped wgrad GEMM bitwise equal over 8 calls")
+    else:
+        assert says in why and line == ""
+
+
+def test_deep_gemm_build_check_decides_the_blockwise_path(small_check, monkeypatch):
+    """On an SM90 GPU (faked here) a DeepGEMM that fails the check makes fp8_gemm=blockwise unsupported, with the fix
+    and the build; one that passes runs, and its rows' scaling carries the check's line. Once per process."""
+    from harness.config import make_case
+
+    monkeypatch.setattr(fg, "_capability", lambda device: (9, 0))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    real = fg.check_k_grouped
+    monkeypatch.setattr(fg, "check_k_grouped", lambda dg, device: real(dg, torch.device("cpu")))
+    monkeypatch.setenv(fg.DEEPGEMM_REF_ENV, "42c240d")
+    for kind in ("racy", "ok"):
+        dg, calls = _stand_in_deep_gemm(kind)
+        monkeypatch.setattr(fg, "load_deep_gemm", lambda dg=dg: (dg, None))
+        monkeypatch.setattr(fg, "_BUILD_CHECK", {})
+        why = fg.path_unavailable("blockwise", "cuda")
+        fg.path_unavailable("blockwise", "cuda")
+        assert len(calls) == 8  # checked once
+        if kind == "racy":
+            assert "DeepGEMM #365" in why and "42c240d" in why and "1f6f3f3" in why and "blockwise_loop" in why
+            assert "[deep_gemm 2.6.1, MOKBENCH_DEEPGEMM_REF=42c240d]" in why
+    assert why is None
+    case = make_case(compose_cfg("shape=tiny", "precision=fp8"), ep_size=2, device="cpu")
+    label = fg.scaling_label("blockwise", case, "bf16")
+    assert "setup check: k-grouped wgrad GEMM bitwise equal over 8 calls" in label
+    assert "MOKBENCH_DEEPGEMM_REF=42c240d" in label
+
+
+def test_deep_gemm_build_check_agrees_across_ranks(monkeypatch):
+    """A race seen on one rank's GPU makes the path unsupported on every rank (faked collective: rank 0 of two,
+    rank 1 failed); with no failure anywhere, None; without a process group, this rank's own verdict."""
+    import torch.distributed as dist
+
+    assert fg.agree_across_ranks("mine") == "mine" and fg.agree_across_ranks(None) is None  # no group here
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda *a: 2)
+    monkeypatch.setattr(dist, "get_rank", lambda *a: 0)
+    for others, want in (([None, "racy"], "on rank 1: racy"), ([None, None], None), (["mine", "racy"], "mine")):
+        monkeypatch.setattr(dist, "all_gather_object", lambda out, obj, others=others: out.__setitem__(
+            slice(None), others))
+        assert fg.agree_across_ranks(others[0]) == want
+
+
 # ---- GPU: the real GEMMs against the references --------------------------------------------------------------------
 
 gpu = [pytest.mark.gpu, pytest.mark.skipif(not HAS_GPU, reason="no CUDA GPU on this machine")]
