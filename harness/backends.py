@@ -33,8 +33,8 @@ ROLES = ("reference", "published baseline", "baseline", "anchor", "contender")
   HybridEP+Megatron); the published-claim verdicts are computed against these;
 * ``baseline``: a baseline that the published figure does not have (HybridEP+PyTorch); counted with the published
   baselines (the fastest baseline of a cell is the fastest of both), so out-of-tree backends default to it;
-* ``anchor``: a fused MoE layer a user would pick instead of the contender (Liger-Kernel, SonicMoE); shown in every
-  table and chart, marked as an anchor, never counted as a baseline;
+* ``anchor``: a fused MoE layer a user would pick instead of the contender (Liger-Kernel, SonicMoE, LigerCute,
+  DeepGEMM MegaMoE); shown in every table and chart, marked as an anchor, never counted as a baseline;
 * ``contender``: a fused kernel whose speedup the reports compute (MoK, this project's mok_hopper)."""
 
 
