@@ -5,10 +5,17 @@ option (``shape=kimi``), a misspelled key (``ep_sise=2``), a value of the wrong 
 (``workload.tokens_per_gpu=1.5``), an override it cannot parse. :func:`hydra_error_line` turns those errors into
 one line that lists the valid choices or the closest key; ``harness.run`` prints it and exits 2.
 
-A sweep (``-m``) is validated point by point before any point runs (:class:`SweepValidationMixin`, the sweeper
-``configs/hydra/sweeper/mokbench.yaml`` that ``configs/config.yaml`` selects): composition errors and everything a
-run checks before it starts, for every point, each problem on its own line, then exit 2 with nothing run or
-written. With the mokbench Slurm / local launchers a point is checked for the job it will run in
+Before Hydra parses anything, :func:`argv_line` words what its argument parser would refuse (a flag such as ``-m``
+after the overrides) as the same command in the order that works. A ``hydra.launcher.<key>`` outside a sweep on a
+mokbench launcher, or one the launcher does not take, gets the launcher presets or the launcher's keys; in the main,
+:func:`check_command_line` refuses what needs the command line to see (a launcher option in a plain run, an option
+and a key that replaces it).
+
+A sweep (``-m``) is validated point by point before any point runs, and before Hydra makes the sweep folder
+(:class:`SweepValidationMixin`, the sweeper ``configs/hydra/sweeper/mokbench.yaml`` that ``configs/config.yaml``
+selects): composition errors and everything a run checks before it starts, for every point, one line per problem
+(naming the points that have it, ``all N sweep points`` where every one does), then exit 2 with nothing run or
+written. With the mokbench Slurm / local / node launchers a point is checked for the job it will run in
 (:func:`harness.slurm.plan_point`); with Hydra's basic launcher, which runs the points one after the other in this
 process, exactly as a plain run checks it (:func:`harness.runner.prepare`).
 """
@@ -20,6 +27,7 @@ import copy
 import dataclasses
 import difflib
 import re
+import shlex
 import sys
 from typing import Any, Iterator, NoReturn, Optional, Sequence
 
@@ -44,6 +52,8 @@ def hydra_error_line(e: BaseException) -> Optional[str]:
         return None
     cause = e.__cause__ if isinstance(e.__cause__, OmegaConfBaseException) else e
     if isinstance(cause, (ConfigKeyError, ConfigAttributeError)) and getattr(cause, "full_key", None):
+        if str(cause.full_key).startswith("hydra.launcher."):
+            return _launcher_key(str(cause.full_key), getattr(cause, "object_type", None))
         return _unknown_key(str(cause.full_key))
     if isinstance(cause, ValidationError) and getattr(cause, "full_key", None):
         return _bad_value(str(cause.full_key), cause)
@@ -116,6 +126,100 @@ def _unknown_key(key: str) -> str:
     return f"unknown key '{key}'; the keys {where}: {', '.join(k.rpartition('.')[2] for k in siblings)}"
 
 
+def launcher_presets() -> list[str]:
+    """The launcher presets (configs/hydra/launcher/*.yaml)."""
+    return sorted(p.stem for p in (CONFIG_DIR / "hydra" / "launcher").glob("*.yaml"))
+
+
+def launcher_needs_sweep(override: str) -> str:
+    """The line for a ``hydra.launcher.<key>`` or ``hydra/launcher=`` override where no mokbench launcher runs a
+    sweep (a plain run, or a sweep on Hydra's basic launcher)."""
+    override = override.lstrip("+~")
+    presets = ", ".join(launcher_presets())
+    if override.startswith("hydra/launcher="):
+        return (f"{override} picks the launcher of a sweep: put -m first (python -m harness.run -m {override} ...); "
+                f"presets: {presets}")
+    return (f"{override.partition('=')[0]} is an option of a mokbench sweep launcher: put -m first and pick a "
+            f"launcher (python -m harness.run -m hydra/launcher=<preset> {override} ...); presets: {presets}")
+
+
+def _launcher_key(key: str, schema: Any) -> str:
+    from harness.slurm import LAUNCHER_SCHEMAS, launcher_keys
+
+    executor = next((x for x, s in LAUNCHER_SCHEMAS.items() if s is schema), None)
+    if executor is None:  # Hydra's basic launcher (no -m hydra/launcher=...): it has no options
+        given = [a for a in sys.argv[1:] if a.lstrip("+~").startswith(f"{key}=")]
+        return launcher_needs_sweep(given[-1] if given else f"{key}=...")
+    keys = launcher_keys(schema)
+    close = difflib.get_close_matches(key.rpartition(".")[2], keys, n=1, cutoff=0.7)
+    hint = f" (did you mean hydra.launcher.{close[0]}?)" if close else ""
+    return f"unknown key '{key}'{hint}; the keys of the mokbench_{executor} launcher: {', '.join(keys)}"
+
+
+class _ArgvError(Exception):
+    pass
+
+
+def argv_line(argv: Sequence[str]) -> Optional[str]:
+    """One line for a command line Hydra's argument parser refuses (None where it parses): a Hydra flag after the
+    overrides (``results_dir=R -m a=1,2``) gets the same command with the flags first."""
+    from hydra._internal.utils import get_args_parser
+
+    argv = list(argv)
+    if "--version" in argv:  # argparse prints the version and exits while parsing
+        return None
+    parser = get_args_parser()
+
+    def fail(message: str) -> NoReturn:
+        raise _ArgvError(message)
+
+    parser.error = fail  # type: ignore[method-assign]  (argparse prints usage and exits where it refuses)
+    try:
+        extra = parser.parse_known_args(argv)[1]
+        if not extra:
+            return None
+        parser.parse_intermixed_args(argv)  # the same arguments parse with the flags anywhere: only the order is off
+    except _ArgvError as e:
+        return f"{e} (python -m harness.run --help lists the flags; overrides are key=value)"
+    flags: list[str] = []
+    overrides: list[str] = []
+    late: list[str] = []
+    i = 0
+    while i < len(argv):
+        name = argv[i].partition("=")[0]
+        action = parser._option_string_actions.get(name) if argv[i].startswith("-") else None
+        if action is None:
+            overrides.append(argv[i])
+            i += 1
+            continue
+        takes = "=" not in argv[i] and i + 1 < len(argv) and (
+            action.nargs is None or (action.nargs == "?" and argv[i + 1] in (action.choices or ())))
+        if overrides:
+            late.append(argv[i])
+        flags += argv[i:i + 1 + takes]
+        i += 1 + takes
+    named = ", ".join(f"{f} (or --multirun)" if f == "-m" else f"{f} (or -m)" if f == "--multirun" else f
+                      for f in dict.fromkeys(late))
+    return f"put {named} before the overrides: python -m harness.run {shlex.join(flags + overrides)}"
+
+
+def check_command_line(cfg: DictConfig) -> None:
+    """The checks of a run (in the Hydra main) that need its command line, not only its config: a launcher option
+    without a sweep, and a group option and a key it sets given with different values (``check_option_conflicts``).
+    Raises :class:`ConfigError`."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    from harness.config import check_option_conflicts, to_container
+
+    hc = HydraConfig.get()
+    if hc.mode == RunMode.RUN:
+        for o in hc.overrides.hydra:
+            if o.lstrip("+~").startswith(("hydra.launcher.", "hydra/launcher=")):
+                raise ConfigError(launcher_needs_sweep(o))
+    check_option_conflicts(to_container(cfg), list(hc.overrides.task))
+
+
 _TYPE_WORDS = {"Integer": "an integer", "Float": "a number", "Boolean": "true or false", "bool": "true or false",
                "String": "a string"}
 
@@ -164,22 +268,42 @@ def check_sweep(loader: Any, master: DictConfig, launcher: Any, job_overrides: S
             msg = point_error_line(e)
             if msg is None:
                 raise
-        problems.append(f"sweep point #{initial_job_idx + i} ({labels[i]}): {msg}")
+        problems.append((initial_job_idx + i, labels[i], msg))
     if problems:
-        reject(problems)
+        reject(sweep_problem_lines(problems, len(job_overrides)))
+
+
+def sweep_problem_lines(problems: Sequence[tuple[int, str, str]], points: int) -> list[str]:
+    """One line per problem of a sweep (``problems``: point number, label, message), naming the points that have it:
+    ``all N sweep points: ...`` where every one of the ``points`` does."""
+    by_message: dict[str, list[tuple[int, str]]] = {}
+    for num, label, msg in problems:
+        by_message.setdefault(msg, []).append((num, label))
+    lines = []
+    for msg, where in by_message.items():
+        if len(where) == points > 1:
+            lines.append(f"all {points} sweep points: {msg}")
+        else:
+            named = ", ".join(f"#{num} {label if label.startswith('(') else f'({label})'}" for num, label in where)
+            lines.append(f"sweep point{'s' if len(where) > 1 else ''} {named}: {msg}")
+    return lines
 
 
 def check_local_point(config: DictConfig) -> None:
-    """Check one composed sweep point (``hydra`` node included) exactly as ``harness.run`` would check it here."""
-    from harness.config import run_id_for_sweep
-    from harness.runner import prepare
+    """Check one composed sweep point (``hydra`` node included) exactly as ``harness.run`` would check it here, and
+    its run folder as the sweep's first point will find it."""
+    from harness.config import check_option_conflicts, given_run_id, run_id_for_sweep
+    from harness.runner import check_new_run, prepare
 
     task_cfg = copy.deepcopy(config)
     with hydra_config(config):
         with read_write(task_cfg), open_dict(task_cfg):
             del task_cfg["hydra"]
+            generated = given_run_id(task_cfg)[0] is None
             run_id_for_sweep(task_cfg)
-        prepare(task_cfg)
+        c = prepare(task_cfg)[0]
+    check_option_conflicts(c, list(config.hydra.overrides.task))
+    check_new_run(c, generated_from=str(config.hydra.sweep.dir) if generated else None)
 
 
 def point_labels(job_overrides: Sequence[Sequence[str]]) -> list[str]:
@@ -216,9 +340,20 @@ class SweepValidationMixin:
     launcher: Any
     hydra_context: Any
 
+    def sweep(self, arguments: list[str]) -> Any:
+        """Validate every point, then sweep as Hydra's basic sweeper does; a sweep refused here leaves no sweep folder
+        (Hydra makes it, and saves multirun.yaml in it, before it validates the first batch)."""
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+
+        params = self._parse_config()  # type: ignore[attr-defined]
+        params.extend(arguments)
+        parsed = OverridesParser.create(config_loader=self.hydra_context.config_loader).parse_overrides(params)
+        batches = self.split_arguments(parsed, self.max_batch_size)  # type: ignore[attr-defined]
+        self.validate_batch_is_legal([list(o) for b in batches for o in b])
+        return super().sweep(arguments)  # type: ignore[misc]
+
     def validate_batch_is_legal(self, batch: Sequence[Sequence[str]]) -> None:
         if getattr(self, "_mokbench_validated", False):
             return
         self._mokbench_validated = True
-        every = [list(o) for b in (self.overrides or [batch]) for o in b]
-        check_sweep(self.hydra_context.config_loader, self.config, self.launcher, every)
+        check_sweep(self.hydra_context.config_loader, self.config, self.launcher, [list(o) for o in batch])

@@ -14,9 +14,10 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
@@ -126,12 +127,18 @@ class BenchConfig:
     mok_hopper_forward: str = "save_h"  # what mok_hopper's forward saves for the backward (MOK_HOPPER_FORWARDS)
     check: bool = True  # correctness gate against the reference before timing
     time_reference: bool = False  # the reference is not a contender; time it only when asked
-    run_id: Optional[str] = None  # rows of one run share it; None: generated per process tree
+    # rows of one run share it, and go to <results_dir>/<run_id>/; a name (letters, digits, '.', '_', '-'), never a
+    # path; None: generated per process tree. A run id whose folder already holds rows is refused unless `append`.
+    run_id: Optional[str] = None
+    # add this run's rows to a run folder that already holds rows (the same run_id, on purpose: a script that runs
+    # one run in several calls); rows record it in `appended`. Without it a taken run_id is refused.
+    append: bool = False
     results_dir: str = "results/local"  # a user's own runs (ignored by git); results/runs holds the committed ones
     results_format: str = "csv"  # csv | parquet
     calibrate: bool = False  # measure GEMM / HBM / interconnect rates and write calibration rows
     print_table: bool = True
-    dist_timeout_s: int = 600  # a rank stuck in a collective this long fails; the launcher then writes its rows
+    # a rank stuck in a collective this long fails; the launcher then writes its rows (1 s to a year)
+    dist_timeout_s: int = 600
     # a backend whose setup (construction, compiles, autotuning) runs longer becomes a `timeout` row and the point
     # goes on with the next backend; None: no limit (runner.time_limit says what it can interrupt)
     setup_timeout_s: Optional[float] = None
@@ -204,11 +211,38 @@ def timing_label(timing: dict) -> str:
     return str(name) if all(timing.get(k) == preset[k] for k in TIMING_PRESET_FIELDS) else "custom"
 
 
+RUN_ID_PATTERN = re.compile(r"[A-Za-z0-9._-]+")
+
+
+def check_run_id(run_id: Any, source: str = "run_id") -> None:
+    """Raise :class:`ConfigError` unless ``run_id`` is a name (letters, digits, ``.``, ``_``, ``-``; not ``.`` or
+    ``..``): the run's rows go to ``<results_dir>/<run_id>/``, so a path would write them elsewhere."""
+    if run_id is None or run_id == "":
+        return
+    rid = str(run_id)
+    if not RUN_ID_PATTERN.fullmatch(rid) or rid in (".", ".."):
+        raise ConfigError(f"{source}={rid} is not a run name: use letters, digits, '.', '_' and '-' only (no '/', not "
+                          f"'.' or '..'); the rows go to <results_dir>/<run_id>/")
+
+
+def given_run_id(c: Any) -> tuple[Optional[str], str]:
+    """The run id given for this run and where it came from: ``run_id=`` (the config), else ``MOKBENCH_RUN_ID`` (the
+    environment), else (None, ""): the run gets a new one."""
+    if c.get("run_id"):
+        return str(c.get("run_id")), "run_id"
+    if os.environ.get("MOKBENCH_RUN_ID"):
+        return os.environ["MOKBENCH_RUN_ID"], "MOKBENCH_RUN_ID"
+    return None, ""
+
+
 def run_id_for_sweep(cfg: DictConfig) -> None:
     """Jobs of one multirun share a run_id (from the sweep folder) unless one was given (``run_id=`` or
-    ``MOKBENCH_RUN_ID``): sets ``cfg.run_id`` inside a Hydra multirun job, leaves it alone elsewhere. The Hydra main
-    calls it for each job; the sweep checks (harness.cli, harness.slurm) call it to validate the job as it will run."""
-    if cfg.get("run_id") or os.environ.get("MOKBENCH_RUN_ID"):
+    ``MOKBENCH_RUN_ID``, checked to be a name): sets ``cfg.run_id`` inside a Hydra multirun job, leaves it alone
+    elsewhere. The Hydra main calls it for each job; the sweep checks (harness.cli, harness.slurm) call it to validate
+    the job as it will run."""
+    rid, source = given_run_id(cfg)
+    if rid is not None:
+        check_run_id(rid, source)
         return
     try:
         from hydra.core.hydra_config import HydraConfig
@@ -429,25 +463,109 @@ def validate_run_options(c: dict) -> None:
     for d in c["directions"]:
         if d not in DIRECTIONS:
             raise ConfigError(f"unknown direction '{d}'; choose from: {', '.join(DIRECTIONS)}")
-    t = c["timing"]
-    if t["num_iters"] < 1 or t["num_warmup"] < 0:
-        raise ConfigError(f"timing needs num_iters >= 1 and num_warmup >= 0 (got {t['num_iters']}, {t['num_warmup']})")
-    if t["align"] not in ("barrier", "none"):
-        raise ConfigError(f"timing.align must be barrier or none (got {t['align']})")
+    for k in TIMING_FIELDS:
+        if c["timing"].get(k) is None:
+            raise ConfigError(f"timing.{k} is not set: give it a value (timing.{k}=...) or pick a timing preset "
+                              f"(timing=quick, timing=published)")
+    if c["timing"]["align"] not in ("barrier", "none"):
+        raise ConfigError(f"timing.align must be barrier or none (got {c['timing']['align']})")
     if c["device"] not in DEVICES:
         raise ConfigError(f"device must be one of {', '.join(DEVICES)} (got {c['device']})")
-    if c.get("setup_timeout_s") is not None and not c["setup_timeout_s"] > 0:
-        raise ConfigError(f"setup_timeout_s must be > 0 seconds, or null for no limit (got {c['setup_timeout_s']})")
     if c["results_format"] not in ("csv", "parquet"):
         raise ConfigError(f"results_format must be csv or parquet (got {c['results_format']})")
-    if c.get("ep_size") is not None and c["ep_size"] < 1:
-        raise ConfigError(f"ep_size must be >= 1 (got {c['ep_size']})")
+    if c.get("compile_mode") not in COMPILE_MODES:  # checked with compile off too: it is recorded and swept
+        raise ConfigError(f"unknown compile_mode '{c.get('compile_mode')}'; choose one of: {', '.join(COMPILE_MODES)}")
+    check_run_id(*given_run_id(c))
+    for key, low, high, closed, unit, null in NUMERIC_RANGES:
+        value = _select(c, key)
+        if value is None and null:
+            continue
+        if value is None or not (low <= value <= high) or (value == low and not closed):  # (NaN fails too)
+            lo, hi = (str(int(v)) if float(v).is_integer() else f"{v:g}" for v in (low, high))
+            span = (f"{'>=' if closed else '>'} {lo}" if high == _INF else
+                    f"between {lo} and {hi}" if closed else f"> {lo} and <= {hi}")
+            raise ConfigError(f"{key} must be {span}{unit}{f', or null for {null}' if null else ''} (got {value})")
+
+
+# The numeric options and the values that can work: (dotted key, lowest, highest, whether the lowest itself is
+# allowed, unit, what null means: None where null is not allowed). Checked before anything runs; the shape's sizes,
+# the tokens and comm_sms are checked on the resolved point (validate_case).
+_YEAR_S = 365 * 24 * 3600
+_INF = float("inf")
+NUMERIC_RANGES: tuple[tuple[str, float, float, bool, str, Optional[str]], ...] = (
+    ("ep_size", 1, _INF, True, "", "all local GPUs (2 ranks on a CPU)"),
+    ("dist_timeout_s", 1, _YEAR_S, True, " seconds", None),
+    ("setup_timeout_s", 0, _YEAR_S, False, " seconds", "no limit"),
+    ("timing.num_iters", 1, _INF, True, "", None),
+    ("timing.num_warmup", 0, _INF, True, "", None),
+    ("timing.phase_iters", 0, _INF, True, " (0: no per-phase bandwidth timing)", None),
+    ("workload.seed", -(2**31), 2**31 - 1, True, "", None),  # seeds of the per-rank and per-expert generators
+    ("precision.act_block", 1, _INF, True, "", None),
+    ("precision.weight_block", 1, _INF, True, "", None),
+    ("precision.atol", 0, _INF, True, "", None),
+    ("precision.rtol", 0, _INF, True, "", None),
+)
+TIMING_FIELDS = ("num_warmup", "num_iters", "l2_flush", "align", "phase_iters")
+
+
+def _select(c: dict, key: str) -> Any:
+    group, _, leaf = key.rpartition(".")
+    return (c.get(group) or {}).get(leaf) if group else c.get(key)
+
+
+# A config group whose option sets one key, and that key: given both on the command line, the key is merged last and
+# the option would be dropped without a word, so different values are refused (the same value is fine).
+OPTION_KEYS = {"backend": "backends", "direction": "directions", "precision": "precision.name",
+               "workload": "workload.routing"}
+
+
+def check_option_conflicts(c: dict, overrides: Sequence[str]) -> None:
+    """Raise :class:`ConfigError` where the command line (``overrides``, one point's) picks a group option
+    (``backend=mok_hopper``) and the composed config holds another value of the key that option sets
+    (``backends=[nccl]``, given too or set by an experiment)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides([o for o in overrides if "=" in o])
+    given = {o.key_or_group: o for o in parsed if not o.is_delete()}
+    for group, key in OPTION_KEYS.items():
+        if group not in given or not isinstance(given[group].value(), str):
+            continue
+        option = str(given[group].value())
+        want = _option_sets(group, option, key)
+        got = _select(c, key)
+        if want is None or got == want:
+            continue
+        if key in given:
+            source = f"{key}={given[key].get_value_element_as_str()}"
+            alone = (f"{group}={got} alone" if isinstance(got, str) and (CONFIG_DIR / group / f"{got}.yaml").exists()
+                     else f"{key}={_show(got)} alone")
+            fix = f"give one of the two ({group}={option} alone, or {alone})"
+        else:  # an experiment set the key
+            source = f"{key}={_show(got)}" + "".join(f" (set by {o.input_line})" for o in parsed
+                                                      if o.key_or_group == "experiment")
+            fix = f"drop {group}={option}, or give {key}=... to replace the experiment's"
+        raise ConfigError(f"{group}={option} conflicts with {source}, which replaces it: {fix}")
+
+
+def _option_sets(group: str, option: str, key: str) -> Any:
+    """The value a group option sets for ``key`` (None: not an option with a file)."""
+    if group == "backend":
+        return [option]
+    path = CONFIG_DIR / group / f"{option}.yaml"
+    if not path.exists():
+        return None
+    value = OmegaConf.select(OmegaConf.load(path), key.removeprefix(f"{group}."))
+    return OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
+
+
+def _show(value: Any) -> str:
+    return f"[{','.join(map(str, value))}]" if isinstance(value, list) else str(value)
 
 
 # Fields that identify a measurement, not the run that made it (compare matches rows on this hash).
-_HASH_EXCLUDE = {"run_id", "dist_timeout_s", "setup_timeout_s", "profile_setup_dir", "results_dir", "results_format",
-                 "print_table", "timing", "check", "calibrate", "time_reference", "backends", "directions",
-                 "te_fp8_recipe", "backend_order", "fp8_gemm", "mok_hopper_forward"}
+_HASH_EXCLUDE = {"run_id", "append", "dist_timeout_s", "setup_timeout_s", "profile_setup_dir", "results_dir",
+                 "results_format", "print_table", "timing", "check", "calibrate", "time_reference", "backends",
+                 "directions", "te_fp8_recipe", "backend_order", "fp8_gemm", "mok_hopper_forward"}
 
 
 def config_hash(c: dict, case: Case) -> str:

@@ -32,6 +32,9 @@ STATUSES = ("ok", "unsupported", "mismatch", "error", "oom", "timeout", "cancell
 COLUMNS: dict[str, str] = {
     "run_id": "string",
     "row_id": "string",
+    # the row was run with append=true: added on purpose to a run folder that may hold another invocation's rows
+    # (empty in files written before the column)
+    "appended": "boolean",
     "timestamp": "string",
     "git_sha": "string",
     "git_dirty": "boolean",
@@ -139,6 +142,7 @@ def base_row(case: Case, c: dict, *, run_id: str, config_hash: str, num_nodes: i
     t = c["timing"]
     row = {
         "run_id": run_id,
+        "appended": bool(c.get("append", False)),
         "config_hash": config_hash,
         "shape": case.shape,
         "num_experts": case.num_experts,

@@ -3,14 +3,20 @@
     python -m harness.run                                    # the default for this machine
     python -m harness.run shape=glm_5_2 precision=fp8 backends=[nccl,reference] direction=fwd
     python -m harness.run -m shape=kimi_k2_7,glm_5_2 direction=fwd,bwd   # a sweep (multirun)
+
+Ctrl-C keeps the rows written so far and ends with one line, ``mokbench: interrupted: N rows kept in <dir>``, and
+exit code 130.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
+from pathlib import Path
 
 import hydra
+import pandas as pd
 from omegaconf import DictConfig
 
 from harness.config import ConfigError, register_configs, run_id_for_sweep
@@ -21,31 +27,67 @@ _task_started = False  # set once the task function runs: later errors are not H
 
 @hydra.main(version_base=None, config_path="../configs", config_name="config")
 def main(cfg: DictConfig) -> None:
-    from harness.report_table import point_title, print_rows, summary_line
+    from harness.cli import check_command_line, reject
+    from harness.report_table import point_title, print_rows
     from harness.runner import run_benchmark
 
     global _task_started
     _task_started = True
-    run_id_for_sweep(cfg)
     try:
+        run_id_for_sweep(cfg)
+        check_command_line(cfg)
         df = run_benchmark(cfg)
     except ConfigError as e:
-        print(f"mokbench: invalid configuration: {e}", file=sys.stderr)
-        sys.exit(2)
+        reject([str(e)])
     if cfg.print_table and len(df):
         print_rows(df, point_title())
     if len(df):  # rank 0 (and the launching process): where the rows went
-        print(summary_line(df, cfg.results_dir), flush=True)
+        print(closing_line(df, cfg.results_dir), flush=True)
+
+
+def closing_line(df: pd.DataFrame, results_dir: str) -> str:
+    """Where this run's rows went and the command that reports them, counting what the run folder holds: where it
+    held rows before (append=true, or the earlier points of a sweep) the line says how many are this run's."""
+    from harness import results
+    from harness.report_table import summary_line
+    from harness.runner import sweep_point_num
+
+    dirs = [Path(results_dir) / r for r in df["run_id"].dropna().unique()]
+    try:
+        held = results.load(*[d for d in dirs if d.is_dir()]) if dirs else df
+    except (results.ResultsFileError, FileNotFoundError):
+        held = df
+    if len(held) <= len(df):
+        return summary_line(df, results_dir)
+    num = sweep_point_num()
+    head, sep, tail = summary_line(held, results_dir).partition("; report: ")
+    return f"{head}, {len(df)} of them from {'this run' if num is None else f'sweep point #{num}'}{sep}{tail}"
+
+
+def _interrupted() -> None:
+    """Ctrl-C: one line saying how many rows this process's runs (and the jobs it launched) keep, and where."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    runner = sys.modules.get("harness.runner")  # not imported yet: nothing was written
+    n, dirs = runner.kept_rows() if runner is not None else (0, [])
+    where = f" in {', '.join(dirs)}" if dirs else " (nothing was written)"
+    print(f"mokbench: interrupted: {n} rows kept{where}", file=sys.stderr, flush=True)
+    sys.exit(130)
 
 
 def cli() -> None:
-    """``main`` with Hydra's composition errors (unknown option, misspelled key, wrong type, unparsable override) as
-    one line naming the fix and exit code 2, like every other invalid configuration (harness.cli)."""
-    from harness.cli import hydra_error_line, reject
+    """``main`` with Hydra's composition errors (unknown option, misspelled key, wrong type, unparsable override) and
+    its argument parser's (a flag after the overrides) as one line naming the fix and exit code 2, like every other
+    invalid configuration (harness.cli); Ctrl-C as one line and exit code 130."""
+    from harness.cli import argv_line, hydra_error_line, reject
 
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises them instead of printing its own multi-line report
+    line = argv_line(sys.argv[1:])
+    if line is not None:
+        reject([line])
     try:
         main()
+    except KeyboardInterrupt:
+        _interrupted()
     except Exception as e:  # noqa: BLE001 - only composition errors are translated; the rest propagates
         line = None if _task_started else hydra_error_line(e)
         if line is None:

@@ -3,7 +3,9 @@
 ``run_benchmark`` is the entry point (the Hydra main and the tests call it). It validates the configuration before
 anything starts, then either joins the rank layout that torchrun or Slurm set up, or spawns the local ranks
 itself. Rank 0 writes the rows; a backend that fails becomes a row and the sweep goes on; a rank that dies leaves
-the launching process to write ``error`` rows for whatever was not reported.
+the launching process to write ``error`` rows for whatever was not reported. A run id given for a run whose folder
+already holds rows is refused unless ``append=true`` (:func:`check_new_run`); Ctrl-C stops the spawned ranks and
+keeps the rows written so far (:func:`kept_rows`).
 """
 
 from __future__ import annotations
@@ -11,10 +13,12 @@ from __future__ import annotations
 import dataclasses
 import gc
 import os
+import signal
 import sys
 import time
 import traceback
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
 import pandas as pd
@@ -32,6 +36,7 @@ from harness.config import (
     backend_order,
     check_cpu_memory,
     config_hash,
+    given_run_id,
     load_group_option,
     make_case,
     timing_label,
@@ -120,6 +125,8 @@ class _Agree:
         except torch.cuda.OutOfMemoryError as e:
             status, err = "oom", f"OutOfMemoryError: {str(e).splitlines()[0]}"
         except Exception as e:  # noqa: BLE001 - any backend failure becomes a row
+            if _stopping:  # a collective broken by a peer that was stopped: this rank stops too, quietly
+                raise KeyboardInterrupt from None
             status, err = "error", f"{type(e).__name__}: {e}"
             traceback.print_exc(file=sys.stderr)
         if status != "ok" and torch.cuda.is_available():
@@ -539,16 +546,114 @@ def raw_all_to_all_gb_s(rows_to: list[int], row_bytes: int, group, timer: Timer,
 # launching
 
 
+_stopping = False  # set in a spawned rank when the launching process stops it (Ctrl-C)
+
+
+def _stop_rank(signum: int, frame: Any) -> None:
+    global _stopping
+    _stopping = True
+    raise KeyboardInterrupt
+
+
 def _spawn_entry(local_rank: int, payload: dict, renv: RankEnv) -> None:
     import faulthandler
 
     faulthandler.enable()  # a crash inside a backend's native code still leaves a Python stack in the log
+    # The rank starts with SIGINT ignored (_run_ranks): Ctrl-C reaches the launching process, which stops the ranks
+    # with SIGTERM. Here SIGTERM leaves through KeyboardInterrupt (rank 0's file write in progress completes or is
+    # undone), and the rank is stopped with the launching process if that dies.
+    signal.signal(signal.SIGTERM, _stop_rank)
+    _die_with_parent(signal.SIGTERM)
     env = RankEnv(local_rank, renv.world_size, local_rank, 1, renv.master_addr, renv.master_port, "spawn")
     try:
         worker(payload, env)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _die_with_parent(sig: int) -> None:
+    try:
+        from torch.multiprocessing.spawn import _prctl_pr_set_pdeathsig
+
+        _prctl_pr_set_pdeathsig(sig)
+    except (ImportError, AttributeError, OSError):  # not Linux, or another torch: torch's own SIGINT stays
+        pass
+
+
+def _run_ranks(payload: dict, renv: RankEnv, n: int) -> None:
+    """Spawn the ``n`` local ranks and wait for them. Ctrl-C (SIGINT, to this process or its process group): the
+    ranks, which ignore SIGINT, get SIGTERM and leave; one that has not left after 30 s is killed; then the
+    KeyboardInterrupt goes on up (harness.run says how many rows were kept)."""
+    import torch.multiprocessing as mp
+
+    handler = signal.signal(signal.SIGINT, signal.SIG_IGN)  # inherited by the ranks at their start
+    try:
+        ctx = mp.start_processes(_spawn_entry, args=(payload, renv), nprocs=n, join=False, start_method="spawn")
+    finally:
+        signal.signal(signal.SIGINT, handler)
+    try:
+        while not ctx.join():
+            pass
+    except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the stopping short
+        for p in ctx.processes:
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        for p in ctx.processes:
+            p.join(max(0.0, deadline - time.monotonic()))
+            if p.is_alive():
+                p.kill()
+                p.join()
+        raise
+
+
+# The job files this process's runs write, and the run folders a launcher in this process sent jobs to write into
+# (with the files they held before): the rows a Ctrl-C leaves (kept_rows).
+_JOB_FILES: list[Path] = []
+_RUN_DIRS: dict[Path, frozenset[Path]] = {}
+
+
+def watch_run_dir(run_dir: Path) -> None:
+    """Rows that jobs started from this process will write into ``run_dir`` (files there now are not theirs)."""
+    run_dir = Path(run_dir)
+    if run_dir not in _RUN_DIRS:
+        _RUN_DIRS[run_dir] = frozenset(run_dir.glob("*")) if run_dir.is_dir() else frozenset()
+
+
+def kept_rows() -> tuple[int, list[str]]:
+    """The rows this process's runs (and the jobs it launched) have written so far, and their run folders."""
+    files = {results.written_path(f) for f in _JOB_FILES}
+    for d, before in _RUN_DIRS.items():
+        files |= set(results.find_files(d)[0]) - before if d.is_dir() else set()
+    n = 0
+    for f in files:
+        if f.exists():
+            try:
+                n += len(results.read_file(f))
+            except results.ResultsFileError:  # a damaged file: its rows are not counted as kept
+                pass
+    return n, sorted({str(f.parent) for f in _JOB_FILES} | {str(d) for d in _RUN_DIRS})
+
+
+def check_new_run(c: dict, generated_from: Optional[str] = None) -> None:
+    """Raise :class:`ConfigError` when the run id (given as ``run_id=`` or ``MOKBENCH_RUN_ID``, or a sweep's, made from
+    its folder ``generated_from``) names a run folder that already holds rows and ``append`` is off: this run's rows
+    would be pooled with another run's without a word."""
+    rid, source = given_run_id(c)
+    if rid is None or c.get("append"):
+        return
+    run_dir = Path(c["results_dir"]) / rid
+    files = results.find_files(run_dir)[0] if run_dir.is_dir() else []
+    if not files:
+        return
+    held = f"{run_dir} already holds the rows of a run ({len(files)} file{'s' if len(files) != 1 else ''})"
+    if generated_from:
+        raise ConfigError(f"the sweep's run id {rid} (made from hydra.sweep.dir={generated_from}) is taken: {held}: "
+                          f"give another hydra.sweep.dir or a run_id, or append=true to add the rows to that run")
+    raise ConfigError(f"{source}={rid} is taken: {held}: give a new run_id, or append=true to add this run's rows "
+                      f"to it")
 
 
 def prepare(cfg: Any) -> tuple[dict, Optional[RankEnv], int, Case]:
@@ -569,11 +674,14 @@ def prepare(cfg: Any) -> tuple[dict, Optional[RankEnv], int, Case]:
 def run_benchmark(cfg: Any) -> pd.DataFrame:
     """Validate, run every rank, and return this sweep point's rows (rank 0 and the launcher; others: empty)."""
     c, renv, ws, case = prepare(cfg)  # raises ConfigError before anything starts
-    run_id = c.get("run_id") or os.environ.get("MOKBENCH_RUN_ID") or new_run_id()
+    if not _point_of_a_sweep(c):  # a sweep checked its run folder before its first point
+        check_new_run(c)
+    run_id = given_run_id(c)[0] or new_run_id()
     chash = config_hash(c, case)
     path = results.job_file(c["results_dir"], run_id, chash, c["results_format"])
+    _JOB_FILES.append(path)
     payload = {"cfg": c, "device": c["device"], "run_id": run_id, "config_hash": chash, "path": str(path),
-               "point": _sweep_point_num()}
+               "point": sweep_point_num()}
 
     failure: Optional[str] = None
     if renv is not None:
@@ -581,11 +689,9 @@ def run_benchmark(cfg: Any) -> pd.DataFrame:
         if renv.rank != 0:
             return results.to_frame([])
     else:
-        import torch.multiprocessing as mp
-
         spawn_env = RankEnv(0, ws, 0, 1, "127.0.0.1", free_port(), "spawn")
         try:
-            mp.start_processes(_spawn_entry, args=(payload, spawn_env), nprocs=ws, join=True, start_method="spawn")
+            _run_ranks(payload, spawn_env, ws)
         except Exception as e:  # noqa: BLE001 - a rank died: record what did not report
             failure = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
         renv = spawn_env
@@ -602,7 +708,28 @@ def run_benchmark(cfg: Any) -> pd.DataFrame:
     return done
 
 
-def _sweep_point_num() -> Optional[int]:
+def _point_of_a_sweep(c: dict) -> bool:
+    """Whether this run is a point of a sweep, whose points share one run folder by design: a Hydra multirun job
+    (submitit's array jobs included), or a job that slurm/submit.sh started for a point the sweep's dry run planned
+    (its hydra.run.dir holds that point's file, with this run id)."""
+    if sweep_point_num() is not None:
+        return True
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        from harness.slurm import POINT_FILE
+
+        planned = Path(str(HydraConfig.get().run.dir)) / POINT_FILE
+    except (ValueError, ImportError, AttributeError):
+        return False
+    if not planned.exists():
+        return False
+    from omegaconf import OmegaConf
+
+    return str(OmegaConf.load(planned).get("run_id") or "") == given_run_id(c)[0]
+
+
+def sweep_point_num() -> Optional[int]:
     """This job's number in a Hydra multirun (None outside one), for the progress lines."""
     try:
         from hydra.core.hydra_config import HydraConfig

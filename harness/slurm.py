@@ -46,7 +46,7 @@ from hydra.core.utils import JobReturn, JobStatus, run_job, setup_globals
 from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf, LocalQueueConf, SlurmQueueConf
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
-from harness.cli import hydra_config, point_error_line, point_labels, reject
+from harness.cli import hydra_config, point_error_line, point_labels, reject, sweep_problem_lines
 from harness.config import ConfigError
 
 log = logging.getLogger(__name__)
@@ -86,15 +86,52 @@ class MokbenchNodeConf:
     gpus_per_node: Optional[int] = None
 
 
+# executor -> the schema of its launcher's options (``hydra/launcher=mokbench_<executor>``), which the presets in
+# configs/hydra/launcher extend: the one list of each launcher's keys
+LAUNCHER_SCHEMAS: dict[str, type] = {"slurm": MokbenchSlurmConf, "local": MokbenchLocalConf, "node": MokbenchNodeConf}
+
+# The launcher options that count something, and their least value (null, where a schema allows it: the default).
+# Checked before any plan is printed or job submitted.
+LAUNCHER_MINIMA = {"nodes": 1, "tasks_per_node": 1, "gpus_per_node": 0, "cpus_per_task": 1, "cpus_per_gpu": 1,
+                   "gpus_per_task": 1, "mem_gb": 1, "timeout_min": 1, "signal_delay_s": 0, "max_num_timeout": 0,
+                   "array_parallelism": 1, "nvlink_domain_nodes": 1}
+
+POINT_FILE = "mokbench.yaml"  # in each point's folder of the sweep: the point as validated (write_point)
+
+
 def register_launcher_configs() -> None:
     """``hydra/launcher=mokbench_slurm`` / ``mokbench_local`` / ``mokbench_node``: the schemas the presets in
     configs/hydra/launcher extend. Called when Hydra's plugin scan imports ``hydra_plugins.mokbench_launcher``."""
     from hydra.core.config_store import ConfigStore
 
     cs = ConfigStore.instance()
-    cs.store(group="hydra/launcher", name="mokbench_slurm", node=MokbenchSlurmConf, provider="mokbench")
-    cs.store(group="hydra/launcher", name="mokbench_local", node=MokbenchLocalConf, provider="mokbench")
-    cs.store(group="hydra/launcher", name="mokbench_node", node=MokbenchNodeConf, provider="mokbench")
+    for executor, schema in LAUNCHER_SCHEMAS.items():
+        cs.store(group="hydra/launcher", name=f"mokbench_{executor}", node=schema, provider="mokbench")
+
+
+def launcher_keys(schema: type) -> list[str]:
+    """The keys a launcher schema takes on the command line (``hydra.launcher.<key>``)."""
+    return sorted(f.name for f in dataclasses.fields(schema) if not f.name.startswith("_"))
+
+
+def check_launcher_options(opts: dict, executor: str) -> None:
+    """Raise :class:`ConfigError` for a key the launcher does not take (added with ``+hydra.launcher.``) or a count
+    below its least value (``LAUNCHER_MINIMA``)."""
+    import difflib
+
+    keys = launcher_keys(LAUNCHER_SCHEMAS[executor])
+    for k in opts:
+        if k not in keys and not k.startswith("_"):
+            close = difflib.get_close_matches(k, keys, n=1, cutoff=0.7)
+            hint = f" (did you mean hydra.launcher.{close[0]}?)" if close else ""
+            raise ConfigError(f"unknown key 'hydra.launcher.{k}'{hint}; the keys of the mokbench_{executor} launcher: "
+                              f"{', '.join(keys)}")
+    fields = {f.name: f for f in dataclasses.fields(LAUNCHER_SCHEMAS[executor])}
+    for k, least in LAUNCHER_MINIMA.items():
+        v = opts.get(k)
+        if k in fields and v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v < least):
+            null = " (or null)" if "Optional" in str(fields[k].type) else ""
+            raise ConfigError(f"hydra.launcher.{k} must be >= {least}{null} (got {v})")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -142,14 +179,16 @@ def _launcher_options(config: DictConfig) -> dict:
     return opts
 
 
-def plan_point(config: DictConfig, num: int, overrides: Sequence[str]) -> Point:
-    """Validate one composed sweep point (its full config, ``hydra`` node included) for the job it will run in.
-    Raises :class:`ConfigError` with the message a local run would give."""
+def plan_point(config: DictConfig, num: int, overrides: Sequence[str], executor: str = "slurm") -> Point:
+    """Validate one composed sweep point (its full config, ``hydra`` node included) for the job it will run in on
+    ``executor``'s launcher. Raises :class:`ConfigError` with the message a local run would give."""
     from harness import results
-    from harness.config import config_hash, make_case, run_id_for_sweep
-    from harness.runner import resolve
+    from harness.config import check_option_conflicts, config_hash, given_run_id, make_case, run_id_for_sweep
+    from harness.runner import check_new_run, resolve
 
     opts = _launcher_options(config)
+    asked_nodes = opts.get("nodes") if any(o.lstrip("+").startswith("hydra.launcher.nodes=")
+                                           for o in config.hydra.overrides.hydra) else None
     nodes = int(opts.get("nodes") or 1)
     tpn = int(opts.get("tasks_per_node") or 1)
     gpn = int(opts.get("gpus_per_node") or 0)
@@ -165,15 +204,21 @@ def plan_point(config: DictConfig, num: int, overrides: Sequence[str]) -> Point:
             device = "cuda" if gpn > 0 else "cpu"
             task_cfg.device = device
             overrides = [o for o in overrides if not o.lstrip("+~").startswith("device=")] + [f"device={device}"]
+        generated = given_run_id(task_cfg)[0] is None
         with hydra_config(config):
             run_id_for_sweep(task_cfg)
             with _assume_cuda(device == "cuda"):
                 c = resolve(task_cfg)
+    check_option_conflicts(c, list(config.hydra.overrides.task))
 
     if opts.get("gpus_per_task"):
         raise ConfigError("hydra.launcher.gpus_per_task gives each task only its own GPU, but backends such as DeepEP "
                           "need every GPU of the node visible to each task: set gpus_per_node and leave gpus_per_task "
                           "unset")
+    if device == "cuda" and gpn < 1 and executor == "node":
+        raise ConfigError("device=cuda but this machine has no GPU: run on the GPU machine, or plan its run from here "
+                          "with hydra.launcher.gpus_per_node=<its GPUs> and hydra.launcher.dry_run=true (or use "
+                          "device=cpu)")
     if device == "cuda" and gpn < 1:
         raise ConfigError("device=cuda but hydra.launcher.gpus_per_node is not set: set it to the GPUs per node (and "
                           "tasks_per_node to the same number), or use device=cpu")
@@ -190,6 +235,9 @@ def plan_point(config: DictConfig, num: int, overrides: Sequence[str]) -> Point:
                               f"of {tpn} (one rank per task, nodes = ep_size / tasks_per_node)")
         world = nodes * tpn
         opts.update(nodes=nodes, tasks_per_node=tpn, gpus_per_node=gpn or opts.get("gpus_per_node"))
+    if asked_nodes is not None and nodes != asked_nodes:
+        raise ConfigError(f"hydra.launcher.nodes={asked_nodes} conflicts with ep_size={ep}, which sets the nodes of "
+                          f"a job (ep_size / tasks_per_node = {nodes}): give one of the two")
     if world > 1:
         if device == "cuda" and tpn != gpn:
             raise ConfigError(f"hydra.launcher.tasks_per_node={tpn} but gpus_per_node={gpn}: mokbench runs one rank "
@@ -202,9 +250,10 @@ def plan_point(config: DictConfig, num: int, overrides: Sequence[str]) -> Point:
                               f"set ep_size<={gpn}, or launch across nodes (hydra.launcher.nodes, tasks_per_node)")
     case = make_case(c, ep_size=ws, device=device)
     results.check_dir(c["results_dir"])
+    check_new_run(c, generated_from=str(config.hydra.sweep.dir) if generated else None)
     sweep_dir = Path(str(config.hydra.sweep.dir))
     return Point(num=num, overrides=overrides, cfg=c, case=case, config_hash=config_hash(c, case),
-                 run_id=c.get("run_id") or os.environ.get("MOKBENCH_RUN_ID") or "", launcher=opts, nodes=nodes,
+                 run_id=given_run_id(c)[0] or "", launcher=opts, nodes=nodes,
                  tasks_per_node=tpn, gpus_per_node=gpn, world_size=ws, job_dir=sweep_dir / str(num))
 
 
@@ -385,11 +434,11 @@ def _tail(path: Path, n: int = 6) -> str:
 
 
 def plan_all(hydra_context: Any, config: DictConfig, job_overrides: Sequence[Sequence[str]], initial_job_idx: int,
-             launcher: Optional[dict] = None, local: bool = False) -> list[Point]:
-    """Compose and validate every point of a sweep before any runs; any bad point: one line on stderr for each
-    (Hydra's composition errors included, harness.cli), and exit code 2 with nothing started. ``launcher``: options
-    set on every point's ``hydra.launcher``; ``local``: the points run on this machine, so a CPU point's gloo ranks
-    must fit its memory."""
+             executor: str, launcher: Optional[dict] = None) -> list[Point]:
+    """Compose and validate every point of a sweep for ``executor``'s launcher before any runs; any bad point: one
+    line on stderr for each problem (Hydra's composition errors included, harness.cli; a problem every point has,
+    once), and exit code 2 with nothing started. ``launcher``: options set on every point's ``hydra.launcher``;
+    points of the node and local launchers run on this machine, so a CPU point's gloo ranks must fit its memory."""
 
     points, bad = [], []
     labels = point_labels(job_overrides)
@@ -399,20 +448,21 @@ def plan_all(hydra_context: Any, config: DictConfig, job_overrides: Sequence[Seq
             point_config = hydra_context.config_loader.load_sweep_config(config, list(overrides))
             with open_dict(point_config.hydra.job):
                 point_config.hydra.job.num = num
+            check_launcher_options(_launcher_options(point_config), executor)
             if launcher:
                 with open_dict(point_config.hydra.launcher):
                     point_config.hydra.launcher.update(launcher)
-            points.append(plan_point(point_config, num, overrides))
+            points.append(plan_point(point_config, num, overrides, executor))
             points[-1].label = labels[i]
-            if local and points[-1].case.device == "cpu":
+            if executor in ("node", "local") and points[-1].case.device == "cpu":
                 _check_local_memory(points[-1])
         except Exception as e:  # noqa: BLE001 - configuration and Hydra's composition errors; anything else: raise
             line = point_error_line(e)
             if line is None:
                 raise
-            bad.append(f"sweep point #{num} ({labels[i]}): {line}")
+            bad.append((num, labels[i], line))
     if bad:
-        reject(bad)
+        reject(sweep_problem_lines(bad, len(job_overrides)))
     return points
 
 
@@ -517,8 +567,7 @@ class MokbenchLauncherMixin:
         """Every point validated for the job it will run in (:func:`plan_all`); the sweeper calls it first
         (harness.cli.check_sweep)."""
         assert self.hydra_context is not None and self.config is not None
-        return plan_all(self.hydra_context, self.config, job_overrides, initial_job_idx,
-                        local=self._EXECUTOR == "local")
+        return plan_all(self.hydra_context, self.config, job_overrides, initial_job_idx, self._EXECUTOR)
 
     def _executor_params(self, point: Point) -> dict:
         return {k: v for k, v in point.launcher.items() if k not in _OWN_KEYS}
@@ -546,6 +595,11 @@ class MokbenchLauncherMixin:
         sweep_dir.mkdir(parents=True, exist_ok=True)
         for p in points:
             write_point(p, self._executor_params(p))
+        if not self.dry_run:
+            from harness.runner import watch_run_dir
+
+            for p in points:  # what a Ctrl-C here reports as kept: the rows the jobs wrote
+                watch_run_dir(Path(p.cfg["results_dir"]) / p.run_id)
         if self.dry_run:
             write_plan(sweep_dir, points, [self._executor_params(p) for p in points])
             print(dry_run_report(points, self._EXECUTOR))
@@ -697,9 +751,14 @@ class NodeLauncherMixin:
         import torch
 
         assert self.hydra_context is not None and self.config is not None
-        gpus = self.gpus_per_node if self.gpus_per_node is not None else torch.cuda.device_count()
-        return plan_all(self.hydra_context, self.config, job_overrides, initial_job_idx,
-                        launcher={"nodes": 1, "tasks_per_node": 1, "gpus_per_node": gpus}, local=True)
+        seen = torch.cuda.device_count()
+        gpus = self.gpus_per_node if self.gpus_per_node is not None else seen
+        if not self.dry_run and gpus > seen:
+            reject([f"hydra.launcher.gpus_per_node={gpus} but this machine has {seen} GPU(s), and the points run here: "
+                    f"gpus_per_node plans a run for another machine, with hydra.launcher.dry_run=true (leave it unset "
+                    f"to run on this machine's GPUs)"])
+        return plan_all(self.hydra_context, self.config, job_overrides, initial_job_idx, "node",
+                        launcher={"nodes": 1, "tasks_per_node": 1, "gpus_per_node": gpus})
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         points = self.plan_points(job_overrides, initial_job_idx)
@@ -718,7 +777,7 @@ def _result_path(job: Any, task: int) -> Path:
 
 def write_point(p: Point, launcher: dict) -> Path:
     """``<sweep>/<num>/mokbench.yaml``: the point as validated (enough to rebuild it with :func:`load_point`)."""
-    path = p.job_dir / "mokbench.yaml"
+    path = p.job_dir / POINT_FILE
     _write_yaml(path, {"num": p.num, "overrides": p.overrides, "label": p.label, "run_id": p.run_id,
                        "config_hash": p.config_hash, "nodes": p.nodes, "tasks_per_node": p.tasks_per_node,
                        "gpus_per_node": p.gpus_per_node, "ep_size": p.world_size, "launcher": launcher,
@@ -729,7 +788,7 @@ def write_point(p: Point, launcher: dict) -> Path:
 def load_point(job_dir: Path) -> Point:
     from harness.config import Case
 
-    d = OmegaConf.to_container(OmegaConf.load(Path(job_dir) / "mokbench.yaml"), resolve=False)
+    d = OmegaConf.to_container(OmegaConf.load(Path(job_dir) / POINT_FILE), resolve=False)
     assert isinstance(d, dict)
     return Point(num=d["num"], overrides=d["overrides"], cfg=d["config"], case=Case(**d["case"]),
                  config_hash=d["config_hash"], run_id=d["run_id"], launcher=d["launcher"], nodes=d["nodes"],

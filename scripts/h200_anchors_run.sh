@@ -81,7 +81,7 @@ m.version('quack-kernels'))" 2>&1 | tail -4 || true
 COMMON=(-m hydra/launcher=node ep_size=1 precision=bf16 direction=fwd_and_bwd workload.tokens_per_gpu=2048
         "backends=${BACKENDS:-[nccl,liger,mok_hopper,sonicmoe]}" "compile=${COMPILE:-true}" compile_mode=published
         timing=published calibrate=true dist_timeout_s=900 "setup_timeout_s=${SETUP_TIMEOUT_S:-300}"
-        "run_id=$MOKBENCH_RUN_ID" "results_dir=$OUTDIR/runs"
+        "run_id=$MOKBENCH_RUN_ID" append=true "results_dir=$OUTDIR/runs"
         hydra.sweep.dir=/tmp/mokbench-sweep hydra.run.dir=/tmp/mokbench-run ${PROFILE[@]+"${PROFILE[@]}"})
 TUNE=${LIGER_FUSED_MOE_AUTOTUNE:-1}
 precompile() {  # shapes: Liger's compiles ahead, in parallel (nothing to do when it is pinned)

@@ -42,7 +42,7 @@ case "$PART" in
     ;;
   rows)
     C="ep_size=1 precision=fp8 direction=${DIRECTION:-fwd_and_bwd} backends=[mok_hopper,nccl] fp8_gemm=${FP8_GEMM:-rowwise} compile=false"
-    C="$C timing=published calibrate=true dist_timeout_s=900 run_id=$MOKBENCH_RUN_ID results_dir=$OUTDIR/runs"
+    C="$C timing=published calibrate=true dist_timeout_s=900 run_id=$MOKBENCH_RUN_ID append=true results_dir=$OUTDIR/runs"
     C="$C hydra.run.dir=/tmp/mokbench-run hydra.sweep.dir=/tmp/mokbench-sweep"
     for point in ${POINTS:-kimi_k2_7 glm_5_2 qwen3_5_397b glm16}; do
       shape=$point extra=""

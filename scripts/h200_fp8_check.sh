@@ -32,7 +32,7 @@ PY
 timeout 420 python -m pytest -q -p no:cacheprovider tests/test_fp8_gemm.py -rs 2>&1 | tail -40 | tee "$OUTDIR/pytest_fp8_gemm.txt"
 timeout 420 python scripts/fp8_grad_errors.py "$OUTDIR" glm_5_2 qwen3_5_397b 2>&1 | grep -v -e Warning -e warnings.warn \
   | tee "$OUTDIR/fp8_grad_errors.txt"
-C="ep_size=1 precision=fp8 compile=false timing=quick direction=fwd_and_bwd results_dir=$RES hydra.sweep.dir=/tmp/mokbench-sweep hydra.run.dir=/tmp/mokbench-run"
+C="ep_size=1 precision=fp8 compile=false timing=quick direction=fwd_and_bwd append=true results_dir=$RES hydra.sweep.dir=/tmp/mokbench-sweep hydra.run.dir=/tmp/mokbench-run"
 for g in emulated rowwise blockwise blockwise_loop auto; do
   echo "+ nccl fp8_gemm=$g"
   timeout 400 python -m harness.run -m shape=glm_5_2,qwen3_5_397b backend=nccl fp8_gemm=$g $C 2>&1 \

@@ -11,7 +11,7 @@ source scripts/gpu_env.sh "${WHEELS:-.whl}"
 export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 export MOKBENCH_RUN_ID=${MOKBENCH_RUN_ID:-h200-fp8-$(date -u +%Y%m%dT%H%M%S)}
 RES=${RES:-/tmp/mokbench-fp8}
-C="ep_size=1 precision=fp8 timing=published compile=true compile_mode=published direction=fwd_and_bwd backend=nccl results_dir=$RES hydra.sweep.dir=/tmp/mokbench-sweep hydra.run.dir=/tmp/mokbench-run"
+C="ep_size=1 precision=fp8 timing=published compile=true compile_mode=published direction=fwd_and_bwd backend=nccl append=true results_dir=$RES hydra.sweep.dir=/tmp/mokbench-sweep hydra.run.dir=/tmp/mokbench-run"
 run() { echo "+ $*"; timeout 580 python -m harness.run "$@" $C 2>&1 | grep -v -e Warning -e warnings.warn; }
 for g in blockwise blockwise_loop rowwise; do
   run -m shape=kimi_k2_7,glm_5_2,qwen3_5_397b fp8_gemm=$g

@@ -7,7 +7,7 @@ OUTDIR=${1:?output folder}
 source scripts/gpu_env.sh "${WHEELS:-.whl}"
 export MOKBENCH_RUN_ID=${MOKBENCH_RUN_ID:-h200x2-nccl-$(date -u +%Y%m%dT%H%M%S)}
 RES=${RES:-/tmp/mokbench-results}
-C="compile=false timing=published timing.num_warmup=50 calibrate=true results_dir=$RES hydra.sweep.dir=/tmp/mokbench-sweep hydra.run.dir=/tmp/mokbench-run"
+C="compile=false timing=published timing.num_warmup=50 calibrate=true append=true results_dir=$RES hydra.sweep.dir=/tmp/mokbench-sweep hydra.run.dir=/tmp/mokbench-run"
 run() { echo "+ $*"; timeout 300 python -m harness.run "$@" $C 2>&1 | grep -v -e Warning -e warnings.warn; }
 run -m shape=kimi_k2_7,glm_5_2,qwen3_5_397b,deepseek_v4_pro direction=fwd_and_bwd
 for s in kimi_k2_7:6 glm_5_2:4 qwen3_5_397b:8 deepseek_v4_pro:6; do

@@ -29,7 +29,7 @@ export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/mokbench-triton-cache}
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/mokbench-inductor-cache}
 export MOKBENCH_RUN_ID=${MOKBENCH_RUN_ID:-hopper-ep${EP}-$(date -u +%Y%m%dT%H%M%S)}
-BASE=(-m +experiment=hopper_published "ep_size=$EP" "run_id=$MOKBENCH_RUN_ID" "results_dir=$OUTDIR/runs"
+BASE=(-m +experiment=hopper_published "ep_size=$EP" "run_id=$MOKBENCH_RUN_ID" append=true "results_dir=$OUTDIR/runs"
       hydra.sweep.dir=/tmp/mokbench-sweep hydra.run.dir=/tmp/mokbench-run)
 [ "${DRY:-0}" = 1 ] && BASE+=(hydra.launcher.dry_run=true "hydra.launcher.gpus_per_node=$EP")
 ALL='backends=[nccl,deepep,hybridep,deepep_te,hybridep_megatron,liger,sonicmoe,mok_hopper]'
@@ -47,7 +47,7 @@ case $PART in
   idle)
     IDLE=(shape=custom shape.num_experts=8 shape.hidden=1024 shape.ffn=512 shape.topk=2 workload.tokens_per_gpu=1
           workload.seed=16 timing=quick dist_timeout_s=300 direction=fwd_and_bwd "ep_size=$EP"
-          "run_id=$MOKBENCH_RUN_ID-idle" "results_dir=$OUTDIR/runs")
+          "run_id=$MOKBENCH_RUN_ID-idle" append=true "results_dir=$OUTDIR/runs")
     B='backends=[nccl,deepep,hybridep,deepep_te,hybridep_megatron,mok_hopper]'
     run idle "${IDLE[@]}" "$B"
     run idle "${IDLE[@]}" 'backends=[nccl,deepep,hybridep]' compile_mode=default

@@ -75,21 +75,30 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, args, message
     assert "Traceback" not in p.stdout + p.stderr
     assert not results_dir.exists()
     assert (tmp_path / "a_file").read_text() == "not a folder\n"
-    assert not (tmp_path / "sweep" / ".submitit").exists()  # the local launcher submitted nothing
+    assert not (tmp_path / "sweep").exists()  # no sweep folder: the local launcher submitted nothing
 
 
 def test_a_sweep_reports_every_invalid_point_at_once(tmp_path):
     p = _cli(tmp_path, "-m", "device=cpu", f"results_dir={tmp_path}/results", "workload.tokens_per_gpu=64",
              "shape.local_experts=1,0,-1", "ep_sise=2,4")
     lines = p.stderr.strip().splitlines()
-    assert p.returncode == 2 and len(lines) == 6, p.stderr
-    assert all("unknown key 'ep_sise': did you mean ep_size?" in ln for ln in lines)
+    # one problem every point has: said once, for all of them
+    assert p.returncode == 2 and lines == ["mokbench: invalid configuration: all 6 sweep points: unknown key "
+                                           "'ep_sise': did you mean ep_size?"], p.stderr
     p = _cli(tmp_path, "-m", "device=cpu", f"results_dir={tmp_path}/results", "workload.tokens_per_gpu=64",
              "shape.local_experts=0,1,-1", "direction=fwd")
     lines = p.stderr.strip().splitlines()
     assert p.returncode == 2 and len(lines) == 2, p.stderr
     assert "#0 (shape.local_experts=0)" in lines[0] and "#2 (shape.local_experts=-1)" in lines[1]
     assert not (tmp_path / "results").exists()
+    # a problem some points share: one line naming them
+    p = _cli(tmp_path, "-m", "device=cpu", f"results_dir={tmp_path}/results", "workload.tokens_per_gpu=64",
+             "shape.local_experts=0,1", "workload.seed=1,2")
+    assert p.returncode == 2 and p.stderr.strip().splitlines() == [
+        "mokbench: invalid configuration: sweep points #0 (shape.local_experts=0 workload.seed=1), #1 "
+        "(shape.local_experts=0 workload.seed=2): shape.local_experts must be >= 1 (got 0): the experts on each GPU; "
+        "leave it unset (shape.local_experts=null) for the shape's own 8 experts"], p.stderr
+    assert not (tmp_path / "results").exists() and not (tmp_path / "sweep").exists()
 
 
 @pytest.mark.parametrize("key", sorted(BACKENDS))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from conftest import compose_cfg
 
-from harness.config import Case, ConfigError, make_case, to_container
+from harness.config import COMPILE_MODES, Case, ConfigError, check_option_conflicts, make_case, to_container
 from harness.runner import resolve
 
 PUBLISHED = {  # docs/methodology.md section 1: experts, H, I, topk, local experts at EP64
@@ -93,6 +93,40 @@ def test_backend_and_direction_groups():
     assert c["backends"] == ["nccl", "reference"] and c["directions"] == ["bwd"]
 
 
+# Command lines that pick a group option and set the key it sets: accepted where both say the same (or the option is
+# the default one, not given), refused where the key would silently replace the option.
+AGREEING = [["backend=nccl", "backends=[nccl]"], ["backends=[nccl,deepep]"], ["direction=fwd_and_bwd",
+            "directions=[fwd,bwd]"], ["directions=[bwd]"], ["precision=fp8", "precision.name=fp8"],
+            ["workload=zipf", "workload.zipf_exponent=1.5"], ["+experiment=hopper_published", "direction=fwd"],
+            ["+experiment=hopper_published", "backends=[nccl]"], ["backend=nccl", "direction=fwd", "precision=bf16"]]
+CONFLICTING = [
+    (["backend=mok_hopper", "backends=[nccl]"], "backend=mok_hopper conflicts with backends=[nccl], which replaces "
+                                                "it: give one of the two (backend=mok_hopper alone, or "
+                                                "backends=[nccl] alone)"),
+    (["direction=fwd", "directions=[bwd]"], "direction=fwd conflicts with directions=[bwd]"),
+    (["direction=fwd_and_bwd", "directions=[fwd]"], "direction=fwd_and_bwd conflicts with directions=[fwd]"),
+    (["precision=fp8", "precision.name=bf16"], "precision=fp8 conflicts with precision.name=bf16, which replaces it: "
+                                               "give one of the two (precision=fp8 alone, or precision=bf16 alone)"),
+    (["workload=zipf", "workload.routing=uniform"], "workload=zipf conflicts with workload.routing=uniform"),
+    (["+experiment=hopper_published", "backend=nccl"], "backend=nccl conflicts with backends=[nccl,deepep,hybridep,"
+                                                       "deepep_te,hybridep_megatron,mok_hopper] (set by "
+                                                       "+experiment=hopper_published), which replaces it: drop "
+                                                       "backend=nccl"),
+]
+
+
+@pytest.mark.parametrize("overrides", AGREEING, ids=[" ".join(o) for o in AGREEING])
+def test_options_that_agree_are_accepted(overrides):
+    check_option_conflicts(to_container(compose_cfg(*overrides)), overrides)
+
+
+@pytest.mark.parametrize("overrides,message", CONFLICTING, ids=[" ".join(o) for o, _ in CONFLICTING])
+def test_an_option_and_a_key_that_replaces_it_are_refused(overrides, message):
+    with pytest.raises(ConfigError) as e:
+        check_option_conflicts(to_container(compose_cfg(*overrides)), overrides)
+    assert message in str(e.value)
+
+
 BAD = [
     (["backends=[nope]"], "unknown backend 'nope'"),
     (["directions=[sideways]"], "unknown direction 'sideways'"),
@@ -103,9 +137,30 @@ BAD = [
     (["workload=hot_rank", "workload.hot_rank=7"], "hot_rank=7 is not a rank of ep_size=4"),
     (["workload.routing=skewed"], "unknown workload.routing 'skewed'"),
     (["workload.tokens_per_gpu=0"], "tokens_per_gpu must be >= 1"),
-    (["timing.num_iters=0"], "num_iters >= 1"),
+    (["timing.num_iters=0"], "timing.num_iters must be >= 1 (got 0)"),
     (["backend_order=random"], "unknown backend_order 'random'; choose one of: given, reverse, shuffle"),
-    (["setup_timeout_s=0"], "setup_timeout_s must be > 0 seconds, or null for no limit (got 0"),
+    (["setup_timeout_s=0"], "setup_timeout_s must be > 0 and <= 31536000 seconds, or null for no limit (got 0"),
+    # every numeric option with a value that can never work, with its valid range
+    (["dist_timeout_s=0"], "dist_timeout_s must be between 1 and 31536000 seconds (got 0)"),
+    (["dist_timeout_s=-5"], "dist_timeout_s must be between 1 and 31536000 seconds (got -5)"),
+    (["dist_timeout_s=100000000000000"], "dist_timeout_s must be between 1 and 31536000 seconds"),
+    (["setup_timeout_s=-1"], "setup_timeout_s must be > 0"),
+    (["setup_timeout_s=inf"], "setup_timeout_s must be > 0 and <= 31536000 seconds"),
+    (["timing.num_warmup=-1"], "timing.num_warmup must be >= 0 (got -1)"),
+    (["timing.phase_iters=-1"], "timing.phase_iters must be >= 0 (0: no per-phase bandwidth timing) (got -1)"),
+    (["timing=quick", "timing.num_iters=null"], "timing.num_iters is not set"),
+    (["timing=quick", "timing.l2_flush=null"], "timing.l2_flush is not set"),
+    (["ep_size=0"], "ep_size must be >= 1, or null for all local GPUs (2 ranks on a CPU) (got 0)"),
+    (["workload.seed=9999999999"], "workload.seed must be between -2147483648 and 2147483647"),
+    (["precision=fp8", "precision.act_block=0"], "precision.act_block must be >= 1 (got 0)"),
+    (["precision.weight_block=-128"], "precision.weight_block must be >= 1 (got -128)"),
+    (["precision.atol=-1"], "precision.atol must be >= 0 (got -1.0)"),
+    (["precision.rtol=nan"], "precision.rtol must be >= 0 (got nan)"),
+    (["comm_sms=0"], "comm_sms must be a positive even number (got 0)"),
+    (["workload.tokens_per_gpu=-1"], "tokens_per_gpu must be >= 1 (got -1)"),
+    (["compile_mode=fast"], "unknown compile_mode 'fast'; choose one of: default, reduce-overhead, max-autotune, "
+                            "max-autotune-no-cudagraphs, published"),
+    (["run_id=../../escape"], "run_id=../../escape is not a run name"),
 ]
 
 
@@ -137,10 +192,14 @@ def test_routing_labels():
     assert Case(routing="hot_rank", **base).routing_label == "hot_rank(r=1,x3)"
 
 
-def test_unknown_compile_mode_is_refused_before_anything_runs():
+@pytest.mark.parametrize("compile_", ["true", "false", "null"])
+def test_unknown_compile_mode_is_refused_before_anything_runs(compile_):
+    """compile_mode is checked whether or not this machine compiles (a CPU run does not, by default): it is recorded
+    and swept, and the same command must not be accepted on a CPU and refused on a GPU."""
     with pytest.raises(ConfigError, match="unknown compile_mode 'fast'.*published"):
-        make_case(resolve(compose_cfg("device=cpu", "compile=true", "compile_mode=fast")), ep_size=2, device="cpu")
-    make_case(resolve(compose_cfg("device=cpu", "compile=false", "compile_mode=fast")), ep_size=2, device="cpu")
+        resolve(compose_cfg("device=cpu", f"compile={compile_}", "compile_mode=fast"))
+    for mode in COMPILE_MODES:
+        resolve(compose_cfg("device=cpu", f"compile={compile_}", f"compile_mode={mode}"))
 
 
 def test_compile_mode_published_is_each_backends_own():
