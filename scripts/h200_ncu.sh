@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
 # Where mok_hopper's kernels spend their time, from the hardware counters: Nsight Compute over
-# the Triton kernels of one backward (bwd_check: dgate and dX are _bwd_rows_kernel; dW13 and dW2
-# _bwd_wgrad_resident_kernel, or _bwd_wgrad_kernel; the fused and epilogue kernels where a variant runs them) or of
-# one forward (gpu_check: _up_swiglu_kernel, _down_push_kernel), at EP=1, 2048 tokens. Per launch: HBM bytes and
+# the Triton kernels of one bf16 backward (bwd_check: dgate and dX are _bwd_rows_kernel; dW13 and dW2
+# _bwd_wgrad_resident_kernel, or _bwd_wgrad_kernel; the fused and epilogue kernels where a variant runs them), of one
+# fp8 backward (bwd_check --precision fp8: dgate and dX are _fp8_rows_kernel, the operands' token-major quantisation
+# _tok_quant_t_kernel, the weight gradients _fp8_wgrad_kernel) or of one forward (gpu_check: _up_swiglu_kernel,
+# _down_push_kernel), at EP=1, 2048 tokens. Per launch: HBM bytes and
 # throughput, L2 throughput and hit rate, SM and tensor pipe use, registers, occupancy, the largest warp stall
 # reasons (benchmarks.mok_hopper.ncu_summary).
 #
 # Usage (repo root, the GPU machine, whose runtime reads the counters: device KINDS.md):
 #   bash scripts/h200_ncu.sh OUTDIR [WHAT] [SHAPES]
-#     WHAT: bwd (default; bf16, the forward saving H), fwd-bf16 or fwd-fp8
-#     SHAPES: comma-separated, default qwen3_5_397b,glm_5_2
-# SWEEP_ONLY="label part,..." (bwd) also profiles those bwd_check sweep variants' launches after the default's;
+#     WHAT: bwd (default; bf16, the forward saving H), bwd-fp8, fwd-bf16 or fwd-fp8
+#     SHAPES: comma-separated, default kimi_k2_7,glm_5_2,qwen3_5_397b
+# SWEEP_ONLY="label part,..." (bwd, bwd-fp8) also profiles those bwd_check sweep variants' launches after the default's;
 # COUNT (default 8) how many matching launches ncu profiles a shape; KERNELS the kernel-name regex; LIMIT_S the
 # seconds a shape may take (default 400).
 # The forward runs with ready_flags=0 (its up GEMM waits for the pull by a stream event, not by spinning on the
@@ -23,11 +25,12 @@
 set -uo pipefail
 OUTDIR=${1:?output folder}
 WHAT=${2:-bwd}
-SHAPES=${3:-qwen3_5_397b,glm_5_2}
+SHAPES=${3:-kimi_k2_7,glm_5_2,qwen3_5_397b}
 case $WHAT in
   bwd) DEF='^_(bwd_rows|bwd_wgrad|bwd_wgrad_resident|dgate_dw2|dx_dw13|dgate_epilogue)_kernel' ;;
+  bwd-fp8) DEF='^_(fp8_rows|tok_quant_t|fp8_wgrad|bwd_wgrad|bwd_wgrad_resident)_kernel' ;;
   fwd-bf16|fwd-fp8) DEF='^_(up_swiglu|down_push)_kernel' ;;
-  *) echo "WHAT must be bwd, fwd-bf16 or fwd-fp8 (got $WHAT)" >&2; exit 2 ;;
+  *) echo "WHAT must be bwd, bwd-fp8, fwd-bf16 or fwd-fp8 (got $WHAT)" >&2; exit 2 ;;
 esac
 mkdir -p "$OUTDIR"
 source scripts/gpu_env.sh "${WHEELS:-.whl}" || exit 1
@@ -36,9 +39,10 @@ NCU=${NCU:-$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null |
 "$NCU" --version | tee "$OUTDIR/ncu-version.txt"
 for shape in ${SHAPES//,/ }; do
   out=$OUTDIR/$WHAT-$shape
-  if [ "$WHAT" = bwd ]; then
+  if [ "${WHAT%-fp8}" = bwd ]; then
+    precision=bf16; [ "$WHAT" = bwd-fp8 ] && precision=fp8
     driver=(-m benchmarks.mok_hopper.bwd_check --out "$out" --shapes "$shape" --modes save_h --no-nccl --repeats 1
-            --iters 1 --warmup 1 --stage-iters 1 --tile ready_flags=0
+            --iters 1 --warmup 1 --stage-iters 1 --tile ready_flags=0 --precision "$precision"
             ${SWEEP_ONLY:+--sweep --sweep-only "$SWEEP_ONLY" --no-sweep-bits})
   else
     driver=(-m benchmarks.mok_hopper.gpu_check --out "$out" --shapes "$shape" --precisions "${WHAT#fwd-}" --no-sweep
@@ -54,5 +58,6 @@ for shape in ${SHAPES//,/ }; do
     | grep -v -e Warning -e warnings.warn | tail -40 | tee "$OUTDIR/ncu-$WHAT-$shape.log"
   "$NCU" --import "$OUTDIR/ncu-$WHAT-$shape.ncu-rep" --csv --page raw --print-units base \
     > "$OUTDIR/ncu-$WHAT-$shape-raw.csv" \
-    && python3 -m benchmarks.mok_hopper.ncu_summary "$OUTDIR/ncu-$WHAT-$shape-raw.csv" | tee "$OUTDIR/ncu-$WHAT-$shape.txt"
+    && python3 -m benchmarks.mok_hopper.ncu_summary "$OUTDIR/ncu-$WHAT-$shape-raw.csv" \
+    | tee "$OUTDIR/ncu-$WHAT-$shape.txt"
 done

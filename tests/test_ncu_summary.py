@@ -64,3 +64,49 @@ def test_the_command_refuses_a_file_that_is_not_the_raw_page(tmp_path, capsys):
     other = _write(tmp_path / "other.csv", header=["backend", "latency_ms"], rows=[["nccl", "6.4"]])
     assert ncu_summary.main([other]) == 2
     assert "not ncu's raw page" in capsys.readouterr().err
+
+
+FAKE_NCU = """#!/usr/bin/env bash
+# records each call's arguments, one line a call; an import prints the raw page the test wrote
+printf '%s\\n' "$*" >> "$NCU_CALLS"
+[ "$1" = --version ] && echo "fake ncu 0"
+[ "$1" = --import ] && cat "$NCU_RAW"
+exit 0
+"""
+
+
+@pytest.mark.parametrize("what,precision,kernel", [("bwd", "bf16", "bwd_rows"), ("bwd-fp8", "fp8", "fp8_rows"),
+                                                    ("fwd-fp8", None, "up_swiglu")])
+def test_the_ncu_script_profiles_what_it_is_asked_for(tmp_path, what, precision, kernel):
+    """scripts/h200_ncu.sh with a stand-in ncu that records its calls (no GPU here): each shape of the default three
+    gets one profiling call over the right driver (bwd_check in the asked precision, or gpu_check) with the kernels
+    of that pass, then one import of its report; an unknown pass is one line and exit 2."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    ncu, calls = tmp_path / "ncu", tmp_path / "calls.txt"
+    ncu.write_text(FAKE_NCU)
+    ncu.chmod(0o755)
+    _write(tmp_path / "raw.csv")
+    env = {**os.environ, "NCU": str(ncu), "NCU_CALLS": str(calls), "NCU_RAW": str(tmp_path / "raw.csv"), "WHEELS": str(tmp_path / "no-wheels"),
+           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    r = subprocess.run(["bash", "scripts/h200_ncu.sh", str(tmp_path / "out"), what], cwd=root, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = calls.read_text().splitlines()
+    profiled = [ln for ln in lines if "--kernel-name" in ln]
+    assert [ln.split("--shapes ")[1].split()[0] for ln in profiled] == ["kimi_k2_7", "glm_5_2", "qwen3_5_397b"]
+    for ln in profiled:
+        assert "regex:^_(" in ln and kernel in ln.split("regex:")[1].split()[0], ln
+        if precision:
+            assert "benchmarks.mok_hopper.bwd_check" in ln and f"--precision {precision}" in ln, ln
+        else:
+            assert "benchmarks.mok_hopper.gpu_check" in ln and "--precisions fp8" in ln, ln
+    assert sum("--import" in ln for ln in lines) == 3
+    assert "_bwd_wgrad_resident_kernel" in (tmp_path / "out" / f"ncu-{what}-glm_5_2.txt").read_text()
+    bad = subprocess.run(["bash", "scripts/h200_ncu.sh", str(tmp_path / "bad"), "bwd-int4"], cwd=root, env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and "bwd-fp8" in bad.stderr
