@@ -83,6 +83,13 @@ COLUMNS: dict[str, str] = {
     "power_w": "float64",
     "power_capped_fraction": "float64",
     "thermal_capped_fraction": "float64",
+    # Device memory (harness.memory; CUDA only, largest over ranks): held after setup, kept by a forward for its
+    # backward, the allocator's peak and the device's used memory around the timed iterations.
+    "mem_setup_bytes": "Int64",
+    "mem_activation_bytes": "Int64",
+    "mem_peak_allocated_bytes": "Int64",
+    "mem_device_used_before_bytes": "Int64",
+    "mem_device_used_peak_bytes": "Int64",
     "timing_preset": "string",
     "l2_flush": "boolean",
     "align": "string",

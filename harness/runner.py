@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from contract import LayerInputs, direction_unsupported
 from harness import env as envinfo
+from harness import memory
 from harness import results
 from harness.backends import load_backend
 from harness.check import compare, leaves, run_once
@@ -324,12 +325,17 @@ def run_backend(name: str, point: PointContext) -> Iterator[dict[str, Any]]:
     prof = SetupProfile(c.get("profile_setup_dir"), f"{base.get('run_id')}-{base.get('config_hash', '')[:8]}-"
                         f"{case.shape}-{case.precision}-ep{case.ep_size}-{name}-rank{rank}")
 
+    probe = memory.Probe.of(timer.device)
+    mem: dict[str, float] = {}
+
     def _setup():
         nonlocal backend
+        before = memory.allocated(probe)
         with prof.on():
             backend = cls(case, group)
             with time_limit(c.get("setup_timeout_s"), f"{name}'s setup"):
                 backend.setup(inputs)
+        mem[memory.SETUP] = memory.held_since(probe, before)
 
     progress.start("setup (construct, buffers, JIT builds)")
     status, err, _ = agree(_setup)
@@ -389,6 +395,18 @@ def run_backend(name: str, point: PointContext) -> Iterator[dict[str, Any]]:
         agree(backend.teardown)
         return
 
+    if probe is not None:  # what the backend holds, and what one training forward keeps until its backward
+        def _memory():
+            x, w = leaves(inputs, True)
+            mem[memory.ACTIVATION] = memory.activation_bytes(probe, lambda: backend.forward(x, inputs.topk_idx_TK, w))
+            return memory.max_over_ranks(mem, timer.device, group)
+
+        status, err, held = agree(_memory)
+        if status == "ok":
+            extra.update({k: v for k, v in held.items() if v == v})
+        else:
+            extra["notes"] = "; ".join(filter(None, [extra.get("notes"), f"memory not measured: {err}"]))
+
     # Byte counts and per-phase bandwidth (communication kernels alone, on the last forward's rows; without the
     # check no forward has run yet, so _traffic runs one, untimed).
     progress.start("bytes and per-phase bandwidth")
@@ -421,7 +439,8 @@ def run_backend(name: str, point: PointContext) -> Iterator[dict[str, Any]]:
             latency_ms=stats.median_ms, latency_p20_ms=stats.p20_ms, latency_p80_ms=stats.p80_ms,
             latency_min_ms=stats.min_ms, latency_max_ms=stats.max_ms, num_warmup=stats.num_warmup,
             num_iters=stats.num_iters, flops_per_gpu=flops, tflops_per_gpu=flops / lat_s / 1e12,
-            tokens_per_s_per_gpu=case.tokens_per_gpu / lat_s, **stats.clocks, **extra, **checked,
+            tokens_per_s_per_gpu=case.tokens_per_gpu / lat_s, **stats.clocks,
+            **{k: v for k, v in stats.memory.items() if v == v}, **extra, **checked,
         )
         yield _with_roofline(row)
     agree(backend.teardown)

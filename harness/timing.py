@@ -6,7 +6,8 @@ the end. Each iteration's latency is the max over ranks; the reported figures ar
 of those maxima. On the CPU a host clock replaces the events and a barrier aligns the ranks. On CUDA the timed
 iterations also get the GPUs' SM clock, power and power / thermal limit time from NVML (``gpu_clocks``: the
 driver's records read before and after, and the SM clock read every 10 ms by one thread), the slowest clock and
-the largest power and limit share over ranks.
+the largest power and limit share over ranks, and the device memory of the window (``harness.memory``: the
+allocator's peak, the device's used memory before and after), the largest over ranks.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from harness import gpu_clocks
+from harness import gpu_clocks, memory
 
 L2_FLUSH_BYTES = 256 * 1024 * 1024
 
@@ -33,6 +34,7 @@ class Stats:
     num_warmup: int
     num_iters: int
     clocks: dict = field(default_factory=dict)  # gpu_clocks.FIELDS over the timed iterations (CUDA only)
+    memory: dict = field(default_factory=dict)  # memory.WINDOW over the timed iterations (CUDA only)
 
     @classmethod
     def from_samples(cls, samples_ms: torch.Tensor, num_warmup: int) -> "Stats":
@@ -48,6 +50,7 @@ class Timer:
         self._flush_buf = torch.empty(L2_FLUSH_BYTES // 4, dtype=torch.int32, device=device) if l2_flush and self.cuda else None
         self._align_buf = torch.zeros(1, device=device)
         self._watch = gpu_clocks.ClockWatch(gpu_clocks.device_ids(device)) if self.cuda else None
+        self._memory = memory.Window(memory.Probe.of(device))
 
     def _align(self) -> None:
         if self.align == "none" or dist.get_world_size(self.group) == 1:
@@ -67,12 +70,15 @@ class Timer:
         clocks = None
         if self.cuda:
             torch.cuda.synchronize(self.device)
+            self._memory.open()
             self._watch.start()
             try:
                 local = self._cuda_samples(fn, num_iters, pre)  # ends with a synchronize
             finally:  # a failing backend leaves no clock thread behind
                 window = self._watch.stop()
-            clocks = torch.tensor([window[f] for f in gpu_clocks.FIELDS], dtype=torch.float64, device=self.device)
+            window.update(self._memory.close())
+            clocks = torch.tensor([window[f] for f in (*gpu_clocks.FIELDS, *memory.WINDOW)], dtype=torch.float64,
+                                  device=self.device)
         else:
             local = self._host_samples(fn, num_iters, pre)
         n = dist.get_world_size(self.group)
@@ -86,7 +92,9 @@ class Timer:
                 clocks = torch.stack(cparts)
         stats = Stats.from_samples(local.cpu(), num_warmup)
         if clocks is not None:
-            stats.clocks = combine_clocks(clocks.reshape(-1, len(gpu_clocks.FIELDS)).cpu().tolist())
+            per_rank = clocks.reshape(-1, len(gpu_clocks.FIELDS) + len(memory.WINDOW)).cpu().tolist()
+            stats.clocks = combine_clocks([r[:len(gpu_clocks.FIELDS)] for r in per_rank])
+            stats.memory = combine_memory([r[len(gpu_clocks.FIELDS):] for r in per_rank])
         return stats
 
     def _cuda_samples(self, fn, num_iters, pre) -> torch.Tensor:
@@ -124,4 +132,14 @@ def combine_clocks(per_rank: list[list[float]]) -> dict[str, float]:
     for i, f in enumerate(gpu_clocks.FIELDS):
         vals = [r[i] for r in per_rank if r[i] == r[i]]
         out[f] = (min(vals) if f.startswith("sm_clock") else max(vals)) if vals else float("nan")
+    return out
+
+
+def combine_memory(per_rank: list[list[float]]) -> dict[str, float]:
+    """One row's memory fields from every rank's (ordered as ``memory.WINDOW``): the largest (NaN where no rank has
+    one)."""
+    out = {}
+    for i, f in enumerate(memory.WINDOW):
+        vals = [r[i] for r in per_rank if r[i] == r[i]]
+        out[f] = max(vals) if vals else float("nan")
     return out

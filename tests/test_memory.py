@@ -1,0 +1,97 @@
+"""Device memory beside speed (harness.memory): the arithmetic on a stand-in of the CUDA counters, and the columns
+left empty on the CPU."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from harness import memory, results
+from harness.timing import combine_memory
+
+
+class FakeDevice:
+    """A device allocator with counters: allocations move ``allocated``, the peak follows it until reset."""
+
+    def __init__(self, total: int = 1000, other: int = 100) -> None:
+        self.total, self.other, self.now, self.high, self.syncs = total, other, 0, 0, 0
+
+    def alloc(self, n: int) -> None:
+        self.now += n
+        self.high = max(self.high, self.now)
+
+    def probe(self) -> memory.Probe:
+        def reset():
+            self.high = self.now
+
+        def sync():
+            self.syncs += 1
+
+        return memory.Probe(allocated=lambda: self.now, peak=lambda: self.high, reset_peak=reset,
+                            free_total=lambda: (self.total - self.now - self.other, self.total), sync=sync)
+
+
+def test_the_window_reads_the_peak_inside_it_and_the_used_memory_around_it():
+    dev = FakeDevice()
+    dev.alloc(300)
+    dev.alloc(-200)  # a peak before the window is not the window's
+    w = memory.Window(dev.probe())
+    w.open()
+    dev.alloc(50)
+    dev.alloc(-50)
+    fields = w.close()
+    assert fields == {"mem_peak_allocated_bytes": 150.0, "mem_device_used_before_bytes": 200.0,
+                      "mem_device_used_peak_bytes": 200.0}
+    assert dev.syncs == 2  # the counters are read after the device's work is done
+
+
+def test_the_activation_bytes_are_what_a_forward_keeps_less_its_output():
+    dev = FakeDevice()
+    out = torch.zeros(4, 8, dtype=torch.bfloat16)  # 64 bytes
+
+    def forward():
+        dev.alloc(64 + 200)  # the output and 200 bytes saved for the backward
+        return out
+
+    assert memory.activation_bytes(dev.probe(), forward) == 200.0
+    before = memory.allocated(dev.probe())
+    dev.alloc(30)
+    assert memory.held_since(dev.probe(), before) == 30.0
+
+
+def test_the_cpu_has_no_memory_fields():
+    cpu = torch.device("cpu")
+    assert memory.Probe.of(cpu) is None
+    assert all(math.isnan(v) for v in memory.Window(None).close().values())
+    assert math.isnan(memory.activation_bytes(None, lambda: pytest.fail("no forward on the CPU")))
+    assert math.isnan(memory.held_since(None, None))
+
+
+def test_the_ranks_memory_is_the_largest():
+    nan = float("nan")
+    combined = combine_memory([[10.0, 1.0, nan], [5.0, 2.0, nan]])
+    assert combined["mem_peak_allocated_bytes"] == 10.0 and combined["mem_device_used_before_bytes"] == 2.0
+    assert math.isnan(combined["mem_device_used_peak_bytes"])
+
+
+def test_every_memory_field_is_a_column_of_bytes():
+    for f in memory.FIELDS:
+        assert results.COLUMNS[f] == "Int64" and f.endswith("_bytes")
+
+
+def test_cpu_rows_leave_the_memory_columns_empty(tmp_path):
+    """A CPU run measures no device memory: the columns exist and are empty, and no extra forward runs for them."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from conftest import cpu_cfg
+
+    from harness.runner import run_benchmark
+
+    df = run_benchmark(cpu_cfg(tmp_path / "results", "backends=[nccl]"))
+    assert len(df) == 2 and (df["status"] == "ok").all()
+    for f in memory.FIELDS:
+        assert df[f].isna().all(), f
