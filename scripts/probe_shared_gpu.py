@@ -316,19 +316,25 @@ def step_main(name: str, ranks: int, record: str, timeout: float, opts: dict[str
 
     with tempfile.TemporaryDirectory() as d:
         ctx = mp.start_processes(_rank, args=(ranks, name, d, opts), nprocs=ranks, join=False, start_method="spawn")
-        deadline, timed_out = time.monotonic() + 0.8 * timeout, False
-        while not ctx.join(timeout=0.2):
-            if time.monotonic() > deadline:
-                timed_out = True
-                for p in ctx.processes:
-                    p.kill()
-                break
+        deadline, timed_out, crashed = time.monotonic() + 0.8 * timeout, False, ""
+        try:
+            while not ctx.join(timeout=0.2):
+                if time.monotonic() > deadline:
+                    timed_out = True
+                    break
+        except Exception as e:  # noqa: BLE001 - a rank died outside its body (process group, CUDA start)
+            crashed = f"{type(e).__name__}: {str(e).strip()[-500:]}"
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
         recs = {}
         for r in range(ranks):
             f = Path(d) / f"rank{r}.json"
             if f.exists():
                 recs[r] = json.loads(f.read_text())
     rec = merge_ranks(name, ranks, recs, SUMMARIES[name], timed_out)
+    if crashed and rec["status"] != "failed":
+        rec.update(status="error", error=crashed)
     Path(record).write_text(json.dumps(rec, default=str))
     return 0
 
