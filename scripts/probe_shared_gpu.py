@@ -89,9 +89,9 @@ def merge_ranks(name: str, ranks: int, records: dict[int, dict[str, Any]], summa
         status, error = ("timeout" if timed_out else "error"), f"ranks {missing} never reported"
     else:
         status, error = "ok", ""
-    ok_recs = [records[r] for r in sorted(records)]
+    every = [records[r] for r in sorted(records)]
     return {"step": name, "ranks": ranks, "status": status, "error": error,
-            "summary": summary(ok_recs) if status == "ok" else "", "per_rank": ok_recs}
+            "summary": summary(every) if status == "ok" else "", "per_rank": every}
 
 
 def write_report(out: Path, records: list[dict[str, Any]], env: dict[str, Any]) -> tuple[Path, Path]:
