@@ -152,12 +152,12 @@ def tile_for(args: argparse.Namespace, w: Weights, shape: tuple[int, ...], preci
     base = default_tile(precision=precision, device=dev, hidden=H, ffn=I, rows_per_expert=T * K / w.w13[0].shape[0])
     if not args.ready_flags:
         return replace(base, ready_flags=False), {"ready_flags": 0}
-    from kernels.mok_hopper import pull, up_gemm
+    from kernels.mok_hopper.aot_check import kernel
 
     base = replace(base, shared_sms=0)  # no side stream: only the main stream's up programs spin
     Ranks(w, tokens=T, topk=K, precision=precision, save_h=True, tile=base).step(
         _to(make_inputs(len(w.w13), shape, 7, "uniform"), dev))  # compiles the kernels, in lockstep
-    spin, pl = compiled_use(up_gemm._up_swiglu_kernel), compiled_use(pull._pull_rows_kernel)
+    spin, pl = compiled_use(kernel("_up_swiglu_kernel")), compiled_use(kernel("_pull_rows_kernel"))
     cap = spinning_cap(num_sms(dev), len(w.w13), spin, pl)
     info = {"ready_flags": 1, "spin_cap": cap, "up_regs": spin.regs, "up_smem": spin.smem, "up_warps": spin.warps}
     return (base if cap is None else replace(base, gemm_programs=max(1, cap // base.up_per_sm))), info
