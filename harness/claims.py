@@ -4,8 +4,9 @@ For each panel (precision x direction) and shape, within one run (by default: th
 environment (GPU, EP size, tokens per GPU, nodes) and routing: each system's TFLOP/s per GPU, the fastest baseline,
 and each fused kernel's speedup over it (:func:`claims_table`), the maximum per panel beside the published claim
 (:func:`headline_table`), the rows not ok, the iteration counts and the GPU clocks. The published figure's values
-(:func:`load_published`) are labelled so that they never pass for a measurement. ``harness.report`` writes these
-tables as Markdown and CSV, ``harness.plots`` draws them.
+(:func:`load_published`) are labelled so that they never pass for a measurement. Rows that ran several ranks on one
+GPU (``shared_gpu``: correctness checks) are left out of every speed table, which says so (:func:`speed_rows`).
+``harness.report`` writes these tables as Markdown and CSV, ``harness.plots`` draws them.
 """
 
 from __future__ import annotations
@@ -117,6 +118,34 @@ def is_cpu_twin(df: pd.DataFrame) -> pd.Series:
     dev = df["device"].astype("string").fillna("").str.lower() if "device" in df else pd.Series("", index=df.index)
     notes = df["notes"].astype("string").fillna("") if "notes" in df else pd.Series("", index=df.index)
     return (df["backend"].isin(list(CPU_TWIN)) & ((dev == "cpu") | notes.str.contains("CPU twin"))).fillna(False)
+
+
+def is_shared_gpu(df: pd.DataFrame) -> pd.Series:
+    """Rows that ran several ranks on one GPU (``shared_gpu`` true): the ranks time-shared the device, so the rows
+    check correctness and measure no speed. Rows without the column (files written before it) are not."""
+    if "shared_gpu" not in df:
+        return pd.Series(False, index=df.index)
+    return df["shared_gpu"].astype("string").str.strip().str.lower().isin(["true", "1"]).fillna(False).astype(bool)
+
+
+def shared_gpu_note(n: int) -> str:
+    """The line every speed table and chart prints where it left ``n`` shared-GPU rows out ('' for none)."""
+    if not n:
+        return ""
+    return (f"{n} row{'s' if n != 1 else ''} ran several ranks on one GPU (shared_gpu): correctness only, left out "
+            "of speed tables")
+
+
+def speed_rows(df: pd.DataFrame) -> tuple[pd.DataFrame, str]:
+    """``df`` without its shared-GPU rows (:func:`is_shared_gpu`), and the note that says how many were left out
+    ('' where none): what every speed table (claims, headline, verdicts, clocks, iteration counts), chart
+    (``harness.plots``) and regression check (``harness.compare``) reads."""
+    shared = is_shared_gpu(df)
+    if not shared.any():
+        return df, ""
+    kept = df[~shared]
+    kept.attrs = dict(df.attrs)
+    return kept, shared_gpu_note(int(shared.sum()))
 
 
 def with_runs(df: pd.DataFrame) -> pd.DataFrame:
@@ -254,8 +283,9 @@ def claims_table(df: pd.DataFrame, published: Optional[pd.DataFrame] = None) -> 
     the published-claim verdicts use) and ``speedup_all_<fused>`` over the fastest of all; then the published
     side: ``published_best_baseline``, ``published_speedup`` (MoK / best, from the
     figure's readings), ``env_matches_published`` and, only where it does, ``ratio_<system>`` = measured /
-    published TFLOP/s.
+    published TFLOP/s. Shared-GPU rows are left out (:func:`speed_rows`); ``table.attrs["notes"]`` says how many.
     """
+    df, note = speed_rows(df)
     agg = aggregate(with_runs(df)[~df["backend"].isin(NOT_CONTENDERS)])
     systems = systems_in(agg)
     fused = [s for s in systems if is_fused(s)]
@@ -308,9 +338,10 @@ def claims_table(df: pd.DataFrame, published: Optional[pd.DataFrame] = None) -> 
             rec[f"ratio_{s}"] = mine / p[s] if match and s in p and not isna(mine) else math.nan
         rows.append(rec)
     table = pd.DataFrame(rows)
-    if table.empty:
-        return table
-    return _int_columns(_sort_cells(table).reset_index(drop=True))
+    if not table.empty:
+        table = _int_columns(_sort_cells(table).reset_index(drop=True))
+    table.attrs["notes"] = [note] if note else []
+    return table
 
 
 def _int_columns(table: pd.DataFrame) -> pd.DataFrame:
@@ -361,9 +392,13 @@ def headline_table(claims: pd.DataFrame, readme_claims: Optional[pd.DataFrame] =
     shape, beside the published figure's maximum and the README claim. ``measured_over_claim`` is set only where
     the environment matches the published one (otherwise the numbers are side by side, not compared). Where the
     claims table has anchors: ``min_speedup_all`` / ``max_speedup_all`` over the fastest of all (baselines and
-    anchors) and ``min_all_at_shape`` / ``min_all_over`` where the smallest one is (the verdicts never use them)."""
+    anchors) and ``min_all_at_shape`` / ``min_all_over`` where the smallest one is (the verdicts never use them).
+    ``attrs["notes"]``: the claims table's (shared-GPU rows left out)."""
+    notes = list(claims.attrs.get("notes", []))
     if claims.empty:
-        return pd.DataFrame()
+        out = pd.DataFrame()
+        out.attrs["notes"] = notes
+        return out
     fused = fused_columns(claims)
     claimed = {}
     if readme_claims is not None:
@@ -402,7 +437,9 @@ def headline_table(claims: pd.DataFrame, readme_claims: Optional[pd.DataFrame] =
                                           if comparable and not isna(rec["claimed_max_speedup"]) else math.nan)
             rec["verdict"] = _verdict(rec, comparable)
             rows.append(rec)
-    return _int_columns(pd.DataFrame(rows))
+    out = _int_columns(pd.DataFrame(rows))
+    out.attrs["notes"] = notes
+    return out
 
 
 def _verdict(rec: dict[str, Any], comparable: bool) -> str:
@@ -440,10 +477,11 @@ def published_counts() -> tuple[int, int]:
 
 def timing_counts(df: pd.DataFrame) -> pd.DataFrame:
     """The ok rows timed with other iteration counts than the published preset's: one line per run and
-    environment and (num_warmup, num_iters), with the systems and how many rows; newest run first."""
+    environment and (num_warmup, num_iters), with the systems and how many rows; newest run first. Shared-GPU rows
+    (:func:`speed_rows`) are no timing and are left out."""
     cols = [*ENV_KEYS, "num_warmup", "num_iters", "backends", "rows"]
     warm, iters = published_counts()
-    d = with_runs(df)
+    d = with_runs(speed_rows(df)[0])
     ok = d[(d["status"] == "ok") & d["num_iters"].notna()]
     other = ok[(ok["num_warmup"] != warm) | (ok["num_iters"] != iters)]
     if other.empty:
@@ -461,10 +499,12 @@ CLOCK_COLUMNS = ("sm_clock_mhz", "sm_clock_min_mhz", "power_w", "power_capped_fr
 def clock_rows(df: pd.DataFrame) -> pd.DataFrame:
     """The GPU clock each ok row was timed at (rows that recorded one: GPU runs since the clock columns exist), and
     ``energy_mj``: one GPU's energy per layer call, its mean board power times the latency (W x ms = mJ); at a
-    power limit this, not the latency, is what a faster layer spends."""
+    power limit this, not the latency, is what a faster layer spends. Shared-GPU rows (:func:`speed_rows`) are left
+    out."""
     cols = [*CELL_KEYS, "backend", *CLOCK_COLUMNS, "latency_ms", "energy_mj"]
     if "sm_clock_mhz" not in df.columns:
         return pd.DataFrame(columns=cols)
+    df = speed_rows(df)[0]
     ok = with_runs(df)[(df["status"] == "ok") & df["sm_clock_mhz"].notna()].copy()
     if "source_run_id" in ok:  # pooled: the row's own run
         ok["run_id"] = ok["source_run_id"]

@@ -369,6 +369,27 @@ def _load(path: str, what: str, skip_damaged: bool = False) -> pd.DataFrame:
     return df
 
 
+def speed_sides(sides: dict[str, Optional[pd.DataFrame]]) -> tuple[list[Optional[pd.DataFrame]], dict[str, str]]:
+    """Each side's rows without those that ran several ranks on one GPU (``shared_gpu``: correctness checks, no
+    speed to compare), in order, and per side the note that says how many were left out. ValueError (one line) where
+    that leaves a side with no row."""
+    from harness.claims import speed_rows
+
+    kept: list[Optional[pd.DataFrame]] = []
+    notes: dict[str, str] = {}
+    for side, df in sides.items():
+        if df is None:
+            kept.append(None)
+            continue
+        rows, note = speed_rows(df)
+        if note and rows.empty:
+            raise ValueError(f"{side} has no rows to compare: its {note}")
+        kept.append(rows)
+        if note:
+            notes[side] = note
+    return kept, notes
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = ArgumentParser(
         prog="python -m harness.compare", description=__doc__.split("\n\n")[0],
@@ -408,6 +429,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 raise ValueError(f"{opt} {value} {why}; give a path you can write")
         base, new = _load(a.base, "BASE", a.skip_damaged), _load(a.new, "NEW", a.skip_damaged)
         aa = _load(a.aa, "A/A rerun", a.skip_damaged) if a.aa else None
+        (base, new, aa), shared_notes = speed_sides({"BASE": base, "NEW": new, "the A/A rerun": aa})
         for name in [*backends, *([a.control] if a.control else [])]:
             if not ((base["backend"] == name).any() or (new["backend"] == name).any()):
                 raise ValueError(f"backend {name!r} has no rows in BASE or NEW (backends there: "
@@ -433,7 +455,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                                                else ""))
     for side, df in sides.items():
         for note in (results.skipped_note(df.attrs.get("skipped", {})),
-                     results.damaged_note(df.attrs.get("damaged", {}))):
+                     results.damaged_note(df.attrs.get("damaged", {})), shared_notes.get(side, "")):
             if note:
                 print(f"{side}: {note}")
     print(format_table(table, show_all=a.all or bool(backends)))

@@ -9,6 +9,9 @@ it. Rows that are not ok are drawn as a status label (bars) or a cross on the ax
 * :func:`plot_sweep`: throughput vs ``tokens_per_gpu``, ``ep_size`` or ``routing`` (imbalance).
 * :func:`plot_roofline`: each system's latency against the layer's compute, HBM and link floors.
 * :func:`plot_history`: one config's throughput across git SHAs, in commit-time order.
+
+Rows that ran several ranks on one GPU (``shared_gpu``) measure no speed: every chart leaves them out and says how
+many in its footnote (``harness.claims.speed_rows``).
 """
 
 from __future__ import annotations
@@ -123,6 +126,24 @@ def _one_env(df: pd.DataFrame, env: Optional[dict[str, Any]], keys: Sequence[str
     return C.select_env(df, {k: env[k] for k in keys if k in env}), env
 
 
+def _speed_env(df: pd.DataFrame, env: Optional[dict[str, Any]], keys: Sequence[str] = (*C.ENV_KEYS, "routing")
+               ) -> tuple[pd.DataFrame, dict[str, Any], str]:
+    """:func:`_one_env` of ``df``'s speed rows (shared-GPU rows left out), and the note on the shared-GPU rows of that
+    environment ('' where none)."""
+    df = C.with_runs(df)
+    shared = C.is_shared_gpu(df)
+    if shared.all() and len(df):
+        raise ValueError(f"no rows to draw: {C.shared_gpu_note(int(shared.sum()))}")
+    rows, env = _one_env(df[~shared], env, keys)
+    n = len(C.select_env(df[shared], {k: env[k] for k in keys if k in env})) if shared.any() else 0
+    return rows, env, C.shared_gpu_note(n)
+
+
+def _caption(*parts: str) -> str:
+    """A footnote of several sentences (empty parts left out)."""
+    return " ".join(p.rstrip(".") + "." for p in parts if p)
+
+
 Legend = tuple[Sequence[Any], Sequence[str]]
 
 
@@ -171,7 +192,7 @@ def plot_panels(df: pd.DataFrame, env: Optional[dict[str, Any]] = None, title: O
     """Four-panel grouped bars (rows: precision, columns: direction) for one environment, like the published
     figure; each fused kernel's bar carries its speedup over the fastest baseline of its group."""
     df = df[~df["backend"].isin(L.NOT_CONTENDERS)]
-    df, env = _one_env(df, env)
+    df, env, shared = _speed_env(df, env)
     agg = C.aggregate(df)
     by_cell = _by_cell(agg)
     claims = C.claims_table(df).set_index(["precision", "direction", "shape"])
@@ -220,7 +241,7 @@ def plot_panels(df: pd.DataFrame, env: Optional[dict[str, Any]] = None, title: O
                    "is its speedup over the fastest baseline, then over the fastest of all. " + caption).strip()
     finish(fig, title or f"Expert-parallel MoE layer throughput — {L.env_label(env)}",
            [_patch(s) for s in systems], [L.system_label(s) for s in systems], notes=notes, ncol=len(systems),
-           caption=caption)
+           caption=_caption(caption, shared))
     return fig
 
 
@@ -322,14 +343,14 @@ def plot_sweep(df: pd.DataFrame, x: str, title: Optional[str] = None) -> Figure:
     where that varies too, e.g. two GPUs). Routing is ordered by measured expert imbalance."""
     if x not in SWEEP_AXES:
         raise ValueError(f"x must be one of {', '.join(SWEEP_AXES)} (got {x!r})")
-    df = C.with_runs(df[~df["backend"].isin(L.NOT_CONTENDERS)])
+    df, shared = C.speed_rows(C.with_runs(df[~df["backend"].isin(L.NOT_CONTENDERS)]))
     fixed = [k for k in (*C.ENV_KEYS, "routing") if k != x and not (x == "ep_size" and k == "num_nodes")]
     agg = C.aggregate(df)
     # keep the lines that are a sweep along x (points of other sweeps have one value of x per line)
     lines = agg.groupby([*fixed, "precision", "direction", "shape", "backend"], dropna=False)[x].transform("nunique")
     agg = agg[lines > 1]
     if agg.empty:
-        raise ValueError(f"nothing varies along {x} in these rows")
+        raise ValueError(f"nothing varies along {x} in these rows" + (f" ({shared})" if shared else ""))
     varying = [k for k in fixed if agg[k].nunique(dropna=False) > 1 and k != "run_started"]
     facets = list(agg[["precision", "direction", "shape"]].drop_duplicates().itertuples(index=False, name=None))
     facets.sort(key=lambda k: (L.PRECISION_ORDER.index(k[0]) if k[0] in L.PRECISION_ORDER else 9,
@@ -380,7 +401,7 @@ def plot_sweep(df: pd.DataFrame, x: str, title: Optional[str] = None) -> Figure:
     const = [k for k in fixed if k not in varying and k != "run_started"]
     env_txt = ", ".join(_ctx(k, agg[k].iloc[0]) for k in const if not L.isna(agg[k].iloc[0]))
     finish(fig, title or f"Throughput vs {AXIS_LABELS[x]}" + (f" — {env_txt}" if env_txt else ""),
-           list(legend.values()), list(legend.keys()), notes=notes, ncol=5)
+           list(legend.values()), list(legend.keys()), notes=notes, ncol=5, caption=_caption(shared))
     return fig
 
 
@@ -426,7 +447,7 @@ def plot_roofline(df: pd.DataFrame, calibration: Optional[pd.DataFrame] = None,
     from harness.roofline import floors_frame
 
     df = df[~df["backend"].isin(L.NOT_CONTENDERS)]
-    df, env = _one_env(df, env)
+    df, env, shared = _speed_env(df, env)
     fl = floors_frame(df, calibration)
     # a row may carry the harness' own roofline_ms without the rates
     fl["floor_roofline_ms"] = fl["floor_roofline_ms"].fillna(fl["roofline_ms"])
@@ -495,7 +516,7 @@ def plot_roofline(df: pd.DataFrame, calibration: Optional[pd.DataFrame] = None,
     if not drawn:
         default += " (no calibration rates matched: floors not drawn)"
     finish(fig, title or default, [_patch(s) for s in systems], [L.system_label(s) for s in systems], notes=notes,
-           extra_legend=(floors, floor_labels), caption=L.run_caption(df))
+           extra_legend=(floors, floor_labels), caption=_caption(L.run_caption(df), shared))
     return fig
 
 
@@ -513,9 +534,10 @@ def plot_history(df: pd.DataFrame, config_hash: Optional[str] = None, title: Opt
         if len(hashes) != 1:
             raise ValueError(f"{len(hashes)} configs in the data; pick one with config_hash=")
         config_hash = str(hashes[0])
-    d = df[(df["config_hash"] == config_hash).fillna(False) & ~df["backend"].isin(L.NOT_CONTENDERS)].copy()
+    d, shared = C.speed_rows(df[(df["config_hash"] == config_hash).fillna(False)
+                                & ~df["backend"].isin(L.NOT_CONTENDERS)].copy())
     if d.empty:
-        raise ValueError(f"no rows for config {config_hash}")
+        raise ValueError(f"no rows for config {config_hash}" + (f" ({shared})" if shared else ""))
     d["git_sha"] = d["git_sha"].fillna("unknown")
     d["_t"] = pd.to_datetime(d["timestamp"], utc=True, errors="coerce", format="ISO8601")
     order = d.groupby("git_sha")["_t"].min().sort_values(na_position="first").index.tolist()
@@ -577,7 +599,7 @@ def plot_history(df: pd.DataFrame, config_hash: Optional[str] = None, title: Opt
         ax.set_xlabel("git SHA, oldest → newest (+ = dirty tree; × = not ok)", fontsize=9)
     axes[0].set_ylabel("TFLOP/s per GPU (whiskers: p20-p80)")
     finish(fig, title or f"History of {config_name(d, config_hash)} (config {str(config_hash)[:6]})",
-           list(handles.values()), list(handles.keys()), notes=notes, ncol=6, max_notes=6)
+           list(handles.values()), list(handles.keys()), notes=notes, ncol=6, max_notes=6, caption=_caption(shared))
     return fig
 
 
@@ -608,26 +630,29 @@ def chart_plan(df: pd.DataFrame, *, calibration: Optional[pd.DataFrame] = None, 
     """The charts :func:`report_charts` draws, in order: (file stem, a function that draws it)."""
     plan: list[tuple[str, Callable[[], Figure]]] = []
     contenders = C.with_runs(df[~df["backend"].isin(L.NOT_CONTENDERS)])
-    if contenders.empty:
+    speed = contenders[~C.is_shared_gpu(contenders)]  # what is drawn; the charts get every row and note the rest
+    if speed.empty:
         return plan
-    for env in C.environments(contenders):
+    for env in C.environments(speed):
         plan.append((chart_stem("panels", env), lambda env=env: plot_panels(contenders, env)))
-    runs = C.with_runs(contenders)
-    multi = runs["run_id"].nunique() > 1
-    for run in runs["run_id"].dropna().unique():
-        rows = runs[runs["run_id"] == run]
-        for x in sweep_axes_present(rows):
+    multi = speed["run_id"].nunique() > 1
+    for run in speed["run_id"].dropna().unique():
+        rows = contenders[contenders["run_id"] == run]
+        for x in sweep_axes_present(speed[speed["run_id"] == run]):
             name = f"sweep_{x}" + (f"_{slug(run)}" if multi else "")
             plan.append((name, lambda rows=rows, x=x: plot_sweep(rows, x)))
     measured = contenders[~C.is_published(contenders)]
-    if len(measured) and has_floors(measured, calibration):
-        for env in C.environments(measured):
-            if not has_floors(C.select_env(measured, env), calibration):
+    timed = measured[~C.is_shared_gpu(measured)]
+    if len(timed) and has_floors(timed, calibration):
+        for env in C.environments(timed):
+            if not has_floors(C.select_env(timed, env), calibration):
                 continue
             plan.append((chart_stem("roofline", env), lambda env=env: plot_roofline(measured, calibration, env)))
     hist = df if history_rows is None else history_rows
+    drawable = set(C.speed_rows(hist)[0]["config_hash"].dropna().astype(str))
     for h in history:
-        plan.append((f"history_{config_slug(hist, h)}", lambda h=h: plot_history(hist, h)))
+        if str(h) in drawable:  # (a config of shared-GPU rows alone has no speed to draw)
+            plan.append((f"history_{config_slug(hist, h)}", lambda h=h: plot_history(hist, h)))
     return plan
 
 

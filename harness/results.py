@@ -35,6 +35,9 @@ COLUMNS: dict[str, str] = {
     # the row was run with append=true: added on purpose to a run folder that may hold another invocation's rows
     # (empty in files written before the column)
     "appended": "boolean",
+    # the row ran several ranks on one GPU, time-sharing it: a correctness check, never a speed measurement; every
+    # speed table and chart leaves it out (harness.claims.speed_rows). Empty (false) in files written before the column
+    "shared_gpu": "boolean",
     "timestamp": "string",
     "git_sha": "string",
     "git_dirty": "boolean",

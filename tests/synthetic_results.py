@@ -151,3 +151,19 @@ def verdict_run(run_id: str, timestamp: str, backends: Iterable[str], shapes: It
         out.append(row(b, s, p, d, run_id=run_id, timestamp=timestamp, ep_size=ep_size, env=env,
                        tflops=(tflops or {}).get(b), **cols))
     return out
+
+
+def shared_gpu(rows: Iterable[dict[str, Any]], speedup: float = 10.0, **extra: Any) -> list[dict[str, Any]]:
+    """Copies of ``rows`` as rows that ran several ranks on one GPU (``shared_gpu`` true, one GPU, their own row ids),
+    timed ``speedup`` times faster: any speed table, chart or comparison that read them would change. ``extra``:
+    columns to set on every copy (e.g. another ``run_id``)."""
+    out = []
+    for r in rows:
+        n = dict(r, shared_gpu=True, num_gpus=1, row_id=hashlib.sha1(("shared", r["row_id"]).__repr__().encode())
+                 .hexdigest()[:12], **extra)
+        if n.get("tflops_per_gpu") is not None:
+            for c in ("latency_ms", "latency_p20_ms", "latency_p80_ms"):
+                n[c] = r[c] / speedup
+            n["tflops_per_gpu"] = r["tflops_per_gpu"] * speedup
+        out.append(n)
+    return out
