@@ -71,6 +71,7 @@ def format_markdown(claims: pd.DataFrame, headline: pd.DataFrame, not_ok: pd.Dat
     if sources:
         out += [sources, ""]
     out += [SCOPE_TEXT[scope], "", METHOD_TEXT, ""]
+    out += [f"{n}." for n in claims.attrs.get("notes", [])] + ([""] if claims.attrs.get("notes") else [])
     if not headline.empty:
         out += ["## Headline: maximum speedup per panel", ""]
         rows = []

@@ -345,3 +345,15 @@ def test_the_probe_merges_its_ranks_records():
     assert rec["status"] == "failed" and rec["error"] == "rank 1: ValueError: x" and rec["summary"] == ""
     rec = probe.merge_ranks("gloo", 4, both, summary, timed_out=True)
     assert rec["status"] == "timeout" and rec["error"] == "ranks [2, 3] never reported"
+
+
+def test_a_full_report_says_it_left_shared_gpu_rows_out():
+    from harness.report_markdown import format_markdown
+
+    base = S.measured_h200()
+    both, n = _with_shared(base)
+    claims = C.claims_table(both)
+    md = format_markdown(claims, C.headline_table(claims), C.not_ok_rows(both))
+    assert f"{n} rows {NOTE}." in md
+    assert NOTE not in format_markdown(C.claims_table(base), C.headline_table(C.claims_table(base)),
+                                       C.not_ok_rows(base))
