@@ -140,15 +140,16 @@ def test_bytes_follow_the_routing(results_dir):
     assert r.combine_bytes + r.combine_local_bytes == r.dispatch_bytes + r.dispatch_local_bytes
 
 
-def test_a_setup_past_its_limit_is_a_timeout_row_and_the_point_goes_on(results_dir):
+def test_a_setup_past_its_limit_is_a_timeout_row_and_the_point_goes_on(results_dir, capfd):
     """setup_timeout_s: the slow backend's rows say timeout (and why), the backend after it runs as usual, and the
     limit is gone once the setup is over (nccl's setup and timing outlast nothing)."""
-    import time
-
-    t0 = time.perf_counter()
     df = run_benchmark(cpu_cfg(results_dir, "ep_size=1", "backends=[slow_setup,nccl]", "directions=[fwd]",
                                "setup_timeout_s=2"))
-    assert time.perf_counter() - t0 < 55  # the 60 s sleep was cut
+    # the rank's own progress line times the setup step alone (no process start or import in it): the 60 s sleep
+    # was cut, however slowly the machine started the rank
+    took = re.findall(r"slow_setup \(1/2\) \| setup \(construct, buffers, JIT builds\): timeout in ([\d.]+) s",
+                      capfd.readouterr().err)
+    assert len(took) == 1 and float(took[0]) < 55, took
     slow = by(df, "slow_setup", "fwd")
     assert slow.status == "timeout" and "slow_setup's setup ran past setup_timeout_s=2 s" in slow.error
     assert by(df, "nccl", "fwd").status == "ok"
@@ -184,13 +185,16 @@ def test_time_limit_interrupts_and_restores():
     from harness.limits import StepTimeout, time_limit
 
     before = signal.getsignal(signal.SIGALRM)
+    finished = []
     with pytest.raises(StepTimeout, match="the step ran past setup_timeout_s=0.2 s"):
         with time_limit(0.2, "the step"):
             time.sleep(5)
+            finished.append(True)
+    assert not finished  # the sleep was cut, not waited out (however late the process ran)
     assert signal.getsignal(signal.SIGALRM) is before and signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
     with time_limit(None, "no limit"):
         time.sleep(0.3)
-    with time_limit(2, "fast"):  # done in time: nothing raised, and the timer is off after
+    with time_limit(600, "fast"):  # done in time (the limit far beyond any stall): nothing raised, the timer off
         pass
     assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
 
