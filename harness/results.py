@@ -17,7 +17,7 @@ import sys
 import tempfile
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Union
+from typing import TYPE_CHECKING, Any, Iterable, Sequence, Union
 
 import pandas as pd
 
@@ -361,7 +361,7 @@ def find_files(*paths: Union[str, Path]) -> tuple[list[Path], dict[str, list[Pat
     return unique, skipped
 
 
-def skipped_note(skipped: dict[str, list[Path]]) -> str:
+def skipped_note(skipped: dict[str, Sequence[Union[str, Path]]]) -> str:
     """One line: how many CSVs in the given folders were skipped, and why ('' when none)."""
     if not skipped:
         return ""
@@ -374,10 +374,12 @@ def load(*paths: Union[str, Path]) -> pd.DataFrame:
     """Every row under the given files or folders (default: results/runs, the committed reference runs), as one
     DataFrame. Repeated runs are kept: the key is (run_id, row_id). A damaged file raises
     :class:`ResultsFileError` naming it; ``df.attrs["skipped"]`` maps each reason a file in a folder was skipped
-    to those files (see :func:`skipped_note`)."""
+    to those files' paths, as strings: pandas deep-copies ``attrs`` into every frame derived from this one, and
+    copying ``Path`` objects took a third of the analysis notebook's time (see :func:`skipped_note`)."""
     if not paths:
         paths = (REFERENCE_RUNS,)
-    files, skipped = find_files(*paths)
+    files, found_skipped = find_files(*paths)
+    skipped = {why: tuple(map(str, fs)) for why, fs in found_skipped.items()}
     frames = [read_file(f) for f in files]
     if not frames:
         df = to_frame([])
