@@ -6,6 +6,7 @@ the fixes once."""
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 import triton.language as tl
@@ -58,6 +59,7 @@ def _patch_once_a_launch() -> None:
         return
     orig = ti._patch_lang
     held: list[frozenset[int]] = []  # the language modules patched by the launch running now
+    langs_of: dict[Any, frozenset[int]] = {}  # a jit function's language modules (its module's globals)
 
     class _Held:
         """What a helper's call gets: the launch's patch stays until the launch restores it."""
@@ -66,7 +68,10 @@ def _patch_once_a_launch() -> None:
             pass
 
     def patch_lang(fn):  # type: ignore[no-untyped-def]
-        langs = frozenset(id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core))
+        langs = langs_of.get(fn)
+        if langs is None:
+            langs = langs_of[fn] = frozenset(id(v) for v in fn.__globals__.values()
+                                             if inspect.ismodule(v) and v in (tl, tl.core))
         if held and langs and langs <= held[-1]:
             return _Held()
         scope = orig(fn)
