@@ -155,6 +155,7 @@ def test_bytes_follow_the_routing(nccl_run):
     assert r.combine_bytes + r.combine_local_bytes == r.dispatch_bytes + r.dispatch_local_bytes
 
 
+@pytest.mark.slow
 def test_a_setup_past_its_limit_is_a_timeout_row_and_the_point_goes_on(results_dir, capfd):
     """setup_timeout_s: the slow backend's rows say timeout (and why), the backend after it runs as usual, and the
     limit is gone once the setup is over (nccl's setup and timing outlast nothing)."""
@@ -170,6 +171,7 @@ def test_a_setup_past_its_limit_is_a_timeout_row_and_the_point_goes_on(results_d
     assert by(df, "nccl", "fwd").status == "ok"
 
 
+@pytest.mark.slow
 def test_setup_profiles_say_where_each_backends_setup_went(results_dir, tmp_path):
     """profile_setup_dir: one profile a backend a rank, of the steps setup_s holds (construction, setup, the checked
     first call), written for a setup that failed too; the rows are what they would be without it."""
@@ -251,6 +253,7 @@ def test_forward_only_backend_gets_unsupported_backward(results_dir):
     assert r.status == "unsupported" and "implements fwd only" in r.error
 
 
+@pytest.mark.slow
 def test_a_rank_that_dies_leaves_rows_from_the_launcher(results_dir):
     cfg = cpu_cfg(results_dir, "ep_size=2", "backends=[nccl,dies]", "directions=[fwd]", "dist_timeout_s=60")
     df = run_benchmark(cfg)

@@ -129,6 +129,7 @@ def test_nvml_structs_have_the_header_layout():
     assert ctypes.sizeof(gc._Sample) == 16 and ctypes.sizeof(gc._Violation) == 16  # u64 + 8-byte union; u64 x 2
 
 
+@pytest.mark.slow
 def test_cpu_rows_carry_the_clock_columns_empty(results_dir):
     from harness.runner import run_benchmark
 

@@ -273,6 +273,7 @@ def _toy_layer(**kw):
     return layer, w13, w2, shared
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (it comes with torch on Linux; pip install -e "
                                            "'.[test]'): the interpreter kernel tests need it")
 @pytest.mark.parametrize("limit", [None, 0.5], ids=["plain", "clamped"])
@@ -725,6 +726,7 @@ def test_the_weight_gradients_by_grouped_mm(save_h, dgate, monkeypatch):
         assert rel_l1(mm[k], want[k]) < 1e-2, (k, rel_l1(mm[k], want[k]))
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (it comes with torch on Linux; pip install -e "
                                            "'.[test]'): the interpreter kernel tests need it")
 @pytest.mark.parametrize("fused", [False, True], ids=["tiled", "tiled-gate-up-interleaved"])

@@ -209,6 +209,7 @@ def _run_notebook(monkeypatch, results_path: Path, out: Path):
     return out_text, images, {p.name for p in out.glob("*.png")}
 
 
+@pytest.mark.slow
 def test_analysis_notebook_runs_headless(tmp_path, monkeypatch):
     rows = pd.concat([S.mixed_environments(), results.to_frame([S.row("deepep_te", status="oom"),
                                                                  S.row("mok_hopper", "glm_5_2", run_id="h200",
