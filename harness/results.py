@@ -458,14 +458,14 @@ def find_files(*paths: Union[str, Path], exclude: Sequence[Union[str, Path]] = (
     return unique, skipped
 
 
-def skipped_note(skipped: dict[str, list[Path]]) -> str:
+def skipped_note(skipped: dict[str, Sequence[Union[str, Path]]]) -> str:
     """One line: how many files in the given folders were skipped, and why ('' when none)."""
     if not skipped:
         return ""
     n = sum(map(len, skipped.values()))
     parts = []
     for why, v in sorted(skipped.items(), key=lambda kv: -len(kv[1])):
-        kinds = sorted({f.suffix or "no suffix" for f in v}) if why == NOT_TABLE else []
+        kinds = sorted({Path(f).suffix or "no suffix" for f in v}) if why == NOT_TABLE else []
         parts.append(f"{len(v)} {why}" + (f" ({', '.join(kinds[:6])}{', ...' if len(kinds) > 6 else ''})"
                                           if kinds else ""))
     return f"skipped {n} file{'s' if n != 1 else ''} that hold no results: " + "; ".join(parts)
@@ -503,7 +503,10 @@ def load(*paths: Union[str, Path], skip_damaged: bool = False, exclude: Sequence
     files is read. ``df.attrs["files"]``: (file, number of rows) of each file read, in the order of the rows."""
     if not paths:
         paths = (REFERENCE_RUNS,)
-    files, skipped = find_files(*paths, exclude=exclude)
+    files, found_skipped = find_files(*paths, exclude=exclude)
+    # attrs hold strings: pandas deep-copies attrs into every frame derived from this one, and copying Path objects
+    # took a third of the analysis notebook's time
+    skipped = {why: tuple(map(str, fs)) for why, fs in found_skipped.items()}
     read: list[tuple[Path, pd.DataFrame, np.ndarray]] = []
     errors: dict[Path, ResultsFileError] = {}
     for i, f in enumerate(files, 1):

@@ -343,6 +343,7 @@ def _fake_sonic(calls: list) -> types.ModuleType:
     return mod
 
 
+@pytest.mark.slow
 def test_sonicmoe_adapter_against_a_stand_in(monkeypatch):
     from baselines import sonicmoe
 

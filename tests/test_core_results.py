@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import time
 
 import pandas as pd
 import pytest
@@ -82,19 +81,30 @@ def test_stats_are_median_and_quantiles():
     assert (s.min_ms, s.max_ms, s.num_iters, s.num_warmup) == (1, 100, 100, 3)
 
 
-def test_host_timer_measures_and_runs_pre_untimed():
+def test_host_timer_measures_and_runs_pre_untimed(monkeypatch):
+    """The host clock is the test's own: each timed call advances it 20 ms and each ``pre`` 50 ms, so the samples
+    are exact however the machine schedules the process."""
+    import types
+
+    from harness import timing
+
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     from harness.dist import free_port
 
+    now = [1000.0]  # seconds
+
+    def advance(s):
+        now[0] += s
+
+    monkeypatch.setattr(timing, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
     os.environ["MASTER_PORT"] = str(free_port())
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
         calls = []
         t = Timer(torch.device("cpu"), dist.group.WORLD)
-        s = t.run(lambda: time.sleep(0.02), num_warmup=1, num_iters=4,
-                  pre=lambda: (calls.append(1), time.sleep(0.05)))
-        assert 18 < s.median_ms < 45  # the 50 ms pre never shows up in the timed span
-        assert len(calls) == 5 and s.num_iters == 4
+        s = t.run(lambda: advance(0.02), num_warmup=1, num_iters=4, pre=lambda: (calls.append(1), advance(0.05)))
+        assert s.median_ms == pytest.approx(20.0) and s.min_ms == pytest.approx(20.0)  # the 50 ms pre is untimed
+        assert s.max_ms == pytest.approx(20.0) and len(calls) == 5 and s.num_iters == 4
     finally:
         dist.destroy_process_group()
 

@@ -22,6 +22,8 @@ class FakeNvml:
         self.pw = [(100, 120_000.0)]
         self.viol = {gc.PERF_POLICY_POWER: 5_000, gc.PERF_POLICY_THERMAL: 0}
         self.broken = False
+        self.poll_gate = threading.Event()  # set: the clock thread may read (the tests that need no order open it)
+        self.poll_gate.set()
 
     def handle(self, device):
         if device != "GPU-0":
@@ -37,6 +39,8 @@ class FakeNvml:
     def clock_mhz(self, h):
         if self.broken:
             raise RuntimeError("driver went away")
+        if threading.current_thread().name == "gpu-clock":  # the window's thread reads once the test opens the gate
+            self.poll_gate.wait()
         return self.clk[-1]
 
     def violation_ns(self, h, policy):
@@ -48,7 +52,9 @@ class FakeNvml:
 
 
 def wait_for_readings(w, n):
-    deadline = time.monotonic() + 10
+    """Until the clock thread has taken its first reading; the deadline is only a safety net for a thread that never
+    reads (the reading comes 10 ms after the gate opens on an idle machine)."""
+    deadline = time.monotonic() + 120
     while len(w._mhz) < n and time.monotonic() < deadline:
         time.sleep(gc.POLL_S)
     assert len(w._mhz) >= n, "the clock thread took no reading"
@@ -56,10 +62,13 @@ def wait_for_readings(w, n):
 
 def test_the_window_reads_only_the_samples_taken_inside_it():
     nv = FakeNvml()
+    nv.poll_gate.clear()  # the clock thread reads only once the clock below has dropped, however late it runs
     w = gc.ClockWatch(["GPU-0"], nvml=nv)
     nv.clk = [1980.0, 1500.0]  # idle clock before the window: never read
     w.start()  # one reading at the start (1500)
+    assert w._mhz == [1500.0]
     nv.clk.append(1200.0)
+    nv.poll_gate.set()
     wait_for_readings(w, 2)  # the thread's readings while the window is open
     nv.clk.append(1500.0)
     nv.run_window()
@@ -120,6 +129,7 @@ def test_nvml_structs_have_the_header_layout():
     assert ctypes.sizeof(gc._Sample) == 16 and ctypes.sizeof(gc._Violation) == 16  # u64 + 8-byte union; u64 x 2
 
 
+@pytest.mark.slow
 def test_cpu_rows_carry_the_clock_columns_empty(results_dir):
     from harness.runner import run_benchmark
 

@@ -1061,19 +1061,28 @@ def test_quantize_rows_kernel_matches_torch():
     assert torch.equal(s, ws_) and torch.equal(q.view(torch.uint8), wq.view(torch.uint8))
 
 
-@pytest.mark.slow
-@needs_triton
-@pytest.mark.skipif(not has_nvidia_backend(), reason="Triton has no NVIDIA backend (ptxas) here")
-def test_every_kernel_variant_compiles_for_hopper_without_spills():
-    """Ahead-of-time compilation for sm_90 (Triton's own ptxas, no GPU): catches lowering errors, shared memory
-    over the limit and register spills, which the interpreter cannot see."""
+@pytest.fixture(scope="module")
+def aot_sweep():
+    """One run of ``aot_check --arch 90 --sweep``: every kernel variant, then the GEMMs of gpu_check's sweep tiles.
+    The two tests below read its output (the sweep run compiles every variant the plain run does, and then some; on
+    a fresh machine each compile takes about a second of ptxas)."""
     import subprocess
     import sys
     from pathlib import Path
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    p = subprocess.run([sys.executable, "-m", "kernels.mok_hopper.aot_check", "--arch", "90"], capture_output=True,
-                       text=True, env=env, cwd=Path(__file__).resolve().parent.parent, timeout=300)
+    return subprocess.run([sys.executable, "-m", "kernels.mok_hopper.aot_check", "--arch", "90", "--sweep"],
+                          capture_output=True, text=True, env=env, cwd=Path(__file__).resolve().parent.parent,
+                          timeout=1800)
+
+
+@pytest.mark.slow
+@needs_triton
+@pytest.mark.skipif(not has_nvidia_backend(), reason="Triton has no NVIDIA backend (ptxas) here")
+def test_every_kernel_variant_compiles_for_hopper_without_spills(aot_sweep):
+    """Ahead-of-time compilation for sm_90 (Triton's own ptxas, no GPU): catches lowering errors, shared memory
+    over the limit and register spills, which the interpreter cannot see."""
+    p = aot_sweep
     assert p.returncode == 0, p.stdout + p.stderr[-3000:]
     assert "up fp8" in p.stdout and "down bf16" in p.stdout and "Triton " in p.stdout
     assert "up bf16 tails 32 tma" in p.stdout and "down bf16 x w tails 32 tma" in p.stdout
@@ -1111,16 +1120,9 @@ def test_aot_check_compiles_each_kernel_as_launched():
 @needs_triton
 @pytest.mark.slow
 @pytest.mark.skipif(not has_nvidia_backend(), reason="Triton has no NVIDIA backend (ptxas) here")
-def test_every_sweep_variant_compiles_for_hopper_without_spills():
+def test_every_sweep_variant_compiles_for_hopper_without_spills(aot_sweep):
     """gpu_check's sweep tiles too: a variant that cannot compile would only fail on a leased GPU."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    p = subprocess.run([sys.executable, "-m", "kernels.mok_hopper.aot_check", "--arch", "90", "--sweep"],
-                       capture_output=True, text=True, env=env, cwd=Path(__file__).resolve().parent.parent,
-                       timeout=600)
+    p = aot_sweep
     assert p.returncode == 0, p.stdout + p.stderr[-3000:]
     assert "[down BK 128 x 3 st]" in p.stdout and "[tails of 16 rows (]" in p.stdout
 
@@ -1166,7 +1168,6 @@ def test_a_sweep_variant_is_timed_against_the_default_interleaved(monkeypatch):
     assert ab["base_sm_clock_mhz"] == 1450 and ab["sm_clock_mhz"] == 1500
 
 
-@pytest.mark.slow
 def test_gpu_check_refuses_what_cannot_run_in_one_line_before_anything_runs(tmp_path, monkeypatch, capsys):
     """Shapes come from configs/shape and are checked as the harness checks them, before any process group."""
     from benchmarks.mok_hopper import gpu_check as gc
@@ -1184,7 +1185,9 @@ def test_gpu_check_refuses_what_cannot_run_in_one_line_before_anything_runs(tmp_
         precisions=["bf16", "fp8"], smoke=False, tokens=2048)) is None  # 4 per GPU; 384 experts split over 3
 
 
-
+@pytest.mark.slow
+@needs_triton
+def test_gpu_check_smoke_runs_a_sweep_variant_on_the_cpu(tmp_path):
     """gpu_check end to end under the interpreter (one rank, tiny shape): checks, stage timing and one sweep
     variant with its interleaved ratio to the default. Measures nothing; guards the script the GPU runs use."""
     import csv

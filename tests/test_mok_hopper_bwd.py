@@ -273,6 +273,7 @@ def _toy_layer(**kw):
     return layer, w13, w2, shared
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (it comes with torch on Linux; pip install -e "
                                            "'.[test]'): the interpreter kernel tests need it")
 @pytest.mark.parametrize("limit", [None, 0.5], ids=["plain", "clamped"])
@@ -392,7 +393,7 @@ def test_the_backward_twin_on_gloo_ranks_is_the_simulated_one(tmp_path, world, l
 def test_bwd_check_runs_on_the_cpu(tmp_path, precision):
     """benchmarks/mok_hopper/bwd_check.py end to end on one CPU rank (the backend's CPU twin, tiny shape): every
     gradient checked against the reference in the precision's gate, the repeat check, the CSV. Measures nothing;
-    guards the script the GPU runs use. A bad mode is one line and exit 2."""
+    guards the script the GPU runs use."""
     import csv
     import subprocess
     import sys
@@ -411,6 +412,17 @@ def test_bwd_check_runs_on_the_cpu(tmp_path, precision):
     for r in rows:
         assert r["ok"] == "True" and r["identical"] == "2/2" and lo < float(r["rel_err"]) < hi
         assert r["precision"] == precision and float(r["d_w_gate_rel"]) < hi and float(r["d_topk_w_rel"]) < hi
+
+
+@pytest.mark.slow
+def test_bwd_check_refuses_a_bad_mode_or_tile_in_one_line(tmp_path):
+    """bwd_check: a bad mode or tile field is one line and exit 2, before anything is written."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(root))
     p = subprocess.run([sys.executable, "-m", "benchmarks.mok_hopper.bwd_check", "--out", str(tmp_path / "x"),
                         "--modes", "fast"], cwd=root, env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 2 and "unknown mode" in p.stderr and not (tmp_path / "x").exists()
@@ -714,6 +726,7 @@ def test_the_weight_gradients_by_grouped_mm(save_h, dgate, monkeypatch):
         assert rel_l1(mm[k], want[k]) < 1e-2, (k, rel_l1(mm[k], want[k]))
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (it comes with torch on Linux; pip install -e "
                                            "'.[test]'): the interpreter kernel tests need it")
 @pytest.mark.parametrize("fused", [False, True], ids=["tiled", "tiled-gate-up-interleaved"])

@@ -157,6 +157,7 @@ def test_the_fp8_weight_gradient_over_several_token_blocks(p8, resident):
             assert 1e-3 < rel_l1(dw[e], exact) < 0.1  # quantised along the tokens, not a bf16 GEMM
 
 
+@pytest.mark.slow
 @NEEDS_TRITON
 def test_an_fp8_training_step_through_autograd():
     """mok_hopper_train with an fp8 layer at EP=1 (train=True, H saved): out.backward() reaches every leaf, the

@@ -143,6 +143,7 @@ def test_the_module_owns_its_weights_and_its_state_dict_is_plain(layout):
         m2.load_state_dict(bad)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fused", [False, True], ids=["tiled", "tiled-gate-up-interleaved"])
 def test_the_tiled_layout_trains_like_the_plain_one(fused):
     """Parameters in the kernels' TMA block order (tile_weights, or tile_weights_gu with the fused gate/up MMA):
@@ -173,6 +174,7 @@ def test_the_tiled_layout_trains_like_the_plain_one(fused):
 
 # ---- gradients ----
 
+@pytest.mark.slow
 @pytest.mark.parametrize("limit", [None, 0.5], ids=["plain", "clamped"])
 def test_gradients_match_autograd_and_accumulate_over_calls(limit):
     m = module(limit=limit)
@@ -190,6 +192,7 @@ def test_gradients_match_autograd_and_accumulate_over_calls(limit):
         assert rel_l1(p.grad, r) < 1e-2 and not torch.equal(p.grad, f)
 
 
+@pytest.mark.slow
 def test_main_grad_accumulates_in_fp32_and_leaves_grad_empty():
     plain, mg = module(), module(main_grad=True)
     for seed in (1, 2):

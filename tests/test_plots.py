@@ -197,8 +197,10 @@ def _run_notebook(monkeypatch, results_path: Path, out: Path):
     monkeypatch.setenv("MOKBENCH_NOTEBOOK_FORMATS", "png")
     monkeypatch.setenv("PYTHONPATH", str(REPO) + ":" + __import__("os").environ.get("PYTHONPATH", ""))
     nb = nbformat.read(REPO / "notebooks" / "analysis.ipynb", as_version=4)
-    nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
-                            resources={"metadata": {"path": str(REPO / "notebooks")}}).execute()
+    # Every wait is a safety net far beyond a loaded machine's: the kernel's start (nbclient's default: 60 s), and a
+    # cell's output after its reply (default 4 s, after which nbclient drops the output with a warning only).
+    nbclient.NotebookClient(nb, timeout=600, startup_timeout=600, iopub_timeout=600, raise_on_iopub_timeout=True,
+                            kernel_name="python3", resources={"metadata": {"path": str(REPO / "notebooks")}}).execute()
     errors = [f"{o.get('ename')}: {o.get('evalue')}" for c in nb.cells if c.cell_type == "code" for o in c.outputs
               if o.output_type == "error"]
     assert not errors, errors
@@ -207,6 +209,7 @@ def _run_notebook(monkeypatch, results_path: Path, out: Path):
     return out_text, images, {p.name for p in out.glob("*.png")}
 
 
+@pytest.mark.slow
 def test_analysis_notebook_runs_headless(tmp_path, monkeypatch):
     rows = pd.concat([S.mixed_environments(), results.to_frame([S.row("deepep_te", status="oom"),
                                                                  S.row("mok_hopper", "glm_5_2", run_id="h200",

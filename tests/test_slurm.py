@@ -135,6 +135,7 @@ def test_slurm_status_mapping():
         assert slurm_status(s) == "error"
 
 
+@pytest.mark.slow
 def test_dry_run_rejects_bad_point_like_a_local_run(tmp_path):
     bad = ["workload.routing=hot_rank", "workload.hot_rank=5"]
     local = subprocess.run([sys.executable, "-m", "harness.run", "device=cpu", *bad], cwd=REPO, capture_output=True,
@@ -155,6 +156,7 @@ def test_dry_run_rejects_bad_point_like_a_local_run(tmp_path):
     assert not (tmp_path / "results").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("experiment,jobs,gpus_per_job,precisions,contender", [
     ("gb300_published", 8, 64, ("bf16", "mxfp8"), "mok"),
     ("h200_published", 8, 8, ("bf16", "fp8"), "mok_hopper"),
@@ -179,6 +181,7 @@ def test_dry_run_of_the_published_sweeps(tmp_path, experiment, jobs, gpus_per_jo
     assert not (tmp_path / "sweep" / ".submitit").exists()
 
 
+@pytest.mark.slow
 def test_node_launcher_dry_run_and_up_front_validation(tmp_path):
     """hydra/launcher=node: a bad point stops the sweep before the first point runs; a dry run plans and runs
     nothing."""

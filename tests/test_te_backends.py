@@ -43,6 +43,7 @@ def case_of(*overrides: str, ep: int = 2, device: str = "cpu"):
 # ---- unsupported rows -----------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_te_backends_are_unsupported_rows_with_the_install_hint_on_cpu(results_dir):
     df = run_benchmark(cpu_cfg(results_dir, "ep_size=2", "backends=[deepep_te,hybridep_megatron,nccl]",
                                "directions=[fwd,bwd]"))

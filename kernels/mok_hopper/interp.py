@@ -1,10 +1,12 @@
 """The Triton interpreter shim: under ``TRITON_INTERPRET=1`` (the CPU tests) two interpreter gaps are worked
-around, so that the kernels compute on the CPU what they compute on the GPU. Every kernel module imports
-:data:`INTERPRET` from here, which applies the fixes once."""
+around, so that the kernels compute on the CPU what they compute on the GPU, and the interpreter's per-call patching
+of ``triton.language`` is done once a launch. Every kernel module imports :data:`INTERPRET` from here, which applies
+the fixes once."""
 
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 import triton.language as tl
@@ -43,5 +45,54 @@ def _interpreter_compat() -> None:
     ti._mok_patched = True
 
 
+def _patch_once_a_launch() -> None:
+    """The interpreter patches ``triton.language`` (every builtin of ``tl``, ``tl.core``, ``tl.math`` and the tensor
+    class, about 3 ms) at each launch, and again at each call of a ``@triton.jit`` helper inside the kernel, where it
+    finds everything patched already and changes nothing: two fifths of a CPU test's kernel time. A helper called
+    while a launch holds the patch of the same language modules skips it; the launch's own patch and its restore
+    are Triton's. Where ``_patch_lang`` returns no restorable scope (another Triton), nothing changes."""
+    import inspect
+
+    import triton.runtime.interpreter as ti
+
+    if getattr(ti, "_mok_patch_once", False) or not hasattr(ti, "_patch_lang"):
+        return
+    orig = ti._patch_lang
+    held: list[frozenset[int]] = []  # the language modules patched by the launch running now
+    langs_of: dict[Any, frozenset[int]] = {}  # a jit function's language modules (its module's globals)
+
+    class _Held:
+        """What a helper's call gets: the launch's patch stays until the launch restores it."""
+
+        def restore(self) -> None:
+            pass
+
+    def patch_lang(fn):  # type: ignore[no-untyped-def]
+        langs = langs_of.get(fn)
+        if langs is None:
+            langs = langs_of[fn] = frozenset(id(v) for v in fn.__globals__.values()
+                                             if inspect.ismodule(v) and v in (tl, tl.core))
+        if held and langs and langs <= held[-1]:
+            return _Held()
+        scope = orig(fn)
+        if held or not callable(getattr(scope, "restore", None)):
+            return scope
+        held.append(langs)
+        restore = scope.restore
+
+        def restore_and_release() -> None:
+            try:
+                restore()
+            finally:
+                held.pop()
+
+        scope.restore = restore_and_release
+        return scope
+
+    ti._patch_lang = patch_lang
+    ti._mok_patch_once = True
+
+
 if INTERPRET:
     _interpreter_compat()
+    _patch_once_a_launch()
