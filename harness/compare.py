@@ -237,14 +237,9 @@ def estimate(base: dict[str, tuple[float, float, float]], new: dict[str, tuple[f
     return dict(res, est=mn - mb, below=ub + dn, above=db + un, source="p20-p80", run_to_run=False)
 
 
-def compare(base: pd.DataFrame, new: pd.DataFrame, *, min_change: float = 0.05, noise_factor: float = 1.0,
-            aa: Optional[pd.DataFrame] = None, normalize: str = "none", control: Optional[str] = None,
-            backends: Sequence[str] = (), confidence: float = 0.95) -> pd.DataFrame:
-    """The comparison table: one row per key in either side (of ``backends``, when given), with ``change``
-    (NEW / BASE - 1 of the latency, or of the normalised latency; + = slower), its interval ``change_low`` ..
-    ``change_high``, ``noise`` (the wider half of the interval, as a factor - 1), ``noise_source`` (see the module
-    docstring), the run counts and a ``verdict``. ``aa``: A/A reruns of BASE, pooled with BASE as BASE runs.
-    ``min_change``: the threshold T as a fraction. Sorted with the failing verdicts first."""
+def check_options(min_change: float, noise_factor: float, normalize: str, control: Optional[str],
+                  confidence: float) -> None:
+    """Raises ValueError naming the option when :func:`compare`'s options cannot work together."""
     if not 0 <= min_change < 1 or noise_factor < 0:
         raise ValueError("--threshold / min_change must be in [0, 1) and --noise-factor >= 0")
     if not 0 < confidence < 1:
@@ -254,6 +249,17 @@ def compare(base: pd.DataFrame, new: pd.DataFrame, *, min_change: float = 0.05, 
     if (normalize == "control") != bool(control):
         raise ValueError("--normalize control needs --control BACKEND (an unchanged backend in both runs), and "
                          "--control goes only with --normalize control")
+
+
+def compare(base: pd.DataFrame, new: pd.DataFrame, *, min_change: float = 0.05, noise_factor: float = 1.0,
+            aa: Optional[pd.DataFrame] = None, normalize: str = "none", control: Optional[str] = None,
+            backends: Sequence[str] = (), confidence: float = 0.95) -> pd.DataFrame:
+    """The comparison table: one row per key in either side (of ``backends``, when given), with ``change``
+    (NEW / BASE - 1 of the latency, or of the normalised latency; + = slower), its interval ``change_low`` ..
+    ``change_high``, ``noise`` (the wider half of the interval, as a factor - 1), ``noise_source`` (see the module
+    docstring), the run counts and a ``verdict``. ``aa``: A/A reruns of BASE, pooled with BASE as BASE runs.
+    ``min_change``: the threshold T as a fraction. Sorted with the failing verdicts first."""
+    check_options(min_change, noise_factor, normalize, control, confidence)
     if aa is not None and len(aa):
         base = pd.concat([base, aa], ignore_index=True)
     b, n = pool(base), pool(new)
