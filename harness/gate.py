@@ -34,7 +34,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import NoReturn, Optional, Sequence
 
 from harness import compare as C
 from harness import results
@@ -49,6 +49,13 @@ IMPORT_CHECK = ("import importlib.util, json; print(json.dumps({n: (importlib.ut
 
 class GateError(Exception):
     """A bad input or a side that cannot run: one line for stderr, exit 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse's own errors (an unknown option, a value of the wrong type) as one line, exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        raise GateError(f"{message} (python -m harness.gate --help)")
 
 
 @dataclass
@@ -85,7 +92,7 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     argv = list(argv)
     overrides = argv[argv.index("--") + 1:] if "--" in argv else []
     own = argv[: argv.index("--")] if "--" in argv else argv
-    ap = argparse.ArgumentParser(
+    ap = _Parser(
         prog="python -m harness.gate", description=__doc__.split("\n\n")[0],
         epilog="exit codes: 0 no regression; 1 regression, status change from ok, or NEW's harness.run failed; "
                "2 bad arguments or nothing to judge; 3 inconclusive (too noisy to decide, no regression)")
@@ -286,7 +293,11 @@ def one_run(a: argparse.Namespace, side: Side, rid: str, args: list[str], folder
     except subprocess.TimeoutExpired:
         rc = f"no exit after {a.run_timeout:g} s"
     secs = time.monotonic() - t0
-    rows = results.load(folder) if any(folder.rglob("*.csv")) else results.to_frame([])
+    try:
+        rows = results.load(folder) if any(folder.rglob("*.csv")) else results.to_frame([])
+    except results.ResultsFileError as e:
+        print(f"harness.gate: {e}", file=sys.stderr)
+        rows = results.to_frame([])
     ok = int((rows["status"] == "ok").sum()) if len(rows) else 0
     print(f"harness.gate: {what} {side.describe()}: {secs:.0f} s, {len(rows)} rows ({ok} ok) [{time_of_day()}]",
           flush=True)
@@ -305,11 +316,11 @@ def time_of_day() -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    a, overrides = parse_args(sys.argv[1:] if argv is None else argv)
     try:
+        a, overrides = parse_args(sys.argv[1:] if argv is None else argv)
         base, new, opts = validate(a, overrides)
         return gate(a, overrides, base, new, opts)
-    except GateError as e:
+    except (GateError, results.ResultsFileError) as e:
         print(f"harness.gate: {e}", file=sys.stderr)
         return C.EXIT_USAGE
 
