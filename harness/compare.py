@@ -19,7 +19,7 @@ swapping the sides flips its sign and nothing else, with an interval at ``--conf
   difference whether a run is given as BASE or as ``--aa``;
 * ``p20-p80``: one run a side: the near edges of the two p20-p80 spreads bound the change. On the CPU that bound
   says nothing of the next run (a point run twice moved 2x, with spreads a third of that): such a CPU row is
-  inconclusive unless the next estimate exists;
+  inconclusive unless the other backends give an estimate (next);
 * ``other backends`` (with ``--backend``): the backends not judged ran unchanged code; their largest change beyond
   their own run-to-run interval (their whole change, with one run a side) is the machine's, and widens every
   judged row's interval to at least that;
