@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -157,11 +158,17 @@ def test_fixed_still_failing_new_and_missing_do_not_fail():
 
 
 def test_repeated_runs_are_pooled():
-    base = base_rows() + derive(base_rows(), lambda r: 1.02, run_id="base2")
-    new = derive(base_rows(), lambda r: 1.01, run_id="new")
+    base = base_rows() + derive(base_rows(), lambda r: 1.02, run_id="base2") + derive(base_rows(), lambda r: 0.99,
+                                                                                     run_id="base3")
+    new = derive(base_rows(), lambda r: 1.01, run_id="new") + derive(base_rows(), lambda r: 1.0, run_id="new2") + \
+        derive(base_rows(), lambda r: 1.02, run_id="new3")
     table = run(base, new)
-    assert (table["num_rows_base"] == 2).all() and (table["num_rows_new"] == 1).all()
-    assert set(table["verdict"]) == {"unchanged"}
+    assert (table["num_rows_base"] == 3).all() and (table["num_rows_new"] == 3).all()
+    assert (table["n_base"] == 3).all() and (table["n_new"] == 3).all() and not table["paired"].any()
+    assert set(table["noise_source"]) == {"reruns"} and set(table["verdict"]) == {"unchanged"}
+    # two runs of BASE and one of NEW: one degree of freedom for the run-to-run noise cannot resolve 5%
+    table = run(base[: 2 * len(base) // 3], new[: len(new) // 3])
+    assert set(table["verdict"]) == {"inconclusive"} and (table["noise"] > 0.05).all()
 
 
 def test_matching_is_on_config_hash_backend_direction():
@@ -258,19 +265,20 @@ def test_same_config_rerun_on_a_noisy_machine_is_not_a_regression_and_a_ten_perc
     table = run(base, rerun, backends=["mok_hopper"])
     assert "regression" not in set(table["verdict"]) and set(table["verdict"]) == {"inconclusive"}
     assert C.exit_code(table) == C.EXIT_INCONCLUSIVE
-    # the same rerun against an A/A of BASE (no --backend): the A/A's run-to-run noise covers it
+    # the same rerun against an A/A of BASE (no --backend): the A/A rerun is a second BASE run, whose spread covers it
     aa = derive(base, lambda r: 1.4 if r["direction"] == "fwd" else 0.7, run_id="aa1")  # as noisy as the rerun
     table = run(base, rerun, aa=results.to_frame(aa))
-    assert "regression" not in set(table["verdict"]) and (table["noise_source"] == "A/A").all()
+    assert "regression" not in set(table["verdict"]) and (table["noise_source"] == "reruns").all()
     # a real 10% slowdown of the kernel on a quiet machine (others within 1%): a regression
     slow = derive(base, lambda r: 1.10 if r["backend"] == "mok_hopper" else 1.01)
     table = run(base, slow, backends=["mok_hopper"])
     assert set(table["verdict"]) == {"regression"} and C.exit_code(table) == C.EXIT_REGRESSION
     assert (table["noise"] < 0.10).all()
-    # ... and with a quiet A/A rerun as the noise estimate
-    quiet = derive(base, lambda r: 1.01, run_id="aa2")
-    table = run(base, slow, aa=results.to_frame(quiet), backends=["mok_hopper"])
-    assert set(table["verdict"]) == {"regression"}
+    # ... and with quiet A/A reruns as BASE runs and NEW run twice: the runs' spread is the noise
+    quiet = derive(base, lambda r: 1.01, run_id="aa2") + derive(base, lambda r: 0.99, run_id="aa3")
+    slow2 = slow + derive(base, lambda r: 1.11 if r["backend"] == "mok_hopper" else 1.0, run_id="new2")
+    table = run(base, slow2, aa=results.to_frame(quiet), backends=["mok_hopper"])
+    assert set(table["verdict"]) == {"regression"} and set(table["noise_source"]) == {"reruns"}
 
 
 def test_a_cpu_point_run_twice_is_inconclusive_without_a_run_to_run_estimate():
@@ -383,3 +391,241 @@ def test_cli_no_matched_rows_is_one_verdict_exit_2(tmp_path, capsys):
     assert not (tmp_path / "c.csv").exists()
     assert C.main([str(b), str(b), "--backend", "deepep"]) == 2  # no such backend in either
     assert "deepep" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# one verdict whatever the order: log-ratio symmetry, A/A runs as BASE runs, a run against itself
+
+FLIP = {"regression": "improvement", "improvement": "regression", "unchanged": "unchanged",
+        "inconclusive": "inconclusive"}
+CPU = dict(device="cpu", gpu_name=None)
+
+
+def side(factors: dict[str, Callable[[dict], float]], *, cpu: bool = False, spread: float = 0.02) -> list[dict]:
+    """Several runs of one side: run_id -> latency factor of each row against base_rows()."""
+    rows = [dict(r, **CPU) for r in base_rows(spread)] if cpu else base_rows(spread)
+    return [x for rid, f in factors.items() for x in derive(rows, f, run_id=rid)]
+
+
+def noisy(seed: int, scale: float, slow: float = 1.0) -> Callable[[dict], float]:
+    """A deterministic per-row factor: log-normal noise of the given scale, times ``slow`` on the target row."""
+    import random
+
+    rng = random.Random(seed)
+    cache: dict[str, float] = {}
+
+    def f(r: dict) -> float:
+        k = r["row_id"]
+        if k not in cache:
+            cache[k] = math.exp(rng.gauss(0.0, scale)) * (slow if is_target(r) else 1.0)
+        return cache[k]
+
+    return f
+
+
+SCENARIOS = {
+    # one run a side on a GPU, a 10% slowdown of one row; NEW's spread wider than BASE's
+    "single gpu": (lambda: side({"b": lambda r: 1.0}),
+                   lambda: side({"n": lambda r: 1.10 if is_target(r) else 1.01}, spread=0.03)),
+    # the new user's CPU runs: one run a side, other backends moved, --backend mok_hopper
+    "single cpu": (lambda: side({"b": lambda r: 1.0}, cpu=True, spread=0.2),
+                   lambda: side({"n": lambda r: 1.3 if r["backend"] == "nccl" else 1.25}, cpu=True, spread=0.2)),
+    # interleaved rounds, paired; a 30% slowdown on a noisy machine
+    "rounds": (lambda: side({f"g-base-r{k}": noisy(k, 0.1) for k in range(1, 6)}),
+               lambda: side({f"g-new-r{k}": noisy(10 + k, 0.1, slow=1.3) for k in range(1, 6)})),
+    # reruns, not paired, 3 + 2 runs
+    "reruns": (lambda: side({f"b{k}": noisy(k, 0.05) for k in range(3)}),
+               lambda: side({f"n{k}": noisy(20 + k, 0.05, slow=0.8) for k in range(2)})),
+}
+
+
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+@pytest.mark.parametrize("backends", [(), ("mok_hopper",)])
+def test_swapping_base_and_new_flips_the_change_and_keeps_the_verdict(scenario, backends):
+    make_base, make_new = SCENARIOS[scenario]
+    b, n = make_base(), make_new()
+    fwd = run(b, n, backends=backends).set_index(list(C.KEY))
+    rev = run(n, b, backends=backends).set_index(list(C.KEY)).loc[fwd.index]
+    assert list(rev["verdict"]) == [FLIP.get(v, v) for v in fwd["verdict"]]
+    ok = fwd["change"].notna()
+    assert ok.any()
+    assert ((1 + fwd["change"][ok]) * (1 + rev["change"][ok])).to_numpy() == pytest.approx(1.0)
+    lo = fwd["change_low"].notna()
+    assert ((1 + fwd["change_low"][lo]) * (1 + rev["change_high"][lo])).to_numpy() == pytest.approx(1.0)
+    assert set(fwd["verdict"]) - {"unchanged", "inconclusive"} or scenario == "single cpu"
+
+
+def test_swap_symmetry_under_normalisation():
+    base = [dict(r, sm_clock_mhz=1980.0) for r in side({f"x-r{k}": noisy(k, 0.05) for k in (1, 2, 3)})]
+    new = [dict(r, sm_clock_mhz=1900.0) for r in side({f"y-r{k}": noisy(5 + k, 0.05, 1.2) for k in (1, 2, 3)})]
+    for kw in (dict(normalize="clock"), dict(normalize="control", control="nccl", backends=["mok_hopper"])):
+        fwd, rev = run(base, new, **kw).set_index(list(C.KEY)), run(new, base, **kw).set_index(list(C.KEY))
+        rev = rev.loc[fwd.index]
+        assert list(rev["verdict"]) == [FLIP[v] for v in fwd["verdict"]]
+        assert ((1 + fwd["change"]) * (1 + rev["change"])).to_numpy() == pytest.approx(1.0)
+
+
+def users_cpu_runs() -> dict[str, pd.DataFrame]:
+    """Three CPU runs of one commit (nccl, hybridep unsupported, mok_hopper), as a new user made them: BASE
+    ``main``, its A/A rerun ``main-aa`` and ``branch``; the machine moved mok_hopper's rows by -20% and +20% and
+    nccl's by 5% between runs. Judged with an A/A rerun as a separate estimate of the noise, the three orders gave
+    three different tables."""
+    rows = [dict(r, **CPU) for r in base_rows(spread=0.05)]
+    rows += [S.row("hybridep", s, direction=d, status="unsupported", run_id="base", **CPU)
+             for s in ("qwen3_5_397b", "glm_5_2") for d in ("fwd", "bwd")]
+    moves = {"main": (1.0, 1.0), "main-aa": (0.8, 0.95), "branch": (1.2, 1.05)}
+    return {k: results.to_frame(derive(rows, lambda r, f=f: f[r["backend"] != "mok_hopper"], run_id=k))
+            for k, f in moves.items()}
+
+
+def test_the_a_a_rerun_and_base_are_both_base_whatever_the_order():
+    r = users_cpu_runs()
+    kw = dict(backends=["mok_hopper"])
+    orders = {
+        "README order": C.compare(r["main"], r["branch"], aa=r["main-aa"], **kw),
+        "A/A as BASE": C.compare(r["main-aa"], r["branch"], aa=r["main"], **kw),
+        "both as BASE": C.compare(pd.concat([r["main"], r["main-aa"]]), r["branch"], **kw),
+    }
+    first = orders["README order"].set_index(list(C.KEY))
+    assert set(first["verdict"]) == {"inconclusive"} and C.exit_code(orders["README order"]) == 3
+    for name, t in orders.items():
+        t = t.set_index(list(C.KEY)).loc[first.index]
+        assert list(t["verdict"]) == list(first["verdict"]), name
+        assert t["change"].to_numpy() == pytest.approx(first["change"].to_numpy()), name
+        assert t["noise"].to_numpy() == pytest.approx(first["noise"].to_numpy()), name
+        assert (t["n_base"] == 2).all() and (t["n_new"] == 1).all()
+
+
+def test_cli_several_base_paths_are_one_side_like_aa(tmp_path, capsys):
+    r = users_cpu_runs()
+    p = {}
+    for k, df in r.items():
+        results.write_rows(tmp_path / k / "rows.csv", df.to_dict("records"))
+        p[k] = str(tmp_path / k)
+    codes, outs = [], []
+    for args in ([p["main"], p["branch"], "--aa", p["main-aa"]], [p["main-aa"], p["branch"], "--aa", p["main"]],
+                 [p["main"], p["main-aa"], p["branch"]]):
+        codes.append(C.main([*args, "--backend", "mok_hopper", "--csv", str(tmp_path / "c.csv")]))
+        outs.append(capsys.readouterr().out.splitlines()[-1])
+        outs[-1] += pd.read_csv(tmp_path / "c.csv")[["verdict", "change", "noise"]].round(9).to_csv()
+    assert codes == [C.EXIT_INCONCLUSIVE] * 3 and len(set(outs)) == 1
+
+
+@pytest.mark.parametrize("cpu", [False, True])
+@pytest.mark.parametrize("nruns", [1, 3])
+def test_a_run_compared_with_itself_is_unchanged(cpu, nruns):
+    rows = side({f"r{k}": noisy(k, 0.3) for k in range(nruns)}, cpu=cpu, spread=0.3)
+    table = run(rows, rows)
+    assert set(table["verdict"]) == {"unchanged"} and (table["change"] == 0).all()
+    assert set(table["noise_source"]) == {"same runs"} and C.exit_code(table) == C.EXIT_OK
+    table = run(rows, rows, backends=["mok_hopper"])
+    assert set(table["verdict"]) == {"unchanged"}
+
+
+def test_the_threshold_maps_to_both_directions_alike():
+    base = side({"b": lambda r: 1.0}, spread=0.0)
+    t = 0.05
+
+    def verdict(factor: float) -> str:
+        return verdicts(run(base, side({"n": lambda r: factor if is_target(r) else 1.0}, spread=0.0),
+                            min_change=t))[("mok_hopper", "qwen3_5_397b", "fwd")]
+
+    assert verdict(1.06) == "regression" and verdict(1 / 1.06) == "improvement"
+    assert verdict(1.049) == "unchanged" and verdict(1 / 1.049) == "unchanged"
+    assert verdict(0.953) == "unchanged"  # -4.7%: within 1 / 1.05 = -4.76%
+    assert verdict(0.951) == "improvement"
+
+
+def test_paired_rounds_cancel_a_machine_that_drifts_between_rounds():
+    drift = [1.0, 1.6, 0.7, 1.3, 0.9]  # every backend of a round moves alike (a lease, a neighbour's job)
+    base = side({f"g-base-r{k + 1}": (lambda r, f=f, e=noisy(k, 0.01): f * e(r)) for k, f in enumerate(drift)})
+    new = side({f"g-new-r{k + 1}": (lambda r, f=f, e=noisy(9 + k, 0.01): f * e(r) * (
+        1.10 if r["backend"] == "mok_hopper" else 1.0)) for k, f in enumerate(drift)})
+    table = run(base, new, backends=["mok_hopper"])
+    assert set(table["verdict"]) == {"regression"} and table["paired"].all()
+    assert set(table["noise_source"]) == {"rounds"} and (table["n_base"] == 5).all()
+    assert (table["change_low"] > 0.05).all() and (table["change_high"] < 0.15).all()
+    # the same runs without round names cannot be paired: the drift is noise, too large to decide
+    unpaired = [dict(r, run_id=r["run_id"].replace("-r", "-x")) for r in new]
+    table = run(base, unpaired, backends=["mok_hopper"])
+    assert set(table["verdict"]) == {"inconclusive"} and not table["paired"].any()
+    assert set(table["noise_source"]) == {"reruns"}
+
+
+def test_pairs_by_round_or_same_runs_only():
+    assert C.pairs(["a-base-r1", "a-base-r2"], ["a-new-r2", "a-new-r1"]) == [("a-base-r1", "a-new-r1"),
+                                                                              ("a-base-r2", "a-new-r2")]
+    assert C.pairs(["x", "y"], ["y", "x"]) == [("x", "x"), ("y", "y")]
+    assert C.pairs(["a-base-r1", "a-base-r2"], ["a-new-r1"]) == []  # a round missing on one side
+    assert C.pairs(["a-base-r1", "aa"], ["a-new-r1", "a-new-r2"]) == []  # a run without a round
+
+
+def test_t_quantile_matches_the_tables():
+    assert C.t_quantile(0.95, 1) == pytest.approx(12.706, abs=1e-3)
+    assert C.t_quantile(0.95, 4) == pytest.approx(2.776, abs=1e-3)
+    assert C.t_quantile(0.95, 29) == pytest.approx(2.045, abs=1e-3)
+    assert C.t_quantile(0.99, 9) == pytest.approx(3.250, abs=1e-3)
+    assert C.t_quantile(0.95, 10000) == pytest.approx(1.960, abs=1e-3)
+
+
+def test_paired_rounds_rarely_call_noise_a_regression_and_catch_a_change_beyond_it():
+    """Simulated gates (log-normal run-to-run noise of 0.3 a run, 5 rounds, 95%): an A/A pair calls a regression in
+    about 2.5% of gates (the upper tail of the interval); a 2.5x slowdown, 2.2 sigmas of a round's log ratio, is
+    caught in most."""
+    import random
+
+    rng = random.Random(7)
+
+    def gate(change: float) -> str:
+        b = {f"g-base-r{k}": (rng.gauss(0, 0.3), 0.0, 0.0) for k in range(1, 6)}
+        n = {f"g-new-r{k}": (rng.gauss(change, 0.3), 0.0, 0.0) for k in range(1, 6)}
+        e = C.estimate(b, n, 0.95)
+        return "regression" if e["est"] > math.log1p(0.05) and e["est"] - e["below"] > 0 else "other"
+
+    aa = [gate(0.0) for _ in range(4000)].count("regression") / 4000
+    assert 0.01 < aa < 0.04
+    slow = [gate(math.log(2.5)) for _ in range(1000)].count("regression") / 1000
+    assert slow > 0.85
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# --threshold and --confidence: a percentage with % or a fraction; a bare number above 1 is ambiguous
+
+
+@pytest.mark.parametrize("text,value", [("5%", 0.05), ("0.05", 0.05), ("12.5%", 0.125), ("0", 0.0), ("0%", 0.0),
+                                        (".1", 0.1), ("1%", 0.01)])
+def test_threshold_accepts_a_percentage_or_a_fraction(text, value):
+    assert C.parse_fraction(text, "--threshold") == pytest.approx(value)
+
+
+@pytest.mark.parametrize("text,words", [("5", "write 5% or 0.05"), ("50", "write 50% or 0.5"),
+                                        ("-1%", "out of range"), ("-0.1", "out of range"),
+                                        ("100%", "out of range"), ("1", "out of range"), ("150%", "out of range"),
+                                        ("five", "not a number"), ("nan", "not a finite"), ("5%%", "not a number")])
+def test_cli_threshold_refusals_are_one_line_and_exit_2(tmp_path, capsys, text, words):
+    b = _write(tmp_path, "base", base_rows())
+    csv = tmp_path / "out" / "c.csv"
+    assert C.main([str(b), str(b), f"--threshold={text}", "--csv", str(csv)]) == 2
+    cap = capsys.readouterr()
+    assert cap.out == "" and len(cap.err.strip().splitlines()) == 1 and words in cap.err, cap.err
+    assert "--threshold" in cap.err and not csv.parent.exists()
+
+
+def test_cli_threshold_percent_is_the_fraction(tmp_path, capsys):
+    base = base_rows(spread=0.002)
+    b, n = _write(tmp_path, "base", base), _write(tmp_path, "new", derive(base, lambda r: 1.03))
+    assert C.main([str(b), str(n), "--threshold", "2%"]) == 1
+    assert C.main([str(b), str(n), "--threshold", "0.02"]) == 1
+    assert C.main([str(b), str(n), "--threshold", "5%"]) == 0
+    capsys.readouterr()
+    assert C.main([str(b), str(n), "--confidence", "95"]) == 2
+    assert "write 95% or 0.95" in capsys.readouterr().err
+    assert C.main([str(b), str(n), "--confidence", "0"]) == 2
+
+
+def test_help_states_the_threshold_rule(capsys):
+    with pytest.raises(SystemExit):
+        C.main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "a percentage with % (5%) or a fraction (0.05)" in out and "ambiguous" in out
+    assert "1 / (1 + T)" in out

@@ -65,9 +65,9 @@ def listing(folder: Path) -> list[str]:
 
 ARG_ERRORS = {  # name -> (tool, arguments, words the one line holds); {good} is a folder of good rows
     "threshold not a number": ("compare", ["{good}", "{good}", "--threshold", "abc"],
-                               ["harness.compare: --threshold", "'abc' is not a number", "e.g. --threshold 0.05"]),
+                               ["harness.compare: --threshold", "'abc' is not a number", "5% or a fraction such as 0.05"]),
     "NEW missing": ("compare", ["{good}"], ["missing NEW (NEW results: a file or a folder)",
-                                            "usage: python -m harness.compare BASE NEW [options]"]),
+                                            "usage: python -m harness.compare BASE ... NEW [options]"]),
     "both missing": ("compare", [], ["missing BASE (BASE results: a file or a folder) and NEW"]),
     "normalize choice": ("compare", ["{good}", "{good}", "--normalize", "speed"],
                          ["--normalize 'speed' is not one of its choices; choose one of none, clock, control"]),
@@ -78,7 +78,7 @@ ARG_ERRORS = {  # name -> (tool, arguments, words the one line holds); {good} is
     "option without its value": ("report", ["{good}", "--out"], ["--out needs a value; give --out OUT"]),
     "exclusive options": ("report", ["{good}", "--pool", "--scope", "latest"], ["cannot be given together"]),
     "value to a flag": ("compare", ["{good}", "{good}", "--all=yes"], ["--all takes no value"]),
-    "extra positional": ("compare", ["{good}", "{good}", "{good}"], ["unexpected argument"]),
+    "option without its value": ("report", ["{good}", "--out"], ["--out"]),
 }
 
 
@@ -87,11 +87,13 @@ def test_an_argument_error_is_one_line_naming_the_fix(tmp_path, capsys, case):
     module, args, words = ARG_ERRORS[case]
     good = write(tmp_path / "good", h200_rows())
     main = {"compare": CMP.main, "report": R.main}[module]
-    with pytest.raises(SystemExit) as e:
-        main([a.format(good=good) for a in args])
+    try:  # argparse's errors leave through SystemExit, the tool's own checks return the code
+        code = main([a.format(good=good) for a in args])
+    except SystemExit as e:
+        code = e.code
     cap = capsys.readouterr()
     lines = cap.err.strip().splitlines()
-    assert e.value.code == 2 and len(lines) == 1 and cap.out == "", cap.err
+    assert code == 2 and len(lines) == 1 and cap.out == "", cap.err
     for w in words:
         assert w in lines[0], (w, lines[0])
 
