@@ -1,4 +1,5 @@
-"""Gate a change the way ``asv continuous`` does: two versions of the code, one machine, interleaved rounds, one verdict.
+"""Gate a change the way ``asv continuous`` does: two versions of the code, one machine, interleaved rounds, one
+verdict.
 
     python -m harness.gate main WORKTREE --backend mok_hopper          # main against this checkout, uncommitted too
     python -m harness.gate main my-branch --rounds 8 --backend mok_hopper -- shape=glm_5_2 precision=fp8

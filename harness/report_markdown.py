@@ -51,11 +51,11 @@ METHOD_TEXT = (
     "TFLOP/s per GPU by the published formula 6·(T + T·topk)·H·I (×2 backward, ×3 fwd+bwd). Speedup = fused "
     "kernel / fastest ok baseline, computed only within one run, one environment (GPU, EP size, tokens per "
     "GPU, nodes) and routing. Anchors (marked \"(anchor)\": fused MoE layers a user could pick instead, "
-    "Liger-Kernel, SonicMoE, LigerCute, DeepGEMM MegaMoE) are shown beside the baselines but never counted as one, so the published-claim "
-    "verdicts stay against the baselines; where a run has anchors, \"× all\" is the fused kernel over the "
-    "fastest of all (baselines and anchors). Rows of the MoK Hopper CPU twin ran the pure-torch twin on the CPU, "
-    "not the kernel. Published values were read off the published figure (GB300 NVL72, EP=64, 2048 tokens/GPU, "
-    f"±{READ_ERROR_TFLOPS:.0f} TFLOP/s); they are shown beside measured ones, and a measured / published "
+    "Liger-Kernel, SonicMoE, LigerCute, DeepGEMM MegaMoE) are shown beside the baselines but never counted as "
+    "one, so the published-claim verdicts stay against the baselines; where a run has anchors, \"× all\" is "
+    "the fused kernel over the fastest of all (baselines and anchors). Rows of the MoK Hopper CPU twin ran the "
+    "pure-torch twin on the CPU, not the kernel. Published values were read off the published figure (GB300 "
+    f"NVL72, EP=64, 2048 tokens/GPU, ±{READ_ERROR_TFLOPS:.0f} TFLOP/s); they are shown beside measured ones, and a measured / published "
     "TFLOP/s ratio only where the environment matches. Cells show a status instead of a number when the row is "
     "not ok; — means no row.")
 
