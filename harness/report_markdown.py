@@ -55,7 +55,8 @@ METHOD_TEXT = (
     "one, so the published-claim verdicts stay against the baselines; where a run has anchors, \"× all\" is "
     "the fused kernel over the fastest of all (baselines and anchors). Rows of the MoK Hopper CPU twin ran the "
     "pure-torch twin on the CPU, not the kernel. Published values were read off the published figure (GB300 "
-    f"NVL72, EP=64, 2048 tokens/GPU, ±{READ_ERROR_TFLOPS:.0f} TFLOP/s); they are shown beside measured ones, and a measured / published "
+    f"NVL72, EP=64, 2048 tokens/GPU, ±{READ_ERROR_TFLOPS:.0f} TFLOP/s); they are shown beside measured ones, and "
+    "a measured / published "
     "TFLOP/s ratio only where the environment matches. Cells show a status instead of a number when the row is "
     "not ok; — means no row.")
 
