@@ -14,6 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from baselines import fp8_gemm
+from contract import comm
 from contract.case import Case
 # The harness's fp8 format (block-scaled e4m3) and the weights as autograd leaves: one definition each, in the contract.
 from contract.fp8 import dequantize_blocks, quantize_blocks  # noqa: F401 (re-exported)
@@ -169,14 +170,14 @@ class AllToAllSingle(torch.autograd.Function):
     def forward(ctx, x, out_splits: list[int], in_splits: list[int], group):  # type: ignore[override]
         ctx.splits, ctx.group = (out_splits, in_splits), group
         out = x.new_empty((sum(out_splits), *x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        comm.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
         return out
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         out_splits, in_splits = ctx.splits
         gin = grad.new_empty((sum(in_splits), *grad.shape[1:]))
-        dist.all_to_all_single(gin, grad.contiguous(), in_splits, out_splits, group=ctx.group)
+        comm.all_to_all_single(gin, grad.contiguous(), in_splits, out_splits, group=ctx.group)
         return gin, None, None, None
 
 

@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from contract import Case, LayerInputs
+from contract import Case, LayerInputs, comm
 from baselines import fp8_gemm
 from baselines.common import ExpertParams, all_to_all, precision_unsupported
 
@@ -41,6 +41,8 @@ def inductor_note(compiled: bool) -> str:
 class NcclBackend:
     name = "nccl"
     directions = ("fwd", "bwd", "fwd_bwd")
+    # several ranks on one GPU (ranks_per_gpu > 1): its all-to-alls go through contract.comm, host-staged on gloo
+    runs_shared_gpu = True
 
     @classmethod
     def unsupported_reason(cls, case: Case) -> Optional[str]:
@@ -67,7 +69,7 @@ class NcclBackend:
         flat = topk_idx_TK.reshape(-1)
         counts_E = torch.bincount(flat, minlength=c.num_experts)
         recv_counts = torch.empty_like(counts_E)  # [src, local expert] flattened
-        dist.all_to_all_single(recv_counts, counts_E, group=g)
+        comm.all_to_all_single(recv_counts, counts_E, group=g)
         both = torch.stack([counts_E, recv_counts]).cpu()  # the one host sync, for the split sizes
         in_splits = both[0].view(ep, L).sum(1).tolist()
         out_splits = both[1].view(ep, L).sum(1).tolist()
@@ -112,8 +114,8 @@ class NcclBackend:
         recv_buf = x_sorted.new_empty((sum(outs), x_sorted.shape[1]))
         back_buf = y_recv.new_empty((sum(ins), y_recv.shape[1]))
         return {
-            "dispatch": lambda: dist.all_to_all_single(recv_buf, x_sorted, outs, ins, group=g),
-            "combine": lambda: dist.all_to_all_single(back_buf, y_recv, ins, outs, group=g),
+            "dispatch": lambda: comm.all_to_all_single(recv_buf, x_sorted, outs, ins, group=g),
+            "combine": lambda: comm.all_to_all_single(back_buf, y_recv, ins, outs, group=g),
         }
 
     def info(self) -> dict[str, Any]:

@@ -6,6 +6,10 @@ group)``; ``b.setup(inputs)``; ``out = b.forward(x, topk_idx, topk_w)`` (for bac
 :data:`WEIGHT_GRAD_NAMES`); ``b.zero_grad()``, ``b.traffic()``, ``b.phases()``, ``b.info()``; ``b.teardown()``.
 :mod:`harness.backends` says what each step is for.
 
+A backend that can run with several ranks on one GPU (``ranks_per_gpu`` > 1: a gloo group, collectives through
+:mod:`contract.comm`, correctness checks only) says so with a class attribute ``runs_shared_gpu = True``; the
+harness gives every other backend an ``unsupported`` row there.
+
 A backend that implements a direction only for some cases (a backward at one precision, or at one EP size) says why
 not in an optional classmethod ``direction_unsupported(case, direction) -> Optional[str]``; the harness asks
 :func:`direction_unsupported`, which also covers the directions a backend does not list at all.

@@ -79,7 +79,7 @@ class WorkloadConfig:
     zipf_exponent: float = 1.0
     hot_fraction: float = 0.125  # hot_experts: fraction of experts that are hot
     hot_ratio: float = 4.0  # hot_experts / hot_rank: load weight of a hot expert relative to a cold one
-    hot_rank: int = 0  # hot_rank: the rank whose experts are hot
+    hot_rank: int = 0  # hot_rank: the rank whose experts are hot (hot_ratio=0: idle, its experts get no token)
 
 
 @dataclass(kw_only=True)
@@ -119,6 +119,14 @@ class BenchConfig:
     directions: list[str] = field(default_factory=lambda: ["fwd", "bwd"])
     device: str = "auto"  # auto | cpu | cuda
     ep_size: Optional[int] = None  # None: all local GPUs (cuda) or 2 ranks (cpu); ignored under torchrun/Slurm
+    # ranks that share one GPU (cuda only). Above 1 the ranks talk over gloo with host staging and the run checks
+    # correctness only: rows are `ok` or not against the reference, untimed, marked `shared_gpu`; only backends
+    # that declare `runs_shared_gpu` run, the others give `unsupported` rows (docs/configuration.md)
+    ranks_per_gpu: int = 1
+    # spawned ranks still running this long after their start are killed and their missing rows written as
+    # `timeout` (a hang inside a GPU kernel never reaches dist_timeout_s); None: no watchdog, or 900 s when
+    # ranks_per_gpu > 1
+    watchdog_s: Optional[int] = None
     compile: Optional[bool] = None  # torch.compile the compute parts: None = on for cuda, off for cpu
     compile_mode: str = "max-autotune-no-cudagraphs"
     comm_sms: Optional[int] = None  # SMs for communication kernels, for backends that take it (None: its default)
@@ -350,8 +358,13 @@ def validate_case(case: Case) -> None:
             0 <= case.hot_rank < case.ep_size,
             f"workload.hot_rank={case.hot_rank} is not a rank of ep_size={case.ep_size}: use 0..{case.ep_size - 1}",
         )
-    if case.routing in ("hot_experts", "hot_rank"):
+    if case.routing == "hot_experts":
         need(case.hot_ratio > 0, f"workload.hot_ratio must be > 0 (got {case.hot_ratio})")
+    if case.routing == "hot_rank":  # hot_ratio=0: an idle rank, whose experts get no token
+        need(case.hot_ratio >= 0, f"workload.hot_ratio must be >= 0 (0: an idle rank) (got {case.hot_ratio})")
+        need(case.hot_ratio > 0 or case.topk <= case.num_experts - case.local_experts,
+             f"workload.hot_ratio=0 leaves {case.num_experts - case.local_experts} experts to route to, fewer than "
+             f"top-{case.topk}: use more ranks or a hot_ratio > 0")
     if case.routing == "hot_experts":
         need(0 < case.hot_fraction <= 1, f"workload.hot_fraction must be in (0, 1] (got {case.hot_fraction})")
     if case.routing == "zipf":
@@ -476,6 +489,7 @@ def validate_run_options(c: dict) -> None:
     if c.get("compile_mode") not in COMPILE_MODES:  # checked with compile off too: it is recorded and swept
         raise ConfigError(f"unknown compile_mode '{c.get('compile_mode')}'; choose one of: {', '.join(COMPILE_MODES)}")
     check_run_id(*given_run_id(c))
+    _check_shared_gpu(c)
     for key, low, high, closed, unit, null in NUMERIC_RANGES:
         value = _select(c, key)
         if value is None and null:
@@ -487,6 +501,23 @@ def validate_run_options(c: dict) -> None:
             raise ConfigError(f"{key} must be {span}{unit}{f', or null for {null}' if null else ''} (got {value})")
 
 
+def _check_shared_gpu(c: dict) -> None:
+    """What ``ranks_per_gpu`` > 1 needs: a GPU, the reference check (it is the whole point of such a run), and no
+    calibration (gloo over the host has no interconnect rate to measure)."""
+    rpg = c.get("ranks_per_gpu", 1)
+    if not isinstance(rpg, int) or rpg <= 1:
+        return
+    if c["device"] != "cuda":
+        raise ConfigError(f"ranks_per_gpu={rpg} puts several ranks on one GPU, and this run has none "
+                          f"(device={c['device']}): drop ranks_per_gpu (CPU ranks already share the machine)")
+    if not c.get("check"):
+        raise ConfigError(f"ranks_per_gpu={rpg} runs the reference check only (ranks that share a GPU time nothing): "
+                          f"drop check=false")
+    if c.get("calibrate"):
+        raise ConfigError(f"ranks_per_gpu={rpg} has no interconnect to calibrate (the ranks talk over the host): "
+                          f"drop calibrate=true")
+
+
 # The numeric options and the values that can work: (dotted key, lowest, highest, whether the lowest itself is
 # allowed, unit, what null means: None where null is not allowed). Checked before anything runs; the shape's sizes,
 # the tokens and comm_sms are checked on the resolved point (validate_case).
@@ -494,7 +525,9 @@ _YEAR_S = 365 * 24 * 3600
 _INF = float("inf")
 NUMERIC_RANGES: tuple[tuple[str, float, float, bool, str, Optional[str]], ...] = (
     ("ep_size", 1, _INF, True, "", "all local GPUs (2 ranks on a CPU)"),
+    ("ranks_per_gpu", 1, 64, True, "", None),
     ("dist_timeout_s", 1, _YEAR_S, True, " seconds", None),
+    ("watchdog_s", 1, _YEAR_S, True, " seconds", "no watchdog (900 s with ranks_per_gpu > 1)"),
     ("setup_timeout_s", 0, _YEAR_S, False, " seconds", "no limit"),
     ("timing.num_iters", 1, _INF, True, "", None),
     ("timing.num_warmup", 0, _INF, True, "", None),
@@ -563,13 +596,15 @@ def _show(value: Any) -> str:
 
 
 # Fields that identify a measurement, not the run that made it (compare matches rows on this hash).
-_HASH_EXCLUDE = {"run_id", "append", "dist_timeout_s", "setup_timeout_s", "profile_setup_dir", "results_dir",
+_HASH_EXCLUDE = {"run_id", "append", "dist_timeout_s", "watchdog_s", "setup_timeout_s", "profile_setup_dir", "results_dir",
                  "results_format", "print_table", "timing", "check", "calibrate", "time_reference", "backends",
                  "directions", "te_fp8_recipe", "backend_order", "fp8_gemm", "mok_hopper_forward"}
 
 
 def config_hash(c: dict, case: Case) -> str:
     kept = {k: v for k, v in c.items() if k not in _HASH_EXCLUDE}
+    if kept.get("ranks_per_gpu", 1) == 1:
+        kept.pop("ranks_per_gpu", None)  # one rank per GPU: the points keep the hashes they had before the option
     if isinstance(kept.get("shape"), dict):  # how a shape is shown is not what ran
         kept["shape"] = {k: v for k, v in kept["shape"].items() if k not in SHAPE_DISPLAY_FIELDS}
     kept["case"] = dataclasses.asdict(case)

@@ -67,21 +67,25 @@ def from_environment() -> Optional[RankEnv]:
     return None
 
 
-def init(env: RankEnv, device: str, timeout_s: int = 900) -> torch.device:
+def init(env: RankEnv, device: str, timeout_s: int = 900, ranks_per_gpu: int = 1) -> torch.device:
+    """Join the process group and pick this rank's device. ``ranks_per_gpu`` > 1: consecutive local ranks share a
+    GPU, and the group is gloo (NCCL refuses two ranks on one device; :mod:`contract.comm` stages through the
+    host)."""
+    shared = device == "cuda" and ranks_per_gpu > 1
     if device == "cuda":
         n = torch.cuda.device_count()
         # Tasks that see every GPU of the node pick theirs by local rank; tasks given one GPU use it.
-        dev = torch.device("cuda", env.local_rank % n)
+        dev = torch.device("cuda", (env.local_rank // ranks_per_gpu if shared else env.local_rank) % n)
         torch.cuda.set_device(dev)
     else:
         dev = torch.device("cpu")
     if not dist.is_initialized():
         dist.init_process_group(
-            backend="nccl" if device == "cuda" else "gloo",
+            backend="nccl" if device == "cuda" and not shared else "gloo",
             init_method=f"tcp://{env.master_addr}:{env.master_port}",
             rank=env.rank,
             world_size=env.world_size,
             timeout=timedelta(seconds=timeout_s),
-            device_id=dev if device == "cuda" else None,
+            device_id=dev if device == "cuda" and not shared else None,
         )
     return dev

@@ -117,10 +117,12 @@ def max_over_ranks(fields: dict[str, float], device: torch.device, group: Any) -
     """Each field's largest value over the ranks of ``group`` (NaN where no rank has one)."""
     import torch.distributed as dist
 
+    from contract import comm
+
     if not fields or not dist.is_initialized() or dist.get_world_size(group) == 1:
         return dict(fields)
     names = list(fields)
     vals = torch.tensor([fields[k] if fields[k] == fields[k] else -math.inf for k in names], dtype=torch.float64,
                         device=device)
-    dist.all_reduce(vals, op=dist.ReduceOp.MAX, group=group)
+    comm.all_reduce(vals, op=dist.ReduceOp.MAX, group=group)
     return {k: (float(v) if v != -math.inf else math.nan) for k, v in zip(names, vals.tolist())}

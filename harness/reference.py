@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from contract import Case, LayerInputs
+from contract import Case, LayerInputs, comm
 from contract.weights import ExpertLeaves
 
 
@@ -31,13 +31,13 @@ class _AllGather(torch.autograd.Function):
     def forward(ctx, x, group):  # type: ignore[override]
         ctx.group = group
         parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, x.contiguous(), group=group)
+        comm.all_gather(parts, x.contiguous(), group=group)
         return torch.cat(parts)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         g = grad.float().contiguous()
-        dist.all_reduce(g, group=ctx.group)
+        comm.all_reduce(g, group=ctx.group)
         rank, n = dist.get_rank(ctx.group), dist.get_world_size(ctx.group)
         return g.chunk(n)[rank].to(grad.dtype), None
 
@@ -49,19 +49,20 @@ class _SumScatter(torch.autograd.Function):
     def forward(ctx, x, group):  # type: ignore[override]
         ctx.group = group
         y = x.contiguous().clone()
-        dist.all_reduce(y, group=group)
+        comm.all_reduce(y, group=group)
         return y.chunk(dist.get_world_size(group))[dist.get_rank(group)].clone()
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         parts = [torch.empty_like(grad) for _ in range(dist.get_world_size(ctx.group))]
-        dist.all_gather(parts, grad.contiguous(), group=ctx.group)
+        comm.all_gather(parts, grad.contiguous(), group=ctx.group)
         return torch.cat(parts), None
 
 
 class ReferenceBackend:
     name = "reference"
     directions = ("fwd", "bwd", "fwd_bwd")
+    runs_shared_gpu = True  # its collectives go through contract.comm (host-staged on a gloo group)
 
     @classmethod
     def unsupported_reason(cls, case: Case) -> Optional[str]:

@@ -38,6 +38,7 @@ COLUMNS: dict[str, str] = {
     # the row ran several ranks on one GPU, time-sharing it: a correctness check, never a speed measurement; every
     # speed table and chart leaves it out (harness.claims.speed_rows). Empty (false) in files written before the column
     "shared_gpu": "boolean",
+    "ranks_per_gpu": "Int64",  # how many ranks shared each GPU in a shared_gpu row (empty otherwise)
     "timestamp": "string",
     "git_sha": "string",
     "git_dirty": "boolean",

@@ -25,7 +25,7 @@ import pandas as pd
 import torch
 import torch.distributed as dist
 
-from contract import LayerInputs, direction_unsupported
+from contract import LayerInputs, comm, direction_unsupported
 from harness import env as envinfo
 from harness import memory
 from harness import results
@@ -82,11 +82,12 @@ def world_size_for(c: dict, renv: Optional[RankEnv]) -> int:
     if renv is not None:
         return renv.world_size
     if c["device"] == "cuda":
-        n = torch.cuda.device_count()
-        ws = c.get("ep_size") or n
-        if ws > n:
-            raise ConfigError(f"ep_size={ws} needs {ws} GPUs but this machine has {n}: set ep_size<={n}, or launch "
-                              f"across nodes with torchrun or Slurm")
+        n, rpg = torch.cuda.device_count(), c.get("ranks_per_gpu", 1)
+        ws = c.get("ep_size") or n * rpg
+        if -(-ws // rpg) > n:
+            per = f" at ranks_per_gpu={rpg}" if rpg > 1 else ""
+            raise ConfigError(f"ep_size={ws} needs {-(-ws // rpg)} GPUs{per} but this machine has {n}: set "
+                              f"ep_size<={n * rpg}, or launch across nodes with torchrun or Slurm")
         return ws
     return c.get("ep_size") or 2
 
@@ -192,6 +193,7 @@ class PointContext:
     directions: list[str]
     need_grads: bool
     progress: Progress = field(default_factory=lambda: Progress(False, ""))
+    ranks_per_gpu: int = 1  # > 1: the ranks share GPUs (correctness only: nothing is timed)
 
 
 def worker(payload: dict, renv: RankEnv) -> None:
@@ -200,7 +202,8 @@ def worker(payload: dict, renv: RankEnv) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, renv.world_size)))
     if device == "cuda":
         envinfo.cuda_alloc_conf()  # before the first CUDA allocation of this process
-    dev = init(renv, device, timeout_s=c["dist_timeout_s"])
+    rpg = c.get("ranks_per_gpu", 1)  # > 1 only on CUDA (validate_run_options)
+    dev = init(renv, device, timeout_s=c["dist_timeout_s"], ranks_per_gpu=rpg)
     group = dist.group.WORLD
     ctrl = dist.new_group(backend="gloo") if device == "cuda" else group
     agree = _Agree(ctrl)
@@ -208,6 +211,8 @@ def worker(payload: dict, renv: RankEnv) -> None:
     case = make_case(c, ep_size=renv.world_size, device=device)
     base = base_row(case, c, run_id=payload["run_id"], config_hash=payload["config_hash"], num_nodes=renv.num_nodes,
                     world_size=renv.world_size, env=envinfo.collect(case.device))
+    if rpg > 1:
+        base.update(shared_gpu=True, ranks_per_gpu=rpg)
     rows: list[dict] = []
     progress = Progress(rank0, point_label(case, payload.get("point")))
 
@@ -230,7 +235,7 @@ def worker(payload: dict, renv: RankEnv) -> None:
                 emit(make_row(base, b, d, status, error=f"input generation failed: {err}"))
         return
     idx_parts = [torch.empty_like(inputs.topk_idx_TK) for _ in range(renv.world_size)]
-    dist.all_gather(idx_parts, inputs.topk_idx_TK, group=group)
+    comm.all_gather(idx_parts, inputs.topk_idx_TK, group=group)
     base.update(load_stats(torch.cat(idx_parts), case))
 
     if c["calibrate"]:
@@ -264,7 +269,8 @@ def worker(payload: dict, renv: RankEnv) -> None:
             return
 
     point = PointContext(case=case, cfg=c, inputs=inputs, ref=ref, group=group, ctrl=ctrl, agree=agree, timer=timer,
-                         base=base, directions=directions, need_grads=need_grads, progress=progress)
+                         base=base, directions=directions, need_grads=need_grads, progress=progress,
+                         ranks_per_gpu=rpg)
     order = backend_order(list(c["backends"]), c.get("backend_order", "given"), case.seed)
     for pos, name in enumerate(order):
         progress.backend = f"{name} ({pos + 1}/{len(order)})"
@@ -317,6 +323,13 @@ def run_backend(name: str, point: PointContext) -> Iterator[dict[str, Any]]:
     if status != "ok":
         for d in directions:
             yield make_row(base, name, d, status, error=err)
+        return
+    shared = point.ranks_per_gpu > 1
+    if shared and not getattr(cls, "runs_shared_gpu", False):
+        why = (f"{name} runs one rank per GPU (ranks_per_gpu={point.ranks_per_gpu} puts several on one, talking over "
+               f"gloo through the host, which its communication does not use): drop ranks_per_gpu to run it")
+        for d in directions:
+            yield make_row(base, name, d, "unsupported", error=why)
         return
 
     backend = None
@@ -410,7 +423,9 @@ def run_backend(name: str, point: PointContext) -> Iterator[dict[str, Any]]:
     # Byte counts and per-phase bandwidth (communication kernels alone, on the last forward's rows; without the
     # check no forward has run yet, so _traffic runs one, untimed).
     progress.start("bytes and per-phase bandwidth")
-    status, err, traffic = agree(lambda: _traffic(backend, case, group, timer, t, inputs if ref is None else None))
+    t_traffic = dict(t, phase_iters=0) if shared else t  # ranks that share a GPU time nothing
+    status, err, traffic = agree(lambda: _traffic(backend, case, group, timer, t_traffic,
+                                                  inputs if ref is None else None))
     progress.end(status)
     if status == "ok":
         extra.update(traffic)
@@ -425,6 +440,11 @@ def run_backend(name: str, point: PointContext) -> Iterator[dict[str, Any]]:
             continue
         if d in gate and gate[d][0] != "ok":
             yield make_row(base, name, d, gate[d][0], error=gate[d][1], **extra, **checked)  # mismatches: not timed
+            continue
+        if shared:
+            note = f"{point.ranks_per_gpu} ranks shared each GPU: checked against the reference, not timed"
+            yield make_row(base, name, d, "ok", **{**extra, **checked,
+                                                   "notes": "; ".join(filter(None, [extra.get("notes"), note]))})
             continue
         progress.start(f"timing {d} ({t['num_warmup']} warmup + {t['num_iters']} timed)")
         status, err, stats = agree(lambda: time_direction(backend, inputs, d, timer, t))
@@ -526,7 +546,7 @@ def _traffic(backend, case: Case, group, timer: Timer, t: dict, inputs: LayerInp
         sums += [remote, rows_to[rank] * rb]
     v = torch.tensor(sums, dtype=torch.float64, device=timer.device)
     if n > 1:
-        dist.all_reduce(v, group=group)
+        comm.all_reduce(v, group=group)
     v = (v / n).tolist()
     out.update(dispatch_bytes=round(v[0]), dispatch_local_bytes=round(v[1]), combine_bytes=round(v[2]),
                combine_local_bytes=round(v[3]))
@@ -549,15 +569,15 @@ def raw_all_to_all_gb_s(rows_to: list[int], row_bytes: int, group, timer: Timer,
     rank, n = dist.get_rank(group), dist.get_world_size(group)
     send = torch.tensor(rows_to, dtype=torch.int64, device=timer.device) * row_bytes
     recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
+    comm.all_to_all_single(recv, send, group=group)
     send_l, recv_l = send.tolist(), recv.tolist()
     src = torch.empty(sum(send_l), dtype=torch.uint8, device=timer.device).random_(0, 255)
     dst = torch.empty(sum(recv_l), dtype=torch.uint8, device=timer.device)
-    s = timer.run(lambda: dist.all_to_all_single(dst, src, recv_l, send_l, group=group),
+    s = timer.run(lambda: comm.all_to_all_single(dst, src, recv_l, send_l, group=group),
                   num_warmup=min(5, iters), num_iters=iters)
     remote = torch.tensor([float(sum(b for i, b in enumerate(send_l) if i != rank))], dtype=torch.float64,
                           device=timer.device)
-    dist.all_reduce(remote, group=group)
+    comm.all_reduce(remote, group=group)
     return float(remote) / n / (s.median_ms / 1e3) / 1e9
 
 
@@ -565,6 +585,7 @@ def raw_all_to_all_gb_s(rows_to: list[int], row_bytes: int, group, timer: Timer,
 # launching
 
 
+SHARED_GPU_WATCHDOG_S = 900  # the watchdog's limit when ranks share a GPU and watchdog_s is not given
 _stopping = False  # set in a spawned rank when the launching process stops it (Ctrl-C)
 
 
@@ -600,10 +621,12 @@ def _die_with_parent(sig: int) -> None:
         pass
 
 
-def _run_ranks(payload: dict, renv: RankEnv, n: int) -> None:
+def _run_ranks(payload: dict, renv: RankEnv, n: int, watchdog_s: Optional[float] = None) -> None:
     """Spawn the ``n`` local ranks and wait for them. Ctrl-C (SIGINT, to this process or its process group): the
     ranks, which ignore SIGINT, get SIGTERM and leave; one that has not left after 30 s is killed; then the
-    KeyboardInterrupt goes on up (harness.run says how many rows were kept)."""
+    KeyboardInterrupt goes on up (harness.run says how many rows were kept). ``watchdog_s``: ranks still running
+    that long after their start are stopped the same way (10 s to leave) and :class:`TimeoutError` is raised (a
+    rank spinning inside a GPU kernel never reaches a collective's timeout)."""
     import torch.multiprocessing as mp
 
     handler = signal.signal(signal.SIGINT, signal.SIG_IGN)  # inherited by the ranks at their start
@@ -611,21 +634,30 @@ def _run_ranks(payload: dict, renv: RankEnv, n: int) -> None:
         ctx = mp.start_processes(_spawn_entry, args=(payload, renv), nprocs=n, join=False, start_method="spawn")
     finally:
         signal.signal(signal.SIGINT, handler)
+    deadline = None if watchdog_s is None else time.monotonic() + watchdog_s
     try:
-        while not ctx.join():
-            pass
+        while not ctx.join(None if deadline is None else 1.0):
+            if deadline is not None and time.monotonic() > deadline:
+                _stop_ranks(ctx.processes, grace_s=10)
+                raise TimeoutError(f"watchdog timeout: the ranks were still running after {watchdog_s:g} s "
+                                   f"(watchdog_s) and were stopped")
     except KeyboardInterrupt:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the stopping short
-        for p in ctx.processes:
-            if p.is_alive():
-                os.kill(p.pid, signal.SIGTERM)
-        deadline = time.monotonic() + 30
-        for p in ctx.processes:
-            p.join(max(0.0, deadline - time.monotonic()))
-            if p.is_alive():
-                p.kill()
-                p.join()
+        _stop_ranks(ctx.processes, grace_s=30)
         raise
+
+
+def _stop_ranks(processes: list, grace_s: float) -> None:
+    """SIGTERM to each rank still alive; one that has not left after ``grace_s`` is killed."""
+    for p in processes:
+        if p.is_alive():
+            os.kill(p.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for p in processes:
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join()
 
 
 # The job files this process's runs write, and the run folders a launcher in this process sent jobs to write into
@@ -709,8 +741,9 @@ def run_benchmark(cfg: Any) -> pd.DataFrame:
             return results.to_frame([])
     else:
         spawn_env = RankEnv(0, ws, 0, 1, "127.0.0.1", free_port(), "spawn")
+        watchdog = c.get("watchdog_s") or (SHARED_GPU_WATCHDOG_S if c.get("ranks_per_gpu", 1) > 1 else None)
         try:
-            _run_ranks(payload, spawn_env, ws)
+            _run_ranks(payload, spawn_env, ws, watchdog)
         except Exception as e:  # noqa: BLE001 - a rank died: record what did not report
             failure = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
         renv = spawn_env

@@ -19,6 +19,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from contract import comm
 from harness import gpu_clocks, memory
 
 L2_FLUSH_BYTES = 256 * 1024 * 1024
@@ -56,7 +57,7 @@ class Timer:
         if self.align == "none" or dist.get_world_size(self.group) == 1:
             return
         if self.cuda:
-            dist.all_reduce(self._align_buf, group=self.group)  # enqueued on the stream: aligns the devices
+            comm.all_reduce(self._align_buf, group=self.group)  # enqueued on the stream: aligns the devices
         else:
             dist.barrier(group=self.group)
 
@@ -84,11 +85,11 @@ class Timer:
         n = dist.get_world_size(self.group)
         if n > 1:
             parts = [torch.empty_like(local) for _ in range(n)]
-            dist.all_gather(parts, local, group=self.group)
+            comm.all_gather(parts, local, group=self.group)
             local = torch.stack(parts).amax(0)
             if clocks is not None:
                 cparts = [torch.empty_like(clocks) for _ in range(n)]
-                dist.all_gather(cparts, clocks, group=self.group)
+                comm.all_gather(cparts, clocks, group=self.group)
                 clocks = torch.stack(cparts)
         stats = Stats.from_samples(local.cpu(), num_warmup)
         if clocks is not None:

@@ -88,3 +88,10 @@ class RemovesResults(NcclBackend):
             shutil.rmtree(p, ignore_errors=True)
             p.write_text("gone\n")
         super().setup(inputs)
+
+
+class OneRankPerGpu(NcclBackend):
+    """Runs only with one rank per GPU (does not declare ``runs_shared_gpu``)."""
+
+    name = "one_rank_per_gpu"
+    runs_shared_gpu = False

@@ -54,6 +54,10 @@ REFUSED = {
     "run id of a sweep": (["-m", "run_id=../x", "workload.seed=1,2"], "all 2 sweep points: run_id=../x is not a run "
                           "name"),
     "dist_timeout_s=0": (["dist_timeout_s=0"], "dist_timeout_s must be between 1 and 31536000 seconds (got 0)"),
+    "ranks_per_gpu on a CPU": (["device=cpu", "ranks_per_gpu=2"], "ranks_per_gpu=2 puts several ranks on one GPU, "
+                               "and this run has none (device=cpu): drop ranks_per_gpu"),
+    "ranks_per_gpu=0": (["ranks_per_gpu=0"], "ranks_per_gpu must be between 1 and 64 (got 0)"),
+    "watchdog_s=0": (["watchdog_s=0"], "watchdog_s must be between 1 and 31536000 seconds, or null for no watchdog"),
     "compile_mode on a CPU": (["compile_mode=bogus"], "unknown compile_mode 'bogus'; choose one of: default, "
                               "reduce-overhead, max-autotune, max-autotune-no-cudagraphs, published"),
     "backend and backends": (["backend=mok_hopper", "backends=[nccl]"], "backend=mok_hopper conflicts with "

@@ -89,3 +89,36 @@ def test_the_probe_gives_every_step_a_record(tmp_path):
     assert [s["step"] for s in report["steps"]] == ["gloo", "symm_mem", "cuda_ipc", "spin_wait"]
     assert all(s["status"] in ("ok", "failed", "timeout", "error") for s in report["steps"])
     assert report["steps"][0]["status"] == "ok", report["steps"][0]  # gloo with host staging must work
+
+
+SMALL = ["shape=custom", "shape.num_experts=16", "shape.hidden=512", "shape.ffn=256", "shape.topk=4",
+         "workload.tokens_per_gpu=256"]
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_harness_ranks_in_processes_of_their_own_share_the_gpu(tmp_path, ranks):
+    """``ep_size=P ranks_per_gpu=P``: P processes on this GPU run the harness's own path (gloo with host staging,
+    mok_hopper's symmetric-memory workspaces across processes), bf16 and fp8, uniform routing and an idle rank:
+    every nccl and mok_hopper row is ok against the reference, untimed and marked shared_gpu; a backend that needs
+    a GPU per rank says so."""
+    from harness import results
+
+    env = dict(os.environ, MOKBENCH_EXTRA_BACKENDS="one_rank_per_gpu=fake_backends:OneRankPerGpu",
+               PYTHONPATH=f"{ROOT / 'tests'}{os.pathsep}{ROOT}")
+    env.pop("TRITON_INTERPRET", None)
+    p = subprocess.run([sys.executable, "-m", "harness.run", "-m", *SMALL, "device=cuda", "compile=false",
+                        "timing=quick", "directions=[fwd,bwd]", f"results_dir={tmp_path}", "print_table=false",
+                        "watchdog_s=240", f"ep_size={ranks}", f"ranks_per_gpu={ranks}", "run_id=shared",
+                        "backends=[nccl,mok_hopper,one_rank_per_gpu]", f"precision={','.join(_fp8_here())}",
+                        "workload=uniform,hot_rank", f"workload.hot_rank={ranks - 1}", "workload.hot_ratio=0",
+                        f"hydra.sweep.dir={tmp_path}/sweep"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
+    df = results.load(tmp_path / "shared")
+    ran = df[df.backend.isin(["nccl", "mok_hopper"])]
+    assert len(ran) == 2 * 2 * 2 * len(_fp8_here()), ran[["backend", "precision", "routing", "direction", "status"]]
+    assert (ran.status == "ok").all(), ran[ran.status != "ok"][["backend", "precision", "routing", "direction",
+                                                                 "error"]].to_string()
+    assert ran.shared_gpu.all() and (ran.ranks_per_gpu == ranks).all() and ran.latency_ms.isna().all()
+    other = df[df.backend == "one_rank_per_gpu"]
+    assert len(other) and (other.status == "unsupported").all()

@@ -44,6 +44,8 @@ class _TwinTrain(torch.autograd.Function):
 class MokHopperBackend:
     name = "mok_hopper"
     directions = ("fwd", "bwd", "fwd_bwd")
+    # several ranks on one GPU (ranks_per_gpu > 1): its workspaces are symmetric memory over any process group
+    runs_shared_gpu = True
 
     @classmethod
     def direction_unsupported(cls, case: Case, direction: str) -> Optional[str]:
