@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernels module imports triton
 
 from conftest import has_nvidia_backend  # noqa: E402
-from kernels.mok_hopper import twin  # noqa: E402
+from kernels.mok_hopper.twin import forward as twin  # noqa: E402
 from kernels.mok_hopper.fp8 import quantize_blocks  # noqa: E402
 from kernels.mok_hopper.schedule import build_schedule, capacity_rows, padded_rows, reference_schedule  # noqa: E402
 
@@ -208,7 +208,7 @@ def test_every_sweep_variant_is_a_valid_tile_on_every_published_shape():
 
     from benchmarks.shapes import published_shapes, shape_config
     from kernels.mok_hopper.tiles import default_tile
-    from kernels.mok_hopper.variants import SWEEP, SWEEP_FP8, runs_at
+    from benchmarks.mok_hopper.variants import SWEEP, SWEEP_FP8, runs_at
 
     assert set(SWEEP_FP8) <= {label for label, _, _ in SWEEP}
     assert not any(label.startswith("fp8:") for label in SWEEP_FP8)  # (those run in fp8 by their label alone)
@@ -287,7 +287,7 @@ def test_retired_tile_flags_are_gone():
     from dataclasses import fields, replace
 
     from kernels.mok_hopper.tiles import TileConfig
-    from kernels.mok_hopper.variants import SWEEP
+    from benchmarks.mok_hopper.variants import SWEEP
 
     names = {f.name for f in fields(TileConfig)}
     retired = {"pair_up", "pair_down", "up_pair_stages", "down_pair_stages", "early_down"}
@@ -567,7 +567,7 @@ def check_saved_h(layer, w13_LIH: torch.Tensor, limit) -> dict[str, int]:
     order than torch's, which can move a value across a bf16 rounding boundary: never more than that), and
     equal to the twin's bf16 H almost everywhere; the clamp decisions equal except within 1e-4 of the limit;
     rows past the last tile left alone. Returns counts, for the caller to check the test saw something."""
-    from kernels.mok_hopper.twin_bwd import saved
+    from kernels.mok_hopper.twin.backward import saved
 
     s = layer.sched
     n = int(s.num_tiles)
@@ -646,7 +646,7 @@ def test_an_fp8_training_layer_saves_h_and_keeps_its_transposed_weights():
     (the twin's ``saved_fp8``); train=True keeps the e4m3 weights transposed (the forward's values; its scales);
     an inference layer keeps none."""
     from contract.fp8 import quantize_blocks
-    from kernels.mok_hopper import twin_bwd
+    from kernels.mok_hopper.twin import backward as twin_bwd
     from kernels.mok_hopper.api import MoKHopperLayer
     from kernels.mok_hopper.fp8 import quantize_expert_weights
 
@@ -674,7 +674,7 @@ def test_an_fp8_training_layer_saves_h_and_keeps_its_transposed_weights():
 
 
 def test_tile_weights_puts_each_tma_block_in_one_run_of_memory():
-    from kernels.mok_hopper.gemm_common import tile_weights
+    from kernels.mok_hopper.ops.gemm_common import tile_weights
     from kernels.mok_hopper.tiles import TileConfig
 
     w = torch.arange(2 * 8 * 12, dtype=torch.float32).reshape(2, 8, 12)
@@ -698,7 +698,7 @@ def test_tile_weights_puts_each_tma_block_in_one_run_of_memory():
 
 
 def test_tile_weights_gu_interleaves_gate_and_up_rows_in_each_block():
-    from kernels.mok_hopper.gemm_common import tile_weights_gu
+    from kernels.mok_hopper.ops.gemm_common import tile_weights_gu
 
     L, I, H, bn, bk = 2, 8, 12, 4, 3
     w13 = torch.arange(L * 2 * I * H, dtype=torch.float32).reshape(L, 2 * I, H)
@@ -912,7 +912,7 @@ def test_fp8_down_at_128_registers_changes_no_bit():
     column over the same K steps in the same order, so the same bits as the default's 128-wide items."""
     from dataclasses import replace
 
-    from kernels.mok_hopper.variants import SWEEP
+    from benchmarks.mok_hopper.variants import SWEEP
 
     over = next(o for label, o, _ in SWEEP if label.startswith("fp8: 128-register down"))
     tile = _small_tile("tma tiled")
@@ -1051,7 +1051,7 @@ def test_functional_form_on_one_rank():
 
 @needs_triton
 def test_quantize_rows_kernel_matches_torch():
-    from kernels.mok_hopper.pull import quantize_rows
+    from kernels.mok_hopper.ops.pull import quantize_rows
 
     x = (torch.randn(8, 256) * torch.logspace(-2, 2, 8)[:, None]).bfloat16()
     q = torch.empty(8, 256, dtype=torch.float8_e4m3fn)
@@ -1071,7 +1071,7 @@ def aot_sweep():
     from pathlib import Path
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    return subprocess.run([sys.executable, "-m", "kernels.mok_hopper.aot_check", "--arch", "90", "--sweep"],
+    return subprocess.run([sys.executable, "-m", "benchmarks.mok_hopper.aot_check", "--arch", "90", "--sweep"],
                           capture_output=True, text=True, env=env, cwd=Path(__file__).resolve().parent.parent,
                           timeout=1800)
 
@@ -1103,7 +1103,7 @@ def test_aot_check_compiles_each_kernel_as_launched():
     """aot_check's specialisation: pointers and sizes divisible by 16, as the launch sees them, except the i32s a
     variant names plain (the pull's and the epilogue's K is the top-k). The backward's K is a hidden size: compiled
     without its divisibility, its loads and stores were not those that run (session 28)."""
-    from kernels.mok_hopper import aot_check
+    from benchmarks.mok_hopper import aot_check
 
     by_label = {v.label: v for v in aot_check.variants()}
     for label, k_divisible in (("bwd wgrad P resident", True), ("bwd wgrad P resident pointers", True),

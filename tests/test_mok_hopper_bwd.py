@@ -1,4 +1,4 @@
-"""The twin of mok_hopper's planned bf16 backward (kernels/mok_hopper/twin_bwd.py) against torch autograd: every
+"""The twin of mok_hopper's planned bf16 backward (kernels/mok_hopper/twin/backward.py) against torch autograd: every
 gradient (x, router weights, routed gate/up/down, shared gate/up/down) on small shapes, 1, 2 and 4 ranks, clamped
 SwiGLU, masked top-k slots and a rank whose experts get no token. The kernels of issue 23 will be checked against
 this twin stage by stage."""
@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernels module imports triton (also run alone)
 
 from conftest import has_nvidia_backend  # noqa: E402
-from kernels.mok_hopper import twin_bwd  # noqa: E402
+from kernels.mok_hopper.twin import backward as twin_bwd  # noqa: E402
 
 
 def rel_l1(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -162,7 +162,7 @@ def _interpreted(monkeypatch, *modules):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     import importlib
 
-    from kernels.mok_hopper import interp
+    from kernels.mok_hopper.ops import interp
 
     if not interp.INTERPRET:
         pytest.skip("run with TRITON_INTERPRET=1 from the start (tests/conftest.py sets it on CPU machines)")
@@ -174,10 +174,10 @@ def _interpreted(monkeypatch, *modules):
                                            "'.[test]'): the interpreter kernel tests need it")
 @pytest.mark.parametrize("limit", [None, 0.5], ids=["plain", "clamped"])
 def test_backward_gemms_match_the_twin_under_the_interpreter(limit, monkeypatch):
-    """The v0 backward GEMMs (kernels/mok_hopper/bwd_gemm.py) against the twin's stages, expert by expert: dH, s*A,
+    """The v0 backward GEMMs (kernels/mok_hopper/ops/bwd_gemm.py) against the twin's stages, expert by expert: dH, s*A,
     the router-weight gradient, dX rows, dW13 and dW2 (several row tiles per expert, an expert with no row,
     padding rows, several column tiles and K steps)."""
-    from kernels.mok_hopper import bwd_gemm, bwd_wgrad
+    from kernels.mok_hopper.ops import bwd_gemm, bwd_wgrad
 
     _interpreted(monkeypatch, bwd_gemm, bwd_wgrad)
     d = _stage_toy(limit)
@@ -223,10 +223,10 @@ def test_backward_gemms_match_the_twin_under_the_interpreter(limit, monkeypatch)
 @pytest.mark.parametrize("limit", [None, 0.5], ids=["plain", "clamped"])
 @pytest.mark.parametrize("block_r", [64, 16], ids=["one-row-block", "row-blocks"])
 def test_fused_weight_streaming_stages_match_the_twin_under_the_interpreter(limit, block_r, monkeypatch):
-    """kernels/mok_hopper/bwd_fused.py: dgate + dW2 and dX + dW13, each in one pass over its weights, against the
+    """kernels/mok_hopper/ops/bwd_fused.py: dgate + dW2 and dX + dW13, each in one pass over its weights, against the
     twin's stages expert by expert; with every expert in one row block (the fast path) and with experts over
     several row blocks (the GEMM over row blocks, then each gradient block over them)."""
-    from kernels.mok_hopper import bwd_fused, bwd_gemm, bwd_wgrad
+    from kernels.mok_hopper.ops import bwd_fused, bwd_gemm, bwd_wgrad
 
     _interpreted(monkeypatch, bwd_gemm, bwd_wgrad, bwd_fused)
     d = _stage_toy(limit)
@@ -281,7 +281,7 @@ def test_a_training_step_through_the_kernels_matches_autograd(limit):
     """kernels/mok_hopper/train.py at EP=1: the fused forward, then the v0 backward GEMMs (H recomputed), against
     torch autograd over a plain per-expert loop: every gradient, the shared expert's too; twice (the layer's
     buffers reused), with different inputs."""
-    from kernels.mok_hopper import interp
+    from kernels.mok_hopper.ops import interp
     from kernels.mok_hopper.train import mok_hopper_train
 
     if not interp.INTERPRET:
@@ -314,7 +314,7 @@ def test_the_kernels_backward_across_simulated_ranks_matches_autograd(P, limit, 
     interpreter, phase by phase in lockstep as the barriers would order them: every rank's every gradient against
     torch autograd, and against the twin's backward. ``tiles``: launch overrides (the weight gradients by
     torch._grouped_mm: an idle rank's groups all empty, masked slots' padding rows summed as zeros)."""
-    from kernels.mok_hopper import interp
+    from kernels.mok_hopper.ops import interp
     from kernels.mok_hopper.api import MoKHopperLayer
     from kernels.mok_hopper.train import backward_compute, backward_finish, backward_stage
     from kernels.mok_hopper.workspace import Workspace, link_local
@@ -355,7 +355,7 @@ def test_the_kernels_backward_across_simulated_ranks_matches_autograd(P, limit, 
 def _gloo_rank(rank, world, store_path, out_path, limit):
     import torch.distributed as dist
 
-    from kernels.mok_hopper.twin import DistributedTwin
+    from kernels.mok_hopper.twin.ranks import DistributedTwin
 
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
     try:
@@ -460,7 +460,7 @@ def test_weight_gradient_with_p_resident_is_the_default_one(tma_store):
     bits, except with the tail block: the interpreter's dot is numpy's, which rounds a 64-row sum taken as 16 + 32
     rows differently (on the GPU both are the same chain of 16-row MMA steps: bwd_check's sweep says whether the
     bits are the default's), so there to an fp32 rounding, at most one unit in the last place of the bf16 result."""
-    from kernels.mok_hopper import bwd_wgrad, interp
+    from kernels.mok_hopper.ops import bwd_wgrad, interp
 
     if not interp.INTERPRET:
         pytest.skip("the kernels run on the CPU under TRITON_INTERPRET=1 (set at the top of this file without a GPU)")
@@ -504,7 +504,8 @@ def test_weight_gradient_split_launches_cover_every_expert_once(first_n):
     second launch's experts bit for bit (its launch is the default's), the first's to an fp32 rounding (other
     blocks: numpy's dot may sum in another order). Through ``train._wgrad``'s ``split`` too. Session 32: the first
     launch's strips twice as wide as the default's (``block_n``; bwd_check's 256 x 64 candidate), here all of N."""
-    from kernels.mok_hopper import bwd_wgrad, interp, train
+    from kernels.mok_hopper import train
+    from kernels.mok_hopper.ops import bwd_wgrad, interp
 
     if not interp.INTERPRET:
         pytest.skip("the kernels run on the CPU under TRITON_INTERPRET=1 (set at the top of this file without a GPU)")
@@ -542,7 +543,7 @@ def test_the_weight_gradient_launch_follows_the_routed_rows_not_the_capacity(mon
     64 routed, and dividing it turned the resident launch off on every published shape. Here the capacity is 256
     rows an expert and the experts get 9: the routed experts' weight gradients are P-resident; the fused stages
     (options) take 64-row blocks, dX + dW13 alone or with dgate + dW2; the step is right every way."""
-    from kernels.mok_hopper import bwd_fused, bwd_wgrad, interp
+    from kernels.mok_hopper.ops import bwd_fused, bwd_wgrad, interp
     from kernels.mok_hopper.schedule import capacity_rows
     from kernels.mok_hopper.train import layer_backward
 
@@ -586,7 +587,7 @@ def test_paired_row_blocks_give_the_single_blocks_gradients_bit_for_bit():
     paired (16 rows, then 8 of a masked second block) and the other experts' (at most 16 rows) singly; dgate and dX
     both. Each row's dot products are the single blocks', so every gradient is bitwise the unpaired one's, and
     right against autograd."""
-    from kernels.mok_hopper import interp
+    from kernels.mok_hopper.ops import interp
     from kernels.mok_hopper.train import layer_backward
 
     if not interp.INTERPRET:
@@ -619,7 +620,8 @@ def test_dgate_and_dw2_gather_the_output_gradient_rows_themselves():
     token (``code // K``) instead of a gathered copy of dO's T K rows. With paired dgate blocks (a second block's
     rows gathered too) and the P-resident weight gradients, every gradient is bitwise the copy's, and right against
     autograd; the launches that cannot gather (here the fused dgate + dW2) get the copy made for them."""
-    from kernels.mok_hopper import interp, train
+    from kernels.mok_hopper import train
+    from kernels.mok_hopper.ops import interp
     from kernels.mok_hopper.train import layer_backward
 
     if not interp.INTERPRET:
@@ -652,7 +654,7 @@ def test_the_shared_experts_backward_by_torch_gemms(limit):
     against autograd; the routed gradients untouched (bitwise the run with ``{"torch": False}``, the shared expert
     through the routed kernels). With a clamp the kernels keep it (the clamp is decided on fp32 accumulators): every
     gradient bitwise the kernels' run."""
-    from kernels.mok_hopper import interp
+    from kernels.mok_hopper.ops import interp
     from kernels.mok_hopper.train import layer_backward
 
     if not interp.INTERPRET:
@@ -686,7 +688,7 @@ def test_the_weight_gradients_by_grouped_mm(save_h, dgate, monkeypatch):
     (expert 2) and masked slots: its gradients zero, the others right against autograd and within bf16 rounding of
     the kernels'; with the kernels' dgate every other gradient bitwise the kernels' (only the weight-gradient
     stages changed); twice the same bits."""
-    from kernels.mok_hopper import interp
+    from kernels.mok_hopper.ops import interp
     from kernels.mok_hopper.train import layer_backward
 
     if not interp.INTERPRET:
@@ -738,7 +740,7 @@ def test_bwd_checks_tiled_layout_variant_runs_the_tiled_backward(fused, monkeypa
     from types import SimpleNamespace
 
     from benchmarks.mok_hopper import bwd_check
-    from kernels.mok_hopper import interp
+    from kernels.mok_hopper.ops import interp
     from kernels.mok_hopper.tiles import default_tile
 
     if not interp.INTERPRET:
@@ -772,7 +774,7 @@ def test_split_weight_gradients_through_the_layer_backward(monkeypatch):
     from types import SimpleNamespace
 
     from benchmarks.mok_hopper import bwd_check
-    from kernels.mok_hopper import bwd_wgrad, interp
+    from kernels.mok_hopper.ops import bwd_wgrad, interp
 
     if not interp.INTERPRET:
         pytest.skip("the kernels run on the CPU under TRITON_INTERPRET=1 (set at the top of this file without a GPU)")
@@ -809,7 +811,7 @@ def test_the_store_probe_writes_every_block_once_in_each_order():
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     from benchmarks.experiments.wgrad_store_probe import ORDERS, _store_kernel
-    from kernels.mok_hopper import interp
+    from kernels.mok_hopper.ops import interp
 
     if not interp.INTERPRET:
         pytest.skip("the kernels run on the CPU under TRITON_INTERPRET=1 (set at the top of this file without a GPU)")

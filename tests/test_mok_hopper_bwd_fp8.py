@@ -1,5 +1,5 @@
-"""mok_hopper's fp8 backward (issue 25): its twin (kernels/mok_hopper/twin_bwd.py, ``expert_backward_fp8``) against
-torch autograd, and the kernels (kernels/mok_hopper/bwd_fp8.py, through train.py's three phases) against the twin
+"""mok_hopper's fp8 backward (issue 25): its twin (kernels/mok_hopper/twin/backward.py, ``expert_backward_fp8``) against
+torch autograd, and the kernels (kernels/mok_hopper/ops/bwd_fp8.py, through train.py's three phases) against the twin
 under the Triton interpreter, on 1, 2 and 4 simulated ranks (an idle rank, masked slots, a clamped SwiGLU, H saved
 or recomputed), the weight gradients' 128-row token blocks over experts of several blocks, and a training step
 through autograd at EP=1."""
@@ -14,7 +14,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernels module imports triton (also run alone)
 
-from kernels.mok_hopper import twin_bwd  # noqa: E402
+from kernels.mok_hopper.twin import backward as twin_bwd  # noqa: E402
 from test_mok_hopper_bwd import HAS_TRITON, make, rel_l1  # noqa: E402
 
 NEEDS_TRITON = pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (it comes with torch on Linux; pip "
@@ -24,7 +24,7 @@ T, K, E, H, I = 24, 3, 8, 256, 128
 
 
 def _interpreter_or_skip():
-    from kernels.mok_hopper import interp
+    from kernels.mok_hopper.ops import interp
 
     if not interp.INTERPRET:
         pytest.skip("the kernels run on the CPU under TRITON_INTERPRET=1 (set at the top of this file without a GPU)")
@@ -118,7 +118,7 @@ def test_the_fp8_weight_gradient_over_several_token_blocks(p8, resident):
     once a strip, a larger one sums its blocks, an empty one writes zeros. Padding rows add nothing even when they
     hold garbage."""
     from contract.fp8 import dequantize_blocks, quantize_blocks
-    from kernels.mok_hopper.bwd_fp8 import fp8_wgrad
+    from kernels.mok_hopper.ops.bwd_fp8 import fp8_wgrad
 
     _interpreter_or_skip()
     sizes = [0, 1, 100, 128, 129, 300]

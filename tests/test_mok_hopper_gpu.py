@@ -265,7 +265,7 @@ def test_single_gpu_kernels_agree_with_the_twin_to_rounding():
     """The kernel pipeline and its pure-torch twin do the same math with the same roundings."""
     from test_mok_hopper import rel_l1
 
-    from kernels.mok_hopper import twin
+    from kernels.mok_hopper.twin import forward as twin
     from kernels.mok_hopper.api import MoKHopperLayer
 
     x, idx, w, w13, w2, sh, cpu = _inputs("uniform", 4)

@@ -20,7 +20,7 @@ if not torch.cuda.is_available():
 
 from conftest import HAS_GPU  # noqa: E402
 
-from kernels.mok_hopper import twin_bwd  # noqa: E402
+from kernels.mok_hopper.twin import backward as twin_bwd  # noqa: E402
 
 triton = pytest.importorskip("triton", reason="Triton is not installed (it comes with torch on Linux; pip install "
                                               "-e '.[test]'): the interpreter kernel tests need it")
@@ -75,7 +75,7 @@ def step(m, seed, tokens=T, masked=False):
 # ---- layouts and weight adoption ----
 
 def test_untile_inverts_tile_weights_and_tile_weights_gu():
-    from kernels.mok_hopper.gemm_common import tile_weights, tile_weights_gu, untile_weights, untile_weights_gu
+    from kernels.mok_hopper.ops.gemm_common import tile_weights, tile_weights_gu, untile_weights, untile_weights_gu
 
     w = torch.randn(3, 2 * 16, 24)
     for bn, bk in ((4, 3), (8, 24), (16, 8)):
@@ -99,7 +99,7 @@ def test_the_layer_adopts_weights_in_place_and_refuses_what_it_cannot_adopt():
     layer = MoKHopperLayer(w13, w2, shared=(sh13[:I], sh13[I:], d), tile=plain, **kw)
     assert layer.w13.data_ptr() == w13.data_ptr() and layer.w2.data_ptr() == w2.data_ptr()
     assert layer.sh_w13.data_ptr() == sh13.data_ptr() and layer.sh_w2.data_ptr() == d.data_ptr()
-    from kernels.mok_hopper.gemm_common import tile_weights, tile_weights_gu
+    from kernels.mok_hopper.ops.gemm_common import tile_weights, tile_weights_gu
 
     t13, t2 = tile_weights_gu(w13, tiled.up_n, tiled.up_k), tile_weights(w2, tiled.down_n, tiled.down_k)
     layer = MoKHopperLayer(t13, t2, tile=tiled, **kw)
@@ -151,7 +151,7 @@ def test_the_tiled_layout_trains_like_the_plain_one(fused):
     matches autograd, and equals the plain-layout module's up to the order of the fp32 sums."""
     from dataclasses import replace
 
-    from kernels.mok_hopper.gemm_common import untile_weights, untile_weights_gu
+    from kernels.mok_hopper.ops.gemm_common import untile_weights, untile_weights_gu
     from kernels.mok_hopper.module import MoKHopperMoE
     from kernels.mok_hopper.tiles import default_tile
 

@@ -85,7 +85,7 @@ def _count(sass: list[str], pattern: str) -> dict[str, int]:
 
 def probe(pingpong: bool, bm: int, bn: int, warps: int, stages: int, arch: int = 90, tma: bool = False,
           promote: bool = True) -> dict[str, Any]:
-    from kernels.mok_hopper.aot_check import Variant, compile_variant
+    from benchmarks.mok_hopper.aot_check import Variant, compile_variant
 
     if tma:
         label = "fp8 TMA " + ("inline" if promote else "no promotion")

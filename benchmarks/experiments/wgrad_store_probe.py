@@ -168,7 +168,7 @@ def _time(fn, iters: int) -> float:
 def aot(arch: int = 90) -> list[dict]:
     """Compile every variant of :data:`VARIANTS` for ``arch`` without a GPU (aot_check's compiler): registers,
     spill and shared memory, or the error (a variant that does not compile shows here before it costs GPU time)."""
-    from kernels.mok_hopper import aot_check
+    from benchmarks.mok_hopper import aot_check
 
     out = []
     for label, order, tma, bn, bk, warps, per_sm, stages, *mma in VARIANTS:

@@ -281,7 +281,7 @@ def _weights(backend: Any, tiles: Optional[dict[str, Any]]) -> tuple[Any, Any, O
 
 def _plain(backend: Any, g: dict[str, Any]) -> dict[str, Any]:
     """Gradients of a tiled-layout backward with dW13 / dW2 back in the plain layout."""
-    from kernels.mok_hopper.gemm_common import untile_weights, untile_weights_gu
+    from kernels.mok_hopper.ops.gemm_common import untile_weights, untile_weights_gu
 
     up = untile_weights_gu if backend.impl.cfg.up_fused else untile_weights
     return {**g, "w13": up(g["w13"]), "w2": untile_weights(g["w2"])}

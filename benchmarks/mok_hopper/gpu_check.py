@@ -12,7 +12,7 @@ the published ones), gates (atol, rtol) from ``configs/precision/*.yaml``, input
 harness's seed: the same tokens, routing and weights as a harness run of the shape at this EP and token count), the
 reference from ``harness.reference`` and forward times from ``harness.timing.Timer``. What stays here is the
 kernel's own: edge-case routings, the stages timed one by one, the timeline stamps, and the sweep of tile variants
-(``kernels.mok_hopper.variants``) timed against the default in interleaved rounds.
+(``benchmarks.mok_hopper.variants``) timed against the default in interleaved rounds.
 
 What it does, every rank in lockstep:
 
@@ -62,7 +62,7 @@ from harness.reference import ReferenceBackend
 from harness.timing import Stats, Timer
 from kernels.mok_hopper.api import MoKHopperLayer, default_tile
 from kernels.mok_hopper.tiles import TileConfig, parse_tile_overrides
-from kernels.mok_hopper.variants import SWEEP, TIMELINE_VARIANTS, runs_at
+from benchmarks.mok_hopper.variants import SWEEP, TIMELINE_VARIANTS, runs_at
 from kernels.mok_hopper.workspace import clear_workspace_cache
 
 PRECISIONS = ("bf16", "fp8")  # the layer's (configs/precision/<name>.yaml gives each one's gate)
@@ -499,7 +499,7 @@ def sweep(ctx: Ctx, name: str, inp: LayerInputs, base_layer: MoKHopperLayer, bas
           warmup: int = 5) -> None:
     """Forward and stage times of tile / pipeline variants on the same inputs (a layer per variant), each forward
     timed against the default interleaved (:func:`ab_times`). ``only``: the variants whose label contains one of
-    these (lower case); which run at ``precision``: :func:`~kernels.mok_hopper.variants.runs_at`."""
+    these (lower case); which run at ``precision``: :func:`~benchmarks.mok_hopper.variants.runs_at`."""
     T, K = inp.topk_idx_TK.shape
     for label, over, layer_kw in SWEEP:
         if not runs_at(label, precision):

@@ -48,7 +48,7 @@ os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")  # a hardware queue p
 
 from benchmarks.mok_hopper.shared_ranks import (BREAKS, MODES, CheckTimeout, Ranks, Weights,  # noqa: E402
                                                 compiled_use, spinning_cap)
-from kernels.mok_hopper import twin, twin_bwd  # noqa: E402
+from kernels.mok_hopper.twin import backward as twin_bwd, forward as twin  # noqa: E402
 from kernels.mok_hopper.tiles import TileConfig, default_tile, num_sms  # noqa: E402
 
 PRECISIONS = ("bf16", "fp8")
@@ -152,7 +152,7 @@ def tile_for(args: argparse.Namespace, w: Weights, shape: tuple[int, ...], preci
     base = default_tile(precision=precision, device=dev, hidden=H, ffn=I, rows_per_expert=T * K / w.w13[0].shape[0])
     if not args.ready_flags:
         return replace(base, ready_flags=False), {"ready_flags": 0}
-    from kernels.mok_hopper.aot_check import kernel
+    from benchmarks.mok_hopper.aot_check import kernel
 
     base = replace(base, shared_sms=0)  # no side stream: only the main stream's up programs spin
     Ranks(w, tokens=T, topk=K, precision=precision, save_h=True, tile=base).step(

@@ -39,9 +39,9 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from kernels.mok_hopper import down_gemm, pull, up_gemm
-from kernels.mok_hopper.gemm_common import adjacent_rows, adopted_dims, tile_weights, tile_weights_gu
-from kernels.mok_hopper.schedule_kernels import DeviceScheduler, gather_peer_i32
+from kernels.mok_hopper.ops import down_gemm, pull, up_gemm
+from kernels.mok_hopper.ops.gemm_common import adjacent_rows, adopted_dims, tile_weights, tile_weights_gu
+from kernels.mok_hopper.ops.schedule_kernels import DeviceScheduler, gather_peer_i32
 from kernels.mok_hopper.tiles import TileConfig, default_tile, launch_programs, num_sms, ready_granule
 from kernels.mok_hopper.fp8 import quantize_expert_weights
 from kernels.mok_hopper.schedule import Schedule, build_schedule, capacity_rows, empty_schedule

@@ -2,13 +2,13 @@
 protocol (fits ``harness.backends.Backend`` structurally; imports nothing from the harness).
 
 On CUDA it runs the Triton kernels. On the CPU (the harness's gloo test runs) it runs the pure-torch twin of the
-same pipeline (:class:`~kernels.mok_hopper.twin.DistributedTwin`, forward and backward), and ``info()['notes']``
+same pipeline (:class:`~kernels.mok_hopper.twin.ranks.DistributedTwin`, forward and backward), and ``info()['notes']``
 says so: those rows check the schedule / combine logic and the backend plumbing, they time nothing about the kernel.
 
 The forward is a training forward (autograd records it, as the baselines' forwards are recorded) unless the case's
 ``mok_hopper_forward`` is ``inference``: ``save_h`` (default) keeps X and the pre-SwiGLU H, ``recompute`` keeps X and
 the backward recomputes H (:mod:`kernels.mok_hopper.train`). The backward runs at any EP, bf16 and fp8 (across
-ranks: the expert owners pull the dO rows and push the dX rows back; fp8: :mod:`kernels.mok_hopper.bwd_fp8`).
+ranks: the expert owners pull the dO rows and push the dX rows back; fp8: :mod:`kernels.mok_hopper.ops.bwd_fp8`).
 
 Legend: T tokens per rank, K top-k, H hidden, I ffn, L local experts, P ranks.
 """
@@ -98,7 +98,7 @@ class MokHopperBackend:
         if self.mode != "inference":
             self.params = ExpertLeaves(c, inputs)
         if c.device != "cuda":
-            from kernels.mok_hopper.twin import DistributedTwin
+            from kernels.mok_hopper.twin.ranks import DistributedTwin
 
             self.impl = DistributedTwin(inputs.w13_LIH, inputs.w2_LHI, group=self.group, topk=c.topk, shared=shared,
                                         swiglu_limit=c.swiglu_limit, precision=c.precision)

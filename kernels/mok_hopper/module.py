@@ -29,7 +29,7 @@ from typing import Any, Iterator, Optional, Sequence
 import torch
 
 from kernels.mok_hopper.api import MoKHopperLayer
-from kernels.mok_hopper.gemm_common import (layout_shapes, tile_weights, tile_weights_gu, untile_weights,
+from kernels.mok_hopper.ops.gemm_common import (layout_shapes, tile_weights, tile_weights_gu, untile_weights,
                                           untile_weights_gu)
 from kernels.mok_hopper.tiles import TileConfig, default_tile
 from kernels.mok_hopper.train import layer_backward

@@ -1,6 +1,6 @@
 """The training step through mok_hopper (bf16 and fp8): :func:`mok_hopper_train` runs the fused
-forward and records a backward, :func:`layer_backward`, made of the backward GEMMs (:mod:`kernels.mok_hopper.bwd_gemm`,
-:mod:`kernels.mok_hopper.bwd_wgrad`):
+forward and records a backward, :func:`layer_backward`, made of the backward GEMMs (:mod:`kernels.mok_hopper.ops.bwd_gemm`,
+:mod:`kernels.mok_hopper.ops.bwd_wgrad`):
 H from the forward (``MoKHopperLayer(save_h=True)``) or recomputed from the layer's X rows, dgate (dO rows x W2,
 SwiGLU's derivative and the router-weight gradient in its epilogue), dX (each row pushed into its token slot and
 summed per token by the forward's epilogue kernel), the weight gradients (each expert's rows in schedule order:
@@ -14,7 +14,7 @@ several GPUs. The trainable module and custom ops over it (EP=1) are in :mod:`ke
 
 fp8 (a layer built with ``precision="fp8", train=True``): the same dataflow at every EP through the
 three phases below (dO quantised 1 x 128 at its source, pulled as e4m3), the routed stages of
-:mod:`kernels.mok_hopper.bwd_fp8` (e4m3 GEMMs over the forward's quantised weights, transposed), the shared expert
+:mod:`kernels.mok_hopper.ops.bwd_fp8` (e4m3 GEMMs over the forward's quantised weights, transposed), the shared expert
 in bf16 as in the forward. Checked against its twin (``twin_bwd.expert_backward_fp8``) under the interpreter.
 
 Legend: T tokens, K top-k, H hidden, I ffn, L local experts, R capacity rows.
@@ -26,10 +26,11 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from kernels.mok_hopper import bwd_fp8, bwd_fused, bwd_gemm, bwd_wgrad, pull, twin_bwd, up_gemm
 from kernels.mok_hopper.api import MoKHopperLayer
-from kernels.mok_hopper.pull import combine_epilogue
+from kernels.mok_hopper.ops import bwd_fp8, bwd_fused, bwd_gemm, bwd_wgrad, pull, up_gemm
+from kernels.mok_hopper.ops.pull import combine_epilogue
 from kernels.mok_hopper.tiles import num_sms
+from kernels.mok_hopper.twin import backward as twin_bwd
 
 
 def _blocks(n: int, cap: int) -> int:
@@ -66,7 +67,7 @@ def _tiles(H: int, I: int, cuda: bool, clamped: bool = False, rows_per_expert: f
     spill at 4 warps; not timed on the GPU: bwd_check runs plain weights).
 
     The fused stages (the journal, lab/perf-notes.md: backward v7): dgate with dW2 and dX with dW13 each in one pass
-    over the weights (:mod:`kernels.mok_hopper.bwd_fused`; plain weights only; ``tiles={"dgate_dw2": {"on": True}}`` and
+    over the weights (:mod:`kernels.mok_hopper.ops.bwd_fused`; plain weights only; ``tiles={"dgate_dw2": {"on": True}}`` and
     ``"dx_dw13"``): row blocks of 64 rows where the experts average at most 48 (qwen3_5_397b, kimi_k2_7), else 128
     (glm_5_2); 8 warps, one program per SM (aot_check: no spill under Triton 3.8 and 3.6). Measured on one H200 against
     the separate stages: dgate + dW2 1.15-1.4x slower (off); dX + dW13 by pointer stores 6-8% faster in 64-row blocks,
@@ -219,7 +220,7 @@ def _expert_backward(x_rows: torch.Tensor, dO_rows: torch.Tensor, s_rows: torch.
 def _wgrad(p_RN: torch.Tensor, q_RK: torch.Tensor, w: torch.Tensor, code_R: torch.Tensor, starts: torch.Tensor,
            programs: int, t: dict[str, Any], layout: dict[str, Any]) -> torch.Tensor:
     """A weight gradient (shaped like ``w``): dW[e] = P_e^T Q_e over expert e's rows ``starts[e]:starts[e+1]``.
-    By :func:`~kernels.mok_hopper.bwd_wgrad.bwd_wgrad`, or with ``t["grouped_mm"]`` (plain layout only) by
+    By :func:`~kernels.mok_hopper.ops.bwd_wgrad.bwd_wgrad`, or with ``t["grouped_mm"]`` (plain layout only) by
     ``torch._grouped_mm`` with the experts' row ranges as the groups of its reduction (CUTLASS's grouped GEMM on
     sm90: no split-K, the same sums on every run). That path adds the padding rows (code < 0) instead of skipping
     them: they are zero in dH and s*A (router weight 0, zero X rows: the pull writes zeros there), so they add
@@ -373,7 +374,7 @@ def backward_compute(layer: MoKHopperLayer, x_TH: torch.Tensor, w13_LIH: torch.T
     """After every rank's stage: pull the dO rows of this rank's experts from their source ranks (the forward's
     pull kernel and schedule), run the four stages, push each dX row into its source rank's ``comb`` slot and each
     row's router-weight gradient into its ``w`` slot; this rank's weight gradients and shared expert locally.
-    fp8 (:func:`_fp8_compute`): the dO rows arrive as e4m3 and the stages are :mod:`kernels.mok_hopper.bwd_fp8`'s;
+    fp8 (:func:`_fp8_compute`): the dO rows arrive as e4m3 and the stages are :mod:`kernels.mok_hopper.ops.bwd_fp8`'s;
     ``dO_TH`` (this rank's bf16 output gradient) is then needed for the shared expert, which stays bf16."""
     mark = marks or (lambda name: None)
     T, K, H, L = layer.T, layer.K, layer.H, layer.L
@@ -411,7 +412,7 @@ def _fp8_compute(layer: MoKHopperLayer, x_TH: torch.Tensor, dO_TH: Optional[torc
                  tiles: Optional[dict[str, dict[str, Any]]]) -> dict[str, Any]:
     """:func:`backward_compute` in fp8: pull the e4m3 dO rows and their scales, H from the forward (``save_h``) or
     recomputed by the forward's own up GEMM (its epilogue's ``h_save``; the hidden rows it also writes are the
-    layer's scratch), the four stages of :func:`kernels.mok_hopper.bwd_fp8.expert_backward` over the layer's e4m3
+    layer's scratch), the four stages of :func:`kernels.mok_hopper.ops.bwd_fp8.expert_backward` over the layer's e4m3
     W^T, the pushes, and the shared expert in bf16."""
     assert shared is None or dO_TH is not None, "fp8 with a shared expert: pass dO_TH (its backward is bf16)"
     T, K, H = layer.T, layer.K, layer.H

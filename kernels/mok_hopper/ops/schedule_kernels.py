@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.mok_hopper.interp import INTERPRET  # noqa: F401 (applies the interpreter fixes)
+from kernels.mok_hopper.ops.interp import INTERPRET  # noqa: F401 (applies the interpreter fixes)
 
 @triton.jit
 def _gather_i32_kernel(ref_ptr, delta_table, out_ptr, N, BLOCK: tl.constexpr):

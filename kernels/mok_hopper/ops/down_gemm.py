@@ -9,8 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.mok_hopper.gemm_common import _ld_a, _ld_w, _mm, _mma, _operand, _tail_rows, _weights, _work_tile
-from kernels.mok_hopper.interp import INTERPRET
+from kernels.mok_hopper.ops.gemm_common import _ld_a, _ld_w, _mm, _mma, _operand, _tail_rows, _weights, _work_tile
+from kernels.mok_hopper.ops.interp import INTERPRET
 from kernels.mok_hopper.tiles import TileConfig
 
 @triton.jit

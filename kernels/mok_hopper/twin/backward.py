@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from contract.fp8 import dequantize_blocks, quantize_blocks
 from kernels.mok_hopper.fp8 import quantize_expert_weights
 from kernels.mok_hopper.schedule import build_schedule, capacity_rows
-from kernels.mok_hopper.twin import epilogue
+from kernels.mok_hopper.twin.forward import epilogue
 
 
 def swiglu_grads(g: torch.Tensor, u: torch.Tensor, dA: torch.Tensor, limit: Optional[float],

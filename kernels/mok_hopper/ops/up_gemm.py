@@ -10,9 +10,9 @@ import triton
 import triton.language as tl
 
 from contract.fp8 import FP8_MAX
-from kernels.mok_hopper.gemm_common import (_ld_a, _ld_w, _mm, _mma, _operand, _quant_e4m3, _tail_rows, _wait_rows,
+from kernels.mok_hopper.ops.gemm_common import (_ld_a, _ld_w, _mm, _mma, _operand, _quant_e4m3, _tail_rows, _wait_rows,
                                             _weights, _work_tile)
-from kernels.mok_hopper.interp import INTERPRET
+from kernels.mok_hopper.ops.interp import INTERPRET
 from kernels.mok_hopper.tiles import TileConfig, h_save_by_tma, ready_granule
 
 @triton.jit

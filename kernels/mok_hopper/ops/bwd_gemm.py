@@ -1,4 +1,4 @@
-"""The bf16 backward's GEMMs (the stages of :mod:`kernels.mok_hopper.twin_bwd`; launched by
+"""The bf16 backward's GEMMs (the stages of :mod:`kernels.mok_hopper.twin.backward`; launched by
 :mod:`kernels.mok_hopper.train`; versions and measurements in the journal, lab/perf-notes.md: the bf16 backward).
 Checked against the twin under the Triton interpreter, compiled for sm_90 without spills by ``aot_check``, and checked
 against the harness's reference on an H200. Row-major weights: TMA descriptors where they are contiguous [L, K, N]
@@ -12,7 +12,7 @@ against the harness's reference on an H200. Row-major weights: TMA descriptors w
     over the tiles in a fixed order by :func:`router_grad`);
   - ``plain``: A = dH rows, W = W13 ([2I, H]: K = 2I, N = H): the dX rows (bf16 [R, H]), stored by row or pushed
     to the row's token slot (``push_code``); or, with ``save_clip``, H recomputed from the X rows.
-* the weight gradients: :mod:`kernels.mok_hopper.bwd_wgrad`.
+* the weight gradients: :mod:`kernels.mok_hopper.ops.bwd_wgrad`.
 
 Legend: R routed rows, M row tiles (BM rows each, or BM/2 with half tiles), L local experts, H hidden, I ffn.
 """
@@ -26,8 +26,8 @@ import triton
 import triton.language as tl
 
 from contract.fp8 import FP8_MAX
-from kernels.mok_hopper.gemm_common import _gather_rows, _mma, _quant_e4m3, _tiled_offset, _work_tile
-from kernels.mok_hopper.interp import INTERPRET
+from kernels.mok_hopper.ops.gemm_common import _gather_rows, _mma, _quant_e4m3, _tiled_offset, _work_tile
+from kernels.mok_hopper.ops.interp import INTERPRET
 
 FP8_MAX_C = tl.constexpr(FP8_MAX)  # (a global a jitted function reads must be a constexpr)
 
@@ -120,8 +120,8 @@ def _bwd_rows_epilogue(acc, rows, rmask, cols, n, n_n, out_ptr, h_ptr, clip_ptr,
                        PUSH: tl.constexpr, SA: tl.constexpr = True, dhq_ptr=None, dhs_ptr=None,
                        QUANT: tl.constexpr = False):
     """One [BM, BN] block of :func:`_bwd_rows_block`'s results: the dgate epilogue, the push, or a plain store.
-    SA (dgate): store s*A too (the fused dgate of :mod:`kernels.mok_hopper.bwd_fused` uses it in place). QUANT
-    (dgate, fp8: :mod:`kernels.mok_hopper.bwd_fp8`, BN = 128): dH also as e4m3 from its fp32 values, one scale per
+    SA (dgate): store s*A too (the fused dgate of :mod:`kernels.mok_hopper.ops.bwd_fused` uses it in place). QUANT
+    (dgate, fp8: :mod:`kernels.mok_hopper.ops.bwd_fp8`, BN = 128): dH also as e4m3 from its fp32 values, one scale per
     1 x BN block of each row (``dhq_ptr`` [R, 2N], ``dhs_ptr`` [R, 2N / BN]: gate blocks, then up blocks)."""
     if DGATE:  # N = I: G = dO @ W2[e]; H and the masks are [R, 2I] (gate columns, then up columns)
         h_off = rows[:, None] * (2 * N) + cols[None, :]

@@ -1,4 +1,4 @@
-"""The backward's launches as :mod:`kernels.mok_hopper.aot_check` compiles them (a file of their own, by what they
+"""The backward's launches as :mod:`benchmarks.mok_hopper.aot_check` compiles them (a file of their own, by what they
 are: that file holds the forward's launches and the compile and check): the GEMMs of bwd_gemm.py,
 bwd_wgrad.py, bwd_fused.py and bwd_fp8.py at the block sizes train.py launches them with, and the candidates of
 bwd_check's sweep."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kernels.mok_hopper.aot_check import Variant
+from benchmarks.mok_hopper.aot_variant import Variant
 
 
 def backward_variants(cfg: Any, nprog: int) -> list[Variant]:

@@ -8,10 +8,10 @@ separate stages' sum: dX + dW13 by pointer stores 6-8% faster in 64-row blocks b
 * :func:`dgate_dw2` - work items (expert, I block): G = dO rows @ W2[e][:, I block] accumulated over the H blocks,
   and in the same step dW2[e][H block, I block] = dO rows^T @ (s A) rows, s A = s SwiGLU(H) computed once per
   work item from the saved H; then dgate's epilogue on G (dH, the router-weight gradient's partial sums:
-  :func:`~kernels.mok_hopper.bwd_gemm._bwd_rows_epilogue`). s A is never written.
+  :func:`~kernels.mok_hopper.ops.bwd_gemm._bwd_rows_epilogue`). s A is never written.
 * :func:`dx_dw13` - work items (expert, H block): dX rows[:, H block] = dH rows @ W13[e][:, H block] accumulated
   over the 2I blocks, and in the same step dW13[e][2I block, H block] = dH rows^T @ X rows[:, H block]; then the
-  dX rows pushed to their token slots (the push of :func:`~kernels.mok_hopper.bwd_gemm.bwd_rows`).
+  dX rows pushed to their token slots (the push of :func:`~kernels.mok_hopper.ops.bwd_gemm.bwd_rows`).
 
 An expert of at most ``block_r`` rows (the fast path: every published shape at EP=1 with the launch's block_r)
 holds its rows in one block; a larger one runs the two halves one after the other in the same program (the
@@ -28,9 +28,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.mok_hopper.bwd_gemm import _bwd_rows_epilogue
-from kernels.mok_hopper.gemm_common import _mma
-from kernels.mok_hopper.interp import INTERPRET
+from kernels.mok_hopper.ops.bwd_gemm import _bwd_rows_epilogue
+from kernels.mok_hopper.ops.gemm_common import _mma
+from kernels.mok_hopper.ops.interp import INTERPRET
 
 
 @triton.jit
@@ -189,7 +189,7 @@ def dgate_dw2(dO_RH: torch.Tensor, w2_LHI: torch.Tensor, dw2_LHI: torch.Tensor, 
               block_r: int = 64, block_h: int = 128, block_i: int = 64, stages: int = 3, num_warps: int = 8,
               tma_store: bool = True) -> None:
     """dgate and dW2 in one pass over W2 (contiguous [L, H, I]): dH (bf16 [R, 2I]), the router-weight gradient's
-    partial sums ``ds_parts`` (fp32 [R, I / block_i]; :func:`~kernels.mok_hopper.bwd_gemm.router_grad` sums them)
+    partial sums ``ds_parts`` (fp32 [R, I / block_i]; :func:`~kernels.mok_hopper.ops.bwd_gemm.router_grad` sums them)
     and dW2 (bf16 [L, H, I]), from the dO rows, the saved H (and clamp decisions, with ``limit``) and the router
     weights ``s_R``. Rows outside every expert's range are not written."""
     R, H = dO_RH.shape
@@ -212,7 +212,7 @@ def dx_dw13(dH_R2I: torch.Tensor, x_RH: torch.Tensor, w13_LNH: torch.Tensor, dw1
             tma_store: bool = True) -> None:
     """dX and dW13 in one pass over W13 (contiguous [L, 2I, H]): each row's dX (bf16 [H]) pushed to row
     ``row_code_R[r]`` of ``out`` (padding rows nowhere; with ``push_delta`` / ``slots_per_rank``, to slot
-    code % TK of rank code // TK's copy, as :func:`~kernels.mok_hopper.bwd_gemm.bwd_rows` pushes, through its
+    code % TK of rank code // TK's copy, as :func:`~kernels.mok_hopper.ops.bwd_gemm.bwd_rows` pushes, through its
     epilogue; the tests run this kernel on one rank only), and dW13 (bf16 [L, 2I, H]) = dH rows^T @ X rows per
     expert."""
     R, N = dH_R2I.shape

@@ -12,8 +12,8 @@ import triton
 import triton.language as tl
 
 from contract.fp8 import FP8_MAX
-from kernels.mok_hopper.gemm_common import _quant_e4m3
-from kernels.mok_hopper.interp import INTERPRET  # noqa: F401 (applies the interpreter fixes)
+from kernels.mok_hopper.ops.gemm_common import _quant_e4m3
+from kernels.mok_hopper.ops.interp import INTERPRET  # noqa: F401 (applies the interpreter fixes)
 from kernels.mok_hopper.tiles import TileConfig, ready_granule
 
 @triton.jit

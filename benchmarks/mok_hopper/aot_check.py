@@ -1,12 +1,12 @@
 """Compile every kernel variant of mok_hopper for a GPU architecture without a GPU (Triton ahead of time, with
 the ptxas shipped in the Triton wheel) and report registers, spills and shared memory.
 
-    python -m kernels.mok_hopper.aot_check            # sm_90 (H100/H200)
-    python -m kernels.mok_hopper.aot_check --arch 100  # sm_100 (B200)
+    python -m benchmarks.mok_hopper.aot_check            # sm_90 (H100/H200)
+    python -m benchmarks.mok_hopper.aot_check --arch 100  # sm_100 (B200)
 
 This catches what the CPU interpreter cannot: lowering errors, shared memory over the limit, register spills.
 It does not run anything. Must run without TRITON_INTERPRET. The forward's launches are listed here, the
-backward's in :mod:`kernels.mok_hopper.aot_bwd`.
+backward's in :mod:`benchmarks.mok_hopper.aot_bwd`.
 """
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ import re
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
 from typing import Any, Optional
+
+from benchmarks.mok_hopper.aot_variant import Variant
 
 SMEM_LIMIT = {90: 232448, 100: 232448}  # bytes of dynamic shared memory per block (opt-in maximum)
 # where the kernels live, by stage
@@ -63,24 +64,10 @@ def kernel(name: str) -> Any:
     import importlib
 
     for module in KERNEL_MODULES:
-        fn = getattr(importlib.import_module(f"kernels.mok_hopper.{module}"), name, None)
+        fn = getattr(importlib.import_module(f"kernels.mok_hopper.ops.{module}"), name, None)
         if fn is not None:
             return fn
-    raise KeyError(f"no kernel {name!r} in kernels.mok_hopper.{{{', '.join(KERNEL_MODULES)}}}")
-
-
-@dataclass
-class Variant:
-    label: str
-    kernel: str  # a kernel's name in one of KERNEL_MODULES
-    types: dict[str, str]  # runtime argument -> Triton type string
-    constexprs: dict[str, Any]
-    num_warps: int
-    # i32 arguments compiled without divisibility by 16, as the launch sees them (the pull's and the epilogue's K
-    # is the top-k, HS the hidden size / 128); every other i32 is a size the launch sees divisible by 16 (the
-    # backward's K is a hidden size: compiled otherwise, its loads and stores are not those that run)
-    plain: tuple[str, ...] = ()
-    maxnreg: int = 0  # the registers a thread the launch caps the kernel at (0: none)
+    raise KeyError(f"no kernel {name!r} in kernels.mok_hopper.ops.{{{', '.join(KERNEL_MODULES)}}}")
 
 
 def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048, extras: bool = True,
@@ -93,7 +80,7 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048, extras: bool 
     from dataclasses import replace
 
     from contract.fp8 import FP8_MAX
-    from kernels.mok_hopper.schedule_kernels import DeviceScheduler
+    from kernels.mok_hopper.ops.schedule_kernels import DeviceScheduler
     from kernels.mok_hopper.tiles import TileConfig, h_save_by_tma, ready_granule
 
     cfg = cfg or TileConfig(w_tiled=True, fp8_up_fused=True, fp8_down_pair=True)  # default_tile's GEMM kernels
@@ -252,7 +239,7 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048, extras: bool 
                             T="i32", H="i32", K="i32"),
                        dict(BT=2, BH=1024, APPLY_W=False, HAS_SHARED=True), 4, plain=("K",)))
     if extras:  # the backward's GEMMs (aot_bwd.py), at the block sizes train.py launches them with
-        from kernels.mok_hopper.aot_bwd import backward_variants
+        from benchmarks.mok_hopper.aot_bwd import backward_variants
 
         out += backward_variants(cfg, nprog)
     return out
@@ -340,7 +327,7 @@ def sweep_variants() -> list[Variant]:
     """The GEMM kernels (TMA operands) of gpu_check's sweep tiles that the default tile does not already build."""
     from dataclasses import replace
 
-    from kernels.mok_hopper.variants import SWEEP
+    from benchmarks.mok_hopper.variants import SWEEP
     from kernels.mok_hopper.tiles import default_tile
 
     def key(v: Variant) -> tuple:

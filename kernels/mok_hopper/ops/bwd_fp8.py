@@ -1,11 +1,11 @@
-"""The fp8 backward's GEMMs, the recipe of :func:`kernels.mok_hopper.twin_bwd.expert_backward_fp8`:
+"""The fp8 backward's GEMMs, the recipe of :func:`kernels.mok_hopper.twin.backward.expert_backward_fp8`:
 e4m3 operands, fp32 accumulation, every block's product promoted by its scales. Launched by
 :func:`expert_backward` (the four stages of one rank's routed rows; :mod:`kernels.mok_hopper.train` calls it).
 
 * :func:`fp8_rows` - the dgrad GEMMs over the forward's row tiles, out[r] = A[r] @ W[e] with A in 1 x 128 blocks
   (e4m3 rows + fp32 scales [R, K / 128]) and W given as W^T, the forward's e4m3 values transposed [L, N, K], with W's
   128 x 128 block scales [L, K / 128, N / 128] (128 x 128 blocks are those of W^T too: no second quantisation).
-  Epilogues of :func:`kernels.mok_hopper.bwd_gemm._bwd_rows_epilogue`:
+  Epilogues of :func:`kernels.mok_hopper.ops.bwd_gemm._bwd_rows_epilogue`:
   - ``dgate``: A = dO rows (quantised at their source rank by the stage kernel, pulled as e4m3), W = W2 [H, I];
     dH (bf16, for dW13), dH again as e4m3 1 x 128 along 2I from its fp32 values (for dX: the quantisation fused into
     the epilogue that produces dH, no pass over it), s*A (bf16) and the router-weight gradient's partial sums;
@@ -25,7 +25,7 @@ own.
 The passes over memory that remain outside the GEMMs: the stage's quantisation of dO (one read of [T, H] bf16, as the
 forward's x), the four token-axis quantisations of the wgrad operands (dH and s*A bf16, X and dO e4m3: about
 0.6 GB on glm_5_2 at EP=1, against the 19 GB of weight gradients written) and the router-weight gradient's sum over
-the column tiles (:func:`~kernels.mok_hopper.bwd_gemm.router_grad`). The shared expert stays bf16, as in the
+the column tiles (:func:`~kernels.mok_hopper.ops.bwd_gemm.router_grad`). The shared expert stays bf16, as in the
 forward.
 
 Legend: R routed rows, L local experts, H hidden, I ffn, N / K a GEMM's output / reduction dims.
@@ -39,10 +39,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.mok_hopper.bwd_gemm import FP8_MAX_C, _bwd_rows_epilogue, router_grad
-from kernels.mok_hopper.bwd_wgrad import _store_dw
-from kernels.mok_hopper.gemm_common import _gather_rows, _mm, _quant_e4m3, _work_tile
-from kernels.mok_hopper.interp import INTERPRET
+from kernels.mok_hopper.ops.bwd_gemm import FP8_MAX_C, _bwd_rows_epilogue, router_grad
+from kernels.mok_hopper.ops.bwd_wgrad import _store_dw
+from kernels.mok_hopper.ops.gemm_common import _gather_rows, _mm, _quant_e4m3, _work_tile
+from kernels.mok_hopper.ops.interp import INTERPRET
 
 BLOCK = 128  # the format's block: 1 x 128 activations, 128 x 128 weights, 128-row token blocks for the wgrad
 E4M3 = torch.float8_e4m3fn
@@ -98,10 +98,10 @@ def fp8_rows(a_RK: torch.Tensor, a_scale: torch.Tensor, wt_LNK: torch.Tensor, w_
     ``a_scale`` fp32 [R, K / 128]; the weights given transposed, ``wt`` contiguous e4m3 [L, N, K] (W2^T [L, I, H] for
     dgate, W13^T [L, H, 2I] for dX: the layer's ``w2_bwd`` / ``w13_bwd``), with W's scales ``w_scale`` fp32
     [L, K / 128, N / 128] (the 128 x 128 blocks of W^T are W's, transposed).
-    ``dgate`` = dict(h, clip, s, sa, ds, dhq, dhs): the dgate epilogue (as :func:`~kernels.mok_hopper.bwd_gemm.
+    ``dgate`` = dict(h, clip, s, sa, ds, dhq, dhs): the dgate epilogue (as :func:`~kernels.mok_hopper.ops.bwd_gemm.
     bwd_rows`; ``out`` is dH bf16 [R, 2N]; ``dhq`` e4m3 [R, 2N] and ``dhs`` fp32 [R, 2N / 128] get dH in 1 x 128
     blocks; ``block_n`` must be 128). ``push_code`` / ``push_delta`` / ``slots_per_rank``: the dX rows to their
-    token slots, as :func:`~kernels.mok_hopper.bwd_gemm.bwd_rows`."""
+    token slots, as :func:`~kernels.mok_hopper.ops.bwd_gemm.bwd_rows`."""
     R, K = a_RK.shape
     L, N, Kw = wt_LNK.shape
     assert a_RK.dtype == E4M3 and wt_LNK.dtype == E4M3 and wt_LNK.is_contiguous() and Kw == K, \

@@ -1,4 +1,4 @@
-"""The bf16 backward's weight gradients (beside :mod:`kernels.mok_hopper.bwd_gemm`'s other GEMMs; launched by
+"""The bf16 backward's weight gradients (beside :mod:`kernels.mok_hopper.ops.bwd_gemm`'s other GEMMs; launched by
 :mod:`kernels.mok_hopper.train`; versions and measurements in the journal, lab/perf-notes.md: the bf16 backward).
 
 * :func:`bwd_wgrad` - dW[e] = P_e^T @ Q_e, each expert's rows in schedule order (no split-K, no atomics: bitwise
@@ -20,8 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.mok_hopper.gemm_common import _gather_rows, _mma, _tiled_offset
-from kernels.mok_hopper.interp import INTERPRET
+from kernels.mok_hopper.ops.gemm_common import _gather_rows, _mma, _tiled_offset
+from kernels.mok_hopper.ops.interp import INTERPRET
 
 
 @triton.jit
