@@ -45,7 +45,7 @@ from typing import Optional
 
 import torch
 
-from baselines.fp8_gemm import BLOCK, E4M3, GroupLayout, k_grouped_operand
+from baselines.fp8_groups import BLOCK, E4M3, GroupLayout, k_grouped_operand
 from contract.fp8 import quantize_blocks
 
 ALIGN = BLOCK  # rows per expert: the wgrad's 1x128 blocks run along the tokens and must not straddle two experts

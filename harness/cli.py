@@ -144,7 +144,7 @@ def launcher_needs_sweep(override: str) -> str:
 
 
 def _launcher_key(key: str, schema: Any) -> str:
-    from harness.slurm import LAUNCHER_SCHEMAS, launcher_keys
+    from harness.launcher_options import LAUNCHER_SCHEMAS, launcher_keys
 
     executor = next((x for x, s in LAUNCHER_SCHEMAS.items() if s is schema), None)
     if executor is None:  # Hydra's basic launcher (no -m hydra/launcher=...): it has no options

@@ -769,7 +769,7 @@ def _point_of_a_sweep(c: dict) -> bool:
     try:
         from hydra.core.hydra_config import HydraConfig
 
-        from harness.slurm import POINT_FILE
+        from harness.launcher_options import POINT_FILE
 
         planned = Path(str(HydraConfig.get().run.dir)) / POINT_FILE
     except (ValueError, ImportError, AttributeError):

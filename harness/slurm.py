@@ -43,96 +43,14 @@ from typing import Any, Iterator, Optional, Sequence
 import pandas as pd
 from hydra.core.singleton import Singleton
 from hydra.core.utils import JobReturn, JobStatus, run_job, setup_globals
-from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf, LocalQueueConf, SlurmQueueConf
+from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from harness.cli import hydra_config, point_error_line, point_labels, reject, sweep_problem_lines
 from harness.config import ConfigError
+from harness.launcher_options import POINT_FILE, OWN_KEYS, check_launcher_options
 
 log = logging.getLogger(__name__)
-
-# Launcher options of ours (not submitit's): taken out before the rest goes to the submitit executor.
-_OWN_KEYS = ("dry_run", "nvlink_domain_nodes", "_target_")
-
-
-@dataclass
-class MokbenchSlurmConf(SlurmQueueConf):
-    """hydra-submitit-launcher's Slurm options plus mokbench's."""
-
-    _target_: str = "hydra_plugins.mokbench_launcher.SlurmLauncher"
-    # extra srun flags for every job step (submitit's srun_args)
-    srun_args: Optional[list[str]] = None
-    # validate every point and print jobs / GPUs / GPU-hours, then stop without submitting
-    dry_run: bool = False
-    # nodes in one NVLink domain (18 on GB300 NVL72): a job with more nodes gets a warning
-    nvlink_domain_nodes: Optional[int] = None
-
-
-@dataclass
-class MokbenchLocalConf(LocalQueueConf):
-    _target_: str = "hydra_plugins.mokbench_launcher.LocalLauncher"
-    dry_run: bool = False
-    nvlink_domain_nodes: Optional[int] = None
-
-
-@dataclass
-class MokbenchNodeConf:
-    """This machine, one point after another in this process (Hydra's basic launcher), every point validated first."""
-
-    _target_: str = "hydra_plugins.mokbench_launcher.NodeLauncher"
-    dry_run: bool = False
-    # GPUs the points run on (each spawns its ranks on them); None: the GPUs this machine sees. Set it to plan a
-    # GPU run from a machine without GPUs (hydra.launcher.dry_run=true hydra.launcher.gpus_per_node=2).
-    gpus_per_node: Optional[int] = None
-
-
-# executor -> the schema of its launcher's options (``hydra/launcher=mokbench_<executor>``), which the presets in
-# configs/hydra/launcher extend: the one list of each launcher's keys
-LAUNCHER_SCHEMAS: dict[str, type] = {"slurm": MokbenchSlurmConf, "local": MokbenchLocalConf, "node": MokbenchNodeConf}
-
-# The launcher options that count something, and their least value (null, where a schema allows it: the default).
-# Checked before any plan is printed or job submitted.
-LAUNCHER_MINIMA = {"nodes": 1, "tasks_per_node": 1, "gpus_per_node": 0, "cpus_per_task": 1, "cpus_per_gpu": 1,
-                   "gpus_per_task": 1, "mem_gb": 1, "timeout_min": 1, "signal_delay_s": 0, "max_num_timeout": 0,
-                   "array_parallelism": 1, "nvlink_domain_nodes": 1}
-
-POINT_FILE = "mokbench.yaml"  # in each point's folder of the sweep: the point as validated (write_point)
-
-
-def register_launcher_configs() -> None:
-    """``hydra/launcher=mokbench_slurm`` / ``mokbench_local`` / ``mokbench_node``: the schemas the presets in
-    configs/hydra/launcher extend. Called when Hydra's plugin scan imports ``hydra_plugins.mokbench_launcher``."""
-    from hydra.core.config_store import ConfigStore
-
-    cs = ConfigStore.instance()
-    for executor, schema in LAUNCHER_SCHEMAS.items():
-        cs.store(group="hydra/launcher", name=f"mokbench_{executor}", node=schema, provider="mokbench")
-
-
-def launcher_keys(schema: type) -> list[str]:
-    """The keys a launcher schema takes on the command line (``hydra.launcher.<key>``)."""
-    return sorted(f.name for f in dataclasses.fields(schema) if not f.name.startswith("_"))
-
-
-def check_launcher_options(opts: dict, executor: str) -> None:
-    """Raise :class:`ConfigError` for a key the launcher does not take (added with ``+hydra.launcher.``) or a count
-    below its least value (``LAUNCHER_MINIMA``)."""
-    import difflib
-
-    keys = launcher_keys(LAUNCHER_SCHEMAS[executor])
-    for k in opts:
-        if k not in keys and not k.startswith("_"):
-            close = difflib.get_close_matches(k, keys, n=1, cutoff=0.7)
-            hint = f" (did you mean hydra.launcher.{close[0]}?)" if close else ""
-            raise ConfigError(f"unknown key 'hydra.launcher.{k}'{hint}; the keys of the mokbench_{executor} launcher: "
-                              f"{', '.join(keys)}")
-    fields = {f.name: f for f in dataclasses.fields(LAUNCHER_SCHEMAS[executor])}
-    for k, least in LAUNCHER_MINIMA.items():
-        v = opts.get(k)
-        if k in fields and v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v < least):
-            null = " (or null)" if "Optional" in str(fields[k].type) else ""
-            raise ConfigError(f"hydra.launcher.{k} must be >= {least}{null} (got {v})")
-
 
 # ---------------------------------------------------------------------------------------------------------------
 # one sweep point, validated in the launching process
@@ -570,7 +488,7 @@ class MokbenchLauncherMixin:
         return plan_all(self.hydra_context, self.config, job_overrides, initial_job_idx, self._EXECUTOR)
 
     def _executor_params(self, point: Point) -> dict:
-        return {k: v for k, v in point.launcher.items() if k not in _OWN_KEYS}
+        return {k: v for k, v in point.launcher.items() if k not in OWN_KEYS}
 
     def _make_executor(self, params: dict) -> Any:
         import submitit

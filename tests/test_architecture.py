@@ -207,3 +207,66 @@ def test_gpu_env_installs_wheel_folders_joins_parts_and_follows_pth_files(tmp_pa
     path, out = r.stdout.strip().splitlines()
     assert path.split(":")[:2] == [str(site), str(site / "pth_pkg" / "inner")] and out == "3"
     assert (b / whole.name).read_bytes() == data  # the parts joined
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """Every first-party module (``package.sub.module``) and the first-party modules it imports anywhere in it
+    (lazy imports included; ``from package import name`` counts as the submodule ``name`` where one exists)."""
+    modules = {}
+    for pkg in PACKAGES:
+        for p in (ROOT / pkg).rglob("*.py"):
+            parts = p.relative_to(ROOT).with_suffix("").parts
+            modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = p
+    graph: dict[str, set[str]] = {}
+    for name, p in modules.items():
+        deps = set()
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                for a in node.names:
+                    sub = f"{node.module}.{a.name}"
+                    deps.add(sub if sub in modules else node.module)
+            elif isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names}
+        graph[name] = {d for d in deps if d in modules and d != name}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_circle_anywhere_in_the_tree():
+    """A package's __init__ that loads its submodules lazily is the package itself importing them: it counts."""
+    assert _cycles(_module_graph()) == []
+
+
+def test_the_circle_check_sees_a_circle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []

@@ -21,6 +21,7 @@ import pytest  # noqa: E402
 from conftest import HAS_GPU, compose_cfg, cpu_cfg  # noqa: E402
 
 from baselines import fp8_gemm as fg  # noqa: E402
+from baselines import fp8_groups  # noqa: E402
 from baselines import fp8_loop as fl  # noqa: E402
 from baselines.common import swiglu  # noqa: E402
 
@@ -116,7 +117,7 @@ def test_k_grouped_operand_kernel_matches_reference():
     out = torch.zeros(P * C, dtype=fg.E4M3)
     sf = torch.zeros(P // 128, C)
     blk_start, blk_len = lay.block_tables()
-    fg._k_grouped_operand_kernel[(P // 128, 2)](z, out, sf, blk_start, blk_len, C, BLOCK_T=128, BLOCK_C=64)
+    fp8_groups._k_grouped_operand_kernel[(P // 128, 2)](z, out, sf, blk_start, blk_len, C, BLOCK_T=128, BLOCK_C=64)
     assert torch.equal(sf, ref_s)
     # Triton 3.8's interpreter converts fp32 -> e4m3 imperfectly: it drops the carry when rounding up into the next
     # binade (124.6 becomes 64, not 128) and rounds subnormals down (one step of 2^-9); GPUs round to nearest (the

@@ -16,7 +16,7 @@ from conftest import HAS_GPU, ROOT, TESTS
 
 from harness import results
 from harness.cli import launcher_presets
-from harness.slurm import LAUNCHER_SCHEMAS, launcher_keys
+from harness.launcher_options import LAUNCHER_SCHEMAS, launcher_keys
 
 PRESETS = ", ".join(launcher_presets())
 SLURM_KEYS = ", ".join(launcher_keys(LAUNCHER_SCHEMAS["slurm"]))
@@ -170,7 +170,7 @@ def test_a_planned_point_of_a_plain_sbatch_sweep_shares_the_run_folder(tmp_path)
 
     from harness.cli import hydra_config
     from harness.runner import _point_of_a_sweep
-    from harness.slurm import POINT_FILE
+    from harness.launcher_options import POINT_FILE
 
     point = tmp_path / "sweep" / "3"
     GlobalHydra.instance().clear()

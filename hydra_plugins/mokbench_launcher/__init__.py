@@ -13,7 +13,8 @@ from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import BaseSubmititLauncher
 
 from harness.cli import SweepValidationMixin
-from harness.slurm import MokbenchLauncherMixin, NodeLauncherMixin, register_launcher_configs
+from harness.launcher_options import register_launcher_configs
+from harness.slurm import MokbenchLauncherMixin, NodeLauncherMixin
 
 
 class SlurmLauncher(MokbenchLauncherMixin, BaseSubmititLauncher):
