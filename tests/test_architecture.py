@@ -270,3 +270,15 @@ def test_no_import_circle_anywhere_in_the_tree():
 def test_the_circle_check_sees_a_circle():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_architecture_md_places_every_module():
+    """Every module of the packages and scripts/ is named in ARCHITECTURE.md (by its path or its file name)."""
+    import re
+
+    arch = (ROOT / "ARCHITECTURE.md").read_text()
+    missing = [str(p.relative_to(ROOT)) for d in (*PACKAGES, "hydra_plugins", "scripts")
+               for p in sorted((ROOT / d).rglob("*.py"))
+               if p.name != "__init__.py" and str(p.relative_to(ROOT)) not in arch
+               and not re.search(r"(?<![\w/.])" + re.escape(p.name) + r"(?!\w)", arch)]
+    assert not missing, f"place these in ARCHITECTURE.md: {missing}"
