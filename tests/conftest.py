@@ -46,6 +46,17 @@ def results_dir(tmp_path: Path) -> Path:
     return tmp_path / "results"
 
 
+def use_fake_backends(monkeypatch, fakes: str) -> None:
+    """Register the backends of ``fakes`` (``name=module:Class,...``, from tests/fake_backends.py) in this process's
+    registry and, through MOKBENCH_EXTRA_BACKENDS, in the ranks it spawns."""
+    import harness.backends as hb
+
+    monkeypatch.setenv("MOKBENCH_EXTRA_BACKENDS", fakes)
+    for item in fakes.split(","):
+        k, _, v = item.partition("=")
+        monkeypatch.setitem(hb.BACKENDS, k, v)
+
+
 def cpu_cfg(results_dir: Path, *overrides: str):
     """The CPU default, small: tiny shape, 64 tokens per rank, a couple of timed iterations."""
     return compose_cfg("device=cpu", "shape=tiny", "timing=quick", "workload.tokens_per_gpu=64",

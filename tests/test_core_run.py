@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT, cpu_cfg
+from conftest import ROOT, cpu_cfg, use_fake_backends
 
 from harness import results
 from harness.runner import run_benchmark
@@ -20,12 +20,7 @@ FAKES = ",".join(f"{k}=fake_backends:{v}" for k, v in {
 
 @pytest.fixture(autouse=True)
 def _fake_backends(monkeypatch):
-    monkeypatch.setenv("MOKBENCH_EXTRA_BACKENDS", FAKES)
-    import harness.backends as hb
-
-    for item in FAKES.split(","):
-        k, _, v = item.partition("=")
-        monkeypatch.setitem(hb.BACKENDS, k, v)
+    use_fake_backends(monkeypatch, FAKES)
 
 
 def by(df, backend, direction):

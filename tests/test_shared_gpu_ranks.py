@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import compose_cfg, cpu_cfg
+from conftest import compose_cfg, cpu_cfg, use_fake_backends
 
 from contract import comm
 from harness import results, runner
@@ -24,12 +24,7 @@ FAKES = "one_rank_per_gpu=fake_backends:OneRankPerGpu,slow_setup=fake_backends:S
 
 @pytest.fixture(autouse=True)
 def _fake_backends(monkeypatch):
-    monkeypatch.setenv("MOKBENCH_EXTRA_BACKENDS", FAKES)
-    import harness.backends as hb
-
-    for item in FAKES.split(","):
-        k, _, v = item.partition("=")
-        monkeypatch.setitem(hb.BACKENDS, k, v)
+    use_fake_backends(monkeypatch, FAKES)
 
 
 # ---- contract.comm: staged through the host, the same results --------------------------------------------------
