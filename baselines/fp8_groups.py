@@ -23,8 +23,8 @@ class GroupLayout:
 
     ``dest`` [M]: each row's place in the padded buffer; ``offs`` [G] int32 padded cumulative ends; ``group`` [P]:
     the expert of each padded row (G for slack rows past the last expert); ``rows``: P. ``host_counts`` given: P is
-    exact (DeepGEMM's k-grouped GEMM needs the sizes on the host); otherwise P = M + (align - 1) * G rounded up to align, a static bound
-    (no host sync; the GEMMs only read up to ``offs[-1]``)."""
+    exact (DeepGEMM's k-grouped GEMM needs the sizes on the host); otherwise P = M + (align - 1) * G rounded up to
+    align, a static bound (no host sync; the GEMMs only read up to ``offs[-1]``)."""
 
     def __init__(self, counts_G: torch.Tensor, M: int, align: int,
                  host_counts: Optional[Sequence[int]] = None) -> None:

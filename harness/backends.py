@@ -71,7 +71,7 @@ REGISTRY: dict[str, BackendSpec] = {
     "mok": BackendSpec("kernels.mok_upstream:MokBackend", "MoK", "contender", "#d62728"),
     "mok_hopper": BackendSpec("kernels.mok_hopper.backend:MokHopperBackend", "MoK Hopper (ours)", "contender",
                               "#ff7f0e"),
-    # mok_hopper rows timed on the CPU ran its pure-torch twin (kernels/mok_hopper/twin/forward.py): reports rename them
+    # mok_hopper rows timed on the CPU ran its pure-torch twin (kernels/mok_hopper/twin/): reports rename them
     # to this name, so that no table or chart draws them as the kernel (not a backend of its own: no target)
     "mok_hopper_cpu_twin": BackendSpec("", "MoK Hopper CPU twin (pure torch, not the kernel)", "contender",
                                        "#ffbb78"),

@@ -596,9 +596,9 @@ def _show(value: Any) -> str:
 
 
 # Fields that identify a measurement, not the run that made it (compare matches rows on this hash).
-_HASH_EXCLUDE = {"run_id", "append", "dist_timeout_s", "watchdog_s", "setup_timeout_s", "profile_setup_dir", "results_dir",
-                 "results_format", "print_table", "timing", "check", "calibrate", "time_reference", "backends",
-                 "directions", "te_fp8_recipe", "backend_order", "fp8_gemm", "mok_hopper_forward"}
+_HASH_EXCLUDE = {"run_id", "append", "dist_timeout_s", "watchdog_s", "setup_timeout_s", "profile_setup_dir",
+                 "results_dir", "results_format", "print_table", "timing", "check", "calibrate", "time_reference",
+                 "backends", "directions", "te_fp8_recipe", "backend_order", "fp8_gemm", "mok_hopper_forward"}
 
 
 def config_hash(c: dict, case: Case) -> str:

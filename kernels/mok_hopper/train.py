@@ -1,6 +1,6 @@
 """The training step through mok_hopper (bf16 and fp8): :func:`mok_hopper_train` runs the fused
-forward and records a backward, :func:`layer_backward`, made of the backward GEMMs (:mod:`kernels.mok_hopper.ops.bwd_gemm`,
-:mod:`kernels.mok_hopper.ops.bwd_wgrad`):
+forward and records a backward, :func:`layer_backward`, made of the backward GEMMs
+(:mod:`kernels.mok_hopper.ops.bwd_gemm`, :mod:`kernels.mok_hopper.ops.bwd_wgrad`):
 H from the forward (``MoKHopperLayer(save_h=True)``) or recomputed from the layer's X rows, dgate (dO rows x W2,
 SwiGLU's derivative and the router-weight gradient in its epilogue), dX (each row pushed into its token slot and
 summed per token by the forward's epilogue kernel), the weight gradients (each expert's rows in schedule order:
@@ -67,8 +67,8 @@ def _tiles(H: int, I: int, cuda: bool, clamped: bool = False, rows_per_expert: f
     spill at 4 warps; not timed on the GPU: bwd_check runs plain weights).
 
     The fused stages (the journal, lab/perf-notes.md: backward v7): dgate with dW2 and dX with dW13 each in one pass
-    over the weights (:mod:`kernels.mok_hopper.ops.bwd_fused`; plain weights only; ``tiles={"dgate_dw2": {"on": True}}`` and
-    ``"dx_dw13"``): row blocks of 64 rows where the experts average at most 48 (qwen3_5_397b, kimi_k2_7), else 128
+    over the weights (:mod:`kernels.mok_hopper.ops.bwd_fused`; plain weights only;
+    ``tiles={"dgate_dw2": {"on": True}}`` and ``"dx_dw13"``): row blocks of 64 rows where the experts average at most 48 (qwen3_5_397b, kimi_k2_7), else 128
     (glm_5_2); 8 warps, one program per SM (aot_check: no spill under Triton 3.8 and 3.6). Measured on one H200 against
     the separate stages: dgate + dW2 1.15-1.4x slower (off); dX + dW13 by pointer stores 6-8% faster in 64-row blocks,
     11% slower in 128-row ones; taken as v8 where the experts average at most 48 rows, its harness rows (qwen3_5_397b
