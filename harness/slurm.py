@@ -156,16 +156,22 @@ def plan_point(config: DictConfig, num: int, overrides: Sequence[str], executor:
     if asked_nodes is not None and nodes != asked_nodes:
         raise ConfigError(f"hydra.launcher.nodes={asked_nodes} conflicts with ep_size={ep}, which sets the nodes of "
                           f"a job (ep_size / tasks_per_node = {nodes}): give one of the two")
+    rpg = c.get("ranks_per_gpu", 1) if device == "cuda" else 1
     if world > 1:
+        if rpg > 1:
+            raise ConfigError(f"ranks_per_gpu={rpg} runs its ranks as processes that one task spawns on its GPUs: set "
+                              f"hydra.launcher.tasks_per_node=1 and hydra.launcher.nodes=1")
         if device == "cuda" and tpn != gpn:
             raise ConfigError(f"hydra.launcher.tasks_per_node={tpn} but gpus_per_node={gpn}: mokbench runs one rank "
                               f"per GPU, set hydra.launcher.tasks_per_node={gpn}")
         ws = world
     else:  # one task per job: it spawns its local ranks (harness.runner.world_size_for)
-        ws = ep or (gpn if device == "cuda" else 2)
-        if device == "cuda" and ws > gpn:
-            raise ConfigError(f"ep_size={ws} needs {ws} GPUs but a job gets {gpn} (hydra.launcher.gpus_per_node): "
-                              f"set ep_size<={gpn}, or launch across nodes (hydra.launcher.nodes, tasks_per_node)")
+        ws = ep or (gpn * rpg if device == "cuda" else 2)
+        if device == "cuda" and -(-ws // rpg) > gpn:
+            per = f" at ranks_per_gpu={rpg}" if rpg > 1 else ""
+            raise ConfigError(f"ep_size={ws} needs {-(-ws // rpg)} GPUs{per} but a job gets {gpn} "
+                              f"(hydra.launcher.gpus_per_node): set ep_size<={gpn * rpg}, or launch across nodes "
+                              f"(hydra.launcher.nodes, tasks_per_node)")
     case = make_case(c, ep_size=ws, device=device)
     results.check_dir(c["results_dir"])
     check_new_run(c, generated_from=str(config.hydra.sweep.dir) if generated else None)

@@ -56,6 +56,11 @@ REFUSED = {
     "dist_timeout_s=0": (["dist_timeout_s=0"], "dist_timeout_s must be between 1 and 31536000 seconds (got 0)"),
     "ranks_per_gpu on a CPU": (["device=cpu", "ranks_per_gpu=2"], "ranks_per_gpu=2 puts several ranks on one GPU, "
                                "and this run has none (device=cpu): drop ranks_per_gpu"),
+    "ranks_per_gpu over more GPUs than a job gets": (["-m", "hydra/launcher=node", "hydra.launcher.gpus_per_node=1",
+                                                     "hydra.launcher.dry_run=true", "ep_size=4", "ranks_per_gpu=2"],
+                                                    "ep_size=4 needs 2 GPUs at ranks_per_gpu=2 but a job gets 1"),
+    "ranks_per_gpu in tasks of their own": ([*H200, "ranks_per_gpu=2"], "ranks_per_gpu=2 runs its ranks as processes "
+                                            "that one task spawns on its GPUs: set hydra.launcher.tasks_per_node=1"),
     "ranks_per_gpu=0": (["ranks_per_gpu=0"], "ranks_per_gpu must be between 1 and 64 (got 0)"),
     "watchdog_s=0": (["watchdog_s=0"], "watchdog_s must be between 1 and 31536000 seconds, or null for no watchdog"),
     "compile_mode on a CPU": (["compile_mode=bogus"], "unknown compile_mode 'bogus'; choose one of: default, "

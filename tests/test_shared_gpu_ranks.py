@@ -140,6 +140,23 @@ def test_the_watchdog_ends_ranks_that_hang_and_their_rows_say_timeout(results_di
         assert r.status == "timeout" and "watchdog timeout" in r.error and "10 s" in r.error
 
 
+def test_a_dry_run_plans_ranks_that_share_a_gpu_on_fewer_gpus(tmp_path):
+    """The node launcher plans ep_size=2 ranks_per_gpu=2 on the one GPU it is told of (the run itself spawns both
+    ranks there)."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    p = subprocess.run([sys.executable, "-m", "harness.run", "-m", "hydra/launcher=node",
+                        "hydra.launcher.gpus_per_node=1", "hydra.launcher.dry_run=true", "ep_size=2", "ranks_per_gpu=2",
+                        "backends=[nccl,mok_hopper]", f"results_dir={tmp_path}/r", f"hydra.sweep.dir={tmp_path}/s"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "EP 2, 1 GPUs, cuda" in p.stdout and "nothing run" in p.stdout
+    assert not (tmp_path / "r").exists()
+
+
 # ---- the options ---------------------------------------------------------------------------------------------
 
 
