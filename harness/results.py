@@ -180,6 +180,8 @@ def base_row(case: Case, c: dict, *, run_id: str, config_hash: str, num_nodes: i
         "comm_sms": case.comm_sms,
         "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
     }
+    if c.get("ranks_per_gpu", 1) > 1:  # several ranks shared each GPU: a correctness check, kept out of speed tables
+        row.update(shared_gpu=True, ranks_per_gpu=c["ranks_per_gpu"])
     row.update(env)
     return row
 

@@ -211,8 +211,6 @@ def worker(payload: dict, renv: RankEnv) -> None:
     case = make_case(c, ep_size=renv.world_size, device=device)
     base = base_row(case, c, run_id=payload["run_id"], config_hash=payload["config_hash"], num_nodes=renv.num_nodes,
                     world_size=renv.world_size, env=envinfo.collect(case.device))
-    if rpg > 1:
-        base.update(shared_gpu=True, ranks_per_gpu=rpg)
     rows: list[dict] = []
     progress = Progress(rank0, point_label(case, payload.get("point")))
 

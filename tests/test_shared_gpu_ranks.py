@@ -138,6 +138,7 @@ def test_the_watchdog_ends_ranks_that_hang_and_their_rows_say_timeout(results_di
     for d in ("fwd", "bwd"):
         r = _row(df, "slow_setup", d)
         assert r.status == "timeout" and "watchdog timeout" in r.error and "10 s" in r.error
+        assert bool(r.shared_gpu) and int(r.ranks_per_gpu) == 2  # the launcher's fill-in rows are marked too
 
 
 def test_a_dry_run_plans_ranks_that_share_a_gpu_on_fewer_gpus(tmp_path):
