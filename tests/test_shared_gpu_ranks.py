@@ -15,9 +15,9 @@ import torch.multiprocessing as mp
 from conftest import compose_cfg, cpu_cfg, use_fake_backends
 
 from contract import comm
-from harness import results, runner
+from harness import runner
 from harness.config import ConfigError, config_hash, make_case, validate_run_options
-from harness.dist import RankEnv, free_port
+from harness.dist import free_port
 
 FAKES = "one_rank_per_gpu=fake_backends:OneRankPerGpu,slow_setup=fake_backends:SlowSetup"
 
@@ -76,26 +76,15 @@ def test_only_a_gloo_group_given_device_tensors_is_staged():
 # ---- the runner with several ranks on one GPU ----------------------------------------------------------------
 
 
-def _shared_run(results_dir, backends: str, *overrides: str, watchdog_s=None) -> "results.pd.DataFrame":
-    """A run as harness.run would launch it with ranks_per_gpu=2, on CPU ranks: validation refuses the option on a
-    CPU (there is no GPU to share), so the resolved config gets it afterwards; everything after that is the
-    runner's own path."""
-    c = runner.resolve(cpu_cfg(results_dir, "ep_size=2", f"backends={backends}", "directions=[fwd,bwd]", *overrides))
-    c["ranks_per_gpu"] = 2
-    case = make_case(c, ep_size=2, device="cpu")
-    chash = config_hash(c, case)
-    path = results.job_file(c["results_dir"], "shared", chash)
-    payload = {"cfg": c, "device": "cpu", "run_id": "shared", "config_hash": chash, "path": str(path), "point": None}
-    env = RankEnv(0, 2, 0, 1, "127.0.0.1", free_port(), "spawn")
-    try:
-        runner._run_ranks(payload, env, 2, watchdog_s)
-        failure = None
-    except TimeoutError as e:
-        failure = f"TimeoutError: {e}"
-    done = results.read_file(path) if path.exists() else results.to_frame([])
-    if failure:
-        done = runner._fill_missing(done, c, case, env, "shared", chash, path, failure)
-    return done
+def _shared_run(results_dir, monkeypatch, backends: str, *overrides: str):
+    """``harness.run``'s own path with ranks_per_gpu=2, on CPU ranks. Validation refuses the option on a CPU (there
+    is no GPU to share), so that one check is switched off here; everything else (the launch, the watchdog, the
+    rows the launcher fills in) is the runner's."""
+    import harness.config
+
+    monkeypatch.setattr(harness.config, "_check_shared_gpu", lambda c: None)
+    return runner.run_benchmark(cpu_cfg(results_dir, "ep_size=2", "ranks_per_gpu=2", f"backends={backends}",
+                                        "directions=[fwd,bwd]", *overrides))
 
 
 def _row(df, backend, direction):
@@ -109,8 +98,8 @@ IDLE_RANK = ("workload=hot_rank", "workload.hot_rank=1", "workload.hot_ratio=0")
 
 @pytest.mark.slow
 @pytest.mark.parametrize("workload", [(), IDLE_RANK], ids=["uniform", "idle_rank"])
-def test_ranks_that_share_a_gpu_check_every_backend_and_time_none(results_dir, workload):
-    df = _shared_run(results_dir, "[nccl,one_rank_per_gpu,mok_hopper]", *workload)
+def test_ranks_that_share_a_gpu_check_every_backend_and_time_none(results_dir, monkeypatch, workload):
+    df = _shared_run(results_dir, monkeypatch, "[nccl,one_rank_per_gpu,mok_hopper]", *workload)
     if workload:
         assert (df.routing == "hot_rank(r=1,x0)").all()
     for b in ("nccl", "mok_hopper"):
@@ -127,13 +116,13 @@ def test_ranks_that_share_a_gpu_check_every_backend_and_time_none(results_dir, w
 
 
 @pytest.mark.slow
-def test_the_watchdog_ends_ranks_that_hang_and_their_rows_say_timeout(results_dir):
+def test_the_watchdog_ends_ranks_that_hang_and_their_rows_say_timeout(results_dir, monkeypatch):
     """slow_setup sleeps 60 s in its setup, as a rank spinning on a flag that never comes would: the watchdog stops
     the ranks after 10 s and every missing row is a timeout row saying so."""
     import time
 
     t0 = time.monotonic()
-    df = _shared_run(results_dir, "[slow_setup]", watchdog_s=10)
+    df = _shared_run(results_dir, monkeypatch, "[slow_setup]", "watchdog_s=10")
     assert time.monotonic() - t0 < 55
     for d in ("fwd", "bwd"):
         r = _row(df, "slow_setup", d)
