@@ -501,6 +501,11 @@ def validate_run_options(c: dict) -> None:
             raise ConfigError(f"{key} must be {span}{unit}{f', or null for {null}' if null else ''} (got {value})")
 
 
+def gpus_needed(ranks: int, ranks_per_gpu: int = 1) -> int:
+    """The GPUs ``ranks`` ranks take, ``ranks_per_gpu`` of them to a GPU (consecutive ranks share one)."""
+    return -(-ranks // ranks_per_gpu)
+
+
 def _check_shared_gpu(c: dict) -> None:
     """What ``ranks_per_gpu`` > 1 needs: a GPU, the reference check (it is the whole point of such a run), and no
     calibration (gloo over the host has no interconnect rate to measure)."""

@@ -38,6 +38,7 @@ from harness.config import (
     check_cpu_memory,
     config_hash,
     given_run_id,
+    gpus_needed,
     load_group_option,
     make_case,
     timing_label,
@@ -84,9 +85,9 @@ def world_size_for(c: dict, renv: Optional[RankEnv]) -> int:
     if c["device"] == "cuda":
         n, rpg = torch.cuda.device_count(), c.get("ranks_per_gpu", 1)
         ws = c.get("ep_size") or n * rpg
-        if -(-ws // rpg) > n:
+        if gpus_needed(ws, rpg) > n:
             per = f" at ranks_per_gpu={rpg}" if rpg > 1 else ""
-            raise ConfigError(f"ep_size={ws} needs {-(-ws // rpg)} GPUs{per} but this machine has {n}: set "
+            raise ConfigError(f"ep_size={ws} needs {gpus_needed(ws, rpg)} GPUs{per} but this machine has {n}: set "
                               f"ep_size<={n * rpg}, or launch across nodes with torchrun or Slurm")
         return ws
     return c.get("ep_size") or 2

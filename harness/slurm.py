@@ -47,7 +47,7 @@ from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from harness.cli import hydra_config, point_error_line, point_labels, reject, sweep_problem_lines
-from harness.config import ConfigError
+from harness.config import ConfigError, gpus_needed
 from harness.launcher_options import POINT_FILE, OWN_KEYS, check_launcher_options
 
 log = logging.getLogger(__name__)
@@ -167,9 +167,9 @@ def plan_point(config: DictConfig, num: int, overrides: Sequence[str], executor:
         ws = world
     else:  # one task per job: it spawns its local ranks (harness.runner.world_size_for)
         ws = ep or (gpn * rpg if device == "cuda" else 2)
-        if device == "cuda" and -(-ws // rpg) > gpn:
+        if device == "cuda" and gpus_needed(ws, rpg) > gpn:
             per = f" at ranks_per_gpu={rpg}" if rpg > 1 else ""
-            raise ConfigError(f"ep_size={ws} needs {-(-ws // rpg)} GPUs{per} but a job gets {gpn} "
+            raise ConfigError(f"ep_size={ws} needs {gpus_needed(ws, rpg)} GPUs{per} but a job gets {gpn} "
                               f"(hydra.launcher.gpus_per_node): set ep_size<={gpn * rpg}, or launch across nodes "
                               f"(hydra.launcher.nodes, tasks_per_node)")
     case = make_case(c, ep_size=ws, device=device)

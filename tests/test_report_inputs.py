@@ -78,7 +78,6 @@ ARG_ERRORS = {  # name -> (tool, arguments, words the one line holds); {good} is
     "option without its value": ("report", ["{good}", "--out"], ["--out needs a value; give --out OUT"]),
     "exclusive options": ("report", ["{good}", "--pool", "--scope", "latest"], ["cannot be given together"]),
     "value to a flag": ("compare", ["{good}", "{good}", "--all=yes"], ["--all takes no value"]),
-    "option without its value": ("report", ["{good}", "--out"], ["--out"]),
 }
 
 
