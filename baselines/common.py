@@ -10,7 +10,6 @@ import time
 from typing import Callable, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from baselines import fp8_gemm

@@ -359,8 +359,8 @@ def run_backend(name: str, point: PointContext) -> Iterator[dict[str, Any]]:
     grads_supported = any(direction_unsupported(cls, case, d) is None for d in directions if d != "fwd")
     extra: dict[str, Any] = dict(info)
     if prof.folder is not None:  # cProfile slows Python-heavy setups: the row says its setup_s was profiled
-        extra["notes"] = "; ".join(filter(None, [extra.get("notes"), "setup under cProfile (profile_setup_dir): "
-                                                 "setup_s includes the profiler's overhead"]))
+        extra["notes"] = _with_note(extra.get("notes"), "setup under cProfile (profile_setup_dir): setup_s includes "
+                                                        "the profiler's overhead")
 
     # The gate, per direction: a forward row needs the output to match; a backward row needs the output and every
     # gradient (a backend whose gradients are off still has a valid forward, and is timed forward).
@@ -417,7 +417,7 @@ def run_backend(name: str, point: PointContext) -> Iterator[dict[str, Any]]:
         if status == "ok":
             extra.update({k: v for k, v in held.items() if v == v})
         else:
-            extra["notes"] = "; ".join(filter(None, [extra.get("notes"), f"memory not measured: {err}"]))
+            extra["notes"] = _with_note(extra.get("notes"), f"memory not measured: {err}")
 
     # Byte counts and per-phase bandwidth (communication kernels alone, on the last forward's rows; without the
     # check no forward has run yet, so _traffic runs one, untimed).
@@ -429,7 +429,7 @@ def run_backend(name: str, point: PointContext) -> Iterator[dict[str, Any]]:
     if status == "ok":
         extra.update(traffic)
     else:  # the layer itself may still time fine: keep going, and say why the byte columns are empty
-        extra["notes"] = "; ".join(filter(None, [extra.get("notes"), f"traffic / phase timing failed: {err}"]))
+        extra["notes"] = _with_note(extra.get("notes"), f"traffic / phase timing failed: {err}")
 
     for d in directions:
         checked = gate.get(d, ("ok", None, {}))[2]
@@ -442,8 +442,7 @@ def run_backend(name: str, point: PointContext) -> Iterator[dict[str, Any]]:
             continue
         if shared:
             note = f"{point.ranks_per_gpu} ranks shared each GPU: checked against the reference, not timed"
-            yield make_row(base, name, d, "ok", **{**extra, **checked,
-                                                   "notes": "; ".join(filter(None, [extra.get("notes"), note]))})
+            yield make_row(base, name, d, "ok", **{**extra, **checked, "notes": _with_note(extra.get("notes"), note)})
             continue
         progress.start(f"timing {d} ({t['num_warmup']} warmup + {t['num_iters']} timed)")
         status, err, stats = agree(lambda: time_direction(backend, inputs, d, timer, t))
@@ -463,6 +462,11 @@ def run_backend(name: str, point: PointContext) -> Iterator[dict[str, Any]]:
         )
         yield _with_roofline(row)
     agree(backend.teardown)
+
+
+def _with_note(notes: Optional[str], note: str) -> str:
+    """``notes`` with ``note`` added (``; ``-separated)."""
+    return "; ".join(filter(None, [notes, note]))
 
 
 def _gate(verdict: dict[str, Any], case: Case) -> tuple[str, Optional[str], dict[str, Any]]:
