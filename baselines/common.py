@@ -196,9 +196,11 @@ class ExpertParams(ExpertLeaves):
 
     ``published_mode``: the backend's torch.compile mode in the published scripts, used when the case asks for
     ``compile_mode=published`` (nccl: ``max-autotune``; DeepEP: ``max-autotune-no-cudagraphs``). ``group``: the
-    backend's process group, over which ``fp8_gemm=auto`` agrees on one path (the slowest rank's times decide)."""
+    backend's process group, over which ``fp8_gemm=auto`` agrees on one path (the slowest rank's times decide).
+    ``fp8_option``: the backend's ``fp8_gemm`` option (baselines/options.py; backends without it: ``auto``)."""
 
-    def __init__(self, case, inputs, published_mode: str = "max-autotune-no-cudagraphs", group=None) -> None:
+    def __init__(self, case, inputs, published_mode: str = "max-autotune-no-cudagraphs", group=None,
+                 fp8_option: str = "auto") -> None:
         super().__init__(case, inputs)
         self.mlp, self.dense = expert_mlp, dense_mlp
         self.compile_mode = published_mode if case.compile_mode == PUBLISHED_COMPILE_MODE else case.compile_mode
@@ -206,7 +208,7 @@ class ExpertParams(ExpertLeaves):
         self._fp8 = None  # fp8 real paths: real fp8 GEMMs on weights quantized once (baselines/fp8_gemm.py)
         self.fp8_picked = ""  # fp8_gemm=auto: how it picked the path (for scaling)
         self.fp8_timing = ""  # fp8_gemm=auto with several real paths: each one's setup timing (for notes)
-        self.fp8_path, why = fp8_gemm.resolve(case)
+        self.fp8_path, why = fp8_gemm.resolve(case, fp8_option)
         if why:
             raise RuntimeError(why)
         if self.fp8_path == "auto":
@@ -215,7 +217,7 @@ class ExpertParams(ExpertLeaves):
             self.fp8_picked = "picked by fp8_gemm=auto: the fastest real path in a setup timing (times in notes)"
         elif self.fp8_path in fp8_gemm.FP8_GEMM_PATHS:
             self._fp8 = fp8_gemm.Fp8Experts(self.fp8_path, self.w13, self.w2)
-            if case.fp8_gemm == "auto":
+            if fp8_option == "auto":
                 self.fp8_picked = "picked by fp8_gemm=auto: the only real fp8 path installed here"
         if self._fp8 is not None:
             self.mlp = self._fp8_mlp

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from contract import Case, LayerInputs
 from baselines import fp8_gemm
 from baselines.common import ExpertParams, dequantize_blocks, precision_unsupported, quantize_blocks
+from baselines.options import ExpertGemmOptions
 
 INSTALL_HINT = ("build DeepEP's hybrid-ep branch from source (README, 'Optional backends: DeepEP and HybridEP'): "
                 "TORCH_CUDA_ARCH_LIST=9.0 pip install --no-build-isolation .")
@@ -135,11 +136,12 @@ class DeepEPBackend:
     directions = ("fwd", "bwd", "fwd_bwd")
 
     @classmethod
-    def unsupported_reason(cls, case: Case) -> Optional[str]:
-        return deepep_unsupported(case) or fp8_gemm.resolve(case)[1]
+    def unsupported_reason(cls, case: Case, options: Optional[ExpertGemmOptions] = None) -> Optional[str]:
+        return deepep_unsupported(case) or fp8_gemm.resolve(case, (options or ExpertGemmOptions()).fp8_gemm)[1]
 
-    def __init__(self, case: Case, group: Any) -> None:
+    def __init__(self, case: Case, group: Any, options: Optional[ExpertGemmOptions] = None) -> None:
         self.case, self.group = case, group
+        self.options = options or ExpertGemmOptions()
         self.rank, self.ep = dist.get_rank(group), dist.get_world_size(group)
         L = case.local_experts
         self.groups = min(L, MAX_LOCAL_EXPERTS)
@@ -150,7 +152,7 @@ class DeepEPBackend:
 
     def setup(self, inputs: LayerInputs) -> None:
         self.setup_buffer()
-        self.params = ExpertParams(self.case, inputs, group=self.group)
+        self.params = ExpertParams(self.case, inputs, group=self.group, fp8_option=self.options.fp8_gemm)
 
     def setup_buffer(self) -> None:
         Buffer = import_deep_ep().Buffer

@@ -9,7 +9,7 @@
   rows are grouped by local expert with TE's ``moe_permute`` (mask map) and summed back per received token with
   ``moe_unpermute`` weighted by the router weights, as published. ``m_splits`` are host ints (one host sync).
 * Quantization: ``precision=fp8`` runs the GEMMs under TE's autocast with ``Float8BlockScaling`` (the harness's
-  fp8 format: e4m3, 1x128 activation / 128x128 weight blocks); ``te_fp8_recipe=tensorwise`` / ``delayed`` select
+  fp8 format: e4m3, 1x128 activation / 128x128 weight blocks); ``deepep_te.fp8_recipe=tensorwise`` / ``delayed`` select
   ``Float8CurrentScaling`` / ``DelayedScaling`` (all e4m3). ``mxfp8`` uses ``MXFP8BlockScaling`` (compute capability
   >= 10 only). Quantized grouped GEMMs need each expert's rows padded to a multiple of 16 (32 for mxfp8): done by
   TE's ``moe_permute_and_pad_with_probs`` (zero rows, removed again by ``moe_unpermute``); ``notes`` says so.
@@ -34,9 +34,9 @@ import torch
 from contract import Case, LayerInputs
 from baselines.common import ExpertParams, swiglu
 from baselines.deepep import DeepEPBackend, deepep_unsupported
+from baselines.options import TeOptions
 from baselines.te_common import (align_size, grouped_weights, is_delayed, load_grouped, local_routing, make_recipe,
-                                 module_grads, padded_splits, recipe_name, scaling_label, te_autocast, te_fp8_option,
-                                 te_unsupported)
+                                 module_grads, padded_splits, recipe_name, scaling_label, te_autocast, te_unsupported)
 
 PUBLISHED_COMM_SMS = 32  # bench_deepep_te.py: 32 comm SMs for bf16 and mxfp8
 
@@ -53,14 +53,16 @@ class DeepEPTEBackend(DeepEPBackend):
     directions = ("fwd", "bwd", "fwd_bwd")
 
     @classmethod
-    def unsupported_reason(cls, case: Case) -> Optional[str]:
-        return te_unsupported(case) or deepep_unsupported(case, mxfp8=True)
+    def unsupported_reason(cls, case: Case,  # type: ignore[override]
+                           options: Optional[TeOptions] = None) -> Optional[str]:
+        return te_unsupported(case, (options or TeOptions()).fp8_recipe) or deepep_unsupported(case, mxfp8=True)
 
-    def __init__(self, case: Case, group: Any) -> None:
+    def __init__(self, case: Case, group: Any, options: Optional[TeOptions] = None) -> None:  # type: ignore[override]
         super().__init__(case, group)
+        self.te_options = options or TeOptions()
         self.num_sms = case.comm_sms or PUBLISHED_COMM_SMS
         self.fp8_dispatch = False  # bf16 on the wire, as published
-        self.recipe_name = recipe_name(case.precision, te_fp8_option(case))
+        self.recipe_name = recipe_name(case.precision, self.te_options.fp8_recipe)
         self.align = align_size(self.recipe_name)
         self.recipe: Any = None
         self.linears: dict[str, torch.nn.Module] = {}

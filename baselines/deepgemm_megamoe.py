@@ -37,7 +37,7 @@ scales ``max(amax, 1e-12) / 448``):
 * SiLU in fast math (``__expf`` and an approximate reciprocal).
 
 It is compared with ``mok_hopper``'s inference forward at fp8, in one run: ``backends=[deepgemm_megamoe,mok_hopper]
-precision=fp8 mok_hopper_forward=inference direction=fwd``.
+precision=fp8 mok_hopper.forward=inference direction=fwd``.
 
 Not supported, as ``unsupported`` rows: bwd and fwd_bwd (nothing is saved for a backward); precisions other than
 fp8; GPUs other than SM90 (its host checks assert arch 9); H or I not a multiple of 128, I > 4096 (one bit per 64

@@ -1,6 +1,7 @@
 """Real fp8 grouped GEMMs for the PyTorch-expert baselines (nccl, deepep, hybridep) at ``precision=fp8``.
 
-The option ``fp8_gemm`` picks the path, recorded in each row's ``scaling``:
+Their option ``fp8_gemm`` (``nccl.fp8_gemm=``, or ``fp8_gemm=`` for all three; baselines/options.py) picks the
+path, recorded in each row's ``scaling``:
 
 * ``rowwise``: ``torch._scaled_grouped_mm`` (the only grouped fp8 layout torch takes on SM90; torchao's MoE training
   uses it). Forward: per-row activation scales x per-output-channel weight scales. dgrad (dX = dY W): per-row scales
@@ -18,7 +19,7 @@ The option ``fp8_gemm`` picks the path, recorded in each row's ``scaling``:
   (``baselines/fp8_loop.py``): the fallback where DeepGEMM does not load.
 * ``emulated``: bf16 GEMMs on e4m3-rounded operands (``baselines.common.fake_quant``): measures accuracy, never fp8
   speed.
-* ``auto``: the fastest real path (``FP8_GEMM_PATHS``, contract/case.py) that this machine has, timed at setup on
+* ``auto``: the fastest real path (``FP8_GEMM_PATHS``, baselines/options.py) that this machine has, timed at setup on
   the case's shape (``fastest_experts``, outside the timed region); the row's ``scaling`` and ``notes`` record the
   pick and every path's time. On a CPU ``emulated`` (labelled so).
 
@@ -41,7 +42,7 @@ import torch
 from baselines.fp8_groups import (  # noqa: F401 (GroupLayout and the operand are part of this module's API)
     BLOCK, E4M3, GroupLayout, k_grouped_operand, reference_k_grouped_operand)
 from contract import Case
-from contract.case import FP8_GEMM_PATHS
+from baselines.options import FP8_GEMM_PATHS
 from contract.fp8 import FP8_MAX, dequantize_blocks, quantize_blocks
 
 ROWWISE_ALIGN = 16  # rows per expert, rowwise path (16-byte TMA alignment of the token-grouped wgrad operands)
@@ -218,12 +219,13 @@ def path_unavailable(path: str, device: str) -> Optional[str]:
     return f"{bad}; {DEEPGEMM_FIX}" if bad else None
 
 
-def resolve(case: Case) -> tuple[str, Optional[str]]:
-    """(the fp8 GEMM path this case runs, why it cannot run or None). bf16 / mxfp8: ("none", None). ("auto", None):
-    several real paths are installed and ``fastest_experts`` picks one at setup."""
+def resolve(case: Case, option: str = "auto") -> tuple[str, Optional[str]]:
+    """(the fp8 GEMM path this case runs with the option ``fp8_gemm=option``, why it cannot run or None). bf16 /
+    mxfp8: ("none", None). ("auto", None): several real paths are installed and ``fastest_experts`` picks one at
+    setup."""
     if case.precision != "fp8":
         return "none", None
-    opt, device = getattr(case, "fp8_gemm", "auto"), getattr(case, "device", "cpu")
+    opt, device = option, getattr(case, "device", "cpu")
     if opt == "emulated":
         return "emulated", None
     if opt == "auto":

@@ -27,6 +27,7 @@ from contract import Case, LayerInputs
 from baselines import fp8_gemm
 from baselines.common import ExpertParams
 from baselines.deepep import deepep_unsupported, import_deep_ep
+from baselines.options import ExpertGemmOptions
 
 PAD_MULTIPLE = 64  # Megatron's HYBRIDEP_TOKEN_ALIGNMENT
 
@@ -109,11 +110,12 @@ class HybridEPBackend:
     directions = ("fwd", "bwd", "fwd_bwd")
 
     @classmethod
-    def unsupported_reason(cls, case: Case) -> Optional[str]:
-        return hybridep_unsupported(case) or fp8_gemm.resolve(case)[1]
+    def unsupported_reason(cls, case: Case, options: Optional[ExpertGemmOptions] = None) -> Optional[str]:
+        return hybridep_unsupported(case) or fp8_gemm.resolve(case, (options or ExpertGemmOptions()).fp8_gemm)[1]
 
-    def __init__(self, case: Case, group: Any) -> None:
+    def __init__(self, case: Case, group: Any, options: Optional[ExpertGemmOptions] = None) -> None:
         self.case, self.group = case, group
+        self.options = options or ExpertGemmOptions()
         self.rank, self.ep = dist.get_rank(group), dist.get_world_size(group)
         self.num_sms = case.comm_sms or 24  # HybridEP's single-node default
 
@@ -123,7 +125,7 @@ class HybridEPBackend:
         self.buffer = HybridEPBuffer(group=self.group, hidden_dim=c.hidden, max_num_of_tokens_per_rank=c.tokens_per_gpu,
                                      num_local_experts=c.local_experts, use_fp8=False,
                                      num_sms_dispatch_api=self.num_sms, num_sms_combine_api=self.num_sms)
-        self.params = ExpertParams(c, inputs, group=self.group)
+        self.params = ExpertParams(c, inputs, group=self.group, fp8_option=self.options.fp8_gemm)
 
     def forward(self, x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, topk_w_TK: torch.Tensor) -> torch.Tensor:
         c = self.case

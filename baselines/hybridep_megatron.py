@@ -21,8 +21,8 @@
 * Parallel state: ``parallel_state.initialize_model_parallel(expert_model_parallel_size=EP)`` over the world group,
   once per process (re-initialized only when a later case has another EP size; kept after teardown).
 * Precision: bf16; fp8 / mxfp8 through ``fp8="e4m3"`` + ``fp8_recipe`` (blockwise / tensorwise / delayed by the
-  harness option ``te_fp8_recipe``; mxfp8 needs compute capability >= 10) and Megatron's ``get_fp8_context`` around
-  the forward. The shared expert stays bf16 (its two linears run in a TE autocast region with quantization off).
+  option ``hybridep_megatron.fp8_recipe``, alias ``te_fp8_recipe``; mxfp8 needs compute capability >= 10) and
+  Megatron's ``get_fp8_context`` around the forward. The shared expert stays bf16 (its two linears run in a TE autocast region with quantization off).
   HybridEP dispatches bf16 (Megatron rejects fp8 dispatch there). DelayedScaling: one untimed step in setup.
 * Input [T, H] becomes Megatron's [S, B, H] with B = 1. No per-phase timing: Megatron releases its HybridEP handle
   after the combine.
@@ -45,8 +45,8 @@ import torch.nn.functional as F
 from contract import Case, LayerInputs
 from baselines.deepep import import_deep_ep
 from baselines.hybridep import dense_routing, hybridep_unsupported, routing_map_traffic
-from baselines.te_common import (MXFP8_RECIPE, is_delayed, recipe_name, scaling_label, te_autocast, te_fp8_option,
-                                 te_unsupported)
+from baselines.options import TeOptions
+from baselines.te_common import MXFP8_RECIPE, is_delayed, recipe_name, scaling_label, te_autocast, te_unsupported
 
 MEGATRON_INSTALL_HINT = ("install megatron-core: pip install megatron-core (Python >= 3.12; it uses Transformer "
                          "Engine for the grouped MLP: README, 'Optional backends: Transformer Engine and "
@@ -72,14 +72,14 @@ def attention_heads(hidden: int) -> int:
     return next(h for h in (64, 32, 16, 8, 4, 2, 1) if hidden % h == 0)
 
 
-def config_kwargs(case: Case, fields: Collection[str], num_sms: int,
-                  op_fuser: bool = False) -> tuple[dict[str, Any], list[str]]:
+def config_kwargs(case: Case, fields: Collection[str], num_sms: int, op_fuser: bool = False,
+                  recipe: str = "blockwise") -> tuple[dict[str, Any], list[str]]:
     """``TransformerConfig`` keyword arguments for the published layer, restricted to the ``fields`` this
     megatron-core has, and notes for the row. Raises ValueError when a field the layer needs is missing."""
     missing = [f for f in REQUIRED_FIELDS if f not in fields]
     if missing:
         raise ValueError(f"this megatron-core has no {', '.join(missing)}; pip install -U megatron-core")
-    name = recipe_name(case.precision, te_fp8_option(case))
+    name = recipe_name(case.precision, recipe)
     overlap = case.shared_expert and case.swiglu_limit is None
     kw: dict[str, Any] = dict(
         num_layers=1, hidden_size=case.hidden, num_attention_heads=attention_heads(case.hidden),
@@ -222,17 +222,18 @@ class HybridEPMegatronBackend:
     directions = ("fwd", "bwd", "fwd_bwd")
 
     @classmethod
-    def unsupported_reason(cls, case: Case) -> Optional[str]:
+    def unsupported_reason(cls, case: Case, options: Optional[TeOptions] = None) -> Optional[str]:
+        options = options or TeOptions()
         if not has_megatron():
             return f"megatron-core is not installed; {MEGATRON_INSTALL_HINT}"
-        why = te_unsupported(case) or hybridep_unsupported(case, mxfp8=True)
+        why = te_unsupported(case, options.fp8_recipe) or hybridep_unsupported(case, mxfp8=True)
         if why:
             return why
         try:
             from megatron.core.transformer.transformer_config import TransformerConfig
 
             kw, notes = config_kwargs(case, {f.name for f in dataclasses.fields(TransformerConfig)},
-                                      PUBLISHED_COMM_SMS)
+                                      PUBLISHED_COMM_SMS, recipe=options.fp8_recipe)
             build_config(TransformerConfig, kw, notes)
         except Exception as e:  # noqa: BLE001 (an import failure or a too-old megatron-core)
             return f"megatron-core cannot build the layer ({type(e).__name__}: {e}); {MEGATRON_INSTALL_HINT}"
@@ -241,11 +242,12 @@ class HybridEPMegatronBackend:
                     f"ep_size={case.ep_size}; run with as many ranks as ep_size")
         return None
 
-    def __init__(self, case: Case, group: Any) -> None:
+    def __init__(self, case: Case, group: Any, options: Optional[TeOptions] = None) -> None:
         self.case, self.group = case, group
+        self.options = options or TeOptions()
         self.rank, self.ep = dist.get_rank(group), dist.get_world_size(group)
         self.num_sms = case.comm_sms or PUBLISHED_COMM_SMS
-        self.recipe_name = recipe_name(case.precision, te_fp8_option(case))
+        self.recipe_name = recipe_name(case.precision, self.options.fp8_recipe)
         self.notes: list[str] = []
         self.layer: Any = None
         self.permute_fused = False
@@ -261,7 +263,8 @@ class HybridEPMegatronBackend:
 
         c = self.case
         ensure_model_parallel(parallel_state, self.ep)
-        kw, self.notes = config_kwargs(c, {f.name for f in dataclasses.fields(TransformerConfig)}, self.num_sms)
+        kw, self.notes = config_kwargs(c, {f.name for f in dataclasses.fields(TransformerConfig)}, self.num_sms,
+                                       recipe=self.options.fp8_recipe)
         self.config = build_config(TransformerConfig, kw, self.notes)
         spec = get_moe_module_spec(use_te=True, num_experts=c.num_experts, moe_grouped_gemm=True)
         # megatron-core >= 0.19 returns a partial(MoELayer, submodules=...); earlier versions a ModuleSpec

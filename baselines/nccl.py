@@ -24,6 +24,7 @@ import torch.distributed as dist
 from contract import Case, LayerInputs, comm
 from baselines import fp8_gemm
 from baselines.common import ExpertParams, all_to_all, precision_unsupported
+from baselines.options import ExpertGemmOptions
 
 
 def inductor_note(compiled: bool) -> str:
@@ -45,23 +46,24 @@ class NcclBackend:
     runs_shared_gpu = True
 
     @classmethod
-    def unsupported_reason(cls, case: Case) -> Optional[str]:
+    def unsupported_reason(cls, case: Case, options: Optional[ExpertGemmOptions] = None) -> Optional[str]:
         why = precision_unsupported(case.precision, torch.device(case.device))
         if why:
             return why
         if case.precision == "mxfp8":
             return "the nccl baseline's mxfp8 path (TorchAO scaled_grouped_mm) is not implemented; use precision=bf16"
-        return fp8_gemm.resolve(case)[1]
+        return fp8_gemm.resolve(case, (options or ExpertGemmOptions()).fp8_gemm)[1]
 
-    def __init__(self, case: Case, group: Any) -> None:
+    def __init__(self, case: Case, group: Any, options: Optional[ExpertGemmOptions] = None) -> None:
         self.case, self.group = case, group
+        self.options = options or ExpertGemmOptions()
         self.rank = dist.get_rank(group)
         self.ep = dist.get_world_size(group)
         self._last: dict[str, Any] = {}
 
     def setup(self, inputs: LayerInputs) -> None:
         self.params = ExpertParams(self.case, inputs, published_mode="max-autotune",  # bench_nccl_torch.py
-                                   group=self.group)
+                                   group=self.group, fp8_option=self.options.fp8_gemm)
 
     def forward(self, x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, topk_w_TK: torch.Tensor) -> torch.Tensor:
         c, ep, L, g = self.case, self.ep, self.case.local_experts, self.group

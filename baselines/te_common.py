@@ -21,8 +21,9 @@ TE_INSTALL_HINT = ("install Transformer Engine with its PyTorch extension: pip i
                    "'transformer_engine[pytorch]' (README, 'Optional backends: Transformer Engine and Megatron-core'; "
                    "offline: scripts/install_te.sh)")
 
-# precision=fp8 recipes by the harness option ``te_fp8_recipe`` (Megatron's names). blockwise is the harness's fp8
-# format (1x128 activation / 128x128 weight blocks, e4m3). All fp8 recipes use e4m3 for every tensor.
+# precision=fp8 recipes by the TE backends' option ``fp8_recipe`` (baselines/options.py; Megatron's names).
+# blockwise is the harness's fp8 format (1x128 activation / 128x128 weight blocks, e4m3). All fp8 recipes use e4m3
+# for every tensor.
 FP8_RECIPES = {"blockwise": "Float8BlockScaling", "tensorwise": "Float8CurrentScaling", "delayed": "DelayedScaling"}
 MXFP8_RECIPE = "MXFP8BlockScaling"
 # Per-expert row alignment TE's grouped GEMMs need for quantized inputs (TE's get_align_size_for_quantization).
@@ -38,10 +39,6 @@ RECIPE_LABEL = {
 }
 
 
-def te_fp8_option(case: Case) -> str:
-    return getattr(case, "te_fp8_recipe", "blockwise")
-
-
 def recipe_name(precision: str, option: str = "blockwise") -> Optional[str]:
     """The TE recipe class name for a harness precision (None: bf16, no quantization)."""
     if precision == "bf16":
@@ -50,7 +47,7 @@ def recipe_name(precision: str, option: str = "blockwise") -> Optional[str]:
         return MXFP8_RECIPE
     if precision == "fp8":
         if option not in FP8_RECIPES:
-            raise ValueError(f"unknown te_fp8_recipe '{option}'; choose one of: {', '.join(FP8_RECIPES)}")
+            raise ValueError(f"unknown fp8 recipe '{option}'; choose one of: {', '.join(FP8_RECIPES)}")
         return FP8_RECIPES[option]
     raise ValueError(f"unknown precision '{precision}'")
 
@@ -86,15 +83,16 @@ def scaling_label(name: Optional[str], dispatch: str) -> str:
     return f"{RECIPE_LABEL[name]}; dispatch {dispatch}"
 
 
-def te_unsupported(case: Case) -> Optional[str]:
-    """Reasons shared by the TE-based backends (None: TE itself can run this case). Off CUDA, only whether TE is
-    installed is checked: the caller's device check says why a CPU run cannot work."""
+def te_unsupported(case: Case, recipe: str = "blockwise") -> Optional[str]:
+    """Reasons shared by the TE-based backends (None: TE itself can run this case with the fp8 recipe option
+    ``recipe``). Off CUDA, only whether TE is installed is checked: the caller's device check says why a CPU run
+    cannot work."""
     if importlib.util.find_spec("transformer_engine") is None:
         return f"Transformer Engine is not installed; {TE_INSTALL_HINT}"
     if case.device != "cuda":
         return None
     try:
-        name = recipe_name(case.precision, te_fp8_option(case))
+        name = recipe_name(case.precision, recipe)
     except ValueError as e:
         return str(e)
     why = recipe_unsupported(name, device_capability(torch.device("cuda")))

@@ -7,7 +7,8 @@ import sys
 from typing import Any, Optional, Sequence
 
 from contract import Case
-from harness.config import load_group_option, make_case, shape_table, to_container
+from harness.config import load_group_option, shape_table, to_container
+from harness.point import make_case
 
 
 def published_shapes() -> list[str]:

@@ -1,25 +1,16 @@
 """One fully resolved sweep point, as every backend sees it: :class:`Case` (plain values, no OmegaConf). The
-harness builds it from the configuration (:func:`harness.config.make_case`)."""
+harness builds it from the configuration (:func:`harness.point.make_case`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional
 
-# fp8 GEMMs of the PyTorch-expert baselines (nccl, deepep, hybridep) at precision=fp8 (baselines/fp8_gemm.py), the one
-# table of their names: the option ``fp8_gemm`` takes one of these. Between ``auto`` and ``emulated`` the real fp8
-# paths, in the order ``auto`` measures them (ties go to the earlier): ``blockwise`` = DeepGEMM's grouped GEMMs in the
-# harness format (1x128 / 128x128 e4m3), ``blockwise_loop`` = the same format through torch's scaled_mm v2, one GEMM per
-# expert (the fallback where DeepGEMM does not load), ``rowwise`` = torch._scaled_grouped_mm with per-row /
-# per-channel scales. ``emulated`` = bf16 GEMMs on e4m3-rounded operands (accuracy only). ``auto`` = the fastest real
-# path installed, timed at setup (on a CPU: emulated, labelled as accuracy only). Recorded in the rows' ``scaling``.
-FP8_GEMMS = ("auto", "blockwise", "blockwise_loop", "rowwise", "emulated")
-FP8_GEMM_PATHS = FP8_GEMMS[1:-1]  # the real fp8 paths
-
 
 @dataclass(frozen=True)
 class Case:
-    """A fully resolved sweep point, as every backend sees it (plain values, no OmegaConf)."""
+    """A fully resolved sweep point, as every backend sees it (plain values, no OmegaConf). What one backend alone
+    may choose is that backend's options (contract/options.py), never a field here."""
 
     shape: str
     num_experts: int
@@ -48,9 +39,6 @@ class Case:
     compile: bool
     compile_mode: str
     comm_sms: Optional[int]
-    te_fp8_recipe: str = "blockwise"
-    fp8_gemm: str = "auto"
-    mok_hopper_forward: str = "save_h"
 
     @property
     def routing_label(self) -> str:

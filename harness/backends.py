@@ -9,6 +9,8 @@ Lifecycle, per sweep point (every rank runs the same calls):
 
 1. ``cls.unsupported_reason(case)`` -> None, or "why; how to fix" (missing package, GPU too old, topology).
 2. ``b = cls(case, group)``; ``b.setup(inputs)``: buffers, weight layouts, JIT, compilation. Untimed.
+   A backend that declares options (its registry line's ``options``; contract/options.py) gets them as one more
+   argument here and in step 1: ``unsupported_reason(case, options)``, ``cls(case, group, options)``.
 3. ``out = b.forward(x, topk_idx, topk_w)``: one layer forward. ``x`` [T,H] bf16 and ``topk_w`` [T,K] fp32 are
    leaves owned by the harness; for backward the harness calls ``out.backward(grad_out)`` and reads ``x.grad``,
    ``topk_w.grad`` and ``b.weight_grads()`` (gate/up [L,I,H], down [L,H,I], shared gate/up [I,H], down [H,I]).
@@ -19,6 +21,7 @@ Lifecycle, per sweep point (every rank runs the same calls):
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
 from dataclasses import dataclass
@@ -41,27 +44,34 @@ ROLES = ("reference", "published baseline", "baseline", "anchor", "contender")
 @dataclass(frozen=True)
 class BackendSpec:
     """One registry entry: the import target (``package.module:Class``, empty for a name that only reports use),
-    the label reports print, its role (:data:`ROLES`) and its colour in charts."""
+    the label reports print, its role (:data:`ROLES`), its colour in charts and, for a backend that takes options,
+    the import target of its options dataclass (``package.module:Class``, a torch-free module; contract/options.py)."""
 
     target: str
     label: str
     role: str
     color: str
+    options: str = ""
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)} (got {self.role!r})")
 
 
+_EXPERT_GEMM = "baselines.options:ExpertGemmOptions"  # the options of the PyTorch-expert baselines
+_TE = "baselines.options:TeOptions"  # the options of the Transformer Engine baselines
+
 # The one table of backend names, in the order reports show them (baselines first, then anchors, then the fused
 # contenders). A new backend adds one line here.
 REGISTRY: dict[str, BackendSpec] = {
-    "nccl": BackendSpec("baselines.nccl:NcclBackend", "NCCL+PyTorch", "published baseline", "#8c8c8c"),
-    "deepep": BackendSpec("baselines.deepep:DeepEPBackend", "DeepEP+PyTorch", "published baseline", "#1f77b4"),
-    "deepep_te": BackendSpec("baselines.deepep_te:DeepEPTEBackend", "DeepEP+TE", "published baseline", "#9467bd"),
+    "nccl": BackendSpec("baselines.nccl:NcclBackend", "NCCL+PyTorch", "published baseline", "#8c8c8c", _EXPERT_GEMM),
+    "deepep": BackendSpec("baselines.deepep:DeepEPBackend", "DeepEP+PyTorch", "published baseline", "#1f77b4",
+                          _EXPERT_GEMM),
+    "deepep_te": BackendSpec("baselines.deepep_te:DeepEPTEBackend", "DeepEP+TE", "published baseline", "#9467bd",
+                             _TE),
     "hybridep_megatron": BackendSpec("baselines.hybridep_megatron:HybridEPMegatronBackend", "HybridEP+Megatron",
-                                     "published baseline", "#2ca02c"),
-    "hybridep": BackendSpec("baselines.hybridep:HybridEPBackend", "HybridEP", "baseline", "#17becf"),
+                                     "published baseline", "#2ca02c", _TE),
+    "hybridep": BackendSpec("baselines.hybridep:HybridEPBackend", "HybridEP", "baseline", "#17becf", _EXPERT_GEMM),
     "liger": BackendSpec("baselines.liger:LigerBackend", "Liger fused MoE (anchor)", "anchor", "#bcbd22"),
     "sonicmoe": BackendSpec("baselines.sonicmoe:SonicMoEBackend", "SonicMoE (anchor)", "anchor", "#e377c2"),
     "liger_cute": BackendSpec("baselines.liger_cute:LigerCuteBackend", "LigerCute fused EP MoE (anchor)", "anchor",
@@ -70,7 +80,7 @@ REGISTRY: dict[str, BackendSpec] = {
                                     "DeepGEMM MegaMoE fp8 inference (anchor)", "anchor", "#393b79"),
     "mok": BackendSpec("kernels.mok_upstream:MokBackend", "MoK", "contender", "#d62728"),
     "mok_hopper": BackendSpec("kernels.mok_hopper.backend:MokHopperBackend", "MoK Hopper (ours)", "contender",
-                              "#ff7f0e"),
+                              "#ff7f0e", "kernels.mok_hopper.options:MokHopperOptions"),
     # mok_hopper rows timed on the CPU ran its pure-torch twin (kernels/mok_hopper/twin/): reports rename them
     # to this name, so that no table or chart draws them as the kernel (not a backend of its own: no target)
     "mok_hopper_cpu_twin": BackendSpec("", "MoK Hopper CPU twin (pure torch, not the kernel)", "contender",
@@ -122,7 +132,7 @@ def spec(name: str) -> BackendSpec:
     base, variant = series_parts(name)
     if variant:
         s = spec(base)
-        return BackendSpec(s.target, f"{s.label} ({variant})", s.role, s.color)
+        return dataclasses.replace(s, label=f"{s.label} ({variant})")
     return BackendSpec(BACKENDS.get(name, ""), str(name), DEFAULT_ROLE,
                        _FALLBACK_COLORS[sum(map(ord, str(name))) % len(_FALLBACK_COLORS)])
 
@@ -147,5 +157,5 @@ def load_backend(name: str) -> type:
         cls = getattr(importlib.import_module(module), attr)
     except ImportError as e:  # an adapter module whose optional dependency is absent at import time
         raise BackendImportError(f"{name}: {e}") from e
-    check_backend(cls, name)
+    check_backend(cls, name, takes_options=bool(REGISTRY[name].options) if name in REGISTRY else False)
     return cls

@@ -210,7 +210,8 @@ def check_command_line(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    from harness.config import check_option_conflicts, to_container
+    from harness.config import to_container
+    from harness.validate import check_option_conflicts
 
     hc = HydraConfig.get()
     if hc.mode == RunMode.RUN:
@@ -292,8 +293,9 @@ def sweep_problem_lines(problems: Sequence[tuple[int, str, str]], points: int) -
 def check_local_point(config: DictConfig) -> None:
     """Check one composed sweep point (``hydra`` node included) exactly as ``harness.run`` would check it here, and
     its run folder as the sweep's first point will find it."""
-    from harness.config import check_option_conflicts, given_run_id, run_id_for_sweep
-    from harness.runner import check_new_run, prepare
+    from harness.config import given_run_id
+    from harness.runner import prepare
+    from harness.validate import check_new_run, check_option_conflicts, run_id_for_sweep
 
     task_cfg = copy.deepcopy(config)
     with hydra_config(config):
@@ -301,7 +303,7 @@ def check_local_point(config: DictConfig) -> None:
             del task_cfg["hydra"]
             generated = given_run_id(task_cfg)[0] is None
             run_id_for_sweep(task_cfg)
-        c = prepare(task_cfg)[0]
+        c = prepare(task_cfg)[0].as_dict()
     check_option_conflicts(c, list(config.hydra.overrides.task))
     check_new_run(c, generated_from=str(config.hydra.sweep.dir) if generated else None)
 

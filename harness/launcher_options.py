@@ -1,6 +1,7 @@
 """The options of mokbench's sweep launchers (``hydra/launcher=mokbench_slurm`` / ``mokbench_local`` /
-``mokbench_node``): their schemas, the one list of each launcher's keys, the least value of each count, and their
-checks. :mod:`harness.slurm` launches with them; :mod:`harness.cli` checks a command line's launcher keys with them."""
+``mokbench_node``): their schemas, the one list of each launcher's keys and the least value of each count.
+:mod:`harness.slurm` launches with them; :func:`harness.validate.check_launcher_options` checks them, and
+:mod:`harness.cli` a command line's launcher keys."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ from typing import Optional
 
 from hydra_plugins.hydra_submitit_launcher.config import LocalQueueConf, SlurmQueueConf
 
-from harness.config import ConfigError
 
 # Launcher options of ours (not submitit's): taken out before the rest goes to the submitit executor.
 OWN_KEYS = ("dry_run", "nvlink_domain_nodes", "_target_")
@@ -73,23 +73,3 @@ def register_launcher_configs() -> None:
 def launcher_keys(schema: type) -> list[str]:
     """The keys a launcher schema takes on the command line (``hydra.launcher.<key>``)."""
     return sorted(f.name for f in dataclasses.fields(schema) if not f.name.startswith("_"))
-
-
-def check_launcher_options(opts: dict, executor: str) -> None:
-    """Raise :class:`ConfigError` for a key the launcher does not take (added with ``+hydra.launcher.``) or a count
-    below its least value (``LAUNCHER_MINIMA``)."""
-    import difflib
-
-    keys = launcher_keys(LAUNCHER_SCHEMAS[executor])
-    for k in opts:
-        if k not in keys and not k.startswith("_"):
-            close = difflib.get_close_matches(k, keys, n=1, cutoff=0.7)
-            hint = f" (did you mean hydra.launcher.{close[0]}?)" if close else ""
-            raise ConfigError(f"unknown key 'hydra.launcher.{k}'{hint}; the keys of the mokbench_{executor} launcher: "
-                              f"{', '.join(keys)}")
-    fields = {f.name: f for f in dataclasses.fields(LAUNCHER_SCHEMAS[executor])}
-    for k, least in LAUNCHER_MINIMA.items():
-        v = opts.get(k)
-        if k in fields and v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v < least):
-            null = " (or null)" if "Optional" in str(fields[k].type) else ""
-            raise ConfigError(f"hydra.launcher.{k} must be >= {least}{null} (got {v})")

@@ -18,13 +18,10 @@ import sys
 import tempfile
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 import numpy as np
 import pandas as pd
-
-if TYPE_CHECKING:
-    from contract import Case
 
 STATUSES = ("ok", "unsupported", "mismatch", "error", "oom", "timeout", "cancelled")
 
@@ -44,6 +41,9 @@ COLUMNS: dict[str, str] = {
     "git_dirty": "boolean",
     "config_hash": "string",
     "backend": "string",
+    # the backend's own options (contract/options.py) as `field=value` pairs; empty for a backend that takes none
+    # (and in files written before the column)
+    "backend_options": "string",
     "shape": "string",
     "num_experts": "Int64",
     "local_experts": "Int64",
@@ -137,6 +137,9 @@ COLUMNS: dict[str, str] = {
     "transformer_engine_version": "string",
     "megatron_core_version": "string",
     "mok_version": "string",
+    # the point as its config_hash reads it (harness.config.point_config, JSON): with ep_size and device it gives
+    # back the point's Case and hash (empty in files written before the column)
+    "point_config": "string",
 }
 
 KEY = ("run_id", "row_id")
@@ -146,42 +149,12 @@ def new_row_id() -> str:
     return uuid.uuid4().hex[:12]
 
 
-def base_row(case: Case, c: dict, *, run_id: str, config_hash: str, num_nodes: int, world_size: int,
-             env: dict[str, Any]) -> dict[str, Any]:
-    """The columns every row of a sweep point shares: the point (``case``, the resolved config ``c``), where it ran
-    (``num_nodes``, ``world_size``) and the environment columns (``env``: :func:`harness.env.collect`)."""
-    t = c["timing"]
-    row = {
-        "run_id": run_id,
-        "appended": bool(c.get("append", False)),
-        "config_hash": config_hash,
-        "shape": case.shape,
-        "num_experts": case.num_experts,
-        "local_experts": case.local_experts,
-        "experts_override": case.experts_override,
-        "published_local_experts": case.published_local_experts,
-        "hidden": case.hidden,
-        "ffn": case.ffn,
-        "topk": case.topk,
-        "shared_expert": case.shared_expert,
-        "swiglu_limit": case.swiglu_limit,
-        "precision": case.precision,
-        "tokens_per_gpu": case.tokens_per_gpu,
-        "ep_size": case.ep_size,
-        "num_nodes": num_nodes,
-        "world_size": world_size,
-        "routing": case.routing_label,
-        "seed": case.seed,
-        "timing_preset": t["name"],
-        "l2_flush": t["l2_flush"],
-        "align": t["align"],
-        "atol": case.atol,
-        "rtol": case.rtol,
-        "comm_sms": case.comm_sms,
-        "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
-    }
-    if c.get("ranks_per_gpu", 1) > 1:  # several ranks shared each GPU: a correctness check, kept out of speed tables
-        row.update(shared_gpu=True, ranks_per_gpu=c["ranks_per_gpu"])
+def base_row(point: Any, *, run_id: str, num_nodes: int, world_size: int, env: dict[str, Any]) -> dict[str, Any]:
+    """The columns every row of a sweep point (a :class:`harness.point.Point`) shares: the point's own
+    (:meth:`~harness.point.Point.columns`), its run and hash, where it ran (``num_nodes``, ``world_size``) and the
+    environment columns (``env``: :func:`harness.env.collect`)."""
+    row = {"run_id": run_id, "config_hash": point.config_hash, **point.columns(), "num_nodes": num_nodes,
+           "world_size": world_size, "slurm_job_id": os.environ.get("SLURM_JOB_ID")}
     row.update(env)
     return row
 
@@ -236,7 +209,7 @@ def check_dir(results_dir: Union[str, Path]) -> None:
     it would be made in, must be a writable folder. Probes with a temporary file that is removed at once; creates
     nothing."""
     from harness.cli_args import dir_write_problem
-    from harness.config import ConfigError
+    from harness.errors import ConfigError
 
     if why := dir_write_problem(results_dir):
         raise ConfigError(f"results_dir={results_dir} {why}: give results_dir=<a folder you can write> "

@@ -19,7 +19,8 @@ import hydra
 import pandas as pd
 from omegaconf import DictConfig
 
-from harness.config import ConfigError, register_configs, run_id_for_sweep
+from harness.config import ConfigError, register_configs
+from harness.validate import run_id_for_sweep
 
 register_configs()
 _task_started = False  # set once the task function runs: later errors are not Hydra's composition errors

@@ -4,8 +4,8 @@
 anything starts, then either joins the rank layout that torchrun or Slurm set up, or spawns the local ranks
 itself. Rank 0 writes the rows; a backend that fails becomes a row and the sweep goes on; a rank that dies leaves
 the launching process to write ``error`` rows for whatever was not reported. A run id given for a run whose folder
-already holds rows is refused unless ``append=true`` (:func:`check_new_run`); Ctrl-C stops the spawned ranks and
-keeps the rows written so far (:func:`kept_rows`).
+already holds rows is refused unless ``append=true`` (:func:`harness.validate.check_new_run`); Ctrl-C stops the
+spawned ranks and keeps the rows written so far (:func:`kept_rows`).
 """
 
 from __future__ import annotations
@@ -26,25 +26,16 @@ import torch
 import torch.distributed as dist
 
 from contract import LayerInputs, comm, direction_unsupported
+from contract.backend import shared_gpu_unsupported
 from harness import env as envinfo
 from harness import memory
 from harness import results
 from harness.backends import load_backend
 from harness.check import compare, leaves, run_once
-from harness.config import (
-    Case,
-    ConfigError,
-    backend_order,
-    check_cpu_memory,
-    config_hash,
-    given_run_id,
-    gpus_needed,
-    load_group_option,
-    make_case,
-    timing_label,
-    to_container,
-    validate_run_options,
-)
+from harness import validate
+from harness.backend_options import apply_aliases
+from harness.config import Case, backend_order, given_run_id, load_group_option, timing_label, to_container
+from harness.point import Point
 from harness.dist import RankEnv, free_port, from_environment, init
 from harness.inputs import load_stats, make_inputs
 from harness.limits import StepTimeout, time_limit
@@ -65,8 +56,7 @@ def resolve(cfg: Any) -> dict:
     device = c.get("device", "auto")
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("device=cuda but no CUDA GPU is visible: use device=cpu (gloo ranks) or run on a GPU node")
+    validate.check_device(device, torch.cuda.is_available())
     c["device"] = device
     for group, on_gpu, on_cpu in (("shape", "kimi_k2_7", "tiny"), ("timing", "published", "quick")):
         if c[group].get("name") == "auto":
@@ -74,7 +64,8 @@ def resolve(cfg: Any) -> dict:
             # keep what the command line set; fill what `auto` left open
             c[group] = {k: (v if c[group].get(k, "???") in ("???", None) else c[group][k]) for k, v in chosen.items()}
             c[group]["name"] = chosen["name"]
-    validate_run_options(c)
+    validate.validate_run_options(c)
+    apply_aliases(c)
     c["timing"]["name"] = timing_label(c["timing"])  # a preset's name only while its counts are the ones run
     return c
 
@@ -85,10 +76,7 @@ def world_size_for(c: dict, renv: Optional[RankEnv]) -> int:
     if c["device"] == "cuda":
         n, rpg = torch.cuda.device_count(), c.get("ranks_per_gpu", 1)
         ws = c.get("ep_size") or n * rpg
-        if gpus_needed(ws, rpg) > n:
-            per = f" at ranks_per_gpu={rpg}" if rpg > 1 else ""
-            raise ConfigError(f"ep_size={ws} needs {gpus_needed(ws, rpg)} GPUs{per} but this machine has {n}: set "
-                              f"ep_size<={n * rpg}, or launch across nodes with torchrun or Slurm")
+        validate.check_gpus(ws, rpg, n)
         return ws
     return c.get("ep_size") or 2
 
@@ -105,8 +93,8 @@ class Unsupported(Exception):
     """Raised inside an agreed step: this machine or installation cannot run it (the message says why and how)."""
 
 
-def _require_supported(cls: type, case: Case) -> None:
-    why = cls.unsupported_reason(case)
+def _require_supported(cls: type, case: Case, options: Any) -> None:
+    why = cls.unsupported_reason(case) if options is None else cls.unsupported_reason(case, options)
     if why:
         raise Unsupported(why)
 
@@ -176,14 +164,13 @@ def point_label(case: Case, num: Optional[int] = None) -> str:
 
 @dataclass
 class PointContext:
-    """What every backend of one sweep point runs against (on each rank): the point (``case``, the resolved config
-    ``cfg``), its inputs and the reference outputs (``ref``: None without the check), the process groups (``group``
+    """What every backend of one sweep point runs against (on each rank): the point (:class:`harness.point.Point`),
+    its inputs and the reference outputs (``ref``: None without the check), the process groups (``group``
     for the layer, ``ctrl``: gloo, for verdicts), the step runner that agrees on the outcome across ranks (``agree``),
     the timer, the columns every row shares (``base``), the directions to run, whether any needs gradients, and the
     progress lines."""
 
-    case: Case
-    cfg: dict
+    point: Point
     inputs: LayerInputs
     ref: Optional[dict]
     group: Any
@@ -194,24 +181,25 @@ class PointContext:
     directions: list[str]
     need_grads: bool
     progress: Progress = field(default_factory=lambda: Progress(False, ""))
-    ranks_per_gpu: int = 1  # > 1: the ranks share GPUs (correctness only: nothing is timed)
 
 
 def worker(payload: dict, renv: RankEnv) -> None:
-    c, device = payload["cfg"], payload["device"]
+    """One rank of a point: ``payload`` holds the resolved configuration (``cfg``, plain values), from which each
+    rank builds the same :class:`Point`, and where the rows go."""
+    device = payload["device"]
     if device == "cpu":  # ranks share the machine's cores: oversubscribed intra-op threads distort the timings
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, renv.world_size)))
     if device == "cuda":
         envinfo.cuda_alloc_conf()  # before the first CUDA allocation of this process
-    rpg = c.get("ranks_per_gpu", 1)  # > 1 only on CUDA (validate_run_options)
-    dev = init(renv, device, timeout_s=c["dist_timeout_s"], ranks_per_gpu=rpg)
+    pt = Point.build(payload["cfg"], ep_size=renv.world_size, device=device)
+    cfg, case = pt.config, pt.case
+    dev = init(renv, device, timeout_s=cfg.dist_timeout_s, ranks_per_gpu=pt.ranks_per_gpu)
     group = dist.group.WORLD
     ctrl = dist.new_group(backend="gloo") if device == "cuda" else group
     agree = _Agree(ctrl)
     rank0 = renv.rank == 0
-    case = make_case(c, ep_size=renv.world_size, device=device)
-    base = base_row(case, c, run_id=payload["run_id"], config_hash=payload["config_hash"], num_nodes=renv.num_nodes,
-                    world_size=renv.world_size, env=envinfo.collect(case.device))
+    base = base_row(pt, run_id=payload["run_id"], num_nodes=renv.num_nodes, world_size=renv.world_size,
+                    env=envinfo.collect(case.device))
     rows: list[dict] = []
     progress = Progress(rank0, point_label(case, payload.get("point")))
 
@@ -220,16 +208,15 @@ def worker(payload: dict, renv: RankEnv) -> None:
             rows.append(row)
             results.write_rows(payload["path"], rows)
 
-    t = c["timing"]
-    timer = Timer(dev, group, align=t["align"], l2_flush=t["l2_flush"])
-    directions = list(c["directions"])
+    timer = Timer(dev, group, align=cfg.timing.align, l2_flush=cfg.timing.l2_flush)
+    directions = list(cfg.directions)
     need_grads = any(d != "fwd" for d in directions)
 
     progress.start("inputs")
     status, err, inputs = agree(lambda: make_inputs(case, renv.rank, dev))
     progress.end(status)
     if status != "ok":
-        for b in c["backends"]:
+        for b in cfg.backends:
             for d in directions:
                 emit(make_row(base, b, d, status, error=f"input generation failed: {err}"))
         return
@@ -237,7 +224,7 @@ def worker(payload: dict, renv: RankEnv) -> None:
     comm.all_gather(idx_parts, inputs.topk_idx_TK, group=group)
     base.update(load_stats(torch.cat(idx_parts), case))
 
-    if c["calibrate"]:
+    if cfg.calibrate:
         from harness.calibrate import measure
 
         progress.start("calibration (GEMM, HBM, all-to-all rates)")
@@ -248,7 +235,7 @@ def worker(payload: dict, renv: RankEnv) -> None:
             base["notes"] = f"calibration failed: {err}"
 
     ref = None
-    if c["check"]:
+    if cfg.check:
         from harness.reference import ReferenceBackend
 
         def _ref():
@@ -262,15 +249,14 @@ def worker(payload: dict, renv: RankEnv) -> None:
         status, err, ref = agree(_ref)
         progress.end(status)
         if status != "ok":
-            for b in c["backends"]:
+            for b in cfg.backends:
                 for d in directions:
                     emit(make_row(base, b, d, status, error=f"reference failed: {err}"))
             return
 
-    point = PointContext(case=case, cfg=c, inputs=inputs, ref=ref, group=group, ctrl=ctrl, agree=agree, timer=timer,
-                         base=base, directions=directions, need_grads=need_grads, progress=progress,
-                         ranks_per_gpu=rpg)
-    order = backend_order(list(c["backends"]), c.get("backend_order", "given"), case.seed)
+    point = PointContext(point=pt, inputs=inputs, ref=ref, group=group, ctrl=ctrl, agree=agree, timer=timer,
+                         base=base, directions=directions, need_grads=need_grads, progress=progress)
+    order = backend_order(list(cfg.backends), cfg.backend_order, case.seed)
     for pos, name in enumerate(order):
         progress.backend = f"{name} ({pos + 1}/{len(order)})"
         for row in run_backend(name, dataclasses.replace(point, base=dict(base, backend_position=pos))):
@@ -308,25 +294,27 @@ def _write_setup_profile(prof: SetupProfile, progress: Progress) -> None:
 
 def run_backend(name: str, point: PointContext) -> Iterator[dict[str, Any]]:
     """Yield one row per direction for one backend at one sweep point. Never raises for backend failures."""
-    case, c, inputs, ref, group, ctrl = point.case, point.cfg, point.inputs, point.ref, point.group, point.ctrl
+    pt, inputs, ref, group, ctrl = point.point, point.inputs, point.ref, point.group, point.ctrl
     agree, timer, base, directions, progress = point.agree, point.timer, point.base, point.directions, point.progress
-    need_grads = point.need_grads
-    t = c["timing"]
+    case, cfg, need_grads = pt.case, pt.config, point.need_grads
+    t = dataclasses.asdict(cfg.timing)
 
+    options = pt.options(name)  # None: the backend declares none
+    if options is not None:
+        base = dict(base, backend_options=pt.options_text(name))
     status, err, cls = agree(lambda: load_backend(name))
     if status != "ok":
         for d in directions:
             yield make_row(base, name, d, "unsupported" if "BackendImportError" in err else status, error=err)
         return
-    status, err, _ = agree(lambda: _require_supported(cls, case))  # every rank takes the same branch
+    status, err, _ = agree(lambda: _require_supported(cls, case, options))  # every rank takes the same branch
     if status != "ok":
         for d in directions:
             yield make_row(base, name, d, status, error=err)
         return
-    shared = point.ranks_per_gpu > 1
-    if shared and not getattr(cls, "runs_shared_gpu", False):
-        why = (f"{name} runs one rank per GPU (ranks_per_gpu={point.ranks_per_gpu} puts several on one, talking over "
-               f"gloo through the host, which its communication does not use): drop ranks_per_gpu to run it")
+    shared = pt.ranks_per_gpu > 1
+    why = shared_gpu_unsupported(cls, case, name, pt.ranks_per_gpu) if shared else None
+    if why:
         for d in directions:
             yield make_row(base, name, d, "unsupported", error=why)
         return
@@ -334,7 +322,7 @@ def run_backend(name: str, point: PointContext) -> Iterator[dict[str, Any]]:
     backend = None
     t_setup = time.perf_counter()
     rank = dist.get_rank() if dist.is_initialized() else 0
-    prof = SetupProfile(c.get("profile_setup_dir"), f"{base.get('run_id')}-{base.get('config_hash', '')[:8]}-"
+    prof = SetupProfile(cfg.profile_setup_dir, f"{base.get('run_id')}-{pt.config_hash[:8]}-"
                         f"{case.shape}-{case.precision}-ep{case.ep_size}-{name}-rank{rank}")
 
     probe = memory.Probe.of(timer.device)
@@ -344,8 +332,8 @@ def run_backend(name: str, point: PointContext) -> Iterator[dict[str, Any]]:
         nonlocal backend
         before = memory.allocated(probe)
         with prof.on():
-            backend = cls(case, group)
-            with time_limit(c.get("setup_timeout_s"), f"{name}'s setup"):
+            backend = cls(case, group) if options is None else cls(case, group, options)
+            with time_limit(cfg.setup_timeout_s, f"{name}'s setup"):
                 backend.setup(inputs)
         mem[memory.SETUP] = memory.held_since(probe, before)
 
@@ -356,7 +344,7 @@ def run_backend(name: str, point: PointContext) -> Iterator[dict[str, Any]]:
     if status == "ok":
         _, _, info = agree(backend.info)
         info = info or {}
-    grads_supported = any(direction_unsupported(cls, case, d) is None for d in directions if d != "fwd")
+    grads_supported = any(direction_unsupported(cls, case, d, options) is None for d in directions if d != "fwd")
     extra: dict[str, Any] = dict(info)
     if prof.folder is not None:  # cProfile slows Python-heavy setups: the row says its setup_s was profiled
         extra["notes"] = _with_note(extra.get("notes"), "setup under cProfile (profile_setup_dir): setup_s includes "
@@ -399,7 +387,7 @@ def run_backend(name: str, point: PointContext) -> Iterator[dict[str, Any]]:
     # construction plus the checked first call, which pays for torch.compile (autotuning included) and JIT builds
     extra.setdefault("setup_s", round(time.perf_counter() - t_setup, 2))
 
-    if name == "reference" and not c["time_reference"]:
+    if name == "reference" and not cfg.time_reference:
         for d in directions:
             yield make_row(base, name, d, "ok", **{
                 **extra, **gate.get(d, ("ok", None, {}))[2],
@@ -433,7 +421,7 @@ def run_backend(name: str, point: PointContext) -> Iterator[dict[str, Any]]:
 
     for d in directions:
         checked = gate.get(d, ("ok", None, {}))[2]
-        why = direction_unsupported(cls, case, d)
+        why = direction_unsupported(cls, case, d, options)
         if why is not None:
             yield make_row(base, name, d, "unsupported", error=why, **extra, **checked)
             continue
@@ -441,7 +429,7 @@ def run_backend(name: str, point: PointContext) -> Iterator[dict[str, Any]]:
             yield make_row(base, name, d, gate[d][0], error=gate[d][1], **extra, **checked)  # mismatches: not timed
             continue
         if shared:
-            note = f"{point.ranks_per_gpu} ranks shared each GPU: checked against the reference, not timed"
+            note = f"{pt.ranks_per_gpu} ranks shared each GPU: checked against the reference, not timed"
             yield make_row(base, name, d, "ok", **{**extra, **checked, "notes": _with_note(extra.get("notes"), note)})
             continue
         progress.start(f"timing {d} ({t['num_warmup']} warmup + {t['num_iters']} timed)")
@@ -691,51 +679,31 @@ def kept_rows() -> tuple[int, list[str]]:
     return n, sorted({str(f.parent) for f in _JOB_FILES} | {str(d) for d in _RUN_DIRS})
 
 
-def check_new_run(c: dict, generated_from: Optional[str] = None) -> None:
-    """Raise :class:`ConfigError` when the run id (given as ``run_id=`` or ``MOKBENCH_RUN_ID``, or a sweep's, made from
-    its folder ``generated_from``) names a run folder that already holds rows and ``append`` is off: this run's rows
-    would be pooled with another run's without a word."""
-    rid, source = given_run_id(c)
-    if rid is None or c.get("append"):
-        return
-    run_dir = Path(c["results_dir"]) / rid
-    files = results.find_files(run_dir)[0] if run_dir.is_dir() else []
-    if not files:
-        return
-    held = f"{run_dir} already holds the rows of a run ({len(files)} file{'s' if len(files) != 1 else ''})"
-    if generated_from:
-        raise ConfigError(f"the sweep's run id {rid} (made from hydra.sweep.dir={generated_from}) is taken: {held}: "
-                          f"give another hydra.sweep.dir or a run_id, or append=true to add the rows to that run")
-    raise ConfigError(f"{source}={rid} is taken: {held}: give a new run_id, or append=true to add this run's rows "
-                      f"to it")
-
-
-def prepare(cfg: Any) -> tuple[dict, Optional[RankEnv], int, Case]:
-    """Every check a run makes before anything starts (raises :class:`ConfigError`): the resolved config, the rank
-    layout (None: this process spawns the ranks), the rank count and the case. Sweeps call it for each point first."""
+def prepare(cfg: Any) -> tuple[Point, Optional[RankEnv], int]:
+    """Every check a run makes before anything starts (raises :class:`ConfigError`): the point, the rank layout
+    (None: this process spawns the ranks) and the rank count. Sweeps call it for each point first."""
     c = resolve(cfg)
     renv = from_environment()
     ws = world_size_for(c, renv)
-    case = make_case(c, ep_size=ws, device=c["device"])
-    if renv is None and case.device == "cpu":  # the ranks this process spawns share this machine's memory
+    point = Point.build(c, ep_size=ws, device=c["device"])
+    if renv is None and point.case.device == "cpu":  # the ranks this process spawns share this machine's memory
         avail = envinfo.available_memory_bytes()
         if avail is not None:
-            check_cpu_memory(case, avail)
-    results.check_dir(c["results_dir"])
-    return c, renv, ws, case
+            validate.check_cpu_memory(point.case, avail)
+    results.check_dir(point.config.results_dir)
+    return point, renv, ws
 
 
 def run_benchmark(cfg: Any) -> pd.DataFrame:
     """Validate, run every rank, and return this sweep point's rows (rank 0 and the launcher; others: empty)."""
-    c, renv, ws, case = prepare(cfg)  # raises ConfigError before anything starts
+    point, renv, ws = prepare(cfg)  # raises ConfigError before anything starts
+    c, pc = point.as_dict(), point.config
     if not _point_of_a_sweep(c):  # a sweep checked its run folder before its first point
-        check_new_run(c)
+        validate.check_new_run(c)
     run_id = given_run_id(c)[0] or new_run_id()
-    chash = config_hash(c, case)
-    path = results.job_file(c["results_dir"], run_id, chash, c["results_format"])
+    path = results.job_file(pc.results_dir, run_id, point.config_hash, pc.results_format)
     _JOB_FILES.append(path)
-    payload = {"cfg": c, "device": c["device"], "run_id": run_id, "config_hash": chash, "path": str(path),
-               "point": sweep_point_num()}
+    payload = {"cfg": c, "device": point.case.device, "run_id": run_id, "path": str(path), "point": sweep_point_num()}
 
     failure: Optional[str] = None
     if renv is not None:
@@ -744,7 +712,7 @@ def run_benchmark(cfg: Any) -> pd.DataFrame:
             return results.to_frame([])
     else:
         spawn_env = RankEnv(0, ws, 0, 1, "127.0.0.1", free_port(), "spawn")
-        watchdog = c.get("watchdog_s") or (SHARED_GPU_WATCHDOG_S if c.get("ranks_per_gpu", 1) > 1 else None)
+        watchdog = pc.watchdog_s or (SHARED_GPU_WATCHDOG_S if point.ranks_per_gpu > 1 else None)
         try:
             _run_ranks(payload, spawn_env, ws, watchdog)
         except Exception as e:  # noqa: BLE001 - a rank died: record what did not report
@@ -752,8 +720,8 @@ def run_benchmark(cfg: Any) -> pd.DataFrame:
         renv = spawn_env
     written = results.written_path(path)
     done = results.read_file(written) if written.exists() else results.to_frame([])
-    if failure or len(done) < len(c["backends"]) * len(c["directions"]):
-        done = _fill_missing(done, c, case, renv, run_id, chash, path, failure or "a rank exited early")
+    if failure or len(done) < len(pc.backends) * len(pc.directions):
+        done = _fill_missing(done, point, renv, run_id, path, failure or "a rank exited early")
     if results.written_path(path) != path:
         print(f"mokbench: the rows of this run are in {results.written_path(path)} (the results folder could not be "
               f"written)", file=sys.stderr)
@@ -796,15 +764,15 @@ def sweep_point_num() -> Optional[int]:
         return None
 
 
-def _fill_missing(done: pd.DataFrame, c: dict, case: Case, renv: RankEnv, run_id: str, chash: str, path,
-                  why: str) -> pd.DataFrame:
+def _fill_missing(done: pd.DataFrame, point: Point, renv: RankEnv, run_id: str, path, why: str) -> pd.DataFrame:
     have = set(zip(done["backend"], done["direction"])) if len(done) else set()
-    base = base_row(case, c, run_id=run_id, config_hash=chash, num_nodes=renv.num_nodes, world_size=renv.world_size,
-                    env=envinfo.collect(case.device))
+    base = base_row(point, run_id=run_id, num_nodes=renv.num_nodes, world_size=renv.world_size,
+                    env=envinfo.collect(point.case.device))
     rows = done.to_dict("records")
     status = "timeout" if "timeout" in why.lower() or "timed out" in why.lower() else "error"
-    for b in c["backends"]:
-        for d in c["directions"]:
+    for b in point.config.backends:
+        for d in point.config.directions:
             if (b, d) not in have:
-                rows.append(make_row(base, b, d, status, error=f"no row reported: {why}"))
+                rows.append(make_row(base, b, d, status, error=f"no row reported: {why}",
+                                     backend_options=point.options_text(b)))
     return results.read_file(results.write_rows(path, rows))

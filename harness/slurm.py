@@ -47,8 +47,8 @@ from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from harness.cli import hydra_config, point_error_line, point_labels, reject, sweep_problem_lines
-from harness.config import ConfigError, gpus_needed
-from harness.launcher_options import POINT_FILE, OWN_KEYS, check_launcher_options
+from harness import validate
+from harness.launcher_options import POINT_FILE, OWN_KEYS
 
 log = logging.getLogger(__name__)
 
@@ -101,8 +101,9 @@ def plan_point(config: DictConfig, num: int, overrides: Sequence[str], executor:
     """Validate one composed sweep point (its full config, ``hydra`` node included) for the job it will run in on
     ``executor``'s launcher. Raises :class:`ConfigError` with the message a local run would give."""
     from harness import results
-    from harness.config import check_option_conflicts, config_hash, given_run_id, make_case, run_id_for_sweep
-    from harness.runner import check_new_run, resolve
+    from harness.config import given_run_id
+    from harness.point import Point as TypedPoint
+    from harness.runner import resolve
 
     opts = _launcher_options(config)
     asked_nodes = opts.get("nodes") if any(o.lstrip("+").startswith("hydra.launcher.nodes=")
@@ -110,7 +111,6 @@ def plan_point(config: DictConfig, num: int, overrides: Sequence[str], executor:
     nodes = int(opts.get("nodes") or 1)
     tpn = int(opts.get("tasks_per_node") or 1)
     gpn = int(opts.get("gpus_per_node") or 0)
-    world = nodes * tpn
     overrides = list(overrides)
 
     task_cfg = copy.deepcopy(config)
@@ -124,71 +124,28 @@ def plan_point(config: DictConfig, num: int, overrides: Sequence[str], executor:
             overrides = [o for o in overrides if not o.lstrip("+~").startswith("device=")] + [f"device={device}"]
         generated = given_run_id(task_cfg)[0] is None
         with hydra_config(config):
-            run_id_for_sweep(task_cfg)
+            validate.run_id_for_sweep(task_cfg)
             with _assume_cuda(device == "cuda"):
                 c = resolve(task_cfg)
-    check_option_conflicts(c, list(config.hydra.overrides.task))
+    validate.check_option_conflicts(c, list(config.hydra.overrides.task))
 
-    if opts.get("gpus_per_task"):
-        raise ConfigError("hydra.launcher.gpus_per_task gives each task only its own GPU, but backends such as DeepEP "
-                          "need every GPU of the node visible to each task: set gpus_per_node and leave gpus_per_task "
-                          "unset")
-    if device == "cuda" and gpn < 1 and executor == "node":
-        raise ConfigError("device=cuda but this machine has no GPU: run on the GPU machine, or plan its run from here "
-                          "with hydra.launcher.gpus_per_node=<its GPUs> and hydra.launcher.dry_run=true (or use "
-                          "device=cpu)")
-    if device == "cuda" and gpn < 1:
-        raise ConfigError("device=cuda but hydra.launcher.gpus_per_node is not set: set it to the GPUs per node (and "
-                          "tasks_per_node to the same number), or use device=cpu")
-    ep = c.get("ep_size")
-    if world > 1 and ep is not None and ep != world:
-        # One rank per task: ep_size picks the job's layout (so ep_size=8,16,32,64 sweeps the node count).
-        if ep % tpn == 0:
-            nodes = ep // tpn
-        elif ep < tpn:
-            nodes, tpn = 1, ep
-            gpn = ep if gpn else 0
-        else:
-            raise ConfigError(f"ep_size={ep} is not a multiple of hydra.launcher.tasks_per_node={tpn}: use a multiple "
-                              f"of {tpn} (one rank per task, nodes = ep_size / tasks_per_node)")
-        world = nodes * tpn
-        opts.update(nodes=nodes, tasks_per_node=tpn, gpus_per_node=gpn or opts.get("gpus_per_node"))
-    if asked_nodes is not None and nodes != asked_nodes:
-        raise ConfigError(f"hydra.launcher.nodes={asked_nodes} conflicts with ep_size={ep}, which sets the nodes of "
-                          f"a job (ep_size / tasks_per_node = {nodes}): give one of the two")
-    rpg = c.get("ranks_per_gpu", 1) if device == "cuda" else 1
-    if world > 1:
-        if rpg > 1:
-            raise ConfigError(f"ranks_per_gpu={rpg} runs its ranks as processes that one task spawns on its GPUs: set "
-                              f"hydra.launcher.tasks_per_node=1 and hydra.launcher.nodes=1")
-        if device == "cuda" and tpn != gpn:
-            raise ConfigError(f"hydra.launcher.tasks_per_node={tpn} but gpus_per_node={gpn}: mokbench runs one rank "
-                              f"per GPU, set hydra.launcher.tasks_per_node={gpn}")
-        ws = world
-    else:  # one task per job: it spawns its local ranks (harness.runner.world_size_for)
-        ws = ep or (gpn * rpg if device == "cuda" else 2)
-        if device == "cuda" and gpus_needed(ws, rpg) > gpn:
-            per = f" at ranks_per_gpu={rpg}" if rpg > 1 else ""
-            raise ConfigError(f"ep_size={ws} needs {gpus_needed(ws, rpg)} GPUs{per} but a job gets {gpn} "
-                              f"(hydra.launcher.gpus_per_node): set ep_size<={gpn * rpg}, or launch across nodes "
-                              f"(hydra.launcher.nodes, tasks_per_node)")
-    case = make_case(c, ep_size=ws, device=device)
+    nodes, tpn, gpn, ws = validate.check_job_layout(c, device, executor, opts, nodes, tpn, gpn, asked_nodes)
+    pt = TypedPoint.build(c, ep_size=ws, device=device)
     results.check_dir(c["results_dir"])
-    check_new_run(c, generated_from=str(config.hydra.sweep.dir) if generated else None)
+    validate.check_new_run(c, generated_from=str(config.hydra.sweep.dir) if generated else None)
     sweep_dir = Path(str(config.hydra.sweep.dir))
-    return Point(num=num, overrides=overrides, cfg=c, case=case, config_hash=config_hash(c, case),
+    return Point(num=num, overrides=overrides, cfg=pt.as_dict(), case=pt.case, config_hash=pt.config_hash,
                  run_id=given_run_id(c)[0] or "", launcher=opts, nodes=nodes,
                  tasks_per_node=tpn, gpus_per_node=gpn, world_size=ws, job_dir=sweep_dir / str(num))
 
 
 def _check_local_memory(point: Point) -> None:
     """A CPU point of the local launcher spawns its gloo ranks on this machine: they must fit its memory."""
-    from harness.config import check_cpu_memory
     from harness.env import available_memory_bytes
 
     avail = available_memory_bytes()
     if avail is not None:
-        check_cpu_memory(point.case, avail)
+        validate.check_cpu_memory(point.case, avail)
 
 
 def dry_run_report(points: Sequence[Point], executor: str = "slurm") -> str:
@@ -252,19 +209,21 @@ def write_status_rows(point: Point, status: str, error: str, slurm_job_id: Optio
     launching process into a file of its own under ``<results_dir>/<run_id>/``. Returns the file, or None."""
     from harness import env as envinfo
     from harness import results
+    from harness.point import Point as TypedPoint
 
     have = reported_pairs(point, slurm_job_id)
     missing = [(b, d) for b in point.cfg["backends"] for d in point.cfg["directions"] if (b, d) not in have]
     if not missing:
         return None
     # The environment columns describe this (launching) machine; the GPU ones would be wrong, so they are replaced.
-    base = results.base_row(dataclasses.replace(point.case, device="cpu"), point.cfg, run_id=point.run_id,
-                            config_hash=point.config_hash, num_nodes=point.nodes, world_size=point.world_size,
+    pt = TypedPoint.build(point.cfg, ep_size=point.world_size, device=point.case.device)
+    base = results.base_row(pt, run_id=point.run_id, num_nodes=point.nodes, world_size=point.world_size,
                             env=envinfo.collect("cpu"))
     base.update(device=point.case.device, gpu_name=None, driver_version=None, num_gpus=point.gpus_per_node,
                 hostname=hostname, slurm_job_id=slurm_job_id)
     note = f"row written by the launching process on {socket.gethostname()}: the job's rank 0 did not report it"
-    rows = [results.make_row(base, b, d, status, error=error, notes=note) for b, d in missing]
+    rows = [results.make_row(base, b, d, status, error=error, notes=note, backend_options=pt.options_text(b))
+            for b, d in missing]
     path = results.job_file(point.cfg["results_dir"], point.run_id, point.config_hash, point.cfg["results_format"])
     return results.write_rows(path, rows)
 
@@ -372,7 +331,7 @@ def plan_all(hydra_context: Any, config: DictConfig, job_overrides: Sequence[Seq
             point_config = hydra_context.config_loader.load_sweep_config(config, list(overrides))
             with open_dict(point_config.hydra.job):
                 point_config.hydra.job.num = num
-            check_launcher_options(_launcher_options(point_config), executor)
+            validate.check_launcher_options(_launcher_options(point_config), executor)
             if launcher:
                 with open_dict(point_config.hydra.launcher):
                     point_config.hydra.launcher.update(launcher)

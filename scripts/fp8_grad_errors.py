@@ -26,9 +26,11 @@ from hydra.core.global_hydra import GlobalHydra  # noqa: E402
 
 from baselines import fp8_gemm  # noqa: E402
 from baselines.nccl import NcclBackend  # noqa: E402
+from baselines.options import ExpertGemmOptions  # noqa: E402
 from harness.check import TENSOR_NAMES, _errors, run_once  # noqa: E402
-from harness.config import CONFIG_DIR, make_case, register_configs  # noqa: E402
+from harness.config import CONFIG_DIR, register_configs  # noqa: E402
 from harness.inputs import make_inputs  # noqa: E402
+from harness.point import make_case  # noqa: E402
 from harness.reference import ReferenceBackend  # noqa: E402
 
 PATHS = ("bf16", "emulated", *fp8_gemm.FP8_GEMM_PATHS)
@@ -74,13 +76,14 @@ def main(out: str, shapes: list[str]) -> None:
             gc.collect()
             torch.cuda.empty_cache() if DEVICE == "cuda" else None
         for path in PATHS:
-            c = dataclasses.replace(case, precision="bf16") if path == "bf16" else dataclasses.replace(case, fp8_gemm=path)
-            why = NcclBackend.unsupported_reason(c)
+            c = dataclasses.replace(case, precision="bf16") if path == "bf16" else case
+            opts = ExpertGemmOptions(fp8_gemm="auto" if path == "bf16" else path)
+            why = NcclBackend.unsupported_reason(c, opts)
             if why:
                 print(f"{shape} {path}: unsupported: {why}", flush=True)
                 rows.append({"shape": shape, "path": path, "tensor": "-", "note": why})
                 continue
-            b = NcclBackend(c, group)
+            b = NcclBackend(c, group, opts)
             b.setup(inputs)
             got = run_once(b, inputs, True)
             label = b.info()["scaling"]

@@ -26,7 +26,7 @@ from harness import backends as hb  # noqa: E402
 from harness import claims as C  # noqa: E402
 from harness import labels as L  # noqa: E402
 from harness import report as R  # noqa: E402
-from harness.config import make_case  # noqa: E402
+from harness.point import make_case  # noqa: E402
 from harness.inputs import make_inputs  # noqa: E402
 from synthetic_results import row  # noqa: E402
 

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from conftest import compose_cfg
 from contract.fp8 import dequantize_blocks, quantize_blocks
-from harness.config import make_case
+from harness.point import make_case
 from harness.inputs import make_inputs
 
 

@@ -1,7 +1,9 @@
-"""The import rules of the layout (ARCHITECTURE.md): ``contract`` imports none of the other packages; ``baselines``
-and ``kernels`` import ``contract`` but never the harness or each other; the ground truth (``harness/reference.py``)
-leans on no baseline; nothing imports ``benchmarks`` (the tools that use both the kernels and the harness); no .py file
-under kernels/ grows past about 500 lines."""
+"""The import rules of the layout (ARCHITECTURE.md): ``contract`` imports none of the other packages and names no
+backend; ``baselines`` and ``kernels`` import ``contract`` but never the harness or each other; the harness reaches
+the backends only through the registry's import targets (no import statement), and their options modules are
+torch-free; the ground truth (``harness/reference.py``) leans on no baseline; nothing imports ``benchmarks`` (the
+tools that use both the kernels and the harness); no .py file under kernels/ grows past about 550 lines; no import
+circle; every module is placed in ARCHITECTURE.md."""
 
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ FORBIDDEN = {
     "contract": {"harness", "baselines", "kernels", "benchmarks"},
     "baselines": {"harness", "kernels", "benchmarks"},
     "kernels": {"harness", "baselines", "benchmarks"},
-    "harness": {"benchmarks"},
+    "harness": {"benchmarks", "baselines", "kernels"},  # backends: through the registry's import targets only
 }
 
 
@@ -282,3 +284,60 @@ def test_architecture_md_places_every_module():
                if p.name != "__init__.py" and str(p.relative_to(ROOT)) not in arch
                and not re.search(r"(?<![\w/.])" + re.escape(p.name) + r"(?!\w)", arch)]
     assert not missing, f"place these in ARCHITECTURE.md: {missing}"
+
+
+def test_contract_names_no_backend_and_case_holds_no_backend_option():
+    """What one backend alone chooses is that backend's option: no backend key, option or alias in contract/, and no
+    such field in ``Case``."""
+    import dataclasses
+    import re
+
+    from contract.case import Case
+    from contract.options import option_specs
+    from harness.backend_options import option_backends
+    from harness.backends import REGISTRY
+
+    names = {k for k in REGISTRY if k != "reference"}  # the reference is the harness's own
+    fields = set()
+    for cls in option_backends().values():
+        for field, spec in option_specs(cls).items():
+            names |= {spec.alias} if spec.alias else set()
+            fields.add(field)
+    found = [f"{p.relative_to(ROOT)}: {n}" for p in sorted((ROOT / "contract").glob("*.py")) for n in sorted(names)
+             if re.search(rf"(?<![\w.]){re.escape(n)}(?![\w])", p.read_text())]
+    assert not found, found
+    assert not {f.name for f in dataclasses.fields(Case)} & (names | fields)
+
+
+def test_the_backends_options_load_without_torch():
+    """The harness builds its schema from every backend's options: their modules import no torch (nor the backend)."""
+    from harness.backends import REGISTRY
+
+    targets = sorted({s.options for s in REGISTRY.values() if s.options})
+    assert targets, "no backend declares options"
+    code = ("import importlib, sys\n"
+            f"for t in {targets!r}:\n"
+            "    m, _, a = t.partition(':'); getattr(importlib.import_module(m), a)\n"
+            "print(sorted(n for n in sys.modules if n == 'torch' or n.split('.')[0] in ('baselines', 'kernels')))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    loaded = eval(out)  # noqa: S307 (our own subprocess's list of names)
+    assert "torch" not in loaded, loaded
+    assert not [n for n in loaded if n.endswith((".nccl", ".backend", ".common", ".fp8_gemm"))], loaded
+
+
+def test_every_function_architecture_md_names_exists():
+    """Each ``name()`` ARCHITECTURE.md names is defined somewhere in the packages (a renamed or removed function fails
+    here, not in a reader's search)."""
+    import re
+
+    text = (ROOT / "ARCHITECTURE.md").read_text()
+    named = set(re.findall(r"(\w+)\(\)", text))
+    # the functions of validate.py, which it lists by name
+    named |= set(re.findall(r"`(\w+)`", text[text.index("`validate.py`"):text.index("`point.py`")]))
+    assert len(named) > 10
+    defined = set()
+    for d in PACKAGES:
+        for p in (ROOT / d).rglob("*.py"):
+            defined |= {n.name for n in ast.walk(ast.parse(p.read_text()))
+                        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
+    assert not named - defined, sorted(named - defined)

@@ -13,8 +13,10 @@ from conftest import ROOT, compose_cfg
 
 from harness import results
 from harness.backends import BACKENDS
-from harness.config import ConfigError, check_cpu_memory, cpu_rank_bytes, make_case, to_container
+from harness.config import ConfigError, to_container
+from harness.point import make_case
 from harness.runner import resolve
+from harness.validate import check_cpu_memory, cpu_rank_bytes
 
 GB = 10**9
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 from conftest import compose_cfg
 
-from harness.config import COMPILE_MODES, Case, ConfigError, check_option_conflicts, make_case, to_container
+from harness.config import COMPILE_MODES, Case, ConfigError, to_container
+from harness.point import make_case
+from harness.validate import check_option_conflicts
 from harness.runner import resolve
 
 PUBLISHED = {  # docs/methodology.md section 1: experts, H, I, topk, local experts at EP64
@@ -211,12 +213,14 @@ def test_compile_mode_published_is_each_backends_own():
 
     from baselines.common import ExpertParams
     from baselines.nccl import NcclBackend
+    from baselines.options import ExpertGemmOptions
 
     case = types.SimpleNamespace(compile=True, compile_mode="published", shared_expert=False, precision="bf16",
                                  ffn=4)
     inputs = types.SimpleNamespace(w13_LIH=torch.zeros(2, 8, 4), w2_LHI=torch.zeros(2, 4, 4))
     nccl = object.__new__(NcclBackend)
-    nccl.case, nccl.group = case, None  # what __init__ sets (group: the process group, unused here)
+    # what __init__ sets (group: the process group, unused here)
+    nccl.case, nccl.group, nccl.options = case, None, ExpertGemmOptions()
     nccl.setup(inputs)
     assert nccl.params.columns()["compile_mode"] == "max-autotune"
     assert ExpertParams(case, inputs).columns()["compile_mode"] == "max-autotune-no-cudagraphs"  # deepep, hybridep

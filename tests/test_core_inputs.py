@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import compose_cfg
 
-from harness.config import make_case
+from harness.point import make_case
 from harness.inputs import expert_popularity, load_stats, make_inputs, make_routing
 from harness.runner import resolve
 

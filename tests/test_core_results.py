@@ -134,17 +134,19 @@ def test_base_row_and_make_row_build_schema_rows():
     timestamp, and a row's own values override the point's."""
     from conftest import compose_cfg
 
-    from harness.config import make_case
+    from harness.point import Point
     from harness.runner import resolve
 
-    c = resolve(compose_cfg("device=cpu", "shape=tiny"))
-    case = make_case(c, ep_size=2, device="cpu")
-    base = results.base_row(case, c, run_id="r1", config_hash="abc", num_nodes=1, world_size=2,
-                            env={"gpu_name": None, "hostname": "h"})
+    point = Point.build(resolve(compose_cfg("device=cpu", "shape=tiny", "workload=zipf")), ep_size=2, device="cpu")
+    base = results.base_row(point, run_id="r1", num_nodes=1, world_size=2, env={"gpu_name": None, "hostname": "h"})
     assert (base["shape"], base["ep_size"], base["world_size"], base["hostname"]) == ("tiny", 2, 2, "h")
+    assert base["routing"] == "zipf(s=1)" and base["config_hash"] == point.config_hash  # the label, not the name
+    # every column of the point is a schema column, and every field of its case is a column or said elsewhere
+    assert set(point.columns()) <= set(results.COLUMNS), set(point.columns()) - set(results.COLUMNS)
+    assert {"zipf_exponent", "act_block", "compile"}.isdisjoint(base)
     a = results.make_row(base, "nccl", "fwd", "ok", latency_ms=1.0, hostname="other")
     b = results.make_row(base, "nccl", "bwd", "error", error="boom")
     assert a["row_id"] != b["row_id"] and a["timestamp"] and a["hostname"] == "other" and base["hostname"] == "h"
     assert set(a) | set(b) <= set(results.COLUMNS), (set(a) | set(b)) - set(results.COLUMNS)
     df = results.to_frame([a, b])
-    assert list(df["status"]) == ["ok", "error"] and df["config_hash"].eq("abc").all()
+    assert list(df["status"]) == ["ok", "error"] and df["config_hash"].eq(point.config_hash).all()

@@ -186,11 +186,10 @@ def test_setup_profiles_say_where_each_backends_setup_went(results_dir, tmp_path
             assert ("check.py:run_once" in funcs) == (name == "nccl")  # the first call only after a setup that ran
             text = stem[0].with_suffix(".txt").read_text()
             assert "setup steps under cProfile" in text and "most own time" in text
-    from harness.config import config_hash
     from harness.runner import prepare
 
-    c, _, _, case = prepare(cpu_cfg(results_dir, "ep_size=2", "backends=[nccl]", "directions=[fwd]"))
-    assert set(df.config_hash) == {config_hash(c, case)}  # the hash a run without profiles writes
+    point = prepare(cpu_cfg(results_dir, "ep_size=2", "backends=[nccl]", "directions=[fwd]"))[0]
+    assert set(df.config_hash) == {point.config_hash}  # the hash a run without profiles writes
 
 
 def test_time_limit_interrupts_and_restores():
@@ -304,7 +303,7 @@ def rows_per_rank(ep: int, *overrides: str) -> list[int]:
     import torch
     from conftest import compose_cfg
 
-    from harness.config import make_case
+    from harness.point import make_case
     from harness.inputs import make_routing
 
     case = make_case(compose_cfg("device=cpu", *overrides), ep_size=ep, device="cpu")

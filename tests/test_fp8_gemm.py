@@ -129,26 +129,33 @@ def test_k_grouped_operand_kernel_matches_reference():
 
 
 def test_resolve_and_labels_on_cpu():
-    from harness.config import ConfigError, make_case
+    from harness.config import ConfigError
+    from harness.point import make_case
+
+    from harness.runner import resolve
 
     def case(*o):
-        return make_case(compose_cfg("shape=tiny", *o), ep_size=2, device="cpu")
+        return make_case(resolve(compose_cfg("shape=tiny", "device=cpu", *o)), ep_size=2, device="cpu")
 
-    assert fg.resolve(case("precision=fp8")) == ("emulated", None)
-    assert fg.resolve(case("precision=fp8", "fp8_gemm=emulated")) == ("emulated", None)
+    fp8 = case("precision=fp8")
+    assert fg.resolve(fp8) == ("emulated", None)
+    assert fg.resolve(fp8, "emulated") == ("emulated", None)
     assert fg.resolve(case()) == ("none", None)
-    path, why = fg.resolve(case("precision=fp8", "fp8_gemm=rowwise"))
+    path, why = fg.resolve(fp8, "rowwise")
     assert path == "rowwise" and "fp8_gemm=emulated" in why
-    assert "accuracy" in fg.scaling_label("emulated", case("precision=fp8"), "bf16")
-    with pytest.raises(ConfigError, match="unknown fp8_gemm 'fast'"):
-        case("precision=fp8", "fp8_gemm=fast")
+    assert "accuracy" in fg.scaling_label("emulated", fp8, "bf16")
+    for key in ("fp8_gemm", "nccl.fp8_gemm", "deepep.fp8_gemm"):
+        with pytest.raises(ConfigError, match=f"unknown {key} 'fast'"):
+            case("precision=fp8", f"{key}=fast")
+    with pytest.raises(ConfigError, match="fp8_gemm=rowwise conflicts with nccl.fp8_gemm=emulated: give one"):
+        case("precision=fp8", "fp8_gemm=rowwise", "nccl.fp8_gemm=emulated")
 
 
 def test_reports_name_every_fp8_path_by_its_scaling():
     """The report's series names (labels.SCALING_VARIANTS) read each fp8 path's and each TE recipe's `scaling`
     text as written here: a renamed label would otherwise merge two paths into one series again."""
     from baselines.te_common import RECIPE_LABEL
-    from harness.config import make_case
+    from harness.point import make_case
     from harness.labels import scaling_variant
 
     case = make_case(compose_cfg("shape=tiny", "precision=fp8"), ep_size=2, device="cpu")
@@ -160,7 +167,8 @@ def test_reports_name_every_fp8_path_by_its_scaling():
 
 
 def test_fp8_gemm_enters_the_fp8_config_hash_only():
-    from harness.config import config_hash, make_case, to_container
+    from harness.config import config_hash, to_container
+    from harness.point import make_case
 
     def h(*o):
         cfg = compose_cfg("shape=tiny", *o)
@@ -168,6 +176,11 @@ def test_fp8_gemm_enters_the_fp8_config_hash_only():
 
     assert h("fp8_gemm=rowwise") == h()
     assert h("precision=fp8", "fp8_gemm=rowwise") != h("precision=fp8", "fp8_gemm=blockwise")
+    # the alias sets the three backends' option: the same point as setting each, not as setting one
+    every = ("nccl.fp8_gemm=rowwise", "deepep.fp8_gemm=rowwise", "hybridep.fp8_gemm=rowwise")
+    assert h("precision=fp8", *every) == h("precision=fp8", "fp8_gemm=rowwise")
+    assert h("precision=fp8", "nccl.fp8_gemm=rowwise") not in (h("precision=fp8"),
+                                                               h("precision=fp8", "fp8_gemm=rowwise"))
 
 
 @pytest.mark.slow
@@ -232,7 +245,7 @@ def test_deep_gemm_build_check(small_check, kind, says):
 def test_deep_gemm_build_check_decides_the_blockwise_path(small_check, monkeypatch):
     """On an SM90 GPU (faked here) a DeepGEMM that fails the check makes fp8_gemm=blockwise unsupported, with the fix
     and the build; one that passes runs, and its rows' scaling carries the check's line. Once per process."""
-    from harness.config import make_case
+    from harness.point import make_case
 
     monkeypatch.setattr(fg, "_capability", lambda device: (9, 0))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
@@ -499,10 +512,10 @@ def test_layout_probe_is_exact_on_cpu(kind_b):
 
 
 def test_blockwise_loop_resolves_and_labels_on_cpu():
-    from harness.config import make_case
+    from harness.point import make_case
 
-    case = make_case(compose_cfg("shape=tiny", "precision=fp8", "fp8_gemm=blockwise_loop"), ep_size=2, device="cpu")
-    path, why = fg.resolve(case)
+    case = make_case(compose_cfg("shape=tiny", "precision=fp8"), ep_size=2, device="cpu")
+    path, why = fg.resolve(case, "blockwise_loop")
     assert path == "blockwise_loop" and "fp8_gemm=emulated" in why
     label = fg.scaling_label("blockwise_loop", case, "bf16")
     assert "torch scaled_mm v2 per-expert loop" in label and "1x128 x 128x128" in label
@@ -512,7 +525,7 @@ def test_auto_keeps_the_fastest_path_and_records_every_time(monkeypatch):
     """The choice and the bookkeeping of ``fastest_experts`` (the timing itself needs CUDA events: the gpu test):
     the fastest forward + backward wins, every path's times are in the line, blockwise and blockwise_loop share one
     quantization of the weights, and one format is held at a time (the pick's is made again after rowwise's)."""
-    from harness.config import make_case
+    from harness.point import make_case
 
     case = make_case(compose_cfg("shape=tiny", "precision=fp8"), ep_size=2, device="cpu")
     fake = {"blockwise": (2.0, 5.0), "blockwise_loop": (3.0, 3.5), "rowwise": (1.0, 6.0)}
@@ -576,7 +589,7 @@ def test_scaled_mm_loop_matches_reference_on_gpu():
 @pytest.mark.skipif(not HAS_GPU, reason="no CUDA GPU on this machine")
 def test_auto_times_the_installed_paths_on_gpu():
     """fp8_gemm=auto on this GPU: every real path installed is timed, the pick is one of them and the fastest."""
-    from harness.config import make_case
+    from harness.point import make_case
 
     found = fg.auto_candidates("cuda")
     if len(found) < 2:

@@ -70,21 +70,28 @@ def test_inference_forward_declines_the_backward(results_dir):
     assert "inference forward (saves nothing)" in r.notes
     b = by(df, "mok_hopper", "bwd")
     assert b.status == "unsupported" and "mok_hopper_forward=inference saves nothing" in b.error
+    assert (df.backend_options == "forward=inference").all()  # the alias reached the backend's own option
 
 
 def test_directions_it_declines():
     from contract import direction_unsupported
 
-    def why(direction, **kw):
-        base = dict(precision="bf16", device="cuda", ep_size=1, mok_hopper_forward="save_h")
-        return direction_unsupported(MokHopperBackend, SimpleNamespace(**{**base, **kw}), direction)
+    from kernels.mok_hopper.options import MokHopperOptions
+
+    def why(direction, forward="save_h", **kw):
+        base = dict(precision="bf16", device="cuda", ep_size=1)
+        return direction_unsupported(MokHopperBackend, SimpleNamespace(**{**base, **kw}), direction,
+                                     MokHopperOptions(forward=forward))
 
     assert why("fwd", precision="fp8", ep_size=8) is None
-    assert why("bwd") is None and why("fwd_bwd", mok_hopper_forward="recompute") is None
+    assert why("bwd") is None and why("fwd_bwd", forward="recompute") is None
     assert why("bwd", device="cpu", ep_size=4) is None  # the twin's backward
     assert why("bwd", precision="fp8") is None and why("fwd_bwd", precision="fp8", ep_size=2) is None  # issue 25
     assert why("fwd_bwd", ep_size=2) is None  # across ranks: the dO pull and the dX push
-    assert "saves nothing" in why("bwd", mok_hopper_forward="inference")
+    assert "saves nothing" in why("bwd", forward="inference") and why("fwd", forward="inference") is None
+    # without options (a tool or test that builds the backend itself): the defaults
+    assert direction_unsupported(MokHopperBackend, SimpleNamespace(precision="bf16", device="cuda", ep_size=1),
+                                 "bwd") is None
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])

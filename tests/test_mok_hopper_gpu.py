@@ -333,7 +333,7 @@ def test_backend_tile_overrides_without_spin_waits_change_no_bit():
     import torch.distributed as dist
 
     from harness.check import run_once
-    from harness.config import make_case
+    from harness.point import make_case
     from harness.inputs import make_inputs
     from kernels.mok_hopper.backend import MokHopperBackend
 

@@ -16,8 +16,10 @@ from conftest import compose_cfg, cpu_cfg, use_fake_backends
 
 from contract import comm
 from harness import runner
-from harness.config import ConfigError, config_hash, make_case, validate_run_options
+from harness.config import ConfigError, config_hash
+from harness.point import make_case
 from harness.dist import free_port
+from harness.validate import validate_run_options
 
 FAKES = "one_rank_per_gpu=fake_backends:OneRankPerGpu,slow_setup=fake_backends:SlowSetup"
 
@@ -167,7 +169,7 @@ def test_what_ranks_that_share_a_gpu_cannot_do_is_refused(extra, words):
 
 
 def test_an_idle_rank_gets_no_token_and_needs_enough_other_experts():
-    from harness.config import validate_case
+    from harness.validate import validate_case
     from harness.inputs import make_routing
 
     case = make_case(_resolved("ep_size=2", *IDLE_RANK), ep_size=2, device="cpu")
@@ -187,3 +189,24 @@ def test_one_rank_per_gpu_keeps_the_hash_a_point_had_before_the_option():
     assert config_hash(c, case) == before
     assert config_hash(dict(c, ranks_per_gpu=2), case) != before
     assert config_hash(dict(c, watchdog_s=30), case) == before
+
+
+def test_which_backends_run_with_ranks_that_share_a_gpu():
+    """nccl and the reference do anywhere; mok_hopper's CPU twin does, its kernel does not (torch's symmetric-memory
+    rendezvous refuses ranks in several processes on one device: measured on an H100, docs/mok_hopper.md), and says
+    what checks several of its ranks on one GPU instead; a backend without the attribute says to drop the
+    option."""
+    from types import SimpleNamespace
+
+    from baselines.nccl import NcclBackend
+    from contract.backend import shared_gpu_unsupported
+    from harness.reference import ReferenceBackend
+    from kernels.mok_hopper.backend import MokHopperBackend
+
+    cpu, cuda = SimpleNamespace(device="cpu"), SimpleNamespace(device="cuda")
+    for cls in (NcclBackend, ReferenceBackend):
+        assert shared_gpu_unsupported(cls, cuda, cls.name, 2) is None
+    assert shared_gpu_unsupported(MokHopperBackend, cpu, "mok_hopper", 2) is None
+    why = shared_gpu_unsupported(MokHopperBackend, cuda, "mok_hopper", 2)
+    assert "symmetric memory" in why and "benchmarks.mok_hopper.shared_gpu_check" in why
+    assert "drop ranks_per_gpu" in shared_gpu_unsupported(SimpleNamespace(), cuda, "other", 4)

@@ -23,7 +23,9 @@ import baselines.te_common as tc
 from baselines.common import expert_mlp, swiglu
 from baselines.deepep_te import DeepEPTEBackend
 from baselines.hybridep import dense_routing
-from harness.config import ConfigError, config_hash, make_case, to_container
+from harness.backend_options import options_for
+from harness.config import ConfigError, config_hash, to_container
+from harness.point import make_case
 from harness.runner import resolve, run_benchmark
 
 HAS_TE = importlib.util.find_spec("transformer_engine") is not None
@@ -96,16 +98,22 @@ def test_recipe_follows_precision_and_the_te_fp8_recipe_option():
     assert tc.recipe_name("fp8", "tensorwise") == "Float8CurrentScaling"
     assert tc.recipe_name("fp8", "delayed") == "DelayedScaling"
     assert tc.recipe_name("mxfp8", "delayed") == "MXFP8BlockScaling"  # the option only picks among fp8 recipes
-    with pytest.raises(ValueError, match="unknown te_fp8_recipe"):
+    with pytest.raises(ValueError, match="unknown fp8 recipe 'fancy'"):
         tc.recipe_name("fp8", "fancy")
-    case = case_of("precision=fp8", "te_fp8_recipe=tensorwise")
-    assert tc.recipe_name(case.precision, tc.te_fp8_option(case)) == "Float8CurrentScaling"
-    assert tc.te_fp8_option(types.SimpleNamespace()) == "blockwise"  # a case without the field
+    # the option reaches each TE backend through its own options, from the alias or its scoped key
+    for ov, want in (("te_fp8_recipe=tensorwise", ("tensorwise", "tensorwise")),
+                     ("deepep_te.fp8_recipe=delayed", ("delayed", "blockwise")),
+                     ("hybridep_megatron.fp8_recipe=tensorwise", ("blockwise", "tensorwise"))):
+        c = resolve(compose_cfg("device=cpu", "shape=tiny", "precision=fp8", ov))
+        got = tuple(options_for(b, c).fp8_recipe for b in ("deepep_te", "hybridep_megatron"))
+        assert got == want, ov
 
 
 def test_recipe_option_is_validated_and_hashed_only_where_it_changes_the_measurement():
     with pytest.raises(ConfigError, match="unknown te_fp8_recipe 'fancy'"):
         case_of("te_fp8_recipe=fancy")
+    with pytest.raises(ConfigError, match="unknown deepep_te.fp8_recipe 'fancy'; choose one of: blockwise, "):
+        case_of("deepep_te.fp8_recipe=fancy")
 
     def h(*ov):
         c = to_container(resolve(compose_cfg("device=cpu", "shape=tiny", *ov)))
@@ -115,6 +123,11 @@ def test_recipe_option_is_validated_and_hashed_only_where_it_changes_the_measure
     assert h("precision=fp8", "te_fp8_recipe=blockwise") == h("precision=fp8")
     assert h("precision=fp8", "te_fp8_recipe=tensorwise") != h("precision=fp8")
     assert h("precision=fp8", "te_fp8_recipe=delayed") != h("precision=fp8", "te_fp8_recipe=tensorwise")
+    # one backend's own recipe is a point of its own, and not the alias's (which sets both backends)
+    assert h("precision=fp8", "deepep_te.fp8_recipe=delayed") not in (h("precision=fp8"),
+                                                                     h("precision=fp8", "te_fp8_recipe=delayed"))
+    assert h("precision=fp8", "deepep_te.fp8_recipe=delayed", "hybridep_megatron.fp8_recipe=delayed") == \
+        h("precision=fp8", "te_fp8_recipe=delayed")
 
 
 def test_recipes_need_their_compute_capability():
@@ -338,7 +351,7 @@ def test_megatron_config_is_the_published_layer():
     ("fp8", "blockwise", "blockwise"), ("fp8", "tensorwise", "tensorwise"), ("fp8", "delayed", "delayed"),
     ("mxfp8", "blockwise", "mxfp8")])
 def test_megatron_config_quantization(precision, option, recipe):
-    kw, _ = hm.config_kwargs(case_of(f"precision={precision}", f"te_fp8_recipe={option}"), Everything(), 20)
+    kw, _ = hm.config_kwargs(case_of(f"precision={precision}"), Everything(), 20, recipe=option)
     assert kw["fp8"] == "e4m3" and kw["fp8_recipe"] == recipe
 
 

@@ -15,7 +15,7 @@ Run (repository root, one GPU)::
     TRITON_INTERPRET=1 torchrun --nproc-per-node=1 -m benchmarks.mok_hopper.bwd_check --out DIR --smoke
 
 Everything goes through the harness's own pieces: the backend class the harness runs (``MokHopperBackend``, one per
-``mok_hopper_forward`` mode), its inputs (``harness.inputs``: the harness's seed), its reference and comparison
+value of its ``forward`` option), its inputs (``harness.inputs``: the harness's seed), its reference and comparison
 (``harness.check``), its timing path (``harness.runner.time_direction``: the bwd row times the backward after an
 untimed forward, as published). What is kept here: per-gradient errors, the repeat check, the stage timer (CUDA
 events between the stages of :func:`kernels.mok_hopper.train.layer_backward`) and the memory figures; ``--sweep`` times launch variants of the backward's GEMMs (``SWEEP``) stage by stage and says
@@ -45,6 +45,7 @@ from harness.check import compare, run_once
 from harness.reference import ReferenceBackend
 from harness.runner import time_direction
 from kernels.mok_hopper.backend import MokHopperBackend
+from kernels.mok_hopper.options import MokHopperOptions
 from kernels.mok_hopper.tiles import parse_tile_overrides
 from kernels.mok_hopper.train import BWD_STAGES, layer_backward
 from kernels.mok_hopper.workspace import clear_workspace_cache
@@ -447,10 +448,9 @@ def check_shape(ctx: Ctx, name: str, args: argparse.Namespace) -> None:
     ctx.add(section="memory", shape=name, backend="reference", **ref_mem)
     ctx.log(f"{name}: reference done {ref_mem}")
     for mode in args.modes:
-        c = replace(case, mok_hopper_forward=mode)
         _sync(ctx)
         a0 = _alloc(ctx)
-        b = MokHopperBackend(c, ctx.group)
+        b = MokHopperBackend(case, ctx.group, MokHopperOptions(forward=mode))
         b.tile_overrides = args.tile_over
         b.setup(inp)
         _sync(ctx)
@@ -521,8 +521,10 @@ def check_shape(ctx: Ctx, name: str, args: argparse.Namespace) -> None:
             torch.cuda.empty_cache()
     if args.nccl and not ctx.smoke:
         from baselines.nccl import NcclBackend
+        from baselines.options import ExpertGemmOptions
 
-        nb = NcclBackend(replace(case, compile=False, fp8_gemm="rowwise"), ctx.group)  # (fp8: the fastest real path)
+        # (fp8: the fastest real path)
+        nb = NcclBackend(replace(case, compile=False), ctx.group, ExpertGemmOptions(fp8_gemm="rowwise"))
         nb.setup(inp)
         mem = step_memory(ctx, nb, inp)
         row = dict(section="memory", shape=name, precision=case.precision, backend="nccl (eager)", **mem)

@@ -5,8 +5,9 @@ On CUDA it runs the Triton kernels. On the CPU (the harness's gloo test runs) it
 same pipeline (:class:`~kernels.mok_hopper.twin.ranks.DistributedTwin`, forward and backward), and ``info()['notes']``
 says so: those rows check the schedule / combine logic and the backend plumbing, they time nothing about the kernel.
 
-The forward is a training forward (autograd records it, as the baselines' forwards are recorded) unless the case's
-``mok_hopper_forward`` is ``inference``: ``save_h`` (default) keeps X and the pre-SwiGLU H, ``recompute`` keeps X and
+The forward is a training forward (autograd records it, as the baselines' forwards are recorded) unless its option
+``forward`` (``mok_hopper.forward=``, alias ``mok_hopper_forward=``; :mod:`kernels.mok_hopper.options`) is
+``inference``: ``save_h`` (default) keeps X and the pre-SwiGLU H, ``recompute`` keeps X and
 the backward recomputes H (:mod:`kernels.mok_hopper.train`). The backward runs at any EP, bf16 and fp8 (across
 ranks: the expert owners pull the dO rows and push the dX rows back; fp8: :mod:`kernels.mok_hopper.ops.bwd_fp8`).
 
@@ -22,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from contract import Case, ExpertLeaves, LayerInputs
+from kernels.mok_hopper.options import MokHopperOptions
 
 
 class _TwinTrain(torch.autograd.Function):
@@ -44,20 +46,30 @@ class _TwinTrain(torch.autograd.Function):
 class MokHopperBackend:
     name = "mok_hopper"
     directions = ("fwd", "bwd", "fwd_bwd")
-    # several ranks on one GPU (ranks_per_gpu > 1): its workspaces are symmetric memory over any process group
+    # several ranks on one GPU (ranks_per_gpu > 1): the CPU twin only (shared_gpu_unsupported says why not the kernel)
     runs_shared_gpu = True
 
     @classmethod
-    def direction_unsupported(cls, case: Case, direction: str) -> Optional[str]:
+    def shared_gpu_unsupported(cls, case: Case) -> Optional[str]:
+        if case.device != "cuda":
+            return None  # the twin's collectives go through the process group
+        return ("the kernel's workspaces are torch symmetric memory, whose rendezvous refuses ranks in several "
+                "processes on one device ('detected allocations from overlapping devices from different ranks', "
+                "torch 2.11 on an H100); check several ranks of it on one GPU in one process instead: "
+                "python -m benchmarks.mok_hopper.shared_gpu_check --out DIR")
+
+    @classmethod
+    def direction_unsupported(cls, case: Case, direction: str,
+                              options: Optional[MokHopperOptions] = None) -> Optional[str]:
         if direction == "fwd":
             return None
-        if getattr(case, "mok_hopper_forward", "save_h") == "inference":
+        if (options or MokHopperOptions()).forward == "inference":
             return ("mok_hopper_forward=inference saves nothing for a backward; use mok_hopper_forward=save_h "
                     "(default) or recompute")
         return None
 
     @classmethod
-    def unsupported_reason(cls, case: Case) -> Optional[str]:
+    def unsupported_reason(cls, case: Case, options: Optional[MokHopperOptions] = None) -> Optional[str]:
         if case.precision == "mxfp8":
             return ("mxfp8 (1x32 e8m0 scales) is Blackwell's format: use the `mok` backend on Blackwell; this Hopper "
                     "kernel runs bf16 and fp8 (precision=fp8: e4m3 with 1x128 / 128x128 block scales)")
@@ -81,7 +93,7 @@ class MokHopperBackend:
                     f"pick another shape")
         return None
 
-    def __init__(self, case: Case, group: Any) -> None:
+    def __init__(self, case: Case, group: Any, options: Optional[MokHopperOptions] = None) -> None:
         self.case, self.group = case, group
         self.rank = dist.get_rank(group)
         self.ep = dist.get_world_size(group)
@@ -90,7 +102,7 @@ class MokHopperBackend:
         self._tile: Any = None
         self.tile_overrides: dict[str, Any] = {}  # TileConfig fields over the default tile (CUDA; bwd_check --tile)
         self.params: Optional[ExpertLeaves] = None
-        self.mode = getattr(case, "mok_hopper_forward", "save_h")
+        self.mode = (options or MokHopperOptions()).forward
 
     def setup(self, inputs: LayerInputs) -> None:
         c = self.case

@@ -1,0 +1,147 @@
+"""A point keeps its config_hash: recomputing each committed row's hash from its stored configuration gives the stored
+hash, and so does every row the harness writes now (its ``point_config``).
+
+The rows in results/runs were written before rows stored their configuration: their point comes back from their
+columns plus the launch settings the columns do not hold (tests/data/committed_hash_knobs.json, found by search over
+those settings with the hash function of the commit before the backends' options moved out of ``Case``:
+tests/data/find_hash_knobs.py). The settings are given as the command line gave them then (``fp8_gemm=``,
+``te_fp8_recipe=``, ``mok_hopper_forward=``), so these points also go through today's aliases."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from conftest import cpu_cfg
+
+from harness import results
+from harness.backend_options import apply_aliases
+from harness.config import ConfigError, config_hash, load_group_option, to_container
+from harness.point import make_case
+
+ROOT = Path(__file__).resolve().parent.parent
+KNOBS = json.loads((ROOT / "tests" / "data" / "committed_hash_knobs.json").read_text())
+
+
+def _value(v):
+    if v is None or v is pd.NA or (isinstance(v, float) and math.isnan(v)):
+        return None
+    return v.item() if hasattr(v, "item") else v
+
+
+def _routing(label: str) -> dict:
+    if label == "uniform":
+        return dict(name="uniform", routing="uniform")
+    if m := re.fullmatch(r"zipf\(s=(.*)\)", label):
+        return dict(name="zipf", routing="zipf", zipf_exponent=float(m[1]))
+    if m := re.fullmatch(r"hot_experts\(f=(.*),x(.*)\)", label):
+        return dict(name="hot_experts", routing="hot_experts", hot_fraction=float(m[1]), hot_ratio=float(m[2]))
+    m = re.fullmatch(r"hot_rank\(r=(.*),x(.*)\)", label)
+    assert m, label
+    return dict(name="hot_rank", routing="hot_rank", hot_rank=int(m[1]), hot_ratio=float(m[2]))
+
+
+def point_of_row(r: pd.Series, knobs: dict) -> dict:
+    """The resolved configuration of a committed row, as the command line of its run gave it: its columns, the
+    config files of its shape / workload / precision, and the launch settings ``knobs``."""
+    rp = _routing(r["routing"])
+    wl = to_container(load_group_option("workload", rp["name"]))
+    wl.update(rp, tokens_per_gpu=int(r["tokens_per_gpu"]), seed=int(r["seed"]))
+    prec = to_container(load_group_option("precision", r["precision"]))
+    prec.update(atol=float(r["atol"]), rtol=float(r["rtol"]))
+    name = r["shape"].split("@")[0]
+    try:
+        shape = to_container(load_group_option("shape", name))
+    except ConfigError:
+        shape = dict(to_container(load_group_option("shape", "custom")), name=name)
+    if shape["num_experts"] == "???":
+        shape["num_experts"] = int(r["num_experts"])
+    pl, sl = _value(r["published_local_experts"]), _value(r["swiglu_limit"])
+    shape.update(hidden=int(r["hidden"]), ffn=int(r["ffn"]), topk=int(r["topk"]), shared_expert=bool(r["shared_expert"]),
+                 local_experts=int(r["local_experts"]) if r["experts_override"] else None,
+                 published_local_experts=None if pl is None else int(pl), swiglu_limit=None if sl is None else float(sl))
+    c = dict(shape=shape, workload=wl, precision=prec, device=r["device"], ranks_per_gpu=1,
+             ep_size=int(r["ep_size"]) if knobs["ep_size_given"] else None, compile=knobs["compile"],
+             compile_mode=knobs["compile_mode"],
+             comm_sms=_value(r["comm_sms"]) if knobs["comm_sms_given"] else None,
+             fp8_gemm=knobs["fp8_gemm"], te_fp8_recipe=knobs["te_fp8_recipe"],
+             mok_hopper_forward=knobs["mok_hopper_forward"])
+    apply_aliases(c)
+    return c
+
+
+@pytest.fixture(scope="module")
+def committed() -> pd.DataFrame:
+    return results.load(ROOT / "results" / "runs")
+
+
+def _hash_of_row(r: pd.Series, knobs: dict) -> str:
+    c = point_of_row(r, knobs)
+    return config_hash(c, make_case(c, ep_size=int(r["ep_size"]), device=r["device"]))
+
+
+def test_every_committed_point_keeps_its_hash(committed):
+    assert len(committed) > 800  # the committed rows are there
+    stored = committed[committed.point_config.notna()]
+    for _, r in stored.iterrows():  # rows that store their configuration
+        c = json.loads(r.point_config)
+        assert config_hash(c, make_case(c, ep_size=int(r.ep_size), device=r.device)) == r.config_hash, r.run_id
+    reproduced, older = [], []
+    for h, g in committed[committed.point_config.isna()].groupby("config_hash"):
+        knobs = KNOBS.get(h)
+        assert knobs is not None, (f"{h} (run {g.run_id.iloc[0]}) has no launch settings in "
+                                   f"tests/data/committed_hash_knobs.json; rows written now carry point_config")
+        r = g.iloc[0]
+        got = _hash_of_row(r, knobs)
+        if knobs.get("older_hash_function"):
+            older.append((h, r, knobs))
+            assert got != h  # (checked below against the function that made it)
+            continue
+        assert got == h, f"{h} (run {r.run_id}, {r.shape} {r.precision}) now hashes to {got}"
+        reproduced.append(h)
+    assert len(reproduced) == 46 and len(older) == 8
+
+
+def test_points_hashed_before_fp8_gemm_entered_the_hash_are_that_function_s(committed, monkeypatch):
+    """Eight fp8 points of 2026-11-30 were hashed before ``fp8_gemm`` entered fp8 points' hashes (that option's
+    ``hash_default``): today's function without that entry gives their stored hashes, so nothing else moved them."""
+    import harness.backend_options as bo
+
+    hash_entries = bo.hash_entries
+
+    def without_fp8_gemm(c, precision):
+        by_alias, scoped = hash_entries(c, precision)
+        by_alias.pop("fp8_gemm", None)
+        return by_alias, scoped
+
+    monkeypatch.setattr(bo, "hash_entries", without_fp8_gemm)
+    older = {h: k for h, k in KNOBS.items() if k and k.get("older_hash_function")}
+    assert len(older) == 8
+    for h, knobs in older.items():
+        r = committed[committed.config_hash == h].iloc[0]
+        assert r.precision == "fp8" and str(r.timestamp) < "2026-12-01"
+        assert _hash_of_row(r, knobs) == h
+
+
+def test_old_rows_load_without_the_new_columns(committed):
+    old = committed[committed.timestamp.astype(str) < "2026-12-06"]  # written before the two columns
+    assert len(old) > 800 and old["backend_options"].isna().all() and old["point_config"].isna().all()
+    assert committed["config_hash"].notna().all()
+
+
+def test_a_row_written_now_gives_back_its_hash_from_its_stored_config(results_dir):
+    from harness.runner import run_benchmark
+
+    df = run_benchmark(cpu_cfg(results_dir, "ep_size=2", "backends=[nccl,mok_hopper]", "directions=[fwd]",
+                               "precision=fp8", "fp8_gemm=rowwise", "mok_hopper.forward=recompute"))
+    assert len(df) == 2
+    for _, r in df.iterrows():
+        c = json.loads(r.point_config)
+        case = make_case(c, ep_size=int(r.ep_size), device=r.device)
+        assert config_hash(c, case) == r.config_hash
+    by = df.set_index("backend").backend_options
+    assert by["nccl"] == "fp8_gemm=rowwise" and by["mok_hopper"] == "forward=recompute"
