@@ -255,9 +255,11 @@ def aggregate(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def environments(df: pd.DataFrame) -> list[dict[str, Any]]:
-    """The distinct (run, environment, routing) combinations in ``df``: runs newest first, then a stable order."""
+    """The distinct (run, environment, routing) combinations of ``df``'s speed rows (:func:`speed_rows`: the charts
+    and tables drawn per environment time nothing from ranks that shared a GPU): runs newest first, then a stable
+    order."""
     keys = [*ENV_KEYS, "routing"]
-    envs = with_runs(df)[keys].drop_duplicates().to_dict("records")
+    envs = with_runs(speed_rows(df)[0])[keys].drop_duplicates().to_dict("records")
     envs = sorted(envs, key=lambda e: tuple("" if isna(e[k]) else f"{e[k]!s:>12}" for k in keys[1:]))
     return sorted(envs, key=lambda e: "" if isna(e["run_started"]) else str(e["run_started"]), reverse=True)
 

@@ -105,7 +105,8 @@ class Point:
 
     @property
     def ranks_per_gpu(self) -> int:
-        return self.config.ranks_per_gpu if self.case.device == "cuda" else 1
+        """Ranks that share each GPU (above 1 on CUDA only: harness.validate refuses it elsewhere)."""
+        return self.config.ranks_per_gpu
 
     def columns(self) -> dict[str, Any]:
         """The columns every row of the point shares, from the point alone: the case's fields under their own names

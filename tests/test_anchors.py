@@ -61,14 +61,14 @@ def test_unknown_and_extra_backends_get_defaults():
     assert L.is_baseline("my_backend") and L.system_label("my_backend") == "my_backend"
     code = ("import harness.backends as b, harness.labels as L; s = b.spec('extra1'); "
             "print(b.BACKENDS['extra1'], s.role, s.label, L.is_baseline('extra1'))")
-    env = dict(os.environ, MOKBENCH_EXTRA_BACKENDS="extra1=fake_backends:WrongOutput", PYTHONPATH=str(ROOT))
+    env = dict(os.environ, MOKBENCH_EXTRA_BACKENDS="extra1=fake_backends:WrongOutput")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["fake_backends:WrongOutput", "baseline", "extra1", "True"]
 
 
 def test_reports_import_the_registry_without_torch():
     code = "import sys, harness.report, harness.backends; print('torch' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ),
                          capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
@@ -576,7 +576,7 @@ def test_nccl_notes_say_inductor_autotuned_in_subprocesses(monkeypatch):
 
     code = "from baselines.nccl import inductor_note; print(inductor_note(True))"
     for value, says in (("1", "inductor autotuning in subprocesses (TORCHINDUCTOR_AUTOTUNE_IN_SUBPROC=1)"), ("0", "")):
-        env = dict(os.environ, PYTHONPATH=str(ROOT), TORCHINDUCTOR_AUTOTUNE_IN_SUBPROC=value)
+        env = dict(os.environ, TORCHINDUCTOR_AUTOTUNE_IN_SUBPROC=value)
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
         assert out.stdout.strip() == says
     b = nccl.NcclBackend.__new__(nccl.NcclBackend)
@@ -617,7 +617,7 @@ def test_megamoe_beside_mok_hopper_inference_is_one_valid_run(tmp_path):
     r = subprocess.run([sys.executable, "-m", "harness.run", "backends=[deepgemm_megamoe,mok_hopper]", "precision=fp8",
                         "mok_hopper_forward=inference", "direction=fwd", "ep_size=1", "timing.num_iters=2",
                         f"results_dir={out}", "print_table=false"], cwd=ROOT, capture_output=True, text=True,
-                       timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                       timeout=300, env=dict(os.environ))
     assert r.returncode == 0, r.stderr[-2000:]
     df = results.load(out)
     st = {r.backend: (r.status, str(r.error)) for r in df.itertuples()}

@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAS_GPU, reason="no CUDA G
 
 def _check(tmp_path, *args: str, timeout: float = 900) -> tuple[subprocess.CompletedProcess, list[dict[str, str]]]:
     out = tmp_path / "out"
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ)  # PYTHONPATH: conftest put the repo on it, before what was there
     env.pop("TRITON_INTERPRET", None)
     p = subprocess.run([sys.executable, "-m", "benchmarks.mok_hopper.shared_gpu_check", "--out", str(out), *args],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
@@ -80,7 +80,7 @@ def test_lockstep_ranks_on_one_gpu_match_the_references(tmp_path):
 
 def test_the_probe_gives_every_step_a_record(tmp_path):
     """The probe runs to its report on a GPU, whatever it finds: every step of P = 2 has a record with a status."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ)  # PYTHONPATH: conftest put the repo on it, before what was there
     p = subprocess.run([sys.executable, "scripts/probe_shared_gpu.py", "--out", str(tmp_path), "--ranks", "2",
                         "--timeout", "120", "--repeats", "3", "--spin-limit-s", "2"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=900)
@@ -103,8 +103,8 @@ def test_harness_ranks_in_processes_of_their_own_share_the_gpu(tmp_path, ranks):
     cannot (torch's rendezvous refuses processes that share a device)."""
     from harness import results
 
-    env = dict(os.environ, MOKBENCH_EXTRA_BACKENDS="one_rank_per_gpu=fake_backends:OneRankPerGpu",
-               PYTHONPATH=f"{ROOT / 'tests'}{os.pathsep}{ROOT}")
+    # PYTHONPATH: conftest put tests/ (fake_backends) and the repo on it, before what was there
+    env = dict(os.environ, MOKBENCH_EXTRA_BACKENDS="one_rank_per_gpu=fake_backends:OneRankPerGpu")
     env.pop("TRITON_INTERPRET", None)
     p = subprocess.run([sys.executable, "-m", "harness.run", "-m", *SMALL, "device=cuda", "compile=false",
                         "timing=quick", "directions=[fwd,bwd]", f"results_dir={tmp_path}", "print_table=false",

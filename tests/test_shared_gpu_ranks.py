@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import compose_cfg, cpu_cfg, use_fake_backends
+from conftest import ROOT, compose_cfg, cpu_cfg, use_fake_backends
 
 from contract import comm
 from harness import runner
@@ -82,9 +82,9 @@ def _shared_run(results_dir, monkeypatch, backends: str, *overrides: str):
     """``harness.run``'s own path with ranks_per_gpu=2, on CPU ranks. Validation refuses the option on a CPU (there
     is no GPU to share), so that one check is switched off here; everything else (the launch, the watchdog, the
     rows the launcher fills in) is the runner's."""
-    import harness.config
+    import harness.validate
 
-    monkeypatch.setattr(harness.config, "_check_shared_gpu", lambda c: None)
+    monkeypatch.setattr(harness.validate, "_check_shared_gpu", lambda c: None)
     return runner.run_benchmark(cpu_cfg(results_dir, "ep_size=2", "ranks_per_gpu=2", f"backends={backends}",
                                         "directions=[fwd,bwd]", *overrides))
 
@@ -210,3 +210,16 @@ def test_which_backends_run_with_ranks_that_share_a_gpu():
     why = shared_gpu_unsupported(MokHopperBackend, cuda, "mok_hopper", 2)
     assert "symmetric memory" in why and "benchmarks.mok_hopper.shared_gpu_check" in why
     assert "drop ranks_per_gpu" in shared_gpu_unsupported(SimpleNamespace(), cuda, "other", 4)
+
+
+def test_a_run_of_ranks_that_shared_a_gpu_is_no_environment_of_the_speed_charts():
+    """The notebook and the charts draw per environment; a run whose rows all shared a GPU times nothing, so it is
+    none of them (its panel had no claims to draw and failed)."""
+    from harness import claims, results
+
+    df = claims.prepare(results.load(ROOT / "results" / "runs" / "h100x1-s35-shared-p2"), "run")
+    assert len(df) and df.shared_gpu.all()
+    assert claims.environments(df) == []
+    both = claims.prepare(results.load(ROOT / "results" / "runs"), "run")
+    envs = claims.environments(both)
+    assert envs and not [e for e in envs if e.get("gpu_name") == "NVIDIA H100 80GB HBM3"]  # its only H100 run
