@@ -10,66 +10,25 @@ tests/data/find_hash_knobs.py). The settings are given as the command line gave 
 from __future__ import annotations
 
 import json
-import math
-import re
 from pathlib import Path
 
 import pandas as pd
 import pytest
+from committed_points import row_config
 from conftest import cpu_cfg
 
 from harness import results
 from harness.backend_options import apply_aliases
-from harness.config import ConfigError, config_hash, load_group_option, to_container
+from harness.config import config_hash
 from harness.point import make_case
 
 ROOT = Path(__file__).resolve().parent.parent
 KNOBS = json.loads((ROOT / "tests" / "data" / "committed_hash_knobs.json").read_text())
 
 
-def _value(v):
-    if v is None or v is pd.NA or (isinstance(v, float) and math.isnan(v)):
-        return None
-    return v.item() if hasattr(v, "item") else v
-
-
-def _routing(label: str) -> dict:
-    if label == "uniform":
-        return dict(name="uniform", routing="uniform")
-    if m := re.fullmatch(r"zipf\(s=(.*)\)", label):
-        return dict(name="zipf", routing="zipf", zipf_exponent=float(m[1]))
-    if m := re.fullmatch(r"hot_experts\(f=(.*),x(.*)\)", label):
-        return dict(name="hot_experts", routing="hot_experts", hot_fraction=float(m[1]), hot_ratio=float(m[2]))
-    m = re.fullmatch(r"hot_rank\(r=(.*),x(.*)\)", label)
-    assert m, label
-    return dict(name="hot_rank", routing="hot_rank", hot_rank=int(m[1]), hot_ratio=float(m[2]))
-
-
 def point_of_row(r: pd.Series, knobs: dict) -> dict:
-    """The resolved configuration of a committed row, as the command line of its run gave it: its columns, the
-    config files of its shape / workload / precision, and the launch settings ``knobs``."""
-    rp = _routing(r["routing"])
-    wl = to_container(load_group_option("workload", rp["name"]))
-    wl.update(rp, tokens_per_gpu=int(r["tokens_per_gpu"]), seed=int(r["seed"]))
-    prec = to_container(load_group_option("precision", r["precision"]))
-    prec.update(atol=float(r["atol"]), rtol=float(r["rtol"]))
-    name = r["shape"].split("@")[0]
-    try:
-        shape = to_container(load_group_option("shape", name))
-    except ConfigError:
-        shape = dict(to_container(load_group_option("shape", "custom")), name=name)
-    if shape["num_experts"] == "???":
-        shape["num_experts"] = int(r["num_experts"])
-    pl, sl = _value(r["published_local_experts"]), _value(r["swiglu_limit"])
-    shape.update(hidden=int(r["hidden"]), ffn=int(r["ffn"]), topk=int(r["topk"]), shared_expert=bool(r["shared_expert"]),
-                 local_experts=int(r["local_experts"]) if r["experts_override"] else None,
-                 published_local_experts=None if pl is None else int(pl), swiglu_limit=None if sl is None else float(sl))
-    c = dict(shape=shape, workload=wl, precision=prec, device=r["device"], ranks_per_gpu=1,
-             ep_size=int(r["ep_size"]) if knobs["ep_size_given"] else None, compile=knobs["compile"],
-             compile_mode=knobs["compile_mode"],
-             comm_sms=_value(r["comm_sms"]) if knobs["comm_sms_given"] else None,
-             fp8_gemm=knobs["fp8_gemm"], te_fp8_recipe=knobs["te_fp8_recipe"],
-             mok_hopper_forward=knobs["mok_hopper_forward"])
+    """A committed row's resolved configuration (tests/committed_points.py), its aliases in the backends' options."""
+    c = row_config(r, knobs)
     apply_aliases(c)
     return c
 
