@@ -5,8 +5,10 @@ ConfigStore as ``<group>/base_<group>``; the YAML files under ``configs/<group>/
 ``direction`` groups set the ``backends`` / ``directions`` lists, so one process can run several backends and
 directions on identical inputs (``backends=[nccl,deepep]``) while multirun sweeps either axis.
 
-Checks that can be made from the configuration alone live in :func:`validate` and raise :class:`ConfigError`
-with a message that says what to change; the CLI turns it into one line on stderr and exit code 2.
+The top-level schema (:func:`schema`) is :class:`BenchConfig` plus a node per backend that declares options, and their
+aliases (harness/backend_options.py). This module also loads the group options, names timing presets and computes a
+point's identity (:func:`config_hash`). Every check lives in :mod:`harness.validate` and raises
+:class:`~harness.errors.ConfigError`, which names the fix; the CLI turns it into one line on stderr and exit code 2.
 """
 
 from __future__ import annotations
@@ -232,7 +234,6 @@ def to_container(cfg: Any) -> dict:
     if dataclasses.is_dataclass(cfg):
         return dataclasses.asdict(cfg)
     return dict(cfg)
-
 
 
 

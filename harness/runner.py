@@ -30,10 +30,10 @@ from contract.backend import shared_gpu_unsupported
 from harness import env as envinfo
 from harness import memory
 from harness import results
-from harness.backends import load_backend
-from harness.check import compare, leaves, run_once
 from harness import validate
 from harness.backend_options import apply_aliases
+from harness.backends import load_backend
+from harness.check import compare, leaves, run_once
 from harness.config import Case, backend_order, given_run_id, load_group_option, timing_label, to_container
 from harness.point import Point
 from harness.dist import RankEnv, free_port, from_environment, init

@@ -46,8 +46,8 @@ from hydra.core.utils import JobReturn, JobStatus, run_job, setup_globals
 from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
-from harness.cli import hydra_config, point_error_line, point_labels, reject, sweep_problem_lines
 from harness import validate
+from harness.cli import hydra_config, point_error_line, point_labels, reject, sweep_problem_lines
 from harness.launcher_options import POINT_FILE, OWN_KEYS
 
 log = logging.getLogger(__name__)

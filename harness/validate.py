@@ -7,7 +7,8 @@ with a message that names the fix; the command line turns it into one line on st
 * :func:`check_option_conflicts`: a group option and the key it sets, both on the command line;
 * :func:`check_device`, :func:`check_gpus`, :func:`check_cpu_memory`: what this machine (or a job's) has;
 * :func:`check_job_layout`: the layout of a launcher's job (nodes, tasks, GPUs) for a point;
-* :func:`check_new_run`: a run id whose folder already holds rows;
+* :func:`check_run_id`, :func:`run_id_for_sweep`, :func:`check_new_run`: a run id is a name, a sweep's jobs share
+  one, and a run id whose folder already holds rows is refused;
 * :func:`check_launcher_options`: a launcher's own options.
 """
 
@@ -40,7 +41,6 @@ def check_run_id(run_id: Any, source: str = "run_id") -> None:
     if not RUN_ID_PATTERN.fullmatch(rid) or rid in (".", ".."):
         raise ConfigError(f"{source}={rid} is not a run name: use letters, digits, '.', '_' and '-' only (no '/', not "
                           f"'.' or '..'); the rows go to <results_dir>/<run_id>/")
-
 
 
 def run_id_for_sweep(cfg: DictConfig) -> None:
