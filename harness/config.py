@@ -151,7 +151,18 @@ def schema() -> type:
     configuration's schema (Hydra's ``base_config``), and the type of a point's typed configuration."""
     from harness.backend_options import schema_fields
 
-    return dataclasses.make_dataclass("MokbenchConfig", schema_fields(), bases=(BenchConfig,), kw_only=True)
+    cls = dataclasses.make_dataclass("MokbenchConfig", schema_fields(), bases=(BenchConfig,), kw_only=True)
+    # importable as harness.config.MokbenchConfig (module __getattr__ below): a composed config pickled into a sweep's
+    # job and back (submitit's cloudpickle) then refers to this class instead of copying it, since a copied dataclass
+    # loses dataclasses.MISSING and OmegaConf can no longer read its defaults
+    cls.__module__, cls.__qualname__ = __name__, "MokbenchConfig"
+    return cls
+
+
+def __getattr__(name: str) -> Any:
+    if name == "MokbenchConfig":
+        return schema()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def register_configs() -> None:

@@ -335,3 +335,21 @@ def test_how_a_shape_is_shown_is_not_in_its_config_hash():
     unlabelled = dict(c, shape={k: v for k, v in c["shape"].items() if k not in ("display_order", "label")})
     assert config_hash(c, case) == config_hash(relabelled, case) == config_hash(unlabelled, case)
     assert config_hash(c, case) != config_hash(dict(c, shape=dict(c["shape"], hidden=4096)), case)
+
+
+def test_a_composed_config_survives_the_pickle_to_a_sweep_job_and_back(tmp_path):
+    """submitit cloudpickles each job's config and Hydra's return of it: the schema's class must travel by reference
+    (a copied dataclass loses dataclasses.MISSING, and OmegaConf then refused `backends` in the Slurm launcher)."""
+    import subprocess
+    import sys
+
+    import cloudpickle
+
+    (tmp_path / "cfg.pkl").write_bytes(cloudpickle.dumps(compose_cfg("shape=tiny", "device=cpu")))
+    code = ("import pickle, sys; from omegaconf import OmegaConf\n"
+            f"cfg = pickle.load(open({str(tmp_path / 'cfg.pkl')!r}, 'rb'))\n"
+            "cls = cfg._metadata.object_type\n"
+            "OmegaConf.structured(cls); print(cls.__module__, cls.__qualname__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["harness.config", "MokbenchConfig"]
