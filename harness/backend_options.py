@@ -4,7 +4,7 @@ Every backend whose registry line names an options dataclass gets a node of its 
 key: ``nccl.fp8_gemm=rowwise``, ``mok_hopper.forward=recompute``. An option with an alias also answers to that
 top-level key, which sets it for every backend declaring the alias (``fp8_gemm=rowwise``); :func:`apply_aliases`
 turns a given alias into the scoped values once, before anything else reads them. This module builds those schema
-fields, the options a backend gets, the text its rows record, and the entries that the options add to a point's
+fields, the options a backend gets, and the entries that the options add to a point's
 ``config_hash``.
 """
 
@@ -15,7 +15,7 @@ import functools
 import importlib
 from typing import Any, Optional
 
-from contract.options import OptionSpec, option_specs, options_text
+from contract.options import OptionSpec, option_specs
 from harness.backends import REGISTRY
 
 HASH_KEY = "backend_options"  # where a point's hash puts the options that no alias names (see hash_entries)
@@ -69,7 +69,7 @@ def alias_conflicts(c: dict) -> list[str]:
         if value is None:
             continue
         for backend, name, _ in targets:
-            got = (c.get(backend) or {}).get(name, _default(backend, name))
+            got = _value(c, backend, name)
             if got not in (_default(backend, name), value):
                 out.append(f"{alias}={value} conflicts with {backend}.{name}={got}: give one of the two ({alias} sets "
                            f"{', '.join(f'{b}.{n}' for b, n, _ in targets)})")
@@ -93,12 +93,17 @@ def option_values(c: dict) -> list[tuple[str, Any, OptionSpec]]:
     out = [(alias, c[alias], targets[0][2]) for alias, targets in aliases().items() if c.get(alias) is not None]
     for backend, cls in option_backends().items():
         for name, spec in option_specs(cls).items():
-            out.append((f"{backend}.{name}", (c.get(backend) or {}).get(name, _default(backend, name)), spec))
+            out.append((f"{backend}.{name}", _value(c, backend, name), spec))
     return out
 
 
 def _default(backend: str, name: str) -> Any:
     return {f.name: f.default for f in dataclasses.fields(options_class(backend))}[name]
+
+
+def _value(c: dict, backend: str, name: str) -> Any:
+    """The value of ``backend``'s option ``name`` in ``c`` (its default where ``c`` gives none)."""
+    return (c.get(backend) or {}).get(name, _default(backend, name))
 
 
 def _applied(c: dict) -> dict:
@@ -119,12 +124,6 @@ def options_for(backend: str, c: dict) -> Any:
     return cls(**{f.name: node[f.name] for f in dataclasses.fields(cls) if f.name in node})
 
 
-def row_text(backend: str, c: dict) -> Optional[str]:
-    """What a row of ``backend`` records in ``backend_options`` (None: it takes no options)."""
-    opts = options_for(backend, c)
-    return None if opts is None else options_text(opts)
-
-
 def hash_entries(c: dict, precision: str) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
     """What the options add to a point's hash: (entries under their alias names, which go beside the case's fields,
     where the fields of that name used to be; the others, backend -> field -> value, under :data:`HASH_KEY`).
@@ -137,7 +136,7 @@ def hash_entries(c: dict, precision: str) -> tuple[dict[str, Any], dict[str, dic
     by_alias: dict[str, Any] = {}
     scoped: dict[str, dict[str, Any]] = {}
     for alias, targets in aliases().items():
-        values = {(c.get(b) or {}).get(n, _default(b, n)) for b, n, _ in targets}
+        values = {_value(c, b, n) for b, n, _ in targets}
         spec = targets[0][2]
         if len(values) == 1:
             value = values.pop()
@@ -145,12 +144,12 @@ def hash_entries(c: dict, precision: str) -> tuple[dict[str, Any], dict[str, dic
                 by_alias[alias] = value
             continue
         for b, n, s in targets:
-            value = (c.get(b) or {}).get(n, _default(b, n))
+            value = _value(c, b, n)
             if _hashed(s, value, _default(b, n), precision):
                 scoped.setdefault(b, {})[n] = value
     for backend, cls in option_backends().items():
         for name, spec in option_specs(cls).items():
-            value = (c.get(backend) or {}).get(name, _default(backend, name))
+            value = _value(c, backend, name)
             if not spec.alias and _hashed(spec, value, _default(backend, name), precision):
                 scoped.setdefault(backend, {})[name] = value
     return by_alias, scoped

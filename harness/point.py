@@ -6,13 +6,14 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 from omegaconf import OmegaConf
 
 from contract.case import Case
+from contract.options import options_text
 from harness import validate
-from harness.backend_options import options_for, row_text
+from harness.backend_options import options_class
 from harness.config import config_hash, point_config, schema, to_container
 
 
@@ -96,12 +97,13 @@ class Point:
         return dataclasses.asdict(self.config)
 
     def options(self, backend: str) -> Any:
-        """The options ``backend`` runs with (None: it declares none)."""
-        return options_for(backend, self.as_dict())
+        """The options ``backend`` runs with, as the typed configuration holds them (None: it declares none)."""
+        return getattr(self.config, backend) if options_class(backend) is not None else None
 
-    def options_text(self, backend: str) -> Any:
+    def options_text(self, backend: str) -> Optional[str]:
         """What a row of ``backend`` records in ``backend_options`` (None: it takes no options)."""
-        return row_text(backend, self.as_dict())
+        options = self.options(backend)
+        return None if options is None else options_text(options)
 
     @property
     def ranks_per_gpu(self) -> int:

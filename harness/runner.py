@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from contract import LayerInputs, comm, direction_unsupported
 from contract.backend import shared_gpu_unsupported
+from contract.options import options_text
 from harness import env as envinfo
 from harness import memory
 from harness import results
@@ -301,7 +302,7 @@ def run_backend(name: str, point: PointContext) -> Iterator[dict[str, Any]]:
 
     options = pt.options(name)  # None: the backend declares none
     if options is not None:
-        base = dict(base, backend_options=pt.options_text(name))
+        base = dict(base, backend_options=options_text(options))
     status, err, cls = agree(lambda: load_backend(name))
     if status != "ok":
         for d in directions:
