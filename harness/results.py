@@ -57,6 +57,10 @@ COLUMNS: dict[str, str] = {
     "precision": "string",
     "scaling": "string",
     "direction": "string",
+    # what a forward row timed: "training" (the forward keeps what its backward needs) or "inference" (it saves
+    # nothing for a backward); speedups pair like with like. Empty in files written before the column
+    # (harness.labels.forward_kind derives it there)
+    "forward_kind": "string",
     "compiled": "boolean",
     "compile_mode": "string",
     "comm_sms": "Int64",
@@ -94,6 +98,10 @@ COLUMNS: dict[str, str] = {
     "mem_peak_allocated_bytes": "Int64",
     "mem_device_used_before_bytes": "Int64",
     "mem_device_used_peak_bytes": "Int64",
+    # the allocator's peak during the timed iterations less what was allocated when the backend's setup began: the
+    # memory of this backend alone (its setup, workspaces, activations and gradients), without the point's shared
+    # inputs or what earlier backends left (empty in files written before the column)
+    "mem_peak_own_bytes": "Int64",
     "timing_preset": "string",
     "l2_flush": "boolean",
     "align": "string",
