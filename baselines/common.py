@@ -144,6 +144,11 @@ def expert_mlp(
     return grouped_linear(swiglu(gate, up, limit), w2_LHI, offs_L, counts)
 
 
+def inverse_permutation(order_N: torch.Tensor) -> torch.Tensor:
+    """``inv`` with ``inv[order[i]] = i``: one scatter (a second argsort would sort again)."""
+    return torch.empty_like(order_N).scatter_(0, order_N, torch.arange(order_N.numel(), device=order_N.device))
+
+
 def dense_mlp(x_TH: torch.Tensor, g_IH: torch.Tensor, u_IH: torch.Tensor, d_HI: torch.Tensor,
               limit: Optional[float]) -> torch.Tensor:
     return swiglu(x_TH @ g_IH.t(), x_TH @ u_IH.t(), limit) @ d_HI.t()
@@ -227,18 +232,53 @@ class ExpertParams(ExpertLeaves):
             for w in (self.w13, self.w2):
                 q, s = quantize_blocks(w.detach(), b, b)
                 self._quantized.append(dequantize_blocks(q, s, b, b).to(w.dtype))
+        self._eager = (self.mlp, self.dense)
+        self.compile_note = ""  # the compile fallback's failures (warm_compiled), for notes
         if case.compile:
             # The weights are the same tensors every call, as a module's parameters would be: mark them static so
             # that CUDA graphs (max-autotune) use them in place instead of copying every weight into the graph's
             # input buffers on each call (on 2xH200 the compiled nccl forward took 11.47 ms on glm_5_2 unmarked,
-            # 6.47 ms marked: runs h200x2-compiled-20261130T084636 and h200x2-nccl-static-20261130T100905)
+            # 6.47 ms marked: runs recorded in lab/runs.md)
             for t in [self.w13, self.w2, *(self.shared or []), *(self._quantized or []),
                       *(self._fp8.tensors() if self._fp8 else [])]:
                 torch._dynamo.mark_static_address(t)
-            # DeepGEMM's experts and the per-expert loop run eagerly (host-side group sizes; DeepGEMM's JIT kernels)
-            if self.fp8_path not in ("blockwise", "blockwise_loop"):
-                self.mlp = torch.compile(self.mlp, mode=self.compile_mode, dynamic=False)
-            self.dense = torch.compile(dense_mlp, mode=self.compile_mode, dynamic=False)
+            self.compile(self.compile_mode)
+
+    def compile(self, mode: str) -> None:
+        """The expert math and the shared expert under ``torch.compile(mode=mode)`` (``eager``: uncompiled). DeepGEMM's
+        experts and the per-expert loop run eagerly (host-side group sizes; DeepGEMM's JIT kernels)."""
+        from baselines.compile_modes import EAGER
+
+        self.mlp, self.dense = self._eager
+        if mode == EAGER:
+            return
+        if self.fp8_path not in ("blockwise", "blockwise_loop"):
+            self.mlp = torch.compile(self.mlp, mode=mode, dynamic=False)
+        self.dense = torch.compile(dense_mlp, mode=mode, dynamic=False)
+
+    def warm_compiled(self, rows_M: int, counts_L: torch.Tensor, x_TH: torch.Tensor, agree=None) -> None:
+        """Compile and autotune now, on this rank's shapes (``rows_M`` routed rows, grouped as ``counts_L``; the
+        shared expert on ``x_TH``), with the fallback of ``baselines.compile_modes`` where a mode fails: the mode that
+        compiled becomes ``compile_mode`` and the failures ``compile_note``. No collective runs inside a try, so a
+        rank whose compile fails cannot leave the others waiting in one; ``agree`` makes them take the same branch."""
+        from baselines.compile_modes import compile_with_fallback
+
+        if not self.case.compile:
+            return
+        x = torch.randn(rows_M, self.case.hidden, device=x_TH.device, dtype=x_TH.dtype) * self.case.hidden**-0.5
+
+        def warm(_):
+            for _ in range(2):  # the second call: CUDA graph trees record on it
+                xr, xt = x.detach().requires_grad_(), x_TH.detach().requires_grad_()
+                y = self.experts(xr, counts_L).float().sum() + (
+                    self.dense(xt, *self.shared, self.case.swiglu_limit).float().sum() if self.shared else 0.0)
+                y.backward()
+            if x.is_cuda:
+                torch.cuda.synchronize(x.device)
+            self.zero_grad()
+
+        _, outcome = compile_with_fallback(self.compile_mode, self.compile, warm, agree)
+        self.compile_mode, self.compile_note = outcome.mode, outcome.note
 
     def experts(self, x_MH: torch.Tensor, counts_L: torch.Tensor) -> torch.Tensor:
         """Grouped SwiGLU experts on rows sorted by local expert; ``counts_L`` rows per expert (device)."""
@@ -275,7 +315,10 @@ class ExpertParams(ExpertLeaves):
         c = self.case
         scaling = (fp8_gemm.scaling_label(self.fp8_path, c, dispatch, self.fp8_picked) if c.precision == "fp8"
                    else "none")
-        return {"scaling": scaling, "compiled": c.compile, "compile_mode": self.compile_mode if c.compile else ""}
+        from baselines.compile_modes import EAGER
+
+        compiled = bool(c.compile) and self.compile_mode != EAGER  # every compiled mode failed: eager ran
+        return {"scaling": scaling, "compiled": compiled, "compile_mode": self.compile_mode if c.compile else ""}
 
 
 # ---- anchors that run expert parallelism only when asked -----------------------------------------------------

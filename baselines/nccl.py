@@ -23,7 +23,8 @@ import torch.distributed as dist
 
 from contract import Case, LayerInputs, comm
 from baselines import fp8_gemm
-from baselines.common import ExpertParams, all_to_all, precision_unsupported
+from baselines.common import ExpertParams, all_to_all, inverse_permutation, precision_unsupported
+from baselines.compile_modes import group_agree
 from baselines.options import ExpertGemmOptions
 
 
@@ -64,6 +65,17 @@ class NcclBackend:
     def setup(self, inputs: LayerInputs) -> None:
         self.params = ExpertParams(self.case, inputs, published_mode="max-autotune",  # bench_nccl_torch.py
                                    group=self.group, fp8_option=self.options.fp8_gemm)
+        if self.case.compile:
+            self.warm_compile(inputs)
+
+    def warm_compile(self, inputs: LayerInputs) -> None:
+        """Compile and autotune in setup, on this rank's row count (the count exchange, then the expert math on that
+        many rows, locally), falling back where a mode fails (baselines/compile_modes.py)."""
+        counts_E = torch.bincount(inputs.topk_idx_TK.reshape(-1), minlength=self.case.num_experts)
+        recv_counts = torch.empty_like(counts_E)
+        comm.all_to_all_single(recv_counts, counts_E, group=self.group)
+        recv_L = recv_counts.view(self.ep, self.case.local_experts).sum(0)
+        self.params.warm_compiled(int(recv_L.sum()), recv_L, inputs.x_TH, group_agree(self.group, inputs.x_TH.device))
 
     def forward(self, x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, topk_w_TK: torch.Tensor) -> torch.Tensor:
         c, ep, L, g = self.case, self.ep, self.case.local_experts, self.group
@@ -88,10 +100,11 @@ class NcclBackend:
         x_e = x_recv.index_select(0, perm)
         y_e = self.params.experts(x_e, recv_EP_L.sum(0).to(x_TH.device))
 
-        y_recv = y_e.index_select(0, torch.argsort(perm))
+        y_recv = y_e.index_select(0, inverse_permutation(perm))
         y_sorted = all_to_all(y_recv, in_splits, out_splits, g)
-        y_slots = y_sorted.index_select(0, torch.argsort(order))  # back to (t, k) order
-        out = (y_slots.view(T, K, -1).float() * topk_w_TK.unsqueeze(-1)).sum(1)
+        y_slots = y_sorted.index_select(0, inverse_permutation(order))  # back to (t, k) order
+        # the router-weighted sum of each token's K rows: one bmm (bf16 operands, fp32 accumulation)
+        out = torch.bmm(topk_w_TK.unsqueeze(1).to(y_slots.dtype), y_slots.view(T, K, -1)).squeeze(1).float()
         self._last = {"x_sorted": x_sorted.detach(), "y_recv": y_recv.detach(),
                       "in_splits": in_splits, "out_splits": out_splits}
         return self.params.add_shared(out, x_TH)
@@ -123,7 +136,7 @@ class NcclBackend:
     def info(self) -> dict[str, Any]:
         cols = self.params.columns("bf16")
         notes = [f"grouped GEMM: {self.params.gemm_name()}", "shared expert not overlapped with dispatch",
-                 inductor_note(bool(cols.get("compiled")))]
+                 inductor_note(bool(cols.get("compiled"))), self.params.compile_note]
         return {**cols, "notes": "; ".join(filter(None, notes))}
 
     def teardown(self) -> None:

@@ -40,3 +40,19 @@ class TeOptions:
 
     fp8_recipe: str = option("blockwise", choices=TE_FP8_RECIPES, alias="te_fp8_recipe", hash_precision="fp8",
                              help="TE's fp8 recipe at precision=fp8 (Megatron's names); other precisions ignore it")
+
+
+# How the PyTorch-native layer computes its routed experts (baselines/torch_native.py): ``plain`` = the ~30-line
+# layer (argsort, index_select, torch._grouped_mm, SwiGLU, index_select back, bmm with the router weights);
+# ``torchtitan`` = torchtitan's RoutedExperts (GroupedExperts + LocalTokenDispatcher); ``auto`` = both where both
+# run, timed at setup, the faster kept. The row's notes say which ran.
+TORCH_IMPLS = ("auto", "plain", "torchtitan")
+
+
+@dataclass
+class TorchNativeOptions(ExpertGemmOptions):
+    """Options of the PyTorch-native layer (``torch``, ``torch_compiled``): the fp8 GEMMs (as the other
+    PyTorch-expert baselines; ``auto`` is rowwise here, torchao's recipe) and which implementation runs."""
+
+    impl: str = option("auto", choices=TORCH_IMPLS,
+                       help="the routed experts: plain, torchtitan, or auto (the faster of the two where both run)")

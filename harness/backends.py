@@ -60,6 +60,7 @@ class BackendSpec:
 
 _EXPERT_GEMM = "baselines.options:ExpertGemmOptions"  # the options of the PyTorch-expert baselines
 _TE = "baselines.options:TeOptions"  # the options of the Transformer Engine baselines
+_TORCH = "baselines.options:TorchNativeOptions"  # the options of the PyTorch-native layer
 
 # The one table of backend names, in the order reports show them (baselines first, then anchors, then the fused
 # contenders). A new backend adds one line here.
@@ -72,6 +73,10 @@ REGISTRY: dict[str, BackendSpec] = {
     "hybridep_megatron": BackendSpec("baselines.hybridep_megatron:HybridEPMegatronBackend", "HybridEP+Megatron",
                                      "published baseline", "#2ca02c", _TE),
     "hybridep": BackendSpec("baselines.hybridep:HybridEPBackend", "HybridEP", "baseline", "#17becf", _EXPERT_GEMM),
+    "torch": BackendSpec("baselines.torch_native:TorchNativeBackend", "PyTorch layer (eager)", "baseline", "#c49c94",
+                         _TORCH),
+    "torch_compiled": BackendSpec("baselines.torch_native:TorchCompiledBackend", "PyTorch layer (torch.compile)",
+                                  "baseline", "#8c6d31", _TORCH),
     "liger": BackendSpec("baselines.liger:LigerBackend", "Liger fused MoE (anchor)", "anchor", "#bcbd22"),
     "sonicmoe": BackendSpec("baselines.sonicmoe:SonicMoEBackend", "SonicMoE (anchor)", "anchor", "#e377c2"),
     "liger_cute": BackendSpec("baselines.liger_cute:LigerCuteBackend", "LigerCute fused EP MoE (anchor)", "anchor",

@@ -32,7 +32,8 @@ def run_once(backend: Any, inputs: LayerInputs, need_grads: bool) -> dict[str, O
 
 
 def _errors(got: torch.Tensor, ref: torch.Tensor, chunk_elems: int = 1 << 26) -> tuple[float, float]:
-    """abs-max and relative L1 error, in fp32, a slice at a time (expert weight gradients reach tens of GB)."""
+    """abs-max and relative L1 error, in fp32, a slice at a time (expert weight gradients reach tens of GB; ``ref``
+    may be in host memory: each slice is moved to ``got``'s device)."""
     if got.numel() == 0:
         return 0.0, 0.0
     g2, r2 = got.reshape(got.shape[0], -1), ref.reshape(ref.shape[0], -1)
@@ -41,10 +42,11 @@ def _errors(got: torch.Tensor, ref: torch.Tensor, chunk_elems: int = 1 << 26) ->
     l1 = torch.zeros((), dtype=torch.float64, device=got.device)
     norm = torch.zeros((), dtype=torch.float64, device=got.device)
     for i in range(0, g2.shape[0], step):
-        d = (g2[i : i + step].float() - r2[i : i + step].float()).abs()
+        r = r2[i : i + step].to(got.device).float()  # the reference may wait in host memory (harness.runner)
+        d = (g2[i : i + step].float() - r).abs()
         amax = torch.maximum(amax, d.max().double())
         l1 += d.sum(dtype=torch.float64)
-        norm += r2[i : i + step].float().abs().sum(dtype=torch.float64)
+        norm += r.abs().sum(dtype=torch.float64)
     return float(amax), float(l1 / norm.clamp(min=1e-30))
 
 

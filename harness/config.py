@@ -117,6 +117,13 @@ class BenchConfig:
     # `timeout` (a hang inside a GPU kernel never reaches dist_timeout_s); None: no watchdog, or 900 s when
     # ranks_per_gpu > 1
     watchdog_s: Optional[int] = None
+    # backends that run in processes of their own: a fresh set of ranks (the inputs and the reference made again,
+    # from the same seed) for each, after the others; the rows say so. For anchors whose packages cannot share a
+    # process with another's. A backend after which device memory did not come back sends the backends after it to
+    # fresh processes too (harness/runner.py)
+    own_process: list[str] = field(default_factory=list)
+    # backend -> folders put first on sys.path of its own processes (own_process), for a package installed apart
+    own_pythonpath: dict[str, str] = field(default_factory=dict)
     compile: Optional[bool] = None  # torch.compile the compute parts: None = on for cuda, off for cpu
     compile_mode: str = "max-autotune-no-cudagraphs"
     comm_sms: Optional[int] = None  # SMs for communication kernels, for backends that take it (None: its default)
@@ -272,7 +279,7 @@ def gpus_needed(ranks: int, ranks_per_gpu: int = 1) -> int:
 # Fields that identify a measurement, not the run that made it (compare matches rows on this hash).
 _HASH_EXCLUDE = {"run_id", "append", "dist_timeout_s", "watchdog_s", "setup_timeout_s", "profile_setup_dir",
                  "results_dir", "results_format", "print_table", "timing", "check", "calibrate", "time_reference",
-                 "backends", "directions", "backend_order"}
+                 "backends", "directions", "backend_order", "own_process", "own_pythonpath"}
 
 
 def point_config(c: dict) -> dict:

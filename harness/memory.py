@@ -11,13 +11,17 @@ The row fields (bytes, the largest over the ranks):
   memory a layer keeps from its forward until its backward;
 * ``mem_peak_allocated_bytes``: the allocator's peak during the timed iterations of the direction (after the warmup;
   a backward's untimed forwards are inside the window);
+* ``mem_peak_own_bytes``: that peak less what was allocated when the backend's setup began: the memory of the
+  backend alone (its setup's buffers, its activations, gradients and workspaces), without the point's inputs, which
+  every backend shares, or anything held before it (the reference waits in host memory);
 * ``mem_device_used_before_bytes`` / ``mem_device_used_peak_bytes``: the device's used memory (``cudaMemGetInfo``:
   total less free, so every allocator, NVSHMEM and symmetric-memory heaps and other processes on the device count)
   just before and just after the timed iterations. The caching allocator keeps the blocks it reserved, so the used
   memory after the window holds the window's peak reservation.
 
 The counters are read through a :class:`Probe` (torch's CUDA calls by default), so the arithmetic is tested on
-the CPU with a stand-in.
+the CPU with a stand-in: ``MOKBENCH_MEMORY_PROBE=module:function`` (a function of the device returning a
+:class:`Probe`) replaces the device's probe in every rank, the CPU's included (the tests' planted backends).
 """
 
 from __future__ import annotations
@@ -29,7 +33,9 @@ from typing import Any, Callable, Optional
 import torch
 
 SETUP, ACTIVATION = "mem_setup_bytes", "mem_activation_bytes"
-WINDOW = ("mem_peak_allocated_bytes", "mem_device_used_before_bytes", "mem_device_used_peak_bytes")
+OWN_PEAK = "mem_peak_own_bytes"
+WINDOW = ("mem_peak_allocated_bytes", "mem_device_used_before_bytes", "mem_device_used_peak_bytes", OWN_PEAK)
+PROBE_ENV = "MOKBENCH_MEMORY_PROBE"
 FIELDS = (SETUP, ACTIVATION, *WINDOW)
 
 
@@ -53,7 +59,16 @@ class Probe:
 
     @classmethod
     def of(cls, device: torch.device) -> Optional["Probe"]:
-        """The probe of ``device``; None on a CPU (no memory fields)."""
+        """The probe of ``device``; None on a CPU (no memory fields); the stand-in of ``MOKBENCH_MEMORY_PROBE``
+        where that is set."""
+        import os
+
+        stand_in = os.environ.get(PROBE_ENV)
+        if stand_in:
+            import importlib
+
+            module, _, fn = stand_in.partition(":")
+            return getattr(importlib.import_module(module), fn)(device)
         return cls.cuda(device) if device.type == "cuda" else None
 
     def used(self) -> int:
@@ -67,6 +82,7 @@ class Window:
     def __init__(self, probe: Optional[Probe]) -> None:
         self.probe = probe
         self._before = math.nan
+        self.base: Optional[int] = None  # allocated bytes when the backend's setup began (OWN_PEAK)
 
     def open(self) -> None:
         if self.probe is None:
@@ -80,7 +96,9 @@ class Window:
         if self.probe is None:
             return dict.fromkeys(WINDOW, math.nan)
         self.probe.sync()
-        return dict(zip(WINDOW, (float(self.probe.peak()), self._before, float(self.probe.used()))))
+        peak = float(self.probe.peak())
+        own = peak - self.base if self.base is not None else math.nan
+        return dict(zip(WINDOW, (peak, self._before, float(self.probe.used()), own)))
 
 
 def held_since(probe: Optional[Probe], before: Optional[int]) -> float:

@@ -11,7 +11,6 @@ spawned ranks and keeps the rows written so far (:func:`kept_rows`).
 from __future__ import annotations
 
 import dataclasses
-import gc
 import os
 import signal
 import sys
@@ -19,7 +18,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Union
 
 import pandas as pd
 import torch
@@ -27,6 +26,7 @@ import torch.distributed as dist
 
 from contract import LayerInputs, comm, direction_unsupported
 from contract.backend import shared_gpu_unsupported
+from contract.compiled import drop_compiled_state
 from contract.options import options_text
 from harness import env as envinfo
 from harness import memory
@@ -201,7 +201,10 @@ def worker(payload: dict, renv: RankEnv) -> None:
     rank0 = renv.rank == 0
     base = base_row(pt, run_id=payload["run_id"], num_nodes=renv.num_nodes, world_size=renv.world_size,
                     env=envinfo.collect(case.device))
-    rows: list[dict] = []
+    handoff = payload.get("handoff") or {}
+    # a hand-off (processes of their own) continues the job's file: the rows of the earlier processes stay
+    rows: list[dict] = results.read_file(payload["path"]).to_dict("records") if handoff and rank0 and \
+        Path(payload["path"]).exists() else []
     progress = Progress(rank0, point_label(case, payload.get("point")))
 
     def emit(row: dict) -> None:
@@ -249,6 +252,7 @@ def worker(payload: dict, renv: RankEnv) -> None:
         progress.start("reference")
         status, err, ref = agree(_ref)
         progress.end(status)
+        ref = _to_host(ref)  # the device memory is the backends'; the check compares in slices
         if status != "ok":
             for b in cfg.backends:
                 for d in directions:
@@ -257,12 +261,33 @@ def worker(payload: dict, renv: RankEnv) -> None:
 
     point = PointContext(point=pt, inputs=inputs, ref=ref, group=group, ctrl=ctrl, agree=agree, timer=timer,
                          base=base, directions=directions, need_grads=need_grads, progress=progress)
-    order = backend_order(list(cfg.backends), cfg.backend_order, case.seed)
-    for pos, name in enumerate(order):
+    order = list(payload.get("order") or run_order(pt))
+    first = handoff.get("position", 0)  # this process set's first backend in the point's order
+    probe = memory.Probe.of(timer.device)
+    _release_memory()
+    start_used = probe.used() if probe is not None else None  # the point's inputs and reference, all processes
+    for pos in range(first, len(order)):
+        name = order[pos]
         progress.backend = f"{name} ({pos + 1}/{len(order)})"
+        own_note = handoff.get("note", "") if pos == first else ""
         for row in run_backend(name, dataclasses.replace(point, base=dict(base, backend_position=pos))):
-            emit(row)
-        _release_memory()  # the next backend must not inherit this one's cached blocks (fp8 dsv4 ran out of memory)
+            emit(dict(row, notes=_with_note(row.get("notes"), own_note)) if own_note else row)
+        _release_memory()  # the next backend must not inherit anything of this one (its memory, its compiles)
+        if pos + 1 == len(order):
+            break
+        why = _next_needs_fresh_processes(pt, order, pos, probe, start_used, ctrl)
+        if why:
+            if renv.launcher == "spawn":
+                if rank0:
+                    _write_handoff(payload["path"], {"position": pos + 1, "note": why})
+            else:  # torchrun / Slurm started these ranks: this harness cannot start fresh ones
+                for b in order[pos + 1:]:
+                    for d in directions:
+                        emit(make_row(dict(base, backend_position=order.index(b)), b, d, "error",
+                                      error=f"{why}; the ranks were started by {renv.launcher}, not by this harness, "
+                                            f"so no fresh process could run it: run {b} in a job of its own "
+                                            f"(backends=[{b}])", backend_options=pt.options_text(b)))
+            break
     progress.backend = ""
     progress.note(f"done: {len(rows)} rows")
     inputs = ref = point = None  # free the layer inputs and reference tensors before the final barrier
@@ -270,16 +295,78 @@ def worker(payload: dict, renv: RankEnv) -> None:
 
 
 def _release_memory() -> None:
-    """Drop what a finished backend left behind: its torch.compile state (compiled code, and the CUDA graph trees
-    of max-autotune with their private memory pool, which holds the graphs' buffers until reset), cycles holding its
-    tensors, then the allocator's cached blocks. Without it the caching allocator keeps tens of GB reserved
-    (fragmented) for the next backend's setup (fp8 deepseek_v4_pro on 2xH200: deepep and hybridep ran out of memory
-    after a failed nccl compile, with 80 GB still allocated)."""
-    if "torch._dynamo" in sys.modules:  # only a compiled backend imported it; the next one compiles its own
-        torch._dynamo.reset()
-    gc.collect()
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.empty_cache()
+    """Drop what a finished backend left behind, ok or not: its torch.compile state (compiled code, the CUDA graph
+    trees of max-autotune with their private memory pool, inductor's autotuning subprocesses, which hold device
+    memory of their own), the frames of its last exception, cycles holding its tensors, then the allocator's cached
+    blocks (contract.compiled). Without it the caching allocator keeps tens of GB reserved for the next backend's
+    setup (fp8 deepseek_v4_pro on 2xH200: deepep and hybridep ran out of memory after a failed nccl compile, with
+    80 GB still allocated), and an autotuning subprocess kept 13 GiB of one H100 after a compile."""
+    sys.last_type = sys.last_value = sys.last_traceback = None  # an exception's frames hold the backend's tensors
+    drop_compiled_state()
+
+
+LEAK_TOLERANCE_BYTES = 1 << 30  # device memory in use beyond the point's start that still counts as returned
+
+
+def run_order(pt: Point) -> list[str]:
+    """The backends of a point in the order they run: ``backend_order``, then those of ``own_process`` last (each
+    runs alone in a set of processes of its own)."""
+    cfg = pt.config
+    order = backend_order(list(cfg.backends), cfg.backend_order, pt.case.seed)
+    own = set(cfg.own_process)
+    return [b for b in order if b not in own] + [b for b in order if b in own]
+
+
+def _next_needs_fresh_processes(pt: Point, order: list[str], pos: int, probe: Optional[memory.Probe],
+                                start_used: Optional[int], ctrl) -> str:
+    """Why the backend after ``order[pos]`` must run in fresh processes ('' where it can run in these): it, or the
+    one before it, runs in processes of its own (``own_process``), or device memory did not come back after
+    ``order[pos]`` (all processes, cudaMemGetInfo, more than :data:`LEAK_TOLERANCE_BYTES` over the point's start on
+    some rank). Every rank gets the same answer."""
+    own, nxt = set(pt.config.own_process), order[pos + 1]
+    if nxt in own:
+        return f"ran in processes of its own (own_process)"
+    if order[pos] in own:
+        return f"ran in fresh processes after {order[pos]}, which has processes of its own (own_process)"
+    over = float(probe.used() - start_used) if probe is not None and start_used is not None else 0.0
+    held = [0.0] * dist.get_world_size(ctrl)
+    dist.all_gather_object(held, over, group=ctrl)
+    worst = max(held)
+    if worst > LEAK_TOLERANCE_BYTES:
+        return (f"ran in fresh processes: device memory did not come back after {order[pos]} ({worst / 2**30:.1f} GiB "
+                f"more in use, all processes, than at the point's start)")
+    return ""
+
+
+def handoff_path(path: Union[str, Path]) -> Path:
+    """Where a set of ranks leaves the backends that must run in fresh processes (beside the job's file)."""
+    return Path(str(path) + ".handoff.json")
+
+
+def _write_handoff(path: Union[str, Path], data: dict) -> None:
+    import json
+
+    handoff_path(path).write_text(json.dumps(data))
+
+
+def _take_handoff(path: Union[str, Path]) -> Optional[dict]:
+    """The hand-off the last set of ranks left (removed once read), or None."""
+    import json
+
+    f = handoff_path(path)
+    if not f.exists():
+        return None
+    data = json.loads(f.read_text())
+    f.unlink()
+    return data
+
+
+def _to_host(ref: Optional[dict]) -> Optional[dict]:
+    """The reference's tensors in host memory (on a GPU), so that every backend gets the device as the point's
+    inputs leave it; :func:`harness.check.compare` moves them back a slice at a time."""
+    if not ref:
+        return ref
+    return {k: (v.cpu() if isinstance(v, torch.Tensor) and v.is_cuda else v) for k, v in ref.items()}
 
 
 def _write_setup_profile(prof: SetupProfile, progress: Progress) -> None:
@@ -332,6 +419,7 @@ def run_backend(name: str, point: PointContext) -> Iterator[dict[str, Any]]:
     def _setup():
         nonlocal backend
         before = memory.allocated(probe)
+        timer.own_base(before)  # the timed windows' peaks less this: the backend's own memory
         with prof.on():
             backend = cls(case, group) if options is None else cls(case, group, options)
             with time_limit(cfg.setup_timeout_s, f"{name}'s setup"):
@@ -597,6 +685,10 @@ def _spawn_entry(local_rank: int, payload: dict, renv: RankEnv) -> None:
     signal.signal(signal.SIGTERM, _stop_rank)
     _die_with_parent(signal.SIGTERM)
     env = RankEnv(local_rank, renv.world_size, local_rank, 1, renv.master_addr, renv.master_port, "spawn")
+    if payload.get("pythonpath"):  # a backend's own packages (own_pythonpath), ahead of everything else
+        folders = payload["pythonpath"].split(os.pathsep)
+        sys.path[:0] = folders
+        os.environ["PYTHONPATH"] = os.pathsep.join([*folders, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     try:
         worker(payload, env)
     finally:
@@ -712,12 +804,21 @@ def run_benchmark(cfg: Any) -> pd.DataFrame:
         if renv.rank != 0:
             return results.to_frame([])
     else:
-        spawn_env = RankEnv(0, ws, 0, 1, "127.0.0.1", free_port(), "spawn")
         watchdog = pc.watchdog_s or (SHARED_GPU_WATCHDOG_S if point.ranks_per_gpu > 1 else None)
-        try:
-            _run_ranks(payload, spawn_env, ws, watchdog)
-        except Exception as e:  # noqa: BLE001 - a rank died: record what did not report
-            failure = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
+        payload["order"] = order = run_order(point)
+        payload["pythonpath"] = pc.own_pythonpath.get(order[0], "") if order[0] in pc.own_process else ""
+        while True:  # one set of ranks, then one more for each hand-off (backends that need fresh processes)
+            spawn_env = RankEnv(0, ws, 0, 1, "127.0.0.1", free_port(), "spawn")
+            try:
+                _run_ranks(payload, spawn_env, ws, watchdog)
+            except Exception as e:  # noqa: BLE001 - a rank died: record what did not report
+                failure = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
+            handoff = _take_handoff(path)
+            if failure or handoff is None:
+                break
+            nxt = order[handoff["position"]]
+            payload = dict(payload, handoff=handoff,
+                           pythonpath=pc.own_pythonpath.get(nxt, "") if nxt in pc.own_process else "")
         renv = spawn_env
     written = results.written_path(path)
     done = results.read_file(written) if written.exists() else results.to_frame([])

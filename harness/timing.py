@@ -52,6 +52,12 @@ class Timer:
         self._align_buf = torch.zeros(1, device=device)
         self._watch = gpu_clocks.ClockWatch(gpu_clocks.device_ids(device)) if self.cuda else None
         self._memory = memory.Window(memory.Probe.of(device))
+        self.probe = self._memory.probe
+
+    def own_base(self, allocated: Optional[int]) -> None:
+        """Allocated bytes when the backend now timed began its setup: the windows' ``mem_peak_own_bytes`` are their
+        peaks less this (None: not measured)."""
+        self._memory.base = allocated
 
     def _align(self) -> None:
         if self.align == "none" or dist.get_world_size(self.group) == 1:

@@ -15,6 +15,7 @@ with a message that names the fix; the command line turns it into one line on st
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -78,6 +79,19 @@ def validate_run_options(c: dict) -> None:
     for b in c["backends"]:
         if b not in BACKENDS:
             raise ConfigError(f"unknown backend '{b}'; choose from: {', '.join(BACKENDS)}")
+    for key in ("own_process", "own_pythonpath"):
+        stray = [b for b in (c.get(key) or []) if b not in c["backends"]]
+        if stray:
+            them = "it" if len(stray) == 1 else "them"
+            raise ConfigError(f"{key} names {', '.join(stray)}, not among backends={list(c['backends'])}: add {them} "
+                              f"to backends, or drop {them} from {key}")
+    for b, path in (c.get("own_pythonpath") or {}).items():
+        if b not in (c.get("own_process") or []):
+            raise ConfigError(f"own_pythonpath.{b} takes effect only in a process of its own: add {b} to own_process")
+        for folder in str(path).split(os.pathsep):
+            if not os.path.isdir(folder):
+                raise ConfigError(f"own_pythonpath.{b}: {folder} is not a folder: give the site-packages folder (or "
+                                  f"folders, {os.pathsep}-separated) that holds {b}'s packages")
     if c.get("backend_order", "given") not in BACKEND_ORDERS:
         raise ConfigError(f"unknown backend_order '{c['backend_order']}'; choose one of: {', '.join(BACKEND_ORDERS)}")
     if not c.get("directions"):

@@ -62,3 +62,13 @@ def cpu_cfg(results_dir: Path, *overrides: str):
     return compose_cfg("device=cpu", "shape=tiny", "timing=quick", "workload.tokens_per_gpu=64",
                        "timing.num_warmup=1", "timing.num_iters=2", "timing.phase_iters=2",
                        f"results_dir={results_dir}", "print_table=false", *overrides)
+
+
+def free_port_env(monkeypatch) -> None:
+    """Make this process the only rank, as torchrun would set it up: the harness runs the worker here (no spawned
+    ranks), so monkeypatches reach it. The caller destroys the process group afterwards."""
+    from harness.dist import free_port
+
+    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": str(free_port())}.items():
+        monkeypatch.setenv(k, v)

@@ -95,3 +95,65 @@ class OneRankPerGpu(NcclBackend):
 
     name = "one_rank_per_gpu"
     runs_shared_gpu = False
+
+
+# ---- device memory that does not come back (harness.runner's clean-up between backends) ------------------------
+# A stand-in device-memory counter: MOKBENCH_MEMORY_PROBE=fake_backends:fake_probe gives every rank a probe that reads
+# it (the CPU has none), and FakeBlock objects count as allocated device memory while they live.
+
+FAKE_TOTAL_BYTES = 80 << 30
+HOLD_BYTES = 4 << 30
+_held = {"bytes": 0}
+_leaked: list = []  # what LeaksMemory keeps for good (as a library's module-level cache would)
+
+
+class FakeBlock:
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+        _held["bytes"] += nbytes
+
+    def __del__(self) -> None:
+        _held["bytes"] -= self.nbytes
+
+
+def fake_probe(device):
+    from harness.memory import Probe
+
+    return Probe(allocated=lambda: _held["bytes"], peak=lambda: _held["bytes"], reset_peak=lambda: None,
+                 free_total=lambda: (FAKE_TOTAL_BYTES - _held["bytes"], FAKE_TOTAL_BYTES), sync=lambda: None)
+
+
+class HoldsMemoryAndFails(NcclBackend):
+    """Takes 4 GiB of (fake) device memory in a reference cycle, then fails its setup: only the harness's clean-up
+    (the garbage collector, the exception's frames dropped) gives the memory back."""
+
+    name = "holds_memory"
+
+    def setup(self, inputs):
+        super().setup(inputs)
+        self.block = FakeBlock(HOLD_BYTES)
+        self.me = self  # a cycle: reference counting alone never frees it
+        raise RuntimeError("boom after taking 4 GiB")
+
+
+class LeaksMemory(NcclBackend):
+    """Runs fine, and keeps 4 GiB of (fake) device memory for good: no clean-up can give it back."""
+
+    name = "leaks_memory"
+
+    def setup(self, inputs):
+        super().setup(inputs)
+        _leaked.append(FakeBlock(HOLD_BYTES))
+
+
+class HoldsDeviceMemoryAndFails(NcclBackend):
+    """Takes ``MOKBENCH_PLANTED_GIB`` GiB (default 8) of real device memory in a reference cycle, then fails its
+    setup (the GPU side of HoldsMemoryAndFails)."""
+
+    name = "holds_device_memory"
+
+    def setup(self, inputs):
+        gib = float(os.environ.get("MOKBENCH_PLANTED_GIB", "8"))
+        self.block = torch.empty(int(gib * (1 << 30)), dtype=torch.uint8, device=inputs.x_TH.device)
+        self.me = self
+        raise RuntimeError(f"boom after taking {gib:g} GiB of device memory")

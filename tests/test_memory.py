@@ -42,9 +42,26 @@ def test_the_window_reads_the_peak_inside_it_and_the_used_memory_around_it():
     dev.alloc(50)
     dev.alloc(-50)
     fields = w.close()
+    own = fields.pop("mem_peak_own_bytes")
     assert fields == {"mem_peak_allocated_bytes": 150.0, "mem_device_used_before_bytes": 200.0,
                       "mem_device_used_peak_bytes": 200.0}
+    assert math.isnan(own)  # no base given: the backend's own peak is not known
     assert dev.syncs == 2  # the counters are read after the device's work is done
+
+
+def test_the_own_peak_is_the_window_peak_less_what_was_held_before_the_backend():
+    """What the point's inputs (and anything before the backend's setup) hold is not the backend's."""
+    dev = FakeDevice()
+    dev.alloc(400)  # the point's inputs
+    w = memory.Window(dev.probe())
+    w.base = memory.allocated(dev.probe())  # the backend's setup begins
+    dev.alloc(120)  # its weights' copy, its workspace
+    w.open()
+    dev.alloc(80)  # activations and gradients of the timed iterations
+    dev.alloc(-80)
+    fields = w.close()
+    assert fields["mem_peak_allocated_bytes"] == 600.0
+    assert fields["mem_peak_own_bytes"] == 200.0
 
 
 def test_the_activation_bytes_are_what_a_forward_keeps_less_its_output():
@@ -71,9 +88,10 @@ def test_the_cpu_has_no_memory_fields():
 
 def test_the_ranks_memory_is_the_largest():
     nan = float("nan")
-    combined = combine_memory([[10.0, 1.0, nan], [5.0, 2.0, nan]])
+    combined = combine_memory([[10.0, 1.0, nan, 3.0], [5.0, 2.0, nan, 4.0]])
     assert combined["mem_peak_allocated_bytes"] == 10.0 and combined["mem_device_used_before_bytes"] == 2.0
     assert math.isnan(combined["mem_device_used_peak_bytes"])
+    assert combined["mem_peak_own_bytes"] == 4.0  # each rank's own peak, the largest
 
 
 def test_every_memory_field_is_a_column_of_bytes():

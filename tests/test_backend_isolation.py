@@ -1,0 +1,103 @@
+"""Backends cost each other nothing: the clean-up between backends, memory that does not come back, and backends in
+processes of their own (harness/runner.py), on CPU ranks with a stand-in device-memory probe."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import cpu_cfg, free_port_env, use_fake_backends
+from harness import runner
+
+FAKES = ("holds_memory=fake_backends:HoldsMemoryAndFails,leaks_memory=fake_backends:LeaksMemory,"
+         "fails_setup=fake_backends:FailsSetup")
+PROBE = "fake_backends:fake_probe"
+
+
+def _rows(df, backend):
+    return df[df["backend"] == backend].sort_values("direction")
+
+
+@pytest.mark.parametrize("cleanup", [True, False], ids=["cleanup", "cleanup-removed"])
+def test_failed_backend_gives_its_memory_back(monkeypatch, results_dir, cleanup):
+    """A backend that took memory and raised costs the next one nothing: with the clean-up, nccl runs after it in the
+    same process; with the clean-up removed, the memory stays and the harness says so in the next backend's rows
+    (under torchrun it cannot start fresh processes: error rows naming the backend and the memory)."""
+    import torch.distributed as dist
+
+    use_fake_backends(monkeypatch, FAKES)
+    monkeypatch.setenv("MOKBENCH_MEMORY_PROBE", PROBE)
+    free_port_env(monkeypatch)
+    if not cleanup:
+        monkeypatch.setattr(runner, "drop_compiled_state", lambda: None)
+    try:
+        df = runner.run_benchmark(cpu_cfg(results_dir, "ep_size=1", "backends=[holds_memory,nccl]"))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    held = _rows(df, "holds_memory")
+    assert list(held["status"]) == ["error", "error"] and held["error"].str.contains("boom after taking").all()
+    nccl = _rows(df, "nccl")
+    if cleanup:
+        assert list(nccl["status"]) == ["ok", "ok"], nccl[["status", "error"]]
+        assert not nccl["notes"].fillna("").str.contains("fresh processes").any()
+    else:
+        assert list(nccl["status"]) == ["error", "error"]
+        assert nccl["error"].str.contains("device memory did not come back after holds_memory").all()
+        assert nccl["error"].str.contains("4.0 GiB").all()
+        assert nccl["error"].str.contains("torchrun").all()
+
+
+@pytest.mark.slow
+def test_memory_that_stays_sends_the_next_backends_to_fresh_processes(monkeypatch, results_dir):
+    """Spawned ranks: a backend that keeps memory for good sends every backend after it to a fresh set of ranks, in
+    the same run and job file; their rows are ok and say why they ran there; the earlier rows are kept."""
+    use_fake_backends(monkeypatch, FAKES)
+    monkeypatch.setenv("MOKBENCH_MEMORY_PROBE", PROBE)
+    df = runner.run_benchmark(cpu_cfg(results_dir, "ep_size=2", "backends=[nccl,leaks_memory,fails_setup]",
+                                      "own_process=[fails_setup]"))
+    assert sorted(df["backend"].unique()) == ["fails_setup", "leaks_memory", "nccl"]
+    assert (_rows(df, "nccl")["status"] == "ok").all() and (_rows(df, "leaks_memory")["status"] == "ok").all()
+    fails = _rows(df, "fails_setup")
+    assert (fails["status"] == "error").all()
+    assert fails["notes"].str.contains("processes of its own").all()
+    assert not _rows(df, "nccl")["notes"].fillna("").str.contains("fresh processes").any()
+    assert list(df.sort_values("backend_position")["backend_position"].unique()) == [0, 1, 2]
+    assert df["run_id"].nunique() == 1 and df["config_hash"].nunique() == 1
+
+
+@pytest.mark.slow
+def test_leak_then_fresh_processes(monkeypatch, results_dir):
+    use_fake_backends(monkeypatch, FAKES)
+    monkeypatch.setenv("MOKBENCH_MEMORY_PROBE", PROBE)
+    df = runner.run_benchmark(cpu_cfg(results_dir, "ep_size=2", "backends=[leaks_memory,nccl]"))
+    nccl = _rows(df, "nccl")
+    assert list(nccl["status"]) == ["ok", "ok"], nccl[["status", "error"]]
+    assert nccl["notes"].str.contains("device memory did not come back after leaks_memory").all()
+    assert (_rows(df, "leaks_memory")["status"] == "ok").all()
+
+
+def test_own_process_names_backends_of_the_run(results_dir):
+    from harness.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="own_process names sonicmoe"):
+        runner.prepare(cpu_cfg(results_dir, "backends=[nccl]", "own_process=[sonicmoe]"))
+    with pytest.raises(ConfigError, match="add nccl to own_process"):
+        runner.prepare(cpu_cfg(results_dir, "backends=[nccl]", f"+own_pythonpath.nccl={results_dir.parent}"))
+
+
+@pytest.mark.slow
+def test_own_pythonpath_reaches_only_its_backends_processes(monkeypatch, results_dir, tmp_path):
+    """A backend whose package lives in a folder of its own (own_pythonpath) imports there, in its own processes; the
+    same backend without it is an unsupported row (its module is not on the path)."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "planted_pkg.py").write_text("from baselines.nccl import NcclBackend\n\n\n"
+                                         "class Planted(NcclBackend):\n    name = 'planted'\n")
+    use_fake_backends(monkeypatch, "planted=planted_pkg:Planted")
+    df = runner.run_benchmark(cpu_cfg(results_dir, "ep_size=2", "backends=[nccl,planted]", "own_process=[planted]",
+                                      f"+own_pythonpath.planted={site}"))
+    planted = _rows(df, "planted")
+    assert list(planted["status"]) == ["ok", "ok"], planted[["status", "error"]]
+    assert planted["notes"].str.contains("processes of its own").all()
+    bare = runner.run_benchmark(cpu_cfg(tmp_path / "bare", "ep_size=2", "backends=[planted]"))
+    assert (bare["status"] == "unsupported").all() and bare["error"].str.contains("planted_pkg").all()
