@@ -269,6 +269,7 @@ class ExpertParams(ExpertLeaves):
 
         def warm(_):
             for _ in range(2):  # the second call: CUDA graph trees record on it
+                self.step_begin()
                 xr, xt = x.detach().requires_grad_(), x_TH.detach().requires_grad_()
                 y = self.experts(xr, counts_L).float().sum() + (
                     self.dense(xt, *self.shared, self.case.swiglu_limit).float().sum() if self.shared else 0.0)
@@ -279,6 +280,13 @@ class ExpertParams(ExpertLeaves):
 
         _, outcome = compile_with_fallback(self.compile_mode, self.compile, warm, agree)
         self.compile_mode, self.compile_note = outcome.mode, outcome.note
+
+    def step_begin(self) -> None:
+        """A new step of the compiled code's CUDA graphs (baselines.compile_modes.step_begin): once per layer call."""
+        from baselines.compile_modes import step_begin
+
+        if self.case.compile:
+            step_begin(self.compile_mode, self.w13.is_cuda)
 
     def experts(self, x_MH: torch.Tensor, counts_L: torch.Tensor) -> torch.Tensor:
         """Grouped SwiGLU experts on rows sorted by local expert; ``counts_L`` rows per expert (device)."""

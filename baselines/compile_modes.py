@@ -27,6 +27,17 @@ EAGER = "eager"
 FALLBACK_ORDER = ("max-autotune", "max-autotune-no-cudagraphs", "default", EAGER)
 
 
+CUDAGRAPH_MODES = ("max-autotune", "reduce-overhead")  # the modes whose compiled code replays CUDA graphs
+
+
+def step_begin(mode: str, device_is_cuda: bool) -> None:
+    """Before each call of compiled code that replays CUDA graphs (cudagraph trees): a new step begins, so that the
+    outputs of the last call, which the next replay overwrites, are no longer read (torch's
+    ``cudagraph_mark_step_begin``, as a training loop calls it once per iteration)."""
+    if device_is_cuda and mode in CUDAGRAPH_MODES:
+        torch.compiler.cudagraph_mark_step_begin()
+
+
 def modes_from(mode: str) -> tuple[str, ...]:
     """The modes to try for a requested ``mode``: itself, then the fallback order after it (a mode outside the
     order, e.g. ``reduce-overhead``, is tried first, then the whole order)."""

@@ -79,6 +79,7 @@ class NcclBackend:
 
     def forward(self, x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, topk_w_TK: torch.Tensor) -> torch.Tensor:
         c, ep, L, g = self.case, self.ep, self.case.local_experts, self.group
+        self.params.step_begin()
         T, K = topk_idx_TK.shape
         flat = topk_idx_TK.reshape(-1)
         counts_E = torch.bincount(flat, minlength=c.num_experts)

@@ -51,6 +51,9 @@ def drop_compiled_state() -> None:
     CUDA graph trees' pools, cycles holding tensors, the allocator's cached blocks."""
     if "torch._dynamo" in sys.modules:
         torch.compiler.reset()
+    trees = sys.modules.get("torch._inductor.cudagraph_trees")
+    if trees is not None and hasattr(trees, "reset_cudagraph_trees"):
+        trees.reset_cudagraph_trees()  # the graphs' private pool and the outputs it still tracks
     shutdown_autotune_workers()
     gc.collect()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
