@@ -78,6 +78,7 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, args, message
     assert not results_dir.exists()
     assert (tmp_path / "a_file").read_text() == "not a folder\n"
     assert not (tmp_path / "sweep").exists()  # no sweep folder: the local launcher submitted nothing
+    assert not (tmp_path / "hydra").exists()  # no run folder: Hydra's files are removed with the refusal
 
 
 def test_a_sweep_reports_every_invalid_point_at_once(tmp_path):
