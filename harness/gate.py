@@ -340,7 +340,7 @@ def one_run(a: argparse.Namespace, side: Side, rid: str, args: list[str], folder
     """One harness.run of one side; its output goes to ``folder``/gate.log. None when it ran and wrote rows, else
     the gate's exit code (1: NEW failed, 2: BASE failed), after one line saying why."""
     folder.mkdir(parents=True, exist_ok=True)
-    log = folder / "gate.log"
+    log = folder / results.GATE_LOG
     t0 = time.monotonic()
     try:
         with open(log, "w") as fh:

@@ -399,7 +399,7 @@ def test_cli_default_runs_and_prints_a_table(results_dir):
     run_dir = results_dir / df.run_id.iloc[0]
     assert p.stdout.strip().splitlines()[-1] == (
         f"mokbench: 2 rows (2 ok) in {run_dir}; report: python -m harness.report {run_dir} --out "
-        f"results/local/reports/{run_dir.name}")  # (a user's run: never into the committed results/reports)
+        f"{results_dir}/reports/{run_dir.name}")  # beside the run, in its results_dir
 
 
 def test_progress_lines():

@@ -247,7 +247,7 @@ def test_a_taken_run_id_is_refused_unless_appended(tmp_path):
     assert len(df) == 3 and sorted(df["appended"].tolist()) == [False, False, True]
     assert p.stdout.strip().splitlines()[-1] == (
         f"mokbench: 3 rows (3 ok) in {run_dir}, 1 of them from this run; report: python -m harness.report {run_dir} "
-        f"--out results/local/reports/good")
+        f"--out {res}/reports/good")
 
 
 def _first_rows(run_root: Path, proc: subprocess.Popen, log: Path, after: str = "", timeout: float = 600) -> None:
