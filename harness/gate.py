@@ -112,7 +112,8 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     ap.add_argument("--rounds", type=int, default=DEFAULT_ROUNDS,
                     help=f"interleaved rounds, one run of each side a round (default {DEFAULT_ROUNDS})")
     ap.add_argument("--backend", "-b", action="append", default=[], metavar="NAME",
-                    help="judge only this backend's rows (repeat or comma-separate); default: all")
+                    help="judge only this backend's rows (repeat or comma-separate); it runs beside the points' "
+                         "backends; default: all")
     ap.add_argument("--threshold", default="5%", metavar="T",
                     help=f"smallest change that matters (default 5%%): {C.THRESHOLD_RULE}")
     ap.add_argument("--confidence", default="95%", metavar="C", help="the change's interval (default 95%%)")
