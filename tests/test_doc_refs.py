@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+TESTS_DIR = ROOT / "tests"
 SCANNED = ("harness", "baselines", "kernels", "contract", "configs", "scripts", "slurm", "hydra_plugins", "tests",
            "notebooks", ".ci")
 SUFFIXES = {".py", ".sh", ".yaml", ".toml", ".ipynb", ""}
@@ -59,6 +60,15 @@ def test_every_pointer_to_the_docs_names_a_page_and_heading_that_exist():
             if heading is None or not resolves(page, heading):
                 bad.append(f"{f.relative_to(ROOT)}:{line}: {page}, {heading!r}")
     assert not bad, "pointers to a page or heading that does not exist:\n" + "\n".join(bad)
+
+
+def test_every_docs_page_named_exists():
+    """Every ``docs/<page>.md`` named in code, configs and scripts, with or without a heading, exists (tests hold
+    made-up pages as test data)."""
+    missing = sorted({f"{f.relative_to(ROOT)}: {m}" for f in _files() if TESTS_DIR not in f.parents
+                      for m in re.findall(r"(?<![\w/])docs/[\w.-]+\.md", f.read_text(errors="replace"))
+                      if not (ROOT / m).is_file()})
+    assert not missing, missing
 
 
 @pytest.mark.parametrize("text,ok", [
