@@ -230,9 +230,9 @@ def run_env(side: Side) -> dict[str, str]:
     return env
 
 
-def check_side(side: Side, python: str, args: list[str]) -> list[str]:
+def check_side(side: Side, python: str, args: list[str]) -> Optional[list[str]]:
     """Before any round: the side imports its own code, and its harness.run composes the run's options. Returns
-    the ``backends`` the side's points run."""
+    the ``backends`` the side's points run (None where its composed configuration does not say)."""
     env = run_env(side)
     out = subprocess.run([python, "-c", IMPORT_CHECK], cwd=side.src, env=env, capture_output=True, text=True)
     if out.returncode != 0:
@@ -253,7 +253,7 @@ def check_side(side: Side, python: str, args: list[str]) -> list[str]:
     except yaml.YAMLError:
         composed = {}
     backends = composed.get("backends") if isinstance(composed, dict) else None
-    return [str(b) for b in backends] if isinstance(backends, list) else []
+    return [str(b) for b in backends] if isinstance(backends, list) else None
 
 
 def side_backends(side: Side, python: str) -> Optional[list[str]]:
@@ -271,14 +271,15 @@ def judged_backends(opts: dict) -> list[str]:
     return list(dict.fromkeys([*opts["backends"], *([opts["control"]] if opts.get("control") else [])]))
 
 
-def with_judged_backends(overrides: Sequence[str], composed: Sequence[Sequence[str]],
+def with_judged_backends(overrides: Sequence[str], composed: Sequence[Optional[Sequence[str]]],
                          judged: Sequence[str]) -> tuple[list[str], Optional[str]]:
     """The overrides the runs get: ``overrides`` as given where every side's points (``composed``: each side's
-    ``backends``) run every judged backend; else the ``backend=`` / ``backends=`` overrides replaced by
-    ``backends=[<the sides' backends>, <the judged ones they lack>]``, with a line saying so."""
-    have = list(dict.fromkeys(b for c in composed for b in c))
-    if all(j in c for c in composed for j in judged):
+    ``backends``) run every judged backend, or where a side's are unknown (None); else the ``backend=`` /
+    ``backends=`` overrides replaced by ``backends=[<the sides' backends>, <the judged ones they lack>]``, with a
+    line saying so."""
+    if any(c is None for c in composed) or all(j in c for c in composed for j in judged):
         return list(overrides), None
+    have = list(dict.fromkeys(b for c in composed for b in c))
     backends = have + [j for j in judged if j not in have]
     kept = [o for o in overrides if o.lstrip("+~").split("=", 1)[0] not in ("backend", "backends")]
     added = [j for j in judged if not all(j in c for c in composed)]

@@ -222,6 +222,7 @@ def test_the_judged_backends_join_the_points_backends():
     assert note == "the points run backends=[nccl]; added mok_hopper (judged): backends=[nccl,mok_hopper]"
     runs, _ = G.with_judged_backends(["+backends=[nccl]"], [["nccl"], ["nccl", "reference"]], ["mok_hopper", "nccl"])
     assert runs == ["backends=[nccl,reference,mok_hopper]"]
+    assert G.with_judged_backends(["backend=nccl"], [None, ["nccl"]], ["mok_hopper"]) == (["backend=nccl"], None)
     opts = {"backends": ["mok_hopper"], "control": "nccl"}
     assert G.judged_backends(opts) == ["mok_hopper", "nccl"]
 
