@@ -40,6 +40,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn, Optional, Sequence
 
+import yaml
+
 from harness import compare as C
 from harness.cli_args import ArgumentParser
 from harness import results
@@ -246,8 +248,6 @@ def check_side(side: Side, python: str, args: list[str]) -> Optional[list[str]]:
                          capture_output=True, text=True)
     if out.returncode != 0:
         raise GateError(f"{side.describe()}: its harness.run refuses these options: {_last_line(out.stderr)}")
-    import yaml
-
     try:
         composed = yaml.safe_load(out.stdout) or {}
     except yaml.YAMLError:
