@@ -35,7 +35,7 @@ from baselines import fp8_gemm
 from baselines.common import ExpertParams, dequantize_blocks, precision_unsupported, quantize_blocks
 from baselines.options import ExpertGemmOptions
 
-INSTALL_HINT = ("build DeepEP's hybrid-ep branch from source (README, 'Optional backends: DeepEP and HybridEP'): "
+INSTALL_HINT = ("build DeepEP's hybrid-ep branch from source (docs/backends.md, 'DeepEP and HybridEP'): "
                 "TORCH_CUDA_ARCH_LIST=9.0 pip install --no-build-isolation .")
 MAX_LOCAL_EXPERTS = 128  # DeepEP V1 notify_dispatch limit
 

@@ -72,7 +72,7 @@ EP_ENV = "MOKBENCH_DEEPGEMM_MEGAMOE_EP"  # 1: run at EP >= 2 (not validated by t
 BUILD_HINT = ("build DeepGEMM's SM90 MegaMoE from source, at DeepGEMM #352's head (git fetch origin pull/352/head, "
               "bdb4395; ./install.sh) or #323's (pull/323/head, 8ddf7f9; bash build_sgl_deep_gemm.sh and install its "
               "wheel: import name deep_gemm, or sgl_deep_gemm when installed under that folder name), with the CUDA "
-              "toolkit, CUDA_HOME and a C++20 compiler (docs, 'Anchors: LigerCute and DeepGEMM MegaMoE')")
+              "toolkit, CUDA_HOME and a C++20 compiler (docs/backends.md, 'Anchors: LigerCute and DeepGEMM MegaMoE')")
 
 
 def load_megamoe() -> tuple[Optional[Any], str]:

@@ -49,8 +49,8 @@ from baselines.options import TeOptions
 from baselines.te_common import MXFP8_RECIPE, is_delayed, recipe_name, scaling_label, te_autocast, te_unsupported
 
 MEGATRON_INSTALL_HINT = ("install megatron-core: pip install megatron-core (Python >= 3.12; it uses Transformer "
-                         "Engine for the grouped MLP: README, 'Optional backends: Transformer Engine and "
-                         "Megatron-core'; offline: scripts/install_te.sh)")
+                         "Engine for the grouped MLP: docs/backends.md, 'Transformer Engine and Megatron-core'; "
+                         "offline: scripts/install_te.sh)")
 PUBLISHED_COMM_SMS = 20
 PREPROCESSING_SMS = 108
 RANK_CAPACITY_FACTOR = 1.25

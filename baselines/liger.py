@@ -53,7 +53,7 @@ import torch
 from contract import Case, LayerInputs
 from baselines.common import ExpertParams, cache_record, warm_forward_backward
 
-INSTALL_HINT = "pip install liger-kernel (0.8.5 tested; README, 'Anchors: Liger-Kernel and SonicMoE')"
+INSTALL_HINT = "pip install liger-kernel (0.8.5 tested; docs/backends.md, 'Anchors: Liger-Kernel and SonicMoE')"
 AUTOTUNE_ENV = "LIGER_FUSED_MOE_AUTOTUNE"  # Liger's switch: 0 pins one config per kernel (read at import)
 PRECOMPILE_RECORD = "mokbench-liger-precompile.json"  # what benchmarks.liger_precompile wrote to the Triton cache
 

@@ -62,7 +62,7 @@ EP_ENV = "MOKBENCH_LIGER_CUTE_EP"  # 1: run at EP >= 2 (not validated by this ha
 MAX_INFLIGHT = 1  # MoEConfig.max_inflight: forwards awaiting their backward (LigerCute's default)
 INSTALL_HINT = ("python3 -m pip install liger-kernel==0.8.5 'liger-cute-kernels[cu12]==0.8.5' nvidia-cuda-runtime-cu12 "
                 "(its release wheel is built with CUDA 12.9: NVSHMEM for CUDA 12, and libcudart.so.12 beside a "
-                "CUDA 13 torch; docs, 'Anchors: LigerCute and DeepGEMM MegaMoE')")
+                "CUDA 13 torch; docs/backends.md, 'Anchors: LigerCute and DeepGEMM MegaMoE')")
 
 
 def versions() -> str:

@@ -17,7 +17,7 @@ Megatron's router with the harness's top-k:
 Environment: ``sonic-moe`` 0.1.2.post1 requires torch <= 2.9.1, ``nvidia-cutlass-dsl == 4.4.2`` (about 150 MB of
 libraries) and ``quack-kernels``; its GEMMs are CuTe DSL kernels for SM90 / SM100. Where it does not import (not
 installed, or its CuTe DSL stack does not load with this torch) the rows are ``unsupported`` with the error and the
-environment it runs in (README, 'Anchors: Liger-Kernel and SonicMoE'). With another torch than its pin it is tried
+environment it runs in (docs/backends.md, 'Anchors: Liger-Kernel and SonicMoE'). With another torch than its pin it is tried
 as installed, and ``notes`` says so: on the GPU image's torch 2.11.0+cu130, installed with ``--no-deps``
 (``nvidia-cutlass-dsl-libs-cu13``), it imports, QuACK compiles, runs and autotunes its GEMMs
 (lab/diagnostics/2026-12-04-s30/), and its forward and backward rows on qwen3_5_397b pass the reference check (run
@@ -52,7 +52,7 @@ PRECOMPILE_RECORD = "mokbench-sonic-precompile.json"  # what benchmarks.sonic_pr
 PINNED_TORCH = "2.9.1"  # sonic-moe 0.1.2.post1: torch>=2.7.1,<=2.9.1
 INSTALL_HINT = (f"SonicMoE 0.1.2.post1 pins torch<={PINNED_TORCH} and nvidia-cutlass-dsl==4.4.2: in a Python 3.12 "
                 f"environment with torch {PINNED_TORCH} (CUDA 12.8 or 13.0 build), pip install sonic-moe==0.1.2.post1 "
-                "(README, 'Anchors: Liger-Kernel and SonicMoE')")
+                "(docs/backends.md, 'Anchors: Liger-Kernel and SonicMoE')")
 
 
 def sonic_version() -> str:

@@ -18,7 +18,7 @@ from contract import Case
 from baselines.common import device_capability
 
 TE_INSTALL_HINT = ("install Transformer Engine with its PyTorch extension: pip install --no-build-isolation "
-                   "'transformer_engine[pytorch]' (README, 'Optional backends: Transformer Engine and Megatron-core'; "
+                   "'transformer_engine[pytorch]' (docs/backends.md, 'Transformer Engine and Megatron-core'; "
                    "offline: scripts/install_te.sh)")
 
 # precision=fp8 recipes by the TE backends' option ``fp8_recipe`` (baselines/options.py; Megatron's names).

@@ -390,6 +390,18 @@ def verdict_line(table: pd.DataFrame) -> str:
     return "OK: no regression (exit 0)"
 
 
+def no_match_line(base: pd.DataFrame, new: pd.DataFrame, backends: Sequence[str] = ()) -> str:
+    """NO MATCH, with the backends judged and the backends each side holds (what to run or judge instead)."""
+    judged = f" of backend {', '.join(backends)}" if backends else ""
+
+    def held(df: pd.DataFrame) -> str:
+        names = sorted(set(df["backend"].dropna().astype(str))) if len(df) and "backend" in df else []
+        return ", ".join(names) or "no rows"
+
+    return (f"NO MATCH: no rows{judged} present in both BASE and NEW on (config_hash, backend, direction) (exit 2); "
+            f"BASE holds {held(base)}; NEW holds {held(new)}")
+
+
 def format_table(table: pd.DataFrame, *, show_all: bool = False) -> str:
     """A fixed-width table for the terminal: every row not unchanged (all rows with ``show_all``), a summary and
     the one verdict line. ``change`` is NEW / BASE - 1 with its interval; ``runs`` the runs a side."""
@@ -564,8 +576,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (FileNotFoundError, ValueError) as e:
         return fail("harness.compare", e)
     if matched(table) == 0:
-        return fail("harness.compare", verdict_line(table) + (f" for backend {', '.join(backends)}" if backends
-                                                               else ""))
+        return fail("harness.compare", no_match_line(base if aa is None else pd.concat([base, aa]), new, backends))
     for side, df in sides.items():
         for note in (results.skipped_note(df.attrs.get("skipped", {})),
                      results.damaged_note(df.attrs.get("damaged", {})), shared_notes.get(side, "")):

@@ -19,7 +19,10 @@ line, and the exit code is compare's: 0 no regression, 1 regression or a status 
 Overrides after ``--`` go to both sides' ``harness.run`` unchanged; the gate adds only ``run_id``, ``results_dir``
 and ``hydra.run.dir`` / ``hydra.sweep.dir``, which every version of ``harness.run`` takes, and checks before the
 first round that each side's ``harness.run`` composes them (``--cfg job``): an option that one side does not
-know stops the gate with one line, exit 2.
+know stops the gate with one line, exit 2. The points run every ``--backend`` (and the ``--control``) the gate
+judges: where the composed ``backends`` of either side lack one, the gate runs ``backends=[<theirs>, <judged>]``
+instead of the ``backend=`` / ``backends=`` overrides given, and says so; a backend a side does not have stops the
+gate before any round, exit 2.
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn, Optional, Sequence
 
+import yaml
+
 from harness import compare as C
 from harness.cli_args import ArgumentParser
 from harness import results
@@ -47,6 +52,7 @@ GATE_SET = ("run_id", "results_dir", "hydra.run.dir", "hydra.sweep.dir")  # the 
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 IMPORT_CHECK = ("import importlib.util, json; print(json.dumps({n: (importlib.util.find_spec(n).origin or '') "
                 "for n in ('harness', 'harness.run', 'contract', 'kernels', 'baselines')}))")
+BACKENDS_CHECK = "import json; from harness.backends import BACKENDS; print(json.dumps(sorted(BACKENDS)))"
 
 
 class GateError(Exception):
@@ -108,7 +114,8 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     ap.add_argument("--rounds", type=int, default=DEFAULT_ROUNDS,
                     help=f"interleaved rounds, one run of each side a round (default {DEFAULT_ROUNDS})")
     ap.add_argument("--backend", "-b", action="append", default=[], metavar="NAME",
-                    help="judge only this backend's rows (repeat or comma-separate); default: all")
+                    help="judge only this backend's rows (repeat or comma-separate); it runs beside the points' "
+                         "backends; default: all")
     ap.add_argument("--threshold", default="5%", metavar="T",
                     help=f"smallest change that matters (default 5%%): {C.THRESHOLD_RULE}")
     ap.add_argument("--confidence", default="95%", metavar="C", help="the change's interval (default 95%%)")
@@ -225,8 +232,9 @@ def run_env(side: Side) -> dict[str, str]:
     return env
 
 
-def check_side(side: Side, python: str, args: list[str]) -> None:
-    """Before any round: the side imports its own code, and its harness.run composes the run's options."""
+def check_side(side: Side, python: str, args: list[str]) -> Optional[list[str]]:
+    """Before any round: the side imports its own code, and its harness.run composes the run's options. Returns
+    the ``backends`` the side's points run (None where its composed configuration does not say)."""
     env = run_env(side)
     out = subprocess.run([python, "-c", IMPORT_CHECK], cwd=side.src, env=env, capture_output=True, text=True)
     if out.returncode != 0:
@@ -240,6 +248,44 @@ def check_side(side: Side, python: str, args: list[str]) -> None:
                          capture_output=True, text=True)
     if out.returncode != 0:
         raise GateError(f"{side.describe()}: its harness.run refuses these options: {_last_line(out.stderr)}")
+    try:
+        composed = yaml.safe_load(out.stdout) or {}
+    except yaml.YAMLError:
+        composed = {}
+    backends = composed.get("backends") if isinstance(composed, dict) else None
+    return [str(b) for b in backends] if isinstance(backends, list) else None
+
+
+def side_backends(side: Side, python: str) -> Optional[list[str]]:
+    """The backend keys the side's code knows (None where it cannot say: an older layout)."""
+    out = subprocess.run([python, "-c", BACKENDS_CHECK], cwd=side.src, env=run_env(side), capture_output=True,
+                         text=True)
+    try:
+        return list(json.loads(out.stdout.strip().splitlines()[-1])) if out.returncode == 0 else None
+    except (ValueError, IndexError):
+        return None
+
+
+def judged_backends(opts: dict) -> list[str]:
+    """The backends the gate judges: every ``--backend``, and the ``--control`` of ``--normalize control``."""
+    return list(dict.fromkeys([*opts["backends"], *([opts["control"]] if opts.get("control") else [])]))
+
+
+def with_judged_backends(overrides: Sequence[str], composed: Sequence[Optional[Sequence[str]]],
+                         judged: Sequence[str]) -> tuple[list[str], Optional[str]]:
+    """The overrides the runs get: ``overrides`` as given where every side's points (``composed``: each side's
+    ``backends``) run every judged backend, or where a side's are unknown (None); else the ``backend=`` /
+    ``backends=`` overrides replaced by ``backends=[<the sides' backends>, <the judged ones they lack>]``, with a
+    line saying so."""
+    if any(c is None for c in composed) or all(j in c for c in composed for j in judged):
+        return list(overrides), None
+    have = list(dict.fromkeys(b for c in composed for b in c))
+    backends = have + [j for j in judged if j not in have]
+    kept = [o for o in overrides if o.lstrip("+~").split("=", 1)[0] not in ("backend", "backends")]
+    added = [j for j in judged if not all(j in c for c in composed)]
+    note = (f"the points run backends=[{', '.join(have)}]; added {', '.join(added)} (judged): "
+            f"backends=[{','.join(backends)}]")
+    return [*kept, f"backends=[{','.join(backends)}]"], note
 
 
 def _last_line(text: str) -> str:
@@ -256,11 +302,21 @@ def gate(a: argparse.Namespace, overrides: Sequence[str], base: Side, new: Side,
     out = (Path(a.out) / a.name).resolve()
     tmp = Path(tempfile.mkdtemp(prefix=f"{a.name}-", dir=a.workdir))
     try:
+        composed = []
+        judged = judged_backends(opts)
         for side in (base, new):  # nothing is written to --out before both sides pass their checks
             if side.src is None:
                 export(side, a.repo, tmp / side.key)
             print(f"harness.gate: {side.describe()}: {side.src}", flush=True)
-            check_side(side, a.python, run_args(overrides, f"{a.name}-check", tmp / "check", tmp / "hydra-check"))
+            composed.append(check_side(side, a.python, run_args(overrides, f"{a.name}-check", tmp / "check",
+                                                                tmp / "hydra-check")))
+            known = side_backends(side, a.python) if judged else None
+            if known is not None and (lacks := [j for j in judged if j not in known]):
+                raise GateError(f"{side.describe()} has no backend {', '.join(lacks)} (its backends: "
+                                f"{', '.join(known)}): name one both sides have in --backend / --control")
+        overrides, note = with_judged_backends(overrides, composed, judged)
+        if note:
+            print(f"harness.gate: {note}", flush=True)
         for k in range(1, a.rounds + 1):
             for side in ((base, new) if k % 2 else (new, base)):
                 rid = f"{a.name}-{side.key}-r{k}"
@@ -273,7 +329,7 @@ def gate(a: argparse.Namespace, overrides: Sequence[str], base: Side, new: Side,
     b, n = results.load(out / "base"), results.load(out / "new")
     table = C.compare(b, n, **opts)
     if C.matched(table) == 0:
-        print(f"harness.gate: {C.verdict_line(table)}", file=sys.stderr)
+        print(f"harness.gate: {C.no_match_line(b, n, opts['backends'])}", file=sys.stderr)
         return C.EXIT_USAGE
     table.to_csv(out / "compare.csv", index=False)
     print(f"rows: {out}/base and {out}/new; table: {out / 'compare.csv'}; again: python -m harness.compare "
@@ -286,7 +342,7 @@ def one_run(a: argparse.Namespace, side: Side, rid: str, args: list[str], folder
     """One harness.run of one side; its output goes to ``folder``/gate.log. None when it ran and wrote rows, else
     the gate's exit code (1: NEW failed, 2: BASE failed), after one line saying why."""
     folder.mkdir(parents=True, exist_ok=True)
-    log = folder / "gate.log"
+    log = folder / results.GATE_LOG
     t0 = time.monotonic()
     try:
         with open(log, "w") as fh:

@@ -35,12 +35,19 @@ def print_rows(df: pd.DataFrame, title: Optional[str] = None) -> None:
 
 
 def report_command(run_dirs: Iterable[str]) -> str:
-    """The command that turns these run folders into a claims table and charts (``harness.report``), into the ignored
-    ``results/local/reports`` (the committed report, results/REPORT.md, is made from every committed run at once)."""
+    """The command that turns these run folders into a claims table and charts (``harness.report``), into
+    ``reports/<run id>`` beside the run folders (their ``results_dir``); for the committed ``results/runs``, into the
+    ignored ``results/local/reports`` (the committed report, results/REPORT.md, is made from every committed run at
+    once)."""
+    from harness.results import REFERENCE_RUNS
+
     dirs = sorted({str(d) for d in run_dirs})
     name = Path(dirs[0]).name if len(dirs) == 1 else "sweep"
-    out = Path("results/local/reports") / name
-    return shlex.join(["python", "-m", "harness.report", *dirs, "--out", str(out)])
+    parents = {Path(d).parent for d in dirs}
+    parent = parents.pop() if len(parents) == 1 else None
+    if parent is None or parent.resolve() == REFERENCE_RUNS.resolve():
+        parent = Path("results/local")
+    return shlex.join(["python", "-m", "harness.report", *dirs, "--out", str(parent / "reports" / name)])
 
 
 def summary_line(df: pd.DataFrame, results_dir: str) -> str:

@@ -221,7 +221,7 @@ def check_dir(results_dir: Union[str, Path]) -> None:
 
     if why := dir_write_problem(results_dir):
         raise ConfigError(f"results_dir={results_dir} {why}: give results_dir=<a folder you can write> "
-                          "(default results/runs)")
+                          f"(default {LOCAL_RUNS.relative_to(REPO_RESULTS.parent)})")
 
 
 def rescue_path(path: Union[str, Path]) -> Path:
@@ -285,7 +285,9 @@ LOCAL_RUNS = REPO_RESULTS / "local"  # a user's own runs: harness.run's default 
 HEADER_START = "run_id,row_id,"
 ROW_SUFFIXES = (".csv", ".parquet")
 NOT_TABLE = "not .csv or .parquet"  # the skip reason of logs, text, JSON, charts in a results folder
-RUN_COMPANIONS = ("meta.json", "ERRATA.md")  # a run folder's own files beside its rows: never rows, never counted
+GATE_LOG = "gate.log"  # harness.gate's log of one run, in the run's folder
+RUN_COMPANIONS = ("meta.json", "ERRATA.md", GATE_LOG)  # a run folder's own files beside its rows: never rows, never
+# counted
 DAMAGED_FIX = "restore or remove it, or leave damaged files out (--skip-damaged; load(skip_damaged=True))"
 _BLANK = ("", "nan", "<na>", "na", "none", "null")  # values that read as missing in any column
 _BOOL_TEXT = ("true", "false", "1", "0")
@@ -341,6 +343,8 @@ def _read_raw(path: Path) -> tuple[pd.DataFrame, np.ndarray]:
         raise _damaged(path, f"line {prev + 1}: not a CSV file ({e})") from None
     while records and not records[-1]:
         records.pop()  # blank trailing lines
+    if len(records) == 1 and not text.endswith(("\n", "\r")):
+        raise _damaged(path, "cut inside its header (no line end, no rows)")
     header = records[0]
     if missing := [c for c in KEY if c not in header]:
         raise ResultsFileError(f"{path}: not a results file: its header has no {' / '.join(missing)} column "
@@ -452,7 +456,7 @@ def skipped_note(skipped: dict[str, Sequence[Union[str, Path]]]) -> str:
         kinds = sorted({Path(f).suffix or "no suffix" for f in v}) if why == NOT_TABLE else []
         parts.append(f"{len(v)} {why}" + (f" ({', '.join(kinds[:6])}{', ...' if len(kinds) > 6 else ''})"
                                           if kinds else ""))
-    return f"skipped {n} file{'s' if n != 1 else ''} that hold no results: " + "; ".join(parts)
+    return f"skipped {n} file{'s that hold' if n != 1 else ' that holds'} no results: " + "; ".join(parts)
 
 
 def damaged_note(damaged: dict[Path, str], shown: int = 4) -> str:
@@ -553,6 +557,8 @@ def _skip_reason(f: Path) -> str:
         return ""
     if not text.strip() and len(head) < 8192:
         return "empty"
+    if len(head) < 8192 and HEADER_START.startswith(text.strip()):
+        return ""  # a results file cut inside its header: read_file calls it damaged
     return "" if text.lstrip("\r\n").startswith(HEADER_START) else "without the results header (other tables)"
 
 

@@ -4,8 +4,9 @@
     python -m harness.run shape=glm_5_2 precision=fp8 backends=[nccl,reference] direction=fwd
     python -m harness.run -m shape=kimi_k2_7,glm_5_2 direction=fwd,bwd   # a sweep (multirun)
 
-Ctrl-C keeps the rows written so far and ends with one line, ``mokbench: interrupted: N rows kept in <dir>``, and
-exit code 130.
+Ctrl-C keeps the rows written so far and ends with one line, ``mokbench: interrupted: N rows kept in <dir>`` (the
+folders that exist), and exit code 130, at any moment: while the modules load, a handler installed first says that
+nothing was written and leaves at once.
 """
 
 from __future__ import annotations
@@ -13,14 +14,25 @@ from __future__ import annotations
 import os
 import signal
 import sys
-from pathlib import Path
 
-import hydra
-import pandas as pd
-from omegaconf import DictConfig
 
-from harness.config import ConfigError, register_configs
-from harness.validate import run_id_for_sweep
+def _interrupted_while_loading(signum: int, frame: object) -> None:
+    """Ctrl-C before the run's own handling is in place (the imports): nothing was written."""
+    os.write(2, b"mokbench: interrupted: 0 rows kept (nothing was written)\n")
+    os._exit(130)  # no traceback, no exit hooks of half-imported modules
+
+
+if __name__ == "__main__":  # not in the ranks, which import this module as __mp_main__ and ignore SIGINT
+    signal.signal(signal.SIGINT, _interrupted_while_loading)
+
+from pathlib import Path  # noqa: E402 - after the handler: Ctrl-C while these load is one line too
+
+import hydra  # noqa: E402
+import pandas as pd  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+
+from harness.config import ConfigError, register_configs  # noqa: E402
+from harness.validate import run_id_for_sweep  # noqa: E402
 
 register_configs()
 _task_started = False  # set once the task function runs: later errors are not Hydra's composition errors
@@ -39,6 +51,9 @@ def main(cfg: DictConfig) -> None:
         check_command_line(cfg)
         df = run_benchmark(cfg)
     except ConfigError as e:
+        from harness.run_folder import discard
+
+        discard()  # Hydra's run folder, made before this check could run
         reject([str(e)])
     if cfg.print_table and len(df):
         print_rows(df, point_title())
@@ -70,7 +85,8 @@ def _interrupted() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     runner = sys.modules.get("harness.runner")  # not imported yet: nothing was written
     n, dirs = runner.kept_rows() if runner is not None else (0, [])
-    where = f" in {', '.join(dirs)}" if dirs else " (nothing was written)"
+    dirs = [d for d in dirs if Path(d).is_dir()]
+    where = f" in {', '.join(dirs)}" if dirs else " (nothing was written)" if n == 0 else ""
     print(f"mokbench: interrupted: {n} rows kept{where}", file=sys.stderr, flush=True)
     sys.exit(130)
 
@@ -86,6 +102,7 @@ def cli() -> None:
     if line is not None:
         reject([line])
     try:
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # from here Ctrl-C is a KeyboardInterrupt
         main()
     except KeyboardInterrupt:
         _interrupted()

@@ -11,8 +11,8 @@
 #               (OUTDIR/bwd_check_sweep/mok_hopper_bwd_check.csv, OUTDIR/bwd_check_sweep.log)
 #   PART rows:  the harness rows: mok_hopper and nccl (fp8_gemm=rowwise, the fastest real fp8 path in runs
 #               h200x1-s21-fp8-nccl and h200x1-s24-v16-fp8, eager as in h200x1-s24-v16-fp8; FP8_GEMM=blockwise
-#               for DeepGEMM, which must then be importable, README "Optional: DeepGEMM"), forward and backward
-#               timed in one process per point (direction=fwd_and_bwd; DIRECTION=fwd for the forward alone),
+#               for DeepGEMM, which must then be importable: docs/backends.md, "DeepGEMM (for fp8_gemm=blockwise)"),
+#               forward and backward timed in one process per point (direction=fwd_and_bwd; DIRECTION=fwd for the forward alone),
 #               published timing (500 warmup / 100 timed), calibrated roofline; the four points above, one run_id
 #               (MOKBENCH_RUN_ID, default h200x1-fp8-bwd-<UTC time>) (OUTDIR/runs/<run_id>/*.csv,
 #               OUTDIR/harness_<point>.log)

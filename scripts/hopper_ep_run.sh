@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The multi-GPU comparison on one Hopper node: EP = the GPUs given (2 or 8; 4 works too), every
 # backend of the published figure plus hybridep, the anchors where they run and mok_hopper, 2048 tokens per GPU,
-# through the `hopper_published` experiment (README, "Reproduce the published comparison"). A lease cannot hold all
+# through the `hopper_published` experiment (docs/reproduce.md, "Reproduce the published comparison"). A lease cannot hold all
 # of it (30 device-minutes, 10 minutes a call), so the run is cut into PARTs; run each PART in its own call. One
 # run_id per lease: export MOKBENCH_RUN_ID once per lease and pass it to every call of that lease.
 #
-# Usage (repo root, GPU machine, after DeepEP / TE / Megatron / DeepGEMM are installed as the README says, or their
+# Usage (repo root, GPU machine, after DeepEP / TE / Megatron / DeepGEMM are installed as docs/backends.md says, or their
 # wheels and builds are carried in WHEELS):
 #   bash scripts/hopper_ep_run.sh OUTDIR PART [EP]
 #   PART control   the control pair every lease re-times first: mok_hopper and the fastest baseline (hybridep at

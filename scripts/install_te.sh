@@ -3,8 +3,7 @@
 #   source scripts/install_te.sh [options] WHEEL_DIR      # installs, then exports PYTHONPATH in this shell
 #   bash scripts/install_te.sh [options] WHEEL_DIR        # installs; then: source <site>/env.sh
 #
-# WHEEL_DIR holds (filled on a machine with network, see README 'Optional backends: Transformer Engine and
-# Megatron-core'):
+# WHEEL_DIR holds (filled on a machine with network, see docs/backends.md, 'Transformer Engine and Megatron-core'):
 #   * the TE core wheel transformer_engine_cu13-2.20.2-py3-none-manylinux_2_28_x86_64.whl (276 MB), or its parts
 #     <that name>.part* (made with `split -b 60M -d WHEEL WHEEL.part`; joined here in name order), or --core PATH;
 #     or, for Hopper only, te_core_slim.tar.xz: the same package tree with only the sm_90 kernels (26 MB);

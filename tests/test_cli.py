@@ -30,7 +30,8 @@ def _cli(tmp: Path, *args: str) -> subprocess.CompletedProcess:
 
 # (arguments, text the one line must hold); {tmp} is the test's folder. results_dir is the test's own unless set.
 BAD_INPUTS = {
-    "results_dir is a file": (["results_dir={tmp}/a_file"], "results_dir={tmp}/a_file is a file"),
+    "results_dir is a file": (["results_dir={tmp}/a_file"], "results_dir={tmp}/a_file is a file: give "
+                              "results_dir=<a folder you can write> (default results/local)"),
     "results_dir under a file": (["results_dir={tmp}/a_file/runs"], "which is a file"),
     "results_dir cannot be written": (["results_dir=/proc/x"], "results_dir=/proc/x cannot be written"),
     "custom shape unset": (["shape=custom"], "shape.num_experts, shape.hidden, shape.ffn, shape.topk not set"),
@@ -78,6 +79,7 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, args, message
     assert not results_dir.exists()
     assert (tmp_path / "a_file").read_text() == "not a folder\n"
     assert not (tmp_path / "sweep").exists()  # no sweep folder: the local launcher submitted nothing
+    assert not (tmp_path / "hydra").exists()  # no run folder: Hydra's files are removed with the refusal
 
 
 def test_a_sweep_reports_every_invalid_point_at_once(tmp_path):

@@ -393,6 +393,16 @@ def test_cli_no_matched_rows_is_one_verdict_exit_2(tmp_path, capsys):
     assert "deepep" in capsys.readouterr().err
 
 
+def test_no_match_names_the_backends_each_side_holds(tmp_path, capsys):
+    """A judged backend that ran on one side only: NO MATCH says what each side holds, not that nothing matched."""
+    b = _write(tmp_path, "base", [S.row("nccl", "kimi_k2_7", run_id="b")])
+    n = _write(tmp_path, "new", [S.row("nccl", "kimi_k2_7", run_id="n"), S.row("mok_hopper", "kimi_k2_7", run_id="n")])
+    assert C.main([str(b), str(n), "--backend", "mok_hopper"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("harness.compare: NO MATCH: no rows of backend mok_hopper present in both BASE and NEW on "
+                   "(config_hash, backend, direction) (exit 2); BASE holds nccl; NEW holds mok_hopper, nccl"), err
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # one verdict whatever the order: log-ratio symmetry, A/A runs as BASE runs, a run against itself
 

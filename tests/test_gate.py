@@ -115,6 +115,7 @@ REFUSALS = {
     "control without normalize": (["base", "broken", "--control", "nccl"], "--normalize control"),
     "option BASE lacks": (["base", "newopt", "--", "gate_probe=1"], "BASE base"),
     "option neither knows": (["base", "broken", "--", "no_such_option=1"], "refuses these options"),
+    "backend neither has": (["base", "broken", "--backend", "bogus"], "has no backend bogus"),
 }
 
 
@@ -210,6 +211,20 @@ def test_help_names_the_threshold_rule_and_the_modes(capsys):
 
 # ---------------------------------------------------------------------------------------------------------------
 # whole gates on the CPU (gloo ranks), tiny points
+
+
+def test_the_judged_backends_join_the_points_backends():
+    """--backend (and --control) run beside the backends the points name; overrides already holding them stay."""
+    kept = ["direction=fwd", "backends=[nccl,mok_hopper]"]
+    assert G.with_judged_backends(kept, [["nccl", "mok_hopper"]] * 2, ["mok_hopper"]) == (kept, None)
+    runs, note = G.with_judged_backends(["backend=nccl", "direction=fwd"], [["nccl"], ["nccl"]], ["mok_hopper"])
+    assert runs == ["direction=fwd", "backends=[nccl,mok_hopper]"]
+    assert note == "the points run backends=[nccl]; added mok_hopper (judged): backends=[nccl,mok_hopper]"
+    runs, _ = G.with_judged_backends(["+backends=[nccl]"], [["nccl"], ["nccl", "reference"]], ["mok_hopper", "nccl"])
+    assert runs == ["backends=[nccl,reference,mok_hopper]"]
+    assert G.with_judged_backends(["backend=nccl"], [None, ["nccl"]], ["mok_hopper"]) == (["backend=nccl"], None)
+    opts = {"backends": ["mok_hopper"], "control": "nccl"}
+    assert G.judged_backends(opts) == ["mok_hopper", "nccl"]
 
 
 def _rows(out: Path, side: str) -> "results.pd.DataFrame":

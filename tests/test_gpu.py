@@ -54,7 +54,7 @@ def test_deepep_backends_match_reference_on_gpu(results_dir, backend):
     import importlib.util
 
     if importlib.util.find_spec("deep_ep") is None:
-        pytest.skip("deep_ep not installed (README, 'Optional backends: DeepEP and HybridEP')")
+        pytest.skip("deep_ep not installed (docs/backends.md, 'DeepEP and HybridEP')")
     df = run_benchmark(gpu_cfg(results_dir, "ep_size=2", f"backends=[{backend}]", "compile=false",
                                "directions=[fwd,bwd,fwd_bwd]"))
     show = df[["direction", "status", "error", "rel_err", "max_abs_err"]].to_string()

@@ -283,6 +283,29 @@ def test_files_that_are_not_row_files_are_skipped_and_counted(tmp_path):
                     "the results header (other tables); 1 empty")
 
 
+@pytest.mark.parametrize("cut", [5, 20, 200])
+def test_a_file_cut_inside_its_header_is_damaged_and_named(tmp_path, cut):
+    """A results file whose write stopped inside the header (``run_i``, ``run_id,row_id,app``, ...): damaged, named,
+    never skipped as another table."""
+    folder = write(tmp_path / "in", h200_rows("good"), "good.csv")
+    bad = folder / "cut.csv"
+    bad.write_text(_csv_lines(h200_rows("cut"))[0][:cut])
+    with pytest.raises(results.ResultsFileError) as e:
+        results.load(folder)
+    assert str(bad) in str(e.value) and "cut inside its header" in str(e.value)
+    assert list(results.load(folder, skip_damaged=True).attrs["damaged"]) == [bad]
+
+
+def test_the_gates_log_in_a_run_folder_is_the_runs_own_and_one_skipped_file_is_worded(tmp_path):
+    folder = write(tmp_path / "in" / "g-base-r1", h200_rows("good"), "good.csv")
+    (folder / results.GATE_LOG).write_text("harness.run output\n")
+    df = results.load(tmp_path / "in")
+    assert len(df) == 4 and df.attrs["skipped"] == {}
+    (folder / "notes.txt").write_text("a note\n")
+    assert results.skipped_note(results.load(folder).attrs["skipped"]) == (
+        "skipped 1 file that holds no results: 1 not .csv or .parquet (.txt)")
+
+
 def test_the_line_named_is_the_line_in_the_file_past_multiline_fields(tmp_path):
     rows = h200_rows()
     rows[0] = dict(rows[0], status="error", error="Traceback:\n  line one\n  line two")  # a quoted field, 3 lines

@@ -120,7 +120,20 @@ def test_a_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, args, line)
     assert line.format(tmp=tmp_path) in _refused(p)
     assert "GPU-hours" not in p.stdout  # refused before any plan is printed
     assert not (tmp_path / "a" / "results").exists() and not (tmp_path / "sweep").exists()
-    assert not (tmp_path / "escape").exists()
+    assert not (tmp_path / "escape").exists() and not (tmp_path / "hydra").exists()
+
+
+@pytest.mark.parametrize("args", [["backends=[nccl,bogus]"], ["workload.tokens_per_gpu=-5"], ["shape=kimi"],
+                                  ["-m", "workload.tokens_per_gpu=64,-1"]], ids=lambda a: " ".join(a))
+def test_a_refusal_leaves_no_hydra_folder_where_it_runs(tmp_path, args):
+    """With Hydra's default folders (outputs/<date>/<time>, multirun/...) under the working folder: a refusal after
+    Hydra composed the configuration (and made its run folder) leaves none of them; a folder that was there stays."""
+    (tmp_path / "outputs" / "older").mkdir(parents=True)
+    p = subprocess.run([sys.executable, "-m", "harness.run", *args, f"results_dir={tmp_path}/results"], cwd=tmp_path,
+                       env=_env(), capture_output=True, text=True, timeout=300)
+    _refused(p)
+    left = sorted(str(f.relative_to(tmp_path)) for f in tmp_path.rglob("*"))
+    assert left == ["outputs", "outputs/older"], left
 
 
 def test_a_run_id_from_the_environment_is_a_name_too(tmp_path):
@@ -234,7 +247,7 @@ def test_a_taken_run_id_is_refused_unless_appended(tmp_path):
     assert len(df) == 3 and sorted(df["appended"].tolist()) == [False, False, True]
     assert p.stdout.strip().splitlines()[-1] == (
         f"mokbench: 3 rows (3 ok) in {run_dir}, 1 of them from this run; report: python -m harness.report {run_dir} "
-        f"--out results/local/reports/good")
+        f"--out {res}/reports/good")
 
 
 def _first_rows(run_root: Path, proc: subprocess.Popen, log: Path, after: str = "", timeout: float = 600) -> None:
@@ -287,6 +300,31 @@ def _check_interrupted(rc: int, err: str, res: Path, rows: int) -> None:
 def test_ctrl_c_keeps_the_rows_and_says_so_in_one_line(tmp_path, group):
     rc, err, res = _interrupt(tmp_path, ["backends=[nccl,slow_setup]"], group)
     _check_interrupted(rc, err, res, rows=1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("delay_s", [0.3, 0.8, 1.5, 3.0])
+def test_ctrl_c_at_any_moment_is_one_line_and_exit_130(tmp_path, delay_s):
+    """Ctrl-C while the modules load, while Hydra composes, or while the run starts: one line, exit 130, no traceback,
+    nothing on stdout (no library's log lines), and a folder named in the line exists."""
+    proc = subprocess.Popen([sys.executable, "-m", "harness.run", *QUICK, f"results_dir={tmp_path}/results",
+                             f"hydra.run.dir={tmp_path}/hydra"], cwd=tmp_path, env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        time.sleep(delay_s)
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    lines = err.strip().splitlines()
+    if proc.returncode == 0:
+        pytest.skip(f"the run ended before the Ctrl-C at {delay_s} s")  # a fast machine: nothing to interrupt
+    assert proc.returncode == 130 and "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+    assert sum("interrupted" in ln for ln in lines) == 1 and lines[-1].startswith("mokbench: interrupted: "), err
+    assert out == "", out[-2000:]
+    named = lines[-1].partition(" rows kept in ")[2]
+    assert all(Path(d).is_dir() for d in named.split(", ") if d), lines[-1]
 
 
 @pytest.mark.slow
