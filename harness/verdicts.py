@@ -29,6 +29,7 @@ from typing import Any, Optional, Union
 
 import pandas as pd
 
+from harness.backends import base_name
 from harness.claims import (CPU_TWIN, ENV_KEYS, is_published, load_claims, prepare, published_counts, select_env,
                             speed_rows, with_runs)
 from harness.labels import (DIRECTION_ORDER, FORWARD_KINDS, FUSED, NOT_CONTENDERS, SYSTEM_ORDER, forward_kinds,
@@ -136,7 +137,8 @@ def _verdicts(measured: pd.DataFrame, claims: Optional[pd.DataFrame]) -> pd.Data
     d = prepare(measured, "run")
     d = d[~d["backend"].isin(NOT_CONTENDERS)]
     pairs = opponent_table(d)
-    pairs = pairs[pairs["contender"].isin(CONTENDERS) & pairs["speedup"].notna()]
+    # (a contender's inference forwards are a series of their own where its run has both kinds: claims.prepare)
+    pairs = pairs[pairs["contender"].map(base_name).isin(CONTENDERS) & pairs["speedup"].notna()]
     if pairs.empty:
         return pd.DataFrame(columns=list(COLUMNS))
     gpus = _run_kinds(d)
@@ -173,11 +175,11 @@ def _verdict_row(g: pd.DataFrame, d: pd.DataFrame, kind: tuple, claimed: dict[tu
     forward kind and contender where the contender has a fastest opponent; ``d`` the prepared rows they come
     from."""
     first = g.iloc[0].to_dict()
-    f = first["contender"]
+    f = first["contender"]  # its series name in ``d``
     rec: dict[str, Any] = dict(zip(KIND_KEYS, kind))
     prec, direction, fkind = str(first["precision"]), str(first["direction"]), str(first["forward_kind"])
     rec.update(environment=kind_label(rec), precision=prec, direction=direction, forward_kind=fkind,
-               pairs=pairs_label(direction, fkind), panel=panel_label(prec, direction), contender=f,
+               pairs=pairs_label(direction, fkind), panel=panel_label(prec, direction), contender=base_name(f),
                run_id=first["run_id"], run_started=first["run_started"])
     s = _spread(g["speedup"], g["opponent"], "speedup")
     rec.update(shapes=s.pop("_n"), fastest_opponents=s.pop("_names"), **s)

@@ -12,12 +12,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import synthetic_results as S  # noqa: E402
 
+from harness import claims as C  # noqa: E402
 from harness import opponents as O  # noqa: E402
 from harness import plots as P  # noqa: E402
 from harness import report as R  # noqa: E402
 from harness import results  # noqa: E402
 from harness import verdicts as V  # noqa: E402
+from harness.backends import series_name  # noqa: E402
 from harness.labels import forward_kind  # noqa: E402
+from harness.report_markdown import claims_sections  # noqa: E402
 
 OLD, NEW = "2026-12-01T00:00:00+00:00", "2026-12-02T00:00:00+00:00"
 SHAPES = ("kimi_k2_7", "qwen3_5_397b")
@@ -105,11 +108,37 @@ def test_an_inference_forward_never_pairs_with_a_training_forward():
     assert train["fastest_opponents"] == "nccl" and train["speedup_min"] == pytest.approx(3.0)
     assert infer["fastest_opponents"] == "flashinfer" and infer["speedup_min"] == pytest.approx(500 / 450)
     assert (train["pairs"], infer["pairs"]) == ("training forwards", "inference forwards")
+    assert train["contender"] == infer["contender"] == "mok_hopper"
     assert infer["fastest_baselines"] == "flashinfer"  # an unknown key is a baseline; nccl is a training forward
     md = V.format_verdicts(t)
     assert "| BF16 forward | training forwards | 3.00× (1 shape) | NCCL+PyTorch |" in md
     assert "| BF16 forward | inference forwards | 1.11× (1 shape) | flashinfer |" in md
     assert md.index("training forwards") < md.index("inference forwards")
+
+
+def test_the_claims_tables_keep_the_two_forward_kinds_apart():
+    """A run with mok_hopper's training (300) and inference (500) forwards: the claims table (REPORT.md's detailed
+    tables, the charts) draws them as two series, never one median, and each fused series' × and × all are over
+    forwards of its own kind: training over nccl (100), inference over DeepGEMM MegaMoE (400), never each other."""
+    run = S.verdict_run("r", OLD, ["nccl", "mok_hopper"], directions=("fwd",),
+                        tflops={"nccl": 100.0, "mok_hopper": 300.0})
+    run += inference_rows("r", OLD, "mok_hopper", 500.0, per_backend={"mok_hopper": INFERENCE})
+    run += inference_rows("r", OLD, "deepgemm_megamoe", 400.0)
+    claims = C.claims_table(C.prepare(frame(run)))
+    inf = series_name("mok_hopper", "inference")
+    r = claims.iloc[0]
+    assert len(claims) == 1 and (r["tflops_mok_hopper"], r[f"tflops_{inf}"]) == (300.0, 500.0)
+    assert r["speedup_mok_hopper"] == pytest.approx(3.0) and r["speedup_all_mok_hopper"] == pytest.approx(3.0)
+    assert r[f"speedup_all_{inf}"] == pytest.approx(1.25) and r[f"speedup_{inf}"] != r[f"speedup_{inf}"]  # NaN
+    assert (r["over_all_mok_hopper"], r[f"over_all_{inf}"], r["best_overall"]) == ("nccl", "deepgemm_megamoe",
+                                                                                   "deepgemm_megamoe")
+    md = "\n".join(claims_sections(claims))
+    assert "| 3.00× over NCCL+PyTorch | 1.25× |" in md  # × all: named where it is not the cell's fastest of all
+    head = C.headline_table(claims)
+    assert list(head["min_all_over"]) == ["nccl", "deepgemm_megamoe"]
+    # a run with one kind of mok_hopper forward keeps its name
+    only = C.prepare(frame(inference_rows("s", OLD, "mok_hopper", 500.0, per_backend={"mok_hopper": INFERENCE})))
+    assert set(only["backend"]) == {"mok_hopper"}
 
 
 def test_a_contender_is_never_an_opponent():
