@@ -54,7 +54,8 @@ COLUMNS = (*KIND_KEYS, "environment", "precision", "direction", "forward_kind", 
            "run_id", "run_started", "shapes", "speedup_min", "speedup_max", "fastest_opponents", "memory_shapes",
            "memory_ratio_min", "memory_ratio_max", "bf16_shapes", "bf16_speedup_min", "bf16_speedup_max",
            "fastest_bf16_opponents", "baseline_shapes", "baseline_speedup_min", "baseline_speedup_max",
-           "fastest_baselines", "timing", "opponent_compile", "fp8", "published_claim", "published_claim_panel")
+           "fastest_baselines", "timing", "opponent_compile", "fp8", "baseline_compile", "baseline_fp8",
+           "published_claim", "published_claim_panel")
 
 
 def kind_label(rec: dict[str, Any]) -> str:
@@ -196,10 +197,13 @@ def _verdict_row(g: pd.DataFrame, d: pd.DataFrame, kind: tuple, claimed: dict[tu
     compared = rows[rows["backend"].map(lambda x: x == f or is_opponent(x)).astype(bool)]
     rec["timing"] = _distinct(timing_label(p, w, i, published) for p, w, i in
                               zip(compared["timing_preset"], compared["num_warmup"], compared["num_iters"]))
-    best = pd.concat([rows[(rows["shape"] == r["shape"]) & (rows["backend"] == r["opponent"])]
-                      for r in g.to_dict("records")])
-    rec["opponent_compile"] = _distinct(compile_label(c, m) for c, m in zip(best["compiled"], best["compile_mode"]))
-    rec["fp8"] = "" if prec == "bf16" else _distinct(fp8_label(sc) for sc in best["scaling"])
+    for col, name in (("opponent", "opponent_compile"), ("baseline", "baseline_compile")):
+        best = pd.concat([rows[(rows["shape"] == r["shape"]) & (rows["backend"] == r[col])]
+                          for r in g.to_dict("records")])
+        rec[name] = _distinct(compile_label(c, m) for c, m in zip(best["compiled"], best["compile_mode"]))
+        rec[name.replace("compile", "fp8")] = ("" if prec == "bf16" else
+                                                _distinct(fp8_label(sc) for sc in best["scaling"]))
+    rec["fp8"] = rec.pop("opponent_fp8")
     claim_prec = prec if (prec, direction) in claimed else PUBLISHED_COUNTERPART.get(prec, prec)
     rec["published_claim"] = claimed.get((claim_prec, direction), math.nan)
     rec["published_claim_panel"] = panel_label(claim_prec, direction) if (claim_prec, direction) in claimed else ""
@@ -272,6 +276,8 @@ def format_verdicts(table: pd.DataFrame, errata: Any = ()) -> str:
         if r["baseline_shapes"]:
             base = (_range(r["baseline_speedup_min"], r["baseline_speedup_max"], r["baseline_shapes"])
                     + f" over {_labels(r['fastest_baselines'])}")
+            if r["fastest_baselines"] != r["fastest_opponents"]:  # the flags describe the opponent: its own
+                base += f"; {r['baseline_compile']}" + (f", fp8 {r['baseline_fp8']}" if r["baseline_fp8"] else "")
         claim = "—"
         if not isna(r["published_claim"]):
             other = r["published_claim_panel"] != r["panel"]
@@ -298,7 +304,8 @@ def legend(table: pd.DataFrame) -> str:
                  "row without it)")
     text += (". × fastest bf16 opponent (fp8 panels): the contender's fp8 TFLOP/s over the fastest bf16 opponent's "
              "of the same run, shape, direction and forward kind; — where the run has no bf16 opponent row. "
-             "× fastest baseline: over the fastest baseline alone, what the published claim compares.")
+             "× fastest baseline: over the fastest baseline alone, what the published claim compares (with its "
+             "compile state, and fp8 GEMMs, where it is not the fastest opponent).")
     return text
 
 

@@ -160,12 +160,16 @@ def test_a_run_with_anchors():
     """Anchors are opponents, never a baseline: the headline is over the fastest anchor here, the speedup over the
     fastest baseline (what the published claim compares) stands beside."""
     run = S.verdict_run("a", OLD, ["nccl", "liger", "sonicmoe", "mok_hopper"], SHAPES, directions=("fwd",),
-                        tflops={"nccl": 100.0, "liger": 250.0, "sonicmoe": 200.0, "mok_hopper": 300.0})
+                        tflops={"nccl": 100.0, "liger": 250.0, "sonicmoe": 200.0, "mok_hopper": 300.0},
+                        per_backend={"nccl": {"compiled": True, "compile_mode": "max-autotune"}})
     v = one(V.verdict_table(frame(run)), run_id="a")
     assert v["speedup_min"] == pytest.approx(1.2) and v["shapes"] == 2 and v["fastest_opponents"] == "liger"
     assert v["baseline_speedup_min"] == pytest.approx(3.0) and v["fastest_baselines"] == "nccl"
+    assert (v["opponent_compile"], v["baseline_compile"]) == ("eager", "compiled (max-autotune)")
     md = V.format_verdicts(V.verdict_table(frame(run)))
-    assert "| 1.20× (2 shapes) | Liger fused MoE (anchor) |" in md and "| 3.00× (2 shapes) over NCCL+PyTorch |" in md
+    assert "| 1.20× (2 shapes) | Liger fused MoE (anchor) |" in md
+    # the flags describe the fastest opponent; the fastest baseline, another system, carries its own
+    assert "| eager | — | 3.00× (2 shapes) over NCCL+PyTorch; compiled (max-autotune) |" in md
 
 
 def test_a_run_with_errata_is_marked(tmp_path):

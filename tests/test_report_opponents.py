@@ -172,7 +172,7 @@ def test_the_opponent_named_is_the_fastest_of_each_shape():
     assert v["baseline_speedup_min"] == pytest.approx(2.0)
     md = V.format_verdicts(V.verdict_table(frame(run)))
     assert "| 1.20-2.00× (2 shapes) | DeepEP+PyTorch, Liger fused MoE (anchor) |" in md
-    assert "| 2.00× (2 shapes) over DeepEP+PyTorch |" in md
+    assert "| 2.00× (2 shapes) over DeepEP+PyTorch; eager |" in md
 
 
 # ---------------------------------------------------------------------------------------------------------------
