@@ -20,8 +20,8 @@ import pandas as pd
 
 from harness import results
 from harness.backends import series_name
-from harness.labels import (NOT_CONTENDERS, DIRECTION_ORDER, PRECISION_ORDER, SHAPE_ORDER, SYSTEM_ORDER, in_order,
-                            is_anchor, is_baseline, is_fused, isna, scaling_variant, systems_in)
+from harness.labels import (NOT_CONTENDERS, DIRECTION_ORDER, PRECISION_ORDER, SHAPE_ORDER, SYSTEM_ORDER, forward_kinds,
+                            in_order, is_anchor, is_baseline, is_fused, isna, scaling_variant, systems_in)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PUBLISHED_DIR = REPO_ROOT / "results" / "published"
@@ -180,6 +180,26 @@ def split_variants(df: pd.DataFrame) -> pd.DataFrame:
     return d
 
 
+def split_forward_kinds(df: pd.DataFrame) -> pd.DataFrame:
+    """A backend whose forward rows of one run are of both kinds (``labels.forward_kind``: mok_hopper's training
+    forward and its ``forward=inference`` one) gets its inference forwards renamed to a series of their own
+    (``backends.series_name(backend, "inference")``), so that no table or chart takes one median over a forward that
+    keeps its activations and one that saves nothing. Other backends keep their names."""
+    if df.empty:
+        return df
+    d = df.copy()
+    kind = forward_kinds(d)
+    fwd = kind.ne("").to_numpy(dtype=bool) & ~is_published(d).to_numpy(dtype=bool)
+    keys = d[["run_id", "backend"]].astype(str).agg("\x1f".join, axis=1)
+    counts = kind[fwd].groupby(keys[fwd].to_numpy()).nunique()
+    split = fwd & keys.map(counts).fillna(0).gt(1).to_numpy() & kind.eq("inference").to_numpy(dtype=bool)
+    if split.any():
+        backend = d["backend"].astype(object).to_numpy().copy()
+        backend[split] = [series_name(b, "inference") for b in backend[split]]
+        d["backend"] = pd.array(backend, dtype="string")
+    return d
+
+
 def prepare(df: pd.DataFrame, scope: str = "run") -> pd.DataFrame:
     """The rows a report compares, for a scope:
 
@@ -189,15 +209,15 @@ def prepare(df: pd.DataFrame, scope: str = "run") -> pd.DataFrame:
       different code, leases and baseline builds, an explicit choice (``--pool``).
 
     CPU-twin rows of mok_hopper are renamed (:data:`CPU_TWIN`); a backend whose rows of one run and precision differ
-    in ``scaling`` becomes one series per variant (:func:`split_variants`); ``source_run_id`` keeps each row's own
-    run."""
+    in ``scaling`` becomes one series per variant (:func:`split_variants`), one whose forwards of one run are of both
+    kinds one series per kind (:func:`split_forward_kinds`); ``source_run_id`` keeps each row's own run."""
     if scope not in SCOPES:
         raise ValueError(f"scope must be one of {', '.join(SCOPES)} (got {scope!r})")
     d = df.copy()
     twin = is_cpu_twin(d)
     if twin.any():
         d["backend"] = d["backend"].astype(object).where(~twin, d["backend"].map(CPU_TWIN)).astype("string")
-    d = split_variants(d)
+    d = split_forward_kinds(split_variants(d))
     d["source_run_id"] = d["run_id"]
     d = with_runs(d.drop(columns=["run_started"], errors="ignore"))
     measured = ~is_published(d)
@@ -282,13 +302,17 @@ def claims_table(df: pd.DataFrame, published: Optional[pd.DataFrame] = None) -> 
     ``baselines_ok`` ("3/4": ok baselines / baselines seen in this environment); ``best_anchor`` /
     ``best_anchor_tflops`` (fastest ok anchor); ``best_overall`` / ``best_overall_tflops`` (fastest ok system that
     is not a contender: baselines and anchors); ``speedup_<fused>`` per fused kernel over the fastest baseline (what
-    the published-claim verdicts use) and ``speedup_all_<fused>`` over the fastest of all; then the published
+    the published-claim verdicts use) and ``speedup_all_<fused>`` over the fastest of all, each over forwards of the
+    fused kernel's own kind only (``labels.forward_kind``: like with like), ``over_<fused>`` / ``over_all_<fused>``
+    naming the system each is over (the cell's ``best_baseline`` / ``best_overall`` where the cell holds one kind of
+    forward); then the published
     side: ``published_best_baseline``, ``published_speedup`` (MoK / best, from the
     figure's readings), ``env_matches_published`` and, only where it does, ``ratio_<system>`` = measured /
     published TFLOP/s. Shared-GPU rows are left out (:func:`speed_rows`); ``table.attrs["notes"]`` says how many.
     """
     df, note = speed_rows(df)
     agg = aggregate(with_runs(df)[~df["backend"].isin(NOT_CONTENDERS)])
+    kinds = _cell_kinds(df)
     systems = systems_in(agg)
     fused = [s for s in systems if is_fused(s)]
     pub = _published_cells(published) if published is not None else {}
@@ -321,11 +345,17 @@ def claims_table(df: pd.DataFrame, published: Optional[pd.DataFrame] = None) -> 
         best_all = max(every, key=every.__getitem__) if every else None
         rec["best_overall"] = best_all or ""
         rec["best_overall_tflops"] = every[best_all] if best_all else math.nan
+        kind = kinds.get(_norm(key), {})
         for f in fused:
             r = by.get(f)
             ok = r is not None and r["status"] == "ok" and not isna(r["tflops_per_gpu"])
-            rec[f"speedup_{f}"] = r["tflops_per_gpu"] / base[best] if ok and best else math.nan
-            rec[f"speedup_all_{f}"] = r["tflops_per_gpu"] / every[best_all] if ok and best_all else math.nan
+            # like with like: a fused kernel's forward over forwards of its own kind (labels.forward_kind)
+            same = [s for s in every if kind.get(s, "") == kind.get(f, "")]
+            b = max((s for s in same if s in base), key=base.__getitem__, default=None)
+            a = max(same, key=every.__getitem__, default=None)
+            rec[f"speedup_{f}"] = r["tflops_per_gpu"] / base[b] if ok and b else math.nan
+            rec[f"speedup_all_{f}"] = r["tflops_per_gpu"] / every[a] if ok and a else math.nan
+            rec[f"over_{f}"], rec[f"over_all_{f}"] = (b or "", a or "") if ok else ("", "")
         p = pub.get((rec["precision"], rec["direction"], str(rec["shape"])), {})
         pbase = {s: v for s, v in p.items() if is_baseline(s)}
         pbest = max(pbase, key=pbase.__getitem__) if pbase else None
@@ -344,6 +374,18 @@ def claims_table(df: pd.DataFrame, published: Optional[pd.DataFrame] = None) -> 
         table = _int_columns(_sort_cells(table).reset_index(drop=True))
     table.attrs["notes"] = [note] if note else []
     return table
+
+
+def _cell_kinds(df: pd.DataFrame) -> dict[tuple, dict[str, str]]:
+    """Cell (:data:`CELL_KEYS`, normalised) -> backend -> the forward kind of its rows there (``labels.forward_kind``;
+    '' for other directions). After :func:`prepare` a backend's rows of one cell are of one kind."""
+    if df.empty:
+        return {}
+    d = with_runs(df)
+    out: dict[tuple, dict[str, str]] = {}
+    for key, b, k in zip(d[list(CELL_KEYS)].itertuples(index=False, name=None), d["backend"], forward_kinds(d)):
+        out.setdefault(_norm(key), {}).setdefault(b, k)
+    return out
 
 
 def _int_columns(table: pd.DataFrame) -> pd.DataFrame:
@@ -418,7 +460,8 @@ def headline_table(claims: pd.DataFrame, readme_claims: Optional[pd.DataFrame] =
             rec = dict(rec0, fused=f)
             if s.notna().any():
                 at = g.loc[s.idxmax()]
-                rec.update(max_speedup=float(s.max()), at_shape=at["shape"], best_baseline=at["best_baseline"])
+                rec.update(max_speedup=float(s.max()), at_shape=at["shape"],
+                           best_baseline=at.get(f"over_{f}", at["best_baseline"]))
             else:
                 rec.update(max_speedup=math.nan, at_shape="", best_baseline="")
             rec["cells_with_speedup"] = f"{int(s.notna().sum())}/{len(g)}"
@@ -426,7 +469,7 @@ def headline_table(claims: pd.DataFrame, readme_claims: Optional[pd.DataFrame] =
             if sa.notna().any():
                 lo = g.loc[sa.idxmin()]
                 rec.update(min_speedup_all=float(sa.min()), max_speedup_all=float(sa.max()),
-                           min_all_at_shape=lo["shape"], min_all_over=lo["best_overall"])
+                           min_all_at_shape=lo["shape"], min_all_over=lo.get(f"over_all_{f}", lo["best_overall"]))
             else:
                 rec.update(min_speedup_all=math.nan, max_speedup_all=math.nan, min_all_at_shape="", min_all_over="")
             rec["published_max_speedup"] = float(pub_max["published_speedup"]) if pub_max is not None else math.nan

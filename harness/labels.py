@@ -46,6 +46,48 @@ def is_anchor(backend: str) -> bool:
     return role(backend) == "anchor"
 
 
+def is_opponent(backend: str) -> bool:
+    """An opponent of the contenders: a baseline (published or not) or an anchor; never the reference, never another
+    contender. The verdicts' headline is a contender over the fastest opponent of its cell."""
+    return is_baseline(backend) or is_anchor(backend)
+
+
+# What a forward row timed (``forward_kind``): a training forward keeps what its backward needs, an inference forward
+# saves nothing. Rows written before the column get it from here: these backends' forwards are inference forwards,
+# and so is any row whose ``backend_options`` hold ``forward=inference`` (mok_hopper's forward-only layer).
+FORWARD_KINDS = ("training", "inference")
+INFERENCE_BACKENDS = ("deepgemm_megamoe", "flashinfer")
+FORWARD_KIND_LABELS = {"training": "training forwards", "inference": "inference forwards"}
+
+
+def forward_kind(row: Any) -> str:
+    """A forward row's kind, ``training`` or ``inference``: its ``forward_kind`` column where set, else derived for
+    rows written before the column (:data:`INFERENCE_BACKENDS`, ``forward=inference`` in ``backend_options``,
+    ``training`` otherwise). '' for a row of another direction: backward rows pair as they are. ``row``: a mapping
+    (a dict, a pandas row). The one place that says which forwards pair with which."""
+    if str(row.get("direction", "")) != "fwd":
+        return ""
+    kind = row.get("forward_kind")
+    if not isna(kind) and str(kind).strip():
+        return str(kind).strip()
+    opts = row.get("backend_options")
+    pairs = set() if isna(opts) else {p.strip() for p in str(opts).split(",")}
+    if base_name(str(row.get("backend", ""))) in INFERENCE_BACKENDS or "forward=inference" in pairs:
+        return "inference"
+    return "training"
+
+
+def forward_kinds(df: pd.DataFrame) -> pd.Series:
+    """:func:`forward_kind` of each row of ``df`` (a string Series on its index)."""
+    return pd.Series([forward_kind(r) for r in df.to_dict("records")], index=df.index, dtype="string")
+
+
+def pairs_label(direction: str, kind: str) -> str:
+    """What a comparison pairs: ``training forwards``, ``inference forwards``, else the direction's label
+    (``backward``, ``fwd+bwd``): rows of that direction pair as they are."""
+    return FORWARD_KIND_LABELS.get(kind, kind) if kind else DIRECTION_LABELS.get(direction, direction)
+
+
 def system_label(backend: str) -> str:
     return spec(backend).label
 

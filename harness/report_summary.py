@@ -20,16 +20,22 @@ README = REPO_ROOT / "README.md"  # its verdict block is rewritten with the comm
 
 SUMMARY_SCOPE = (
     "Each verdict compares systems measured in one run (same lease, code and baseline builds), never across runs. "
-    "For each environment kind (GPU model, GPUs of the machine, EP size, tokens per GPU, nodes) and panel "
-    "(precision x direction), the verdict table takes the newest run in which a contender (MoK Hopper; MoK where "
-    "measured) and at least one baseline are ok on the same shape: the speedup is the contender's TFLOP/s over the "
-    "fastest ok baseline's on each such shape of that run (min-max over the shapes), and over the fastest anchor "
-    "where the run has anchors. Its flags say how that run compared them: `timing` (the timing preset, "
-    "`published` only where every compared row ran the published iteration counts, else the preset and its "
-    "warmup/timed counts), `baseline` (whether the fastest baseline ran eager or under torch.compile, and its mode) "
-    "and `fp8` (the fastest baseline's fp8 GEMMs: real, with their path, or emulated: bf16 GEMMs on e4m3 values, "
-    "which measure accuracy, not fp8 speed). The published claims are the published figure's maxima on GB300 NVL72 "
-    "at EP 64 (MXFP8 where the panel here is Hopper's fp8): side by side, not a ratio.")
+    "For each environment kind (GPU model, GPUs of the machine, EP size, tokens per GPU, nodes), panel "
+    "(precision x direction) and pairing, the verdict table takes the newest run in which a contender (MoK Hopper; "
+    "MoK where measured) and at least one opponent (a baseline or an anchor, never another contender) are ok on the "
+    "same shape, and leads with the contender's TFLOP/s over the fastest ok opponent's on each such shape of that "
+    "run (min-max over the shapes), naming it, with the own-peak memory ratio over that opponent beside it. Like "
+    "with like: a training forward (it keeps what its backward needs) is compared with training forwards only, an "
+    "inference forward (it saves nothing) with inference forwards only; the `pairs` column says which. FP8 panels "
+    "also give the speedup over the fastest bf16 opponent of the same run. Its flags say how that run compared "
+    "them: `timing` (the timing preset, `published` only where every compared row ran the published iteration "
+    "counts, else the preset and its warmup/timed counts), `opponent compile` (whether the fastest opponent ran "
+    "eager or under torch.compile, and its mode) and `fp8` (the fastest opponent's fp8 GEMMs: real, with their "
+    "path, or emulated: bf16 GEMMs on e4m3 values, which measure accuracy, not fp8 speed). The speedup over the "
+    "fastest baseline stands beside the published claim it reads against: the published figure's maxima on GB300 "
+    "NVL72 at EP 64 (MXFP8 where the panel here is Hopper's fp8), side by side, not a ratio. The claims tables "
+    "below give every system's TFLOP/s per shape, the speedup over the fastest baseline (`×`) and over the fastest "
+    "of all (`× all`) where the run has anchors.")
 
 
 def format_summary(df: pd.DataFrame, verdicts: pd.DataFrame, block: str, charts: Sequence[str], *,
@@ -57,7 +63,8 @@ def format_summary(df: pd.DataFrame, verdicts: pd.DataFrame, block: str, charts:
             rows = select_env(d, env)
             shown.append(rows)
             mine = verdicts[(verdicts["environment"] == kind) & (verdicts["run_id"] == c["run_id"])]
-            out += [f"#### `{c['run_id']}`: the {', '.join(mine['panel'])} verdict{'s' if len(mine) > 1 else ''}", ""]
+            panels = list(dict.fromkeys(f"{p} ({k})" if k else p for p, k in zip(mine["panel"], mine["forward_kind"])))
+            out += [f"#### `{c['run_id']}`: the {', '.join(panels)} verdict{'s' if len(panels) > 1 else ''}", ""]
             stems = [chart_stem(k, env) for k in ("panels", "roofline")]
             out += [f"![{n.partition('_')[0]} of {c['run_id']}](figures/{n})" for n in charts
                     if Path(n).stem in stems]

@@ -1,18 +1,24 @@
-"""The latest measured verdicts: one line per environment kind and panel, from the newest run that measured it.
+"""The latest measured verdicts: one line per environment kind, panel and pairing, from the newest run that
+measured it.
 
 An environment kind is a GPU model, the number of GPUs of the machine, the EP size, tokens per GPU, nodes and routing;
-a panel is a precision and direction. For each, :func:`verdict_table` takes the newest run (by its first timestamp)
-in which a contender (``mok_hopper``, ``mok``; never the CPU twin) and at least one baseline are ok on the same shape
-of that panel, and gives the contender's speedup over the fastest ok baseline of each such shape of that run (min-max
-over the shapes), over the fastest anchor where the run has anchors, and flags that say how the comparison was made:
-the timing preset and counts, whether the fastest baseline ran eager or compiled, and (fp8) whether its GEMMs were
-real fp8 or emulated. The published claim for the panel stands beside it, labelled published (another GPU and EP
+a panel is a precision and direction; a pairing is what the panel's rows pair (``labels.pairs_label``): training
+forwards with training forwards, inference forwards with inference forwards (``labels.forward_kind``), backwards as
+they are. For each, :func:`verdict_table` takes the newest run (by its first timestamp) in which a contender
+(``mok_hopper``, ``mok``; never the CPU twin) and at least one opponent (a baseline or an anchor,
+``labels.is_opponent``) are ok on the same shape of that panel and pairing, and leads with the contender's speedup
+over the fastest opponent of each such shape of that run (min-max over the shapes), naming it, with the own-peak
+memory ratio over that same opponent (``mem_peak_own_bytes``) beside it; an fp8 panel adds the speedup over the
+fastest bf16 opponent of the same run, shape, direction and forward kind (``harness.opponents``). Flags say how the
+comparison was made: the timing preset and counts, whether the fastest opponent ran eager or compiled, and (fp8)
+whether its GEMMs were real fp8 or emulated. The speedup over the fastest baseline (what the published claim
+compares) and the published claim for the panel stand at the end, the claim labelled published (another GPU and EP
 size: side by side, never a ratio). Rows that ran several ranks on one GPU (``shared_gpu``) check correctness only:
 no verdict reads them, and the block says how many were left out.
 
-:func:`format_verdicts` renders the table as Markdown; :func:`verdict_block` adds the line that says where it comes
-from, and :func:`replace_block` / :func:`rewrite_block` put it between the ``<!-- verdicts:start -->`` and
-``<!-- verdicts:end -->`` lines of a file (README.md, results/REPORT.md).
+:func:`format_verdicts` renders the table as Markdown; :func:`verdict_block` adds the legend and the line that says
+where it comes from, and :func:`replace_block` / :func:`rewrite_block` put it between the
+``<!-- verdicts:start -->`` and ``<!-- verdicts:end -->`` lines of a file (README.md, results/REPORT.md).
 """
 
 from __future__ import annotations
@@ -23,10 +29,13 @@ from typing import Any, Optional, Union
 
 import pandas as pd
 
-from harness.claims import (CPU_TWIN, ENV_KEYS, claims_table, is_published, load_claims, prepare, published_counts,
-                            select_env, speed_rows, with_runs)
-from harness.labels import (DIRECTION_ORDER, FUSED, NOT_CONTENDERS, SYSTEM_ORDER, in_order, int_text, is_anchor,
-                            is_baseline, isna, panel_label, scaling_variant, system_label)
+from harness.backends import base_name
+from harness.claims import (CPU_TWIN, ENV_KEYS, is_published, load_claims, prepare, published_counts, select_env,
+                            speed_rows, with_runs)
+from harness.labels import (DIRECTION_ORDER, FORWARD_KINDS, FUSED, NOT_CONTENDERS, SYSTEM_ORDER, forward_kinds,
+                            in_order, int_text, isna, is_opponent, pairs_label, panel_label, scaling_variant,
+                            system_label)
+from harness.opponents import MEMORY_COLUMN, opponent_table
 
 # the contenders a verdict is about, in registry order (the CPU twin ran pure torch on a CPU, not the kernel)
 CONTENDERS = tuple(f for f in FUSED if f not in CPU_TWIN.values())
@@ -41,10 +50,12 @@ MARK_END = "<!-- verdicts:end -->"
 COMMAND = "python3 -m harness.report"
 ERRATA = "ERRATA.md"  # beside a committed run's rows: something found wrong with the run after it was committed
 
-COLUMNS = (*KIND_KEYS, "environment", "precision", "direction", "panel", "contender", "run_id", "run_started",
-           "shapes", "speedup_min", "speedup_max", "fastest_baselines", "anchor_shapes", "anchor_speedup_min",
-           "anchor_speedup_max", "fastest_anchors", "timing", "baseline", "fp8", "published_claim",
-           "published_claim_panel")
+COLUMNS = (*KIND_KEYS, "environment", "precision", "direction", "forward_kind", "pairs", "panel", "contender",
+           "run_id", "run_started", "shapes", "speedup_min", "speedup_max", "fastest_opponents", "memory_shapes",
+           "memory_ratio_min", "memory_ratio_max", "bf16_shapes", "bf16_speedup_min", "bf16_speedup_max",
+           "fastest_bf16_opponents", "baseline_shapes", "baseline_speedup_min", "baseline_speedup_max",
+           "fastest_baselines", "timing", "opponent_compile", "fp8", "baseline_compile", "baseline_fp8",
+           "published_claim", "published_claim_panel")
 
 
 def kind_label(rec: dict[str, Any]) -> str:
@@ -110,9 +121,10 @@ def _claim_lookup(claims: Optional[pd.DataFrame]) -> dict[tuple[str, str], float
 
 def verdict_table(df: pd.DataFrame, claims: Optional[pd.DataFrame] = None) -> pd.DataFrame:
     """The latest measured verdicts of ``df``'s measured rows (published rows are left out): one row per
-    environment kind, panel and contender (:data:`COLUMNS`), from the newest run that has the contender and a
-    baseline ok on a shape of the panel. ``claims``: the published claims (default ``load_claims()``). Shared-GPU
-    rows (``claims.speed_rows``) are left out; ``attrs["notes"]`` says how many."""
+    environment kind, panel, forward kind and contender (:data:`COLUMNS`), from the newest run that has the
+    contender and an opponent of the same forward kind ok on a shape of the panel. ``claims``: the published claims
+    (default ``load_claims()``). Shared-GPU rows (``claims.speed_rows``) are left out; ``attrs["notes"]`` says how
+    many."""
     measured, note = speed_rows(df[~is_published(df)] if len(df) else df)
     out = _verdicts(measured, claims)
     out.attrs["notes"] = [note] if note else []
@@ -125,57 +137,73 @@ def _verdicts(measured: pd.DataFrame, claims: Optional[pd.DataFrame]) -> pd.Data
         return pd.DataFrame(columns=list(COLUMNS))
     d = prepare(measured, "run")
     d = d[~d["backend"].isin(NOT_CONTENDERS)]
-    table = claims_table(d)
-    contenders = [f for f in CONTENDERS if f"speedup_{f}" in table]
-    if table.empty or not contenders:
+    pairs = opponent_table(d)
+    # (a contender's inference forwards are a series of their own where its run has both kinds: claims.prepare)
+    pairs = pairs[pairs["contender"].map(base_name).isin(CONTENDERS) & pairs["speedup"].notna()]
+    if pairs.empty:
         return pd.DataFrame(columns=list(COLUMNS))
     gpus = _run_kinds(d)
     claimed = _claim_lookup(claims)
     published = published_counts()
     newest: dict[tuple, tuple[str, str, pd.DataFrame]] = {}
-    panel_keys = [*RUN_ENV_KEYS, "precision", "direction"]
-    for f in contenders:
-        measured_cells = table[table[f"speedup_{f}"].notna()]
-        for key, g in measured_cells.groupby(panel_keys, dropna=False, sort=False):
-            env = dict(zip(panel_keys, key))
-            n_gpus = gpus.get(_key(tuple(env[k] for k in RUN_ENV_KEYS)))
-            kind = tuple(n_gpus if k == "num_gpus" else env[k] for k in KIND_KEYS)
-            slot = (_key(kind), env["precision"], env["direction"], f)
-            order = ("" if isna(env["run_started"]) else str(env["run_started"]), str(env["run_id"]))
-            if slot not in newest or order > newest[slot][:2]:
-                newest[slot] = (*order, g)
-    rows = [_verdict_row(f, g, d, kind, claimed, published) for (kind, _, _, f), (_, _, g) in newest.items()]
+    panel_keys = [*RUN_ENV_KEYS, "precision", "direction", "forward_kind", "contender"]
+    for key, g in pairs.groupby(panel_keys, dropna=False, sort=False):
+        env = dict(zip(panel_keys, key))
+        n_gpus = gpus.get(_key(tuple(env[k] for k in RUN_ENV_KEYS)))
+        kind = tuple(n_gpus if k == "num_gpus" else env[k] for k in KIND_KEYS)
+        slot = (_key(kind), env["precision"], env["direction"], env["forward_kind"], env["contender"])
+        order = ("" if isna(env["run_started"]) else str(env["run_started"]), str(env["run_id"]))
+        if slot not in newest or order > newest[slot][:2]:
+            newest[slot] = (*order, g)
+    rows = [_verdict_row(g, d, kind, claimed, published) for (kind, *_), (_, _, g) in newest.items()]
     out = pd.DataFrame(rows, columns=list(COLUMNS))
     return _sorted(out).reset_index(drop=True)
 
 
-def _verdict_row(f: str, g: pd.DataFrame, d: pd.DataFrame, kind: tuple, claimed: dict[tuple[str, str], float],
+def _spread(values: pd.Series, names: pd.Series, prefix: str) -> dict[str, Any]:
+    """``<prefix>_min``, ``<prefix>_max`` over ``values``' numbers, how many, and ``names`` where they are (registry
+    order): one ratio of a verdict row."""
+    ok = values.notna()
+    v = values[ok]
+    return {f"{prefix}_min": float(v.min()) if v.size else math.nan,
+            f"{prefix}_max": float(v.max()) if v.size else math.nan,
+            "_n": int(v.size), "_names": ", ".join(in_order(names[ok], SYSTEM_ORDER))}
+
+
+def _verdict_row(g: pd.DataFrame, d: pd.DataFrame, kind: tuple, claimed: dict[tuple[str, str], float],
                  published: tuple[int, int]) -> dict[str, Any]:
-    """One verdict: ``g`` holds the claims-table rows (one per shape) of one run, environment and panel where the
-    contender ``f`` has a speedup; ``d`` the prepared rows they come from."""
+    """One verdict: ``g`` holds the ``harness.opponents`` rows (one per shape) of one run, environment, panel,
+    forward kind and contender where the contender has a fastest opponent; ``d`` the prepared rows they come
+    from."""
     first = g.iloc[0].to_dict()
+    f = first["contender"]  # its series name in ``d``
     rec: dict[str, Any] = dict(zip(KIND_KEYS, kind))
-    prec, direction = str(first["precision"]), str(first["direction"])
-    rec.update(environment=kind_label(rec), precision=prec, direction=direction, panel=panel_label(prec, direction),
-               contender=f, run_id=first["run_id"], run_started=first["run_started"])
-    s = g[f"speedup_{f}"]
-    rec.update(shapes=int(s.size), speedup_min=float(s.min()), speedup_max=float(s.max()),
-               fastest_baselines=", ".join(in_order(g["best_baseline"], SYSTEM_ORDER)))
-    has_anchor = g["best_anchor"].astype(str).ne("") & g["best_anchor_tflops"].notna()
-    a = (g[f"tflops_{f}"] / g["best_anchor_tflops"])[has_anchor]
-    rec.update(anchor_shapes=int(a.size), anchor_speedup_min=float(a.min()) if a.size else math.nan,
-               anchor_speedup_max=float(a.max()) if a.size else math.nan,
-               fastest_anchors=", ".join(in_order(g.loc[has_anchor, "best_anchor"], SYSTEM_ORDER)))
+    prec, direction, fkind = str(first["precision"]), str(first["direction"]), str(first["forward_kind"])
+    rec.update(environment=kind_label(rec), precision=prec, direction=direction, forward_kind=fkind,
+               pairs=pairs_label(direction, fkind), panel=panel_label(prec, direction), contender=base_name(f),
+               run_id=first["run_id"], run_started=first["run_started"])
+    s = _spread(g["speedup"], g["opponent"], "speedup")
+    rec.update(shapes=s.pop("_n"), fastest_opponents=s.pop("_names"), **s)
+    m = _spread(g["memory_ratio"], g["opponent"], "memory_ratio")
+    rec.update(memory_shapes=m.pop("_n"), **{k: v for k, v in m.items() if not k.startswith("_")})
+    b = _spread(g["bf16_speedup"], g["bf16_opponent"], "bf16_speedup")
+    rec.update(bf16_shapes=b.pop("_n"), fastest_bf16_opponents=b.pop("_names"), **b)
+    base = _spread(g["baseline_speedup"], g["baseline"], "baseline_speedup")
+    rec.update(baseline_shapes=base.pop("_n"), fastest_baselines=base.pop("_names"), **base)
     rows = select_env(d, {k: first[k] for k in RUN_ENV_KEYS})
     rows = rows[(rows["precision"] == prec) & (rows["direction"] == direction) & (rows["status"] == "ok")
                 & rows["shape"].isin(list(g["shape"]))]
-    compared = rows[rows["backend"].map(lambda b: b == f or is_baseline(b) or is_anchor(b)).astype(bool)]
+    rows = rows[(forward_kinds(rows) == fkind).to_numpy(dtype=bool)]
+    compared = rows[rows["backend"].map(lambda x: x == f or is_opponent(x)).astype(bool)]
     rec["timing"] = _distinct(timing_label(p, w, i, published) for p, w, i in
                               zip(compared["timing_preset"], compared["num_warmup"], compared["num_iters"]))
-    best = pd.concat([rows[(rows["shape"] == r["shape"]) & (rows["backend"] == r["best_baseline"])]
-                      for r in g.to_dict("records")])
-    rec["baseline"] = _distinct(compile_label(c, m) for c, m in zip(best["compiled"], best["compile_mode"]))
-    rec["fp8"] = "" if prec == "bf16" else _distinct(fp8_label(sc) for sc in best["scaling"])
+    for col, name in (("opponent", "opponent_compile"), ("baseline", "baseline_compile")):
+        best = pd.concat([rows[(rows["shape"] == r["shape"]) & (rows["backend"] == r[col])]
+                          for r in g.to_dict("records")])
+        rec[name] = _distinct(compile_label(c, m) for c, m in zip(best["compiled"], best["compile_mode"]))
+        rec[name.replace("compile", "fp8")] = ("" if prec == "bf16" else
+                                                _distinct(fp8_label(sc) for sc in best["scaling"]))
+    rec["fp8"] = rec.pop("opponent_fp8")
     claim_prec = prec if (prec, direction) in claimed else PUBLISHED_COUNTERPART.get(prec, prec)
     rec["published_claim"] = claimed.get((claim_prec, direction), math.nan)
     rec["published_claim_panel"] = panel_label(claim_prec, direction) if (claim_prec, direction) in claimed else ""
@@ -188,7 +216,8 @@ def _sorted(table: pd.DataFrame) -> pd.DataFrame:
         kind = tuple((1, "") if isna(r[k]) else (0, f"{r[k]!s:>12}") for k in KIND_KEYS)
         prec = VERDICT_PRECISIONS.index(r["precision"]) if r["precision"] in VERDICT_PRECISIONS else 99
         dire = DIRECTION_ORDER.index(r["direction"]) if r["direction"] in DIRECTION_ORDER else 99
-        return (r["routing"] != "uniform", kind, prec, dire, SYSTEM_ORDER.index(r["contender"]))
+        fk = FORWARD_KINDS.index(r["forward_kind"]) if r["forward_kind"] in FORWARD_KINDS else 99
+        return (r["routing"] != "uniform", kind, prec, dire, fk, SYSTEM_ORDER.index(r["contender"]))
 
     return table.loc[sorted(table.index, key=key)]
 
@@ -232,27 +261,52 @@ def format_verdicts(table: pd.DataFrame, errata: Any = ()) -> str:
     """The verdict table as Markdown (a contender column only where the table has more than one contender); a run in
     ``errata`` is marked, so that no verdict is read without its run's errata."""
     if table.empty:
-        return "No verdict: no run has a contender and a baseline ok on the same shape."
+        return "No verdict: no run has a contender and an opponent ok on the same shape."
     several = table["contender"].nunique() > 1
-    header = ["environment", "panel", *(["contender"] if several else []), "× fastest baseline", "fastest baseline",
-              "× fastest anchor", "run", "timing", "baseline", "fp8",
-              "published claim (GB300, EP 64, max over shapes)"]
+    header = ["environment", "panel", "pairs", *(["contender"] if several else []), "× fastest opponent",
+              "fastest opponent", "own-peak memory × opponent", "× fastest bf16 opponent", "run", "timing",
+              "opponent compile", "fp8", "× fastest baseline", "published claim (GB300, EP 64, max over shapes)"]
     rows = []
     for r in table.to_dict("records"):
-        anchor = _range(r["anchor_speedup_min"], r["anchor_speedup_max"], r["anchor_shapes"])
-        if r["anchor_shapes"]:
-            anchor += f" over {_labels(r['fastest_anchors'])}"
+        bf16 = "—"
+        if r["bf16_shapes"]:
+            bf16 = (_range(r["bf16_speedup_min"], r["bf16_speedup_max"], r["bf16_shapes"])
+                    + f" over {_labels(r['fastest_bf16_opponents'])}")
+        base = "—"
+        if r["baseline_shapes"]:
+            base = (_range(r["baseline_speedup_min"], r["baseline_speedup_max"], r["baseline_shapes"])
+                    + f" over {_labels(r['fastest_baselines'])}")
+            if r["fastest_baselines"] != r["fastest_opponents"]:  # the flags describe the opponent: its own
+                base += f"; {r['baseline_compile']}" + (f", fp8 {r['baseline_fp8']}" if r["baseline_fp8"] else "")
         claim = "—"
         if not isna(r["published_claim"]):
             other = r["published_claim_panel"] != r["panel"]
             claim = f"{r['published_claim']:.2f}× (published{', ' + r['published_claim_panel'] if other else ''})"
-        rows.append([r["environment"], r["panel"], *([system_label(r["contender"])] if several else []),
-                     _range(r["speedup_min"], r["speedup_max"], r["shapes"]), _labels(r["fastest_baselines"]), anchor,
+        rows.append([r["environment"], r["panel"], r["pairs"], *([system_label(r["contender"])] if several else []),
+                     _range(r["speedup_min"], r["speedup_max"], r["shapes"]), _labels(r["fastest_opponents"]),
+                     _range(r["memory_ratio_min"], r["memory_ratio_max"], r["memory_shapes"]), bf16,
                      f"`{r['run_id']}`" + (f" (see its {ERRATA})" if r["run_id"] in errata else ""), r["timing"],
-                     r["baseline"], r["fp8"] or "—", claim])
+                     r["opponent_compile"], r["fp8"] or "—", base, claim])
     esc = [[str(c).replace("|", "\\|") for c in r] for r in [header, *rows]]
     lines = ["| " + " | ".join(esc[0]) + " |", "|" + "|".join("---" for _ in header) + "|"]
     return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in esc[1:]])
+
+
+def legend(table: pd.DataFrame) -> str:
+    """What the verdict table's ratios are, and why a memory ratio reads — where one does."""
+    text = ("× fastest opponent: the contender's TFLOP/s over the fastest ok opponent's (a baseline or an anchor, "
+            "never another contender) on the same shape of the same run, min-max over the run's shapes; `pairs` "
+            "says which rows pair: a training forward (it keeps what its backward needs) only with training "
+            "forwards, an inference forward (it saves nothing) only with inference forwards, backwards as they are. "
+            f"Own-peak memory: the contender's `{MEMORY_COLUMN}` over the same opponent's on those shapes")
+    if len(table) and (table["memory_shapes"] < table["shapes"]).any():
+        text += (f"; — where that run did not measure it (rows written before the `{MEMORY_COLUMN}` column, or a "
+                 "row without it)")
+    text += (". × fastest bf16 opponent (fp8 panels): the contender's fp8 TFLOP/s over the fastest bf16 opponent's "
+             "of the same run, shape, direction and forward kind; — where the run has no bf16 opponent row. "
+             "× fastest baseline: over the fastest baseline alone, what the published claim compares (with its "
+             "compile state, and fp8 GEMMs, where it is not the fastest opponent).")
+    return text
 
 
 def newest_date(df: pd.DataFrame) -> str:
@@ -268,13 +322,15 @@ def newest_date(df: pd.DataFrame) -> str:
 def verdict_block(df: pd.DataFrame, claims: Optional[pd.DataFrame] = None,
                   table: Optional[pd.DataFrame] = None) -> str:
     """What goes between the markers: the verdict table of ``df`` (or ``table``, already made from it), each run
-    with errata marked (:func:`errata_runs`), and one line that says how it is made and the date of the newest run.
+    with errata marked (:func:`errata_runs`), its :func:`legend`, and one line that says how it is made and the date
+    of the newest run.
     Depends only on the rows and the committed runs' errata files. Where shared-GPU rows were left out, a line
     says how many."""
     table = verdict_table(df, claims) if table is None else table
     errata = errata_runs(table["run_id"]) if len(table) else set()
     note = speed_rows(df[~is_published(df)] if len(df) else df)[1]
-    return (f"{format_verdicts(table, errata)}\n\n" + (f"{note}.\n\n" if note else "")
+    return (f"{format_verdicts(table, errata)}\n\n" + (f"{legend(table)}\n\n" if len(table) else "")
+            + (f"{note}.\n\n" if note else "")
             + f"Generated by `{COMMAND}` from results/runs (newest run: {newest_date(df)}); do not edit by hand.")
 
 

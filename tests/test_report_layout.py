@@ -49,7 +49,7 @@ def one(table: pd.DataFrame, **where) -> dict:
 
 def test_the_newest_run_of_each_panel_wins():
     """Each (environment kind, panel) takes its own newest run: the new run has only the forward, so the backward
-    verdict stays the old run's; speedups are min-max over that run's shapes, over its own fastest baseline."""
+    verdict stays the old run's; speedups are min-max over that run's shapes, over its own fastest opponent."""
     old = S.verdict_run("old", OLD, ["nccl", "deepep", "mok_hopper"], SHAPES,
                         tflops={"nccl": 100.0, "deepep": 120.0, "mok_hopper": 300.0})
     new = S.verdict_run("new", NEW, ["nccl", "mok_hopper"], SHAPES, directions=("fwd",),
@@ -60,13 +60,13 @@ def test_the_newest_run_of_each_panel_wins():
     fwd, bwd = one(t, direction="fwd"), one(t, direction="bwd")
     assert fwd["run_id"] == "new" and bwd["run_id"] == "old"
     assert (fwd["speedup_min"], fwd["speedup_max"], fwd["shapes"]) == (pytest.approx(1.5), pytest.approx(1.875), 2)
-    assert bwd["speedup_min"] == pytest.approx(2.5) and bwd["fastest_baselines"] == "deepep"
+    assert bwd["speedup_min"] == pytest.approx(2.5) and bwd["fastest_opponents"] == "deepep"
     assert fwd["environment"] == "1x NVIDIA H200, EP 1, 4096 tokens/GPU"
-    assert fwd["contender"] == "mok_hopper" and fwd["anchor_shapes"] == 0
+    assert fwd["contender"] == "mok_hopper" and fwd["pairs"] == "training forwards" and bwd["pairs"] == "backward"
     md = V.format_verdicts(t)
-    assert ("| 1x NVIDIA H200, EP 1, 4096 tokens/GPU | BF16 forward | 1.50-1.88× (2 shapes) | NCCL+PyTorch | — | "
-            "`new` |") in md
-    assert "2.50× (2 shapes) | DeepEP+PyTorch" in md
+    assert ("| 1x NVIDIA H200, EP 1, 4096 tokens/GPU | BF16 forward | training forwards | 1.50-1.88× (2 shapes) | "
+            "NCCL+PyTorch | — | — | `new` |") in md
+    assert "| backward | 2.50× (2 shapes) | DeepEP+PyTorch |" in md
 
 
 def test_environment_kinds_are_kept_apart():
@@ -108,7 +108,7 @@ def test_a_panel_with_no_baseline_ok_is_skipped():
 
 
 def test_fp8_flag_says_real_or_emulated():
-    """fp8 panels: the fastest baseline's GEMM path, from its ``scaling``; emulated GEMMs say so."""
+    """fp8 panels: the fastest opponent's GEMM path, from its ``scaling``; emulated GEMMs say so."""
     emulated = "block 1x128/128x128 emulated (bf16 GEMM on e4m3 values): measures accuracy, not fp8 GEMM speed"
     deepgemm = "e4m3 block 1x128/128x128, DeepGEMM (deep_gemm 2.6.1): forward and dgrad m-grouped contiguous"
     te = "TE Float8BlockScaling e4m3, 1x128 activation / 128x128 weight blocks; dispatch bf16"
@@ -124,22 +124,23 @@ def test_fp8_flag_says_real_or_emulated():
     assert one(t, run_id="emu")["published_claim"] == pytest.approx(2.37)  # the MXFP8 forward claim, labelled
     assert one(t, run_id="emu")["published_claim_panel"] == "MXFP8 forward"
     md = V.format_verdicts(t)
-    assert "| emulated | 2.37× (published, MXFP8 forward) |" in md
+    assert "| emulated | 1.50× (1 shape) over NCCL+PyTorch | 2.37× (published, MXFP8 forward) |" in md
     bf16 = V.verdict_table(frame(S.verdict_run("b", OLD, ["nccl", "mok_hopper"], directions=("fwd",))))
-    assert one(bf16, run_id="b")["fp8"] == "" and "| — | 1.92× (published) |" in V.format_verdicts(bf16)
+    assert one(bf16, run_id="b")["fp8"] == ""
+    assert "| eager | — | 1.80× (1 shape) over NCCL+PyTorch | 1.92× (published) |" in V.format_verdicts(bf16)
 
 
 def test_baseline_flag_says_eager_or_compiled():
-    """The fastest baseline's compile state; where the fastest baseline differs per shape, each distinct state."""
+    """The fastest opponent's compile state; where the fastest opponent differs per shape, each distinct state."""
     compiled = {"compiled": True, "compile_mode": "max-autotune"}
     run = S.verdict_run("r", OLD, ["nccl", "deepep", "mok_hopper"], SHAPES, directions=("fwd",),
                         tflops={"nccl": 100.0, "deepep": 90.0, "mok_hopper": 200.0}, per_backend={"nccl": compiled})
-    assert one(V.verdict_table(frame(run)), run_id="r")["baseline"] == "compiled (max-autotune)"
+    assert one(V.verdict_table(frame(run)), run_id="r")["opponent_compile"] == "compiled (max-autotune)"
     for r in run:
         if r["backend"] == "deepep" and r["shape"] == "qwen3_5_397b":
             r["tflops_per_gpu"] = 150.0  # deepep (eager) is the fastest on one shape
     v = one(V.verdict_table(frame(run)), run_id="r")
-    assert v["baseline"] == "compiled (max-autotune), eager" and v["fastest_baselines"] == "nccl, deepep"
+    assert v["opponent_compile"] == "compiled (max-autotune), eager" and v["fastest_opponents"] == "nccl, deepep"
     assert V.compile_label(True, None) == "compiled" and V.compile_label(None, None) == "unrecorded"
 
 
@@ -156,13 +157,19 @@ def test_timing_flag_is_published_only_when_every_compared_row_is():
 
 
 def test_a_run_with_anchors():
-    """Anchors never count as a baseline; the contender's speedup over the fastest anchor stands beside."""
+    """Anchors are opponents, never a baseline: the headline is over the fastest anchor here, the speedup over the
+    fastest baseline (what the published claim compares) stands beside."""
     run = S.verdict_run("a", OLD, ["nccl", "liger", "sonicmoe", "mok_hopper"], SHAPES, directions=("fwd",),
-                        tflops={"nccl": 100.0, "liger": 250.0, "sonicmoe": 200.0, "mok_hopper": 300.0})
+                        tflops={"nccl": 100.0, "liger": 250.0, "sonicmoe": 200.0, "mok_hopper": 300.0},
+                        per_backend={"nccl": {"compiled": True, "compile_mode": "max-autotune"}})
     v = one(V.verdict_table(frame(run)), run_id="a")
-    assert v["speedup_min"] == pytest.approx(3.0) and v["fastest_baselines"] == "nccl"
-    assert v["anchor_speedup_min"] == pytest.approx(1.2) and v["anchor_shapes"] == 2 and v["fastest_anchors"] == "liger"
-    assert "1.20× (2 shapes) over Liger fused MoE (anchor)" in V.format_verdicts(V.verdict_table(frame(run)))
+    assert v["speedup_min"] == pytest.approx(1.2) and v["shapes"] == 2 and v["fastest_opponents"] == "liger"
+    assert v["baseline_speedup_min"] == pytest.approx(3.0) and v["fastest_baselines"] == "nccl"
+    assert (v["opponent_compile"], v["baseline_compile"]) == ("eager", "compiled (max-autotune)")
+    md = V.format_verdicts(V.verdict_table(frame(run)))
+    assert "| 1.20× (2 shapes) | Liger fused MoE (anchor) |" in md
+    # the flags describe the fastest opponent; the fastest baseline, another system, carries its own
+    assert "| eager | — | 3.00× (2 shapes) over NCCL+PyTorch; compiled (max-autotune) |" in md
 
 
 def test_a_run_with_errata_is_marked(tmp_path):
