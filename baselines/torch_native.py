@@ -17,7 +17,8 @@ The routed experts, option ``impl`` (``torch.impl=`` / ``torch_compiled.impl=``;
   ``GroupedExperts``, three ``torch._grouped_mm`` with separate gate and up weights, router weights applied in fp32 and
   the combine as a deterministic bf16 ``scatter_add``), on the harness's weights as they are: its ``w1`` / ``w3`` /
   ``w2`` parameters are views of the harness's gate rows, up rows and down weights (no copy). An optional package
-  (docs/backends.md, "PyTorch-native layer"); not for the clamped SwiGLU (``shape.swiglu_limit``) or fp8.
+  (docs/backends.md, 'PyTorch-native layer (torch, torch_compiled)'); not for the clamped SwiGLU
+  (``shape.swiglu_limit``) or fp8.
 * ``auto`` (default): both where both run, each timed at setup (forward and backward, after a warm call), the faster
   kept; the notes give both times. Elsewhere the one that runs.
 
@@ -49,8 +50,8 @@ from baselines.compile_modes import EAGER, CompileOutcome, compile_with_fallback
 from baselines.options import TorchNativeOptions
 from contract import Case, LayerInputs
 
-TORCHTITAN_HINT = ("pip install --no-deps torchtitan==0.3.0 spmd_types==0.2.3 tyro docstring_parser typeguard "
-                   "torch_checkpointing (docs/backends.md, 'PyTorch-native layer')")
+TORCHTITAN_HINT = ("python3 -m pip install --no-deps -r requirements-torchtitan.txt in the mokbench folder "
+                   "(docs/backends.md, 'PyTorch-native layer (torch, torch_compiled)')")
 PUBLISHED_MODE = "max-autotune"  # compile_mode=published: as the published nccl script compiles
 IMPL_ITERS = 3  # impl=auto: timed forward + backward calls per implementation at setup (after one untimed)
 

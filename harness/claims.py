@@ -319,7 +319,7 @@ def claims_table(df: pd.DataFrame, published: Optional[pd.DataFrame] = None) -> 
     pub_systems = in_order({b for cell in pub.values() for b in cell}, SYSTEM_ORDER)
     base_seen: dict[tuple, set] = {}
     for key, g in agg.groupby([*ENV_KEYS, "routing"], dropna=False, sort=False):
-        base_seen[_norm(key)] = {b for b in g["backend"] if is_baseline(b)}
+        base_seen[norm_key(key)] = {b for b in g["backend"] if is_baseline(b)}
     rows = []
     for key, g in agg.groupby(list(CELL_KEYS), dropna=False, sort=False):
         rec: dict[str, Any] = dict(zip(CELL_KEYS, key))
@@ -334,7 +334,7 @@ def claims_table(df: pd.DataFrame, published: Optional[pd.DataFrame] = None) -> 
         best = max(base, key=base.__getitem__) if base else None
         rec["best_baseline"] = best or ""
         rec["best_baseline_tflops"] = base[best] if best else math.nan
-        seen = base_seen[_norm(tuple(rec[k] for k in (*ENV_KEYS, "routing")))]
+        seen = base_seen[norm_key(tuple(rec[k] for k in (*ENV_KEYS, "routing")))]
         rec["baselines_ok"] = f"{len(base)}/{len(seen)}"
         anchors = {s: r["tflops_per_gpu"] for s, r in by.items()
                    if is_anchor(s) and r["status"] == "ok" and not isna(r["tflops_per_gpu"])}
@@ -345,7 +345,7 @@ def claims_table(df: pd.DataFrame, published: Optional[pd.DataFrame] = None) -> 
         best_all = max(every, key=every.__getitem__) if every else None
         rec["best_overall"] = best_all or ""
         rec["best_overall_tflops"] = every[best_all] if best_all else math.nan
-        kind = kinds.get(_norm(key), {})
+        kind = kinds.get(norm_key(key), {})
         for f in fused:
             r = by.get(f)
             ok = r is not None and r["status"] == "ok" and not isna(r["tflops_per_gpu"])
@@ -384,7 +384,7 @@ def _cell_kinds(df: pd.DataFrame) -> dict[tuple, dict[str, str]]:
     d = with_runs(df)
     out: dict[tuple, dict[str, str]] = {}
     for key, b, k in zip(d[list(CELL_KEYS)].itertuples(index=False, name=None), d["backend"], forward_kinds(d)):
-        out.setdefault(_norm(key), {}).setdefault(b, k)
+        out.setdefault(norm_key(key), {}).setdefault(b, k)
     return out
 
 
@@ -403,7 +403,8 @@ def _published_cells(published: pd.DataFrame) -> dict[tuple[str, str, str], dict
     return cells
 
 
-def _norm(key: Any) -> tuple:
+def norm_key(key: Any) -> tuple:
+    """A cell's key as a plain tuple that compares equal across dtypes: NaN as None, whole floats as ints."""
     key = key if isinstance(key, tuple) else (key,)
     return tuple(None if isna(k) else (int(k) if isinstance(k, float) and k.is_integer() else k) for k in key)
 

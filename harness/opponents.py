@@ -23,7 +23,7 @@ from typing import Any, Optional
 import numpy as np
 import pandas as pd
 
-from harness.claims import CELL_KEYS, _norm, speed_rows, with_runs
+from harness.claims import CELL_KEYS, norm_key, speed_rows, with_runs
 from harness.labels import NOT_CONTENDERS, SYSTEM_ORDER, forward_kinds, in_order, is_baseline, is_fused, is_opponent
 
 PAIR_KEYS = (*CELL_KEYS, "forward_kind")
@@ -66,7 +66,7 @@ def opponent_table(df: pd.DataFrame) -> pd.DataFrame:
     cells: dict[tuple, dict[str, tuple[float, float]]] = {}
     first: dict[tuple, dict[str, Any]] = {}
     for r in med.to_dict("records"):
-        key = _norm(tuple(r[k] for k in PAIR_KEYS))
+        key = norm_key(tuple(r[k] for k in PAIR_KEYS))
         cells.setdefault(key, {})[r["backend"]] = (float(r["tflops"]), float(r[MEMORY_COLUMN]))
         first.setdefault(key, {k: r[k] for k in PAIR_KEYS})
     prec_at = PAIR_KEYS.index("precision")

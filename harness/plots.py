@@ -665,11 +665,15 @@ def chart_stem(kind: str, env: dict[str, Any]) -> str:
 # the headline charts: the committed report's only images
 
 
+HEADLINE_MAX_IMAGES = 10  # the committed report's images: the newest cited runs' charts, at most this many
+
+
 def headline_set(df: pd.DataFrame, verdicts: Optional[pd.DataFrame] = None
                  ) -> tuple[list[tuple[str, str, dict[str, Any]]], pd.DataFrame]:
     """The headline charts of ``df``'s measured rows, as (file name, chart kind, run environment), and the rows they
-    draw: for each run the verdict table cites (``harness.verdicts.cited_runs``), its panels chart and, where its
-    rows carry floors, its roofline chart, both PNG. The one definition of the committed report's images
+    draw: for each run the verdict table cites (``harness.verdicts.cited_runs``), newest first and at most
+    :data:`HEADLINE_MAX_IMAGES` images, its panels chart and, where its rows carry floors, its roofline chart, both
+    PNG. The one definition of the committed report's images
     (``results/figures``). ``verdicts``: the verdict table of ``df``, where already made."""
     from harness import verdicts as V
 
@@ -677,11 +681,15 @@ def headline_set(df: pd.DataFrame, verdicts: Optional[pd.DataFrame] = None
     rows = C.prepare(df[~C.is_published(df)] if len(df) else df, "run")
     rows = rows[~rows["backend"].isin(L.NOT_CONTENDERS)]
     out = []
-    for cited in V.cited_runs(table):
-        env = {k: cited[k] for k in V.RUN_ENV_KEYS}
-        out.append((chart_stem("panels", env) + ".png", "panels", env))
+    cited = sorted(V.cited_runs(table), key=lambda c: str(c.get("run_started") or ""), reverse=True)
+    for run in cited:  # newest first, while the images fit HEADLINE_MAX_IMAGES
+        env = {k: run[k] for k in V.RUN_ENV_KEYS}
+        charts = [(chart_stem("panels", env) + ".png", "panels", env)]
         if has_floors(C.select_env(rows, env)):
-            out.append((chart_stem("roofline", env) + ".png", "roofline", env))
+            charts.append((chart_stem("roofline", env) + ".png", "roofline", env))
+        if len(out) + len(charts) > HEADLINE_MAX_IMAGES:
+            break
+        out += charts
     return out, rows
 
 

@@ -120,10 +120,10 @@ def _claim_lookup(claims: Optional[pd.DataFrame]) -> dict[tuple[str, str], float
 
 
 def verdict_table(df: pd.DataFrame, claims: Optional[pd.DataFrame] = None) -> pd.DataFrame:
-    """The latest measured verdicts of ``df``'s measured rows (published rows are left out): one row per
-    environment kind, panel, forward kind and contender (:data:`COLUMNS`), from the newest run that has the
-    contender and an opponent of the same forward kind ok on a shape of the panel. ``claims``: the published claims
-    (default ``load_claims()``). Shared-GPU rows (``claims.speed_rows``) are left out; ``attrs["notes"]`` says how
+    """The latest measured verdicts of ``df``'s measured rows (published rows are left out): per environment kind,
+    panel, forward kind and contender (:data:`COLUMNS`), the newest run that has the contender and an opponent of the
+    same forward kind ok on each shape; one verdict row per such run (a campaign of one run per shape gives one row
+    a shape). ``claims``: the published claims (default ``load_claims()``). Shared-GPU rows (``claims.speed_rows``) are left out; ``attrs["notes"]`` says how
     many."""
     measured, note = speed_rows(df[~is_published(df)] if len(df) else df)
     out = _verdicts(measured, claims)
@@ -145,7 +145,9 @@ def _verdicts(measured: pd.DataFrame, claims: Optional[pd.DataFrame]) -> pd.Data
     gpus = _run_kinds(d)
     claimed = _claim_lookup(claims)
     published = published_counts()
-    newest: dict[tuple, tuple[str, str, pd.DataFrame]] = {}
+    # per environment kind, panel, forward kind, contender and shape: the newest run that measured the pair (runs of
+    # one point each, as a campaign of one run per shape, then give a verdict row each)
+    newest: dict[tuple, tuple[str, str, pd.Series]] = {}
     panel_keys = [*RUN_ENV_KEYS, "precision", "direction", "forward_kind", "contender"]
     for key, g in pairs.groupby(panel_keys, dropna=False, sort=False):
         env = dict(zip(panel_keys, key))
@@ -153,9 +155,14 @@ def _verdicts(measured: pd.DataFrame, claims: Optional[pd.DataFrame]) -> pd.Data
         kind = tuple(n_gpus if k == "num_gpus" else env[k] for k in KIND_KEYS)
         slot = (_key(kind), env["precision"], env["direction"], env["forward_kind"], env["contender"])
         order = ("" if isna(env["run_started"]) else str(env["run_started"]), str(env["run_id"]))
-        if slot not in newest or order > newest[slot][:2]:
-            newest[slot] = (*order, g)
-    rows = [_verdict_row(g, d, kind, claimed, published) for (kind, *_), (_, _, g) in newest.items()]
+        for _, r in g.iterrows():
+            cell = (*slot, r["shape"])
+            if cell not in newest or order > newest[cell][:2]:
+                newest[cell] = (*order, r)
+    runs: dict[tuple, list[pd.Series]] = {}
+    for cell, (_, run_id, r) in newest.items():
+        runs.setdefault((*cell[:-1], run_id), []).append(r)
+    rows = [_verdict_row(pd.DataFrame(rs), d, key[0], claimed, published) for key, rs in runs.items()]
     out = pd.DataFrame(rows, columns=list(COLUMNS))
     return _sorted(out).reset_index(drop=True)
 

@@ -38,7 +38,8 @@ def readme_commands() -> list[str]:
     return out
 
 
-SETUP = ["python3 -m venv .venv && . .venv/bin/activate", 'python3 -m pip install -e ".[test]"']
+SETUP = ["python3 -m venv .venv && . .venv/bin/activate", 'python3 -m pip install -e ".[test]"',
+         "python3 -m pip install --no-deps -r requirements-torchtitan.txt"]
 TEST = "python3 -m pytest -q"
 DEFAULT = "python3 -m harness.run"
 REPRODUCE = "python3 -m harness.run -m +experiment=hopper_published"
@@ -46,6 +47,7 @@ GATE = "python3 -m harness.gate main WORKTREE --backend mok_hopper"
 REPORT = "python3 -m harness.report results/local"
 # each README command -> the test that runs it (the set-up and the suite itself: .ci/run)
 TESTED = {SETUP[0]: "test_ci_runs_the_readme_commands", SETUP[1]: "test_ci_runs_the_readme_commands",
+          SETUP[2]: "test_ci_runs_the_readme_commands",
           TEST: "test_ci_runs_the_readme_commands", DEFAULT: "test_the_default_run", REPRODUCE:
           "test_the_reproduce_job_dry_run", GATE: "test_the_gate_command", REPORT: "test_the_report_command"}
 

@@ -24,7 +24,7 @@ from harness import run_meta as M  # noqa: E402
 from harness import verdicts as V  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
-MAX_IMAGES = 10
+MAX_IMAGES = P.HEADLINE_MAX_IMAGES
 MAX_RESULTS_BYTES = 10 * 1024 * 1024
 OLD, NEW, NEWER = "2026-12-01T00:00:00+00:00", "2026-12-02T00:00:00+00:00", "2026-12-03T00:00:00+00:00"
 SHAPES = ("kimi_k2_7", "qwen3_5_397b")

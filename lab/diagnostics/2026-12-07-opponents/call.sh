@@ -2,7 +2,7 @@
 # One GPU call of the opponents runs: `bash call.sh STEP...` runs the named steps in order, each within the
 # call's time left (BUDGET_S, default 560 s), then packs the rows into $OUT/rows.tgz.
 #   eager-<shape>-<precision>: torch, nccl (eager) and mok_hopper, fwd and bwd, published timing
-#   compiled-<shape>-<precision>: torch_compiled and nccl compiled as published (compile_mode=published)
+#   compiled-<shape>-<precision>: torch_compiled and nccl compiled as published (compile_mode=published), mok_hopper
 #   cleanup-test: the GPU test that plants a backend holding memory, then runs mok_hopper
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -32,7 +32,7 @@ for s in "$@"; do
   rid="opponents-${shape}_${HW}_${DAY}"
   case $kind in
     eager) be='[torch,nccl,mok_hopper]'; extra="compile=false" ;;
-    compiled) be='[torch_compiled,nccl]'; extra="compile=true compile_mode=published" ;;
+    compiled) be='[torch_compiled,nccl,mok_hopper]'; extra="compile=true compile_mode=published" ;;
   esac
   [ $(left) -lt 60 ] && { step "$s: skipped, $(left) s left"; continue; }
   step "$s -> $rid"
