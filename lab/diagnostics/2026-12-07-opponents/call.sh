@@ -3,6 +3,7 @@
 # call's time left (BUDGET_S, default 560 s), then packs the rows into $OUT/rows.tgz.
 #   eager-<shape>-<precision>: torch, nccl (eager) and mok_hopper, fwd and bwd, published timing
 #   compiled-<shape>-<precision>: torch_compiled and nccl compiled as published (compile_mode=published), mok_hopper
+#   tcompiled-<shape>-<precision>: torch, torch_compiled (compile_mode=published) and mok_hopper
 #   cleanup-test: the GPU test that plants a backend holding memory, then runs mok_hopper
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -33,6 +34,7 @@ for s in "$@"; do
   case $kind in
     eager) be='[torch,nccl,mok_hopper]'; extra="compile=false" ;;
     compiled) be='[torch_compiled,nccl,mok_hopper]'; extra="compile=true compile_mode=published" ;;
+    tcompiled) be='[torch,torch_compiled,mok_hopper]'; extra="compile=true compile_mode=published" ;;
   esac
   [ $(left) -lt 60 ] && { step "$s: skipped, $(left) s left"; continue; }
   step "$s -> $rid"
