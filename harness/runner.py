@@ -325,7 +325,7 @@ def _next_needs_fresh_processes(pt: Point, order: list[str], pos: int, probe: Op
     some rank). Every rank gets the same answer."""
     own, nxt = set(pt.config.own_process), order[pos + 1]
     if nxt in own:
-        return f"ran in processes of its own (own_process)"
+        return "ran in processes of its own (own_process)"
     if order[pos] in own:
         return f"ran in fresh processes after {order[pos]}, which has processes of its own (own_process)"
     over = float(probe.used() - start_used) if probe is not None and start_used is not None else 0.0

@@ -8,7 +8,6 @@ process, which on an 80 GB H100 fits only with that memory given back. Run:
 from __future__ import annotations
 
 import pytest
-import torch
 from conftest import HAS_GPU, compose_cfg, use_fake_backends
 
 from harness import runner
