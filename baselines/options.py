@@ -54,5 +54,9 @@ class TorchNativeOptions(ExpertGemmOptions):
     """Options of the PyTorch-native layer (``torch``, ``torch_compiled``): the fp8 GEMMs (as the other
     PyTorch-expert baselines; ``auto`` is rowwise here, torchao's recipe) and which implementation runs."""
 
+    # as ExpertGemmOptions.fp8_gemm, except that its default stays out of the hash where the backends' values differ:
+    # points that set one of the older backends' fp8_gemm alone keep the hashes they had before these backends
+    fp8_gemm: str = option("auto", choices=FP8_GEMMS, alias="fp8_gemm", hash_precision="fp8",
+                           help="the fp8 GEMMs at precision=fp8 (auto: rowwise on a GPU); other precisions ignore it")
     impl: str = option("auto", choices=TORCH_IMPLS,
                        help="the routed experts: plain, torchtitan, or auto (the faster of the two where both run)")

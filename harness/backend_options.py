@@ -136,7 +136,9 @@ def hash_entries(c: dict, precision: str) -> tuple[dict[str, Any], dict[str, dic
     by_alias: dict[str, Any] = {}
     scoped: dict[str, dict[str, Any]] = {}
     for alias, targets in aliases().items():
-        values = {_value(c, b, n) for b, n, _ in targets}
+        # a backend whose option keeps its default out of the hash (hash_default False: it joined the alias after
+        # points were measured) does not make the others' values differ while it is at that default
+        values = {_value(c, b, n) for b, n, s in targets if s.hash_default or _value(c, b, n) != _default(b, n)}
         spec = targets[0][2]
         if len(values) == 1:
             value = values.pop()

@@ -582,7 +582,8 @@ def test_nccl_notes_say_inductor_autotuned_in_subprocesses(monkeypatch):
     b = nccl.NcclBackend.__new__(nccl.NcclBackend)
     for compiled, sub in ((True, True), (True, False), (False, True)):
         monkeypatch.setattr(config, "autotune_in_subproc", sub)
-        b.params = types.SimpleNamespace(columns=lambda dispatch, c=compiled: {"compiled": c}, gemm_name=lambda: "g")
+        b.params = types.SimpleNamespace(columns=lambda dispatch, c=compiled: {"compiled": c}, gemm_name=lambda: "g",
+                                         compile_note="")
         notes = b.info()["notes"]
         assert notes.startswith("grouped GEMM: g; shared expert not overlapped")
         assert ("inductor autotuning in subprocesses" in notes) == (compiled and sub)

@@ -176,11 +176,17 @@ def test_fp8_gemm_enters_the_fp8_config_hash_only():
 
     assert h("fp8_gemm=rowwise") == h()
     assert h("precision=fp8", "fp8_gemm=rowwise") != h("precision=fp8", "fp8_gemm=blockwise")
-    # the alias sets the three backends' option: the same point as setting each, not as setting one
-    every = ("nccl.fp8_gemm=rowwise", "deepep.fp8_gemm=rowwise", "hybridep.fp8_gemm=rowwise")
+    # the alias sets every declaring backend's option: the same point as setting each, not as setting one
+    from harness.backend_options import aliases
+
+    every = tuple(f"{b}.{n}=rowwise" for b, n, _ in aliases()["fp8_gemm"])
+    assert {"nccl.fp8_gemm=rowwise", "deepep.fp8_gemm=rowwise", "torch.fp8_gemm=rowwise"} <= set(every)
     assert h("precision=fp8", *every) == h("precision=fp8", "fp8_gemm=rowwise")
     assert h("precision=fp8", "nccl.fp8_gemm=rowwise") not in (h("precision=fp8"),
                                                                h("precision=fp8", "fp8_gemm=rowwise"))
+    # a point that set the three older backends alone kept its hash when the PyTorch-native layer joined the alias
+    older = ("nccl.fp8_gemm=rowwise", "deepep.fp8_gemm=rowwise", "hybridep.fp8_gemm=rowwise")
+    assert h("precision=fp8", *older) == "f7747b7b1f9c"
 
 
 @pytest.mark.slow
