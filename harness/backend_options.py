@@ -136,9 +136,11 @@ def hash_entries(c: dict, precision: str) -> tuple[dict[str, Any], dict[str, dic
     by_alias: dict[str, Any] = {}
     scoped: dict[str, dict[str, Any]] = {}
     for alias, targets in aliases().items():
-        # a backend whose option keeps its default out of the hash (hash_default False: it joined the alias after
-        # points were measured) does not make the others' values differ while it is at that default
-        values = {_value(c, b, n) for b, n, s in targets if s.hash_default or _value(c, b, n) != _default(b, n)}
+        # where the alias's backends hash their defaults, one that does not (it joined the alias after points were
+        # measured) does not make the others' values differ while it is at its default
+        joined_later = any(s.hash_default for _, _, s in targets)
+        values = {_value(c, b, n) for b, n, s in targets
+                  if not (joined_later and not s.hash_default and _value(c, b, n) == _default(b, n))}
         spec = targets[0][2]
         if len(values) == 1:
             value = values.pop()
