@@ -159,23 +159,32 @@ def with_runs(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def split_variants(df: pd.DataFrame) -> pd.DataFrame:
-    """Rows of one backend, run and precision that ran different variants (their ``scaling`` differs: nccl's fp8
-    GEMM paths, TE's fp8 recipes) renamed to one series per variant (``backends.series_name``, named by
-    ``labels.scaling_variant``), so that no table or chart takes one median over two variants. Backends with one
-    variant a run and precision, published rows, and rows that record no ``scaling`` (e.g. a failure before the
-    backend was set up) keep their names."""
-    if df.empty or "scaling" not in df:
+    """Rows of one backend, run and precision that ran different variants renamed to one series per variant
+    (``backends.series_name``), so that no table or chart takes one median over two variants: where their ``scaling``
+    differs (nccl's fp8 GEMM paths, TE's fp8 recipes; named by ``labels.scaling_variant``), and where some ran eager
+    and others compiled (a run with nccl both eager and compiled: ``eager``, ``compiled <mode>``). Backends with one
+    variant a run and precision, published rows, and rows that record neither (e.g. a failure before the backend was
+    set up) keep their names."""
+    if df.empty:
         return df
     d = df.copy()
-    scaling = d["scaling"].fillna("").astype(str)
-    keep = (~is_published(d) & scaling.ne("")).to_numpy()
-    keys = d[["run_id", "backend", "precision"]].astype(str).agg("\x1f".join, axis=1)
-    counts = scaling[keep].groupby(keys[keep].to_numpy()).nunique()
-    several = keep & keys.map(counts).fillna(0).gt(1).to_numpy()
-    if several.any():
+    scaling = (d["scaling"] if "scaling" in d else pd.Series("", index=d.index)).fillna("").astype(str)
+    compiled = d["compiled"] if "compiled" in d else pd.Series(pd.NA, index=d.index)
+    mode = (d["compile_mode"] if "compile_mode" in d else pd.Series("", index=d.index)).fillna("").astype(str)
+    compile_text = pd.Series([("" if isna(c) else f"compiled {m}".strip() if bool(c) else "eager")
+                              for c, m in zip(compiled, mode)], index=d.index)
+    published = is_published(d).to_numpy()
+    keys = pd.Series(d[["run_id", "backend", "precision"]].astype(str).agg("\x1f".join, axis=1).to_numpy())
+    parts = []
+    for text, label in ((scaling, scaling_variant), (compile_text, str)):
+        keep = ~published & text.ne("").to_numpy()
+        counts = text[keep].groupby(keys[keep].to_numpy()).nunique()
+        varies = keep & keys.map(counts).fillna(0).gt(1).to_numpy()
+        parts.append([label(t) if v else "" for t, v in zip(text.to_numpy(), varies)])
+    names = [" ".join(filter(None, p)) for p in zip(*parts)]
+    if any(names):
         backend = d["backend"].astype(object).to_numpy().copy()
-        backend[several] = [series_name(b, scaling_variant(sc))
-                            for b, sc in zip(backend[several], scaling.to_numpy()[several])]
+        backend = [series_name(b, n) if n else b for b, n in zip(backend, names)]
         d["backend"] = pd.array(backend, dtype="string")
     return d
 

@@ -215,6 +215,19 @@ def test_repeated_runs_take_the_median_and_any_ok_row():
     assert agg.loc["deepep", "status"] == "error"  # the most recent row's status
 
 
+def test_eager_and_compiled_rows_of_one_backend_are_separate_series():
+    """A run with nccl both eager and compiled (two points of one run) reports two series: the fastest baseline is the
+    faster one's own number, never a median over both."""
+    rows = [S.row("nccl", tflops=100.0, compiled=False, compile_mode=""),
+            S.row("nccl", tflops=140.0, compiled=True, compile_mode="max-autotune"),
+            S.row("mok_hopper", tflops=280.0, compiled=False)]
+    tab = C.claims_table(C.prepare(results.to_frame(rows)))
+    r = tab.iloc[0]
+    assert r["tflops_nccl · eager"] == pytest.approx(100.0)
+    assert r["tflops_nccl · compiled max-autotune"] == pytest.approx(140.0)
+    assert r["best_baseline"] == "nccl · compiled max-autotune" and r["speedup_mok_hopper"] == pytest.approx(2.0)
+
+
 def test_variants_of_one_backend_in_one_run_are_separate_series(tmp_path):
     """A run with nccl's fp8 rows on two GEMM paths (their `scaling` differs) reports one series per path: the
     fastest baseline and the speedups use the faster path's own number, not a median over both; a run with one path
