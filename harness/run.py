@@ -11,6 +11,7 @@ nothing was written and leaves at once.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
@@ -88,6 +89,9 @@ def _interrupted() -> None:
     dirs = [d for d in dirs if Path(d).is_dir()]
     where = f" in {', '.join(dirs)}" if dirs else " (nothing was written)" if n == 0 else ""
     print(f"mokbench: interrupted: {n} rows kept{where}", file=sys.stderr, flush=True)
+    # Exit hooks of libraries (torch's FakeTensor cache stats, logged at INFO when the Ctrl-C came before torch set
+    # its loggers' levels) would print after that line: it stays the last one.
+    logging.disable(logging.CRITICAL)
     sys.exit(130)
 
 
