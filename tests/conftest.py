@@ -8,8 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
-from hydra.core.global_hydra import GlobalHydra
+
+if not torch.cuda.is_available():  # Triton kernels under the interpreter: read when a kernels module is imported, so
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # set before any test module (or what it imports) is collected
+
+from hydra import compose, initialize_config_dir  # noqa: E402
+from hydra.core.global_hydra import GlobalHydra  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent
