@@ -164,6 +164,16 @@ def fake_quant(x: torch.Tensor, block_rows: int, block_cols: int) -> torch.Tenso
     return x + (dq - x).detach()
 
 
+def emulated_fp8_weights(weights, block: int) -> list[torch.Tensor]:
+    """Each weight's values after a round trip through ``block`` x ``block`` scaled e4m3, in its own dtype: the
+    operands of the emulated fp8 GEMMs (computed once, used with a straight-through gradient)."""
+    out = []
+    for w in weights:
+        q, s = quantize_blocks(w.detach(), block, block)
+        out.append(dequantize_blocks(q, s, block, block).to(w.dtype))
+    return out
+
+
 # ---- differentiable collectives -----------------------------------------------------------------------------
 
 
@@ -227,11 +237,7 @@ class ExpertParams(ExpertLeaves):
         if self._fp8 is not None:
             self.mlp = self._fp8_mlp
         if self._fp8 is None and case.precision == "fp8":
-            b = case.weight_block
-            self._quantized = []
-            for w in (self.w13, self.w2):
-                q, s = quantize_blocks(w.detach(), b, b)
-                self._quantized.append(dequantize_blocks(q, s, b, b).to(w.dtype))
+            self._quantized = emulated_fp8_weights((self.w13, self.w2), case.weight_block)
         self._eager = (self.mlp, self.dense)
         self.compile_note = ""  # the compile fallback's failures (warm_compiled), for notes
         if case.compile:

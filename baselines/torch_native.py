@@ -38,14 +38,14 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import time
 from typing import Any, Callable, Optional
 
 import torch
 
 from baselines import fp8_gemm
-from baselines.common import (ExpertLeaves, PUBLISHED_COMPILE_MODE, dense_mlp, fake_quant, grouped_linear,
-                              inverse_permutation, precision_unsupported, swiglu, use_grouped_mm)
+from baselines.common import (ExpertLeaves, PUBLISHED_COMPILE_MODE, dense_mlp, emulated_fp8_weights, expert_mlp,
+                              fake_quant, inverse_permutation, precision_unsupported, straight_through, swiglu,
+                              use_grouped_mm, warm_forward_backward)
 from baselines.compile_modes import EAGER, CompileOutcome, compile_with_fallback, drop_compiled_state, step_begin
 from baselines.options import TorchNativeOptions
 from contract import Case, LayerInputs
@@ -115,13 +115,8 @@ class PlainExperts:
         self.case, self.leaves, self.path = case, leaves, path
         self.grouped = grouped_mm_runs(leaves.w13.device)
         self.fp8 = fp8_gemm.Fp8Experts(path, leaves.w13, leaves.w2) if path in fp8_gemm.FP8_GEMM_PATHS else None
-        self.quantized = None
-        if path == "emulated":
-            from baselines.common import dequantize_blocks, quantize_blocks
-
-            b = case.weight_block
-            self.quantized = [dequantize_blocks(*quantize_blocks(w.detach(), b, b), b, b).to(w.dtype)
-                              for w in (leaves.w13, leaves.w2)]
+        self.quantized = (emulated_fp8_weights((leaves.w13, leaves.w2), case.weight_block) if path == "emulated"
+                          else None)
 
     def tensors(self) -> list[torch.Tensor]:
         return (self.fp8.tensors() if self.fp8 else []) + (self.quantized or [])
@@ -130,16 +125,14 @@ class PlainExperts:
         w13, w2, limit = self.leaves.w13, self.leaves.w2, self.case.swiglu_limit
         if self.fp8 is not None:
             return self.fp8(x_NH, w13, w2, counts_L, swiglu, limit)
-        if self.quantized is not None:
-            from baselines.common import straight_through
-
+        quantized = tuple(self.quantized) if self.quantized is not None else None
+        if quantized is not None:
             x_NH = fake_quant(x_NH, 1, self.case.act_block)
-            w13, w2 = straight_through(w13, self.quantized[0]), straight_through(w2, self.quantized[1])
         offs = torch.cumsum(counts_L, 0).to(torch.int32)
         if not self.grouped:  # the per-expert loop of the other baselines (it reads the group sizes on the host)
-            counts = counts_L.tolist()
-            gate, up = grouped_linear(x_NH, w13, offs, counts).chunk(2, dim=-1)
-            return grouped_linear(swiglu(gate, up, limit), w2, offs, counts)
+            return expert_mlp(x_NH, w13, w2, offs, counts_L.tolist(), limit, quantized)
+        if quantized is not None:
+            w13, w2 = straight_through(w13, quantized[0]), straight_through(w2, quantized[1])
         gate, up = torch._grouped_mm(x_NH, w13.transpose(-2, -1), offs=offs).chunk(2, dim=-1)
         return torch._grouped_mm(swiglu(gate, up, limit), w2.transpose(-2, -1), offs=offs)
 
@@ -274,15 +267,9 @@ class TorchNativeBackend:
     def _time_impl(self, impl: str, inputs: LayerInputs) -> float:
         """Median ms of ``impl``'s eager forward + backward on the point's inputs (after one untimed call)."""
         fn = self.layer_fn(impl)
-        times = []
-        for i in range(IMPL_ITERS + 1):
-            warm_call(fn, inputs)
-            t0 = time.perf_counter()
-            warm_call(fn, inputs)
-            if i:
-                times.append((time.perf_counter() - t0) * 1e3)
-            self.zero_grad()
-        return sorted(times)[len(times) // 2]
+        warm_forward_backward(fn, inputs, self)
+        times = sorted(warm_forward_backward(fn, inputs, self) * 1e3 for _ in range(IMPL_ITERS))
+        return times[len(times) // 2]
 
     # -- the protocol
 
@@ -347,8 +334,7 @@ class TorchCompiledBackend(TorchNativeBackend):
         def warm(fn: Callable[..., torch.Tensor]) -> None:
             for _ in range(2):  # the second call: CUDA graph trees record on it
                 step_begin(self._trying, inputs.x_TH.is_cuda)
-                warm_call(fn, inputs)
-            self.zero_grad()
+                warm_forward_backward(fn, inputs, self)
 
         def build_and_note(m: str) -> Callable[..., torch.Tensor]:
             self._trying = m
@@ -360,13 +346,4 @@ class TorchCompiledBackend(TorchNativeBackend):
     def forward(self, x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, topk_w_TK: torch.Tensor) -> torch.Tensor:
         step_begin(self.outcome.mode, x_TH.is_cuda)
         return self._fn(x_TH, topk_idx_TK, topk_w_TK)
-
-
-def warm_call(fn: Callable[..., torch.Tensor], inputs: LayerInputs) -> None:
-    """One forward and backward of ``fn`` on the point's inputs (synchronised on a GPU)."""
-    x = inputs.x_TH.detach().requires_grad_()
-    w = inputs.topk_w_TK.detach().requires_grad_()
-    fn(x, inputs.topk_idx_TK, w).backward(inputs.grad_out_TH)
-    if x.is_cuda:
-        torch.cuda.synchronize(x.device)
 

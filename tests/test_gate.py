@@ -40,6 +40,16 @@ def _copy_code(dest: Path) -> None:
             shutil.copy2(src, dest / name)
 
 
+def init_repo(repo: Path, message: str) -> None:
+    """A git repository at ``repo`` (made here) holding this checkout's code, committed on ``main``."""
+    repo.mkdir()
+    _copy_code(repo)
+    (repo / ".gitignore").write_text("__pycache__/\nresults/local/\noutputs/\n")
+    _git(repo, "init", "-q", "-b", "main")
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-q", "-m", message)
+
+
 def _break(tree: Path) -> None:
     """nccl refuses every point."""
     p = tree / "baselines" / "nccl.py"
@@ -62,12 +72,7 @@ def _add_option(tree: Path) -> None:
 def repo(tmp_path_factory) -> dict:
     """A git repository of this checkout's code: ``base``, ``broken`` and ``newopt`` (the module docstring)."""
     r = tmp_path_factory.mktemp("gate") / "repo"
-    r.mkdir()
-    _copy_code(r)
-    (r / ".gitignore").write_text("__pycache__/\nresults/local/\noutputs/\n")
-    _git(r, "init", "-q", "-b", "main")
-    _git(r, "add", "-A")
-    _git(r, "commit", "-q", "-m", "base")
+    init_repo(r, "base")
     _git(r, "tag", "base")
     base = _git(r, "rev-parse", "HEAD")
     _git(r, "checkout", "-q", "-b", "broken")

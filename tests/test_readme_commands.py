@@ -127,15 +127,10 @@ def test_the_gate_command(tmp_path):
     """The gate as written (``main WORKTREE --backend mok_hopper``, no backends given) in a repository of this code,
     one round at the tiny size: it runs mok_hopper beside the default nccl and ends in a verdict table, never
     NO MATCH."""
-    from test_gate import _copy_code, _git
+    from test_gate import init_repo
 
     repo = tmp_path / "repo"
-    repo.mkdir()
-    _copy_code(repo)
-    (repo / ".gitignore").write_text("__pycache__/\nresults/local/\noutputs/\n")
-    _git(repo, "init", "-q", "-b", "main")
-    _git(repo, "add", "-A")
-    _git(repo, "commit", "-q", "-m", "main")
+    init_repo(repo, "main")
     wd = tmp_path / "wd"
     wd.mkdir()
     p = _run(GATE, ["--rounds", "1", "--name", "readme", "--out", str(tmp_path / "out"), "--workdir", str(wd), "--",

@@ -283,18 +283,26 @@ def test_headline_charts_are_the_cited_runs_panels_and_rooflines():
     assert all(n.startswith("panels_") for n in P.headline_charts(results.to_frame(no_floors.to_dict("records"))))
 
 
-def test_cli_summary_on_a_copy(tmp_path, monkeypatch, capsys):
-    """``python -m harness.report`` with no paths: REPORT.md, its charts and README's block, from results/runs
-    (here a copy holding synthetic runs), and nothing else."""
+def summary_on_a_copy(tmp_path: Path, monkeypatch, rows: list) -> tuple[Path, Path]:
+    """``python -m harness.report`` with no paths (exit 0 checked) on a copy: ``rows`` as the committed runs, a
+    README with an empty verdict block; returns (the results folder, the README)."""
     root = tmp_path / "results"
-    results.write_rows(root / "runs" / "gpu2" / "rows.csv",
-                       S.verdict_run("gpu2", OLD, ["nccl", "mok_hopper"], directions=("fwd",), num_gpus=2, ep_size=2))
+    results.write_rows(root / "runs" / "gpu2" / "rows.csv", rows)
     readme = tmp_path / "README.md"
     readme.write_text(f"top\n{V.MARK_START}\n{V.MARK_END}\nbottom\n")
     monkeypatch.setattr(results, "REFERENCE_RUNS", root / "runs")
     monkeypatch.setattr(results, "REPO_RESULTS", root)
     monkeypatch.setattr(R, "README", readme)
     assert R.main([]) == 0
+    return root, readme
+
+
+def test_cli_summary_on_a_copy(tmp_path, monkeypatch, capsys):
+    """``python -m harness.report`` with no paths: REPORT.md, its charts and README's block, from results/runs
+    (here a copy holding synthetic runs), and nothing else."""
+    root, readme = summary_on_a_copy(
+        tmp_path, monkeypatch,
+        S.verdict_run("gpu2", OLD, ["nccl", "mok_hopper"], directions=("fwd",), num_gpus=2, ep_size=2))
     out = capsys.readouterr().out
     assert "| 2x NVIDIA H200, EP 2, 4096 tokens/GPU | BF16 forward |" in out and "2 charts" in out
     block = V.verdict_block(results.load(root / "runs"))

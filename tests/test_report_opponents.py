@@ -15,7 +15,6 @@ import synthetic_results as S  # noqa: E402
 from harness import claims as C  # noqa: E402
 from harness import opponents as O  # noqa: E402
 from harness import plots as P  # noqa: E402
-from harness import report as R  # noqa: E402
 from harness import results  # noqa: E402
 from harness import verdicts as V  # noqa: E402
 from harness.backends import series_name  # noqa: E402
@@ -237,7 +236,6 @@ def test_an_fp8_verdict_gives_the_ratio_over_the_fastest_bf16_opponent():
 def test_the_report_command_on_rows_with_the_new_columns(tmp_path, monkeypatch, capsys):
     """Rows written with ``forward_kind`` and ``mem_peak_own_bytes`` (a CSV file, read back by the loader): the
     committed-report command gives README's block the memory ratio and both forward kinds."""
-    root = tmp_path / "results"
     rows = S.verdict_run("gpu2", NEW, ["nccl", "mok_hopper"], num_gpus=2, ep_size=2,
                          tflops={"nccl": 100.0, "mok_hopper": 250.0},
                          per_backend={"nccl": {"mem_peak_own_bytes": 5 * GB},
@@ -248,13 +246,9 @@ def test_the_report_command_on_rows_with_the_new_columns(tmp_path, monkeypatch, 
         "forward_kind": "inference", "backend_options": "forward=inference", "mem_peak_own_bytes": 1 * GB}})
     rows += inference_rows("gpu2", NEW, "flashinfer", 320.0, num_gpus=2, ep_size=2, per_backend={"flashinfer": {
         "forward_kind": "inference", "mem_peak_own_bytes": 2 * GB}})
-    results.write_rows(root / "runs" / "gpu2" / "rows.csv", rows)
-    readme = tmp_path / "README.md"
-    readme.write_text(f"top\n{V.MARK_START}\n{V.MARK_END}\nbottom\n")
-    monkeypatch.setattr(results, "REFERENCE_RUNS", root / "runs")
-    monkeypatch.setattr(results, "REPO_RESULTS", root)
-    monkeypatch.setattr(R, "README", readme)
-    assert R.main([]) == 0
+    from test_report_layout import summary_on_a_copy
+
+    root, readme = summary_on_a_copy(tmp_path, monkeypatch, rows)
     capsys.readouterr()
     block = V.block_of(readme.read_text())
     assert block == V.verdict_block(results.load(root / "runs")) == V.block_of((root / "REPORT.md").read_text())
