@@ -4,6 +4,9 @@
 #   eager-<shape>-<precision>: torch, nccl (eager) and mok_hopper, fwd and bwd, published timing
 #   compiled-<shape>-<precision>: torch_compiled and nccl compiled as published (compile_mode=published), mok_hopper
 #   tcompiled-<shape>-<precision>: torch, torch_compiled (compile_mode=published) and mok_hopper
+#   conly-<shape>-<precision>: torch_compiled and nccl compiled as published only (the run's eager rows come first)
+#   profile-<shape>-<precision>: torch.profiler kernel tables of torch and nccl (eager), fwd+bwd, into $OUT
+# RUN_WHAT (default "opponents") names the runs: <RUN_WHAT>-<shape>_<hw>_<day>.
 #   cleanup-test: the GPU test that plants a backend holding memory, then runs mok_hopper
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -20,21 +23,30 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,power.draw,po
 source scripts/gpu_env.sh .whl || { echo "wheels failed" | tee -a "$LOG"; exit 1; }
 python3 -c "import torch,triton,hydra,torchtitan;print(torch.__version__,triton.__version__,hydra.__version__,torch.cuda.get_device_name())" 2>&1 | tee -a "$LOG"
 HW=$(python3 -c "import torch;n=torch.cuda.get_device_name();print('h200x1' if 'H200' in n else 'h100x1')")
-DAY=20261207
+DAY=$(date +%Y%m%d)
+RUN_WHAT=${RUN_WHAT:-opponents}
 [ -f /tmp/mokbench-rows.tgz ] && tar -xzf /tmp/mokbench-rows.tgz -C / 2>/dev/null  # rows of an earlier call
 for s in "$@"; do
   kind=${s%%-*}; rest=${s#*-}
+  if [ "$kind" = profile ]; then
+    shape=${rest%-*}; prec=${rest##*-}
+    step "$s"
+    timeout $(left) python3 lab/diagnostics/2026-12-07-opponents/profile_layers.py $shape $prec $OUT/profile-$shape-$prec.txt \
+      2>&1 | tail -80 | tee -a "$LOG"
+    continue
+  fi
   if [ "$kind" = cleanup ]; then
     step "$s"
     timeout $(left) python3 -m pytest -q -x tests/test_gpu_cleanup.py -m gpu 2>&1 | tail -30 | tee -a "$LOG"
     continue
   fi
   shape=${rest%-*}; prec=${rest##*-}
-  rid="opponents-${shape}_${HW}_${DAY}"
+  rid="${RUN_WHAT}-${shape}_${HW}_${DAY}"
   case $kind in
     eager) be='[torch,nccl,mok_hopper]'; extra="compile=false" ;;
     compiled) be='[torch_compiled,nccl,mok_hopper]'; extra="compile=true compile_mode=published" ;;
     tcompiled) be='[torch,torch_compiled,mok_hopper]'; extra="compile=true compile_mode=published" ;;
+    conly) be='[torch_compiled,nccl]'; extra="compile=true compile_mode=published" ;;
   esac
   [ $(left) -lt 60 ] && { step "$s: skipped, $(left) s left"; continue; }
   step "$s -> $rid"
