@@ -31,8 +31,8 @@ for s in "$@"; do
   if [ "$kind" = profile ]; then
     shape=${rest%-*}; prec=${rest##*-}
     step "$s"
-    timeout $(left) python3 lab/diagnostics/2026-12-07-opponents/profile_layers.py $shape $prec $OUT/profile-$shape-$prec.txt \
-      2>&1 | tail -80 | tee -a "$LOG"
+    timeout $(left) python3 -m benchmarks.profile_backends --backends torch,nccl --out $OUT/profile-$shape-$prec.txt \
+      -- shape=$shape precision=$prec compile=false 2>&1 | tail -20 | tee -a "$LOG"
     continue
   fi
   if [ "$kind" = cleanup ]; then
