@@ -1,7 +1,9 @@
 """DeepGEMM's SM90 FP8 MegaMoE as an anchor: dispatch, both fp8 expert GEMMs with the SwiGLU between them, and the
 combine in one kernel (``fp8_mega_moe``) on Hopper. An inference forward: it saves nothing for a backward.
 
-It exists only on unmerged DeepGEMM pull-request heads; the Python API and host checks used here were read there:
+The Python API and host checks used here were read on two DeepGEMM pull-request heads (DeepGEMM's release of
+2026-09, PR #432, documents the same SM90 entry points in its README, so a build of its main may serve too; not yet
+run here):
 
 * DeepGEMM #323, head ``8ddf7f9``: ``bash build_sgl_deep_gemm.sh`` builds the ``sgl-deep-gemm`` wheel, whose import
   name is ``deep_gemm`` (its own imports are relative, so it may also be installed under the folder name
@@ -12,6 +14,8 @@ It exists only on unmerged DeepGEMM pull-request heads; the Python API and host 
   ``transform_weights_for_mega_moe_sm90`` and ``fp8_mega_moe`` (no pre-dispatch kernel).
 
 ``sgl_deep_gemm`` is imported first, else ``deep_gemm`` where it has ``fp8_mega_moe``; either API is used as found.
+Where the build has DeepGEMM's determinism opt-in (``use_deterministic_algorithms``, off by default since that
+release), it is switched on when the module loads, and ``notes`` names the mode.
 
 Setup (untimed): the weights quantised by the harness's quantiser (``contract.fp8``: w13 [L, 2I, H], gate rows then
 up rows; w2 [L, H, I]), then ``transform_weights_for_mega_moe_sm90`` (gate and up rows interleaved in groups of 8,
@@ -58,7 +62,7 @@ import torch
 from contract import Case, LayerInputs
 from contract.fp8 import quantize_blocks
 from baselines.common import dense_mlp, device_capability, ep_note, ep_unsupported
-from baselines.fp8_gemm import deep_gemm_ref
+from baselines.fp8_gemm import deep_gemm_ref, determinism_mode, enable_determinism
 
 MODULES = ("sgl_deep_gemm", "deep_gemm")  # where SM90 MegaMoE is looked for, in this order
 NEEDS = ("fp8_mega_moe", "transform_weights_for_mega_moe_sm90")
@@ -95,6 +99,10 @@ def load_megamoe() -> tuple[Optional[Any], str]:
             missing.append(" or ".join(BUFFER_GETTERS))
         if missing:
             whys.append(f"{name} {getattr(mod, '__version__', '?')} has no {', '.join(missing)}")
+            continue
+        why = enable_determinism(mod)
+        if why:
+            whys.append(f"{name}: {why}")
             continue
         return mod, ""
     return None, "; ".join(whys)
@@ -210,11 +218,11 @@ class DeepGemmMegaMoEBackend:
         return {}
 
     def build(self) -> str:
-        """Which package and build ran (version, commit where known, MOKBENCH_DEEPGEMM_REF)."""
+        """Which package and build ran (version, commit where known, MOKBENCH_DEEPGEMM_REF) and its determinism mode."""
         if self.dg is None:
             return "?"
-        ref = deep_gemm_ref(self.dg)
-        return f"{self.dg.__name__} {getattr(self.dg, '__version__', '?')}{f' ({ref})' if ref else ''}"
+        extra = "; ".join(filter(None, [deep_gemm_ref(self.dg), determinism_mode(self.dg)]))
+        return f"{self.dg.__name__} {getattr(self.dg, '__version__', '?')}{f' ({extra})' if extra else ''}"
 
     def info(self) -> dict[str, Any]:
         c = self.case

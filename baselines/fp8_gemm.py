@@ -74,7 +74,35 @@ def load_deep_gemm() -> tuple[Optional[Any], Optional[str]]:
                  "get_mk_alignment_for_contiguous_layout"):
         if not hasattr(deep_gemm, name):
             return None, f"this DeepGEMM has no {name}"
-    return deep_gemm, None
+    why = enable_determinism(deep_gemm)
+    return (None, why) if why else (deep_gemm, None)
+
+
+_DETERMINISM: dict[int, str] = {}  # id(module) -> the mode line (determinism_mode)
+
+
+def enable_determinism(dg: Any) -> Optional[str]:
+    """Turn on DeepGEMM's deterministic algorithms where the build has the opt-in (``use_deterministic_algorithms``,
+    off by default since DeepGEMM's release of 2026-09, PR #432), and note the mode for the rows; why the module
+    cannot be used if the opt-in fails (None: it can)."""
+    fn = getattr(dg, "use_deterministic_algorithms", None)
+    if fn is None:
+        _DETERMINISM[id(dg)] = "no determinism opt-in in this build (the setup check tests repeatability)"
+        return None
+    try:
+        try:
+            fn(True)
+        except TypeError:  # an opt-in that takes no argument
+            fn()
+    except Exception as e:  # noqa: BLE001 (a build whose opt-in fails must not run non-deterministic rows)
+        return f"DeepGEMM's use_deterministic_algorithms failed ({type(e).__name__}: {e})"
+    _DETERMINISM[id(dg)] = "deterministic mode on (deep_gemm.use_deterministic_algorithms)"
+    return None
+
+
+def determinism_mode(dg: Any) -> str:
+    """The determinism line of a DeepGEMM module loaded through :func:`load_deep_gemm` ("" if it was not)."""
+    return _DETERMINISM.get(id(dg), "")
 
 
 def deep_gemm_version() -> str:
@@ -89,11 +117,14 @@ def deep_gemm_version() -> str:
 
         dist = distribution("sgl-deep-gemm")
         if Path(dg.__file__).resolve().parent == Path(dist.locate_file("deep_gemm")).resolve():
-            return f"sgl-deep-gemm {dist.version}"
+            mode = determinism_mode(dg)
+            return f"sgl-deep-gemm {dist.version}{' (' + mode + ')' if mode else ''}"
     except Exception:  # noqa: BLE001 (not installed, or installed elsewhere than the module that loaded)
         pass
     ref = deep_gemm_ref(dg)
-    return f"deep_gemm {getattr(dg, '__version__', '?')} (built from source{', ' + ref if ref else ''})"
+    mode = determinism_mode(dg)
+    return (f"deep_gemm {getattr(dg, '__version__', '?')} (built from source{', ' + ref if ref else ''}"
+            f"{'; ' + mode if mode else ''})")
 
 
 def deep_gemm_ref(dg: Any) -> str:

@@ -275,6 +275,44 @@ def test_deep_gemm_build_check_decides_the_blockwise_path(small_check, monkeypat
     assert "MOKBENCH_DEEPGEMM_REF=42c240d" in label
 
 
+@pytest.mark.parametrize("opt_in", ["takes a flag", "takes nothing", "absent", "raises"])
+def test_deep_gemm_runs_in_deterministic_mode_where_it_can(monkeypatch, opt_in):
+    """A DeepGEMM with the determinism opt-in (off by default since its release of 2026-09) is switched on when it
+    loads, and the rows' build line says which mode ran; a build whose opt-in fails is not used."""
+    import types
+
+    calls = []
+    dg = types.ModuleType("deep_gemm")
+    dg.__version__ = "2.7.0"
+    for name in ("m_grouped_fp8_gemm_nt_contiguous", "k_grouped_fp8_gemm_nt_contiguous",
+                 "get_mk_alignment_for_contiguous_layout"):
+        setattr(dg, name, lambda *a: None)
+    if opt_in == "takes a flag":
+        dg.use_deterministic_algorithms = lambda mode: calls.append(mode)
+    elif opt_in == "takes nothing":
+        dg.use_deterministic_algorithms = lambda: calls.append("on")
+    elif opt_in == "raises":
+        def broken(mode=True):
+            raise RuntimeError("no such mode")
+        dg.use_deterministic_algorithms = broken
+    monkeypatch.setitem(__import__("sys").modules, "deep_gemm", dg)
+    fg.load_deep_gemm.cache_clear()
+    try:
+        mod, why = fg.load_deep_gemm()
+        if opt_in == "raises":
+            assert mod is None and "use_deterministic_algorithms failed (RuntimeError: no such mode)" in why
+            return
+        assert mod is dg and why is None
+        version = fg.deep_gemm_version()
+    finally:
+        fg.load_deep_gemm.cache_clear()
+    if opt_in == "absent":
+        assert calls == [] and "no determinism opt-in in this build" in version
+    else:
+        assert calls == ([True] if opt_in == "takes a flag" else ["on"])
+        assert version.startswith("deep_gemm 2.7.0 (built from source") and "deterministic mode on" in version
+
+
 def test_deep_gemm_build_check_agrees_across_ranks(monkeypatch):
     """A race seen on one rank's GPU makes the path unsupported on every rank (faked collective: rank 0 of two,
     rank 1 failed); with no failure anywhere, None; without a process group, this rank's own verdict."""
