@@ -6,7 +6,8 @@
 #   tcompiled-<shape>-<precision>: torch, torch_compiled (compile_mode=published) and mok_hopper
 #   conly-<shape>-<precision>: torch_compiled and nccl compiled as published only (the run's eager rows come first)
 #   profile-<shape>-<precision>: torch.profiler kernel tables of torch and nccl (eager), fwd+bwd, into $OUT
-# RUN_WHAT (default "opponents") names the runs: <RUN_WHAT>-<shape>_<hw>_<day>.
+# RUN_WHAT (default "opponents") names the runs: <RUN_WHAT>-<shape>_<hw>_<day>. A shape written glm_5_2@16epg runs
+# with shape.local_experts=16 (run id <RUN_WHAT>-glm_5_2-16epg_<hw>_<day>).
 #   cleanup-test: the GPU test that plants a backend holding memory, then runs mok_hopper
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -41,7 +42,13 @@ for s in "$@"; do
     continue
   fi
   shape=${rest%-*}; prec=${rest##*-}
-  rid="${RUN_WHAT}-${shape}_${HW}_${DAY}"
+  over=""
+  if [[ $shape == *@*epg ]]; then  # glm_5_2@16epg: shape.local_experts=16, run id glm_5_2-16epg
+    n=${shape#*@}; n=${n%epg}; shape=${shape%@*}; over="shape.local_experts=$n"
+    rid="${RUN_WHAT}-${shape}-${n}epg_${HW}_${DAY}"
+  else
+    rid="${RUN_WHAT}-${shape}_${HW}_${DAY}"
+  fi
   case $kind in
     eager) be='[torch,nccl,mok_hopper]'; extra="compile=false" ;;
     compiled) be='[torch_compiled,nccl,mok_hopper]'; extra="compile=true compile_mode=published" ;;
@@ -50,7 +57,7 @@ for s in "$@"; do
   esac
   [ $(left) -lt 60 ] && { step "$s: skipped, $(left) s left"; continue; }
   step "$s -> $rid"
-  timeout $(( $(left) - 20 )) python3 -m harness.run shape=$shape precision=$prec ep_size=1 "backends=$be" $extra \
+  timeout $(( $(left) - 20 )) python3 -m harness.run shape=$shape $over precision=$prec ep_size=1 "backends=$be" $extra \
     timing=published 'directions=[fwd,bwd]' run_id=$rid append=true results_dir=$ROWS print_table=false 2>&1 \
     | grep -v -e Warning -e warnings.warn -e "^  warnings" | tail -60 | tee -a "$LOG"
 done
