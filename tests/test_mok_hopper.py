@@ -1096,6 +1096,33 @@ def test_every_kernel_variant_compiles_for_hopper_without_spills(aot_sweep):
     assert "bwd dgate clamp" in p.stdout and "bwd wgrad P resident" in p.stdout  # the backward's GEMMs
     assert "bwd dx push tiled gate/up" in p.stdout and "bwd wgrad tiled gate/up" in p.stdout  # (tiled parameters)
     assert "bwd wgrad P resident pointers" in p.stdout  # (v10's dW13)
+    assert "[plain kimi_k2_7]" in p.stdout  # the default tiles over plain weights (mok_hopper.weights=plain)
+
+
+@needs_triton
+def test_aot_check_builds_each_default_tile_over_plain_weights():
+    """mok_hopper.weights=plain runs each point's default tile with w_tiled and up_fused off: every routed TMA GEMM
+    of those tiles is among aot_check's variants, and the ones it adds read row-major weights."""
+    from dataclasses import replace
+
+    from benchmarks.mok_hopper import aot_check
+    from kernels.mok_hopper.tiles import default_tile, plain_weights
+
+    def key(v):
+        return v.kernel, tuple(sorted(v.constexprs.items())), v.num_warps, v.maxnreg
+
+    added = aot_check.plain_weight_variants()
+    assert added and all(not v.constexprs["WT"] for v in added)
+    have = {key(v) for v in aot_check.variants() + added}
+    for hidden, ffn, rows in aot_check.PLAIN_POINTS.values():
+        tile = plain_weights(default_tile(hidden=hidden, ffn=ffn, rows_per_expert=rows))
+        assert not tile.w_tiled and not tile.up_fused and tile.tma
+        for v in aot_check.variants(tile, hidden, ffn, extras=False, save_h=True):
+            if v.label.startswith(("up ", "down ")) and v.label.endswith(" tma"):
+                assert key(v) in have, v.label
+                assert not v.constexprs["WT"]
+        tiled = default_tile(hidden=hidden, ffn=ffn, rows_per_expert=rows)
+        assert replace(tile, w_tiled=True, up_fused=tiled.up_fused) == tiled  # nothing else changed
 
 
 @needs_triton

@@ -103,6 +103,7 @@ class MokHopperBackend:
         self.tile_overrides: dict[str, Any] = {}  # TileConfig fields over the default tile (CUDA; bwd_check --tile)
         self.params: Optional[ExpertLeaves] = None
         self.mode = (options or MokHopperOptions()).forward
+        self.weights = (options or MokHopperOptions()).weights
 
     def setup(self, inputs: LayerInputs) -> None:
         c = self.case
@@ -116,12 +117,14 @@ class MokHopperBackend:
                                         swiglu_limit=c.swiglu_limit, precision=c.precision)
             return
         from kernels.mok_hopper.api import MoKHopperLayer, default_tile
-        from kernels.mok_hopper.tiles import num_sms
+        from kernels.mok_hopper.tiles import num_sms, plain_weights
 
         dev = inputs.x_TH.device
-        self._tile = replace(default_tile(precision=c.precision, device=dev, comm_sms=c.comm_sms,
-                                          rows_per_expert=c.ep_size * c.tokens_per_gpu * c.topk / c.num_experts,
-                                          n_sm=num_sms(dev)), **self.tile_overrides)
+        tile = default_tile(precision=c.precision, device=dev, comm_sms=c.comm_sms,
+                            rows_per_expert=c.ep_size * c.tokens_per_gpu * c.topk / c.num_experts, n_sm=num_sms(dev))
+        if self.weights == "plain":  # the harness's weights themselves (bf16: no copy; fp8: e4m3 untiled)
+            tile = plain_weights(tile)
+        self._tile = replace(tile, **self.tile_overrides)
         self.impl = MoKHopperLayer(inputs.w13_LIH, inputs.w2_LHI, topk=c.topk, tokens=c.tokens_per_gpu,
                                    shared=shared, swiglu_limit=c.swiglu_limit, precision=c.precision,
                                    group=self.group, tile=self._tile,
@@ -197,7 +200,8 @@ class MokHopperBackend:
         t, layer = self._tile, self.impl
         return {"scaling": scaling, "compiled": True, "comm_sms": t.comm_sms,
                 "notes": (f"{saves}; Triton, {'TMA' if t.tma else 'pointer'} GEMM operands"
-                          f"{' (weights in TMA block order)' if t.w_tiled else ''}; BM={t.block_m} "
+                          f"{' (weights in TMA block order)' if t.w_tiled else ' (plain weights)' if t.tma else ''}; "
+                          f"BM={t.block_m} "
                           f"{'+ BM/2 half tiles ' if t.half_tiles else ''}"
                           f"{f'+ {t.tail_rows}-row swapped tails ' if t.tail_rows else ''}"
                           f"{'(flat down) ' if t.flat_down else ''}"
