@@ -348,6 +348,36 @@ def test_capacity_is_the_worst_case_up_to_ep2_and_moks_rule_beyond():
         assert capacity_rows(ep=ep, local_experts=4, **kw) % 128 == 0
 
 
+@pytest.mark.parametrize("tail", [0, 2], ids=["half-tiles", "half-tiles+tails"])
+def test_capacity_with_half_tiles_holds_every_routing_and_no_less_would(tail):
+    """capacity_rows(half_tiles=True) pads each expert with rows by BM/2 - 1 at most: every routing of EP <= 2 fits
+    (padded_rows summed, and build_schedule reports no overflow), and without tails the routing that pads each expert
+    by BM/2 - 1 fills it to within one tile, so no smaller static bound is safe there (tails pad an expert that has
+    a full tile by at most BM/2 - TL - 1: a bound TL rows an expert tighter would hold, not taken)."""
+    BM, L = 16, 6
+    kw = dict(tokens=16, topk=3, local_experts=L, block_m=BM, half_tiles=True)
+    g = torch.Generator().manual_seed(4)
+    for ep in (1, 2):
+        R = capacity_rows(ep=ep, **kw)
+        assert R < capacity_rows(ep=ep, **{**kw, "half_tiles": False})
+        n = ep * 16 * 3  # every slot of every rank routed to this rank's experts
+        worst = torch.full((L,), 1)  # each expert 1 row (pad BM/2 - 1) or BM/2 + 1 (pad BM/2 - 1), the rest in full
+        worst[: (n - L) // BM] += BM  # tiles
+        worst[0] += n - int(worst.sum())
+        routings = [worst] + [torch.bincount(torch.randint(0, L, (n,), generator=g), minlength=L) for _ in range(50)]
+        for counts in routings:
+            assert int(counts.sum()) == n
+            _, rows = padded_rows(counts, BM, True, tail)
+            assert int(rows.sum()) <= R
+            idx = torch.repeat_interleave(torch.arange(L), counts)[torch.randperm(n, generator=g)].reshape(ep, -1)
+            sch = build_schedule(idx, rank=0, local_experts=L, block_m=BM, capacity=R, half_tiles=True,
+                                 tail_rows=tail)
+            assert int(sch.overflow_rows) == 0
+        if not tail:
+            _, rows = padded_rows(worst, BM, True, tail)
+            assert R - int(rows.sum()) < BM  # the bound is reached (up to the rounding to BM)
+
+
 def test_schedule_never_syncs_with_the_host(monkeypatch):
     """Only static-shape device ops: no .item(), .tolist(), .cpu(), nonzero or bincount (all sync on CUDA)."""
     idx_PS = torch.stack([i.reshape(-1) for i in routing(2, 16, 2, 8, seed=1)])

@@ -280,7 +280,7 @@ def _toy_layer(**kw):
 def test_a_training_step_through_the_kernels_matches_autograd(limit):
     """kernels/mok_hopper/train.py at EP=1: the fused forward, then the v0 backward GEMMs (H recomputed), against
     torch autograd over a plain per-expert loop: every gradient, the shared expert's too; twice (the layer's
-    buffers reused), with different inputs."""
+    buffers reused, the forward's SwiGLU rows as the backward's s * SwiGLU(H) scratch), with different inputs."""
     from kernels.mok_hopper.ops import interp
     from kernels.mok_hopper.train import mok_hopper_train
 
@@ -293,7 +293,9 @@ def test_a_training_step_through_the_kernels_matches_autograd(limit):
         leaves = [t.detach().clone().requires_grad_() for t in (xs[0], ws[0], w13[0], w2[0], *shared)]
         x, w, a13, a2, sg, su, sd = leaves
         out = mok_hopper_train(layer, x, idx[0], w, a13, a2, (sg, su, sd))
+        h_fwd = layer.h_rows.clone()
         out.backward(dOs[0])
+        assert not torch.equal(layer.h_rows, h_fwd)  # dgate's s * SwiGLU(H) went into the forward's SwiGLU rows
         want = twin_bwd.autograd_reference(xs, idx, ws, dOs, w13, w2, shared=shared, limit=limit)[0]
         for name, got in (("x", x.grad), ("topk_w", w.grad), ("w13", a13.grad), ("w2", a2.grad)):
             assert rel_l1(got, want[name]) < 1e-2, (seed, name, rel_l1(got, want[name]))

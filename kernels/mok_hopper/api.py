@@ -178,7 +178,7 @@ class MoKHopperLayer(torch.nn.Module):
             group=group, rank=self.rank, world=self.world, device=dev, tokens=tokens, hidden=H, topk=topk,
             fp8=self.fp8)
         self.R = capacity_rows(ep=self.world, tokens=tokens, topk=topk, local_experts=L, block_m=BM,
-                               capacity_multiplier=capacity_multiplier)
+                               capacity_multiplier=capacity_multiplier, half_tiles=self.cfg.half_tiles)
         if capacity is not None:  # explicit rows (tests of the overflow check), rounded up to the tile
             self.R = -(-capacity // BM) * BM
         R, C = self.R, self.cfg.num_chunks
