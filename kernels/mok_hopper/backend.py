@@ -11,6 +11,11 @@ The forward is a training forward (autograd records it, as the baselines' forwar
 the backward recomputes H (:mod:`kernels.mok_hopper.train`). The backward runs at any EP, bf16 and fp8 (across
 ranks: the expert owners pull the dO rows and push the dX rows back; fp8: :mod:`kernels.mok_hopper.ops.bwd_fp8`).
 
+Its option ``weights`` (``mok_hopper.weights=``, alias ``mok_hopper_weights=``) says which routed weights the CUDA
+kernels read: ``tiled`` (default) the layer's own copy in TMA block order, ``plain`` the harness's tensors in place
+(:func:`~kernels.mok_hopper.tiles.plain_weights`), ``owned`` the harness's tensors rewritten in place into TMA block
+order until :meth:`MokHopperBackend.teardown` (bf16; :mod:`kernels.mok_hopper.owned`).
+
 Legend: T tokens per rank, K top-k, H hidden, I ffn, L local experts, P ranks.
 """
 
