@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -31,19 +31,39 @@ def run_once(backend: Any, inputs: LayerInputs, need_grads: bool) -> dict[str, O
     return res
 
 
-def _errors(got: torch.Tensor, ref: torch.Tensor, chunk_elems: int = 1 << 26) -> tuple[float, float]:
-    """abs-max and relative L1 error, in fp32, a slice at a time (expert weight gradients reach tens of GB; ``ref``
-    may be in host memory: each slice is moved to ``got``'s device)."""
+CHUNK_ELEMS = 1 << 26  # elements of one compared slice: 256 MB of fp32 per temporary
+
+
+def slices(t: torch.Tensor, chunk_elems: int = CHUNK_ELEMS) -> Iterator[tuple]:
+    """Indices that cut ``t`` into pieces of at most ``chunk_elems`` elements, in order, covering it once: runs of
+    whole rows along dim 0, or, where one row is larger than a chunk, each row cut the same way along its own dims.
+    Indexing makes views only, whatever the strides (a ``reshape`` of a strided view could copy it whole)."""
+    if t.dim() == 0 or t.numel() <= chunk_elems:
+        yield ()
+        return
+    row = t.numel() // t.shape[0]
+    if row <= chunk_elems or t.dim() == 1:
+        step = max(1, chunk_elems // max(1, row))
+        for i in range(0, t.shape[0], step):
+            yield (slice(i, i + step),)
+        return
+    for i in range(t.shape[0]):
+        for rest in slices(t[i], chunk_elems):
+            yield (i, *rest)
+
+
+def errors(got: torch.Tensor, ref: torch.Tensor, chunk_elems: int = CHUNK_ELEMS) -> tuple[float, float]:
+    """abs-max and relative L1 error, in fp32, a slice of at most ``chunk_elems`` elements at a time: expert weight
+    gradients reach tens of GB, and ``ref`` waits in host memory (:mod:`harness.runner`), so each slice of it is
+    moved to ``got``'s device and no temporary is larger than a slice (4 bytes an element)."""
     if got.numel() == 0:
         return 0.0, 0.0
-    g2, r2 = got.reshape(got.shape[0], -1), ref.reshape(ref.shape[0], -1)
-    step = max(1, chunk_elems // max(1, g2.shape[1]))
     amax = torch.zeros((), dtype=torch.float64, device=got.device)
     l1 = torch.zeros((), dtype=torch.float64, device=got.device)
     norm = torch.zeros((), dtype=torch.float64, device=got.device)
-    for i in range(0, g2.shape[0], step):
-        r = r2[i : i + step].to(got.device).float()  # the reference may wait in host memory (harness.runner)
-        d = (g2[i : i + step].float() - r).abs()
+    for idx in slices(got, chunk_elems):
+        r = ref[idx].to(got.device).float()
+        d = (got[idx].float() - r).abs()
         amax = torch.maximum(amax, d.max().double())
         l1 += d.sum(dtype=torch.float64)
         norm += r.abs().sum(dtype=torch.float64)
@@ -65,7 +85,7 @@ def compare(got: dict[str, Optional[torch.Tensor]], ref: dict[str, Optional[torc
         if g is None or g.shape != r.shape:
             missing.append(name)
             continue
-        a, rel = _errors(g, r)
+        a, rel = errors(g, r)
         if not (a == a and rel == rel):  # NaN never passes
             a, rel = float("inf"), float("inf")
         if rel > worst_rel or not worst_name:

@@ -74,7 +74,12 @@ class ReferenceBackend:
 
     def setup(self, inputs: LayerInputs) -> None:
         self.leaves = ExpertLeaves(self.case, inputs)  # weight bookkeeping only; the math below is its own
-        self.w13, self.w2, self.shared = self.leaves.w13, self.leaves.w2, self.leaves.shared
+        self.shared = self.leaves.shared
+        # One autograd leaf per expert (views of the same storage, no copy). Indexing one [L, ...] leaf per expert
+        # would make autograd build each expert's gradient as a zero-filled [L, ...] tensor and add it to the
+        # total: two weight-sized gradient buffers at once, which keep the largest shapes off an 80 GB card.
+        self.w13 = [w.detach().requires_grad_() for w in self.leaves.w13.detach().unbind(0)]
+        self.w2 = [w.detach().requires_grad_() for w in self.leaves.w2.detach().unbind(0)]
 
     def forward(self, x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, topk_w_TK: torch.Tensor) -> torch.Tensor:
         c, g = self.case, self.group
@@ -89,7 +94,7 @@ class ReferenceBackend:
         for j in range(L):
             tok, kk = torch.nonzero(idx_all == self.rank * L + j, as_tuple=True)
             xe = x_all[tok]
-            h = _swiglu(xe @ self.w13[j, :I].t(), xe @ self.w13[j, I:].t(), c.swiglu_limit)
+            h = _swiglu(xe @ self.w13[j][:I].t(), xe @ self.w13[j][I:].t(), c.swiglu_limit)
             ye = h @ self.w2[j].t()
             acc = acc.index_add(0, tok, w_all[tok, kk].unsqueeze(-1) * ye.float())
         out = _SumScatter.apply(acc, g)
@@ -100,8 +105,24 @@ class ReferenceBackend:
 
     def zero_grad(self) -> None:
         self.leaves.zero_grad()
+        for p in [*self.w13, *self.w2]:
+            p.grad = None
+
+    def _gather_expert_grads(self) -> None:
+        """The experts' gradients into the [L, ...] leaves' ``.grad``, one expert at a time (each freed once copied:
+        at most one expert's gradient beside the total)."""
+        for whole, parts in ((self.leaves.w13, self.w13), (self.leaves.w2, self.w2)):
+            if all(p.grad is None for p in parts):
+                continue
+            if whole.grad is None:
+                whole.grad = torch.zeros_like(whole)
+            for j, p in enumerate(parts):
+                if p.grad is not None:
+                    whole.grad[j] += p.grad
+                    p.grad = None
 
     def weight_grads(self) -> dict[str, Optional[torch.Tensor]]:
+        self._gather_expert_grads()
         return self.leaves.grads()
 
     def traffic(self) -> dict[str, Any]:

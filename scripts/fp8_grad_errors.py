@@ -27,7 +27,7 @@ from hydra.core.global_hydra import GlobalHydra  # noqa: E402
 from baselines import fp8_gemm  # noqa: E402
 from baselines.nccl import NcclBackend  # noqa: E402
 from baselines.options import ExpertGemmOptions  # noqa: E402
-from harness.check import TENSOR_NAMES, _errors, run_once  # noqa: E402
+from harness.check import TENSOR_NAMES, errors, run_once  # noqa: E402
 from harness.config import CONFIG_DIR, register_configs  # noqa: E402
 from harness.inputs import make_inputs  # noqa: E402
 from harness.point import make_case  # noqa: E402
@@ -93,7 +93,7 @@ def main(out: str, shapes: list[str]) -> None:
                 r = {"shape": shape, "path": path, "tensor": t,
                      "ref_absmax": float(refs["fp32"][t].abs().max()) if refs["fp32"][t].numel() else 0.0}
                 for ref in ("fp32", "bf16"):
-                    a, rel = _errors(got[t], refs[ref][t])
+                    a, rel = errors(got[t], refs[ref][t])
                     r[f"absmax_vs_{ref}"], r[f"rel_l1_vs_{ref}"] = a, rel
                 r["note"] = label
                 rows.append(r)

@@ -103,4 +103,23 @@ def test_a_row_written_now_gives_back_its_hash_from_its_stored_config(results_di
         case = make_case(c, ep_size=int(r.ep_size), device=r.device)
         assert config_hash(c, case) == r.config_hash
     by = df.set_index("backend").backend_options
-    assert by["nccl"] == "fp8_gemm=rowwise" and by["mok_hopper"] == "forward=recompute"
+    assert by["nccl"] == "fp8_gemm=rowwise" and by["mok_hopper"] == "forward=recompute,weights=tiled"
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_mok_hopper_weights_enter_the_hash_only_away_from_their_default(precision):
+    """``mok_hopper.weights`` came after points were measured: at its default (tiled) a point keeps the hash it had
+    without the option; ``plain`` is another point, in both precisions, by its scoped key or its alias."""
+    from omegaconf import OmegaConf
+
+    from conftest import compose_cfg
+
+    def h(*over: str) -> str:
+        c = OmegaConf.to_container(compose_cfg("device=cpu", "shape=tiny", f"precision={precision}", *over),
+                                   resolve=True)
+        apply_aliases(c)
+        return config_hash(c, make_case(c, ep_size=1, device="cpu"))
+
+    base = h()
+    assert h("mok_hopper.weights=tiled") == h("mok_hopper_weights=tiled") == base
+    assert h("mok_hopper.weights=plain") == h("mok_hopper_weights=plain") != base

@@ -348,6 +348,36 @@ def test_capacity_is_the_worst_case_up_to_ep2_and_moks_rule_beyond():
         assert capacity_rows(ep=ep, local_experts=4, **kw) % 128 == 0
 
 
+@pytest.mark.parametrize("tail", [0, 2], ids=["half-tiles", "half-tiles+tails"])
+def test_capacity_with_half_tiles_holds_every_routing_and_no_less_would(tail):
+    """capacity_rows(half_tiles=True) pads each expert with rows by BM/2 - 1 at most: every routing of EP <= 2 fits
+    (padded_rows summed, and build_schedule reports no overflow), and without tails the routing that pads each expert
+    by BM/2 - 1 fills it to within one tile, so no smaller static bound is safe there (tails pad an expert that has
+    a full tile by at most BM/2 - TL - 1: a bound TL rows an expert tighter would hold, not taken)."""
+    BM, L = 16, 6
+    kw = dict(tokens=16, topk=3, local_experts=L, block_m=BM, half_tiles=True)
+    g = torch.Generator().manual_seed(4)
+    for ep in (1, 2):
+        R = capacity_rows(ep=ep, **kw)
+        assert R < capacity_rows(ep=ep, **{**kw, "half_tiles": False})
+        n = ep * 16 * 3  # every slot of every rank routed to this rank's experts
+        worst = torch.full((L,), 1)  # each expert 1 row (pad BM/2 - 1) or BM/2 + 1 (pad BM/2 - 1), the rest in full
+        worst[: (n - L) // BM] += BM  # tiles
+        worst[0] += n - int(worst.sum())
+        routings = [worst] + [torch.bincount(torch.randint(0, L, (n,), generator=g), minlength=L) for _ in range(50)]
+        for counts in routings:
+            assert int(counts.sum()) == n
+            _, rows = padded_rows(counts, BM, True, tail)
+            assert int(rows.sum()) <= R
+            idx = torch.repeat_interleave(torch.arange(L), counts)[torch.randperm(n, generator=g)].reshape(ep, -1)
+            sch = build_schedule(idx, rank=0, local_experts=L, block_m=BM, capacity=R, half_tiles=True,
+                                 tail_rows=tail)
+            assert int(sch.overflow_rows) == 0
+        if not tail:
+            _, rows = padded_rows(worst, BM, True, tail)
+            assert R - int(rows.sum()) < BM  # the bound is reached (up to the rounding to BM)
+
+
 def test_schedule_never_syncs_with_the_host(monkeypatch):
     """Only static-shape device ops: no .item(), .tolist(), .cpu(), nonzero or bincount (all sync on CUDA)."""
     idx_PS = torch.stack([i.reshape(-1) for i in routing(2, 16, 2, 8, seed=1)])
@@ -1096,6 +1126,33 @@ def test_every_kernel_variant_compiles_for_hopper_without_spills(aot_sweep):
     assert "bwd dgate clamp" in p.stdout and "bwd wgrad P resident" in p.stdout  # the backward's GEMMs
     assert "bwd dx push tiled gate/up" in p.stdout and "bwd wgrad tiled gate/up" in p.stdout  # (tiled parameters)
     assert "bwd wgrad P resident pointers" in p.stdout  # (v10's dW13)
+    assert "[plain kimi_k2_7]" in p.stdout  # the default tiles over plain weights (mok_hopper.weights=plain)
+
+
+@needs_triton
+def test_aot_check_builds_each_default_tile_over_plain_weights():
+    """mok_hopper.weights=plain runs each point's default tile with w_tiled and up_fused off: every routed TMA GEMM
+    of those tiles is among aot_check's variants, and the ones it adds read row-major weights."""
+    from dataclasses import replace
+
+    from benchmarks.mok_hopper import aot_check
+    from kernels.mok_hopper.tiles import default_tile, plain_weights
+
+    def key(v):
+        return v.kernel, tuple(sorted(v.constexprs.items())), v.num_warps, v.maxnreg
+
+    added = aot_check.plain_weight_variants()
+    assert added and all(not v.constexprs["WT"] for v in added)
+    have = {key(v) for v in aot_check.variants() + added}
+    for hidden, ffn, rows in aot_check.PLAIN_POINTS.values():
+        tile = plain_weights(default_tile(hidden=hidden, ffn=ffn, rows_per_expert=rows))
+        assert not tile.w_tiled and not tile.up_fused and tile.tma
+        for v in aot_check.variants(tile, hidden, ffn, extras=False, save_h=True):
+            if v.label.startswith(("up ", "down ")) and v.label.endswith(" tma"):
+                assert key(v) in have, v.label
+                assert not v.constexprs["WT"]
+        tiled = default_tile(hidden=hidden, ffn=ffn, rows_per_expert=rows)
+        assert replace(tile, w_tiled=True, up_fused=tiled.up_fused) == tiled  # nothing else changed
 
 
 @needs_triton

@@ -280,7 +280,7 @@ def _toy_layer(**kw):
 def test_a_training_step_through_the_kernels_matches_autograd(limit):
     """kernels/mok_hopper/train.py at EP=1: the fused forward, then the v0 backward GEMMs (H recomputed), against
     torch autograd over a plain per-expert loop: every gradient, the shared expert's too; twice (the layer's
-    buffers reused), with different inputs."""
+    buffers reused, the forward's SwiGLU rows as the backward's s * SwiGLU(H) scratch), with different inputs."""
     from kernels.mok_hopper.ops import interp
     from kernels.mok_hopper.train import mok_hopper_train
 
@@ -293,7 +293,9 @@ def test_a_training_step_through_the_kernels_matches_autograd(limit):
         leaves = [t.detach().clone().requires_grad_() for t in (xs[0], ws[0], w13[0], w2[0], *shared)]
         x, w, a13, a2, sg, su, sd = leaves
         out = mok_hopper_train(layer, x, idx[0], w, a13, a2, (sg, su, sd))
+        h_fwd = layer.h_rows.clone()
         out.backward(dOs[0])
+        assert not torch.equal(layer.h_rows, h_fwd)  # dgate's s * SwiGLU(H) went into the forward's SwiGLU rows
         want = twin_bwd.autograd_reference(xs, idx, ws, dOs, w13, w2, shared=shared, limit=limit)[0]
         for name, got in (("x", x.grad), ("topk_w", w.grad), ("w13", a13.grad), ("w2", a2.grad)):
             assert rel_l1(got, want[name]) < 1e-2, (seed, name, rel_l1(got, want[name]))
@@ -915,3 +917,55 @@ def test_backward_launch_defaults_store_dw13_by_pointers_on_the_resident_path():
     assert "block_r_small" not in tiled["dw13"] and tiled["dw2"]["tma_store"] is True
     t = _tiles(4096, 1024, False, rows_per_expert=40.0)
     assert t["dw13"]["tma_store"] is False and t["dw2"]["tma_store"] is False
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (it comes with torch on Linux; pip install -e "
+                                           "'.[test]'): the interpreter kernel tests need it")
+@pytest.mark.parametrize("precision,forward", [("bf16", "save_h"), ("bf16", "recompute"), ("fp8", "save_h"),
+                                               ("fp8", "recompute")])
+def test_plain_weights_train_bit_for_bit_like_the_tiled_default(precision, forward):
+    """mok_hopper.weights=plain (``tiles.plain_weights``: the caller's [L, 2I, H] / [L, H, I] through strided TMA
+    descriptors, no copy in TMA block order, no fused gate/up MMA) against the default's tiled weights with the
+    fused gate/up MMA (and bf16's tails): a training step through autograd at EP=1, the output and every gradient
+    bitwise equal, twice (the layers' buffers reused). The plain bf16 layer keeps no weights of its own: its w13 and
+    w2 are the caller's tensors."""
+    from dataclasses import replace
+
+    from kernels.mok_hopper.api import MoKHopperLayer
+    from kernels.mok_hopper.ops import interp
+    from kernels.mok_hopper.tiles import TileConfig, plain_weights
+    from kernels.mok_hopper.train import mok_hopper_train
+    from kernels.mok_hopper.workspace import Workspace, link_local
+
+    if not interp.INTERPRET:
+        pytest.skip("the kernels run on the CPU under TRITON_INTERPRET=1 (set at the top of this file without a GPU)")
+    T, K, E, H, I = 24, 3, 8, 256, 128
+    fp8 = precision == "fp8"
+    base = TileConfig(block_m=32, up_n=32, up_k=32, down_n=64, down_k=32, num_chunks=1, gemm_programs=3,
+                      pull_programs=5, pull_rows=4, group_m=2, tma=True, w_tiled=True, fp8_up_fused=True)
+    tiled = base.for_fp8() if fp8 else replace(base, block_m=64, tail_rows=16, up_fused=True)
+    plain = plain_weights(tiled)
+    assert tiled.up_fused and not plain.w_tiled and not plain.up_fused and plain.tma
+    _, _, _, _, w13, w2, shared = make(1, T, K, E, H, I, seed=71)
+    runs = []
+    for tile in (tiled, plain):
+        (ws_,) = link_local([Workspace(rank=0, world=1, device=torch.device("cpu"), tokens=T, hidden=H, topk=K,
+                                       fp8=fp8, symmetric=False)])
+        layer = MoKHopperLayer(w13[0], w2[0], topk=K, tokens=T, shared=tuple(shared), rank=0, world=1,
+                               workspace=ws_, precision=precision, tile=tile, save_h=forward == "save_h",
+                               train=True, swiglu_limit=0.5)
+        assert (layer.w13.dim(), layer.w2.dim()) == ((5, 5) if tile.w_tiled else (3, 3))
+        if not fp8 and not tile.w_tiled:
+            assert layer.w13.data_ptr() == w13[0].data_ptr() and layer.w2.data_ptr() == w2[0].data_ptr()
+        steps = []
+        for seed in (1, 2):
+            xs, idx, ws, dOs, _, _, _ = make(1, T, K, E, H, I, seed=seed, masked=seed == 2)
+            leaves = [t.detach().clone().requires_grad_() for t in (xs[0], ws[0], w13[0], w2[0], *shared)]
+            out = mok_hopper_train(layer, leaves[0], idx[0], leaves[1], leaves[2], leaves[3], tuple(leaves[4:]))
+            out.backward(dOs[0])
+            steps.append([out.detach(), *(t.grad for t in leaves)])
+        runs.append(steps)
+    for a, b in zip(*runs):
+        for i, (u, v) in enumerate(zip(a, b)):
+            assert torch.equal(u, v), i

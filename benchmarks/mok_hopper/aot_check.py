@@ -346,6 +346,36 @@ def sweep_variants() -> list[Variant]:
     return out
 
 
+# (hidden, ffn, routed rows an expert gets) of the points whose default tiles plain_weight_variants compiles: the
+# published shapes at EP=1 and 2048 tokens (T K / E rows an expert), and glm_5_2 with 16 experts (its compute-bound
+# point, 1024 rows an expert)
+PLAIN_POINTS = {"kimi_k2_7": (7168, 2048, 2048 * 8 / 384), "glm_5_2": (6144, 2048, 2048 * 8 / 256),
+                "qwen3_5_397b": (4096, 1024, 2048 * 10 / 512), "deepseek_v4_pro": (7168, 3072, 2048 * 6 / 384),
+                "glm_5_2@16": (6144, 2048, 2048 * 8 / 16)}
+
+
+def plain_weight_variants() -> list[Variant]:
+    """The routed GEMMs (TMA, inference and training forward, bf16 and fp8) of each point's default tile with the
+    weights read in the caller's plain layout (``mok_hopper.weights=plain``: ``tiles.plain_weights``) that
+    :func:`variants` does not already build."""
+    from dataclasses import replace
+
+    from kernels.mok_hopper.tiles import default_tile, plain_weights
+
+    def key(v: Variant) -> tuple:
+        return v.kernel, tuple(sorted(v.constexprs.items())), v.num_warps, v.maxnreg
+
+    seen = {key(v) for v in variants()}
+    out = []
+    for point, (hidden, ffn, rows) in PLAIN_POINTS.items():
+        tile = plain_weights(default_tile(hidden=hidden, ffn=ffn, rows_per_expert=rows))
+        for v in variants(tile, hidden, ffn, extras=False, save_h=True):
+            if v.label.startswith(("up ", "down ")) and v.label.endswith(" tma") and key(v) not in seen:
+                seen.add(key(v))
+                out.append(replace(v, label=f"{v.label} [plain {point}]"))
+    return out
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("unset TRITON_INTERPRET: this compiles for the GPU", file=sys.stderr)
@@ -361,7 +391,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"Triton {triton.__version__}, sm_{args.arch}")
     bad = 0
     print(f"{'variant':<44} {'regs':>5} {'spill':>6} {'smem KB':>8}")
-    for v in variants() + (sweep_variants() if args.sweep else []):
+    for v in variants() + plain_weight_variants() + (sweep_variants() if args.sweep else []):
         r = compile_variant(v, args.arch, sass=bool(args.sass))
         why = problems(r, args.arch)
         bad += why is not None

@@ -265,7 +265,9 @@ def grouped_mm_ms(ctx: Ctx, layer: MoKHopperLayer, inp: LayerInputs, iters: int)
     padded = ((counts + layer.cfg.block_m - 1) // layer.cfg.block_m) * layer.cfg.block_m
     offs = torch.cumsum(padded, 0).to(torch.int32)
     n = int(offs[-1])
-    x = layer.x_rows[:n]
+    # (full tiles pad up to BM - 1 rows an expert; the layer's capacity pads BM/2 - 1 with half tiles: may be fewer)
+    x = layer.x_rows[:n] if n <= layer.R else torch.cat([layer.x_rows, layer.x_rows.new_zeros(n - layer.R,
+                                                                                              layer.H)])
     w13t, w2t = inp.w13_LIH.transpose(-2, -1), inp.w2_LHI.transpose(-2, -1)
 
     def run() -> None:

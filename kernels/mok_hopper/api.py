@@ -86,6 +86,8 @@ class MoKHopperLayer(torch.nn.Module):
             whose parameters they are: :class:`~kernels.mok_hopper.module.MoKHopperMoE`). bf16 only, contiguous,
             already in the layout of ``tile`` (required): ``tile_weights`` / ``tile_weights_gu`` blocks when
             ``w_tiled``, else plain; the shared gate and up must be the two halves of one [2I, H] tensor.
+        adopt_routed: the same for the routed weights only (the shared expert's are copied as without it): the
+            harness adapter's weights re-laid in place (:mod:`kernels.mok_hopper.owned`).
         timeline: diagnostics (CUDA): every forward writes the GPU timer at each phase boundary (``STAMPS``) into
             ``stamps``; :meth:`timeline_ms` reads them. Adds about a dozen one-thread launches per forward.
         rank, world, workspace: for tests that simulate several ranks in one process (see ``workspace.link_local``).
@@ -110,7 +112,7 @@ class MoKHopperLayer(torch.nn.Module):
                  router_weight_in: str = "expert", cuda_graph: bool = True, rank: Optional[int] = None,
                  world: Optional[int] = None, workspace: Optional[Workspace] = None, timeline: bool = False,
                  schedule: str = "triton", adopt_weights: bool = False, save_h: bool = False,
-                 train: bool = False) -> None:
+                 train: bool = False, adopt_routed: bool = False) -> None:
         super().__init__()
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS} (got {precision!r}); mxfp8 is the `mok` "
@@ -121,7 +123,8 @@ class MoKHopperLayer(torch.nn.Module):
         dev = w13_LIH.device
         self.device = dev
         self.cuda = dev.type == "cuda"
-        L, I, H = adopted_dims(w13_LIH, w2_LHI, tile, precision) if adopt_weights else (
+        adopt_r = adopt_weights or adopt_routed  # the routed weights as given, no copy
+        L, I, H = adopted_dims(w13_LIH, w2_LHI, tile, precision) if adopt_r else (
             w13_LIH.shape[0], w13_LIH.shape[1] // 2, w13_LIH.shape[2])
         self.L, self.H, self.I, self.K, self.T = L, H, I, topk, tokens
         # rows a local expert gets under uniform routing (EP T K over the EP L experts): the tile rules' input,
@@ -144,7 +147,7 @@ class MoKHopperLayer(torch.nn.Module):
         BM = self.cfg.block_m
 
         # weights (fp8: prequantised once, here)
-        if adopt_weights:  # the caller's tensors themselves (checked by adopted_dims)
+        if adopt_r:  # the caller's tensors themselves (checked by adopted_dims)
             self.register_buffer("w13", w13_LIH.detach(), persistent=False)
             self.register_buffer("w2", w2_LHI.detach(), persistent=False)
             self.w13_scale = self.w2_scale = None
@@ -165,7 +168,7 @@ class MoKHopperLayer(torch.nn.Module):
             self.register_buffer("w2", w2_LHI.detach().contiguous(), persistent=False)
             self.w13_scale = self.w2_scale = None
             self.w13_bwd = self.w2_bwd = None
-        if self.cfg.w_tiled and not adopt_weights:  # each TMA block of the weights one contiguous run (a copy, once)
+        if self.cfg.w_tiled and not adopt_r:  # each TMA block of the weights one contiguous run (a copy, once)
             tile13 = tile_weights_gu if self.cfg.up_fused else tile_weights
             self.w13 = tile13(self.w13, self.cfg.up_n, self.cfg.up_k)
             self.w2 = tile_weights(self.w2, self.cfg.down_n, self.cfg.down_k)
@@ -175,7 +178,7 @@ class MoKHopperLayer(torch.nn.Module):
             group=group, rank=self.rank, world=self.world, device=dev, tokens=tokens, hidden=H, topk=topk,
             fp8=self.fp8)
         self.R = capacity_rows(ep=self.world, tokens=tokens, topk=topk, local_experts=L, block_m=BM,
-                               capacity_multiplier=capacity_multiplier)
+                               capacity_multiplier=capacity_multiplier, half_tiles=self.cfg.half_tiles)
         if capacity is not None:  # explicit rows (tests of the overflow check), rounded up to the tile
             self.R = -(-capacity // BM) * BM
         R, C = self.R, self.cfg.num_chunks

@@ -11,6 +11,11 @@ The forward is a training forward (autograd records it, as the baselines' forwar
 the backward recomputes H (:mod:`kernels.mok_hopper.train`). The backward runs at any EP, bf16 and fp8 (across
 ranks: the expert owners pull the dO rows and push the dX rows back; fp8: :mod:`kernels.mok_hopper.ops.bwd_fp8`).
 
+Its option ``weights`` (``mok_hopper.weights=``, alias ``mok_hopper_weights=``) says which routed weights the CUDA
+kernels read: ``tiled`` (default) the layer's own copy in TMA block order, ``plain`` the harness's tensors in place
+(:func:`~kernels.mok_hopper.tiles.plain_weights`), ``owned`` the harness's tensors rewritten in place into TMA block
+order until :meth:`MokHopperBackend.teardown` (bf16; :mod:`kernels.mok_hopper.owned`).
+
 Legend: T tokens per rank, K top-k, H hidden, I ffn, L local experts, P ranks.
 """
 
@@ -103,6 +108,9 @@ class MokHopperBackend:
         self.tile_overrides: dict[str, Any] = {}  # TileConfig fields over the default tile (CUDA; bwd_check --tile)
         self.params: Optional[ExpertLeaves] = None
         self.mode = (options or MokHopperOptions()).forward
+        self.weights = (options or MokHopperOptions()).weights
+        self.owned: Any = None  # weights=owned in bf16 on CUDA: the harness's weights in TMA block order, in place
+        self._plain_grads: Any = None  # weak references to the gradients weight_grads put into the plain order
 
     def setup(self, inputs: LayerInputs) -> None:
         c = self.case
@@ -116,17 +124,25 @@ class MokHopperBackend:
                                         swiglu_limit=c.swiglu_limit, precision=c.precision)
             return
         from kernels.mok_hopper.api import MoKHopperLayer, default_tile
-        from kernels.mok_hopper.tiles import num_sms
+        from kernels.mok_hopper.tiles import num_sms, plain_weights
 
         dev = inputs.x_TH.device
-        self._tile = replace(default_tile(precision=c.precision, device=dev, comm_sms=c.comm_sms,
-                                          rows_per_expert=c.ep_size * c.tokens_per_gpu * c.topk / c.num_experts,
-                                          n_sm=num_sms(dev)), **self.tile_overrides)
-        self.impl = MoKHopperLayer(inputs.w13_LIH, inputs.w2_LHI, topk=c.topk, tokens=c.tokens_per_gpu,
+        tile = default_tile(precision=c.precision, device=dev, comm_sms=c.comm_sms,
+                            rows_per_expert=c.ep_size * c.tokens_per_gpu * c.topk / c.num_experts, n_sm=num_sms(dev))
+        if self.weights == "plain":  # the harness's weights themselves (bf16: no copy; fp8: e4m3 untiled)
+            tile = plain_weights(tile)
+        self._tile = replace(tile, **self.tile_overrides)
+        w13, w2 = inputs.w13_LIH, inputs.w2_LHI
+        if self.weights == "owned" and c.precision == "bf16" and self._tile.w_tiled:
+            from kernels.mok_hopper.owned import OwnedWeights
+
+            self.owned = OwnedWeights(w13, w2, self._tile)  # (restored by teardown, which runs after a failure too)
+            w13, w2 = self.owned.views()
+        self.impl = MoKHopperLayer(w13, w2, topk=c.topk, tokens=c.tokens_per_gpu,
                                    shared=shared, swiglu_limit=c.swiglu_limit, precision=c.precision,
                                    group=self.group, tile=self._tile,
                                    save_h=self.params is not None and self.mode == "save_h",
-                                   train=self.params is not None)
+                                   train=self.params is not None, adopt_routed=self.owned is not None)
         # Untimed warm-up: compiles every kernel variant (all ranks run setup together, so barriers pair up).
         self.impl(inputs.x_TH, inputs.topk_idx_TK, inputs.topk_w_TK)
         torch.cuda.synchronize()
@@ -141,7 +157,13 @@ class MokHopperBackend:
         else:
             from kernels.mok_hopper.train import mok_hopper_train
 
-            out = mok_hopper_train(self.impl, x_TH, topk_idx_TK, topk_w_TK, p.w13, p.w2, p.shared)
+            w13, w2 = p.w13, p.w2
+            if self.owned is not None:  # the leaves' storage is tiled: the backward reads it so, and writes so
+                if self._grads_plain():  # gradients handed out in the plain order and kept: back for accumulation
+                    self.owned.tiled_grad_(p.w13.grad, p.w2.grad)
+                    self._plain_grads = None
+                w13, w2 = w13.view(self.owned.shape13), w2.view(self.owned.shape2)
+            out = mok_hopper_train(self.impl, x_TH, topk_idx_TK, topk_w_TK, w13, w2, p.shared)
         if self._first_forward and self.case.device == "cuda":
             # The first forward is the harness's (untimed) correctness check: make capacity overflow loud there.
             self._first_forward = False
@@ -153,7 +175,21 @@ class MokHopperBackend:
             self.params.zero_grad()
 
     def weight_grads(self) -> dict[str, Optional[torch.Tensor]]:
-        return self.params.grads() if self.params is not None else {}
+        if self.params is None:
+            return {}
+        g13, g2 = self.params.w13.grad, self.params.w2.grad
+        if self.owned is not None and g13 is not None and g2 is not None and not self._grads_plain():
+            import weakref  # gradients in the tiled order: into the plain order, in place, once each
+
+            self.owned.plain_grad_(g13, g2)
+            self._plain_grads = (weakref.ref(g13), weakref.ref(g2))
+        return self.params.grads()
+
+    def _grads_plain(self) -> bool:
+        """Whether the weight gradients now held are the ones :meth:`weight_grads` put into the plain order."""
+        done, p = self._plain_grads, self.params
+        return bool(done and p is not None and p.w13.grad is not None and done[0]() is p.w13.grad
+                    and done[1]() is p.w2.grad)
 
     def traffic(self) -> dict[str, Any]:
         """Rows of this rank's tokens pulled by each rank (dispatch) and rows pushed back to each rank (combine),
@@ -195,9 +231,12 @@ class MokHopperBackend:
                     "notes": f"CPU twin (pure torch, gloo), not the Triton kernel: checks schedule and combine logic; "
                              f"{saves}"}
         t, layer = self._tile, self.impl
+        weights = (" (weights in TMA block order: the harness's, re-laid in place)" if self.owned is not None else
+                   " (weights in TMA block order)" if t.w_tiled else " (plain weights)" if t.tma else "")
         return {"scaling": scaling, "compiled": True, "comm_sms": t.comm_sms,
                 "notes": (f"{saves}; Triton, {'TMA' if t.tma else 'pointer'} GEMM operands"
-                          f"{' (weights in TMA block order)' if t.w_tiled else ''}; BM={t.block_m} "
+                          f"{weights}; "
+                          f"BM={t.block_m} "
                           f"{'+ BM/2 half tiles ' if t.half_tiles else ''}"
                           f"{f'+ {t.tail_rows}-row swapped tails ' if t.tail_rows else ''}"
                           f"{'(flat down) ' if t.flat_down else ''}"
@@ -221,6 +260,9 @@ class MokHopperBackend:
 
     def teardown(self) -> None:
         self.impl = None
+        if self.owned is not None:  # the harness's weights back in the plain order (checked) for the next backend
+            owned, self.owned = self.owned, None
+            owned.restore()
         if self.case.device == "cuda":
             from kernels.mok_hopper.workspace import clear_workspace_cache
 

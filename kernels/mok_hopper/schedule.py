@@ -52,16 +52,22 @@ class Schedule:
 
 
 def capacity_rows(*, ep: int, tokens: int, topk: int, local_experts: int, block_m: int,
-                  capacity_multiplier: Optional[float] = 0.5) -> int:
+                  capacity_multiplier: Optional[float] = 0.5, half_tiles: bool = False) -> int:
     """Rows to allocate on one rank: routed rows plus worst-case tile padding, rounded up to BM.
 
     Routed rows follow MoK's rule ``T*K*max(2, ceil(EP*multiplier))``, capped at the true worst case ``EP*T*K``
     (every token of every rank routed here), so EP <= 2 can never overflow. ``capacity_multiplier=None`` means
     the worst case at any EP.
+
+    Padding: an expert with rows pads its last tile, at most BM - 1 rows; with ``half_tiles`` (the last tile BM/2
+    rows when the rest fits, and with tails BM/2 + TL, or TL more rows on a full tile: :func:`padded_rows`) at most
+    BM/2 - 1 (1 row, or BM/2 + 1, padded to BM/2, or BM). At most min(L, routed) experts have rows. Both bounds are
+    reached by some routing, so nothing smaller is safe without reading the counts on the host.
     """
     worst = ep * tokens * topk
     routed = worst if capacity_multiplier is None else min(worst, tokens * topk * max(2, math.ceil(ep * capacity_multiplier)))
-    padding = min(local_experts, routed) * (block_m - 1)
+    pad = block_m // 2 - 1 if half_tiles else block_m - 1
+    padding = min(local_experts, routed) * pad
     return -(-(routed + padding) // block_m) * block_m
 
 

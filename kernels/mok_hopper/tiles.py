@@ -321,3 +321,11 @@ def launch_programs(n_sm: int, cfg: TileConfig, *, ready: bool, overlap: bool,
     return {"pull": cfg.pull_programs or (comm if overlap else n_sm), "shared": shared, "up": up * per,
             "up_helper": comm * per if helpers else 0, "side": side, "up_side": side * per,
             "down": cfg.gemm_programs or (n_sm if C == 1 else max(1, n_sm - comm)) * cfg.down_per_sm}
+
+
+def plain_weights(cfg: TileConfig) -> TileConfig:
+    """``cfg`` reading the routed weights in the caller's plain layout ([L, 2I, H] / [L, H, I], strided TMA
+    descriptors where ``tma``): no copy in TMA block order (``w_tiled`` off) and so no fused gate/up MMA, whose
+    interleaved gate and up rows only the tiled copy has. Everything else as ``cfg``; the MMAs see the same blocks
+    in the same order, so outputs and gradients are bitwise those of ``cfg``."""
+    return replace(cfg, w_tiled=False, up_fused=False)

@@ -134,7 +134,8 @@ def _expert_backward(x_rows: torch.Tensor, dO_rows: torch.Tensor, s_rows: torch.
                      dx_slots: torch.Tensor, *, limit: Optional[float], programs: int, rows_per_expert: float,
                      mark: Callable[[str], None], tiles: Optional[dict[str, dict[str, Any]]] = None,
                      push: Optional[tuple[torch.Tensor, int]] = None, layout: Optional[dict[str, Any]] = None,
-                     dO_gather_k: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     dO_gather_k: int = 0, sa_out: Optional[torch.Tensor] = None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The four stages over rows grouped by expert (the routed experts, or the shared one): dX rows pushed into
     ``dx_slots`` by their code, and (dW13, dW2, the router-weight gradient of every row). ``h`` None: recompute H
     (and the clamp's decisions) from the X rows first. ``push`` (every rank's offset from ``dx_slots``, T K): the
@@ -144,7 +145,8 @@ def _expert_backward(x_rows: torch.Tensor, dO_rows: torch.Tensor, s_rows: torch.
     included), which picks the weight-gradient launch. ``dO_gather_k`` (the top-k K): ``dO_rows`` is the output
     gradient per token ([T, H]), and dgate and dW2 read row r's from token ``code_R[r] // K`` themselves (v12,
     :data:`GATHER_DO`); where a launch cannot (the fused dgate + dW2, torch._grouped_mm, the reloaded-P weight
-    gradients) the rows are gathered here first."""
+    gradients) the rows are gathered here first. ``sa_out``: a bf16 [R, I] buffer for dgate's s * SwiGLU(H) (the
+    layer's ``h_rows``, which only the forward's down GEMM reads) instead of a new one."""
     R, H = x_rows.shape
     if layout is None:
         I = w13.shape[1] // 2
@@ -188,7 +190,9 @@ def _expert_backward(x_rows: torch.Tensor, dO_rows: torch.Tensor, s_rows: torch.
                             programs=progs["dgate_dw2"], limit=limit, **t["dgate_dw2"])
         mark("dgate_dw2")
     else:
-        sA = torch.empty(R, I, dtype=torch.bfloat16, device=dev)
+        if sa_out is not None:
+            assert sa_out.shape == (R, I) and sa_out.dtype == torch.bfloat16, "sa_out: bf16 [R, I]"
+        sA = sa_out if sa_out is not None else torch.empty(R, I, dtype=torch.bfloat16, device=dev)
         ds_parts = torch.empty(R, I // t["dgate"]["block_n"], dtype=torch.float32, device=dev)
         dg = dict(h=h, clip=clip, s=s_rows, sa=sA, ds=ds_parts)
         if t["dgate"].pop("grouped_mm") and layout is None:  # (an option: G by torch._grouped_mm, then the epilogue)
@@ -291,7 +295,8 @@ def layer_backward(layer: MoKHopperLayer, dO_TH: torch.Tensor, x_TH: torch.Tenso
     dW13, dW2, ds = _expert_backward(layer.x_rows, dO_rows, s_rows, h, clip, w13_LIH, w2_LHI, code,
                                      s.tile_expert_M, s.tile_row_M1, chunk, starts, slots, limit=limit,
                                      programs=progs, rows_per_expert=layer.rows_per_expert, mark=mark,
-                                     tiles=tiles, layout=_weight_layout(layer, w13_LIH), dO_gather_k=gather_k)
+                                     tiles=tiles, layout=_weight_layout(layer, w13_LIH), dO_gather_k=gather_k,
+                                     sa_out=layer.h_rows)  # (the forward's SwiGLU rows: free until the next forward)
     dtopk = torch.zeros(T * K + 1, dtype=torch.float32, device=dev)  # the last: where padding rows' values go
     dtopk.scatter_(0, torch.where(valid, c, torch.full_like(c, T * K)), ds)
     out: dict[str, Any] = {"w13": dW13, "w2": dW2, "topk_w": dtopk[: T * K].view(T, K) * (topk_idx_TK >= 0)}
@@ -398,7 +403,8 @@ def backward_compute(layer: MoKHopperLayer, x_TH: torch.Tensor, w13_LIH: torch.T
                                      s.tile_expert_M, s.tile_row_M1, chunk, starts, ws.comb, limit=limit,
                                      programs=progs, rows_per_expert=layer.rows_per_expert, mark=mark,
                                      tiles=tiles,
-                                     push=(ws.tables["comb"], TK), layout=_weight_layout(layer, w13_LIH))
+                                     push=(ws.tables["comb"], TK), layout=_weight_layout(layer, w13_LIH),
+                                     sa_out=layer.h_rows)  # (the forward's SwiGLU rows: free until the next forward)
     bwd_gemm.push_scalars(s.row_code_R, ds, ws.w, ws.tables["w"], TK)
     out: dict[str, Any] = {"w13": dW13, "w2": dW2, "sh_dx": None}
     if shared is not None:
