@@ -18,7 +18,7 @@ import torch
 
 from contract.case import Case
 from contract.inputs import LayerInputs
-from harness.routing import expert_popularity, load_stats, make_routing  # noqa: F401 (the routing's own module)
+from harness.routing import make_routing
 
 _WEIGHT_SEED_STRIDE = 1_000_003
 

@@ -195,3 +195,23 @@ def test_the_check_covers_every_routing_step(monkeypatch, results_dir):
     assert nccl.latency_step_max_ms >= nccl.latency_step_mean_ms > 0
     assert nccl.expert_load_max_over_mean_max > nccl.expert_load_max_over_mean_min  # the burst step stands out
     assert Path(results_dir, "many").is_dir()
+
+
+def test_a_sweep_point_file_keeps_the_routing_parameters(tmp_path):
+    """A Slurm sweep's point file (harness.slurm.write_point / load_point) gives back the Case, new parameters and
+    steps included."""
+    from harness import slurm
+
+    pt = point("workload=megatron_w6", "workload.steps=3")
+    sp = slurm.Point(num=0, overrides=[], cfg=pt.as_dict(), case=pt.case, config_hash=pt.config_hash, run_id="r",
+                     launcher={}, nodes=1, tasks_per_node=2, gpus_per_node=0, world_size=2, job_dir=tmp_path)
+    slurm.write_point(sp, {})
+    back = slurm.load_point(tmp_path).case
+    assert back == pt.case and routing.label(back) == "rotating(f=0.25,share=0.75,every=3)+3steps"
+
+
+@pytest.mark.slow
+def test_megatron_w4_gives_unsupported_rows_with_the_reason(results_dir):
+    df = run_benchmark(cpu_cfg(results_dir, "ep_size=2", "workload=megatron_w4", "backends=[nccl,reference]"))
+    assert len(df) == 4 and (df.status == "unsupported").all() and df.error.str.contains("tokens_per_gpu").all()
+    assert (df.routing == "ragged").all()
