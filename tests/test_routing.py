@@ -97,6 +97,7 @@ def test_megatron_w7_bursts_on_every_fourth_step_on_even_tokens():
 def test_incast_sends_every_rank_to_k_ranks_and_equals_an_even_draw_at_ep1():
     c = point("workload=incast", "workload.incast_ranks=1").case
     assert share(ids(c), range(c.local_experts)) == 1.0  # both source ranks into rank 0's experts
+    assert torch.equal(ids(c), ids(point("workload=megatron_w5").case))  # the same draw as W5 at EP 2 (docs say so)
     one = point("workload=incast", ep=1).case
     assert routing.load_stats(ids(one), one)["empty_experts"] == 0
     with pytest.raises(ConfigError, match="incast_ranks=3 is not a number of ranks of ep_size=2"):
