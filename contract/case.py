@@ -39,6 +39,10 @@ class Case:
     compile: bool
     compile_mode: str
     comm_sms: Optional[int]
+    # routing=trace: the trace folder (absolute), the layer replayed, and the trace's digest (harness/routing_trace.py)
+    trace_path: Optional[str] = None
+    trace_layer: int = 0
+    trace_sha256: Optional[str] = None
 
     @property
     def routing_label(self) -> str:
@@ -48,6 +52,8 @@ class Case:
             return f"zipf(s={self.zipf_exponent:g})"
         if self.routing == "hot_experts":
             return f"hot_experts(f={self.hot_fraction:g},x{self.hot_ratio:g})"
+        if self.routing == "trace":
+            return f"trace({(self.trace_sha256 or '')[:12]},layer={self.trace_layer})"
         return f"hot_rank(r={self.hot_rank},x{self.hot_ratio:g})"
 
     def flops(self, direction: str) -> float:

@@ -31,7 +31,7 @@ CONFIG_DIR = REPO_ROOT / "configs"
 
 PRECISIONS = ("bf16", "fp8", "mxfp8")
 DIRECTIONS = ("fwd", "bwd", "fwd_bwd")
-ROUTINGS = ("uniform", "zipf", "hot_experts", "hot_rank")
+ROUTINGS = ("uniform", "zipf", "hot_experts", "hot_rank", "trace")
 DEVICES = ("auto", "cpu", "cuda")
 # torch.compile modes, and "published": each PyTorch baseline's mode in the published scripts (nccl max-autotune,
 # DeepEP / HybridEP max-autotune-no-cudagraphs)
@@ -65,11 +65,14 @@ class WorkloadConfig:
     name: str = "uniform"
     tokens_per_gpu: int = 2048
     seed: int = 1234
-    routing: str = "uniform"  # uniform | zipf | hot_experts | hot_rank
+    routing: str = "uniform"  # uniform | zipf | hot_experts | hot_rank | trace
     zipf_exponent: float = 1.0
     hot_fraction: float = 0.125  # hot_experts: fraction of experts that are hot
     hot_ratio: float = 4.0  # hot_experts / hot_rank: load weight of a hot expert relative to a cold one
     hot_rank: int = 0  # hot_rank: the rank whose experts are hot (hot_ratio=0: idle, its experts get no token)
+    # trace: the folder of a routing trace (harness/routing_trace.py) and the layer of it to replay
+    trace_path: Optional[str] = None
+    trace_layer: int = 0
 
 
 @dataclass(kw_only=True)
@@ -282,6 +285,12 @@ _HASH_EXCLUDE = {"run_id", "append", "dist_timeout_s", "watchdog_s", "setup_time
                  "backends", "directions", "backend_order", "own_process", "own_pythonpath"}
 
 
+# Workload and Case fields newer than committed points, left out of the hash at their defaults so those points keep
+# their hashes
+_WORKLOAD_DEFAULTS_OUT_OF_HASH = {("trace_layer", 0)}
+_CASE_DEFAULTS_OUT_OF_HASH = {("trace_layer", 0), ("trace_sha256", None)}
+
+
 def point_config(c: dict) -> dict:
     """What of the resolved configuration ``c`` identifies the point: all but how the run went (``_HASH_EXCLUDE``).
     Rows record it (``point_config``, JSON); with the row's ``ep_size`` and ``device`` it gives back the point's
@@ -299,9 +308,13 @@ def config_hash(c: dict, case: Case) -> str:
     kept = {k: v for k, v in point_config(c).items() if k not in config_keys()}
     if kept.get("ranks_per_gpu", 1) == 1:
         kept.pop("ranks_per_gpu", None)  # one rank per GPU: the points keep the hashes they had before the option
+    if isinstance(kept.get("workload"), dict):  # a trace's identity is its digest (the case's), not where it lies
+        kept["workload"] = {k: v for k, v in kept["workload"].items()
+                            if k != "trace_path" and (k, v) not in _WORKLOAD_DEFAULTS_OUT_OF_HASH}
     if isinstance(kept.get("shape"), dict):  # how a shape is shown is not what ran
         kept["shape"] = {k: v for k, v in kept["shape"].items() if k not in SHAPE_DISPLAY_FIELDS}
-    kept["case"] = dataclasses.asdict(case)
+    kept["case"] = {k: v for k, v in dataclasses.asdict(case).items()
+                    if k != "trace_path" and (k, v) not in _CASE_DEFAULTS_OUT_OF_HASH}
     by_alias, scoped = hash_entries(c, case.precision)
     kept["case"].update(by_alias)
     if scoped:

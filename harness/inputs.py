@@ -46,6 +46,10 @@ def expert_popularity(case: Case) -> Optional[torch.Tensor]:
 
 def make_routing(case: Case, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k expert ids [T, K] and router weights [T, K] (fp32) for one rank, on the CPU."""
+    if case.routing == "trace":  # replayed from a trace file (harness/routing_trace.py)
+        from harness.routing_trace import trace_routing
+
+        return trace_routing(case, rank, 0)
     g = torch.Generator().manual_seed(case.seed + rank)
     t, e, k = case.tokens_per_gpu, case.num_experts, case.topk
     logits = torch.randn(t, e, generator=g, dtype=torch.float32)

@@ -24,6 +24,11 @@ def make_case(cfg: Any, *, ep_size: int, device: str) -> Case:
     validate.check_local_experts(shape)
     local = shape.get("local_experts")
     num_experts = local * ep_size if local else shape["num_experts"]
+    trace_path, trace_sha256 = None, None
+    if wl["routing"] == "trace":  # the trace is read and checked here, before anything runs
+        from harness import routing_trace
+
+        trace_path, trace_sha256 = routing_trace.resolve(wl.get("trace_path"))
     compile_ = c.get("compile")
     if compile_ is None:
         compile_ = device == "cuda"
@@ -55,6 +60,9 @@ def make_case(cfg: Any, *, ep_size: int, device: str) -> Case:
         compile=bool(compile_),
         compile_mode=c.get("compile_mode", "default"),
         comm_sms=c.get("comm_sms"),
+        trace_path=trace_path,
+        trace_layer=wl.get("trace_layer", 0),
+        trace_sha256=trace_sha256,
     )
     validate.validate_case(case)
     return case
@@ -66,11 +74,12 @@ def typed_config(c: dict) -> Any:
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema()), c))
 
 
-# Case fields that the row does not take from the point: the routing's parameters are in its label (`routing`), the
+# Case fields that the row does not take from the point: the routing's parameters are in its label (`routing`; a
+# trace's path is in `point_config`), the
 # scale blocks in `scaling`, and `device`, `compile` and `compile_mode` are columns the environment or the backend
 # fills (what ran, not what was asked)
 _CASE_NOT_IN_ROWS = ("zipf_exponent", "hot_fraction", "hot_ratio", "hot_rank", "act_block", "weight_block", "device",
-                     "compile", "compile_mode", "routing")
+                     "compile", "compile_mode", "routing", "trace_path", "trace_layer", "trace_sha256")
 
 
 @dataclass(frozen=True)

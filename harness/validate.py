@@ -225,6 +225,10 @@ def validate_case(case: Case) -> None:
              f"top-{case.topk}: use more ranks or a hot_ratio > 0")
     if case.routing == "hot_experts":
         need(0 < case.hot_fraction <= 1, f"workload.hot_fraction must be in (0, 1] (got {case.hot_fraction})")
+    if case.routing == "trace":
+        from harness import routing_trace
+
+        routing_trace.check_case(case)
     if case.routing == "zipf":
         need(case.zipf_exponent >= 0, f"workload.zipf_exponent must be >= 0 (got {case.zipf_exponent})")
     need(
