@@ -278,3 +278,20 @@ def test_a_captured_trace_replays_identically_and_a_bad_one_is_refused(tmp_path)
         lines = p.stderr.strip().splitlines()
         assert p.returncode == 2 and len(lines) == 1 and lines[0].startswith(PREFIX) and line in lines[0], p.stderr
         assert not (tmp_path / "refused").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ep", [1, 4])
+def test_a_trace_runs_through_dispatch_at_any_ep_size(tmp_path, ep):
+    """The same trace through harness.run at EP 1 and 4 (EP 2: the test above): the backend's output and gradients
+    match the reference's on the replayed routing, and the rows' load columns are the trace's at that EP size."""
+    ids, _ = _synthetic(tmp_path / "t", tokens=128)
+    p = _harness(tmp_path, "workload=trace", f"workload.trace_path={tmp_path / 't'}", "workload.tokens_per_gpu=32",
+                 f"ep_size={ep}", f"results_dir={tmp_path}/res")
+    assert p.returncode == 0, p.stderr[-3000:]
+    df = results.load(tmp_path / "res")
+    assert len(df) == 2 and (df.status == "ok").all(), df[["status", "error"]]
+    counts = torch.bincount(ids[0, 0, :32 * ep].flatten(), minlength=8).double()
+    per_rank = counts.view(ep, -1).sum(1)
+    assert df.expert_load_max_over_mean.iloc[0] == pytest.approx(float(counts.max() / counts.mean()))
+    assert df.rank_load_max_over_mean.iloc[0] == pytest.approx(float(per_rank.max() / per_rank.mean()))
