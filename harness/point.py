@@ -75,9 +75,8 @@ def typed_config(c: dict) -> Any:
 
 
 # Case fields that the row does not take from the point: the routing's parameters are in its label (`routing`; a
-# trace's path is in `point_config`), the
-# scale blocks in `scaling`, and `device`, `compile` and `compile_mode` are columns the environment or the backend
-# fills (what ran, not what was asked)
+# trace's path is in `point_config`), the scale blocks in `scaling`, and `device`, `compile` and `compile_mode` are
+# columns the environment or the backend fills (what ran, not what was asked)
 _CASE_NOT_IN_ROWS = ("zipf_exponent", "hot_fraction", "hot_ratio", "hot_rank", "act_block", "weight_block", "device",
                      "compile", "compile_mode", "routing", "trace_path", "trace_layer", "trace_sha256")
 
