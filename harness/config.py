@@ -78,9 +78,10 @@ def workload_schema() -> type:
     ``zipf_exponent``; ``hot_fraction`` (hot_experts: fraction of experts that are hot); ``hot_ratio`` (hot_experts /
     hot_rank: load weight of a hot expert relative to a cold one); ``hot_rank`` (the rank whose experts are hot;
     hot_ratio=0: idle, its experts get no token). The others: harness/routing_models.py."""
-    from harness.routing import param_defaults
+    from harness.routing import param_defaults, param_types
 
-    fields = [(p, type(d), dataclasses.field(default=d)) for p, d in param_defaults().items()]
+    types = param_types()
+    fields = [(p, types[p], dataclasses.field(default=d)) for p, d in param_defaults().items()]
     cls = dataclasses.make_dataclass("WorkloadConfig", fields, bases=(WorkloadBase,), kw_only=True)
     cls.__module__, cls.__qualname__ = __name__, "WorkloadConfig"
     return cls
@@ -320,6 +321,7 @@ def config_hash(c: dict, case: Case) -> str:
     measurement (:func:`harness.backend_options.hash_entries`). Points measured before an option existed keep their
     hashes (tests/test_config_hash.py recomputes the committed rows' hashes)."""
     from harness.backend_options import HASH_KEY, config_keys, hash_entries
+    from harness.routing import hash_workload
 
     kept = {k: v for k, v in point_config(c).items() if k not in config_keys()}
     if kept.get("ranks_per_gpu", 1) == 1:
@@ -327,9 +329,9 @@ def config_hash(c: dict, case: Case) -> str:
     if isinstance(kept.get("shape"), dict):  # how a shape is shown is not what ran
         kept["shape"] = {k: v for k, v in kept["shape"].items() if k not in SHAPE_DISPLAY_FIELDS}
     kept["case"] = dataclasses.asdict(case)
-    if isinstance(kept.get("workload"), dict):  # what came after the first routing models: only where not default
-        from harness.routing import hash_workload
-
+    # what came after the first routing models: only where not at its default; a trace's folder never (its digest is
+    # its identity)
+    if isinstance(kept.get("workload"), dict):
         kept["workload"] = dict(kept["workload"])
         hash_workload(kept["workload"], kept["case"])
     else:

@@ -68,9 +68,9 @@ def typed_config(c: dict) -> Any:
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema()), c))
 
 
-# Case fields that the row does not take from the point: the routing's parameters are in its label (`routing`), the
-# scale blocks in `scaling`, and `device`, `compile` and `compile_mode` are columns the environment or the backend
-# fills (what ran, not what was asked)
+# Case fields that the row does not take from the point: the routing's parameters are in its label (`routing`; a
+# trace's folder is in `point_config`), the scale blocks in `scaling`, and `device`, `compile` and `compile_mode` are
+# columns the environment or the backend fills (what ran, not what was asked)
 _CASE_NOT_IN_ROWS = ("zipf_exponent", "hot_fraction", "hot_ratio", "hot_rank", "routing_params", "act_block",
                      "weight_block", "device", "compile", "compile_mode", "routing")
 

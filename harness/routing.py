@@ -6,7 +6,9 @@ preset or more under ``configs/workload/``. Adding a model is one class there (o
 (:func:`param_defaults`); the parameters that came after the first four models (``zipf_exponent``,
 ``hot_fraction``, ``hot_ratio``, ``hot_rank``, which are fields of the Case) ride in ``Case.routing_params`` and
 enter a point's hash only where they are not at their default (:func:`hash_workload`), so every point measured
-before they existed keeps its hash. So does ``workload.steps`` at 1.
+before they existed keeps its hash. So does ``workload.steps`` at 1. A model's ``unhashed`` parameters never enter
+it: a replayed trace (``trace``) is identified by its digest, which its model adds to ``Case.routing_params``, not by
+its folder.
 
 ``workload.steps`` = N draws N routings per rank (step s seeded ``seed + rank + s * STEP_SEED_STRIDE``; step 0 is
 the one routing of N = 1), which the runner cycles through warmup and timing (harness/runner.py).
@@ -22,7 +24,7 @@ from harness.errors import ConfigError
 
 MODELS: dict[str, type[rm.RoutingModel]] = {m.name: m for m in (
     rm.Uniform, rm.Zipf, rm.HotExperts, rm.HotRank, rm.RoundRobin, rm.HotSet, rm.Rotating, rm.Burst, rm.Incast,
-    rm.Ragged)}
+    rm.Ragged, rm.Trace)}
 
 # workload keys that are fields of the Case and always in a point's hash (the first four models' parameters)
 CASE_PARAMS = ("zipf_exponent", "hot_fraction", "hot_ratio", "hot_rank")
@@ -49,6 +51,20 @@ def param_defaults() -> dict[str, Any]:
     return out
 
 
+def param_types() -> dict[str, Any]:
+    """Every model's parameters and their schema types (a model's ``param_types``, else its default's type)."""
+    out: dict[str, Any] = {}
+    for m in MODELS.values():
+        for p, d in m.params.items():
+            out.setdefault(p, m.param_types.get(p, type(d)))
+    return out
+
+
+def unhashed() -> set[str]:
+    """The parameters no point's hash holds (a trace's folder: its digest stands for it)."""
+    return {p for m in MODELS.values() for p in m.unhashed}
+
+
 def model(name: str) -> type[rm.RoutingModel]:
     if name not in MODELS:
         raise ConfigError(f"unknown workload.routing '{name}'; choose one of: {', '.join(MODELS)}")
@@ -61,25 +77,28 @@ def model_of(case: Case) -> type[rm.RoutingModel]:
 
 def case_routing_params(wl: dict) -> tuple[tuple[str, Any], ...]:
     """What ``Case.routing_params`` holds for the workload ``wl``: the selected model's parameters beyond
-    ``CASE_PARAMS``, sorted (a workload dict written before a parameter existed gets its default)."""
+    ``CASE_PARAMS`` (a workload dict written before a parameter existed gets its default), as the model resolves
+    them (:meth:`~harness.routing_models.RoutingModel.resolve`), sorted. Raises
+    :class:`~harness.errors.ConfigError`."""
     m = MODELS.get(wl["routing"])
     if m is None:
         return ()
-    return tuple(sorted((p, wl.get(p, d)) for p, d in m.params.items() if p not in CASE_PARAMS))
+    return tuple(sorted(m.resolve({p: wl.get(p, d) for p, d in m.params.items() if p not in CASE_PARAMS}).items()))
 
 
 def hash_workload(workload: dict, case: dict) -> None:
     """Drop, in place, from a point's hashed workload and case dicts what is at its default among what came after the
-    first routing models: ``steps`` / ``routing_steps`` at 1, the new parameters at their defaults."""
-    defaults = param_defaults()
+    first routing models: ``steps`` / ``routing_steps`` at 1, the new parameters at their defaults; and the
+    parameters no hash holds (:func:`unhashed`)."""
+    defaults, never = param_defaults(), unhashed()
     for p, d in defaults.items():
-        if p not in CASE_PARAMS and workload.get(p, d) == d:
+        if p not in CASE_PARAMS and (p in never or workload.get(p, d) == d):
             workload.pop(p, None)
     if workload.get("steps", STEPS_DEFAULT) == STEPS_DEFAULT:
         workload.pop("steps", None)
     if case.get("routing_steps", STEPS_DEFAULT) == STEPS_DEFAULT:
         case.pop("routing_steps", None)
-    kept = [(p, v) for p, v in case.get("routing_params", ()) if v != defaults.get(p)]
+    kept = [(p, v) for p, v in case.get("routing_params", ()) if p not in never and v != defaults.get(p)]
     if kept:
         case["routing_params"] = [list(pv) for pv in kept]
     else:

@@ -73,12 +73,22 @@ def sample_topk(pop, g, t: int, k: int):
 
 class RoutingModel:
     """One routing model. ``name``: its key (``workload.routing``); ``params``: the ``workload`` keys it reads and
-    their defaults (a key several models read has one default); ``steps_matter``: its routing depends on the step
-    (beyond the random draw), so ``workload.steps`` > 1 changes what it measures."""
+    their defaults (a key several models read has one default); ``param_types``: the schema type of a parameter whose
+    default does not give it (a default of None); ``unhashed``: parameters never in a point's hash (where the model
+    stands for them by something :meth:`resolve` adds); ``steps_matter``: its routing depends on the step (beyond
+    the random draw), so ``workload.steps`` > 1 changes what it measures."""
 
     name: ClassVar[str]
     params: ClassVar[dict[str, Any]] = {}
+    param_types: ClassVar[dict[str, Any]] = {}
+    unhashed: ClassVar[tuple[str, ...]] = ()
     steps_matter: ClassVar[bool] = False
+
+    @classmethod
+    def resolve(cls, params: dict[str, Any]) -> dict[str, Any]:
+        """The parameters as the Case holds them (``Case.routing_params``), from the workload's: a model may make a
+        value absolute or add what identifies it. Raises :class:`~harness.errors.ConfigError`."""
+        return params
 
     @classmethod
     def label(cls, case: Case) -> str:
@@ -389,3 +399,38 @@ class Ragged(RoutingModel):
     @classmethod
     def route(cls, case, rank, step):
         raise NotImplementedError(cls.unsupported(case))
+
+
+class Trace(RoutingModel):
+    """Routing replayed from a trace folder (harness/routing_trace.py: the format, its checks, each rank's share):
+    step s of a run replays the trace's step s mod S (S: the steps it holds), layer ``trace_layer``. The point is
+    identified by the trace's digest (``trace_sha256``, added by :meth:`resolve`), never by its folder."""
+
+    name = "trace"
+    params = {"trace_path": None, "trace_layer": 0}
+    param_types = {"trace_path": Optional[str]}
+    unhashed = ("trace_path",)
+    steps_matter = True
+
+    @classmethod
+    def resolve(cls, params):
+        from harness import routing_trace
+
+        path, digest = routing_trace.resolve(params.get("trace_path"))
+        return {**params, "trace_path": path, "trace_sha256": digest}
+
+    @classmethod
+    def label(cls, case):
+        return f"trace({param(case, 'trace_sha256')[:12]},layer={param(case, 'trace_layer')})"
+
+    @classmethod
+    def check(cls, case):
+        from harness import routing_trace
+
+        routing_trace.check_case(case)
+
+    @classmethod
+    def route(cls, case, rank, step):
+        from harness import routing_trace
+
+        return routing_trace.trace_routing(case, rank, step)
