@@ -27,6 +27,7 @@ def profile(backends: list[str], overrides: list[str], steps: int, warmup: int) 
     from harness.dist import free_port
     from harness.inputs import make_inputs
     from harness.point import Point
+    from harness.routing import label
     from harness.runner import resolve
 
     register_configs()
@@ -44,7 +45,7 @@ def profile(backends: list[str], overrides: list[str], steps: int, warmup: int) 
         acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
         c = pt.case
         lines = [f"{torch.cuda.get_device_name() if cuda else 'CPU'}, torch {torch.__version__}: shape={c.shape} "
-                 f"precision={c.precision} tokens={c.tokens_per_gpu} routing={c.routing_label}; {steps} steps "
+                 f"precision={c.precision} tokens={c.tokens_per_gpu} routing={label(c)}; {steps} steps "
                  f"(forward + backward) after {warmup} untimed"]
         for name in backends:
             options = pt.options(name)

@@ -4,7 +4,7 @@ harness builds it from the configuration (:func:`harness.point.make_case`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 
 @dataclass(frozen=True)
@@ -39,16 +39,9 @@ class Case:
     compile: bool
     compile_mode: str
     comm_sms: Optional[int]
-
-    @property
-    def routing_label(self) -> str:
-        if self.routing == "uniform":
-            return "uniform"
-        if self.routing == "zipf":
-            return f"zipf(s={self.zipf_exponent:g})"
-        if self.routing == "hot_experts":
-            return f"hot_experts(f={self.hot_fraction:g},x{self.hot_ratio:g})"
-        return f"hot_rank(r={self.hot_rank},x{self.hot_ratio:g})"
+    # the routing model's parameters beyond the four above, as sorted (name, value) pairs (harness/routing.py)
+    routing_params: tuple[tuple[str, Any], ...] = ()
+    routing_steps: int = 1  # routings per rank, cycled through warmup and timing (workload.steps)
 
     def flops(self, direction: str) -> float:
         """FLOPs per GPU by the published formula 6*(T + T*topk)*H*I (x2 bwd, x3 fwd_bwd)."""

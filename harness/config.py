@@ -31,7 +31,6 @@ CONFIG_DIR = REPO_ROOT / "configs"
 
 PRECISIONS = ("bf16", "fp8", "mxfp8")
 DIRECTIONS = ("fwd", "bwd", "fwd_bwd")
-ROUTINGS = ("uniform", "zipf", "hot_experts", "hot_rank")
 DEVICES = ("auto", "cpu", "cuda")
 # torch.compile modes, and "published": each PyTorch baseline's mode in the published scripts (nccl max-autotune,
 # DeepEP / HybridEP max-autotune-no-cudagraphs)
@@ -61,15 +60,39 @@ class ShapeConfig:
 
 
 @dataclass(kw_only=True)
-class WorkloadConfig:
+class WorkloadBase:
+    """The workload's own fields; :func:`workload_schema` adds every routing model's parameters (harness/routing.py)."""
+
     name: str = "uniform"
     tokens_per_gpu: int = 2048
     seed: int = 1234
-    routing: str = "uniform"  # uniform | zipf | hot_experts | hot_rank
-    zipf_exponent: float = 1.0
-    hot_fraction: float = 0.125  # hot_experts: fraction of experts that are hot
-    hot_ratio: float = 4.0  # hot_experts / hot_rank: load weight of a hot expert relative to a cold one
-    hot_rank: int = 0  # hot_rank: the rank whose experts are hot (hot_ratio=0: idle, its experts get no token)
+    routing: str = "uniform"  # a key of harness.routing.MODELS
+    # routings per rank, cycled through warmup and timing: every timed iteration sees the next (1: one routing)
+    steps: int = 1
+
+
+@functools.cache
+def workload_schema() -> type:
+    """:class:`WorkloadBase` plus a field per routing model parameter (its default from the model): the ``workload``
+    group's schema, importable as ``harness.config.WorkloadConfig``. The parameters of the first four models:
+    ``zipf_exponent``; ``hot_fraction`` (hot_experts: fraction of experts that are hot); ``hot_ratio`` (hot_experts /
+    hot_rank: load weight of a hot expert relative to a cold one); ``hot_rank`` (the rank whose experts are hot;
+    hot_ratio=0: idle, its experts get no token). The others: harness/routing_models.py."""
+    from harness.routing import param_defaults, param_types
+
+    types = param_types()
+    fields = [(p, types[p], dataclasses.field(default=d)) for p, d in param_defaults().items()]
+    cls = dataclasses.make_dataclass("WorkloadConfig", fields, bases=(WorkloadBase,), kw_only=True)
+    cls.__module__, cls.__qualname__ = __name__, "WorkloadConfig"
+    return cls
+
+
+def rebuild_schemas() -> None:
+    """Build the schemas again (after :func:`harness.routing.register` added a model with new parameters) and
+    register them with Hydra."""
+    workload_schema.cache_clear()
+    schema.cache_clear()
+    register_configs()
 
 
 @dataclass(kw_only=True)
@@ -99,7 +122,7 @@ class TimingConfig:
 @dataclass(kw_only=True)
 class BenchConfig:
     shape: ShapeConfig = MISSING
-    workload: WorkloadConfig = MISSING
+    workload: Any = MISSING  # workload_schema() (schema() sets the type)
     precision: PrecisionConfig = MISSING
     timing: TimingConfig = MISSING
     backends: list[str] = field(default_factory=lambda: ["nccl"])
@@ -158,7 +181,8 @@ def schema() -> type:
     configuration's schema (Hydra's ``base_config``), and the type of a point's typed configuration."""
     from harness.backend_options import schema_fields
 
-    cls = dataclasses.make_dataclass("MokbenchConfig", schema_fields(), bases=(BenchConfig,), kw_only=True)
+    fields = [("workload", workload_schema(), dataclasses.field(default=MISSING)), *schema_fields()]
+    cls = dataclasses.make_dataclass("MokbenchConfig", fields, bases=(BenchConfig,), kw_only=True)
     # importable as harness.config.MokbenchConfig (module __getattr__ below): a composed config pickled into a sweep's
     # job and back (submitit's cloudpickle) then refers to this class instead of copying it, since a copied dataclass
     # loses dataclasses.MISSING and OmegaConf can no longer read its defaults
@@ -169,6 +193,8 @@ def schema() -> type:
 def __getattr__(name: str) -> Any:
     if name == "MokbenchConfig":
         return schema()
+    if name == "WorkloadConfig":
+        return workload_schema()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -178,7 +204,7 @@ def register_configs() -> None:
     cs = ConfigStore.instance()
     cs.store(name="base_config", node=schema())
     cs.store(group="shape", name="base_shape", node=ShapeConfig)
-    cs.store(group="workload", name="base_workload", node=WorkloadConfig)
+    cs.store(group="workload", name="base_workload", node=workload_schema())
     cs.store(group="precision", name="base_precision", node=PrecisionConfig)
     cs.store(group="timing", name="base_timing", node=TimingConfig)
     # backend=<key> for every key of the registry (harness/backends.py), no file per backend: the same as
@@ -193,7 +219,7 @@ def load_group_option(group: str, name: str) -> DictConfig:
     """Load ``configs/<group>/<name>.yaml`` merged onto its schema (used to resolve ``auto`` choices)."""
     schema = {
         "shape": ShapeConfig,
-        "workload": WorkloadConfig,
+        "workload": workload_schema(),
         "precision": PrecisionConfig,
         "timing": TimingConfig,
     }[group]
@@ -295,6 +321,7 @@ def config_hash(c: dict, case: Case) -> str:
     measurement (:func:`harness.backend_options.hash_entries`). Points measured before an option existed keep their
     hashes (tests/test_config_hash.py recomputes the committed rows' hashes)."""
     from harness.backend_options import HASH_KEY, config_keys, hash_entries
+    from harness.routing import hash_workload
 
     kept = {k: v for k, v in point_config(c).items() if k not in config_keys()}
     if kept.get("ranks_per_gpu", 1) == 1:
@@ -302,6 +329,13 @@ def config_hash(c: dict, case: Case) -> str:
     if isinstance(kept.get("shape"), dict):  # how a shape is shown is not what ran
         kept["shape"] = {k: v for k, v in kept["shape"].items() if k not in SHAPE_DISPLAY_FIELDS}
     kept["case"] = dataclasses.asdict(case)
+    # what came after the first routing models: only where not at its default; a trace's folder never (its digest is
+    # its identity)
+    if isinstance(kept.get("workload"), dict):
+        kept["workload"] = dict(kept["workload"])
+        hash_workload(kept["workload"], kept["case"])
+    else:
+        hash_workload({}, kept["case"])
     by_alias, scoped = hash_entries(c, case.precision)
     kept["case"].update(by_alias)
     if scoped:

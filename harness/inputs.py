@@ -3,7 +3,7 @@
 Shape legend: T tokens on this rank, K top-k, H hidden, I expert ffn, E global experts, L local experts
 (E / EP). Rank r owns the contiguous global experts [r*L, (r+1)*L).
 
-* Tokens, routing and the output gradient are drawn on the CPU from a generator seeded with ``seed + rank`` (the
+* Tokens, routing (step 0 of the routing model: harness/routing.py) and the output gradient are drawn on the CPU from a generator seeded with ``seed + rank`` (the
   published per-rank seed), so they are identical on any device.
 * Routed weights are drawn per global expert id from a generator seeded by (seed, expert), so expert e has the
   same weights at any EP size (on a given device type: CPU and CUDA generators differ).
@@ -14,51 +14,13 @@ Shape legend: T tokens on this rank, K top-k, H hidden, I expert ffn, E global e
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from contract.case import Case
 from contract.inputs import LayerInputs
+from harness.routing import make_routing
 
 _WEIGHT_SEED_STRIDE = 1_000_003
-
-
-def expert_popularity(case: Case) -> Optional[torch.Tensor]:
-    """Relative load weight per global expert for the imbalance models; None for the published uniform routing."""
-    e = case.num_experts
-    if case.routing == "uniform":
-        return None
-    g = torch.Generator().manual_seed(case.seed * 7919 + 17)  # global: the same order on every rank
-    order = torch.randperm(e, generator=g)
-    w = torch.ones(e, dtype=torch.float64)
-    if case.routing == "zipf":
-        ranks = torch.arange(1, e + 1, dtype=torch.float64)
-        w[order] = ranks.pow(-case.zipf_exponent)
-    elif case.routing == "hot_experts":
-        n_hot = max(1, round(case.hot_fraction * e))
-        w[order[:n_hot]] = case.hot_ratio
-    elif case.routing == "hot_rank":
-        lo = case.hot_rank * case.local_experts
-        w[lo : lo + case.local_experts] = case.hot_ratio
-    return w / w.sum()
-
-
-def make_routing(case: Case, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k expert ids [T, K] and router weights [T, K] (fp32) for one rank, on the CPU."""
-    g = torch.Generator().manual_seed(case.seed + rank)
-    t, e, k = case.tokens_per_gpu, case.num_experts, case.topk
-    logits = torch.randn(t, e, generator=g, dtype=torch.float32)
-    pop = expert_popularity(case)
-    if pop is None:
-        vals, idx = logits.topk(k, dim=-1)
-    else:
-        # Gumbel top-k: k experts per token sampled without replacement with probability ~ popularity.
-        u = torch.rand(t, e, generator=g, dtype=torch.float64).clamp_(1e-12, 1 - 1e-12)
-        scores = pop.log().unsqueeze(0) - torch.log(-torch.log(u))
-        idx = scores.topk(k, dim=-1).indices
-        vals = logits.gather(1, idx)
-    return idx.to(torch.int64), torch.softmax(vals, dim=-1)
 
 
 def _randn(shape, scale: float, seed: int, device: torch.device) -> torch.Tensor:
@@ -103,14 +65,3 @@ def make_inputs(case: Case, rank: int, device: torch.device) -> LayerInputs:
         ws_down_HI=shared[2],
         grad_out_TH=grad_out.to(device),
     )
-
-
-def load_stats(topk_idx_all: torch.Tensor, case: Case) -> dict[str, float]:
-    """Routing balance over all ranks' top-k ids: max/mean routed rows per expert and per destination rank."""
-    counts = torch.bincount(topk_idx_all.flatten().cpu(), minlength=case.num_experts).double()
-    per_rank = counts.view(case.ep_size, case.local_experts).sum(1)
-    return {
-        "expert_load_max_over_mean": float(counts.max() / counts.mean()),
-        "rank_load_max_over_mean": float(per_rank.max() / per_rank.mean()),
-        "empty_experts": int((counts == 0).sum()),
-    }

@@ -7,6 +7,7 @@ it. Rows that are not ok are drawn as a status label (bars) or a cross on the ax
 * :func:`plot_panels`: the published figure's layout; panels = precision x direction, groups = shapes,
   bars = systems, each fused kernel labelled with its speedup over the fastest baseline.
 * :func:`plot_sweep`: throughput vs ``tokens_per_gpu``, ``ep_size`` or ``routing`` (imbalance).
+* :func:`plot_imbalance`: each backend's latency against the routing's measured expert imbalance.
 * :func:`plot_roofline`: each system's latency against the layer's compute, HBM and link floors.
 * :func:`plot_history`: one config's throughput across git SHAs, in commit-time order.
 
@@ -405,6 +406,76 @@ def plot_sweep(df: pd.DataFrame, x: str, title: Optional[str] = None) -> Figure:
     return fig
 
 
+def plot_imbalance(df: pd.DataFrame, title: Optional[str] = None) -> Figure:
+    """Latency (ms) against the routing's expert imbalance, from a routing sweep: x is each routing's
+    ``expert_load_max_over_mean`` (the median over its rows), one line per backend (and per remaining environment
+    where that varies too), one subplot per (panel, shape) in which the routing varies. Rows of several routing steps
+    add their slowest step's median (``latency_step_max_ms``) as an open triangle above the point."""
+    df, shared = C.speed_rows(C.with_runs(df[~df["backend"].isin(L.NOT_CONTENDERS)]))
+    df = df.assign(**{c: np.nan for c in ("expert_load_max_over_mean", "latency_step_max_ms") if c not in df})
+    fixed = [k for k in C.ENV_KEYS if k != "routing"]
+    keys = [*C.CELL_KEYS, "backend"]
+    agg = C.aggregate(df)
+    extra = df.groupby(keys, dropna=False)[["expert_load_max_over_mean", "latency_step_max_ms"]].median()
+    agg = agg.merge(extra.reset_index(), on=keys, how="left")
+    lines = agg.groupby([*fixed, "precision", "direction", "shape", "backend"], dropna=False)["routing"]
+    agg = agg[(lines.transform("nunique") > 1) & agg["expert_load_max_over_mean"].notna()]
+    if agg.empty:
+        raise ValueError("no routing sweep with measured imbalance in these rows" + (f" ({shared})" if shared else ""))
+    varying = [k for k in fixed if agg[k].nunique(dropna=False) > 1 and k != "run_started"]
+    facets = list(agg[["precision", "direction", "shape"]].drop_duplicates().itertuples(index=False, name=None))
+    facets.sort(key=lambda k: (L.PRECISION_ORDER.index(k[0]) if k[0] in L.PRECISION_ORDER else 9,
+                               L.DIRECTION_ORDER.index(k[1]) if k[1] in L.DIRECTION_ORDER else 9,
+                               _shape_pos(k[2]), str(k[2])))
+    ncols = min(len(facets), 3)
+    nrows = math.ceil(len(facets) / ncols)
+    fig = new_figure(5.2 * ncols + 0.4, 4.0 * nrows + 1.1)
+    axes = fig.subplots(nrows, ncols, squeeze=False)
+    notes: list[str] = []
+    legend: dict[str, Any] = {}
+    styles = ["-", "--", ":", "-."]
+    for n, (prec, direction, shape) in enumerate(facets):
+        ax = axes[n // ncols][n % ncols]
+        g = agg[(agg["precision"] == prec) & (agg["direction"] == direction) & (agg["shape"] == shape)]
+        contexts = g[varying].drop_duplicates().to_dict("records") if varying else [{}]
+        for ci, ctx in enumerate(contexts):
+            gc = C.select_env(g, ctx) if ctx else g
+            for s in L.systems_in(gc):
+                line = gc[gc["backend"] == s].sort_values("expert_load_max_over_mean")
+                ok = line[(line["status"] == "ok") & line["latency_ms"].notna()]
+                label = L.system_label(s) + (" · " + ", ".join(_ctx(k, ctx[k]) for k in varying) if ctx else "")
+                (h,) = ax.plot(ok["expert_load_max_over_mean"], ok["latency_ms"], marker="o", ms=4, color=color(s),
+                               linestyle=styles[ci % len(styles)], label=label)
+                legend.setdefault(label, h)
+                worst = ok[ok["latency_step_max_ms"].notna()]
+                if len(worst):
+                    ax.plot(worst["expert_load_max_over_mean"], worst["latency_step_max_ms"], linestyle="none",
+                            marker="^", ms=6, mfc="none", color=color(s))
+                for r in line[line["status"] != "ok"].to_dict("records"):
+                    ax.plot(r["expert_load_max_over_mean"], 0, marker="x", ms=7, mew=2, color=color(s), clip_on=False,
+                            zorder=4)
+                    notes.append(_not_ok_note(r, L.shape_label(shape), str(r["routing"])))
+        for label, x in g.groupby("routing")["expert_load_max_over_mean"].median().sort_values().items():
+            ax.axvline(x, color="0.85", lw=0.8, zorder=0)
+            ax.annotate(str(label), (x, 1.0), xycoords=("data", "axes fraction"), rotation=90, fontsize=6,
+                        va="top", ha="right", color="0.35")
+        ax.set_title(f"{L.panel_label(prec, direction)} · {L.shape_label(shape)}", fontsize=10)
+        ax.set_ylim(0, ax.get_ylim()[1] * 1.3)  # room for the routing labels along the top
+        ax.grid(alpha=0.3)
+        ax.set_xlabel("expert load max / mean (routing imbalance)", fontsize=9)
+        if n % ncols == 0:
+            ax.set_ylabel("latency (ms, median)")
+    for n in range(len(facets), nrows * ncols):
+        axes[n // ncols][n % ncols].set_visible(False)
+    const = [k for k in fixed if k not in varying and k != "run_started"]
+    env_txt = ", ".join(_ctx(k, agg[k].iloc[0]) for k in const if not L.isna(agg[k].iloc[0]))
+    steps_note = "open triangles: the slowest routing step's median (rows of several routing steps)" \
+        if agg["latency_step_max_ms"].notna().any() else ""
+    finish(fig, title or "Latency vs routing imbalance" + (f" — {env_txt}" if env_txt else ""),
+           list(legend.values()), list(legend.keys()), notes=notes, ncol=5, caption=_caption(steps_note, shared))
+    return fig
+
+
 def _ctx(key: str, value: Any) -> str:
     """A context value as a reader would say it: ``EP 8``, ``2048 tokens/GPU``, ``2 nodes``."""
     if L.isna(value):
@@ -641,6 +712,8 @@ def chart_plan(df: pd.DataFrame, *, calibration: Optional[pd.DataFrame] = None, 
         for x in sweep_axes_present(speed[speed["run_id"] == run]):
             name = f"sweep_{x}" + (f"_{slug(run)}" if multi else "")
             plan.append((name, lambda rows=rows, x=x: plot_sweep(rows, x)))
+            if x == "routing":  # the same sweep's latency against the measured imbalance
+                plan.append(("imbalance" + (f"_{slug(run)}" if multi else ""), lambda rows=rows: plot_imbalance(rows)))
     measured = contenders[~C.is_published(contenders)]
     timed = measured[~C.is_shared_gpu(measured)]
     if len(timed) and has_floors(timed, calibration):

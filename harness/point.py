@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 
 from contract.case import Case
 from contract.options import options_text
-from harness import validate
+from harness import routing, validate
 from harness.backend_options import options_class
 from harness.config import config_hash, point_config, schema, to_container
 
@@ -45,6 +45,8 @@ def make_case(cfg: Any, *, ep_size: int, device: str) -> Case:
         hot_fraction=wl["hot_fraction"],
         hot_ratio=wl["hot_ratio"],
         hot_rank=wl["hot_rank"],
+        routing_params=routing.case_routing_params(wl),
+        routing_steps=wl.get("steps", routing.STEPS_DEFAULT),
         precision=prec["name"],
         act_block=prec["act_block"],
         weight_block=prec["weight_block"],
@@ -66,11 +68,11 @@ def typed_config(c: dict) -> Any:
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema()), c))
 
 
-# Case fields that the row does not take from the point: the routing's parameters are in its label (`routing`), the
-# scale blocks in `scaling`, and `device`, `compile` and `compile_mode` are columns the environment or the backend
-# fills (what ran, not what was asked)
-_CASE_NOT_IN_ROWS = ("zipf_exponent", "hot_fraction", "hot_ratio", "hot_rank", "act_block", "weight_block", "device",
-                     "compile", "compile_mode", "routing")
+# Case fields that the row does not take from the point: the routing's parameters are in its label (`routing`; a
+# trace's folder is in `point_config`), the scale blocks in `scaling`, and `device`, `compile` and `compile_mode` are
+# columns the environment or the backend fills (what ran, not what was asked)
+_CASE_NOT_IN_ROWS = ("zipf_exponent", "hot_fraction", "hot_ratio", "hot_rank", "routing_params", "act_block",
+                     "weight_block", "device", "compile", "compile_mode", "routing")
 
 
 @dataclass(frozen=True)
@@ -116,7 +118,7 @@ class Point:
         marks a row of ranks that shared a GPU or of an appended run."""
         case, cfg = self.case, self.config
         out = {f.name: getattr(case, f.name) for f in dataclasses.fields(case) if f.name not in _CASE_NOT_IN_ROWS}
-        out.update(routing=case.routing_label, timing_preset=cfg.timing.name, l2_flush=cfg.timing.l2_flush,
+        out.update(routing=routing.label(case), timing_preset=cfg.timing.name, l2_flush=cfg.timing.l2_flush,
                    align=cfg.timing.align, appended=bool(cfg.append),
                    point_config=json.dumps(point_config(self.as_dict()), sort_keys=True, separators=(",", ":")))
         if self.ranks_per_gpu > 1:  # a correctness check, kept out of every speed table

@@ -70,9 +70,19 @@ COLUMNS: dict[str, str] = {
     "world_size": "Int64",
     "routing": "string",
     "seed": "Int64",
+    # routings per rank cycled through warmup and timing (workload.steps; empty in files written before the column: 1)
+    "routing_steps": "Int64",
+    # the routing's balance; with routing_steps > 1 the median over the steps' routings, and their min and max in the
+    # _min / _max columns (empty for one routing)
     "expert_load_max_over_mean": "float64",
     "rank_load_max_over_mean": "float64",
     "empty_experts": "Int64",
+    "expert_load_max_over_mean_min": "float64",
+    "expert_load_max_over_mean_max": "float64",
+    "rank_load_max_over_mean_min": "float64",
+    "rank_load_max_over_mean_max": "float64",
+    "empty_experts_min": "Int64",
+    "empty_experts_max": "Int64",
     "status": "string",
     "error": "string",
     "latency_ms": "float64",
@@ -80,6 +90,10 @@ COLUMNS: dict[str, str] = {
     "latency_p80_ms": "float64",
     "latency_min_ms": "float64",
     "latency_max_ms": "float64",
+    # routing_steps > 1: each routing step's median latency (over the timed iterations that ran it), their mean and
+    # their max (a burst step a median over all iterations would hide); empty for one routing
+    "latency_step_mean_ms": "float64",
+    "latency_step_max_ms": "float64",
     "num_warmup": "Int64",
     "num_iters": "Int64",
     "setup_s": "float64",

@@ -30,7 +30,7 @@ from contract.compiled import drop_compiled_state
 from contract.options import options_text
 from harness import env as envinfo
 from harness import memory
-from harness import results
+from harness import results, routing
 from harness import validate
 from harness.backend_options import apply_aliases
 from harness.backends import load_backend
@@ -38,7 +38,8 @@ from harness.check import compare, leaves, run_once
 from harness.config import Case, backend_order, given_run_id, load_group_option, timing_label, to_container
 from harness.point import Point
 from harness.dist import RankEnv, free_port, from_environment, init
-from harness.inputs import load_stats, make_inputs
+from harness.inputs import make_inputs
+from harness.routing_steps import RoutingSteps, worst
 from harness.limits import StepTimeout, time_limit
 from harness.results import base_row, make_row
 from harness.setup_profile import SetupProfile
@@ -160,20 +161,22 @@ class Progress:
 def point_label(case: Case, num: Optional[int] = None) -> str:
     """The sweep point in a progress line: number (in a multirun), shape, precision, workload, EP, tokens per GPU."""
     where = f"point #{num} " if num is not None else ""
-    return f"{where}{case.shape} {case.precision} {case.routing_label} EP{case.ep_size} T{case.tokens_per_gpu}"
+    return f"{where}{case.shape} {case.precision} {routing.label(case)} EP{case.ep_size} T{case.tokens_per_gpu}"
 
 
 @dataclass
 class PointContext:
     """What every backend of one sweep point runs against (on each rank): the point (:class:`harness.point.Point`),
-    its inputs and the reference outputs (``ref``: None without the check), the process groups (``group``
+    its inputs, its routing steps (``steps``) and the reference outputs of each checked step (``ref``: step ->
+    outputs, in host memory; None without the check), the process groups (``group``
     for the layer, ``ctrl``: gloo, for verdicts), the step runner that agrees on the outcome across ranks (``agree``),
     the timer, the columns every row shares (``base``), the directions to run, whether any needs gradients, and the
     progress lines."""
 
     point: Point
     inputs: LayerInputs
-    ref: Optional[dict]
+    steps: RoutingSteps
+    ref: Optional[dict[int, dict]]
     group: Any
     ctrl: Any
     agree: Callable[[Callable[[], Any]], tuple[str, str, Any]]
@@ -216,6 +219,12 @@ def worker(payload: dict, renv: RankEnv) -> None:
     directions = list(cfg.directions)
     need_grads = any(d != "fwd" for d in directions)
 
+    why = routing.unsupported(case)  # a routing the harness cannot make yet: every backend's row says why
+    if why:
+        for b in cfg.backends:
+            for d in directions:
+                emit(make_row(base, b, d, "unsupported", error=why))
+        return
     progress.start("inputs")
     status, err, inputs = agree(lambda: make_inputs(case, renv.rank, dev))
     progress.end(status)
@@ -224,9 +233,13 @@ def worker(payload: dict, renv: RankEnv) -> None:
             for d in directions:
                 emit(make_row(base, b, d, status, error=f"input generation failed: {err}"))
         return
-    idx_parts = [torch.empty_like(inputs.topk_idx_TK) for _ in range(renv.world_size)]
-    comm.all_gather(idx_parts, inputs.topk_idx_TK, group=group)
-    base.update(load_stats(torch.cat(idx_parts), case))
+    status, err, steps = agree(lambda: RoutingSteps.build(case, renv.rank, inputs, group))
+    if status != "ok":
+        for b in cfg.backends:
+            for d in directions:
+                emit(make_row(base, b, d, status, error=f"routing steps failed: {err}"))
+        return
+    base.update(steps.stats())
 
     if cfg.calibrate:
         from harness.calibrate import measure
@@ -242,25 +255,27 @@ def worker(payload: dict, renv: RankEnv) -> None:
     if cfg.check:
         from harness.reference import ReferenceBackend
 
-        def _ref():
+        def _ref():  # step -> outputs, for every routing step the check covers
             b = ReferenceBackend(case, group)
             b.setup(inputs)
-            out = run_once(b, inputs, need_grads)
+            out = {}
+            for s in steps.checked:
+                steps.select(inputs, s)
+                out[s] = _to_host(run_once(b, inputs, need_grads))
             b.teardown()
             return out
 
         progress.start("reference")
         status, err, ref = agree(_ref)
         progress.end(status)
-        ref = _to_host(ref)  # the device memory is the backends'; the check compares in slices
         if status != "ok":
             for b in cfg.backends:
                 for d in directions:
                     emit(make_row(base, b, d, status, error=f"reference failed: {err}"))
             return
 
-    point = PointContext(point=pt, inputs=inputs, ref=ref, group=group, ctrl=ctrl, agree=agree, timer=timer,
-                         base=base, directions=directions, need_grads=need_grads, progress=progress)
+    point = PointContext(point=pt, inputs=inputs, steps=steps, ref=ref, group=group, ctrl=ctrl, agree=agree,
+                         timer=timer, base=base, directions=directions, need_grads=need_grads, progress=progress)
     order = list(payload.get("order") or run_order(pt))
     first = handoff.get("position", 0)  # this process set's first backend in the point's order
     probe = memory.Probe.of(timer.device)
@@ -383,6 +398,7 @@ def _write_setup_profile(prof: SetupProfile, progress: Progress) -> None:
 def run_backend(name: str, point: PointContext) -> Iterator[dict[str, Any]]:
     """Yield one row per direction for one backend at one sweep point. Never raises for backend failures."""
     pt, inputs, ref, group, ctrl = point.point, point.inputs, point.ref, point.group, point.ctrl
+    steps = point.steps
     agree, timer, base, directions, progress = point.agree, point.timer, point.base, point.directions, point.progress
     case, cfg, need_grads = pt.case, pt.config, point.need_grads
     t = dataclasses.asdict(cfg.timing)
@@ -445,12 +461,17 @@ def run_backend(name: str, point: PointContext) -> Iterator[dict[str, Any]]:
     if status == "ok" and ref is not None:
         with_grads = need_grads and grads_supported
 
-        def _check():
-            with prof.on():
-                got = run_once(backend, inputs, with_grads)
-            full = compare(got, ref if with_grads else {"out": ref["out"]}, ctrl)
-            out_only = compare({"out": got["out"]}, {"out": ref["out"]}, ctrl) if with_grads else full
-            return full, out_only
+        def _check():  # every checked routing step, step 0 last (the traffic columns read the last forward)
+            fulls, outs = [], []
+            for s in steps.checked:
+                steps.select(inputs, s)
+                with prof.on():
+                    got = run_once(backend, inputs, with_grads)
+                r = ref[s]
+                full = compare(got, r if with_grads else {"out": r["out"]}, ctrl)
+                fulls.append((s, full))
+                outs.append((s, compare({"out": got["out"]}, {"out": r["out"]}, ctrl) if with_grads else full))
+            return worst(fulls), worst(outs)
 
         compiling = " (torch.compile and its autotuning run here)" if info.get("compiled") else ""
         progress.start(f"check: first call against the reference{compiling}")
@@ -522,7 +543,7 @@ def run_backend(name: str, point: PointContext) -> Iterator[dict[str, Any]]:
             yield make_row(base, name, d, "ok", **{**extra, **checked, "notes": _with_note(extra.get("notes"), note)})
             continue
         progress.start(f"timing {d} ({t['num_warmup']} warmup + {t['num_iters']} timed)")
-        status, err, stats = agree(lambda: time_direction(backend, inputs, d, timer, t))
+        status, err, stats = agree(lambda: time_direction(backend, inputs, d, timer, t, steps))
         progress.end(status, f"median {stats.median_ms:.4g} ms" if status == "ok" else "")
         if status != "ok":
             yield make_row(base, name, d, status, error=err, **extra, **checked)
@@ -532,7 +553,8 @@ def run_backend(name: str, point: PointContext) -> Iterator[dict[str, Any]]:
         row = make_row(
             base, name, d, "ok",
             latency_ms=stats.median_ms, latency_p20_ms=stats.p20_ms, latency_p80_ms=stats.p80_ms,
-            latency_min_ms=stats.min_ms, latency_max_ms=stats.max_ms, num_warmup=stats.num_warmup,
+            latency_min_ms=stats.min_ms, latency_max_ms=stats.max_ms, latency_step_mean_ms=stats.step_mean_ms,
+            latency_step_max_ms=stats.step_max_ms, num_warmup=stats.num_warmup,
             num_iters=stats.num_iters, flops_per_gpu=flops, tflops_per_gpu=flops / lat_s / 1e12,
             tokens_per_s_per_gpu=case.tokens_per_gpu / lat_s, **stats.clocks,
             **{k: v for k, v in stats.memory.items() if v == v}, **extra, **checked,
@@ -569,9 +591,20 @@ def _with_roofline(row: dict) -> dict:
     return row
 
 
-def time_direction(backend, inputs, direction: str, timer: Timer, t: dict):
+def time_direction(backend, inputs, direction: str, timer: Timer, t: dict, steps: Optional[RoutingSteps] = None):
     """The one timing path of a direction (``t``: num_warmup, num_iters): fwd times the forward; bwd the backward,
-    each after an untimed forward (as published); fwd_bwd both."""
+    each after an untimed forward (as published); fwd_bwd both. ``steps`` with several routings: iteration i
+    (warmup and timed together) runs routing i % N, copied into the inputs before it, untimed; step 0 after."""
+    stepper = steps.stepper(inputs) if steps is not None else None
+    try:
+        return _time_direction(backend, inputs, direction, timer, t,
+                               dict(step=stepper, cycle=steps.n) if stepper is not None else {})
+    finally:
+        if stepper is not None:
+            steps.select(inputs, 0)
+
+
+def _time_direction(backend, inputs, direction: str, timer: Timer, t: dict, cycle: dict):
     # Leaves that require grad in every direction: the timed forward is a training forward (autograd records the
     # graph), as in the published runs.
     x, w = leaves(inputs, True)
@@ -580,7 +613,7 @@ def time_direction(backend, inputs, direction: str, timer: Timer, t: dict):
         def fn():
             backend.forward(x, inputs.topk_idx_TK, w)
 
-        return timer.run(fn, num_warmup=t["num_warmup"], num_iters=t["num_iters"])
+        return timer.run(fn, num_warmup=t["num_warmup"], num_iters=t["num_iters"], **cycle)
     if direction == "bwd":
         holder: list = []
 
@@ -592,7 +625,7 @@ def time_direction(backend, inputs, direction: str, timer: Timer, t: dict):
         def fn():
             holder[0].backward(inputs.grad_out_TH)
 
-        stats = timer.run(fn, num_warmup=t["num_warmup"], num_iters=t["num_iters"], pre=pre)
+        stats = timer.run(fn, num_warmup=t["num_warmup"], num_iters=t["num_iters"], pre=pre, **cycle)
         holder.clear()
         backend.zero_grad()
         return stats
@@ -602,7 +635,7 @@ def time_direction(backend, inputs, direction: str, timer: Timer, t: dict):
         x.grad = w.grad = None
         backend.forward(x, inputs.topk_idx_TK, w).backward(inputs.grad_out_TH)
 
-    stats = timer.run(fwd_bwd, num_warmup=t["num_warmup"], num_iters=t["num_iters"])
+    stats = timer.run(fwd_bwd, num_warmup=t["num_warmup"], num_iters=t["num_iters"], **cycle)
     backend.zero_grad()
     return stats
 

@@ -673,7 +673,8 @@ def load_point(job_dir: Path) -> Point:
 
     d = OmegaConf.to_container(OmegaConf.load(Path(job_dir) / POINT_FILE), resolve=False)
     assert isinstance(d, dict)
-    return Point(num=d["num"], overrides=d["overrides"], cfg=d["config"], case=Case(**d["case"]),
+    case = dict(d["case"], routing_params=tuple(tuple(pv) for pv in d["case"].get("routing_params", ())))
+    return Point(num=d["num"], overrides=d["overrides"], cfg=d["config"], case=Case(**case),
                  config_hash=d["config_hash"], run_id=d["run_id"], launcher=d["launcher"], nodes=d["nodes"],
                  tasks_per_node=d["tasks_per_node"], gpus_per_node=d["gpus_per_node"], world_size=d["ep_size"],
                  job_dir=Path(job_dir), label=d.get("label", ""))

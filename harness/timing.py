@@ -1,6 +1,7 @@
 """The one timing path (the published method).
 
-Per iteration: an optional untimed ``pre`` (the forward, when timing the backward alone), an optional L2 flush,
+Per iteration: an optional untimed ``step`` that changes the inputs (the routing of that step, copied into the same
+tensors), an optional untimed ``pre`` (the forward, when timing the backward alone), an optional L2 flush,
 an aligning collective on the device stream, then a start/end event pair around ``fn``. One synchronisation at
 the end. Each iteration's latency is the max over ranks; the reported figures are the median and p20/p80/min/max
 of those maxima. On the CPU a host clock replaces the events and a barrier aligns the ranks. On CUDA the timed
@@ -36,12 +37,22 @@ class Stats:
     num_iters: int
     clocks: dict = field(default_factory=dict)  # gpu_clocks.FIELDS over the timed iterations (CUDA only)
     memory: dict = field(default_factory=dict)  # memory.WINDOW over the timed iterations (CUDA only)
+    # cycle > 1 (the inputs change every iteration): each step's median, their mean and max (None otherwise)
+    step_mean_ms: Optional[float] = None
+    step_max_ms: Optional[float] = None
 
     @classmethod
-    def from_samples(cls, samples_ms: torch.Tensor, num_warmup: int) -> "Stats":
+    def from_samples(cls, samples_ms: torch.Tensor, num_warmup: int, cycle: int = 1) -> "Stats":
+        """The figures of the timed samples; ``cycle`` > 1: timed iteration j ran step (num_warmup + j) % cycle,
+        and the steps' medians give ``step_mean_ms`` / ``step_max_ms``."""
         s = samples_ms.double()
         q = torch.quantile(s, torch.tensor([0.5, 0.2, 0.8], dtype=torch.float64))
-        return cls(float(q[0]), float(q[1]), float(q[2]), float(s.min()), float(s.max()), num_warmup, len(s))
+        out = cls(float(q[0]), float(q[1]), float(q[2]), float(s.min()), float(s.max()), num_warmup, len(s))
+        if cycle > 1:
+            which = (torch.arange(len(s)) + num_warmup) % cycle
+            medians = [float(s[which == k].median()) for k in range(cycle) if bool((which == k).any())]
+            out.step_mean_ms, out.step_max_ms = sum(medians) / len(medians), max(medians)
+        return out
 
 
 class Timer:
@@ -68,8 +79,13 @@ class Timer:
             dist.barrier(group=self.group)
 
     def run(self, fn: Callable[[], object], *, num_warmup: int, num_iters: int,
-            pre: Optional[Callable[[], object]] = None) -> Stats:
-        for _ in range(num_warmup):
+            pre: Optional[Callable[[], object]] = None, step: Optional[Callable[[int], object]] = None,
+            cycle: int = 1) -> Stats:
+        """Time ``fn``; ``step(i)``: called before iteration i (warmup and timed counted together), outside the timed
+        span, to change the inputs (the routing of step i % ``cycle``)."""
+        for i in range(num_warmup):
+            if step is not None:
+                step(i)
             if pre is not None:
                 pre()
             self._align()
@@ -80,14 +96,14 @@ class Timer:
             self._memory.open()
             self._watch.start()
             try:
-                local = self._cuda_samples(fn, num_iters, pre)  # ends with a synchronize
+                local = self._cuda_samples(fn, num_iters, pre, step, num_warmup)  # ends with a synchronize
             finally:  # a failing backend leaves no clock thread behind
                 window = self._watch.stop()
             window.update(self._memory.close())
             clocks = torch.tensor([window[f] for f in (*gpu_clocks.FIELDS, *memory.WINDOW)], dtype=torch.float64,
                                   device=self.device)
         else:
-            local = self._host_samples(fn, num_iters, pre)
+            local = self._host_samples(fn, num_iters, pre, step, num_warmup)
         n = dist.get_world_size(self.group)
         if n > 1:
             parts = [torch.empty_like(local) for _ in range(n)]
@@ -97,17 +113,19 @@ class Timer:
                 cparts = [torch.empty_like(clocks) for _ in range(n)]
                 comm.all_gather(cparts, clocks, group=self.group)
                 clocks = torch.stack(cparts)
-        stats = Stats.from_samples(local.cpu(), num_warmup)
+        stats = Stats.from_samples(local.cpu(), num_warmup, cycle if step is not None else 1)
         if clocks is not None:
             per_rank = clocks.reshape(-1, len(gpu_clocks.FIELDS) + len(memory.WINDOW)).cpu().tolist()
             stats.clocks = combine_clocks([r[:len(gpu_clocks.FIELDS)] for r in per_rank])
             stats.memory = combine_memory([r[len(gpu_clocks.FIELDS):] for r in per_rank])
         return stats
 
-    def _cuda_samples(self, fn, num_iters, pre) -> torch.Tensor:
+    def _cuda_samples(self, fn, num_iters, pre, step, first) -> torch.Tensor:
         starts = [torch.cuda.Event(enable_timing=True) for _ in range(num_iters)]
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(num_iters)]
         for i in range(num_iters):
+            if step is not None:
+                step(first + i)
             if pre is not None:
                 pre()
             if self._flush_buf is not None:
@@ -120,9 +138,11 @@ class Timer:
         return torch.tensor([s.elapsed_time(e) for s, e in zip(starts, ends)], dtype=torch.float64,
                             device=self.device)
 
-    def _host_samples(self, fn, num_iters, pre) -> torch.Tensor:
+    def _host_samples(self, fn, num_iters, pre, step, first) -> torch.Tensor:
         out = []
-        for _ in range(num_iters):
+        for i in range(num_iters):
+            if step is not None:
+                step(first + i)
             if pre is not None:
                 pre()
             self._align()

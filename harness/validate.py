@@ -24,9 +24,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from contract.case import Case
 from harness import backend_options
-from harness import results
+from harness import results, routing
 from harness.backends import BACKENDS
-from harness.config import (BACKEND_ORDERS, COMPILE_MODES, CONFIG_DIR, DEVICES, DIRECTIONS, PRECISIONS, ROUTINGS,
+from harness.config import (BACKEND_ORDERS, COMPILE_MODES, CONFIG_DIR, DEVICES, DIRECTIONS, PRECISIONS,
                             given_run_id, gpus_needed)
 from harness.errors import ConfigError
 
@@ -210,23 +210,7 @@ def validate_case(case: Case) -> None:
                 getattr(case, name) % 32 == 0,
                 f"mxfp8 needs shape.{name} ({getattr(case, name)}) divisible by 32: pick another shape or precision",
             )
-    need(case.routing in ROUTINGS, f"unknown workload.routing '{case.routing}'; choose one of: {', '.join(ROUTINGS)}")
-    if case.routing == "hot_rank":
-        need(
-            0 <= case.hot_rank < case.ep_size,
-            f"workload.hot_rank={case.hot_rank} is not a rank of ep_size={case.ep_size}: use 0..{case.ep_size - 1}",
-        )
-    if case.routing == "hot_experts":
-        need(case.hot_ratio > 0, f"workload.hot_ratio must be > 0 (got {case.hot_ratio})")
-    if case.routing == "hot_rank":  # hot_ratio=0: an idle rank, whose experts get no token
-        need(case.hot_ratio >= 0, f"workload.hot_ratio must be >= 0 (0: an idle rank) (got {case.hot_ratio})")
-        need(case.hot_ratio > 0 or case.topk <= case.num_experts - case.local_experts,
-             f"workload.hot_ratio=0 leaves {case.num_experts - case.local_experts} experts to route to, fewer than "
-             f"top-{case.topk}: use more ranks or a hot_ratio > 0")
-    if case.routing == "hot_experts":
-        need(0 < case.hot_fraction <= 1, f"workload.hot_fraction must be in (0, 1] (got {case.hot_fraction})")
-    if case.routing == "zipf":
-        need(case.zipf_exponent >= 0, f"workload.zipf_exponent must be >= 0 (got {case.zipf_exponent})")
+    routing.check(case)  # the model's checks (harness/routing_models.py)
     need(
         case.swiglu_limit is None or case.swiglu_limit > 0,
         f"shape.swiglu_limit must be positive or null (got {case.swiglu_limit})",

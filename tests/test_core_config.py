@@ -188,10 +188,13 @@ def test_routing_labels():
                 zipf_exponent=1.2, hot_fraction=0.25, hot_ratio=3.0, hot_rank=1, precision="bf16", act_block=128,
                 weight_block=128, atol=0.5, rtol=0.01, ep_size=2, device="cpu", compile=False, compile_mode="",
                 comm_sms=None)
-    assert Case(routing="uniform", **base).routing_label == "uniform"
-    assert Case(routing="zipf", **base).routing_label == "zipf(s=1.2)"
-    assert Case(routing="hot_experts", **base).routing_label == "hot_experts(f=0.25,x3)"
-    assert Case(routing="hot_rank", **base).routing_label == "hot_rank(r=1,x3)"
+    from harness.routing import label
+
+    assert label(Case(routing="uniform", **base)) == "uniform"
+    assert label(Case(routing="zipf", **base)) == "zipf(s=1.2)"
+    assert label(Case(routing="hot_experts", **base)) == "hot_experts(f=0.25,x3)"
+    assert label(Case(routing="hot_rank", **base)) == "hot_rank(r=1,x3)"
+    assert label(Case(routing="zipf", routing_steps=16, **base)) == "zipf(s=1.2)+16steps"
 
 
 @pytest.mark.parametrize("compile_", ["true", "false", "null"])

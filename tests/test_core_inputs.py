@@ -7,7 +7,8 @@ import torch
 from conftest import compose_cfg
 
 from harness.point import make_case
-from harness.inputs import expert_popularity, load_stats, make_inputs, make_routing
+from harness.inputs import make_inputs
+from harness.routing import expert_popularity, load_stats, make_routing
 from harness.runner import resolve
 
 

@@ -290,3 +290,32 @@ def test_saved_charts_are_byte_stable(tmp_path):
     assert a[0].read_bytes() == b[0].read_bytes() and a[1].read_bytes() == b[1].read_bytes()
     assert a[0].read_bytes() != c[0].read_bytes()
     assert b"<dc:date>" not in a[0].read_bytes()
+
+
+def test_latency_against_imbalance(tmp_path):
+    """The routing sweep's latency against the measured imbalance: one line per backend, x the imbalance of each
+    routing in order, the slowest routing step of a row of several steps as a triangle; in the report's plan."""
+    df = S.sweeps_h200()
+    steps = [S.row(b, s, routing="burst(f=0.25,every=4)+4steps", run_id="sweep")
+             for b in ("nccl", "deepep", "mok_hopper") for s in ("qwen3_5_397b", "kimi_k2_7")]
+    for r in steps:
+        r.update(expert_load_max_over_mean=3.0, latency_step_max_ms=r["latency_ms"] * 1.5)
+    df = pd.concat([df, results.to_frame(steps)], ignore_index=True)
+    fig = P.plot_imbalance(df)
+    axes = [ax for ax in fig.axes if ax.get_visible()]
+    assert len(axes) == 2 and legend_labels(fig) == ["NCCL+PyTorch", "DeepEP+PyTorch", "MoK Hopper (ours)"]
+    line = next(ln for ln in axes[0].get_lines() if ln.get_label() == "NCCL+PyTorch")
+    xs, ys = line.get_data()
+    assert list(xs) == sorted(xs) and list(xs) == [1.1, 2.5, 3.0, 4.0]  # uniform, zipf, the burst, hot experts
+    assert all(y > 0 for y in ys) and "latency" in axes[0].get_ylabel()
+    triangles = [ln for ln in axes[0].get_lines() if ln.get_marker() == "^"]
+    assert len(triangles) == 3 and all(ln.get_data()[0][0] == 3.0 for ln in triangles)
+    assert "routing imbalance" in axes[0].get_xlabel()
+    marks = {t.get_text(): t.xy[0] for t in axes[0].texts}  # each routing named at its imbalance on a numeric axis
+    assert marks == {"uniform": 1.1, "zipf(s=1)": 2.5, "burst(f=0.25,every=4)+4steps": 3.0,
+                     "hot_experts(f=0.125,x4)": 4.0}
+    path = saved(fig, tmp_path, "imbalance")[0]
+    assert path.stat().st_size > 20_000
+    assert "imbalance" in [name for name, _ in P.chart_plan(df)]
+    with pytest.raises(ValueError, match="no routing sweep"):
+        P.plot_imbalance(S.measured_h200())
