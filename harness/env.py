@@ -97,6 +97,34 @@ def collect(device: str) -> dict[str, Any]:
     return info
 
 
+def site_folders(path: str) -> list[str]:
+    """The import folders of an ``own_pythonpath`` value (``DIR[:DIR]``): each folder, then the folders that its
+    ``.pth`` files name (relative to it), as Python's site does for a site-packages folder; ``pip install --target``
+    leaves those files unprocessed (nvidia-cutlass-dsl puts its ``python_packages`` on the path through one). Import
+    lines and comments of a ``.pth`` file are skipped; folders that do not exist are left out."""
+    out: list[str] = []
+    for folder in filter(None, path.split(os.pathsep)):
+        out.append(folder)
+        try:
+            pths = sorted(n for n in os.listdir(folder) if n.endswith(".pth"))
+        except OSError:
+            continue
+        for name in pths:
+            try:
+                with open(os.path.join(folder, name)) as f:
+                    lines = f.read().splitlines()
+            except OSError:
+                continue
+            for line in lines:
+                line = line.strip()
+                if not line or line.startswith(("#", "import ", "import\t")):
+                    continue
+                sub = os.path.join(folder, line)
+                if os.path.isdir(sub) and sub not in out:
+                    out.append(sub)
+    return out
+
+
 def available_memory_bytes() -> Optional[int]:
     """Memory this machine can still give new processes: the kernel's MemAvailable, or less where a cgroup (a
     container, a Slurm job) caps this process tree lower. None when neither can be read."""
