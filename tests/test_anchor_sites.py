@@ -83,12 +83,17 @@ def _preset(monkeypatch, anchors: str, *overrides: str):
 def test_the_preset_composes_two_sets_with_their_own_processes(monkeypatch, tmp_path):
     from harness.backend_options import options_for
 
-    monkeypatch.setenv("MOKBENCH_FLASHINFER_SITE", str(tmp_path / "fi"))
-    monkeypatch.delenv("MOKBENCH_SONICMOE_SITE", raising=False)
+    from baselines import flashinfer, sonicmoe
+
+    monkeypatch.setenv(flashinfer.SITE_ENV, str(tmp_path / "fi"))  # the variables the adapters' install hints name
+    monkeypatch.delenv(sonicmoe.SITE_ENV, raising=False)
     train = _preset(monkeypatch, "training")
     assert list(train.backends) == ["torch", "torch_compiled", "liger", "mok_hopper", "sonicmoe"]
     assert list(train.directions) == ["fwd", "bwd"] and list(train.own_process) == ["sonicmoe"]
     assert train.own_pythonpath.sonicmoe == "" and train.mok_hopper.forward == "save_h"
+    monkeypatch.setenv(sonicmoe.SITE_ENV, str(tmp_path / "sonic"))
+    assert _preset(monkeypatch, "training").own_pythonpath.sonicmoe == str(tmp_path / "sonic")
+    assert "own_pythonpath.sonicmoe=DIR" in sonicmoe.INSTALL_HINT and sonicmoe.SITE_ENV in sonicmoe.INSTALL_HINT
     infer = _preset(monkeypatch, "inference")
     assert list(infer.backends) == ["mok_hopper", "flashinfer"] and list(infer.directions) == ["fwd"]
     assert list(infer.own_process) == ["flashinfer"] and infer.own_pythonpath.flashinfer == str(tmp_path / "fi")
@@ -108,8 +113,9 @@ def test_the_preset_composes_two_sets_with_their_own_processes(monkeypatch, tmp_
 @pytest.mark.slow
 def test_the_preset_on_the_cpu_gives_unsupported_rows_with_reasons(tmp_path):
     """`python -m harness.run -m +experiment=hopper_anchors` on the CPU (tiny shape, quick timing, torch.compile's
-    default mode): both sets of one shape in one run; the PyTorch layers and mok_hopper's CPU twin ok, the GPU anchors unsupported with their
-    reason, sonicmoe and flashinfer in processes of their own, flashinfer's with its folder first on the path."""
+    default mode): both sets of one shape in one run; the PyTorch layers and mok_hopper's CPU twin ok, the GPU
+    anchors unsupported with their reason, sonicmoe and flashinfer in processes of their own, flashinfer's with its
+    folder first on the path."""
     from harness import results
 
     site = tmp_path / "fi-site"
