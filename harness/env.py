@@ -97,32 +97,24 @@ def collect(device: str) -> dict[str, Any]:
     return info
 
 
-def site_folders(path: str) -> list[str]:
-    """The import folders of an ``own_pythonpath`` value (``DIR[:DIR]``): each folder, then the folders that its
-    ``.pth`` files name (relative to it), as Python's site does for a site-packages folder; ``pip install --target``
-    leaves those files unprocessed (nvidia-cutlass-dsl puts its ``python_packages`` on the path through one). Import
-    lines and comments of a ``.pth`` file are skipped; folders that do not exist are left out."""
-    out: list[str] = []
-    for folder in filter(None, path.split(os.pathsep)):
-        out.append(folder)
-        try:
-            pths = sorted(n for n in os.listdir(folder) if n.endswith(".pth"))
-        except OSError:
-            continue
-        for name in pths:
-            try:
-                with open(os.path.join(folder, name)) as f:
-                    lines = f.read().splitlines()
-            except OSError:
-                continue
-            for line in lines:
-                line = line.strip()
-                if not line or line.startswith(("#", "import ", "import\t")):
-                    continue
-                sub = os.path.join(folder, line)
-                if os.path.isdir(sub) and sub not in out:
-                    out.append(sub)
-    return out
+def add_site(path: str) -> list[str]:
+    """Put an ``own_pythonpath`` value (``DIR[:DIR]``) first on ``sys.path``, each folder as a site-packages folder:
+    its ``.pth`` files processed as Python's site does (a folder line adds that folder; an ``import`` line runs),
+    which ``pip install --target`` leaves undone (nvidia-cutlass-dsl 4.4 names its ``python_packages`` folder in
+    one, 4.8 adds its ``dsl_packages`` folder from an import line). The given folders go ahead of everything before
+    the ``.pth`` files run, so an import line imports this site's package. Returns the entries added, in the order
+    they now lead ``sys.path`` (what child processes get through ``PYTHONPATH``)."""
+    import site
+    import sys
+
+    folders = [f for f in path.split(os.pathsep) if f]
+    before = list(sys.path)
+    sys.path[:0] = [f for f in folders if f not in sys.path]
+    for folder in folders:
+        site.addsitedir(folder)  # its .pth files; the folder itself is on the path already
+    added = [p for p in dict.fromkeys(sys.path) if p not in before]
+    sys.path[:] = added + [p for p in before if p not in added]
+    return added
 
 
 def available_memory_bytes() -> Optional[int]:

@@ -688,8 +688,7 @@ def _spawn_entry(local_rank: int, payload: dict, renv: RankEnv) -> None:
     _die_with_parent(signal.SIGTERM)
     env = RankEnv(local_rank, renv.world_size, local_rank, 1, renv.master_addr, renv.master_port, "spawn")
     if payload.get("pythonpath"):  # a backend's own packages (own_pythonpath), ahead of everything else
-        folders = envinfo.site_folders(payload["pythonpath"])  # with the folders their .pth files name
-        sys.path[:0] = folders
+        folders = envinfo.add_site(payload["pythonpath"])  # with what their .pth files add
         os.environ["PYTHONPATH"] = os.pathsep.join([*folders, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     try:
         worker(payload, env)

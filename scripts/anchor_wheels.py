@@ -22,13 +22,16 @@ import sys
 from pathlib import Path
 
 MIB = 1 << 20
-# anchor -> the wheels of its own folder (pinned; installed with --no-deps beside the image's torch 2.11 + CUDA 13)
+# anchor -> the wheels of its own folder (pinned; installed with --no-deps beside the image's torch 2.11 + CUDA 13, all
+# of one folder in one pip call: several of them write into the same nvidia_cutlass_dsl/ folder, which a second
+# `pip --target` call would skip or replace)
 WHEELS = {
     "sonicmoe": ("sonic-moe==0.1.2.post1", "quack-kernels==0.3.11", "nvidia-cutlass-dsl==4.4.2",
                  "nvidia-cutlass-dsl-libs-base==4.4.2", "nvidia-cutlass-dsl-libs-cu13==4.4.2",
                  "apache-tvm-ffi==0.1.15.post2", "torch-c-dlpack-ext==0.1.5"),
     "flashinfer": ("flashinfer-python==0.7.2.post1", "nvidia-cutlass-dsl==4.8.1", "nvidia-cutlass-dsl-libs-base==4.8.1",
-                   "nvidia-cutlass-dsl-libs-cu13==4.8.1", "apache-tvm-ffi==0.1.15.post2", "cuda-python==13.4.4",
+                   "nvidia-cutlass-dsl-libs-core==4.8.1", "nvidia-cutlass-dsl-libs-cu13==4.8.1", "protobuf==7.36.2",
+                   "apache-tvm-ffi==0.1.15.post2", "cuda-python==13.4.4",
                    "cuda-bindings==13.4.4", "cuda-core==1.2.2", "cuda-pathfinder==1.9.1", "cuda-tile==1.7.0",
                    "nccl4py==0.6.0", "nccl-extensions==0.1.0", "nvidia-cudnn-frontend==1.32.0",
                    "nvidia-ml-py==13.615.71", "einops==0.8.2", "tabulate==0.10.0", "click==8.5.1", "ninja==1.13.2"),

@@ -47,6 +47,27 @@ def test_interleave_puts_32_up_rows_before_each_32_gate_rows():
         interleave_up_gate(torch.randn(2, 2 * 48, 4))
 
 
+def _flashinfer_reference_interleave():
+    """FlashInfer's own reference of its w1 layout, where FlashInfer and its CuTe DSL stack import here (None
+    elsewhere)."""
+    try:
+        from flashinfer.fused_moe.cute_dsl.sm90_contiguous_gather_grouped_gemm_act_fusion import (
+            interleave_up_gate_sm90)
+    except Exception:  # noqa: BLE001 (not installed, or its CuTe DSL stack does not import)
+        return None
+    return interleave_up_gate_sm90
+
+
+@pytest.mark.skipif(_flashinfer_reference_interleave() is None,
+                    reason="flashinfer-python 0.7.2.post1 with nvidia-cutlass-dsl 4.8 does not import here (run with "
+                           "its own folder on the path: docs/backends.md, 'Anchor: FlashInfer fused MoE')")
+def test_interleave_matches_flashinfer_s_own_reference():
+    from baselines.flashinfer import interleave_up_gate
+
+    w13 = torch.randn(3, 2 * 96, 40, dtype=torch.bfloat16)
+    assert torch.equal(interleave_up_gate(w13), _flashinfer_reference_interleave()(w13))
+
+
 def test_routing_tensors_are_int32_ids_and_fp32_weights():
     from baselines.flashinfer import routing
 

@@ -20,25 +20,39 @@ import anchor_wheels as W  # noqa: E402
 
 
 def plant_site(site: Path) -> Path:
-    """A ``pip --target`` folder as nvidia-cutlass-dsl leaves one: packages in a subfolder that a ``.pth`` file
-    names. Here a stand-in ``flashinfer`` (found, so its row names the missing GPU instead of the missing package)
-    and a stand-in ``sonicmoe``, both only there."""
-    inner = site / "python_packages"
-    for pkg in ("flashinfer", "sonicmoe"):
-        (inner / pkg).mkdir(parents=True)
-        (inner / pkg / "__init__.py").write_text("")
-    (site / "planted.pth").write_text("# a comment\nimport os\npython_packages\nno_such_folder\n")
+    """A ``pip --target`` folder as the nvidia-cutlass-dsl wheels leave one, with packages only there: a stand-in
+    ``sonicmoe`` in a folder that a ``.pth`` line names (4.4.2's ``python_packages``), and a stand-in ``flashinfer``
+    in a folder that a ``.pth`` import line adds (4.8.1's ``dsl_packages``). A found ``flashinfer`` makes its row
+    name the missing GPU instead of the missing package."""
+    (site / "python_packages" / "sonicmoe").mkdir(parents=True)
+    (site / "python_packages" / "sonicmoe" / "__init__.py").write_text("")
+    (site / "planted_dsl" / "dsl_packages" / "flashinfer").mkdir(parents=True)
+    (site / "planted_dsl" / "__init__.py").write_text("")
+    (site / "planted_dsl" / "dsl_packages" / "flashinfer" / "__init__.py").write_text("")
+    (site / "a_folder.pth").write_text("# a comment\npython_packages\nno_such_folder\n")
+    (site / "b_import.pth").write_text("import sys, os, planted_dsl; sys.path.insert(0, os.path.join("
+                                       "planted_dsl.__path__[0], 'dsl_packages'))\n")
     return site
 
 
-def test_site_folders_follow_the_pth_files(tmp_path):
-    from harness.env import site_folders
-
+def test_add_site_puts_the_folder_and_what_its_pth_files_add_first(tmp_path):
     site = plant_site(tmp_path / "site")
     other = tmp_path / "other"
     other.mkdir()
-    assert site_folders(f"{site}{os.pathsep}{other}") == [str(site), str(site / "python_packages"), str(other)]
-    assert site_folders("") == []
+    code = ("import sys; from harness.env import add_site; import json; "
+            f"added = add_site({str(site) + os.pathsep + str(other)!r}); "
+            "import flashinfer, sonicmoe; print(json.dumps([added, sys.path[:len(added)], flashinfer.__file__, "
+            "sonicmoe.__file__]))")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                       env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    assert r.returncode == 0, r.stderr
+    import json
+
+    added, head, fi, sonic = json.loads(r.stdout)
+    dsl = str(site / "planted_dsl" / "dsl_packages")
+    assert added == head and set(added) == {dsl, str(site), str(other), str(site / "python_packages")}
+    assert added.index(str(site)) < added.index(str(other))
+    assert fi.startswith(dsl) and sonic.startswith(str(site / "python_packages"))
 
 
 @pytest.mark.slow
@@ -48,7 +62,7 @@ def test_a_conflicting_anchor_runs_in_processes_of_its_own_with_its_own_path(res
     first processes, without that folder: its stand-in, planted in the same folder, is not found there."""
     from harness.runner import run_benchmark
 
-    assert "flashinfer" not in sys.modules and not any(p.endswith("python_packages") for p in sys.path)
+    assert "flashinfer" not in sys.modules and not any(p.endswith("_packages") for p in sys.path)
     site = plant_site(tmp_path / "site")
     df = run_benchmark(cpu_cfg(results_dir, "ep_size=1", "backends=[sonicmoe,flashinfer]", "directions=[fwd]",
                                "own_process=[flashinfer]", f"+own_pythonpath.flashinfer={site}"))
@@ -179,8 +193,6 @@ def test_bundles_carry_split_wheels_and_anchor_sites_installs_them(tmp_path):
     """Wheels larger than a bundle are split, the pieces packed into bundles under the limit; on the other side
     scripts/anchor_sites.sh joins and installs each anchor's wheels into a folder of its own and exports its
     MOKBENCH_<ANCHOR>_SITE, which then holds the package and the folder its .pth names."""
-    from harness.env import site_folders
-
     out = tmp_path / "out"
     (out / "wheels" / "flashinfer").mkdir(parents=True)
     (out / "wheels" / "sonicmoe").mkdir(parents=True)
@@ -202,7 +214,7 @@ def test_bundles_carry_split_wheels_and_anchor_sites_installs_them(tmp_path):
     assert f"FI={sites['flashinfer']} PP=" in r.stdout and r.stdout.rstrip().endswith("PP=")  # this shell's path kept
     fi = sites["flashinfer"]
     assert (fi / "planted_fi" / "__init__.py").is_file() and (fi / "planted_fi.pth").is_file()
-    assert site_folders(str(fi)) == [str(fi), str(fi / "planted_fi_extra")]
+    assert (fi / "planted_fi_extra" / "planted_fi_extra_mod.py").is_file()
     assert (sites["sonicmoe"] / "planted_sonic" / "__init__.py").is_file()
     r = subprocess.run(["bash", "-c", f"source scripts/anchor_sites.sh {tmp_path / 'none'} flashinfer"], cwd=ROOT,
                        capture_output=True, text=True, timeout=60, env=env)
