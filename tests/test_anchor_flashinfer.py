@@ -259,6 +259,16 @@ def test_its_rows_on_this_machine_are_unsupported_with_reason_and_fix(results_di
     assert bwd[1] == fwd[1] or "inference forward" in bwd[1]
 
 
+def test_only_its_forward_rows_carry_the_forward_kind():
+    from harness.results import make_row
+
+    info = {"forward_kind": "inference", "notes": "n"}
+    assert make_row({}, "flashinfer", "fwd", "ok", **info)["forward_kind"] == "inference"
+    for d in ("bwd", "fwd_bwd"):
+        row = make_row({}, "flashinfer", d, "unsupported", error="e", **info)
+        assert "forward_kind" not in row and row["notes"] == "n"
+
+
 # ---- its options and the hashes of committed points ---------------------------------------------------------------
 
 
