@@ -65,10 +65,11 @@ from baselines.options import FlashInferOptions
 VERSION = "0.7.2.post1"  # the flashinfer-python release whose API this adapter was written against
 BLOCK = 32  # rows per up / gate block of its w1 interleave
 SITE_ENV = "MOKBENCH_FLASHINFER_SITE"  # where +experiment=hopper_anchors finds its own install (own_pythonpath)
-INSTALL_HINT = (f"in a folder of its own: python3 -m pip install --target DIR flashinfer-python=={VERSION} and its "
-                "dependencies (nvidia-cutlass-dsl>=4.6.2a0, which SonicMoE's 4.4.2 conflicts with), then run it as "
-                f"own_process=[flashinfer] +own_pythonpath.flashinfer=DIR (or {SITE_ENV}=DIR with "
-                "+experiment=hopper_anchors); docs/backends.md, 'Anchor: FlashInfer fused MoE'")
+INSTALL_HINT = (f"in a folder of its own: python3 -m pip install --no-deps --target DIR flashinfer-python=={VERSION} "
+                "and its dependencies in one call (the wheels scripts/anchor_wheels.py fetches: nvidia-cutlass-dsl "
+                "4.8.1 with its -libs-base, -libs-core and -libs-cu13, which SonicMoE's 4.4.2 conflicts with, "
+                "cuda-python, ...), then run it as own_process=[flashinfer] +own_pythonpath.flashinfer=DIR (or "
+                f"{SITE_ENV}=DIR with +experiment=hopper_anchors); docs/backends.md, 'Anchor: FlashInfer fused MoE'")
 
 
 def flashinfer_version() -> str:
@@ -83,10 +84,13 @@ def load() -> SimpleNamespace:
     ``cute_dsl_fused_moe_bf16`` only where its CuTe DSL stack imports)."""
     import flashinfer
 
-    missing = [n for n in ("cute_dsl_fused_moe_bf16", "autotune") if not hasattr(flashinfer, n)]
-    if missing:
-        raise ImportError(f"flashinfer {flashinfer_version()} has no {', '.join(missing)} (its CuTe DSL stack, "
-                          "nvidia-cutlass-dsl, did not import)")
+    if not hasattr(flashinfer, "cute_dsl_fused_moe_bf16"):
+        try:  # FlashInfer swallowed the error of its CuTe DSL MoE's import: the same import, for its message
+            from flashinfer.fused_moe.cute_dsl.sm90_fused_moe import cute_dsl_fused_moe_bf16  # noqa: F401
+            why = "its CuTe DSL stack did not import"
+        except Exception as e:  # noqa: BLE001 (nvidia-cutlass-dsl missing, incomplete or of another version)
+            why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        raise ImportError(f"flashinfer {flashinfer_version()} has no cute_dsl_fused_moe_bf16 ({why})")
     return SimpleNamespace(moe=flashinfer.cute_dsl_fused_moe_bf16, autotune=flashinfer.autotune)
 
 

@@ -221,7 +221,8 @@ def test_unsupported_reasons(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "flashinfer" else real(name, *a))
     why = B.unsupported_reason(gpu)
-    assert "not installed" in why and "pip install --target DIR flashinfer-python==0.7.2.post1" in why
+    assert "not installed" in why and "pip install --no-deps --target DIR flashinfer-python==0.7.2.post1" in why
+    assert "-libs-core" in why and "one call" in why
     assert "own_pythonpath.flashinfer=DIR" in why and flashinfer.SITE_ENV in why
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())
     assert "bf16 only" in B.unsupported_reason(dataclasses.replace(gpu, precision="fp8"))
@@ -235,7 +236,7 @@ def test_unsupported_reasons(monkeypatch):
     assert "flashinfer does not import" in B.unsupported_reason(gpu)
     monkeypatch.setitem(sys.modules, "flashinfer", types.ModuleType("flashinfer"))  # no CuTe DSL: no MoE entry
     why = B.unsupported_reason(gpu)
-    assert "has no cute_dsl_fused_moe_bf16" in why and "pip install --target" in why
+    assert "has no cute_dsl_fused_moe_bf16 (ModuleNotFoundError: " in why and "pip install --no-deps --target" in why
     monkeypatch.setitem(sys.modules, "flashinfer", fake_flashinfer([]))
     assert B.unsupported_reason(gpu) is None
 
