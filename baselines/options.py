@@ -60,3 +60,21 @@ class TorchNativeOptions(ExpertGemmOptions):
                            help="the fp8 GEMMs at precision=fp8 (auto: rowwise on a GPU); other precisions ignore it")
     impl: str = option("auto", choices=TORCH_IMPLS,
                        help="the routed experts: plain, torchtitan, or auto (the faster of the two where both run)")
+
+
+# FlashInfer's fused MoE (baselines/flashinfer.py): how its down GEMM's rows are combined, and whether its tactics are
+# autotuned in setup. ``fixed_order`` = use_fused_finalize=False (router weights and the top-k sum in fp32, in a fixed
+# order); ``fused`` = FlashInfer's default (weighted rows added into the bf16 output with atomics, not reproducible).
+FLASHINFER_FINALIZE = ("fixed_order", "fused")
+ON_OFF = ("on", "off")
+
+
+@dataclass
+class FlashInferOptions:
+    """Options of the FlashInfer anchor (its defaults stay out of every point's hash)."""
+
+    finalize: str = option("fixed_order", choices=FLASHINFER_FINALIZE,
+                           help="the combine: fixed_order (use_fused_finalize=False, fp32, reproducible) or fused "
+                                "(FlashInfer's default, bf16 atomics)")
+    autotune: str = option("on", choices=ON_OFF,
+                           help="on: its tactics autotuned in setup (flashinfer.autotune); off: its default tactic")

@@ -21,7 +21,9 @@ environment it runs in (docs/backends.md, 'Anchors: Liger-Kernel and SonicMoE').
 as installed, and ``notes`` says so: on the GPU image's torch 2.11.0+cu130, installed with ``--no-deps``
 (``nvidia-cutlass-dsl-libs-cu13``), it imports, QuACK compiles, runs and autotunes its GEMMs
 (lab/diagnostics/2026-12-04-s30/), and its forward and backward rows on qwen3_5_397b pass the reference check (run
-h200x1-s31-anchors).
+h200x1-s31-anchors). FlashInfer needs nvidia-cutlass-dsl >= 4.6.2a0: where both run, SonicMoE is installed into a
+folder of its own (``pip install --no-deps --target DIR``) and runs in processes of its own, ``own_process=[sonicmoe]
++own_pythonpath.sonicmoe=DIR`` (``+experiment=hopper_anchors`` takes DIR from ``MOKBENCH_SONICMOE_SITE``).
 
 QuACK autotunes each GEMM on first use, compiling every config (9-22 a GEMM on SM90, one to two CPU-minutes
 each; on 16 CPUs the first two of its six GEMMs took 220 s, and the third had not finished 175 s later). Setup runs
@@ -50,9 +52,12 @@ from baselines.common import ExpertParams, cache_record, device_capability, warm
 
 PRECOMPILE_RECORD = "mokbench-sonic-precompile.json"  # what benchmarks.sonic_precompile wrote to QUACK_CACHE_DIR
 PINNED_TORCH = "2.9.1"  # sonic-moe 0.1.2.post1: torch>=2.7.1,<=2.9.1
+SITE_ENV = "MOKBENCH_SONICMOE_SITE"  # where +experiment=hopper_anchors finds its own install (own_pythonpath)
 INSTALL_HINT = (f"SonicMoE 0.1.2.post1 pins torch<={PINNED_TORCH} and nvidia-cutlass-dsl==4.4.2: in a Python 3.12 "
                 f"environment with torch {PINNED_TORCH} (CUDA 12.8 or 13.0 build), pip install sonic-moe==0.1.2.post1 "
-                "(docs/backends.md, 'Anchors: Liger-Kernel and SonicMoE')")
+                "(docs/backends.md, 'Anchors: Liger-Kernel and SonicMoE'); beside FlashInfer (nvidia-cutlass-dsl "
+                "4.6+), install it with --target DIR and run it as own_process=[sonicmoe] "
+                f"+own_pythonpath.sonicmoe=DIR (or {SITE_ENV}=DIR with +experiment=hopper_anchors)")
 
 
 def sonic_version() -> str:

@@ -37,7 +37,7 @@ ROLES = ("reference", "published baseline", "baseline", "anchor", "contender")
 * ``baseline``: a baseline that the published figure does not have (HybridEP+PyTorch); counted with the published
   baselines (the fastest baseline of a cell is the fastest of both), so out-of-tree backends default to it;
 * ``anchor``: a fused MoE layer a user would pick instead of the contender (Liger-Kernel, SonicMoE, LigerCute,
-  DeepGEMM MegaMoE); shown in every table and chart, marked as an anchor, never counted as a baseline;
+  DeepGEMM MegaMoE, FlashInfer); shown in every table and chart, marked as an anchor, never counted as a baseline;
 * ``contender``: a fused kernel whose speedup the reports compute (MoK, this project's mok_hopper)."""
 
 
@@ -83,6 +83,8 @@ REGISTRY: dict[str, BackendSpec] = {
                               "#dbdb8d"),
     "deepgemm_megamoe": BackendSpec("baselines.deepgemm_megamoe:DeepGemmMegaMoEBackend",
                                     "DeepGEMM MegaMoE fp8 inference (anchor)", "anchor", "#393b79"),
+    "flashinfer": BackendSpec("baselines.flashinfer:FlashInferBackend", "FlashInfer fused MoE inference (anchor)",
+                              "anchor", "#637939", "baselines.options:FlashInferOptions"),
     "mok": BackendSpec("kernels.mok_upstream:MokBackend", "MoK", "contender", "#d62728"),
     "mok_hopper": BackendSpec("kernels.mok_hopper.backend:MokHopperBackend", "MoK Hopper (ours)", "contender",
                               "#ff7f0e", "kernels.mok_hopper.options:MokHopperOptions"),

@@ -97,6 +97,26 @@ def collect(device: str) -> dict[str, Any]:
     return info
 
 
+def add_site(path: str) -> list[str]:
+    """Put an ``own_pythonpath`` value (``DIR[:DIR]``) first on ``sys.path``, each folder as a site-packages folder:
+    its ``.pth`` files processed as Python's site does (a folder line adds that folder; an ``import`` line runs),
+    which ``pip install --target`` leaves undone (nvidia-cutlass-dsl 4.4 names its ``python_packages`` folder in
+    one, 4.8 adds its ``dsl_packages`` folder from an import line). The given folders go ahead of everything before
+    the ``.pth`` files run, so an import line imports this site's package. Returns the entries added, in the order
+    they now lead ``sys.path`` (what child processes get through ``PYTHONPATH``)."""
+    import site
+    import sys
+
+    folders = [f for f in path.split(os.pathsep) if f]
+    before = list(sys.path)
+    sys.path[:0] = [f for f in folders if f not in sys.path]
+    for folder in folders:
+        site.addsitedir(folder)  # its .pth files; the folder itself is on the path already
+    added = [p for p in dict.fromkeys(sys.path) if p not in before]
+    sys.path[:] = added + [p for p in before if p not in added]
+    return added
+
+
 def available_memory_bytes() -> Optional[int]:
     """Memory this machine can still give new processes: the kernel's MemAvailable, or less where a cgroup (a
     container, a Slurm job) caps this process tree lower. None when neither can be read."""

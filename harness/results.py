@@ -187,6 +187,8 @@ def make_row(base: dict, backend: str, direction: str, status: str, **kw: Any) -
     row = dict(base, backend=backend, direction=direction, status=status, row_id=new_row_id(),
                timestamp=pd.Timestamp.now(tz="UTC").isoformat())
     row.update(kw)
+    if direction != "fwd":
+        row.pop("forward_kind", None)  # what a forward row timed (a backend's info() gives it for all its rows)
     return row
 
 

@@ -340,7 +340,9 @@ def _next_needs_fresh_processes(pt: Point, order: list[str], pos: int, probe: Op
     some rank). Every rank gets the same answer."""
     own, nxt = set(pt.config.own_process), order[pos + 1]
     if nxt in own:
-        return "ran in processes of its own (own_process)"
+        path = pt.config.own_pythonpath.get(nxt)
+        return "ran in processes of its own (own_process)" + (f", {path} first on its path (own_pythonpath)"
+                                                              if path else "")
     if order[pos] in own:
         return f"ran in fresh processes after {order[pos]}, which has processes of its own (own_process)"
     over = float(probe.used() - start_used) if probe is not None and start_used is not None else 0.0
@@ -719,8 +721,7 @@ def _spawn_entry(local_rank: int, payload: dict, renv: RankEnv) -> None:
     _die_with_parent(signal.SIGTERM)
     env = RankEnv(local_rank, renv.world_size, local_rank, 1, renv.master_addr, renv.master_port, "spawn")
     if payload.get("pythonpath"):  # a backend's own packages (own_pythonpath), ahead of everything else
-        folders = payload["pythonpath"].split(os.pathsep)
-        sys.path[:0] = folders
+        folders = envinfo.add_site(payload["pythonpath"])  # with what their .pth files add
         os.environ["PYTHONPATH"] = os.pathsep.join([*folders, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     try:
         worker(payload, env)

@@ -79,13 +79,15 @@ def validate_run_options(c: dict) -> None:
     for b in c["backends"]:
         if b not in BACKENDS:
             raise ConfigError(f"unknown backend '{b}'; choose from: {', '.join(BACKENDS)}")
-    for key in ("own_process", "own_pythonpath"):
-        stray = [b for b in (c.get(key) or []) if b not in c["backends"]]
+    # an empty own_pythonpath value (a preset's unset environment variable) gives that backend no folder of its own
+    own_paths = {b: str(p) for b, p in (c.get("own_pythonpath") or {}).items() if p is not None and str(p).strip()}
+    for key, named in (("own_process", c.get("own_process") or []), ("own_pythonpath", own_paths)):
+        stray = [b for b in named if b not in c["backends"]]
         if stray:
             them = "it" if len(stray) == 1 else "them"
             raise ConfigError(f"{key} names {', '.join(stray)}, not among backends={list(c['backends'])}: add {them} "
                               f"to backends, or drop {them} from {key}")
-    for b, path in (c.get("own_pythonpath") or {}).items():
+    for b, path in own_paths.items():
         if b not in (c.get("own_process") or []):
             raise ConfigError(f"own_pythonpath.{b} takes effect only in a process of its own: add {b} to own_process")
         for folder in str(path).split(os.pathsep):

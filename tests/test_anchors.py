@@ -43,7 +43,7 @@ def test_registry_is_the_one_table_of_names():
     for key, s in hb.REGISTRY.items():
         assert s.role in hb.ROLES and s.label and s.color.startswith("#"), key
         assert L.system_label(key) == s.label and plots.color(key) == s.color
-    assert hb.names_with_role("anchor") == ("liger", "sonicmoe", "liger_cute", "deepgemm_megamoe")
+    assert hb.names_with_role("anchor") == ("liger", "sonicmoe", "liger_cute", "deepgemm_megamoe", "flashinfer")
     assert len({s.color for s in hb.REGISTRY.values()} | set(hb._FALLBACK_COLORS)) == len(hb.REGISTRY) + len(
         hb._FALLBACK_COLORS)  # every backend its own colour, none a fallback's
     assert set(hb.names_with_role("published baseline")) == {"nccl", "deepep", "deepep_te", "hybridep_megatron"}
@@ -74,9 +74,9 @@ def test_reports_import_the_registry_without_torch():
 
 
 def test_anchor_backends_are_valid_config_choices():
-    cfg = compose_cfg("device=cpu", "backends=[nccl,liger,sonicmoe,liger_cute,deepgemm_megamoe]")
-    assert list(cfg.backends) == ["nccl", "liger", "sonicmoe", "liger_cute", "deepgemm_megamoe"]
-    for name in ("liger", "sonicmoe", "liger_cute", "deepgemm_megamoe"):  # they import without their libraries
+    cfg = compose_cfg("device=cpu", "backends=[nccl,liger,sonicmoe,liger_cute,deepgemm_megamoe,flashinfer]")
+    assert list(cfg.backends) == ["nccl", "liger", "sonicmoe", "liger_cute", "deepgemm_megamoe", "flashinfer"]
+    for name in ("liger", "sonicmoe", "liger_cute", "deepgemm_megamoe", "flashinfer"):  # without their libraries
         assert hb.load_backend(name).name == name
 
 

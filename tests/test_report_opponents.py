@@ -95,8 +95,8 @@ def test_the_opponent_table_pairs_like_with_like():
 
 def test_an_inference_forward_never_pairs_with_a_training_forward():
     """mok_hopper's training forward (300) meets nccl's (100), its inference forward (500) meets the inference
-    anchors (DeepGEMM MegaMoE 400, and flashinfer 450 as its rows name it); neither meets the other kind, and the two
-    mok_hopper kinds are never one median."""
+    anchors (DeepGEMM MegaMoE 400, FlashInfer 450); neither meets the other kind, and the two mok_hopper kinds are never
+    one median."""
     run = S.verdict_run("r", OLD, ["nccl", "mok_hopper"], directions=("fwd",),
                         tflops={"nccl": 100.0, "mok_hopper": 300.0})
     run += inference_rows("r", OLD, "mok_hopper", 500.0, per_backend={"mok_hopper": INFERENCE})
@@ -108,10 +108,10 @@ def test_an_inference_forward_never_pairs_with_a_training_forward():
     assert infer["fastest_opponents"] == "flashinfer" and infer["speedup_min"] == pytest.approx(500 / 450)
     assert (train["pairs"], infer["pairs"]) == ("training forwards", "inference forwards")
     assert train["contender"] == infer["contender"] == "mok_hopper"
-    assert infer["fastest_baselines"] == "flashinfer"  # an unknown key is a baseline; nccl is a training forward
+    assert infer["fastest_baselines"] == ""  # both inference opponents are anchors; nccl is a training forward
     md = V.format_verdicts(t)
     assert "| BF16 forward | training forwards | 3.00× (1 shape) | NCCL+PyTorch |" in md
-    assert "| BF16 forward | inference forwards | 1.11× (1 shape) | flashinfer |" in md
+    assert "| BF16 forward | inference forwards | 1.11× (1 shape) | FlashInfer fused MoE inference (anchor) |" in md
     assert md.index("training forwards") < md.index("inference forwards")
 
 
@@ -254,7 +254,8 @@ def test_the_report_command_on_rows_with_the_new_columns(tmp_path, monkeypatch, 
     assert block == V.verdict_block(results.load(root / "runs")) == V.block_of((root / "REPORT.md").read_text())
     assert ("| BF16 forward | training forwards | 2.50× (1 shape) | NCCL+PyTorch | 0.80× (1 shape) | — |"
             in block)
-    assert "| BF16 forward | inference forwards | 1.25× (1 shape) | flashinfer | 0.50× (1 shape) | — |" in block
+    assert ("| BF16 forward | inference forwards | 1.25× (1 shape) | FlashInfer fused MoE inference (anchor) | 0.50× "
+            "(1 shape) | — |" in block)
     assert "| BF16 backward | backward | 2.50× (1 shape) | NCCL+PyTorch | 0.80× (1 shape) | — |" in block
     assert "did not measure it" not in block  # every compared row measured its own peak
     charts = P.headline_charts(results.load(root / "runs"))
