@@ -191,3 +191,34 @@ def test_the_layer_runs_across_processes_over_ipc_workspaces(tmp_path, fault):
     same = [torch.equal(g, t) for g, t in zip(got, want)]
     assert same == ([True, True] if not fault else [True, False]), [float((g.float() - t.float()).abs().max())
                                                                    for g, t in zip(got, want)]
+
+
+_AOT = """
+from benchmarks.mok_hopper.aot_check import compile_variant, problems
+from benchmarks.mok_hopper.aot_variant import Variant
+from kernels.mok_hopper.ops.barrier import _signal_pad_barrier
+v = Variant("signal-pad barrier", "_signal_pad_barrier",
+            dict(pad_ptr="*i32", peer_ptr="*i64", rank="i32", world="i32", channel="i32"), {}, 1,
+            plain=("rank", "world", "channel"))
+r = compile_variant(v, 90, sass=True, fn=_signal_pad_barrier)
+assert problems(r, 90) is None, problems(r, 90)
+sass = r["sass"] if isinstance(r["sass"], list) else r["sass"].splitlines()
+print(sum("ATOMG.E.CAS.STRONG.SYS" in line for line in sass), sum("MEMBAR.ALL.SYS" in line for line in sass))
+"""
+
+
+def test_the_barrier_kernel_compiles_for_hopper_with_system_scope_atomics():
+    """The barrier's kernel for sm_90 (Triton's ptxas, no GPU): no spill, and its signal and wait are system-scope
+    compare-and-swaps, the signal behind a system fence (what orders this rank's writes before its peers' reads)."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT, has_nvidia_backend
+
+    if not has_nvidia_backend():
+        pytest.skip("Triton has no NVIDIA backend (ptxas) here to compile the barrier for sm_90")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    p = subprocess.run([sys.executable, "-c", _AOT], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    cas, fences = map(int, p.stdout.split())
+    assert cas >= 2 and fences >= 1, p.stdout
