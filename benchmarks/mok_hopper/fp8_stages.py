@@ -27,6 +27,13 @@ from typing import Any, Optional
 import torch
 
 
+def _swiglu(g: torch.Tensor, u: torch.Tensor, limit: Optional[float]) -> torch.Tensor:
+    """SwiGLU in fp32 with the optional clamp, as the twin computes it."""
+    if limit is not None:
+        g, u = g.clamp(max=limit), u.clamp(min=-limit, max=limit)
+    return torch.nn.functional.silu(g) * u
+
+
 def _rel_l1(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.float(), b.float()
     return float((a - b).abs().sum() / b.abs().sum().clamp(min=1e-30))
@@ -105,7 +112,7 @@ def run(shape: tuple[int, ...], seed: int, device: torch.device, tile: Any = Non
         a = dequantize_blocks(x_rows[r], xs_rows[r], 1, 128)
         w13e = dequantize_blocks(q13[e], s13[e], 128, 128)
         h32[r] = a @ w13e.t()
-        hh = twin._swiglu_f32(h32[r, :I], h32[r, I:], None)
+        hh = _swiglu(h32[r, :I], h32[r, I:], None)
         hq_t[r], hs_t[r] = twin.quant_rows(hh, hb)
         w2e = dequantize_blocks(q2[e], s2[e], 128, 128)
         y_t[r] = dequantize_blocks(h_rows[r], hs_rows[r], 1, hb) @ w2e.t()  # from the kernel's own H
@@ -211,7 +218,7 @@ def accumulation_model(shape: tuple[int, ...], seed: int, bits: list[int], align
                 r = slice(m * block_m, (m + 1) * block_m)
                 a = dequantize_blocks(x_RH[r], x_scale[r], 1, 128)
                 w13 = dequantize_blocks(w13_LIH[e], w13_scale[e], 128, 128)
-                h = twin._swiglu_f32(gemm(a, w13[:I]), gemm(a, w13[I:]), limit)
+                h = _swiglu(gemm(a, w13[:I]), gemm(a, w13[I:]), limit)
                 hq, hs = twin.quant_rows(h, h_block)
                 y[r] = gemm(dequantize_blocks(hq, hs, 1, h_block), dequantize_blocks(w2_LHI[e], w2_scale[e], 128, 128))
             return y
