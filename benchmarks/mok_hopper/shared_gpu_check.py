@@ -22,7 +22,8 @@ own there (``shared_sms=0``). ``--break`` injects a fault (``shared_ranks.BREAKS
 
 Every checked step follows a step of other inputs on the same layers (a state one forward leaves must not leak into
 the next). References: the twin (``twin.simulate``, ``twin_bwd.simulate_backward``: the same recipe, tolerance
-``twin_tol``: ``TOL["twin"]``, fp8 on a GPU ``TWIN_TOL_FP8_GPU``) and, within the precision's gate, the bf16 twin (forward) and torch autograd in fp32 (backward).
+``twin_tol``: ``TOL["twin"]``, fp8 on a GPU ``TWIN_TOL_FP8_GPU``) and, within the precision's gate, the bf16 twin
+(forward) and torch autograd in fp32 (backward).
 
 Writes ``DIR/shared_gpu_check.csv``: one row per case and direction (ranks, precision, direction, mode, routing, h,
 break, ok, worst errors and where, identical repeats). Exit 0 if every check passed, 1 if one failed or a step timed

@@ -7,8 +7,9 @@ With P > 1 on CUDA the buffers are torch symmetric memory (``symm_mem.empty`` + 
 addresses come from the handle's ``buffer_ptrs``. Barriers use the handle's signal pads (peer stores), never
 NVLink multicast. On a gloo group (several ranks in processes of their own on one GPU, where the rendezvous refuses
 them) the buffers are exchanged as CUDA IPC handles instead (:class:`~kernels.mok_hopper.ipc.IpcPeers`, the same
-``buffer_ptrs`` and ``barrier(channel=)``); the tables and the kernels are the same either way. With one rank, or on the CPU (Triton interpreter tests), ordinary tensors stand in and
-:func:`link_local` makes a set of them address each other, to simulate several ranks in one process.
+``buffer_ptrs`` and ``barrier(channel=)``); the tables and the kernels are the same either way. With one rank, or
+on the CPU (Triton interpreter tests), ordinary tensors stand in and :func:`link_local` makes a set of them address
+each other, to simulate several ranks in one process.
 
 Everything lives in one byte buffer (one rendezvous); each region starts on a 256-byte boundary:
 
