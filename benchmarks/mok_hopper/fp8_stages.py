@@ -232,6 +232,57 @@ def accumulation_model(shape: tuple[int, ...], seed: int, bits: list[int], align
     return out
 
 
+def backward_model(shape: tuple[int, ...], seed: int, bits: list[int]) -> list[tuple[int, float, str]]:
+    """The twin's fp8 backward (every rank, the check's inputs, H as the fp8 forward saves it) with each of its fp8
+    GEMMs (H's recomputation, dgate, dX, both weight gradients) through :func:`_aligned_gemm`, against the twin as it
+    is: the worst rel-L1 over the routed gradients (x, router weights, gate / up / down weights) and which."""
+    from benchmarks.mok_hopper.shared_gpu_check import make_inputs, make_weights, named_grads
+    from contract.fp8 import dequantize_blocks, quantize_blocks
+    from kernels.mok_hopper.twin import backward as twin_bwd
+
+    P, I = 2, shape[4]
+    w, inp = make_weights(P, shape, seed), make_inputs(P, shape, seed + 1, "uniform")
+    args = (inp["x"], inp["idx"], inp["w"], inp["dO"], w.w13, w.w2)
+    exact = twin_bwd.simulate_backward(*args, shared=w.shared, fp8=True)
+    orig = twin_bwd.expert_backward_fp8, twin_bwd.saved_fp8
+    out = []
+    for b in bits:
+        gemm = _aligned_gemm(b)
+
+        def saved_fp8(xq_rH, xs_rB, w13q_2IH, w13s, limit):  # (no clamp in the check's inputs)
+            h = gemm(dequantize_blocks(xq_rH, xs_rB, 1, 128), dequantize_blocks(w13q_2IH, w13s, 128, 128))
+            return h.to(torch.bfloat16), None
+
+        def expert_backward_fp8(xq_rH, xs_rB, h_r2I, dOq_rH, dOs_rB, s_r, w13q_2IH, w13s, w2q_HI, w2s, *, limit,
+                                clip_r2I=None):  # the twin's recipe, its GEMMs through the model
+            x = dequantize_blocks(xq_rH, xs_rB, 1, 128)
+            dO = dequantize_blocks(dOq_rH, dOs_rB, 1, 128)
+            w13 = dequantize_blocks(w13q_2IH, w13s, 128, 128)
+            w2 = dequantize_blocks(w2q_HI, w2s, 128, 128)
+            G = gemm(dO, w2.t().contiguous())
+            A, dg, du = twin_bwd.swiglu_grads(h_r2I[:, :I], h_r2I[:, I:], G * s_r[:, None], limit, None)
+            ds = (G * A).sum(dim=1)
+            dH32 = torch.cat([dg, du], dim=1)
+            dHq, dHs = quantize_blocks(dH32, 1, 128)
+            sA = (A * s_r[:, None]).to(torch.bfloat16)
+            tq = twin_bwd.token_quant
+            dX = gemm(dequantize_blocks(dHq, dHs, 1, 128), w13.t().contiguous()).to(torch.bfloat16)
+            dW13 = gemm(tq(dH32.to(torch.bfloat16)).t().contiguous(), tq(x).t().contiguous()).to(torch.bfloat16)
+            dW2 = gemm(tq(dO).t().contiguous(), tq(sA).t().contiguous()).to(torch.bfloat16)
+            return {"dX": dX, "ds": ds, "dW13": dW13, "dW2": dW2}
+
+        twin_bwd.expert_backward_fp8, twin_bwd.saved_fp8 = expert_backward_fp8, saved_fp8
+        try:
+            got = twin_bwd.simulate_backward(*args, shared=w.shared, fp8=True)
+        finally:
+            twin_bwd.expert_backward_fp8, twin_bwd.saved_fp8 = orig
+        errs = [(_rel_l1(named_grads(g, I)[n], named_grads(e, I)[n]), f"{n}@{r}")
+                for r, (g, e) in enumerate(zip(got, exact)) for n in named_grads(g, I) if not n.startswith("shared")]
+        worst = max(errs)
+        out.append((b, worst[0], worst[1]))
+    return out
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", default="256,4,16,1024,512", help="T,K,E,H,I")
@@ -241,6 +292,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                          "block order) with pointer loads, on any device (the CPU's default tile runs other variants)")
     ap.add_argument("--acc-bits", default="",
                     help="instead: the accumulation model, for these significand widths (e.g. 10,12,13,14,16,23)")
+    ap.add_argument("--backward", action="store_true", help="the accumulation model of the backward (aligned)")
     ap.add_argument("--acc-model", choices=("aligned", "running"), default="aligned",
                     help="aligned: products cut at the largest exponent of each MMA step; running: the running sum "
                          "rounded to its own exponent")
@@ -250,6 +302,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     if not cuda:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     dev = torch.device("cuda" if cuda else "cpu")
+    if a.acc_bits and a.backward:
+        for seed in (int(v) for v in a.seeds.split(",")):
+            for b, err, where in backward_model(shape, seed, [int(v) for v in a.acc_bits.split(",")]):
+                print(f"seed {seed}  backward, aligned accumulator {b:>2} bits  worst rel-L1 to the twin {err:.3e} "
+                      f"({where})", flush=True)
+        return 0
     if a.acc_bits:
         for seed in (int(v) for v in a.seeds.split(",")):
             for b, err in accumulation_model(shape, seed, [int(v) for v in a.acc_bits.split(",")],
