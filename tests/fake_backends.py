@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from baselines.nccl import NcclBackend
+from kernels.mok_hopper.backend import MokHopperBackend
 
 
 class WrongOutput(NcclBackend):
@@ -95,6 +96,17 @@ class OneRankPerGpu(NcclBackend):
 
     name = "one_rank_per_gpu"
     runs_shared_gpu = False
+
+
+class MokHopperTwoChunks(MokHopperBackend):
+    """``mok_hopper`` with its pull / GEMM pipeline in two chunks a rank (``num_chunks=2`` over the default tile):
+    the harness has no tile option, and several ranks on one GPU must also run more than one chunk a rank."""
+
+    name = "mok_hopper_2chunks"
+
+    def __init__(self, case, group, options=None):
+        super().__init__(case, group, options)
+        self.tile_overrides = {"num_chunks": 2}
 
 
 # ---- device memory that does not come back (harness.runner's clean-up between backends) ------------------------

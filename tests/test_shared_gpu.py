@@ -16,13 +16,17 @@ import json
 import os
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 import torch
 from conftest import HAS_GPU, ROOT
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAS_GPU, reason="no CUDA GPU on this machine: these checks run "
-                                                                      "several ranks on one GPU")]
+                                                                      "several ranks of mok_hopper's kernels (CUDA IPC "
+                                                                      "workspaces, concurrent streams) on one GPU; the "
+                                                                      "CPU side is test_shared_gpu_cpu.py and "
+                                                                      "test_ipc_workspace.py")]
 
 
 def _check(tmp_path, *args: str, timeout: float = 900) -> tuple[subprocess.CompletedProcess, list[dict[str, str]]]:
@@ -91,36 +95,74 @@ def test_the_probe_gives_every_step_a_record(tmp_path):
     assert report["steps"][0]["status"] == "ok", report["steps"][0]  # gloo with host staging must work
 
 
-SMALL = ["shape=custom", "shape.num_experts=16", "shape.hidden=512", "shape.ffn=256", "shape.topk=4",
+# the one-process check's GPU shape (T, K, E, H, I = 256, 4, 16, 1024, 512)
+SHAPE = ["shape=custom", "shape.num_experts=16", "shape.hidden=1024", "shape.ffn=512", "shape.topk=4",
          "workload.tokens_per_gpu=256"]
+ROW_KEYS = ["backend", "precision", "routing", "direction", "status", "error"]
+
+
+def _harness(tmp_path, ranks: int, backends: str, precisions: list[str], *, fault: str = "", watchdog_s: int = 600,
+             workloads: str = "uniform,hot_rank") -> tuple[subprocess.CompletedProcess, Any]:
+    """``ep_size=P ranks_per_gpu=P`` on this GPU through the harness (P processes, gloo with host staging), uniform
+    routing and an idle last rank, forward and backward; ``fault``: a planted fault of kernels/mok_hopper/ipc.py."""
+    from harness import results
+
+    # PYTHONPATH: conftest put tests/ (fake_backends) and the repo on it, before what was there
+    env = dict(os.environ, MOKBENCH_EXTRA_BACKENDS="one_rank_per_gpu=fake_backends:OneRankPerGpu,"
+                                                   "mok_hopper_2chunks=fake_backends:MokHopperTwoChunks")
+    env.pop("TRITON_INTERPRET", None)
+    env.pop("MOKBENCH_IPC_FAULT", None)
+    if fault:
+        env["MOKBENCH_IPC_FAULT"] = fault
+    p = subprocess.run([sys.executable, "-m", "harness.run", "-m", *SHAPE, "device=cuda", "compile=false",
+                        "timing=quick", "directions=[fwd,bwd]", f"results_dir={tmp_path}", "print_table=false",
+                        f"watchdog_s={watchdog_s}", f"ep_size={ranks}", f"ranks_per_gpu={ranks}", "run_id=shared",
+                        f"backends=[{backends}]", f"precision={','.join(precisions)}", f"workload={workloads}",
+                        f"workload.hot_rank={ranks - 1}", "workload.hot_ratio=0", f"hydra.sweep.dir={tmp_path}/sweep"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=3000)
+    df = results.load(tmp_path / "shared") if (tmp_path / "shared").exists() else None
+    return p, df
+
+
+def _all_ok(rows: Any, n: int, ranks: int) -> None:
+    assert len(rows) == n, rows[ROW_KEYS]
+    assert (rows.status == "ok").all(), rows[rows.status != "ok"][ROW_KEYS].to_string()
+    assert rows.shared_gpu.all() and (rows.ranks_per_gpu == ranks).all() and rows.latency_ms.isna().all()
 
 
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_harness_ranks_in_processes_of_their_own_share_the_gpu(tmp_path, ranks):
     """``ep_size=P ranks_per_gpu=P``: P processes on this GPU run the harness's own path (gloo with host staging),
-    bf16 and fp8, uniform routing and an idle rank: every nccl row is ok against the reference, untimed and marked
-    shared_gpu; a backend that needs a GPU per rank says so, and mok_hopper's kernel says why its symmetric memory
-    cannot (torch's rendezvous refuses processes that share a device)."""
-    from harness import results
-
-    # PYTHONPATH: conftest put tests/ (fake_backends) and the repo on it, before what was there
-    env = dict(os.environ, MOKBENCH_EXTRA_BACKENDS="one_rank_per_gpu=fake_backends:OneRankPerGpu")
-    env.pop("TRITON_INTERPRET", None)
-    p = subprocess.run([sys.executable, "-m", "harness.run", "-m", *SMALL, "device=cuda", "compile=false",
-                        "timing=quick", "directions=[fwd,bwd]", f"results_dir={tmp_path}", "print_table=false",
-                        "watchdog_s=240", f"ep_size={ranks}", f"ranks_per_gpu={ranks}", "run_id=shared",
-                        "backends=[nccl,mok_hopper,one_rank_per_gpu]", f"precision={','.join(_fp8_here())}",
-                        "workload=uniform,hot_rank", f"workload.hot_rank={ranks - 1}", "workload.hot_ratio=0",
-                        f"hydra.sweep.dir={tmp_path}/sweep"],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+    bf16 and fp8, forward and backward, uniform routing and an idle rank: every nccl and mok_hopper row is ok
+    against the reference, untimed and marked shared_gpu (mok_hopper's kernel with its workspaces exchanged by CUDA
+    IPC); a backend that needs a GPU per rank says so."""
+    p, df = _harness(tmp_path, ranks, "nccl,mok_hopper,one_rank_per_gpu", _fp8_here())
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
-    df = results.load(tmp_path / "shared")
-    ran = df[df.backend == "nccl"]
-    assert len(ran) == 2 * 2 * len(_fp8_here()), ran[["backend", "precision", "routing", "direction", "status"]]
-    assert (ran.status == "ok").all(), ran[ran.status != "ok"][["backend", "precision", "routing", "direction",
-                                                                 "error"]].to_string()
-    assert ran.shared_gpu.all() and (ran.ranks_per_gpu == ranks).all() and ran.latency_ms.isna().all()
+    n = 2 * 2 * len(_fp8_here())  # routing x direction x precision
+    _all_ok(df[df.backend == "nccl"], n, ranks)
+    mok = df[df.backend == "mok_hopper"]
+    _all_ok(mok, n, ranks)
+    assert mok.notes.str.contains("workspaces over CUDA IPC").all(), mok.notes.iloc[0]
     other = df[df.backend == "one_rank_per_gpu"]
     assert len(other) and (other.status == "unsupported").all()
-    mok = df[df.backend == "mok_hopper"]
-    assert len(mok) and (mok.status == "unsupported").all() and mok.error.str.contains("shared_gpu_check").all()
+
+
+def test_harness_ranks_on_one_gpu_with_two_chunks_a_rank(tmp_path):
+    """The same at P = 2 with the pull / GEMM pipeline in two chunks a rank (``num_chunks=2``)."""
+    p, df = _harness(tmp_path, 2, "mok_hopper_2chunks", _fp8_here())
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
+    rows = df[df.backend == "mok_hopper_2chunks"]
+    _all_ok(rows, 2 * 2 * len(_fp8_here()), 2)
+    assert rows.notes.str.contains("2 chunk").all(), rows.notes.iloc[0]
+
+
+@pytest.mark.parametrize("fault", ["wrong-peer-pointer", "skip-barrier"])
+def test_planted_ipc_faults_turn_harness_rows_into_mismatch_or_timeout(tmp_path, fault):
+    """A planted fault in the P-process route (rank 0's IPC peer pointer wrong; rank 0 skipping the cross-process
+    barrier before the epilogue) turns mok_hopper's rows into ``mismatch`` or ``timeout`` (the watchdog) where the
+    real route gives ``ok`` (the tests above)."""
+    p, df = _harness(tmp_path, 2, "mok_hopper", ["bf16"], fault=fault, watchdog_s=300,
+                     workloads="uniform")
+    assert df is not None, p.stdout[-4000:] + p.stderr[-4000:]
+    rows = df[df.backend == "mok_hopper"]
+    assert len(rows) and rows.status.isin(["mismatch", "timeout"]).all(), rows[ROW_KEYS].to_string()

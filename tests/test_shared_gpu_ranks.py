@@ -191,24 +191,31 @@ def test_one_rank_per_gpu_keeps_the_hash_a_point_had_before_the_option():
     assert config_hash(dict(c, watchdog_s=30), case) == before
 
 
-def test_which_backends_run_with_ranks_that_share_a_gpu():
-    """nccl and the reference do anywhere; mok_hopper's CPU twin does, its kernel does not (torch's symmetric-memory
-    rendezvous refuses ranks in several processes on one device: measured on an H100, docs/mok_hopper.md), and says
-    what checks several of its ranks on one GPU instead; a backend without the attribute says to drop the
-    option."""
+def test_which_backends_run_with_ranks_that_share_a_gpu(monkeypatch):
+    """nccl and the reference do anywhere; mok_hopper does (the CPU twin; the kernel with its workspaces over CUDA
+    IPC) where the CUDA driver's IPC calls load, and where they do not says why and what checks several of its ranks
+    on one GPU instead; a backend without the attribute says to drop the option."""
     from types import SimpleNamespace
 
     from baselines.nccl import NcclBackend
     from contract.backend import shared_gpu_unsupported
     from harness.reference import ReferenceBackend
+    from kernels.mok_hopper import ipc
     from kernels.mok_hopper.backend import MokHopperBackend
 
     cpu, cuda = SimpleNamespace(device="cpu"), SimpleNamespace(device="cuda")
     for cls in (NcclBackend, ReferenceBackend):
         assert shared_gpu_unsupported(cls, cuda, cls.name, 2) is None
     assert shared_gpu_unsupported(MokHopperBackend, cpu, "mok_hopper", 2) is None
+    monkeypatch.setattr(ipc, "_driver", lambda: object())  # a driver that loads
+    assert shared_gpu_unsupported(MokHopperBackend, cuda, "mok_hopper", 2) is None
+
+    def missing():
+        raise OSError("libcuda.so.1: cannot open shared object file")
+
+    monkeypatch.setattr(ipc, "_driver", missing)
     why = shared_gpu_unsupported(MokHopperBackend, cuda, "mok_hopper", 2)
-    assert "symmetric memory" in why and "benchmarks.mok_hopper.shared_gpu_check" in why
+    assert "CUDA IPC" in why and "libcuda.so.1" in why and "benchmarks.mok_hopper.shared_gpu_check" in why
     assert "drop ranks_per_gpu" in shared_gpu_unsupported(SimpleNamespace(), cuda, "other", 4)
 
 

@@ -22,7 +22,8 @@ own there (``shared_sms=0``). ``--break`` injects a fault (``shared_ranks.BREAKS
 
 Every checked step follows a step of other inputs on the same layers (a state one forward leaves must not leak into
 the next). References: the twin (``twin.simulate``, ``twin_bwd.simulate_backward``: the same recipe, tolerance
-``TOL["twin"]``) and, within the precision's gate, the bf16 twin (forward) and torch autograd in fp32 (backward).
+``twin_tol``: ``TOL["twin"]``, fp8 on a GPU ``TWIN_TOL_FP8_GPU``) and, within the precision's gate, the bf16 twin
+(forward) and torch autograd in fp32 (backward).
 
 Writes ``DIR/shared_gpu_check.csv``: one row per case and direction (ranks, precision, direction, mode, routing, h,
 break, ok, worst errors and where, identical repeats). Exit 0 if every check passed, 1 if one failed or a step timed
@@ -61,6 +62,17 @@ SHAPES = {("cpu", "bf16"): (24, 3, 8, 128, 64), ("cpu", "fp8"): (24, 3, 8, 256, 
 # rel-L1: to the twin; to the reference (the precision's gate). The shared expert's gradients are checked against the
 # reference only, as the simulated-rank tests do (its backward runs torch GEMMs, the twin another rounding order).
 TOL = {"twin": 5e-3, "bf16": 1e-2, "fp8": 0.1}
+# fp8 kernel against its twin on a GPU, by direction: Hopper's fp8 MMA adds the products of each 128-deep scale block
+# in an accumulator narrower than fp32 (Triton's default on sm_90), the twin in fp32; the e4m3 requantisations after
+# the GEMMs carry that on. Measured on one H100 (P = 2 and 4, uniform and idle, 12 checks at the GPU shape): at most
+# 6.14e-3 forward, 1.61e-2 backward (lab/diagnostics/2026-12-06-shared-gpu-h100/shared_gpu_check.csv); the bounds
+# are those maxima with a margin of about 1.6. Under the interpreter (fp32 accumulation) the kernel meets TOL["twin"].
+TWIN_TOL_FP8_GPU = {"fwd": 1e-2, "bwd": 2.5e-2}
+
+
+def twin_tol(precision: str, direction: str, device: str) -> float:
+    """The rel-L1 the kernel may differ from its twin by (see :data:`TWIN_TOL_FP8_GPU`)."""
+    return TWIN_TOL_FP8_GPU[direction] if precision == "fp8" and device == "cuda" else TOL["twin"]
 GRADS = ("x", "topk_w", "w_gate", "w_up", "w_down", "shared_gate", "shared_up", "shared_down")
 CSV_NAME = "shared_gpu_check.csv"
 
@@ -116,7 +128,7 @@ def named_grads(g: dict[str, Any], I: int) -> dict[str, torch.Tensor]:
 
 
 def check_step(got: dict[str, list[Any]], w: Weights, inp: dict[str, list[torch.Tensor]], precision: str,
-               block_m: int) -> dict[str, dict[str, Any]]:
+               block_m: int, device: str = "cpu") -> dict[str, dict[str, Any]]:
     """Per direction: ok, the worst rel-L1 to the twin and to the reference, and where (``name@rank``)."""
     fp8, P, I = precision == "fp8", len(w.w13), w.w2[0].shape[2]
     args = (inp["x"], inp["idx"], inp["w"])
@@ -130,8 +142,9 @@ def check_step(got: dict[str, list[Any]], w: Weights, inp: dict[str, list[torch.
     out = {}
     for direction, items in (("fwd", fwd), ("bwd", bwd)):
         errs = [(0.0 if name.startswith("shared_") else rel_l1(t, a), rel_l1(t, b), name) for name, t, a, b in items]
-        worst = max(errs, key=lambda e: max(e[0] / TOL["twin"], e[1] / TOL[precision]))
-        out[direction] = dict(ok=all(a < TOL["twin"] and b < TOL[precision] for a, b, _ in errs),
+        tol = twin_tol(precision, direction, device)
+        worst = max(errs, key=lambda e: max(e[0] / tol, e[1] / TOL[precision]))
+        out[direction] = dict(ok=all(a < tol and b < TOL[precision] for a, b, _ in errs),
                               twin_err=max(e[0] for e in errs), ref_err=max(e[1] for e in errs), worst=worst[2])
     return out
 
@@ -185,7 +198,7 @@ def run_case_set(args: argparse.Namespace, P: int, precision: str, rows: list[di
             got = ranks.step(_to(inp, dev), args.timeout)
             base = dict(ranks=P, precision=precision, mode=args.mode, routing=routing, h=h,
                         brk=",".join(args.breaks) or "none", device=_device_name(dev), **info)
-            res = check_step(got, host, inp, precision, bm)
+            res = check_step(got, host, inp, precision, bm, dev.type)
             for direction in ("fwd", "bwd"):
                 rows.append(dict(base, direction=direction, status="ok" if res[direction]["ok"] else "mismatch",
                                  seconds=round(time.time() - t0, 2), **res[direction]))

@@ -51,17 +51,21 @@ class _TwinTrain(torch.autograd.Function):
 class MokHopperBackend:
     name = "mok_hopper"
     directions = ("fwd", "bwd", "fwd_bwd")
-    # several ranks on one GPU (ranks_per_gpu > 1): the CPU twin only (shared_gpu_unsupported says why not the kernel)
+    # several ranks on one GPU (ranks_per_gpu > 1, a gloo group): the kernel's workspaces over CUDA IPC
+    # (kernels.mok_hopper.ipc), the CPU twin's collectives through the process group
     runs_shared_gpu = True
 
     @classmethod
     def shared_gpu_unsupported(cls, case: Case) -> Optional[str]:
         if case.device != "cuda":
-            return None  # the twin's collectives go through the process group
-        return ("the kernel's workspaces are torch symmetric memory, whose rendezvous refuses ranks in several "
-                "processes on one device ('detected allocations from overlapping devices from different ranks', "
-                "torch 2.11 on an H100); check several ranks of it on one GPU in one process instead: "
-                "python -m benchmarks.mok_hopper.shared_gpu_check --out DIR")
+            return None
+        from kernels.mok_hopper.ipc import unavailable
+
+        why = unavailable()
+        return None if why is None else (
+            f"several ranks of the kernel on one GPU exchange their workspaces by CUDA IPC, and here {why}; torch "
+            f"symmetric memory refuses ranks in several processes on one device. Check several ranks of it on one "
+            f"GPU in one process instead: python -m benchmarks.mok_hopper.shared_gpu_check --out DIR")
 
     @classmethod
     def direction_unsupported(cls, case: Case, direction: str,
@@ -253,7 +257,9 @@ class MokHopperBackend:
                           + (f", shared expert on {layer.side_programs} of its own (+ up after it)"
                              if layer.side_programs else "") + "; "
                           f"{'Triton' if layer.scheduler is not None else 'torch'} "
-                          f"schedule; capacity {layer.R} rows; symmetric memory, no multicast; "
+                          f"schedule; capacity {layer.R} rows; "
+                          f"{'workspaces over CUDA IPC' if layer.ws.transport == 'ipc' else 'symmetric memory'}, "
+                          f"no multicast; "
                           + ("replayed as one CUDA graph" if layer.use_graph else
                              f"launched from Python (CUDA graph capture failed: {layer.graph_error})"
                              if layer.graph_error else "launched from Python"))}

@@ -5,8 +5,11 @@ Legend: P ranks, T tokens per rank, K top-k, H hidden, B = H / 128 scale blocks.
 
 With P > 1 on CUDA the buffers are torch symmetric memory (``symm_mem.empty`` + ``symm_mem.rendezvous``); peer
 addresses come from the handle's ``buffer_ptrs``. Barriers use the handle's signal pads (peer stores), never
-NVLink multicast. With one rank, or on the CPU (Triton interpreter tests), ordinary tensors stand in and
-:func:`link_local` makes a set of them address each other, to simulate several ranks in one process.
+NVLink multicast. On a gloo group (several ranks in processes of their own on one GPU, where the rendezvous refuses
+them) the buffers are exchanged as CUDA IPC handles instead (:class:`~kernels.mok_hopper.ipc.IpcPeers`, the same
+``buffer_ptrs`` and ``barrier(channel=)``); the tables and the kernels are the same either way. With one rank, or
+on the CPU (Triton interpreter tests), ordinary tensors stand in and :func:`link_local` makes a set of them address
+each other, to simulate several ranks in one process.
 
 Everything lives in one byte buffer (one rendezvous); each region starts on a 256-byte boundary:
 
@@ -29,6 +32,8 @@ from typing import Any, Optional
 
 import torch
 
+from kernels.mok_hopper import ipc as _ipc
+
 _ALIGN = 256
 _CACHE: dict[tuple, "Workspace"] = {}
 
@@ -46,12 +51,17 @@ class Workspace:
     """Views into one (symmetric) byte buffer and, per region, an int64 table locating every rank's copy."""
 
     def __init__(self, *, rank: int, world: int, device: torch.device, tokens: int, hidden: int, topk: int,
-                 fp8: bool, group: Any = None, symmetric: Optional[bool] = None) -> None:
+                 fp8: bool, group: Any = None, symmetric: Optional[bool] = None, ipc: Any = None) -> None:
+        """``ipc``: the layer that shares buffers between processes (:class:`~kernels.mok_hopper.ipc.IpcLayer`;
+        None: the CUDA driver's where :func:`~kernels.mok_hopper.ipc.wanted`, else symmetric memory)."""
         self.rank, self.world, self.device = rank, world, torch.device(device)
         self.tokens, self.hidden, self.topk, self.fp8 = tokens, hidden, topk, fp8
         if symmetric is None:
             symmetric = world > 1 and self.device.type == "cuda"
-        self.symmetric = symmetric
+        if ipc is None and symmetric and world > 1 and _ipc.wanted(group, self.device):
+            ipc = _ipc.DriverIpc()
+        self.symmetric = symmetric or ipc is not None
+        self.transport = "ipc" if ipc is not None else "symmetric" if symmetric else "local"
         offsets, total = {}, 0
         layout = _layout(tokens, hidden, topk, fp8)
         for name, shape, dtype in layout:
@@ -62,7 +72,12 @@ class Workspace:
             total += -(-n * torch.empty((), dtype=dtype).element_size() // _ALIGN) * _ALIGN
         self.offsets, self.nbytes = offsets, total
         self.handle = None
-        if symmetric:
+        if ipc is not None:
+            self.handle = _ipc.IpcPeers(total, device=self.device, group=group, rank=rank, world=world, layer=ipc,
+                                        fault=_ipc.planted_fault())
+            self.buf = self.handle.buf
+            bases = list(self.handle.buffer_ptrs)
+        elif symmetric:
             import torch.distributed._symmetric_memory as symm_mem
 
             self.buf = symm_mem.empty(total, dtype=torch.uint8, device=self.device)
@@ -128,6 +143,13 @@ class Workspace:
         if self.handle is not None:
             self.handle.barrier(channel=channel)
 
+    def close(self) -> None:
+        """Give the memory back. CUDA IPC (collective: every rank of the group): the views go, the peers' buffers
+        are unmapped and this rank's freed once every rank has unmapped it. Otherwise the views go with the object."""
+        if self.transport == "ipc":
+            self.views, self.tables, self.buf = {}, {}, None  # type: ignore[assignment]
+            self.handle.close()
+
 
 def _settle(device: torch.device, group: Any) -> None:
     """Every rank's queued GPU work is done, then every rank has got here (host barrier), then done again."""
@@ -182,4 +204,7 @@ def get_workspace(*, group: Any, rank: int, world: int, device: torch.device, to
 
 
 def clear_workspace_cache() -> None:
+    """Drop the cached workspaces; those over CUDA IPC are closed (collective: every rank calls this)."""
+    for ws in list(_CACHE.values()):
+        ws.close()
     _CACHE.clear()
