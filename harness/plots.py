@@ -337,6 +337,30 @@ def _routing_order(df: pd.DataFrame) -> list[str]:
     return sorted(labels, key=lambda r: (r != "uniform", imb.get(r, math.inf) if not L.isna(imb.get(r)) else 0, r))
 
 
+def _facet_grid(agg: pd.DataFrame, fixed: list[str], max_cols: int, size: tuple[float, float]):
+    """The sweep charts' layout: the environment keys among ``fixed`` that vary in ``agg`` (a line each), one
+    subplot per (precision, direction, shape) in panel order, at most ``max_cols`` a row of ``size`` inches each.
+    Returns (varying, facets, figure, axes, ncols)."""
+    varying = [k for k in fixed if agg[k].nunique(dropna=False) > 1 and k != "run_started"]
+    facets = list(agg[["precision", "direction", "shape"]].drop_duplicates().itertuples(index=False, name=None))
+    facets.sort(key=lambda k: (L.PRECISION_ORDER.index(k[0]) if k[0] in L.PRECISION_ORDER else 9,
+                               L.DIRECTION_ORDER.index(k[1]) if k[1] in L.DIRECTION_ORDER else 9,
+                               _shape_pos(k[2]), str(k[2])))
+    ncols = min(len(facets), max_cols)
+    nrows = math.ceil(len(facets) / ncols)
+    fig = new_figure(size[0] * ncols + 0.4, size[1] * nrows + 1.1)
+    return varying, facets, fig, fig.subplots(nrows, ncols, squeeze=False), ncols
+
+
+def _close_grid(axes, used: int, agg: pd.DataFrame, fixed: list[str], varying: list[str]) -> str:
+    """Hide the grid's unused subplots; the title's text of the environment that stays the same."""
+    nrows, ncols = len(axes), len(axes[0])
+    for n in range(used, nrows * ncols):
+        axes[n // ncols][n % ncols].set_visible(False)
+    const = [k for k in fixed if k not in varying and k != "run_started"]
+    return ", ".join(_ctx(k, agg[k].iloc[0]) for k in const if not L.isna(agg[k].iloc[0]))
+
+
 def plot_sweep(df: pd.DataFrame, x: str, title: Optional[str] = None) -> Figure:
     """Throughput (TFLOP/s per GPU) vs one sweep axis: ``tokens_per_gpu``, ``ep_size`` or ``routing``.
 
@@ -352,15 +376,7 @@ def plot_sweep(df: pd.DataFrame, x: str, title: Optional[str] = None) -> Figure:
     agg = agg[lines > 1]
     if agg.empty:
         raise ValueError(f"nothing varies along {x} in these rows" + (f" ({shared})" if shared else ""))
-    varying = [k for k in fixed if agg[k].nunique(dropna=False) > 1 and k != "run_started"]
-    facets = list(agg[["precision", "direction", "shape"]].drop_duplicates().itertuples(index=False, name=None))
-    facets.sort(key=lambda k: (L.PRECISION_ORDER.index(k[0]) if k[0] in L.PRECISION_ORDER else 9,
-                               L.DIRECTION_ORDER.index(k[1]) if k[1] in L.DIRECTION_ORDER else 9,
-                               _shape_pos(k[2]), str(k[2])))
-    ncols = min(len(facets), 4)
-    nrows = math.ceil(len(facets) / ncols)
-    fig = new_figure(4.6 * ncols + 0.4, 3.6 * nrows + 1.1)
-    axes = fig.subplots(nrows, ncols, squeeze=False)
+    varying, facets, fig, axes, ncols = _facet_grid(agg, fixed, 4, (4.6, 3.6))
     cats = _routing_order(df[df["routing"].isin(agg["routing"])]) if x == "routing" else None
     notes: list[str] = []
     legend: dict[str, Any] = {}
@@ -397,10 +413,7 @@ def plot_sweep(df: pd.DataFrame, x: str, title: Optional[str] = None) -> Figure:
         ax.set_xlabel(AXIS_LABELS[x] + (" (balanced → imbalanced)" if x == "routing" else ""), fontsize=9)
         if n % ncols == 0:
             ax.set_ylabel("TFLOP/s per GPU")
-    for n in range(len(facets), nrows * ncols):
-        axes[n // ncols][n % ncols].set_visible(False)
-    const = [k for k in fixed if k not in varying and k != "run_started"]
-    env_txt = ", ".join(_ctx(k, agg[k].iloc[0]) for k in const if not L.isna(agg[k].iloc[0]))
+    env_txt = _close_grid(axes, len(facets), agg, fixed, varying)
     finish(fig, title or f"Throughput vs {AXIS_LABELS[x]}" + (f" — {env_txt}" if env_txt else ""),
            list(legend.values()), list(legend.keys()), notes=notes, ncol=5, caption=_caption(shared))
     return fig
@@ -422,15 +435,7 @@ def plot_imbalance(df: pd.DataFrame, title: Optional[str] = None) -> Figure:
     agg = agg[(lines.transform("nunique") > 1) & agg["expert_load_max_over_mean"].notna()]
     if agg.empty:
         raise ValueError("no routing sweep with measured imbalance in these rows" + (f" ({shared})" if shared else ""))
-    varying = [k for k in fixed if agg[k].nunique(dropna=False) > 1 and k != "run_started"]
-    facets = list(agg[["precision", "direction", "shape"]].drop_duplicates().itertuples(index=False, name=None))
-    facets.sort(key=lambda k: (L.PRECISION_ORDER.index(k[0]) if k[0] in L.PRECISION_ORDER else 9,
-                               L.DIRECTION_ORDER.index(k[1]) if k[1] in L.DIRECTION_ORDER else 9,
-                               _shape_pos(k[2]), str(k[2])))
-    ncols = min(len(facets), 3)
-    nrows = math.ceil(len(facets) / ncols)
-    fig = new_figure(5.2 * ncols + 0.4, 4.0 * nrows + 1.1)
-    axes = fig.subplots(nrows, ncols, squeeze=False)
+    varying, facets, fig, axes, ncols = _facet_grid(agg, fixed, 3, (5.2, 4.0))
     notes: list[str] = []
     legend: dict[str, Any] = {}
     styles = ["-", "--", ":", "-."]
@@ -465,10 +470,7 @@ def plot_imbalance(df: pd.DataFrame, title: Optional[str] = None) -> Figure:
         ax.set_xlabel("expert load max / mean (routing imbalance)", fontsize=9)
         if n % ncols == 0:
             ax.set_ylabel("latency (ms, median)")
-    for n in range(len(facets), nrows * ncols):
-        axes[n // ncols][n % ncols].set_visible(False)
-    const = [k for k in fixed if k not in varying and k != "run_started"]
-    env_txt = ", ".join(_ctx(k, agg[k].iloc[0]) for k in const if not L.isna(agg[k].iloc[0]))
+    env_txt = _close_grid(axes, len(facets), agg, fixed, varying)
     steps_note = "open triangles: the slowest routing step's median (rows of several routing steps)" \
         if agg["latency_step_max_ms"].notna().any() else ""
     finish(fig, title or "Latency vs routing imbalance" + (f" — {env_txt}" if env_txt else ""),
