@@ -57,6 +57,16 @@ def warm_forward_backward(routed: Callable[..., torch.Tensor], inputs, params: "
     return time.perf_counter() - t0
 
 
+def package_version(dist_name: str) -> str:
+    """The installed version of the distribution ``dist_name`` (what the rows' notes name), "?" where it is absent."""
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version(dist_name)
+    except importlib.metadata.PackageNotFoundError:
+        return "?"
+
+
 def precision_unsupported(precision: str, device: torch.device) -> Optional[str]:
     """Why this device cannot run a precision at all (None if it can)."""
     cap = device_capability(device)

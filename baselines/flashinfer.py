@@ -50,7 +50,6 @@ Legend: T tokens, K top-k, E = L experts (EP = 1), H hidden, I expert ffn.
 from __future__ import annotations
 
 import contextlib
-import importlib.metadata
 import importlib.util
 import time
 from types import SimpleNamespace
@@ -59,8 +58,10 @@ from typing import Any, Callable, Optional
 import torch
 
 from contract import Case, LayerInputs
-from baselines.common import ExpertParams, device_capability
+from baselines.common import ExpertParams, device_capability, package_version
 from baselines.options import FlashInferOptions
+
+DIST = "flashinfer-python"  # the distribution whose version the rows name
 
 VERSION = "0.7.2.post1"  # the flashinfer-python release whose API this adapter was written against
 BLOCK = 32  # rows per up / gate block of its w1 interleave
@@ -70,13 +71,6 @@ INSTALL_HINT = (f"in a folder of its own: python3 -m pip install --no-deps --tar
                 "4.8.1 with its -libs-base, -libs-core and -libs-cu13, which SonicMoE's 4.4.2 conflicts with, "
                 "cuda-python, ...), then run it as own_process=[flashinfer] +own_pythonpath.flashinfer=DIR (or "
                 f"{SITE_ENV}=DIR with +experiment=hopper_anchors); docs/backends.md, 'Anchor: FlashInfer fused MoE'")
-
-
-def flashinfer_version() -> str:
-    try:
-        return importlib.metadata.version("flashinfer-python")
-    except importlib.metadata.PackageNotFoundError:
-        return "?"
 
 
 def load() -> SimpleNamespace:
@@ -90,7 +84,7 @@ def load() -> SimpleNamespace:
             why = "its CuTe DSL stack did not import"
         except Exception as e:  # noqa: BLE001 (nvidia-cutlass-dsl missing, incomplete or of another version)
             why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        raise ImportError(f"flashinfer {flashinfer_version()} has no cute_dsl_fused_moe_bf16 ({why})")
+        raise ImportError(f"flashinfer {package_version(DIST)} has no cute_dsl_fused_moe_bf16 ({why})")
     return SimpleNamespace(moe=flashinfer.cute_dsl_fused_moe_bf16, autotune=flashinfer.autotune)
 
 
@@ -224,7 +218,7 @@ class FlashInferBackend:
         tune = ("tactics autotuned in setup under flashinfer.autotune(True)" if self.options.autotune == "on" else
                 "FlashInfer's default tactic (flashinfer.autotune=off)")
         w1_gib = self.w1.numel() * self.w1.element_size() / 2**30 if self.w1 is not None else 0.0
-        notes = [f"FlashInfer {flashinfer_version()} cute_dsl_fused_moe_bf16 (SM90 CuTe DSL): inference forward "
+        notes = [f"FlashInfer {package_version(DIST)} cute_dsl_fused_moe_bf16 (SM90 CuTe DSL): inference forward "
                  "(saves nothing for a backward); routing sort, gather + grouped GEMM + SwiGLU, grouped GEMM + "
                  "finalize; the harness's top-k ids as int32 and fp32 router weights",
                  f"combine: {combine}",

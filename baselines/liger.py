@@ -43,7 +43,6 @@ Legend: T tokens, K top-k, E = L experts (EP = 1), H hidden, I expert ffn.
 
 from __future__ import annotations
 
-import importlib.metadata
 import importlib.util
 import os
 from typing import Any, Callable, Optional
@@ -51,7 +50,9 @@ from typing import Any, Callable, Optional
 import torch
 
 from contract import Case, LayerInputs
-from baselines.common import ExpertParams, cache_record, warm_forward_backward
+from baselines.common import ExpertParams, cache_record, package_version, warm_forward_backward
+
+DIST = "liger-kernel"  # the distribution whose version the rows name
 
 INSTALL_HINT = "pip install liger-kernel (0.8.5 tested; docs/backends.md, 'Anchors: Liger-Kernel and SonicMoE')"
 AUTOTUNE_ENV = "LIGER_FUSED_MOE_AUTOTUNE"  # Liger's switch: 0 pins one config per kernel (read at import)
@@ -80,13 +81,6 @@ def autotune_pinned() -> bool:
 def precompile_record() -> Optional[dict]:
     """The record of ``benchmarks.liger_precompile`` in the user's Triton cache, if it prepared that cache."""
     return cache_record("TRITON_CACHE_DIR", PRECOMPILE_RECORD)
-
-
-def liger_version() -> str:
-    try:
-        return importlib.metadata.version("liger-kernel")
-    except importlib.metadata.PackageNotFoundError:
-        return "?"
 
 
 def autotuners() -> dict[str, Any]:
@@ -168,7 +162,7 @@ class LigerBackend:
             cache += (f" (compiled ahead by benchmarks.liger_precompile for {pre.get('shapes')}: "
                       f"{pre.get('workers')} processes, {pre.get('seconds')} s, {pre.get('utc')})")
         where = "Triton interpreter (CPU)" if _interpreted() else "Triton"
-        notes = [f"Liger-Kernel {liger_version()} LigerFusedMoEFunction ({where}): routing kernels with one host "
+        notes = [f"Liger-Kernel {package_version(DIST)} LigerFusedMoEFunction ({where}): routing kernels with one host "
                  "sync per forward, gather + grouped GEMM + SwiGLU, down GEMM, weighted gather-sum; backward "
                  "recomputes dO @ W2^T (no expert outputs kept)",
                  f"{tune}; setup forward+backward {self.autotune_s or 0:.1f} s; {cache}",

@@ -47,7 +47,6 @@ Legend: T tokens per rank, K top-k, E experts, L local experts, H hidden, I expe
 
 from __future__ import annotations
 
-import importlib.metadata
 import importlib.util
 from types import SimpleNamespace
 from typing import Any, Callable, Optional
@@ -56,7 +55,8 @@ import torch
 import torch.distributed as dist
 
 from contract import Case, LayerInputs
-from baselines.common import ExpertParams, device_capability, ep_note, ep_unsupported, warm_forward_backward
+from baselines.common import (ExpertParams, device_capability, ep_note, ep_unsupported, package_version,
+                              warm_forward_backward)
 
 EP_ENV = "MOKBENCH_LIGER_CUTE_EP"  # 1: run at EP >= 2 (not validated by this harness)
 MAX_INFLIGHT = 1  # MoEConfig.max_inflight: forwards awaiting their backward (LigerCute's default)
@@ -66,13 +66,7 @@ INSTALL_HINT = ("python3 -m pip install liger-kernel==0.8.5 'liger-cute-kernels[
 
 
 def versions() -> str:
-    got = []
-    for dist_name in ("liger-cute-kernels", "liger-kernel"):
-        try:
-            got.append(f"{dist_name} {importlib.metadata.version(dist_name)}")
-        except importlib.metadata.PackageNotFoundError:
-            got.append(f"{dist_name} ?")
-    return ", ".join(got)
+    return ", ".join(f"{d} {package_version(d)}" for d in ("liger-cute-kernels", "liger-kernel"))
 
 
 def preload_cudart12() -> Optional[str]:

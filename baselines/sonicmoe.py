@@ -40,7 +40,6 @@ Legend: T tokens, K top-k, E = L experts (EP = 1), H hidden, I expert ffn.
 
 from __future__ import annotations
 
-import importlib.metadata
 import importlib.util
 import os
 from typing import Any, Callable, Optional
@@ -48,7 +47,10 @@ from typing import Any, Callable, Optional
 import torch
 
 from contract import Case, LayerInputs
-from baselines.common import ExpertParams, cache_record, device_capability, warm_forward_backward
+from baselines.common import (ExpertParams, cache_record, device_capability, package_version,
+                              warm_forward_backward)
+
+DIST = "sonic-moe"  # the distribution whose version the rows name
 
 PRECOMPILE_RECORD = "mokbench-sonic-precompile.json"  # what benchmarks.sonic_precompile wrote to QUACK_CACHE_DIR
 PINNED_TORCH = "2.9.1"  # sonic-moe 0.1.2.post1: torch>=2.7.1,<=2.9.1
@@ -58,13 +60,6 @@ INSTALL_HINT = (f"SonicMoE 0.1.2.post1 pins torch<={PINNED_TORCH} and nvidia-cut
                 "(docs/backends.md, 'Anchors: Liger-Kernel and SonicMoE'); beside FlashInfer (nvidia-cutlass-dsl "
                 "4.6+), install it with --target DIR and run it as own_process=[sonicmoe] "
                 f"+own_pythonpath.sonicmoe=DIR (or {SITE_ENV}=DIR with +experiment=hopper_anchors)")
-
-
-def sonic_version() -> str:
-    try:
-        return importlib.metadata.version("sonic-moe")
-    except importlib.metadata.PackageNotFoundError:
-        return "?"
 
 
 def torch_within_pin(version: str = torch.__version__) -> bool:
@@ -180,7 +175,7 @@ class SonicMoEBackend:
         elif pre:
             cache += (f" (compiled ahead by benchmarks.sonic_precompile: {pre.get('workers')} workers, "
                       f"{pre.get('seconds')} s, {pre.get('utc')})")
-        notes = [f"SonicMoE {sonic_version()} moe_general_routing_inputs with the harness's top-k (its router "
+        notes = [f"SonicMoE {package_version(DIST)} moe_general_routing_inputs with the harness's top-k (its router "
                  f"replaced), concat gate/up layout, torch {torch.__version__}{pin}",
                  f"first forward + backward in setup, untimed: {self.autotune_s:.1f} s (QuACK's GEMM autotuning and "
                  f"compiles, QUACK_COMPILE_WORKERS={workers}); {cache}",
