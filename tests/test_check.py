@@ -3,12 +3,10 @@ verdicts wherever an error sits) and the reference's own gradients without a sec
 
 from __future__ import annotations
 
-import os
 from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -84,21 +82,6 @@ def test_planted_errors_give_the_same_verdict_in_any_chunk(where):
         whole = float((bad.double() - ref.double()).abs().sum() / ref.double().abs().sum())
         assert rel == pytest.approx(whole, rel=1e-9)
         assert errors(got, ref, chunk) == (0.0, 0.0)
-
-
-@pytest.fixture
-def one_rank():
-    if dist.is_initialized():
-        yield dist.group.WORLD
-        return
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    from harness.dist import free_port
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("where", ["first", "last"])

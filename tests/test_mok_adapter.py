@@ -7,14 +7,12 @@ Legend: T tokens, K top-k, H hidden, I ffn, L local experts.
 
 from __future__ import annotations
 
-import os
 import sys
 import types
 from dataclasses import dataclass
 from types import SimpleNamespace
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 import kernels.mok_upstream as mu
@@ -207,21 +205,6 @@ def test_gate_up_split_and_mxfp8_prequantisation(fake_mok):
 
 # ---------------------------------------------------------------------------------------------------------------
 # forward / backward plumbing (one gloo rank; the fake computes all experts locally)
-
-
-@pytest.fixture
-def one_rank():
-    if dist.is_initialized():
-        yield dist.group.WORLD
-        return
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    from harness.dist import free_port
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
 
 
 def _inputs(T=16, K=2, L=4, H=256, I=256, seed=0):
