@@ -162,7 +162,8 @@ def split_variants(df: pd.DataFrame) -> pd.DataFrame:
     """Rows of one backend, run and precision that ran different variants renamed to one series per variant
     (``backends.series_name``), so that no table or chart takes one median over two variants: where their ``scaling``
     differs (nccl's fp8 GEMM paths, TE's fp8 recipes; named by ``labels.scaling_variant``), and where some ran eager
-    and others compiled (a run with nccl both eager and compiled: ``eager``, ``compiled <mode>``). Backends with one
+    and others compiled (a run with nccl both eager and compiled: ``eager``, ``compiled <mode>``), and where their
+    ``backend_options`` differ (:func:`options_variants`: ``weights=plain``). Backends with one
     variant a run and precision, published rows, and rows that record neither (e.g. a failure before the backend was
     set up) keep their names."""
     if df.empty:
@@ -181,12 +182,33 @@ def split_variants(df: pd.DataFrame) -> pd.DataFrame:
         counts = text[keep].groupby(keys[keep].to_numpy()).nunique()
         varies = keep & keys.map(counts).fillna(0).gt(1).to_numpy()
         parts.append([label(t) if v else "" for t, v in zip(text.to_numpy(), varies)])
+    parts.append(options_variants(d, keys, published))
     names = [" ".join(filter(None, p)) for p in zip(*parts)]
     if any(names):
         backend = d["backend"].astype(object).to_numpy().copy()
         backend = [series_name(b, n) if n else b for b, n in zip(backend, names)]
         d["backend"] = pd.array(backend, dtype="string")
     return d
+
+
+def options_variants(d: pd.DataFrame, keys: pd.Series, published) -> list[str]:
+    """Each row's ``backend_options`` that differ among the rows of its group (``keys``: run, backend, precision),
+    as ``field=value`` pairs ('' where none differ): a run with ``mok_hopper.weights=tiled`` and ``weights=plain``
+    reports ``weights=tiled`` and ``weights=plain`` apart. A field missing from some rows (written before the option
+    existed) varies only among the rows that record it; ``forward=inference`` is left to
+    :func:`split_forward_kinds`, which names that series."""
+    text = (d["backend_options"] if "backend_options" in d else pd.Series("", index=d.index)).astype(object)
+    opts = [{} if p or isna(t) else dict(kv.split("=", 1) for kv in str(t).split(",") if "=" in kv)
+            for t, p in zip(text, published)]
+    for o in opts:
+        if o.get("forward") == "inference":
+            del o["forward"]
+    seen: dict[str, dict[str, set]] = {}
+    for k, o in zip(keys, opts):
+        for f, v in o.items():
+            seen.setdefault(k, {}).setdefault(f, set()).add(v)
+    varying = {k: [f for f, vs in fields.items() if len(vs) > 1] for k, fields in seen.items()}
+    return [",".join(f"{f}={o[f]}" for f in varying.get(k, ()) if f in o) for k, o in zip(keys, opts)]
 
 
 def split_forward_kinds(df: pd.DataFrame) -> pd.DataFrame:

@@ -254,6 +254,29 @@ def test_variants_of_one_backend_in_one_run_are_separate_series(tmp_path):
     assert plots.color("nccl · rowwise") == plots.color("nccl")
 
 
+def test_rows_of_one_backend_with_different_options_in_one_run_are_separate_series():
+    """A run with mok_hopper under two weight layouts (one sweep over `mok_hopper.weights`) reports one series per
+    layout, named by the option that differs, never a median over both; an option only some rows record (written
+    before it existed) splits nothing, and an inference forward is its own series once, named by its kind."""
+    rows = [S.row("mok_hopper", tflops=300.0, backend_options="forward=save_h,weights=tiled"),
+            S.row("mok_hopper", tflops=200.0, backend_options="forward=save_h,weights=plain"),
+            S.row("nccl", tflops=100.0, backend_options="fp8_gemm=auto"),
+            S.row("mok_hopper", tflops=250.0, run_id="run-b", backend_options="forward=save_h,weights=tiled"),
+            S.row("mok_hopper", tflops=260.0, run_id="run-b", backend_options="forward=save_h"),
+            S.row("mok_hopper", tflops=400.0, run_id="run-b", backend_options="forward=inference,weights=tiled"),
+            S.row("nccl", tflops=100.0, run_id="run-b")]
+    d = C.prepare(results.to_frame(rows))
+    a = d[d["run_id"] == "run-a"].set_index("tflops_per_gpu")["backend"]
+    assert a[300.0] == "mok_hopper · weights=tiled" and a[200.0] == "mok_hopper · weights=plain"
+    assert a[100.0] == "nccl"
+    b = d[d["run_id"] == "run-b"].set_index("tflops_per_gpu")["backend"]
+    assert b[250.0] == b[260.0] == "mok_hopper" and b[400.0] == "mok_hopper · inference"
+    tab = C.claims_table(d)
+    ra = tab[tab["run_id"] == "run-a"].iloc[0]
+    assert ra["speedup_mok_hopper · weights=tiled"] == pytest.approx(3.0)
+    assert ra["speedup_mok_hopper · weights=plain"] == pytest.approx(2.0)
+
+
 def test_shape_labels():
     assert L.shape_label("qwen3_5_397b") == "Qwen3.5-397B"
     assert L.shape_label("kimi_k2_7@6epg") == "Kimi K2.7 @6epg"
