@@ -5,6 +5,7 @@
 #   compiled-<shape>-<precision>: torch_compiled and nccl compiled as published (compile_mode=published), mok_hopper
 #   tcompiled-<shape>-<precision>: torch, torch_compiled (compile_mode=published) and mok_hopper
 #   conly-<shape>-<precision>: torch_compiled and nccl compiled as published only (the run's eager rows come first)
+#   weights-<shape>-<precision>: mok_hopper alone with mok_hopper.weights=plain, then =owned (bf16 only), same run
 #   profile-<shape>-<precision>: torch.profiler kernel tables of torch and nccl (eager), fwd+bwd, into $OUT
 # RUN_WHAT (default "opponents") names the runs: <RUN_WHAT>-<shape>_<hw>_<day>. A shape written glm_5_2@16epg runs
 # with shape.local_experts=16 (run id <RUN_WHAT>-glm_5_2-16epg_<hw>_<day>).
@@ -54,7 +55,20 @@ for s in "$@"; do
     compiled) be='[torch_compiled,nccl,mok_hopper]'; extra="compile=true compile_mode=published" ;;
     tcompiled) be='[torch,torch_compiled,mok_hopper]'; extra="compile=true compile_mode=published" ;;
     conly) be='[torch_compiled,nccl]'; extra="compile=true compile_mode=published" ;;
+    weights) be='[mok_hopper]'; extra="compile=false" ;;
   esac
+  if [ "$kind" = weights ]; then
+    ws="plain"; [ "$prec" = bf16 ] && ws="plain owned"
+    for wv in $ws; do
+      [ $(left) -lt 60 ] && { step "$s $wv: skipped, $(left) s left"; continue; }
+      step "$s mok_hopper.weights=$wv -> $rid"
+      timeout $(( $(left) - 20 )) python3 -m harness.run shape=$shape $over precision=$prec ep_size=1 "backends=$be" \
+        $extra mok_hopper.weights=$wv timing=published 'directions=[fwd,bwd]' run_id=$rid append=true \
+        results_dir=$ROWS print_table=false 2>&1 | grep -v -e Warning -e warnings.warn -e "^  warnings" | tail -30 \
+        | tee -a "$LOG"
+    done
+    continue
+  fi
   [ $(left) -lt 60 ] && { step "$s: skipped, $(left) s left"; continue; }
   step "$s -> $rid"
   timeout $(( $(left) - 20 )) python3 -m harness.run shape=$shape $over precision=$prec ep_size=1 "backends=$be" $extra \
@@ -65,7 +79,7 @@ step "rows"
 python3 - <<'PY' 2>&1 | tee -a "$LOG"
 from harness import results
 d = results.load("/tmp/rows")
-cols = ["run_id", "backend", "precision", "direction", "status", "latency_ms", "compile_mode", "mem_peak_own_bytes",
+cols = ["run_id", "backend", "backend_options", "precision", "direction", "status", "latency_ms", "compile_mode", "mem_peak_own_bytes",
         "mem_peak_allocated_bytes", "mem_setup_bytes", "sm_clock_mhz", "rel_err", "setup_s", "notes", "error"]
 print(d[[c for c in cols if c in d]].to_string(max_colwidth=90))
 PY
