@@ -38,7 +38,7 @@ from harness.check import compare, leaves, run_once
 from harness.config import Case, backend_order, given_run_id, load_group_option, timing_label, to_container
 from harness.point import Point
 from harness.dist import RankEnv, free_port, from_environment, init
-from harness.inputs import make_inputs
+from harness.inputs import fingerprint, make_inputs
 from harness.routing_steps import RoutingSteps, worst
 from harness.limits import StepTimeout, time_limit
 from harness.results import base_row, make_row
@@ -281,6 +281,13 @@ def worker(payload: dict, renv: RankEnv) -> None:
     probe = memory.Probe.of(timer.device)
     _release_memory()
     start_used = probe.used() if probe is not None else None  # the point's inputs and reference, all processes
+    steps.select(inputs, 0)
+    start_print = fingerprint(inputs)  # what every backend must leave as it found it
+
+    def inputs_changed() -> list[str]:
+        steps.select(inputs, 0)  # the routing tensors are the steps' to rewrite
+        now = fingerprint(inputs)
+        return [k for k, v in start_print.items() if now.get(k) != v]
     for pos in range(first, len(order)):
         name = order[pos]
         progress.backend = f"{name} ({pos + 1}/{len(order)})"
@@ -290,7 +297,7 @@ def worker(payload: dict, renv: RankEnv) -> None:
         _release_memory()  # the next backend must not inherit anything of this one (its memory, its compiles)
         if pos + 1 == len(order):
             break
-        why = _next_needs_fresh_processes(pt, order, pos, probe, start_used, ctrl)
+        why = _next_needs_fresh_processes(pt, order, pos, probe, start_used, ctrl, inputs_changed())
         if why:
             if renv.launcher == "spawn":
                 if rank0:
@@ -333,11 +340,13 @@ def run_order(pt: Point) -> list[str]:
 
 
 def _next_needs_fresh_processes(pt: Point, order: list[str], pos: int, probe: Optional[memory.Probe],
-                                start_used: Optional[int], ctrl) -> str:
+                                start_used: Optional[int], ctrl, changed: list[str]) -> str:
     """Why the backend after ``order[pos]`` must run in fresh processes ('' where it can run in these): it, or the
-    one before it, runs in processes of its own (``own_process``), or device memory did not come back after
-    ``order[pos]`` (all processes, cudaMemGetInfo, more than :data:`LEAK_TOLERANCE_BYTES` over the point's start on
-    some rank). Every rank gets the same answer."""
+    one before it, runs in processes of its own (``own_process``), ``order[pos]`` left the point's inputs changed
+    (``changed``: the fields whose :func:`harness.inputs.fingerprint` differs from the point's start, on this rank;
+    fresh processes draw them again), or device memory did not come back after ``order[pos]`` (all processes,
+    cudaMemGetInfo, more than :data:`LEAK_TOLERANCE_BYTES` over the point's start on some rank). Every rank gets
+    the same answer."""
     own, nxt = set(pt.config.own_process), order[pos + 1]
     if nxt in own:
         path = pt.config.own_pythonpath.get(nxt)
@@ -346,9 +355,13 @@ def _next_needs_fresh_processes(pt: Point, order: list[str], pos: int, probe: Op
     if order[pos] in own:
         return f"ran in fresh processes after {order[pos]}, which has processes of its own (own_process)"
     over = float(probe.used() - start_used) if probe is not None and start_used is not None else 0.0
-    held = [0.0] * dist.get_world_size(ctrl)
-    dist.all_gather_object(held, over, group=ctrl)
-    worst = max(held)
+    held = [(0.0, [])] * dist.get_world_size(ctrl)
+    dist.all_gather_object(held, (over, changed), group=ctrl)
+    spoiled = sorted({k for _, ch in held for k in ch})
+    if spoiled:
+        return (f"ran in fresh processes: {order[pos]} left the point's inputs changed ({', '.join(spoiled)} differ "
+                f"from the point's start), so they were drawn again")
+    worst = max(o for o, _ in held)
     if worst > LEAK_TOLERANCE_BYTES:
         return (f"ran in fresh processes: device memory did not come back after {order[pos]} ({worst / 2**30:.1f} GiB "
                 f"more in use, all processes, than at the point's start)")

@@ -183,3 +183,19 @@ class FirstRouting(NcclBackend):
 
     def forward(self, x, idx, w):
         return super().forward(x, self.idx0, w)
+
+
+class SpoilsInputs(NcclBackend):
+    """Runs fine, then leaves the point's routed weights changed at teardown (as a backend that re-lays them in place
+    and fails to restore them would): every backend after it would be checked against the wrong inputs."""
+
+    name = "spoils_inputs"
+
+    def setup(self, inputs):
+        super().setup(inputs)
+        self.spoil = inputs.w2_LHI
+
+    def teardown(self):
+        with torch.no_grad():
+            self.spoil.mul_(2)
+        super().teardown()

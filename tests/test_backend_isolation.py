@@ -9,7 +9,7 @@ from conftest import cpu_cfg, free_port_env, use_fake_backends
 from harness import runner
 
 FAKES = ("holds_memory=fake_backends:HoldsMemoryAndFails,leaks_memory=fake_backends:LeaksMemory,"
-         "fails_setup=fake_backends:FailsSetup")
+         "fails_setup=fake_backends:FailsSetup,spoils_inputs=fake_backends:SpoilsInputs")
 PROBE = "fake_backends:fake_probe"
 
 
@@ -74,6 +74,41 @@ def test_leak_then_fresh_processes(monkeypatch, results_dir):
     assert list(nccl["status"]) == ["ok", "ok"], nccl[["status", "error"]]
     assert nccl["notes"].str.contains("device memory did not come back after leaks_memory").all()
     assert (_rows(df, "leaks_memory")["status"] == "ok").all()
+
+
+@pytest.mark.parametrize("checked", [True, False], ids=["checked", "check-removed"])
+def test_a_backend_that_changes_the_inputs_spoils_no_later_row(monkeypatch, results_dir, checked):
+    """A backend that leaves the point's weights changed after its rows (a layout not restored): the next backend is
+    never checked or timed on those inputs. In one process (no fresh ranks to start) its rows are errors naming the
+    backend and the changed input; with the check removed it would be judged on spoiled inputs (a mismatch)."""
+    import torch.distributed as dist
+
+    use_fake_backends(monkeypatch, FAKES)
+    free_port_env(monkeypatch)
+    if not checked:
+        monkeypatch.setattr(runner, "fingerprint", lambda inputs: {})
+    try:
+        df = runner.run_benchmark(cpu_cfg(results_dir, "ep_size=1", "backends=[spoils_inputs,nccl]"))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    assert list(_rows(df, "spoils_inputs")["status"]) == ["ok", "ok"]
+    nccl = _rows(df, "nccl")
+    if checked:
+        assert list(nccl["status"]) == ["error", "error"], nccl[["status", "error"]]
+        assert nccl["error"].str.contains("spoils_inputs left the point's inputs changed (w2_LHI", regex=False).all()
+    else:
+        assert list(nccl["status"]) == ["mismatch", "mismatch"], nccl[["status", "error"]]
+
+
+@pytest.mark.slow
+def test_inputs_changed_by_a_backend_are_drawn_again_in_fresh_processes(monkeypatch, results_dir):
+    """Spawned ranks: the backends after one that changed the inputs run on inputs drawn again, ok, saying why."""
+    use_fake_backends(monkeypatch, FAKES)
+    df = runner.run_benchmark(cpu_cfg(results_dir, "ep_size=2", "backends=[spoils_inputs,nccl]"))
+    nccl = _rows(df, "nccl")
+    assert list(nccl["status"]) == ["ok", "ok"], nccl[["status", "error"]]
+    assert nccl["notes"].str.contains("left the point's inputs changed (w2_LHI", regex=False).all()
 
 
 def test_own_process_names_backends_of_the_run(results_dir):
