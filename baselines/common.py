@@ -284,15 +284,20 @@ class ExpertParams(ExpertLeaves):
         x = torch.randn(rows_M, self.case.hidden, device=x_TH.device, dtype=x_TH.dtype) * self.case.hidden**-0.5
 
         def warm(_):
-            for _ in range(2):  # the second call: CUDA graph trees record on it
-                self.step_begin()
-                xr, xt = x.detach().requires_grad_(), x_TH.detach().requires_grad_()
-                y = self.experts(xr, counts_L).float().sum() + (
-                    self.dense(xt, *self.shared, self.case.swiglu_limit).float().sum() if self.shared else 0.0)
-                y.backward()
-            if x.is_cuda:
-                torch.cuda.synchronize(x.device)
-            self.zero_grad()
+            try:
+                for _ in range(2):  # the second call: CUDA graph trees record on it
+                    # no gradient left from the last call: under CUDA graphs it is an output of the last replay,
+                    # which the next one overwrites, so accumulating into it fails (also in the next mode's try)
+                    self.zero_grad()
+                    self.step_begin()
+                    xr, xt = x.detach().requires_grad_(), x_TH.detach().requires_grad_()
+                    y = self.experts(xr, counts_L).float().sum() + (
+                        self.dense(xt, *self.shared, self.case.swiglu_limit).float().sum() if self.shared else 0.0)
+                    y.backward()
+                if x.is_cuda:
+                    torch.cuda.synchronize(x.device)
+            finally:
+                self.zero_grad()
 
         _, outcome = compile_with_fallback(self.compile_mode, self.compile, warm, agree)
         self.compile_mode, self.compile_note = outcome.mode, outcome.note

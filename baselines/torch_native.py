@@ -332,9 +332,13 @@ class TorchCompiledBackend(TorchNativeBackend):
             return eager if m == EAGER else torch.compile(eager, mode=m, fullgraph=True, dynamic=False)
 
         def warm(fn: Callable[..., torch.Tensor]) -> None:
-            for _ in range(2):  # the second call: CUDA graph trees record on it
-                step_begin(self._trying, inputs.x_TH.is_cuda)
-                warm_forward_backward(fn, inputs, self)
+            try:
+                for _ in range(2):  # the second call: CUDA graph trees record on it
+                    self.zero_grad()  # a failed try's gradients are outputs of its graphs: never accumulated into
+                    step_begin(self._trying, inputs.x_TH.is_cuda)
+                    warm_forward_backward(fn, inputs, self)
+            finally:
+                self.zero_grad()
 
         def build_and_note(m: str) -> Callable[..., torch.Tensor]:
             self._trying = m

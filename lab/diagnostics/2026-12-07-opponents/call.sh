@@ -5,6 +5,7 @@
 #   compiled-<shape>-<precision>: torch_compiled and nccl compiled as published (compile_mode=published), mok_hopper
 #   tcompiled-<shape>-<precision>: torch, torch_compiled (compile_mode=published) and mok_hopper
 #   conly-<shape>-<precision>: torch_compiled and nccl compiled as published only (the run's eager rows come first)
+#   ncomp-<shape>-<precision>: nccl compiled as published only
 #   weights-<shape>-<precision>: mok_hopper alone with mok_hopper.weights=plain, then =owned (bf16 only), same run
 #   profile-<shape>-<precision>: torch.profiler kernel tables of torch and nccl (eager), fwd+bwd, into $OUT
 # RUN_WHAT (default "opponents") names the runs: <RUN_WHAT>-<shape>_<hw>_<day>. A shape written glm_5_2@16epg runs
@@ -56,6 +57,7 @@ for s in "$@"; do
     tcompiled) be='[torch,torch_compiled,mok_hopper]'; extra="compile=true compile_mode=published" ;;
     conly) be='[torch_compiled,nccl]'; extra="compile=true compile_mode=published" ;;
     weights) be='[mok_hopper]'; extra="compile=false" ;;
+    ncomp) be='[nccl]'; extra="compile=true compile_mode=published" ;;
   esac
   if [ "$kind" = weights ]; then
     ws="plain"; [ "$prec" = bf16 ] && ws="plain owned"
