@@ -51,7 +51,7 @@ WORKTREE = ("WORKTREE", ".")
 GATE_SET = ("run_id", "results_dir", "hydra.run.dir", "hydra.sweep.dir")  # the overrides the gate writes itself
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 IMPORT_CHECK = ("import importlib.util, json; print(json.dumps({n: (importlib.util.find_spec(n).origin or '') "
-                "for n in ('harness', 'harness.run', 'contract', 'kernels', 'baselines')}))")
+                "for n in ('harness', 'harness.run', 'contract', 'mok_kernels', 'baselines')}))")
 BACKENDS_CHECK = "import json; from harness.backends import BACKENDS; print(json.dumps(sorted(BACKENDS)))"
 
 

@@ -13,7 +13,7 @@
 # h200-anchors-<UTC time>), so rows of two calls on two leases still form one run in the report: pass the same
 # MOKBENCH_RUN_ID to both calls.
 # Liger autotuned (the default; LIGER_FUSED_MOE_AUTOTUNE=0 pins one config per kernel): first
-# `python -m benchmarks.liger_precompile` compiles every config of the part's shapes in parallel into the Triton
+# `python -m mok_tools.liger_precompile` compiles every config of the part's shapes in parallel into the Triton
 # cache below (the compiles, not the benchmarks, are what made one shape's autotuning outlast 600 s on one H200:
 # lab/diagnostics/2026-12-01-s12/). Each point then runs with its own copy of that cache, without autotuning results
 # (*.autotune.json), so Liger autotunes on each point's own problem: its autotuning key is (H, I), and glm_5_2 and
@@ -30,7 +30,7 @@
 #   the call (its compiles: lab/diagnostics/2026-12-04-s30/) loses no other row); COMPILE=false runs nccl eager;
 #   SETUP_TIMEOUT_S (default 300) is the harness's setup_timeout_s: a longer setup is a `timeout` row.
 # * SonicMoE's GEMMs (QuACK) autotune in its setup; QUACK_COMPILE_WORKERS processes compile their configs. Before
-#   the points, `python -m benchmarks.sonic_precompile` compiles every config once into QUACK_CACHE_DIR (default
+#   the points, `python -m mok_tools.sonic_precompile` compiles every config once into QUACK_CACHE_DIR (default
 #   /tmp/mokbench-quack-cache; more than 400 s on the H200 machine's 16 CPUs, with QUACK_COMPILE_WORKERS = the CPU
 #   count), unless its record is already there: a cache prepared earlier and copied in, for instance one compiled
 #   without a GPU by `sonic_precompile --cpu sm_90a --python 3.12` (a few minutes on two cores). Then the points'
@@ -86,8 +86,8 @@ COMMON=(-m hydra/launcher=node ep_size=1 precision=bf16 direction=fwd_and_bwd wo
 TUNE=${LIGER_FUSED_MOE_AUTOTUNE:-1}
 precompile() {  # shapes: Liger's compiles ahead, in parallel (nothing to do when it is pinned)
   [ "$TUNE" = 0 ] && return 0
-  echo "+ python3 -m benchmarks.liger_precompile --shapes $1"
-  python3 -m benchmarks.liger_precompile --shapes "$1" 2>&1 | grep -v -e Warning -e warnings.warn \
+  echo "+ python3 -m mok_tools.liger_precompile --shapes $1"
+  python3 -m mok_tools.liger_precompile --shapes "$1" 2>&1 | grep -v -e Warning -e warnings.warn \
     | tee -a "$OUTDIR/precompile.log"
 }
 sonic_precompile() {  # SonicMoE's QuACK kernels, compiled once into QUACK_CACHE_DIR (they do not depend on the shape)
@@ -98,8 +98,8 @@ sonic_precompile() {  # SonicMoE's QuACK kernels, compiled once into QUACK_CACHE
       | tr -d '\n ' | cut -c1-200)"
     return 0
   fi
-  echo "+ QUACK_CACHE_DIR=$QUACK_CACHE_DIR python3 -m benchmarks.sonic_precompile --shapes $1"
-  python3 -m benchmarks.sonic_precompile --shapes "$1" 2>&1 | grep -v -e Warning -e warnings.warn \
+  echo "+ QUACK_CACHE_DIR=$QUACK_CACHE_DIR python3 -m mok_tools.sonic_precompile --shapes $1"
+  python3 -m mok_tools.sonic_precompile --shapes "$1" 2>&1 | grep -v -e Warning -e warnings.warn \
     | tee -a "$OUTDIR/sonic_precompile.log"
 }
 run() {  # point name, then the point's overrides

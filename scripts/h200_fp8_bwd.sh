@@ -2,7 +2,7 @@
 # mok_hopper's fp8 backward on one H200, EP=1, 2048 tokens per GPU.
 #
 # Usage (repo root, GPU machine; .whl holds the hydra wheels):  bash scripts/h200_fp8_bwd.sh OUTDIR PART
-#   PART check: benchmarks.mok_hopper.bwd_check --precision fp8 on kimi_k2_7, glm_5_2, qwen3_5_397b and the
+#   PART check: mok_tools.mok_hopper.bwd_check --precision fp8 on kimi_k2_7, glm_5_2, qwen3_5_397b and the
 #               compute-bound point (glm_5_2@16epg): every gradient against the reference in the fp8 gate, 20
 #               repeats bitwise, stage times, memory (H saved); then qwen3_5_397b with H recomputed
 #               (OUTDIR/bwd_check_<mode>/mok_hopper_bwd_check.csv, OUTDIR/bwd_check_<mode>.log)
@@ -28,15 +28,15 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,power.draw,po
     --format=csv > "$OUTDIR/smi_$PART.txt" 2>&1
 case "$PART" in
   check)
-    timeout 420 torchrun --nproc-per-node=1 -m benchmarks.mok_hopper.bwd_check --precision fp8 --no-nccl \
+    timeout 420 torchrun --nproc-per-node=1 -m mok_tools.mok_hopper.bwd_check --precision fp8 --no-nccl \
         --shapes kimi_k2_7,glm_5_2,qwen3_5_397b,glm_5_2@16epg --modes save_h --out "$OUTDIR/bwd_check_save_h" \
         2>&1 | grep -v -e Warning -e warnings.warn | tee "$OUTDIR/bwd_check_save_h.log"
-    timeout 120 torchrun --nproc-per-node=1 -m benchmarks.mok_hopper.bwd_check --precision fp8 --no-nccl \
+    timeout 120 torchrun --nproc-per-node=1 -m mok_tools.mok_hopper.bwd_check --precision fp8 --no-nccl \
         --shapes qwen3_5_397b --modes recompute --repeats 5 --out "$OUTDIR/bwd_check_recompute" \
         2>&1 | grep -v -e Warning -e warnings.warn | tee "$OUTDIR/bwd_check_recompute.log"
     ;;
   sweep)
-    timeout 500 torchrun --nproc-per-node=1 -m benchmarks.mok_hopper.bwd_check --precision fp8 --no-nccl --sweep \
+    timeout 500 torchrun --nproc-per-node=1 -m mok_tools.mok_hopper.bwd_check --precision fp8 --no-nccl --sweep \
         --shapes glm_5_2,qwen3_5_397b,kimi_k2_7 --modes save_h --repeats 5 --out "$OUTDIR/bwd_check_sweep" \
         2>&1 | grep -v -e Warning -e warnings.warn | tee "$OUTDIR/bwd_check_sweep.log"
     ;;

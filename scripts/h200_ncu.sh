@@ -6,7 +6,7 @@
 # _tok_quant_t_kernel, the weight gradients _fp8_wgrad_kernel) or of one forward (gpu_check: _up_swiglu_kernel,
 # _down_push_kernel), at EP=1, 2048 tokens. Per launch: HBM bytes and
 # throughput, L2 throughput and hit rate, SM and tensor pipe use, registers, occupancy, the largest warp stall
-# reasons (benchmarks.mok_hopper.ncu_summary).
+# reasons (mok_tools.mok_hopper.ncu_summary).
 #
 # Usage (repo root, the GPU machine, whose runtime reads the counters: device KINDS.md):
 #   bash scripts/h200_ncu.sh OUTDIR [WHAT] [SHAPES]
@@ -41,11 +41,11 @@ for shape in ${SHAPES//,/ }; do
   out=$OUTDIR/$WHAT-$shape
   if [ "${WHAT%-fp8}" = bwd ]; then
     precision=bf16; [ "$WHAT" = bwd-fp8 ] && precision=fp8
-    driver=(-m benchmarks.mok_hopper.bwd_check --out "$out" --shapes "$shape" --modes save_h --no-nccl --repeats 1
+    driver=(-m mok_tools.mok_hopper.bwd_check --out "$out" --shapes "$shape" --modes save_h --no-nccl --repeats 1
             --iters 1 --warmup 1 --stage-iters 1 --tile ready_flags=0 --precision "$precision"
             ${SWEEP_ONLY:+--sweep --sweep-only "$SWEEP_ONLY" --no-sweep-bits})
   else
-    driver=(-m benchmarks.mok_hopper.gpu_check --out "$out" --shapes "$shape" --precisions "${WHAT#fwd-}" --no-sweep
+    driver=(-m mok_tools.mok_hopper.gpu_check --out "$out" --shapes "$shape" --precisions "${WHAT#fwd-}" --no-sweep
             --no-edge --iters 1 --warmup 1 --repeats 1 --tile ready_flags=0)
   fi
   echo "+ ncu over ${driver[1]}, $shape"
@@ -58,6 +58,6 @@ for shape in ${SHAPES//,/ }; do
     | grep -v -e Warning -e warnings.warn | tail -40 | tee "$OUTDIR/ncu-$WHAT-$shape.log"
   "$NCU" --import "$OUTDIR/ncu-$WHAT-$shape.ncu-rep" --csv --page raw --print-units base \
     > "$OUTDIR/ncu-$WHAT-$shape-raw.csv" \
-    && python3 -m benchmarks.mok_hopper.ncu_summary "$OUTDIR/ncu-$WHAT-$shape-raw.csv" \
+    && python3 -m mok_tools.mok_hopper.ncu_summary "$OUTDIR/ncu-$WHAT-$shape-raw.csv" \
     | tee "$OUTDIR/ncu-$WHAT-$shape.txt"
 done

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("contract", "harness", "baselines", "kernels", "benchmarks", "hydra_plugins")
+PACKAGES = ("contract", "harness", "baselines", "mok_kernels", "mok_tools", "hydra_plugins")
 # Team history: "session 29", "issue 23", "call #4", "call B". Upstream references are written "<project> #N".
 HISTORY_WORDS = re.compile(r"\b(session|issue|call)\s*#?\d+|\bcall [A-G]\b", re.IGNORECASE)
 # where history belongs: the journal, the measured rows (run ids, logs), and the tests (which may name what they
@@ -92,7 +92,7 @@ LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
 
 @pytest.mark.parametrize("page", ["README.md", *sorted(p.relative_to(ROOT).as_posix()
                                                        for p in (ROOT / "docs").glob("*.md")),
-                                  "results/README.md", "lab/README.md", "kernels/mok_hopper/README.md"])
+                                  "results/README.md", "lab/README.md", "mok_kernels/mok_hopper/README.md"])
 def test_every_relative_link_resolves(page):
     text = (ROOT / page).read_text()
     broken = [t for t in LINK.findall(text) if "://" not in t and not (ROOT / page).parent.joinpath(t).exists()]

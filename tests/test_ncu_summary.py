@@ -1,4 +1,4 @@
-"""benchmarks.mok_hopper.ncu_summary on a raw page in Nsight Compute's CSV layout (no GPU here: the file is
+"""mok_tools.mok_hopper.ncu_summary on a raw page in Nsight Compute's CSV layout (no GPU here: the file is
 written by the test, in the layout `ncu --import R --csv --page raw --print-units base` prints)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import csv
 
 import pytest
 
-from benchmarks.mok_hopper import ncu_summary
+from mok_tools.mok_hopper import ncu_summary
 
 HEADER = ["ID", "Process ID", "Process Name", "Host Name", "Kernel Name", "Block Size", "Grid Size",
           "gpu__time_duration.sum", "dram__bytes_read.sum", "dram__bytes_write.sum",
@@ -102,9 +102,9 @@ def test_the_ncu_script_profiles_what_it_is_asked_for(tmp_path, what, precision,
     for ln in profiled:
         assert "regex:^_(" in ln and kernel in ln.split("regex:")[1].split()[0], ln
         if precision:
-            assert "benchmarks.mok_hopper.bwd_check" in ln and f"--precision {precision}" in ln, ln
+            assert "mok_tools.mok_hopper.bwd_check" in ln and f"--precision {precision}" in ln, ln
         else:
-            assert "benchmarks.mok_hopper.gpu_check" in ln and "--precisions fp8" in ln, ln
+            assert "mok_tools.mok_hopper.gpu_check" in ln and "--precisions fp8" in ln, ln
     assert sum("--import" in ln for ln in lines) == 3
     assert "_bwd_wgrad_resident_kernel" in (tmp_path / "out" / f"ncu-{what}-glm_5_2.txt").read_text()
     bad = subprocess.run(["bash", "scripts/h200_ncu.sh", str(tmp_path / "bad"), "bwd-int4"], cwd=root, env=env,
