@@ -568,8 +568,9 @@ def test_anchors_on_the_cpu_are_unsupported_rows_beside_ok_rows(results_dir):
 
 
 def test_nccl_notes_say_inductor_autotuned_in_subprocesses(monkeypatch):
-    """With TORCHINDUCTOR_AUTOTUNE_IN_SUBPROC=1 (what scripts/h200_anchors_run.sh sets for nccl's published
-    max-autotune at EP=1) a compiled nccl row says so; an eager row, or autotuning in the process, says nothing."""
+    """With TORCHINDUCTOR_AUTOTUNE_IN_SUBPROC=1 (what nccl's published max-autotune needs at EP=1: docs/backends.md,
+    "Anchors: Liger-Kernel and SonicMoE") a compiled nccl row says so; an eager row, or autotuning in the process,
+    says nothing."""
     from torch._inductor import config
 
     from baselines import nccl

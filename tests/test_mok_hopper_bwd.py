@@ -13,7 +13,6 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernels module imports triton (also run alone)
 
-from conftest import has_nvidia_backend  # noqa: E402
 from mok_kernels.mok_hopper.twin import backward as twin_bwd  # noqa: E402
 
 
@@ -801,72 +800,6 @@ def test_split_weight_gradients_through_the_layer_backward(monkeypatch):
                 assert torch.allclose(x.float(), y.float(), rtol=2 ** -7, atol=1e-6), k
             else:
                 assert torch.equal(x, y), k
-
-
-@pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (it comes with torch on Linux; pip install -e "
-                                           "'.[test]'): the interpreter kernel tests need it")
-def test_the_store_probe_writes_every_block_once_in_each_order():
-    """mok_tools/experiments/wgrad_store_probe.py's kernel under the interpreter: in every order, by TMA and by
-    pointers, each [BN, BK] block of the gradient is written (none left NaN), and both ways write the same values
-    (so the probe times the same stores both ways); with the kernel's MMA (session 28), each block is P^T @ Q of the
-    strip's expert (column sums of its rows, P being all ones), Q from registers or loaded."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    from mok_tools.experiments.wgrad_store_probe import ORDERS, _store_kernel
-    from mok_kernels.mok_hopper.ops import interp
-
-    if not interp.INTERPRET:
-        pytest.skip("the kernels run on the CPU under TRITON_INTERPRET=1 (set at the top of this file without a GPU)")
-    L, N, K, bn, bk = 2, 256, 256, 128, 64
-    for order, code in ORDERS.items():
-        got = []
-        for tma in (False, True):
-            dw = torch.full((L, N, K), float("nan"), dtype=torch.bfloat16)
-            view = dw.view(-1, bk) if order == "contiguous" else dw.view(-1, K)
-            arg = TensorDescriptor.from_tensor(view, [bn, bk]) if tma else dw
-            _store_kernel[(3,)](arg, N, K, L, BN=bn, BK=bk, NUM_PROGS=3, ORDER=code, TMA=tma, STAGES=3, num_warps=4)
-            got.append(dw)
-        assert not got[0].isnan().any(), order
-        assert torch.equal(got[0], got[1]), order
-    # session 28: the strips with the kernel's MMA (P all ones), Q made in registers or loaded (an expert's rows)
-    br = 16
-    q = torch.randn(L * br, K).to(torch.bfloat16)
-    for q_load in (False, True):
-        want = torch.empty(L, N, K)
-        for e in range(L):
-            for k in range(K // bk):
-                cols = slice(k * bk, (k + 1) * bk)
-                col_sums = q[e * br:(e + 1) * br, cols].float().sum(0) if q_load else torch.full((bk,), br * (k + 1.0))
-                want[e, :, cols] = col_sums.expand(N, bk)
-        for tma in (False, True):
-            dw = torch.full((L, N, K), float("nan"), dtype=torch.bfloat16)
-            arg = TensorDescriptor.from_tensor(dw.view(-1, K), [bn, bk]) if tma else dw
-            _store_kernel[(3,)](arg, N, K, L, BN=bn, BK=bk, NUM_PROGS=3, ORDER=ORDERS["strips"], TMA=tma, STAGES=3,
-                                q_ptr=q if q_load else None, BR=br, Q_LOAD=q_load, UPCAST=True, num_warps=4)
-            assert torch.allclose(dw.float(), want.to(torch.bfloat16).float(), rtol=1e-2, atol=1e-2), (q_load, tma)
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (it comes with torch on Linux; pip install -e "
-                                           "'.[test]'): the compile needs it")
-@pytest.mark.skipif(HAS_TRITON and not has_nvidia_backend(), reason="Triton has no NVIDIA backend (ptxas) here")
-def test_every_store_probe_variant_compiles_for_hopper():
-    """wgrad_store_probe --aot compiles each variant for sm_90 without a GPU. Session 29: the strips without MMA
-    had an early return in a static if, which the interpreter runs and the compiler rejects; they failed only
-    on a leased GPU."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    p = subprocess.run([sys.executable, "-m", "mok_tools.experiments.wgrad_store_probe", "--aot"],
-                       capture_output=True, text=True, env=env, cwd=Path(__file__).resolve().parent.parent,
-                       timeout=600)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    from mok_tools.experiments.wgrad_store_probe import VARIANTS
-
-    lines = [line for line in p.stdout.splitlines() if "registers" in line]
-    assert len(lines) == len(VARIANTS) and "strips tma 128x64 4w 2/SM (v5 wide)" in lines[0]
 
 
 def test_bwd_check_interleaved_rounds_cancel_a_linear_drift():

@@ -7,7 +7,7 @@ L2 hit rate, the tensor pipe, registers, occupancy, the largest warp stall reaso
 
 Why: the backward's weight gradients run at 79% of the copy rate with their MMA and Q loads beside the stores, and which
 resource holds them (HBM, L2 bandwidth, or the per-step waits) was argued from timings of variants only (the journal,
-lab/perf-notes.md: the weight gradients as stores plus MMA). ``scripts/h200_ncu.sh`` profiles the backward's or the
+lab/perf-notes.md: the weight gradients as stores plus MMA). ``mok_tools/mok_hopper/ncu.sh`` profiles the backward's or the
 forward's kernels on the GPU machine (its runtime reads the counters; ``--clock-control none`` leaves the clocks alone)
 and runs this on the result.
 

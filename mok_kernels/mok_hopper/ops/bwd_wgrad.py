@@ -185,7 +185,7 @@ def _bwd_wgrad_q_resident(p_ptr, q_ptr, dw_ptr, code_ptr, expert_row_ptr, N, K, 
     """Q resident: work items (expert, column block of K), each a strip of dW[e] [N, BK], its Q block loaded once and
     its P blocks streamed, one output block per N step. Programs running together hold neighbouring K blocks of one
     expert, so at any moment they write neighbouring column blocks of the same rows (the store probe,
-    mok_tools/experiments/wgrad_store_probe.py: the P-resident strips write one column band of many rows at a time,
+    lab/probes/wgrad_store_probe.py: the P-resident strips write one column band of many rows at a time,
     which HBM takes more slowly). Each output block is the same sum, in the same order, as the P-resident kernel's."""
     n_n = N // BN
     n_k = K // BK

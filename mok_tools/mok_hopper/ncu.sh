@@ -8,8 +8,8 @@
 # throughput, L2 throughput and hit rate, SM and tensor pipe use, registers, occupancy, the largest warp stall
 # reasons (mok_tools.mok_hopper.ncu_summary).
 #
-# Usage (repo root, the GPU machine, whose runtime reads the counters: device KINDS.md):
-#   bash scripts/h200_ncu.sh OUTDIR [WHAT] [SHAPES]
+# Usage (repository root, a GPU machine that lets Nsight Compute read the performance counters):
+#   bash mok_tools/mok_hopper/ncu.sh OUTDIR [WHAT] [SHAPES]
 #     WHAT: bwd (default; bf16, the forward saving H), bwd-fp8, fwd-bf16 or fwd-fp8
 #     SHAPES: comma-separated, default kimi_k2_7,glm_5_2,qwen3_5_397b
 # SWEEP_ONLY="label part,..." (bwd, bwd-fp8) also profiles those bwd_check sweep variants' launches after the default's;

@@ -25,8 +25,8 @@ pointer stores):
 Each variant is timed with CUDA events (median of ``--iters`` after two untimed passes) and reported as GB/s of
 bytes written, beside the copy rate of the same bytes (``copy_``: read + write). One GPU::
 
-    python3 -m mok_tools.experiments.wgrad_store_probe --out DIR [--shape glm_5_2]
-    python3 -m mok_tools.experiments.wgrad_store_probe --aot    # compile each variant for sm_90, no GPU
+    python3 lab/probes/wgrad_store_probe.py --out DIR [--shape glm_5_2]
+    python3 lab/probes/wgrad_store_probe.py --aot    # compile each variant for sm_90, no GPU
 
 Writes ``DIR/wgrad_store_probe.csv``. Needs CUDA (exit 2 on a machine without it), except ``--aot``.
 """

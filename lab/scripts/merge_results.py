@@ -2,7 +2,7 @@
 Rows already in DST's file of a run are kept (a run may span several commands); a row present in both (same
 row_id) is written once.
 
-    python scripts/merge_results.py SRC DST
+    python lab/scripts/merge_results.py SRC DST
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Construct one small ``HybridEPBuffer`` (DeepEP's hybrid-ep branch) on 2 ranks after a given import / preload
 order, print which libstdc++ objects are mapped, then OK or crash (lab/diagnostics/2026-11-30-hybridep-preload)::
 
-    torchrun --nproc-per-node=2 -m mok_tools.experiments.hybridep_probe VARIANT
+    torchrun --nproc-per-node=2 lab/probes/hybridep_probe.py VARIANT
 
 VARIANT: ``plain`` (``import torch`` only), ``stdcxx`` (``libstdc++.so.6`` loaded RTLD_GLOBAL first, what the
 harness's ``MOKBENCH_DEEPEP_PRELOAD`` default does), ``te`` (Transformer Engine imported first), ``deepbind``

@@ -7,7 +7,7 @@
 #
 # Usage (repo root, GPU machine, after DeepEP / TE / Megatron / DeepGEMM are installed as docs/backends.md says, or their
 # wheels and builds are carried in WHEELS):
-#   bash scripts/hopper_ep_run.sh OUTDIR PART [EP]
+#   bash lab/scripts/hopper_ep_run.sh OUTDIR PART [EP]
 #   PART control   the control pair every lease re-times first: mok_hopper and the fastest baseline (hybridep at
 #                  EP=2 in every run so far) on glm_5_2, bf16, forward, published timing
 #   PART bf16      the four published shapes, bf16, forward and backward, every backend, published timing

@@ -3,7 +3,7 @@
 # mok_hopper, bf16, EP=1, 2048 tokens per GPU, forward and backward timed in one process per point
 # (direction=fwd_and_bwd), published timing (500 warmup / 100 timed), published compile modes, calibrated roofline.
 #
-# Usage (repo root, GPU machine):  bash scripts/h200_anchors_run.sh OUTDIR [PART]
+# Usage (repo root, GPU machine):  bash lab/scripts/h200_anchors_run.sh OUTDIR [PART]
 #   PART glm  : glm_5_2 and the compute-bound point glm_5_2 shape.local_experts=16 (16 experts on the GPU)
 #   PART glm16: the compute-bound point alone
 #   PART kq   : kimi_k2_7 and qwen3_5_397b
@@ -47,7 +47,7 @@
 #   folder each for the whole call (the liger backend sets TRITON_CACHE_AUTOTUNING=1 where TRITON_CACHE_DIR is set,
 #   so a point's autotuning results stay in its copy).
 # Rows go to OUTDIR/runs/<run_id>/ and, after each point, bundled into OUTDIR/rows/<run_id>.csv
-# (scripts/merge_results.py; its table in OUTDIR/rows.txt); the log of each point to OUTDIR/anchors-<point>.log
+# (lab/scripts/merge_results.py; its table in OUTDIR/rows.txt); the log of each point to OUTDIR/anchors-<point>.log
 # (glm, glm16, kimi, qwen), the precompile's to OUTDIR/precompile.log.
 # Known (torch 2.11 / Triton 3.6): nccl compiled with max-autotune died in inductor's autotuning of the backward
 # graph at EP=1 (an illegal memory access in one autotuning choice, after which every CUDA call failed; run
@@ -116,7 +116,7 @@ run() {  # point name, then the point's overrides
   # the rows so far, one file per run in OUTDIR/rows: a call that is cut off later keeps this point's rows, and the
   # rows leave the machine without runs/'s nested folders (a folder nested too deep for the transfer off the GPU
   # machine stays behind, and its rows with it)
-  python3 scripts/merge_results.py "$OUTDIR/runs" "$OUTDIR/rows" > "$OUTDIR/rows.txt" 2>&1 \
+  python3 lab/scripts/merge_results.py "$OUTDIR/runs" "$OUTDIR/rows" > "$OUTDIR/rows.txt" 2>&1 \
     || echo "merge_results failed: $OUTDIR/rows.txt"
 }
 glm() { precompile glm_5_2; run glm shape=glm_5_2; run glm16 shape=glm_5_2 shape.local_experts=16; }

@@ -4,7 +4,7 @@ For each shape, the harness inputs are made once; the reference layer runs once 
 once in float32 (the same math on float32 copies of the inputs); then nccl runs eagerly with each fp8 GEMM path
 (and bf16, for scale) and every one of the 9 tensors is compared with both. Prints one line per (shape, path,
 tensor) and writes them to OUT/fp8_grad_errors.csv. Usage (GPU machine, repo root, after scripts/gpu_env.sh):
-    python scripts/fp8_grad_errors.py OUT glm_5_2 qwen3_5_397b
+    python lab/scripts/fp8_grad_errors.py OUT glm_5_2 qwen3_5_397b
 """
 
 from __future__ import annotations

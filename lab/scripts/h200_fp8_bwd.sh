@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # mok_hopper's fp8 backward on one H200, EP=1, 2048 tokens per GPU.
 #
-# Usage (repo root, GPU machine; .whl holds the hydra wheels):  bash scripts/h200_fp8_bwd.sh OUTDIR PART
+# Usage (repo root, GPU machine; .whl holds the hydra wheels):  bash lab/scripts/h200_fp8_bwd.sh OUTDIR PART
 #   PART check: mok_tools.mok_hopper.bwd_check --precision fp8 on kimi_k2_7, glm_5_2, qwen3_5_397b and the
 #               compute-bound point (glm_5_2@16epg): every gradient against the reference in the fp8 gate, 20
 #               repeats bitwise, stage times, memory (H saved); then qwen3_5_397b with H recomputed

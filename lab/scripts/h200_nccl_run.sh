@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The harness-core measurement on a 2xH200 machine: nccl on the four published shapes (bf16, fwd + bwd, EP=2,
 # 2048 tokens/GPU) with calibration, plus the published experts-per-GPU, tokens, routing and EP=1 variants for the
-# charts. One run_id for all. Usage (repo root, GPU machine): bash scripts/h200_nccl_run.sh OUTDIR
+# charts. One run_id for all. Usage (repo root, GPU machine): bash lab/scripts/h200_nccl_run.sh OUTDIR
 set -uo pipefail
 OUTDIR=${1:?output folder}
 source scripts/gpu_env.sh "${WHEELS:-.whl}"
@@ -17,4 +17,4 @@ run -m shape=qwen3_5_397b workload.tokens_per_gpu=1024,4096 direction=fwd
 run -m shape=qwen3_5_397b workload=zipf,hot_experts,hot_rank direction=fwd
 run shape=glm_5_2 ep_size=1 direction=fwd
 mkdir -p "$OUTDIR"
-python scripts/merge_results.py "$RES" "$OUTDIR"
+python lab/scripts/merge_results.py "$RES" "$OUTDIR"

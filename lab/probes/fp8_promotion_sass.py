@@ -16,7 +16,7 @@ N = how many MMA groups may still run; 0 everywhere means each MMA is waited for
 block-wide barriers (``BAR.SYNC``: every warp of the program stops there, so the two warpgroups of an 8-warp
 program run each K step in lockstep) and ``LDGSTS`` (cp.async copies: the pipelined pointer loads)::
 
-    python -m mok_tools.experiments.fp8_promotion_sass [--bm 128 --bn 64 --warps 8 --stages 4] [--tma]
+    python3 lab/probes/fp8_promotion_sass.py [--bm 128 --bn 64 --warps 8 --stages 4] [--tma]
 
 It measures nothing about speed: it says what the compiler schedules.
 """
