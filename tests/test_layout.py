@@ -143,8 +143,8 @@ def test_no_product_file_tells_you_to_run_the_journals_code():
 @pytest.mark.parametrize("line,hit", [
     ("bash lab/scripts/h200_anchors_run.sh OUTDIR", True), ("python3 lab/probes/wgrad_store_probe.py --aot", True),
     ("source lab/scripts/x.sh", True), ("torchrun --nproc-per-node=2 lab/probes/hybridep_probe.py plain", True),
-    ("python -m lab.probes.x", True), ("the journal's probe (`lab/scripts/fp8_grad_errors.py`) ran out of memory", False),
-    ("bash scripts/gpu_env.sh .whl", False), ("see lab/perf-notes.md", False),
+    ("python -m lab.probes.x", True), ("bash scripts/gpu_env.sh .whl", False), ("see lab/perf-notes.md", False),
+    ("the journal's probe (`lab/scripts/fp8_grad_errors.py`) ran out of memory", False),
     ("python3 -m harness.report results/runs  # lab/runs.md has the story", False),
 ])
 def test_the_lab_run_pattern_finds_what_it_should(line, hit):
