@@ -22,7 +22,7 @@ all of it happens there (it is in ``setup_s``, and the seconds it took are in ``
 pins one config per kernel (Liger's own switch). Where the user sets ``TRITON_CACHE_DIR``, Triton's compiled kernels
 are reused from it, and the autotuning results too (``TRITON_CACHE_AUTOTUNING=1`` is set for Liger's autotuners
 unless the user set it). The compiles, not the benchmarks, are most of the autotuning's time (on one H200 one
-shape's did not finish within 600 s: lab/diagnostics/2026-12-01-s12/): ``python -m benchmarks.liger_precompile``
+shape's did not finish within 600 s: lab/diagnostics/2026-12-01-s12/): ``python -m mok_tools.liger_precompile``
 compiles every config ahead, in parallel, into that cache; setup then only benchmarks, and the notes cite the
 precompile's record (``PRECOMPILE_RECORD`` in the cache folder).
 
@@ -56,7 +56,7 @@ DIST = "liger-kernel"  # the distribution whose version the rows name
 
 INSTALL_HINT = "pip install liger-kernel (0.8.5 tested; docs/backends.md, 'Anchors: Liger-Kernel and SonicMoE')"
 AUTOTUNE_ENV = "LIGER_FUSED_MOE_AUTOTUNE"  # Liger's switch: 0 pins one config per kernel (read at import)
-PRECOMPILE_RECORD = "mokbench-liger-precompile.json"  # what benchmarks.liger_precompile wrote to the Triton cache
+PRECOMPILE_RECORD = "mokbench-liger-precompile.json"  # what mok_tools.liger_precompile wrote to the Triton cache
 
 
 def _interpreted() -> bool:
@@ -79,7 +79,7 @@ def autotune_pinned() -> bool:
 
 
 def precompile_record() -> Optional[dict]:
-    """The record of ``benchmarks.liger_precompile`` in the user's Triton cache, if it prepared that cache."""
+    """The record of ``mok_tools.liger_precompile`` in the user's Triton cache, if it prepared that cache."""
     return cache_record("TRITON_CACHE_DIR", PRECOMPILE_RECORD)
 
 
@@ -159,7 +159,7 @@ class LigerBackend:
                  if os.environ.get("TRITON_CACHE_DIR") else "Triton's default cache")
         pre = precompile_record()
         if pre and not pinned:
-            cache += (f" (compiled ahead by benchmarks.liger_precompile for {pre.get('shapes')}: "
+            cache += (f" (compiled ahead by mok_tools.liger_precompile for {pre.get('shapes')}: "
                       f"{pre.get('workers')} processes, {pre.get('seconds')} s, {pre.get('utc')})")
         where = "Triton interpreter (CPU)" if _interpreted() else "Triton"
         notes = [f"Liger-Kernel {package_version(DIST)} LigerFusedMoEFunction ({where}): routing kernels with one host "

@@ -27,7 +27,7 @@ folder of its own (``pip install --no-deps --target DIR``) and runs in processes
 
 QuACK autotunes each GEMM on first use, compiling every config (9-22 a GEMM on SM90, one to two CPU-minutes
 each; on 16 CPUs the first two of its six GEMMs took 220 s, and the third had not finished 175 s later). Setup runs
-one untimed forward and backward, so that this lands in ``setup_s``; ``benchmarks.sonic_precompile`` does the
+one untimed forward and backward, so that this lands in ``setup_s``; ``mok_tools.sonic_precompile`` does the
 compiles once, ahead, into ``QUACK_CACHE_DIR`` (the kept kernels do not depend on the problem's sizes), and the rows'
 notes cite that.
 
@@ -52,7 +52,7 @@ from baselines.common import (ExpertParams, cache_record, device_capability, pac
 
 DIST = "sonic-moe"  # the distribution whose version the rows name
 
-PRECOMPILE_RECORD = "mokbench-sonic-precompile.json"  # what benchmarks.sonic_precompile wrote to QUACK_CACHE_DIR
+PRECOMPILE_RECORD = "mokbench-sonic-precompile.json"  # what mok_tools.sonic_precompile wrote to QUACK_CACHE_DIR
 PINNED_TORCH = "2.9.1"  # sonic-moe 0.1.2.post1: torch>=2.7.1,<=2.9.1
 SITE_ENV = "MOKBENCH_SONICMOE_SITE"  # where +experiment=hopper_anchors finds its own install (own_pythonpath)
 INSTALL_HINT = (f"SonicMoE 0.1.2.post1 pins torch<={PINNED_TORCH} and nvidia-cutlass-dsl==4.4.2: in a Python 3.12 "
@@ -94,7 +94,7 @@ def sonic_routed(x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, topk_w_TK: torch
 
 
 def precompile_record() -> Optional[dict]:
-    """The record ``benchmarks.sonic_precompile`` left in ``QUACK_CACHE_DIR``, if it prepared that cache."""
+    """The record ``mok_tools.sonic_precompile`` left in ``QUACK_CACHE_DIR``, if it prepared that cache."""
     return cache_record("QUACK_CACHE_DIR", PRECOMPILE_RECORD)
 
 
@@ -169,11 +169,11 @@ class SonicMoEBackend:
                  else "QuACK's default kernel cache")
         where = (pre or {}).get("compiled_on") or {}
         if where.get("mode") == "cpu":
-            cache += (f" (compiled ahead without a GPU by benchmarks.sonic_precompile --cpu {where.get('arch')} on "
+            cache += (f" (compiled ahead without a GPU by mok_tools.sonic_precompile --cpu {where.get('arch')} on "
                       f"{(where.get('host_cpu') or {}).get('model')}, for Python {where.get('fingerprint_python')}, "
                       f"{pre.get('seconds')} s, {pre.get('utc')})")
         elif pre:
-            cache += (f" (compiled ahead by benchmarks.sonic_precompile: {pre.get('workers')} workers, "
+            cache += (f" (compiled ahead by mok_tools.sonic_precompile: {pre.get('workers')} workers, "
                       f"{pre.get('seconds')} s, {pre.get('utc')})")
         notes = [f"SonicMoE {package_version(DIST)} moe_general_routing_inputs with the harness's top-k (its router "
                  f"replaced), concat gate/up layout, torch {torch.__version__}{pin}",

@@ -1,7 +1,7 @@
 """The contract between the harness, the baselines and the kernels: what a sweep point is (:class:`Case`), the
 inputs of one layer call (:class:`LayerInputs`), the backend interface (:class:`Backend`), the expert weights as
 autograd leaves (:class:`ExpertLeaves`) and the fp8 block format (:mod:`contract.fp8`). It imports none of
-``harness``, ``baselines`` or ``kernels``; they all import it. Names are loaded on first use, so that reading the
+``harness``, ``baselines`` or ``mok_kernels``; they all import it. Names are loaded on first use, so that reading the
 backend registry or a report needs no torch."""
 
 from __future__ import annotations

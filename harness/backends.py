@@ -1,6 +1,6 @@
 """The one backend interface, and the registry from backend key to implementation.
 
-Backends live in ``baselines/`` and ``kernels/`` and never import the harness: they fit :class:`Backend`
+Backends live in ``baselines/`` and ``mok_kernels/`` and never import the harness: they fit :class:`Backend`
 structurally and are imported lazily from the registry (:data:`REGISTRY`: key -> import target, label, role and
 colour, the one table of backend names, which reports and charts read too), so a backend whose library is missing
 costs nothing until it is asked for (and then becomes an ``unsupported`` row).
@@ -85,10 +85,10 @@ REGISTRY: dict[str, BackendSpec] = {
                                     "DeepGEMM MegaMoE fp8 inference (anchor)", "anchor", "#393b79"),
     "flashinfer": BackendSpec("baselines.flashinfer:FlashInferBackend", "FlashInfer fused MoE inference (anchor)",
                               "anchor", "#637939", "baselines.options:FlashInferOptions"),
-    "mok": BackendSpec("kernels.mok_upstream:MokBackend", "MoK", "contender", "#d62728"),
-    "mok_hopper": BackendSpec("kernels.mok_hopper.backend:MokHopperBackend", "MoK Hopper (ours)", "contender",
-                              "#ff7f0e", "kernels.mok_hopper.options:MokHopperOptions"),
-    # mok_hopper rows timed on the CPU ran its pure-torch twin (kernels/mok_hopper/twin/): reports rename them
+    "mok": BackendSpec("mok_kernels.mok_upstream:MokBackend", "MoK", "contender", "#d62728"),
+    "mok_hopper": BackendSpec("mok_kernels.mok_hopper.backend:MokHopperBackend", "MoK Hopper (ours)", "contender",
+                              "#ff7f0e", "mok_kernels.mok_hopper.options:MokHopperOptions"),
+    # mok_hopper rows timed on the CPU ran its pure-torch twin (mok_kernels/mok_hopper/twin/): reports rename them
     # to this name, so that no table or chart draws them as the kernel (not a backend of its own: no target)
     "mok_hopper_cpu_twin": BackendSpec("", "MoK Hopper CPU twin (pure torch, not the kernel)", "contender",
                                        "#ffbb78"),

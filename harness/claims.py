@@ -32,7 +32,7 @@ PUBLISHED_RUN_ID = "published:mok_gb300_figure"
 PUBLISHED_ENV = {"gpu_name": "GB300 (published)", "ep_size": 64, "tokens_per_gpu": 2048, "routing": "uniform"}
 READ_ERROR_TFLOPS = 3.0  # reading precision of the published chart
 
-# mok_hopper rows measured on the CPU run its pure-torch twin (kernels/mok_hopper/twin/), not the Triton kernel:
+# mok_hopper rows measured on the CPU run its pure-torch twin (mok_kernels/mok_hopper/twin/), not the Triton kernel:
 # the report renames their backend so that no table or chart draws them as the kernel
 CPU_TWIN = {"mok_hopper": "mok_hopper_cpu_twin"}
 

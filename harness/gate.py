@@ -51,7 +51,7 @@ WORKTREE = ("WORKTREE", ".")
 GATE_SET = ("run_id", "results_dir", "hydra.run.dir", "hydra.sweep.dir")  # the overrides the gate writes itself
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 IMPORT_CHECK = ("import importlib.util, json; print(json.dumps({n: (importlib.util.find_spec(n).origin or '') "
-                "for n in ('harness', 'harness.run', 'contract', 'kernels', 'baselines')}))")
+                "for n in ('harness', 'harness.run', 'contract', '%s', 'baselines')}))")
 BACKENDS_CHECK = "import json; from harness.backends import BACKENDS; print(json.dumps(sorted(BACKENDS)))"
 
 
@@ -236,7 +236,11 @@ def check_side(side: Side, python: str, args: list[str]) -> Optional[list[str]]:
     """Before any round: the side imports its own code, and its harness.run composes the run's options. Returns
     the ``backends`` the side's points run (None where its composed configuration does not say)."""
     env = run_env(side)
-    out = subprocess.run([python, "-c", IMPORT_CHECK], cwd=side.src, env=env, capture_output=True, text=True)
+    # the kernels' package: mok_kernels, or kernels in a tree from before its rename (a base ref may be that old)
+    old_layout = (side.src / "kernels").is_dir() and not (side.src / "mok_kernels").is_dir()
+    kernels = "kernels" if old_layout else "mok_kernels"
+    out = subprocess.run([python, "-c", IMPORT_CHECK % kernels], cwd=side.src, env=env, capture_output=True,
+                         text=True)
     if out.returncode != 0:
         raise GateError(f"{side.describe()}: python cannot import it: {_last_line(out.stderr)}")
     src = side.src.resolve()
@@ -385,4 +389,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":
+    from harness.own_packages import exit_on_clash
+
+    exit_on_clash()
     sys.exit(main())

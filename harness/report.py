@@ -293,4 +293,7 @@ def _configs_with_history(df: pd.DataFrame) -> list[str]:
 
 
 if __name__ == "__main__":
+    from harness.own_packages import exit_on_clash
+
+    exit_on_clash()
     sys.exit(main())

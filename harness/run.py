@@ -25,6 +25,9 @@ def _interrupted_while_loading(signum: int, frame: object) -> None:
 
 if __name__ == "__main__":  # not in the ranks, which import this module as __mp_main__ and ignore SIGINT
     signal.signal(signal.SIGINT, _interrupted_while_loading)
+    from harness.own_packages import exit_on_clash
+
+    exit_on_clash()  # another distribution's baselines / contract on the path: one line, exit 2
 
 from pathlib import Path  # noqa: E402 - after the handler: Ctrl-C while these load is one line too
 

@@ -798,4 +798,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":
+    from harness.own_packages import exit_on_clash
+
+    exit_on_clash()
     sys.exit(main())

@@ -19,8 +19,6 @@ replay path, not a routing distribution that any trained model has.
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
-import importlib.util
 import sys
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -31,17 +29,7 @@ TINY = ("qwen3_moe", "mixtral", "olmoe")
 
 
 def import_transformers() -> Any:
-    """``transformers``, with Hugging Face's hub kernels off where another package named ``kernels`` (this project's
-    fused MoE kernels, on the path of a checkout) shadows the ``kernels`` distribution transformers imports."""
-    spec = importlib.util.find_spec("kernels")
-    try:
-        theirs = Path(str(importlib.metadata.distribution("kernels").locate_file("kernels/__init__.py"))).resolve()
-    except importlib.metadata.PackageNotFoundError:
-        theirs = None
-    if spec is not None and spec.origin and Path(spec.origin).resolve() != theirs:
-        import transformers.utils.import_utils as iu
-
-        iu.is_kernels_available = lambda *a, **k: False
+    """``transformers`` (the ``traces`` extra), imported only where a model is built."""
     import transformers
 
     return transformers

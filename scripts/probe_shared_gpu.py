@@ -147,7 +147,7 @@ def _symm_mem(rank: int, ranks: int, repeats: int, **_: Any) -> dict[str, Any]:
     import torch.distributed._symmetric_memory as symm_mem
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from kernels.mok_hopper.workspace import _rendezvous  # (the layer's own path to a handle)
+    from mok_kernels.mok_hopper.workspace import _rendezvous  # (the layer's own path to a handle)
 
     n = 1024
     buf = symm_mem.empty(n, dtype=torch.int32, device="cuda")

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from baselines.nccl import NcclBackend
-from kernels.mok_hopper.backend import MokHopperBackend
+from mok_kernels.mok_hopper.backend import MokHopperBackend
 
 
 class WrongOutput(NcclBackend):

@@ -1,4 +1,4 @@
-"""A stand-in for CUDA IPC on the CPU (the ``IpcLayer`` of kernels/mok_hopper/ipc.py): each buffer is a file in a
+"""A stand-in for CUDA IPC on the CPU (the ``IpcLayer`` of mok_kernels/mok_hopper/ipc.py): each buffer is a file in a
 shared folder, mapped into the process that allocates it; a handle is the file's name, and opening it maps the
 same file again (another address in this process, the same memory as the exporter's). Gloo ranks in processes of
 their own then address each other's buffers as the GPU ranks do, and the Triton kernels under the interpreter read

@@ -227,8 +227,8 @@ def test_liger_reuses_a_user_triton_cache(monkeypatch):
 
 
 def test_liger_precompile_slices_cover_every_config_once():
-    from benchmarks.liger_precompile import config_slice
-    from benchmarks.shapes import shape_dims
+    from mok_tools.liger_precompile import config_slice
+    from mok_tools.shapes import shape_dims
 
     configs = [f"c{i}" for i in range(40)]
     parts = [config_slice(configs, i, 14) for i in range(14)]
@@ -244,7 +244,7 @@ def test_liger_precompile_slices_cover_every_config_once():
 def test_liger_precompile_worker_runs_its_slice_of_every_autotuner():
     """A worker (here on the CPU, Liger's kernels interpreted in fp32, one config per kernel) keeps its slice of
     each of Liger's autotuners and runs the op forward and backward on the small problem."""
-    from benchmarks import liger_precompile as P
+    from mok_tools import liger_precompile as P
 
     from baselines.liger import autotuners
 
@@ -271,7 +271,7 @@ def test_liger_precompile_worker_runs_its_slice_of_every_autotuner():
      "needs a CUDA GPU" if HAS_LIGER else "pip install liger-kernel"),
 ])
 def test_liger_precompile_refuses_what_cannot_run(tmp_path, env, args, says):
-    _assert_refuses("benchmarks.liger_precompile", ("TRITON_CACHE_DIR", "LIGER_FUSED_MOE_AUTOTUNE"), tmp_path, env,
+    _assert_refuses("mok_tools.liger_precompile", ("TRITON_CACHE_DIR", "LIGER_FUSED_MOE_AUTOTUNE"), tmp_path, env,
                     args, says)
 
 
@@ -298,7 +298,7 @@ def test_liger_notes_cite_a_precompiled_cache(monkeypatch, tmp_path):
     b = liger.LigerBackend(_case(), None)
     b.params = types.SimpleNamespace(columns=lambda: {})
     monkeypatch.setenv(liger.AUTOTUNE_ENV, "1")
-    assert "compiled ahead by benchmarks.liger_precompile for glm_5_2: 15 processes, 61.2 s" in b.info()["notes"]
+    assert "compiled ahead by mok_tools.liger_precompile for glm_5_2: 15 processes, 61.2 s" in b.info()["notes"]
     monkeypatch.setenv(liger.AUTOTUNE_ENV, "0")  # pinned: one config, nothing of the precompile is used
     assert "compiled ahead" not in b.info()["notes"]
 
@@ -363,7 +363,7 @@ def test_sonicmoe_adapter_against_a_stand_in(monkeypatch):
 
 
 def test_sonic_routed_matches_a_per_expert_loop(monkeypatch):
-    """The adapter's call (shared with benchmarks.sonic_precompile) through the stand-in, against plain torch."""
+    """The adapter's call (shared with mok_tools.sonic_precompile) through the stand-in, against plain torch."""
     from baselines import sonicmoe
 
     calls: list = []
@@ -387,8 +387,8 @@ def test_sonic_routed_matches_a_per_expert_loop(monkeypatch):
 
 
 def test_sonic_precompile_small_problem_through_a_stand_in(monkeypatch):
-    from benchmarks import sonic_precompile as P
-    from benchmarks.shapes import shape_dims
+    from mok_tools import sonic_precompile as P
+    from mok_tools.shapes import shape_dims
 
     mod = _fake_sonic([])
     monkeypatch.setitem(sys.modules, "sonicmoe", mod)
@@ -411,11 +411,11 @@ def test_sonic_precompile_small_problem_through_a_stand_in(monkeypatch):
      "quack-kernels==0.3.11 is not installed" if importlib.util.find_spec("quack") is None else "sonic-moe"),
 ])
 def test_sonic_precompile_refuses_what_cannot_run(tmp_path, env, args, says):
-    _assert_refuses("benchmarks.sonic_precompile", ("QUACK_CACHE_DIR",), tmp_path, env, args, says)
+    _assert_refuses("mok_tools.sonic_precompile", ("QUACK_CACHE_DIR",), tmp_path, env, args, says)
 
 
 def test_sonic_cpu_compile_arch_and_host():
-    from benchmarks import sonic_cpu_compile as C
+    from mok_tools import sonic_cpu_compile as C
 
     assert C.parse_arch("sm_90a") == "sm_90a" and C.parse_arch("sm_100a") == "sm_100a"
     for bad in ("sm_90", "90", "sm_80a", "sm_90a "):
@@ -428,7 +428,7 @@ def test_sonic_cpu_compile_arch_and_host():
 
 
 def test_sonic_cpu_compile_environment(monkeypatch):
-    from benchmarks import sonic_cpu_compile as C
+    from mok_tools import sonic_cpu_compile as C
 
     for k in ("CUTE_DSL_ARCH", "QUACK_ARCH", "TRITON_INTERPRET", "QUACK_COMPILE_WORKERS"):
         monkeypatch.setenv(k, "unset")  # restored (or removed) after the test
@@ -460,7 +460,7 @@ def test_sonic_cpu_compile_apply_through_stand_ins(monkeypatch):
     import triton.runtime.autotuner as triton_autotuner
     import triton.runtime.interpreter as triton_interpreter
 
-    from benchmarks import sonic_cpu_compile as C
+    from mok_tools import sonic_cpu_compile as C
 
     for cls, attr in ((triton_autotuner.Autotuner, "do_bench"), (triton_interpreter.InterpretedFunction, "run")):
         monkeypatch.setattr(cls, attr, cls.__dict__[attr])  # restored after the test
@@ -516,11 +516,11 @@ def test_sonic_notes_cite_a_precompiled_cache(monkeypatch, tmp_path):
     assert "compiled ahead" not in b.info()["notes"] and str(tmp_path) in b.info()["notes"]
     (tmp_path / sonicmoe.PRECOMPILE_RECORD).write_text(
         '{"workers": 16, "seconds": 530.2, "utc": "2026-12-05T10:00:00Z"}')
-    assert "compiled ahead by benchmarks.sonic_precompile: 16 workers, 530.2 s" in b.info()["notes"]
+    assert "compiled ahead by mok_tools.sonic_precompile: 16 workers, 530.2 s" in b.info()["notes"]
     (tmp_path / sonicmoe.PRECOMPILE_RECORD).write_text(
         '{"workers": 1, "seconds": 155.8, "utc": "2026-12-04T21:30:00Z", "compiled_on": {"mode": "cpu", '
         '"arch": "sm_90a", "host_cpu": {"model": "AMD EPYC", "simd_flags": ["avx2"]}, "fingerprint_python": "3.12"}}')
-    assert "compiled ahead without a GPU by benchmarks.sonic_precompile --cpu sm_90a on AMD EPYC" in b.info()["notes"]
+    assert "compiled ahead without a GPU by mok_tools.sonic_precompile --cpu sm_90a on AMD EPYC" in b.info()["notes"]
 
 
 def test_sonicmoe_unsupported_reasons(monkeypatch):
@@ -568,8 +568,9 @@ def test_anchors_on_the_cpu_are_unsupported_rows_beside_ok_rows(results_dir):
 
 
 def test_nccl_notes_say_inductor_autotuned_in_subprocesses(monkeypatch):
-    """With TORCHINDUCTOR_AUTOTUNE_IN_SUBPROC=1 (what scripts/h200_anchors_run.sh sets for nccl's published
-    max-autotune at EP=1) a compiled nccl row says so; an eager row, or autotuning in the process, says nothing."""
+    """With TORCHINDUCTOR_AUTOTUNE_IN_SUBPROC=1 (what nccl's published max-autotune needs at EP=1: docs/backends.md,
+    "Anchors: Liger-Kernel and SonicMoE") a compiled nccl row says so; an eager row, or autotuning in the process,
+    says nothing."""
     from torch._inductor import config
 
     from baselines import nccl

@@ -289,7 +289,7 @@ def test_backend_order():
 def test_shape_table_is_the_one_order_of_shapes():
     """configs/shape/*.yaml order and label the shapes: the report's order and the benchmark tools' published shapes
     both come from harness.config.shape_table."""
-    from benchmarks.shapes import published_shapes
+    from mok_tools.shapes import published_shapes
     from harness.config import shape_table
     from harness.labels import SHAPE_LABELS, SHAPE_ORDER, shape_label
 

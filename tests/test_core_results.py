@@ -109,26 +109,6 @@ def test_host_timer_measures_and_runs_pre_untimed(monkeypatch):
         dist.destroy_process_group()
 
 
-def test_merge_results_adds_to_a_run_spanning_several_commands(tmp_path):
-    """scripts/merge_results.py: the rows of a second command of the same run are added to the run's file (it
-    once replaced the file, which lost the first command's rows); merging the same rows twice adds nothing."""
-    import importlib.util
-    from pathlib import Path
-
-    spec = importlib.util.spec_from_file_location(
-        "merge_results", Path(__file__).resolve().parent.parent / "scripts" / "merge_results.py")
-    merge = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(merge)
-    first, second, dst = tmp_path / "a", tmp_path / "b", tmp_path / "dst"
-    results.write_rows(first / "job.csv", [row(shape="tiny"), row(shape="tiny", direction="bwd")])
-    results.write_rows(second / "job.csv", [row(shape="glm_5_2"), row(run_id="r2")])
-    for src in (first, second, second):
-        merge.main(str(src), str(dst))
-    r1 = results.read_file(dst / "r1.csv")
-    assert sorted(r1["shape"]) == ["glm_5_2", "tiny", "tiny"] and r1.row_id.is_unique
-    assert len(results.read_file(dst / "r2.csv")) == 1
-
-
 def test_base_row_and_make_row_build_schema_rows():
     """The row builders live with the schema: every column they set is a schema column, each row gets its own id and
     timestamp, and a row's own values override the point's."""

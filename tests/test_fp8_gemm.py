@@ -367,7 +367,7 @@ def test_scaled_grouped_mm_matches_reference_on_gpu():
 @pytest.mark.skipif(not HAS_GPU, reason="no CUDA GPU on this machine")
 def test_deep_gemm_matches_reference_on_gpu():
     _hopper("blockwise")
-    from kernels.mok_hopper.fp8 import quantize_blocks
+    from mok_kernels.mok_hopper.fp8 import quantize_blocks
 
     counts = torch.tensor([100, 0, 300, 7], device="cuda")
     lay = fg.GroupLayout(counts, 407, fg.blockwise_align(True), host_counts=counts.tolist())

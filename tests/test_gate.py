@@ -19,7 +19,7 @@ from harness import gate as G
 from harness import results
 
 ROOT = Path(__file__).resolve().parent.parent
-CODE = ("contract", "harness", "baselines", "kernels", "configs", "hydra_plugins", "pyproject.toml")
+CODE = ("contract", "harness", "baselines", "mok_kernels", "configs", "hydra_plugins", "pyproject.toml")
 MARKER = "gate test: this version refuses every point"
 # the smallest timed point: nccl alone, forward, 64 tokens a rank, one warmup and two timed iterations, no check
 TINY = ["backends=[nccl]", "direction=fwd", "workload.tokens_per_gpu=64", "timing.num_warmup=1", "timing.num_iters=2",
@@ -162,11 +162,11 @@ def test_a_source_folder_that_does_not_hold_its_own_code_is_refused(repo, tmp_pa
     """A folder missing a package would run another copy's (an installed checkout's) code: refused before any
     round."""
     partial = tmp_path / "partial"
-    shutil.copytree(repo["path"], partial, ignore=shutil.ignore_patterns(".git", "kernels"))
+    shutil.copytree(repo["path"], partial, ignore=shutil.ignore_patterns(".git", "mok_kernels"))
     code, _, err = gate(["--base-dir", str(partial), "--new-dir", str(repo["path"]), "--out", str(tmp_path / "out")],
                         tmp_path, monkeypatch, capsys)
     line = one_line(err)
-    assert code == 2 and "kernels" in line and str(partial) in line
+    assert code == 2 and "mok_kernels" in line and str(partial) in line
     assert not (tmp_path / "out").exists()
 
 

@@ -1,4 +1,4 @@
-"""The workspace over CUDA IPC (kernels/mok_hopper/ipc.py), on the CPU: gloo ranks in processes of their own with a
+"""The workspace over CUDA IPC (mok_kernels/mok_hopper/ipc.py), on the CPU: gloo ranks in processes of their own with a
 stand-in IPC layer (tests/fake_ipc.py: shared files mapped in every process), the Triton kernels under the
 interpreter. Checked: the handle exchange and every region's peer offset table (each rank reads every peer's
 pattern through the table), the signal-pad barrier (it waits for a late rank; on every channel each signal given is
@@ -20,8 +20,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from fake_ipc import FileIpc
-from kernels.mok_hopper import ipc
-from kernels.mok_hopper.workspace import Workspace
+from mok_kernels.mok_hopper import ipc
+from mok_kernels.mok_hopper.workspace import Workspace
 
 T, H, K = 8, 256, 2
 
@@ -63,7 +63,7 @@ def _exchange_rank(rank: int, world: int, tmp: str, fault: str) -> None:
                       for d in ws.tables[name].tolist()]
     rec["seen"] = seen
     # the schedule's own kernel reads every rank's top-k ids through the idx table
-    from kernels.mok_hopper.ops.schedule_kernels import gather_peer_i32
+    from mok_kernels.mok_hopper.ops.schedule_kernels import gather_peer_i32
 
     ws.barrier(1)
     out = torch.zeros(world, T * K, dtype=torch.int32)
@@ -156,8 +156,8 @@ SHAPE = (24, 3, 8, 128, 64)  # T, K, E, H, I: the simulated-rank tests' bf16 siz
 
 
 def _forward_rank(rank: int, world: int, tmp: str, fault: str) -> None:
-    from benchmarks.mok_hopper.shared_gpu_check import make_inputs, make_weights
-    from kernels.mok_hopper.api import MoKHopperLayer
+    from mok_tools.mok_hopper.shared_gpu_check import make_inputs, make_weights
+    from mok_kernels.mok_hopper.api import MoKHopperLayer
 
     layer_ipc = _init(rank, world, tmp, fault)
     Tn, Kn = SHAPE[:2]
@@ -181,8 +181,8 @@ def test_the_layer_runs_across_processes_over_ipc_workspaces(tmp_path, fault):
     rank's output equals the twin's bit for bit. With rank 0's peer pointer for rank 1 wrong, rank 0 reads its own
     ids and rows as rank 1's and pushes their results into its own slots (the values its own rows give there, so its
     output stays right), and rank 1 never gets the rows rank 0's experts owe it: rank 1's output is wrong."""
-    from benchmarks.mok_hopper.shared_gpu_check import make_inputs, make_weights
-    from kernels.mok_hopper.twin import forward as twin
+    from mok_tools.mok_hopper.shared_gpu_check import make_inputs, make_weights
+    from mok_kernels.mok_hopper.twin import forward as twin
 
     mp.spawn(_forward_rank, args=(2, str(tmp_path), fault), nprocs=2, join=True)
     w, inp = make_weights(2, SHAPE, seed=3), make_inputs(2, SHAPE, seed=4, routing="uniform")
@@ -194,9 +194,9 @@ def test_the_layer_runs_across_processes_over_ipc_workspaces(tmp_path, fault):
 
 
 _AOT = """
-from benchmarks.mok_hopper.aot_check import compile_variant, problems
-from benchmarks.mok_hopper.aot_variant import Variant
-from kernels.mok_hopper.ops.barrier import _signal_pad_barrier
+from mok_tools.mok_hopper.aot_check import compile_variant, problems
+from mok_tools.mok_hopper.aot_variant import Variant
+from mok_kernels.mok_hopper.ops.barrier import _signal_pad_barrier
 v = Variant("signal-pad barrier", "_signal_pad_barrier",
             dict(pad_ptr="*i32", peer_ptr="*i64", rank="i32", world="i32", channel="i32"), {}, 1,
             plain=("rank", "world", "channel"))

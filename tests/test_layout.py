@@ -1,5 +1,6 @@
 """The product apart from its journal: a short README whose links resolve, docs that describe the code rather than
-its history, and a journal folder (``lab/``) that no package imports from."""
+its history, and a journal folder (``lab/``) whose code (its run scripts and probes) no package imports and no
+product file tells you to run."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("contract", "harness", "baselines", "kernels", "benchmarks", "hydra_plugins")
+PACKAGES = ("contract", "harness", "baselines", "mok_kernels", "mok_tools", "hydra_plugins")
 # Team history: "session 29", "issue 23", "call #4", "call B". Upstream references are written "<project> #N".
 HISTORY_WORDS = re.compile(r"\b(session|issue|call)\s*#?\d+|\bcall [A-G]\b", re.IGNORECASE)
 # where history belongs: the journal, the measured rows (run ids, logs), and the tests (which may name what they
@@ -92,7 +93,7 @@ LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
 
 @pytest.mark.parametrize("page", ["README.md", *sorted(p.relative_to(ROOT).as_posix()
                                                        for p in (ROOT / "docs").glob("*.md")),
-                                  "results/README.md", "lab/README.md", "kernels/mok_hopper/README.md"])
+                                  "results/README.md", "lab/README.md", "mok_kernels/mok_hopper/README.md"])
 def test_every_relative_link_resolves(page):
     text = (ROOT / page).read_text()
     broken = [t for t in LINK.findall(text) if "://" not in t and not (ROOT / page).parent.joinpath(t).exists()]
@@ -105,8 +106,63 @@ def test_the_readme_links_every_docs_page():
     assert not missing, f"README.md does not link docs pages {missing}"
 
 
+# the journal's folders that may hold Python: the one-machine run scripts and the one-off probes that made its runs
+LAB_CODE = ("lab/scripts/", "lab/probes/")
+# a command that runs a file of the journal: python / bash / source / torchrun ... lab/<path>.py|.sh, or -m lab.<mod>
+RUNS_LAB = re.compile(r"\b(python3?|bash|sh|source|torchrun)\b[^`|]*?(?<![\w/.])lab/[\w./-]+\.(py|sh)\b|-m\s+lab\.\w")
+# where such a line may stand: the journal itself, the measured rows and their logs, the tests
+RUN_LAB_ALLOWED = ("lab/", "results/runs/", "tests/")
+
+
+def test_only_the_journals_scripts_and_probes_folders_hold_python():
+    stray = [p.relative_to(ROOT).as_posix() for p in (ROOT / "lab").rglob("*.py")]
+    stray = [p for p in stray if not p.startswith(LAB_CODE) and "__pycache__" not in p]
+    assert not stray, f"lab/ holds the journal; its code goes into {' or '.join(LAB_CODE)}: {stray}"
+
+
+def lab_run_hits(files: list[str]) -> list[str]:
+    hits = []
+    for rel in files:
+        if rel.startswith(RUN_LAB_ALLOWED):
+            continue
+        text = text_of(rel)
+        if text is None:
+            continue
+        hits += [f"{rel}:{n}: {line.strip()[:100]}" for n, line in enumerate(text.splitlines(), 1)
+                 if RUNS_LAB.search(line)]
+    return hits
+
+
+def test_no_product_file_tells_you_to_run_the_journals_code():
+    """README, docs, configs, scripts and the packages run product commands: what lab/ holds is history."""
+    hits = lab_run_hits(tracked_files())
+    assert not hits, "a product file runs a file of lab/ (move it into the product, or drop the line):\n" + \
+        "\n".join(hits[:40])
+
+
+@pytest.mark.parametrize("line,hit", [
+    ("bash lab/scripts/h200_anchors_run.sh OUTDIR", True), ("python3 lab/probes/wgrad_store_probe.py --aot", True),
+    ("source lab/scripts/x.sh", True), ("torchrun --nproc-per-node=2 lab/probes/hybridep_probe.py plain", True),
+    ("python -m lab.probes.x", True), ("bash scripts/gpu_env.sh .whl", False), ("see lab/perf-notes.md", False),
+    ("the journal's probe (`lab/scripts/fp8_grad_errors.py`) ran out of memory", False),
+    ("python3 -m harness.report results/runs  # lab/runs.md has the story", False),
+])
+def test_the_lab_run_pattern_finds_what_it_should(line, hit):
+    assert bool(RUNS_LAB.search(line)) is hit
+
+
+def test_the_lab_run_check_reads_the_files_it_should(tmp_path, monkeypatch):
+    """A planted command that runs a journal script is found in product files and ignored in the journal and tests."""
+    files = {"docs/y.md": "bash lab/scripts/run.sh OUT\n", "scripts/z.sh": "python3 lab/probes/p.py\n",
+             "lab/x.md": "bash lab/scripts/run.sh OUT\n", "tests/t.py": "# python3 lab/probes/p.py\n"}
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
+    assert [h.split(":")[0] for h in lab_run_hits(sorted(files))] == ["docs/y.md", "scripts/z.sh"]
+
+
 def test_no_package_imports_the_journal():
-    assert not list((ROOT / "lab").rglob("*.py")), "lab/ holds the journal, not code"
     bad = []
     for package in PACKAGES:
         for path in (ROOT / package).rglob("*.py"):

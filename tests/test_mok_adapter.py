@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import kernels.mok_upstream as mu
+import mok_kernels.mok_upstream as mu
 
 
 def make_case(**kw):
@@ -273,5 +273,5 @@ def test_registered_in_the_harness():
     from harness.backends import BACKENDS, load_backend
 
     assert load_backend("mok") is mu.MokBackend
-    assert BACKENDS["mok_hopper"] == "kernels.mok_hopper.backend:MokHopperBackend"
+    assert BACKENDS["mok_hopper"] == "mok_kernels.mok_hopper.backend:MokHopperBackend"
 

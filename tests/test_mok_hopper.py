@@ -17,9 +17,9 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernels module imports triton
 
 from conftest import has_nvidia_backend  # noqa: E402
-from kernels.mok_hopper.twin import forward as twin  # noqa: E402
-from kernels.mok_hopper.fp8 import quantize_blocks  # noqa: E402
-from kernels.mok_hopper.schedule import build_schedule, capacity_rows, padded_rows, reference_schedule  # noqa: E402
+from mok_kernels.mok_hopper.twin import forward as twin  # noqa: E402
+from mok_kernels.mok_hopper.fp8 import quantize_blocks  # noqa: E402
+from mok_kernels.mok_hopper.schedule import build_schedule, capacity_rows, padded_rows, reference_schedule  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------------------------
 # inputs
@@ -206,9 +206,9 @@ def test_every_sweep_variant_is_a_valid_tile_on_every_published_shape():
     (glm_5_2's default has tails, which flattened loops refuse)."""
     from dataclasses import replace
 
-    from benchmarks.shapes import published_shapes, shape_config
-    from kernels.mok_hopper.tiles import default_tile
-    from benchmarks.mok_hopper.variants import SWEEP, SWEEP_FP8, runs_at
+    from mok_tools.shapes import published_shapes, shape_config
+    from mok_kernels.mok_hopper.tiles import default_tile
+    from mok_tools.mok_hopper.variants import SWEEP, SWEEP_FP8, runs_at
 
     assert set(SWEEP_FP8) <= {label for label, _, _ in SWEEP}
     assert not any(label.startswith("fp8:") for label in SWEEP_FP8)  # (those run in fp8 by their label alone)
@@ -227,7 +227,7 @@ def test_every_sweep_variant_is_a_valid_tile_on_every_published_shape():
 
 
 def test_fp8_tile_is_applied_once():
-    from kernels.mok_hopper.tiles import TileConfig
+    from mok_kernels.mok_hopper.tiles import TileConfig
 
     f8 = TileConfig().for_fp8()
     assert f8.fp8 and f8.for_fp8() == f8 and (f8.up_k, f8.up_n) == (128, 64)
@@ -235,7 +235,7 @@ def test_fp8_tile_is_applied_once():
 
 
 def test_default_tile_flattens_the_down_loop_only_where_half_tiles_are_rare():
-    from kernels.mok_hopper.tiles import default_tile, half_tile_waste
+    from mok_kernels.mok_hopper.tiles import default_tile, half_tile_waste
 
     assert half_tile_waste(64) == pytest.approx(0.5, abs=0.05)  # half the experts end in a half tile of 64 rows
     assert half_tile_waste(96) < 0.01 and half_tile_waste(128) == pytest.approx(0.25, abs=0.03)
@@ -253,7 +253,7 @@ def test_default_tile_flattens_the_down_loop_only_where_half_tiles_are_rare():
 
 
 def test_default_tile_gives_tails_where_experts_often_end_in_a_full_and_a_half_tile():
-    from kernels.mok_hopper.tiles import default_tile, paired_fraction
+    from mok_kernels.mok_hopper.tiles import default_tile, paired_fraction
 
     # 128 +- 11 rows: about half the experts have 129-192 rows (a full tile, then a half tile); 64 or 85: none
     assert paired_fraction(128) == pytest.approx(0.48, abs=0.03) and paired_fraction(85) < 0.001
@@ -268,7 +268,7 @@ def test_default_tile_gives_tails_where_experts_often_end_in_a_full_and_a_half_t
 
 
 def test_default_tile_runs_the_shared_expert_beside_the_up_gemm_on_cuda_only():
-    from kernels.mok_hopper.tiles import SHARED_SMS, default_tile, launch_programs
+    from mok_kernels.mok_hopper.tiles import SHARED_SMS, default_tile, launch_programs
 
     assert SHARED_SMS == 24  # measured best of 16/24/32/40 on 2xH200 (lab/perf-notes.md, v8)
     for precision in ("bf16", "fp8"):
@@ -286,8 +286,8 @@ def test_retired_tile_flags_are_gone():
     session 9's early down GEMM (no gain) were retired: a sweep that still names them fails loudly."""
     from dataclasses import fields, replace
 
-    from kernels.mok_hopper.tiles import TileConfig
-    from benchmarks.mok_hopper.variants import SWEEP
+    from mok_kernels.mok_hopper.tiles import TileConfig
+    from mok_tools.mok_hopper.variants import SWEEP
 
     names = {f.name for f in fields(TileConfig)}
     retired = {"pair_up", "pair_down", "up_pair_stages", "down_pair_stages", "early_down"}
@@ -302,8 +302,8 @@ def test_launch_programs_split_the_sms():
     them), and shared_sms, which moves the shared expert onto SMs of its own beside the up GEMM."""
     from dataclasses import replace
 
-    from kernels.mok_hopper.tiles import launch_programs
-    from kernels.mok_hopper.tiles import TileConfig
+    from mok_kernels.mok_hopper.tiles import launch_programs
+    from mok_kernels.mok_hopper.tiles import TileConfig
 
     base = TileConfig()
     kw = dict(ready=True, overlap=True, has_shared=True)
@@ -330,8 +330,8 @@ def test_launch_programs_split_the_sms():
 def test_flat_up_refuses_ready_flags():
     from dataclasses import replace
 
-    from kernels.mok_hopper.api import MoKHopperLayer
-    from kernels.mok_hopper.tiles import TileConfig
+    from mok_kernels.mok_hopper.api import MoKHopperLayer
+    from mok_kernels.mok_hopper.tiles import TileConfig
 
     w13, w2 = torch.zeros(2, 64, 32, dtype=torch.bfloat16), torch.zeros(2, 32, 32, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="flat_up needs ready_flags=False"):
@@ -453,8 +453,8 @@ def run_kernels(xs, idx, ws, w13, w2, sh, *, precision="bf16", limit=None, rw_in
                 repeats=1, tile=None, save_h=False):
     """Run the kernel pipeline for P simulated ranks, phase by phase (stage all, compute all, finish all). With
     ``save_h`` the layers' saved H starts as NaN and their clamp decisions as 7 (what no forward writes)."""
-    from kernels.mok_hopper.api import MoKHopperLayer, default_tile
-    from kernels.mok_hopper.workspace import Workspace, link_local
+    from mok_kernels.mok_hopper.api import MoKHopperLayer, default_tile
+    from mok_kernels.mok_hopper.workspace import Workspace, link_local
 
     P, (T, K), H = len(xs), idx[0].shape, xs[0].shape[1]
     cpu = torch.device("cpu")
@@ -525,7 +525,7 @@ def test_kernels_with_small_tiles_walk_every_loop(precision, tma, layout):
     tile, must not be stored)."""
     from dataclasses import replace
 
-    from kernels.mok_hopper.tiles import TileConfig
+    from mok_kernels.mok_hopper.tiles import TileConfig
 
     if precision == "fp8":  # fp8 steps follow the scale blocks (up 64 x 128, down 128 x 64): two of each here
         P, T, K, E, H, I = 2, 24, 3, 8, 256, 128
@@ -560,7 +560,7 @@ def test_kernels_with_tails_match_the_twin(tma):
     """Tails (bf16): tiles of BM/2 + TL and BM + TL rows run their last TL rows as a second MMA with the rows in N
     (W @ A^T) in both GEMMs. Every tile kind occurs, several column tiles and K steps, the pull's ready counters
     in granules of TL rows (each counted once)."""
-    from kernels.mok_hopper.tiles import TileConfig
+    from mok_kernels.mok_hopper.tiles import TileConfig
 
     P, T, K, E, H, I, BM, TL = 2, 64, 4, 8, 128, 64, 64, 16
     tile = TileConfig(block_m=BM, tail_rows=TL, up_n=32, up_k=32, down_n=32, down_k=32, num_chunks=1,
@@ -597,7 +597,7 @@ def check_saved_h(layer, w13_LIH: torch.Tensor, limit) -> dict[str, int]:
     order than torch's, which can move a value across a bf16 rounding boundary: never more than that), and
     equal to the twin's bf16 H almost everywhere; the clamp decisions equal except within 1e-4 of the limit;
     rows past the last tile left alone. Returns counts, for the caller to check the test saw something."""
-    from kernels.mok_hopper.twin.backward import saved
+    from mok_kernels.mok_hopper.twin.backward import saved
 
     s = layer.sched
     n = int(s.num_tiles)
@@ -643,7 +643,7 @@ def test_save_h_stores_the_pre_swiglu_h_and_clamp_decisions(layout, limit):
     (pointers, half tiles, ready counters, two chunks); tails over pointers (the unfused tail MMAs); and the fused
     gate/up MMA (interleaved accumulator columns) with tails and half tiles over TMA descriptors. The forward's
     output is bitwise that of the layer without save_h."""
-    from kernels.mok_hopper.tiles import TileConfig, default_tile
+    from mok_kernels.mok_hopper.tiles import TileConfig, default_tile
 
     P, T, K, E, H, I = 2, 64, 4, 8, 128, 64
     xs, _, ws, w13, w2, sh = make_layer_inputs(P, T, K, E, H, I, seed=31)
@@ -676,9 +676,9 @@ def test_an_fp8_training_layer_saves_h_and_keeps_its_transposed_weights():
     (the twin's ``saved_fp8``); train=True keeps the e4m3 weights transposed (the forward's values; its scales);
     an inference layer keeps none."""
     from contract.fp8 import quantize_blocks
-    from kernels.mok_hopper.twin import backward as twin_bwd
-    from kernels.mok_hopper.api import MoKHopperLayer
-    from kernels.mok_hopper.fp8 import quantize_expert_weights
+    from mok_kernels.mok_hopper.twin import backward as twin_bwd
+    from mok_kernels.mok_hopper.api import MoKHopperLayer
+    from mok_kernels.mok_hopper.fp8 import quantize_expert_weights
 
     xs, idx, ws, w13, w2, _ = make_layer_inputs(1, 16, 2, 4, 128, 128, seed=1, shared=False)
     layer = MoKHopperLayer(w13[0], w2[0], topk=2, tokens=16, precision="fp8", save_h=True, train=True, rank=0,
@@ -704,8 +704,8 @@ def test_an_fp8_training_layer_saves_h_and_keeps_its_transposed_weights():
 
 
 def test_tile_weights_puts_each_tma_block_in_one_run_of_memory():
-    from kernels.mok_hopper.ops.gemm_common import tile_weights
-    from kernels.mok_hopper.tiles import TileConfig
+    from mok_kernels.mok_hopper.ops.gemm_common import tile_weights
+    from mok_kernels.mok_hopper.tiles import TileConfig
 
     w = torch.arange(2 * 8 * 12, dtype=torch.float32).reshape(2, 8, 12)
     t = tile_weights(w, 4, 3)
@@ -728,7 +728,7 @@ def test_tile_weights_puts_each_tma_block_in_one_run_of_memory():
 
 
 def test_tile_weights_gu_interleaves_gate_and_up_rows_in_each_block():
-    from kernels.mok_hopper.ops.gemm_common import tile_weights_gu
+    from mok_kernels.mok_hopper.ops.gemm_common import tile_weights_gu
 
     L, I, H, bn, bk = 2, 8, 12, 4, 3
     w13 = torch.arange(L * 2 * I * H, dtype=torch.float32).reshape(L, 2 * I, H)
@@ -746,7 +746,7 @@ def test_tile_weights_gu_interleaves_gate_and_up_rows_in_each_block():
 def test_tile_overrides_from_the_command_line():
     """gpu_check's and bwd_check's ``--tile``: TileConfig fields, integers, the switches as bools; anything else
     a ValueError that names it."""
-    from kernels.mok_hopper.tiles import TileConfig, parse_tile_overrides
+    from mok_kernels.mok_hopper.tiles import TileConfig, parse_tile_overrides
 
     got = parse_tile_overrides("ready_flags=0,tma=1,block_m=64")
     assert got == {"ready_flags": False, "tma": True, "block_m": 64} and got["ready_flags"] is False
@@ -758,7 +758,7 @@ def test_tile_overrides_from_the_command_line():
 
 
 def test_default_tile_tiles_the_weights_on_cuda_only():
-    from kernels.mok_hopper.tiles import default_tile
+    from mok_kernels.mok_hopper.tiles import default_tile
 
     for precision in ("bf16", "fp8"):
         for rows in (64, 85, 128):
@@ -778,7 +778,7 @@ def test_tiled_weights_change_no_bit(layout):
     alone."""
     from dataclasses import replace
 
-    from kernels.mok_hopper.tiles import TileConfig
+    from mok_kernels.mok_hopper.tiles import TileConfig
 
     P, T, K, E, H, I = 2, 48, 4, 8, 256, 128
     precision = "fp8" if layout.startswith("fp8") else "bf16"
@@ -809,7 +809,7 @@ def test_fp8_pairs_change_no_bit(operands, pair):
     step: for_fp8 turns the pairs off there)."""
     from dataclasses import replace
 
-    from kernels.mok_hopper.tiles import TileConfig
+    from mok_kernels.mok_hopper.tiles import TileConfig
 
     P, T, K, E, H, I = 2, 48, 4, 8, 256, 128
     tile = TileConfig(block_m=32, up_n=32, up_k=32, down_n=64, down_k=32, num_chunks=1, gemm_programs=3,
@@ -837,7 +837,7 @@ def test_down_programs_per_sm_and_fp8_down_width():
     column step; both are checked at construction."""
     from dataclasses import replace
 
-    from kernels.mok_hopper.tiles import TileConfig, launch_programs
+    from mok_kernels.mok_hopper.tiles import TileConfig, launch_programs
 
     base = TileConfig(comm_sms=24, shared_sms=24)
     two = replace(base, down_per_sm=2, down_warps=4)
@@ -864,7 +864,7 @@ def test_fp8_down_halves_is_the_default_where_few_experts_run_a_full_tile():
     """v16: the fp8 down GEMM as 64-row items at 4 warps, two programs an SM, where at most DOWN_HALVES_MAX_FULL of
     the experts have more than BM/2 rows (qwen3_5_397b, kimi_k2_7 at EP=1: 40 and 43 rows an expert), not on glm_5_2
     (64) or the compute-bound point; bf16 tiles keep their down GEMM."""
-    from kernels.mok_hopper.tiles import DOWN_HALVES_MAX_FULL, default_tile, full_tile_fraction
+    from mok_kernels.mok_hopper.tiles import DOWN_HALVES_MAX_FULL, default_tile, full_tile_fraction
 
     cuda = dict(device=None, n_sm=132)
     for rows, want in ((2048 * 10 / 512, True), (2048 * 8 / 384, True), (2048 * 8 / 256, False), (1024.0, False)):
@@ -885,7 +885,7 @@ def test_fp8_down_halves_is_the_default_where_few_experts_run_a_full_tile():
 def _small_tile(operands: str, **over):
     """A tile for the interpreter's small layers: 32-row tiles with half tiles, TMA descriptors over tiled weights
     (``operands`` "tma tiled") or pointers."""
-    from kernels.mok_hopper.tiles import TileConfig
+    from mok_kernels.mok_hopper.tiles import TileConfig
 
     tiled = operands == "tma tiled"
     return TileConfig(block_m=32, up_n=32, up_k=32, down_n=64, down_k=32, num_chunks=1, gemm_programs=3,
@@ -942,7 +942,7 @@ def test_fp8_down_at_128_registers_changes_no_bit():
     column over the same K steps in the same order, so the same bits as the default's 128-wide items."""
     from dataclasses import replace
 
-    from benchmarks.mok_hopper.variants import SWEEP
+    from mok_tools.mok_hopper.variants import SWEEP
 
     over = next(o for label, o, _ in SWEEP if label.startswith("fp8: 128-register down"))
     tile = _small_tile("tma tiled")
@@ -1004,7 +1004,7 @@ def test_save_h_by_tma_stores_changes_no_bit(precision, halves):
 def test_fp8_down_two_programs_an_sm_matches_the_twin():
     """The fp8 down GEMM 32 columns an item at 4 warps, twice the programs (down_per_sm; a CPU has 4 "SMs"): the
     forward the twin computes, as with the default launch."""
-    from kernels.mok_hopper.tiles import TileConfig
+    from mok_kernels.mok_hopper.tiles import TileConfig
 
     P, T, K, E, H, I = 2, 48, 4, 8, 256, 128
     tile = TileConfig(block_m=32, up_n=32, up_k=32, down_n=64, down_k=32, num_chunks=1, pull_programs=5,
@@ -1025,8 +1025,8 @@ def test_triton_schedule_equals_the_torch_schedule(mode, P, capacity, tiles):
     counts the same overflow, and zeroes the ready and work counters."""
     from dataclasses import replace
 
-    from kernels.mok_hopper.api import MoKHopperLayer, default_tile
-    from kernels.mok_hopper.workspace import Workspace, link_local
+    from mok_kernels.mok_hopper.api import MoKHopperLayer, default_tile
+    from mok_kernels.mok_hopper.workspace import Workspace, link_local
 
     T, K, E, H, I = 40, 3, 8, 128, 64
     xs, idx, ws, w13, w2, _ = make_layer_inputs(P, T, K, E, H, I, seed=5, mode=mode, shared=False)
@@ -1067,8 +1067,8 @@ def test_kernels_detect_overflow():
 
 @needs_triton
 def test_functional_form_on_one_rank():
-    from kernels.mok_hopper.api import clear_layer_cache, mok_hopper_forward
-    from kernels.mok_hopper.workspace import clear_workspace_cache
+    from mok_kernels.mok_hopper.api import clear_layer_cache, mok_hopper_forward
+    from mok_kernels.mok_hopper.workspace import clear_workspace_cache
 
     xs, idx, ws, w13, w2, sh = make_layer_inputs(1, 16, 2, 4, 128, 64, seed=3)
     out = mok_hopper_forward(xs[0], idx[0], ws[0], w13[0], w2[0], shared=sh, swiglu_limit=1.0)
@@ -1081,7 +1081,7 @@ def test_functional_form_on_one_rank():
 
 @needs_triton
 def test_quantize_rows_kernel_matches_torch():
-    from kernels.mok_hopper.ops.pull import quantize_rows
+    from mok_kernels.mok_hopper.ops.pull import quantize_rows
 
     x = (torch.randn(8, 256) * torch.logspace(-2, 2, 8)[:, None]).bfloat16()
     q = torch.empty(8, 256, dtype=torch.float8_e4m3fn)
@@ -1101,7 +1101,7 @@ def aot_sweep():
     from pathlib import Path
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    return subprocess.run([sys.executable, "-m", "benchmarks.mok_hopper.aot_check", "--arch", "90", "--sweep"],
+    return subprocess.run([sys.executable, "-m", "mok_tools.mok_hopper.aot_check", "--arch", "90", "--sweep"],
                           capture_output=True, text=True, env=env, cwd=Path(__file__).resolve().parent.parent,
                           timeout=1800)
 
@@ -1135,8 +1135,8 @@ def test_aot_check_builds_each_default_tile_over_plain_weights():
     of those tiles is among aot_check's variants, and the ones it adds read row-major weights."""
     from dataclasses import replace
 
-    from benchmarks.mok_hopper import aot_check
-    from kernels.mok_hopper.tiles import default_tile, plain_weights
+    from mok_tools.mok_hopper import aot_check
+    from mok_kernels.mok_hopper.tiles import default_tile, plain_weights
 
     def key(v):
         return v.kernel, tuple(sorted(v.constexprs.items())), v.num_warps, v.maxnreg
@@ -1160,7 +1160,7 @@ def test_aot_check_compiles_each_kernel_as_launched():
     """aot_check's specialisation: pointers and sizes divisible by 16, as the launch sees them, except the i32s a
     variant names plain (the pull's and the epilogue's K is the top-k). The backward's K is a hidden size: compiled
     without its divisibility, its loads and stores were not those that run (session 28)."""
-    from benchmarks.mok_hopper import aot_check
+    from mok_tools.mok_hopper import aot_check
 
     by_label = {v.label: v for v in aot_check.variants()}
     for label, k_divisible in (("bwd wgrad P resident", True), ("bwd wgrad P resident pointers", True),
@@ -1189,7 +1189,7 @@ def test_the_triton_range_has_one_source():
     import tomllib
     from pathlib import Path
 
-    from kernels.mok_hopper import TRITON_SPEC, triton_unsupported
+    from mok_kernels.mok_hopper import TRITON_SPEC, triton_unsupported
 
     meta = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())["project"]
     (dep,) = [d for d in meta["dependencies"] if d.startswith("triton")]
@@ -1203,7 +1203,7 @@ def test_the_triton_range_has_one_source():
 def test_a_sweep_variant_is_timed_against_the_default_interleaved(monkeypatch):
     """gpu_check's A/B: rounds alternate which side goes first, and the ratio is taken per round, so a clock drift
     shared by both sides of a round cancels."""
-    from benchmarks.mok_hopper import gpu_check as gc
+    from mok_tools.mok_hopper import gpu_check as gc
 
     from harness.timing import Stats
 
@@ -1227,7 +1227,7 @@ def test_a_sweep_variant_is_timed_against_the_default_interleaved(monkeypatch):
 
 def test_gpu_check_refuses_what_cannot_run_in_one_line_before_anything_runs(tmp_path, monkeypatch, capsys):
     """Shapes come from configs/shape and are checked as the harness checks them, before any process group."""
-    from benchmarks.mok_hopper import gpu_check as gc
+    from mok_tools.mok_hopper import gpu_check as gc
 
     monkeypatch.setenv("WORLD_SIZE", "3")
     for args, said in ((["--shapes", "nope"], "unknown shape 'nope'"), (["--shapes", "glm_5_2"], "glm_5_2@<N>epg"),
@@ -1255,7 +1255,7 @@ def test_gpu_check_smoke_runs_a_sweep_variant_on_the_cpu(tmp_path):
     root = Path(__file__).resolve().parent.parent
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(root))
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1", "-m",
-                        "benchmarks.mok_hopper.gpu_check", "--smoke", "--out", str(tmp_path), "--precisions", "bf16",
+                        "mok_tools.mok_hopper.gpu_check", "--smoke", "--out", str(tmp_path), "--precisions", "bf16",
                         "--no-edge", "--variants", "down 256", "--ab-rounds", "2"],
                        cwd=root, env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]

@@ -11,7 +11,7 @@ import pytest
 from conftest import cpu_cfg
 
 from harness.runner import run_benchmark
-from kernels.mok_hopper.backend import MokHopperBackend
+from mok_kernels.mok_hopper.backend import MokHopperBackend
 
 
 def by(df, backend, direction):
@@ -76,7 +76,7 @@ def test_inference_forward_declines_the_backward(results_dir):
 def test_directions_it_declines():
     from contract import direction_unsupported
 
-    from kernels.mok_hopper.options import MokHopperOptions
+    from mok_kernels.mok_hopper.options import MokHopperOptions
 
     def why(direction, forward="save_h", **kw):
         base = dict(precision="bf16", device="cuda", ep_size=1)

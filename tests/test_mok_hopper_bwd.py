@@ -1,4 +1,4 @@
-"""The twin of mok_hopper's planned bf16 backward (kernels/mok_hopper/twin/backward.py) against torch autograd: every
+"""The twin of mok_hopper's planned bf16 backward (mok_kernels/mok_hopper/twin/backward.py) against torch autograd: every
 gradient (x, router weights, routed gate/up/down, shared gate/up/down) on small shapes, 1, 2 and 4 ranks, clamped
 SwiGLU, masked top-k slots and a rank whose experts get no token. The kernels of issue 23 will be checked against
 this twin stage by stage."""
@@ -13,8 +13,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernels module imports triton (also run alone)
 
-from conftest import has_nvidia_backend  # noqa: E402
-from kernels.mok_hopper.twin import backward as twin_bwd  # noqa: E402
+from mok_kernels.mok_hopper.twin import backward as twin_bwd  # noqa: E402
 
 
 def rel_l1(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -118,7 +117,7 @@ except ImportError:
 def _stage_toy(limit):
     """The backward stages' toy (several row tiles per expert, an expert with no row, padding rows): the schedule,
     the rows, and the twin's stage results expert by expert."""
-    from kernels.mok_hopper.schedule import build_schedule
+    from mok_kernels.mok_hopper.schedule import build_schedule
 
     T, K, E, H, I, BM = 40, 3, 8, 128, 64, 16
     g = torch.Generator().manual_seed(5)
@@ -162,7 +161,7 @@ def _interpreted(monkeypatch, *modules):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     import importlib
 
-    from kernels.mok_hopper.ops import interp
+    from mok_kernels.mok_hopper.ops import interp
 
     if not interp.INTERPRET:
         pytest.skip("run with TRITON_INTERPRET=1 from the start (tests/conftest.py sets it on CPU machines)")
@@ -174,10 +173,10 @@ def _interpreted(monkeypatch, *modules):
                                            "'.[test]'): the interpreter kernel tests need it")
 @pytest.mark.parametrize("limit", [None, 0.5], ids=["plain", "clamped"])
 def test_backward_gemms_match_the_twin_under_the_interpreter(limit, monkeypatch):
-    """The v0 backward GEMMs (kernels/mok_hopper/ops/bwd_gemm.py) against the twin's stages, expert by expert: dH, s*A,
+    """The v0 backward GEMMs (mok_kernels/mok_hopper/ops/bwd_gemm.py) against the twin's stages, expert by expert: dH, s*A,
     the router-weight gradient, dX rows, dW13 and dW2 (several row tiles per expert, an expert with no row,
     padding rows, several column tiles and K steps)."""
-    from kernels.mok_hopper.ops import bwd_gemm, bwd_wgrad
+    from mok_kernels.mok_hopper.ops import bwd_gemm, bwd_wgrad
 
     _interpreted(monkeypatch, bwd_gemm, bwd_wgrad)
     d = _stage_toy(limit)
@@ -223,10 +222,10 @@ def test_backward_gemms_match_the_twin_under_the_interpreter(limit, monkeypatch)
 @pytest.mark.parametrize("limit", [None, 0.5], ids=["plain", "clamped"])
 @pytest.mark.parametrize("block_r", [64, 16], ids=["one-row-block", "row-blocks"])
 def test_fused_weight_streaming_stages_match_the_twin_under_the_interpreter(limit, block_r, monkeypatch):
-    """kernels/mok_hopper/ops/bwd_fused.py: dgate + dW2 and dX + dW13, each in one pass over its weights, against the
+    """mok_kernels/mok_hopper/ops/bwd_fused.py: dgate + dW2 and dX + dW13, each in one pass over its weights, against the
     twin's stages expert by expert; with every expert in one row block (the fast path) and with experts over
     several row blocks (the GEMM over row blocks, then each gradient block over them)."""
-    from kernels.mok_hopper.ops import bwd_fused, bwd_gemm, bwd_wgrad
+    from mok_kernels.mok_hopper.ops import bwd_fused, bwd_gemm, bwd_wgrad
 
     _interpreted(monkeypatch, bwd_gemm, bwd_wgrad, bwd_fused)
     d = _stage_toy(limit)
@@ -262,8 +261,8 @@ GROUPED_MM = {"dw13": {"grouped_mm": True}, "dw2": {"grouped_mm": True}}  # the 
 
 def _toy_layer(**kw):
     """A one-rank MoKHopperLayer on the CPU over TOY's seed-9 weights (``kw``: the layer's options), with them."""
-    from kernels.mok_hopper.api import MoKHopperLayer
-    from kernels.mok_hopper.workspace import Workspace, link_local
+    from mok_kernels.mok_hopper.api import MoKHopperLayer
+    from mok_kernels.mok_hopper.workspace import Workspace, link_local
 
     T, K, E, H, I = TOY
     (ws_,) = link_local([Workspace(rank=0, world=1, device=torch.device("cpu"), tokens=T, hidden=H, topk=K, fp8=False,
@@ -278,11 +277,11 @@ def _toy_layer(**kw):
                                            "'.[test]'): the interpreter kernel tests need it")
 @pytest.mark.parametrize("limit", [None, 0.5], ids=["plain", "clamped"])
 def test_a_training_step_through_the_kernels_matches_autograd(limit):
-    """kernels/mok_hopper/train.py at EP=1: the fused forward, then the v0 backward GEMMs (H recomputed), against
+    """mok_kernels/mok_hopper/train.py at EP=1: the fused forward, then the v0 backward GEMMs (H recomputed), against
     torch autograd over a plain per-expert loop: every gradient, the shared expert's too; twice (the layer's
     buffers reused, the forward's SwiGLU rows as the backward's s * SwiGLU(H) scratch), with different inputs."""
-    from kernels.mok_hopper.ops import interp
-    from kernels.mok_hopper.train import mok_hopper_train
+    from mok_kernels.mok_hopper.ops import interp
+    from mok_kernels.mok_hopper.train import mok_hopper_train
 
     if not interp.INTERPRET:
         pytest.skip("the kernels run on the CPU under TRITON_INTERPRET=1 (set at the top of this file without a GPU)")
@@ -316,10 +315,10 @@ def test_the_kernels_backward_across_simulated_ranks_matches_autograd(P, limit, 
     interpreter, phase by phase in lockstep as the barriers would order them: every rank's every gradient against
     torch autograd, and against the twin's backward. ``tiles``: launch overrides (the weight gradients by
     torch._grouped_mm: an idle rank's groups all empty, masked slots' padding rows summed as zeros)."""
-    from kernels.mok_hopper.ops import interp
-    from kernels.mok_hopper.api import MoKHopperLayer
-    from kernels.mok_hopper.train import backward_compute, backward_finish, backward_stage
-    from kernels.mok_hopper.workspace import Workspace, link_local
+    from mok_kernels.mok_hopper.ops import interp
+    from mok_kernels.mok_hopper.api import MoKHopperLayer
+    from mok_kernels.mok_hopper.train import backward_compute, backward_finish, backward_stage
+    from mok_kernels.mok_hopper.workspace import Workspace, link_local
 
     if not interp.INTERPRET:
         pytest.skip("the kernels run on the CPU under TRITON_INTERPRET=1 (set at the top of this file without a GPU)")
@@ -357,7 +356,7 @@ def test_the_kernels_backward_across_simulated_ranks_matches_autograd(P, limit, 
 def _gloo_rank(rank, world, store_path, out_path, limit):
     import torch.distributed as dist
 
-    from kernels.mok_hopper.twin.ranks import DistributedTwin
+    from mok_kernels.mok_hopper.twin.ranks import DistributedTwin
 
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
     try:
@@ -393,7 +392,7 @@ def test_the_backward_twin_on_gloo_ranks_is_the_simulated_one(tmp_path, world, l
 @pytest.mark.slow
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
 def test_bwd_check_runs_on_the_cpu(tmp_path, precision):
-    """benchmarks/mok_hopper/bwd_check.py end to end on one CPU rank (the backend's CPU twin, tiny shape): every
+    """mok_tools/mok_hopper/bwd_check.py end to end on one CPU rank (the backend's CPU twin, tiny shape): every
     gradient checked against the reference in the precision's gate, the repeat check, the CSV. Measures nothing;
     guards the script the GPU runs use."""
     import csv
@@ -403,7 +402,7 @@ def test_bwd_check_runs_on_the_cpu(tmp_path, precision):
 
     root = Path(__file__).resolve().parent.parent
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(root))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1", "-m", "benchmarks.mok_hopper.bwd_check",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1", "-m", "mok_tools.mok_hopper.bwd_check",
            "--smoke", "--out", str(tmp_path), "--precision", precision]
     p = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
@@ -425,10 +424,10 @@ def test_bwd_check_refuses_a_bad_mode_or_tile_in_one_line(tmp_path):
 
     root = Path(__file__).resolve().parent.parent
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(root))
-    p = subprocess.run([sys.executable, "-m", "benchmarks.mok_hopper.bwd_check", "--out", str(tmp_path / "x"),
+    p = subprocess.run([sys.executable, "-m", "mok_tools.mok_hopper.bwd_check", "--out", str(tmp_path / "x"),
                         "--modes", "fast"], cwd=root, env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 2 and "unknown mode" in p.stderr and not (tmp_path / "x").exists()
-    p = subprocess.run([sys.executable, "-m", "benchmarks.mok_hopper.bwd_check", "--out", str(tmp_path / "x"),
+    p = subprocess.run([sys.executable, "-m", "mok_tools.mok_hopper.bwd_check", "--out", str(tmp_path / "x"),
                         "--tile", "ready_flag=0"], cwd=root, env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 2 and p.stderr.strip().count("\n") == 0 and "not a TileConfig field" in p.stderr
     assert not (tmp_path / "x").exists()
@@ -462,7 +461,7 @@ def test_weight_gradient_with_p_resident_is_the_default_one(tma_store):
     bits, except with the tail block: the interpreter's dot is numpy's, which rounds a 64-row sum taken as 16 + 32
     rows differently (on the GPU both are the same chain of 16-row MMA steps: bwd_check's sweep says whether the
     bits are the default's), so there to an fp32 rounding, at most one unit in the last place of the bf16 result."""
-    from kernels.mok_hopper.ops import bwd_wgrad, interp
+    from mok_kernels.mok_hopper.ops import bwd_wgrad, interp
 
     if not interp.INTERPRET:
         pytest.skip("the kernels run on the CPU under TRITON_INTERPRET=1 (set at the top of this file without a GPU)")
@@ -506,8 +505,8 @@ def test_weight_gradient_split_launches_cover_every_expert_once(first_n):
     second launch's experts bit for bit (its launch is the default's), the first's to an fp32 rounding (other
     blocks: numpy's dot may sum in another order). Through ``train._wgrad``'s ``split`` too. Session 32: the first
     launch's strips twice as wide as the default's (``block_n``; bwd_check's 256 x 64 candidate), here all of N."""
-    from kernels.mok_hopper import train
-    from kernels.mok_hopper.ops import bwd_wgrad, interp
+    from mok_kernels.mok_hopper import train
+    from mok_kernels.mok_hopper.ops import bwd_wgrad, interp
 
     if not interp.INTERPRET:
         pytest.skip("the kernels run on the CPU under TRITON_INTERPRET=1 (set at the top of this file without a GPU)")
@@ -545,9 +544,9 @@ def test_the_weight_gradient_launch_follows_the_routed_rows_not_the_capacity(mon
     64 routed, and dividing it turned the resident launch off on every published shape. Here the capacity is 256
     rows an expert and the experts get 9: the routed experts' weight gradients are P-resident; the fused stages
     (options) take 64-row blocks, dX + dW13 alone or with dgate + dW2; the step is right every way."""
-    from kernels.mok_hopper.ops import bwd_fused, bwd_wgrad, interp
-    from kernels.mok_hopper.schedule import capacity_rows
-    from kernels.mok_hopper.train import layer_backward
+    from mok_kernels.mok_hopper.ops import bwd_fused, bwd_wgrad, interp
+    from mok_kernels.mok_hopper.schedule import capacity_rows
+    from mok_kernels.mok_hopper.train import layer_backward
 
     # the published case the rule is for: glm_5_2 at EP=1 (T 2048, K 8, 256 experts, BM 128)
     assert capacity_rows(ep=1, tokens=2048, topk=8, local_experts=256, block_m=128) / 256 > 64
@@ -589,8 +588,8 @@ def test_paired_row_blocks_give_the_single_blocks_gradients_bit_for_bit():
     paired (16 rows, then 8 of a masked second block) and the other experts' (at most 16 rows) singly; dgate and dX
     both. Each row's dot products are the single blocks', so every gradient is bitwise the unpaired one's, and
     right against autograd."""
-    from kernels.mok_hopper.ops import interp
-    from kernels.mok_hopper.train import layer_backward
+    from mok_kernels.mok_hopper.ops import interp
+    from mok_kernels.mok_hopper.train import layer_backward
 
     if not interp.INTERPRET:
         pytest.skip("the kernels run on the CPU under TRITON_INTERPRET=1 (set at the top of this file without a GPU)")
@@ -622,9 +621,9 @@ def test_dgate_and_dw2_gather_the_output_gradient_rows_themselves():
     token (``code // K``) instead of a gathered copy of dO's T K rows. With paired dgate blocks (a second block's
     rows gathered too) and the P-resident weight gradients, every gradient is bitwise the copy's, and right against
     autograd; the launches that cannot gather (here the fused dgate + dW2) get the copy made for them."""
-    from kernels.mok_hopper import train
-    from kernels.mok_hopper.ops import interp
-    from kernels.mok_hopper.train import layer_backward
+    from mok_kernels.mok_hopper import train
+    from mok_kernels.mok_hopper.ops import interp
+    from mok_kernels.mok_hopper.train import layer_backward
 
     if not interp.INTERPRET:
         pytest.skip("the kernels run on the CPU under TRITON_INTERPRET=1 (set at the top of this file without a GPU)")
@@ -656,8 +655,8 @@ def test_the_shared_experts_backward_by_torch_gemms(limit):
     against autograd; the routed gradients untouched (bitwise the run with ``{"torch": False}``, the shared expert
     through the routed kernels). With a clamp the kernels keep it (the clamp is decided on fp32 accumulators): every
     gradient bitwise the kernels' run."""
-    from kernels.mok_hopper.ops import interp
-    from kernels.mok_hopper.train import layer_backward
+    from mok_kernels.mok_hopper.ops import interp
+    from mok_kernels.mok_hopper.train import layer_backward
 
     if not interp.INTERPRET:
         pytest.skip("the kernels run on the CPU under TRITON_INTERPRET=1 (set at the top of this file without a GPU)")
@@ -690,8 +689,8 @@ def test_the_weight_gradients_by_grouped_mm(save_h, dgate, monkeypatch):
     (expert 2) and masked slots: its gradients zero, the others right against autograd and within bf16 rounding of
     the kernels'; with the kernels' dgate every other gradient bitwise the kernels' (only the weight-gradient
     stages changed); twice the same bits."""
-    from kernels.mok_hopper.ops import interp
-    from kernels.mok_hopper.train import layer_backward
+    from mok_kernels.mok_hopper.ops import interp
+    from mok_kernels.mok_hopper.train import layer_backward
 
     if not interp.INTERPRET:
         pytest.skip("the kernels run on the CPU under TRITON_INTERPRET=1 (set at the top of this file without a GPU)")
@@ -741,9 +740,9 @@ def test_bwd_checks_tiled_layout_variant_runs_the_tiled_backward(fused, monkeypa
     from dataclasses import replace
     from types import SimpleNamespace
 
-    from benchmarks.mok_hopper import bwd_check
-    from kernels.mok_hopper.ops import interp
-    from kernels.mok_hopper.tiles import default_tile
+    from mok_tools.mok_hopper import bwd_check
+    from mok_kernels.mok_hopper.ops import interp
+    from mok_kernels.mok_hopper.tiles import default_tile
 
     if not interp.INTERPRET:
         pytest.skip("the kernels run on the CPU under TRITON_INTERPRET=1 (set at the top of this file without a GPU)")
@@ -775,8 +774,8 @@ def test_split_weight_gradients_through_the_layer_backward(monkeypatch):
     launch (the weight gradients to an fp32 rounding: other blocks, numpy's dot; the rest bit for bit)."""
     from types import SimpleNamespace
 
-    from benchmarks.mok_hopper import bwd_check
-    from kernels.mok_hopper.ops import bwd_wgrad, interp
+    from mok_tools.mok_hopper import bwd_check
+    from mok_kernels.mok_hopper.ops import bwd_wgrad, interp
 
     if not interp.INTERPRET:
         pytest.skip("the kernels run on the CPU under TRITON_INTERPRET=1 (set at the top of this file without a GPU)")
@@ -803,78 +802,12 @@ def test_split_weight_gradients_through_the_layer_backward(monkeypatch):
                 assert torch.equal(x, y), k
 
 
-@pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (it comes with torch on Linux; pip install -e "
-                                           "'.[test]'): the interpreter kernel tests need it")
-def test_the_store_probe_writes_every_block_once_in_each_order():
-    """benchmarks/experiments/wgrad_store_probe.py's kernel under the interpreter: in every order, by TMA and by
-    pointers, each [BN, BK] block of the gradient is written (none left NaN), and both ways write the same values
-    (so the probe times the same stores both ways); with the kernel's MMA (session 28), each block is P^T @ Q of the
-    strip's expert (column sums of its rows, P being all ones), Q from registers or loaded."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    from benchmarks.experiments.wgrad_store_probe import ORDERS, _store_kernel
-    from kernels.mok_hopper.ops import interp
-
-    if not interp.INTERPRET:
-        pytest.skip("the kernels run on the CPU under TRITON_INTERPRET=1 (set at the top of this file without a GPU)")
-    L, N, K, bn, bk = 2, 256, 256, 128, 64
-    for order, code in ORDERS.items():
-        got = []
-        for tma in (False, True):
-            dw = torch.full((L, N, K), float("nan"), dtype=torch.bfloat16)
-            view = dw.view(-1, bk) if order == "contiguous" else dw.view(-1, K)
-            arg = TensorDescriptor.from_tensor(view, [bn, bk]) if tma else dw
-            _store_kernel[(3,)](arg, N, K, L, BN=bn, BK=bk, NUM_PROGS=3, ORDER=code, TMA=tma, STAGES=3, num_warps=4)
-            got.append(dw)
-        assert not got[0].isnan().any(), order
-        assert torch.equal(got[0], got[1]), order
-    # session 28: the strips with the kernel's MMA (P all ones), Q made in registers or loaded (an expert's rows)
-    br = 16
-    q = torch.randn(L * br, K).to(torch.bfloat16)
-    for q_load in (False, True):
-        want = torch.empty(L, N, K)
-        for e in range(L):
-            for k in range(K // bk):
-                cols = slice(k * bk, (k + 1) * bk)
-                col_sums = q[e * br:(e + 1) * br, cols].float().sum(0) if q_load else torch.full((bk,), br * (k + 1.0))
-                want[e, :, cols] = col_sums.expand(N, bk)
-        for tma in (False, True):
-            dw = torch.full((L, N, K), float("nan"), dtype=torch.bfloat16)
-            arg = TensorDescriptor.from_tensor(dw.view(-1, K), [bn, bk]) if tma else dw
-            _store_kernel[(3,)](arg, N, K, L, BN=bn, BK=bk, NUM_PROGS=3, ORDER=ORDERS["strips"], TMA=tma, STAGES=3,
-                                q_ptr=q if q_load else None, BR=br, Q_LOAD=q_load, UPCAST=True, num_warps=4)
-            assert torch.allclose(dw.float(), want.to(torch.bfloat16).float(), rtol=1e-2, atol=1e-2), (q_load, tma)
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (it comes with torch on Linux; pip install -e "
-                                           "'.[test]'): the compile needs it")
-@pytest.mark.skipif(HAS_TRITON and not has_nvidia_backend(), reason="Triton has no NVIDIA backend (ptxas) here")
-def test_every_store_probe_variant_compiles_for_hopper():
-    """wgrad_store_probe --aot compiles each variant for sm_90 without a GPU. Session 29: the strips without MMA
-    had an early return in a static if, which the interpreter runs and the compiler rejects; they failed only
-    on a leased GPU."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    p = subprocess.run([sys.executable, "-m", "benchmarks.experiments.wgrad_store_probe", "--aot"],
-                       capture_output=True, text=True, env=env, cwd=Path(__file__).resolve().parent.parent,
-                       timeout=600)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    from benchmarks.experiments.wgrad_store_probe import VARIANTS
-
-    lines = [line for line in p.stdout.splitlines() if "registers" in line]
-    assert len(lines) == len(VARIANTS) and "strips tma 128x64 4w 2/SM (v5 wide)" in lines[0]
-
-
 def test_bwd_check_interleaved_rounds_cancel_a_linear_drift():
     """bwd_check's ``--sweep-rounds``: rounds of D V1 D V2 D, each variant's ratio to the mean of the two default
     timings around it. Under a drift of 1% a call, linear in time, an A/A variant reads x1 exactly and a variant
     whose dW13 is 14% slower x1.1 on the total, in every round; timed one after another (as the one-shot sweep
     does) the A/A would read x1.01, and against the round's first default timing alone x1.01-x1.03."""
-    from benchmarks.mok_hopper.bwd_check import interleaved_rounds, ratios_to_default
+    from mok_tools.mok_hopper.bwd_check import interleaved_rounds, ratios_to_default
 
     calls = []
     cost = {None: {"dgate": 2.0, "dw13": 5.0}, "A/A": {"dgate": 2.0, "dw13": 5.0},
@@ -903,7 +836,7 @@ def test_backward_launch_defaults_store_dw13_by_pointers_on_the_resident_path():
     the interpreter (CPU) stores by pointers everywhere. v11 (session 29): where the experts average 48-128 rows
     (glm_5_2), the 128-row launches run the strips of an expert of at most 64 / 96 rows over 64 / 64 + 32 rows,
     and store dW2 by pointers too (not with the tiled layout, whose launch keeps v10's)."""
-    from kernels.mok_hopper.train import _tiles
+    from mok_kernels.mok_hopper.train import _tiles
 
     for rows, resident in ((40.0, True), (64.0, True), (1024.0, False)):
         t = _tiles(4096, 1024, True, rows_per_expert=rows)
@@ -932,11 +865,11 @@ def test_plain_weights_train_bit_for_bit_like_the_tiled_default(precision, forwa
     w2 are the caller's tensors."""
     from dataclasses import replace
 
-    from kernels.mok_hopper.api import MoKHopperLayer
-    from kernels.mok_hopper.ops import interp
-    from kernels.mok_hopper.tiles import TileConfig, plain_weights
-    from kernels.mok_hopper.train import mok_hopper_train
-    from kernels.mok_hopper.workspace import Workspace, link_local
+    from mok_kernels.mok_hopper.api import MoKHopperLayer
+    from mok_kernels.mok_hopper.ops import interp
+    from mok_kernels.mok_hopper.tiles import TileConfig, plain_weights
+    from mok_kernels.mok_hopper.train import mok_hopper_train
+    from mok_kernels.mok_hopper.workspace import Workspace, link_local
 
     if not interp.INTERPRET:
         pytest.skip("the kernels run on the CPU under TRITON_INTERPRET=1 (set at the top of this file without a GPU)")

@@ -1,5 +1,5 @@
-"""mok_hopper's fp8 backward (issue 25): its twin (kernels/mok_hopper/twin/backward.py, ``expert_backward_fp8``) against
-torch autograd, and the kernels (kernels/mok_hopper/ops/bwd_fp8.py, through train.py's three phases) against the twin
+"""mok_hopper's fp8 backward (issue 25): its twin (mok_kernels/mok_hopper/twin/backward.py, ``expert_backward_fp8``) against
+torch autograd, and the kernels (mok_kernels/mok_hopper/ops/bwd_fp8.py, through train.py's three phases) against the twin
 under the Triton interpreter, on 1, 2 and 4 simulated ranks (an idle rank, masked slots, a clamped SwiGLU, H saved
 or recomputed), the weight gradients' 128-row token blocks over experts of several blocks, and a training step
 through autograd at EP=1."""
@@ -14,7 +14,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernels module imports triton (also run alone)
 
-from kernels.mok_hopper.twin import backward as twin_bwd  # noqa: E402
+from mok_kernels.mok_hopper.twin import backward as twin_bwd  # noqa: E402
 from test_mok_hopper_bwd import HAS_TRITON, make, rel_l1  # noqa: E402
 
 NEEDS_TRITON = pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (it comes with torch on Linux; pip "
@@ -24,7 +24,7 @@ T, K, E, H, I = 24, 3, 8, 256, 128
 
 
 def _interpreter_or_skip():
-    from kernels.mok_hopper.ops import interp
+    from mok_kernels.mok_hopper.ops import interp
 
     if not interp.INTERPRET:
         pytest.skip("the kernels run on the CPU under TRITON_INTERPRET=1 (set at the top of this file without a GPU)")
@@ -59,8 +59,8 @@ def test_token_quant_blocks_start_at_the_experts_first_row():
 
 
 def _layers(P, xs, idx, ws, w13, w2, shared, limit, save_h):
-    from kernels.mok_hopper.api import MoKHopperLayer
-    from kernels.mok_hopper.workspace import Workspace, link_local
+    from mok_kernels.mok_hopper.api import MoKHopperLayer
+    from mok_kernels.mok_hopper.workspace import Workspace, link_local
 
     wss = link_local([Workspace(rank=r, world=P, device=torch.device("cpu"), tokens=T, hidden=H, topk=K, fp8=True,
                                 symmetric=False) for r in range(P)])
@@ -78,7 +78,7 @@ def test_the_fp8_kernels_backward_across_simulated_ranks_matches_its_twin(P, lim
     weight-gradient kernels; push the dX rows and router-weight gradients; sum), for P ranks simulated in one
     process under the interpreter, phase by phase: every rank's every gradient against the fp8 twin (the same
     recipe: within rounding order) and, unclamped, against torch autograd within the fp8 gate."""
-    from kernels.mok_hopper.train import backward_compute, backward_finish, backward_stage
+    from mok_kernels.mok_hopper.train import backward_compute, backward_finish, backward_stage
 
     _interpreter_or_skip()
     xs, idx, ws, dOs, w13, w2, shared = make(P, T, K, E, H, I, seed=60 + P, idle_rank=idle, masked=masked)
@@ -118,7 +118,7 @@ def test_the_fp8_weight_gradient_over_several_token_blocks(p8, resident):
     once a strip, a larger one sums its blocks, an empty one writes zeros. Padding rows add nothing even when they
     hold garbage."""
     from contract.fp8 import dequantize_blocks, quantize_blocks
-    from kernels.mok_hopper.ops.bwd_fp8 import fp8_wgrad
+    from mok_kernels.mok_hopper.ops.bwd_fp8 import fp8_wgrad
 
     _interpreter_or_skip()
     sizes = [0, 1, 100, 128, 129, 300]
@@ -162,7 +162,7 @@ def test_the_fp8_weight_gradient_over_several_token_blocks(p8, resident):
 def test_an_fp8_training_step_through_autograd():
     """mok_hopper_train with an fp8 layer at EP=1 (train=True, H saved): out.backward() reaches every leaf, the
     gradients are the fp8 twin's, twice with different inputs (the layer's buffers reused)."""
-    from kernels.mok_hopper.train import mok_hopper_train
+    from mok_kernels.mok_hopper.train import mok_hopper_train
 
     _interpreter_or_skip()
     xs0, idx0, ws0, dOs0, w13, w2, shared = make(1, T, K, E, H, I, seed=70)
@@ -182,8 +182,8 @@ def test_an_fp8_training_step_through_autograd():
 
 def test_the_fp8_backward_needs_a_training_layer():
     """A layer built without train=True keeps no plain e4m3 weights: the backward's stage says so."""
-    from kernels.mok_hopper.api import MoKHopperLayer
-    from kernels.mok_hopper.train import backward_stage
+    from mok_kernels.mok_hopper.api import MoKHopperLayer
+    from mok_kernels.mok_hopper.train import backward_stage
 
     xs, idx, ws, dOs, w13, w2, shared = make(1, T, K, E, H, I, seed=80)
     layer = MoKHopperLayer(w13[0], w2[0], topk=K, tokens=T, precision="fp8", cuda_graph=False)

@@ -3,7 +3,7 @@
     python -m pytest -m gpu tests/test_mok_hopper_gpu.py -q
 
 Single GPU (EP=1, in process): edge cases against the plain reference, 20 repeats bit-identical, bf16 and fp8.
-Two GPUs: the four published shapes and the edge cases through ``benchmarks.mok_hopper.gpu_check`` under torchrun
+Two GPUs: the four published shapes and the edge cases through ``mok_tools.mok_hopper.gpu_check`` under torchrun
 (correctness, 20x determinism), and the harness (mok_hopper vs the reference, forward only).
 """
 
@@ -43,7 +43,7 @@ def _inputs(mode: str, K: int = 4, T: int = 512, E: int = 16, H: int = 1024, I: 
 def test_single_gpu_matches_the_reference(precision, mode, K):
     from test_mok_hopper import plain_reference, rel_l1
 
-    from kernels.mok_hopper.api import MoKHopperLayer
+    from mok_kernels.mok_hopper.api import MoKHopperLayer
 
     if precision == "fp8" and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("fp8 needs SM89+")
@@ -58,7 +58,7 @@ def test_single_gpu_matches_the_reference(precision, mode, K):
 
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
 def test_single_gpu_twenty_repeats_are_bit_identical(precision):
-    from kernels.mok_hopper.api import MoKHopperLayer
+    from mok_kernels.mok_hopper.api import MoKHopperLayer
 
     if precision == "fp8" and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("fp8 needs SM89+")
@@ -76,8 +76,8 @@ def test_single_gpu_shared_expert_beside_the_up_gemm_changes_no_bit():
     show as stale or racing shared-expert rows)."""
     from dataclasses import replace
 
-    from kernels.mok_hopper.api import MoKHopperLayer
-    from kernels.mok_hopper.tiles import SHARED_SMS, default_tile
+    from mok_kernels.mok_hopper.api import MoKHopperLayer
+    from mok_kernels.mok_hopper.tiles import SHARED_SMS, default_tile
 
     x, idx, w, w13, w2, sh, _ = _inputs("uniform", 8, T=2048, E=64, H=2048, I=1024)
     side = MoKHopperLayer(w13, w2, topk=8, tokens=2048, shared=sh)
@@ -97,7 +97,7 @@ def test_single_gpu_tiled_weights_change_no_bit(precision, rows):
     the same MMAs as row-major weights, so the output is bitwise the row-major layer's, over 20 repeats."""
     from dataclasses import replace
 
-    from kernels.mok_hopper.api import MoKHopperLayer, default_tile
+    from mok_kernels.mok_hopper.api import MoKHopperLayer, default_tile
 
     if precision == "fp8" and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("fp8 needs SM89+")
@@ -122,7 +122,7 @@ def test_single_gpu_fp8_down_halves_change_no_bit():
     SM race for nothing)."""
     from dataclasses import replace
 
-    from kernels.mok_hopper.api import MoKHopperLayer, default_tile
+    from mok_kernels.mok_hopper.api import MoKHopperLayer, default_tile
 
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("fp8 needs SM89+")
@@ -148,7 +148,7 @@ def test_single_gpu_fp8_up_halves_change_no_bit(rows):
     of 40 rows (half tiles only) and of 96 (full tiles, run as two items), and bitwise repeatable over 20 calls."""
     from dataclasses import replace
 
-    from kernels.mok_hopper.api import MoKHopperLayer, default_tile
+    from mok_kernels.mok_hopper.api import MoKHopperLayer, default_tile
 
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("fp8 needs SM89+")
@@ -175,7 +175,7 @@ def test_single_gpu_fused_gate_up_mma_matches_the_default_per_token(rows):
     within rounding of the default's (a swapped gate / up column would be far off); 20 repeats bit-identical."""
     from dataclasses import replace
 
-    from kernels.mok_hopper.api import MoKHopperLayer, default_tile
+    from mok_kernels.mok_hopper.api import MoKHopperLayer, default_tile
 
     T, K, H, I = 2048, 8, 2048, 1024
     E = T * K // rows
@@ -198,7 +198,7 @@ def test_single_gpu_tails_match_the_default_per_token(tail):
     token by a whole expert's share), on uneven loads that give every tile kind; 20 repeats bit-identical."""
     from dataclasses import replace
 
-    from kernels.mok_hopper.api import MoKHopperLayer, default_tile
+    from mok_kernels.mok_hopper.api import MoKHopperLayer, default_tile
 
     T, K, E, H, I = 2048, 6, 64, 2048, 1024
     x, _, w, w13, w2, sh, _ = _inputs("uniform", K, T=T, E=E, H=H, I=I)
@@ -230,7 +230,7 @@ def test_single_gpu_save_h_matches_torch(rows, limit):
     between: the replay must write them in place); the forward bitwise that of the layer without save_h."""
     from test_mok_hopper import check_saved_h
 
-    from kernels.mok_hopper.api import MoKHopperLayer
+    from mok_kernels.mok_hopper.api import MoKHopperLayer
 
     torch.backends.cuda.matmul.allow_tf32 = False  # the reference in fp32
     T, K, H, I = 2048, 8, 2048, 1024
@@ -265,8 +265,8 @@ def test_single_gpu_kernels_agree_with_the_twin_to_rounding():
     """The kernel pipeline and its pure-torch twin do the same math with the same roundings."""
     from test_mok_hopper import rel_l1
 
-    from kernels.mok_hopper.twin import forward as twin
-    from kernels.mok_hopper.api import MoKHopperLayer
+    from mok_kernels.mok_hopper.twin import forward as twin
+    from mok_kernels.mok_hopper.api import MoKHopperLayer
 
     x, idx, w, w13, w2, sh, cpu = _inputs("uniform", 4)
     layer = MoKHopperLayer(w13, w2, topk=4, tokens=x.shape[0], shared=sh)
@@ -284,7 +284,7 @@ def test_gpu_check(tmp_path, nproc):
     env = dict(os.environ)  # PYTHONPATH: conftest put the repo on it, before what was there
     env.pop("TRITON_INTERPRET", None)
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "-m",
-                        "benchmarks.mok_hopper.gpu_check", "--out", str(tmp_path), "--no-sweep", "--iters", "5",
+                        "mok_tools.mok_hopper.gpu_check", "--out", str(tmp_path), "--no-sweep", "--iters", "5",
                         "--warmup", "2"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
     with open(tmp_path / "mok_hopper_gpu_check.csv") as f:
@@ -336,7 +336,7 @@ def test_backend_tile_overrides_without_spin_waits_change_no_bit():
     from harness.check import run_once
     from harness.point import make_case
     from harness.inputs import make_inputs
-    from kernels.mok_hopper.backend import MokHopperBackend
+    from mok_kernels.mok_hopper.backend import MokHopperBackend
 
     own = not dist.is_initialized()
     if own:

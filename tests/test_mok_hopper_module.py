@@ -1,4 +1,4 @@
-"""The trainable mok_hopper layer (kernels/mok_hopper/module.py): ``MoKHopperMoE`` and its ``mokbench::`` custom ops,
+"""The trainable mok_hopper layer (mok_kernels/mok_hopper/module.py): ``MoKHopperMoE`` and its ``mokbench::`` custom ops,
 under the Triton interpreter on the CPU (the training loop also on CUDA, marked ``gpu``): gradients against torch
 autograd on a plain fp32 reference, accumulation over calls (``.grad``, fp32 ``main_grad``), varying token counts,
 the state dict's plain layout in both parameter layouts, the weights adopted in place, the fake implementations
@@ -20,7 +20,7 @@ if not torch.cuda.is_available():
 
 from conftest import HAS_GPU  # noqa: E402
 
-from kernels.mok_hopper.twin import backward as twin_bwd  # noqa: E402
+from mok_kernels.mok_hopper.twin import backward as twin_bwd  # noqa: E402
 
 triton = pytest.importorskip("triton", reason="Triton is not installed (it comes with torch on Linux; pip install "
                                               "-e '.[test]'): the interpreter kernel tests need it")
@@ -55,7 +55,7 @@ def weights(seed: int = 9):
 
 
 def module(layout="plain", limit=None, **kw):
-    from kernels.mok_hopper.module import MoKHopperMoE
+    from mok_kernels.mok_hopper.module import MoKHopperMoE
 
     w13, w2, shared = weights()
     return MoKHopperMoE.from_weights(w13, w2, shared, topk=K, max_tokens=T, swiglu_limit=limit, layout=layout, **kw)
@@ -75,7 +75,7 @@ def step(m, seed, tokens=T, masked=False):
 # ---- layouts and weight adoption ----
 
 def test_untile_inverts_tile_weights_and_tile_weights_gu():
-    from kernels.mok_hopper.ops.gemm_common import tile_weights, tile_weights_gu, untile_weights, untile_weights_gu
+    from mok_kernels.mok_hopper.ops.gemm_common import tile_weights, tile_weights_gu, untile_weights, untile_weights_gu
 
     w = torch.randn(3, 2 * 16, 24)
     for bn, bk in ((4, 3), (8, 24), (16, 8)):
@@ -87,8 +87,8 @@ def test_untile_inverts_tile_weights_and_tile_weights_gu():
 def test_the_layer_adopts_weights_in_place_and_refuses_what_it_cannot_adopt():
     from dataclasses import replace
 
-    from kernels.mok_hopper.api import MoKHopperLayer
-    from kernels.mok_hopper.tiles import default_tile
+    from mok_kernels.mok_hopper.api import MoKHopperLayer
+    from mok_kernels.mok_hopper.tiles import default_tile
 
     w13, w2, (g, u, d) = weights()
     cpu = torch.device("cpu")
@@ -99,7 +99,7 @@ def test_the_layer_adopts_weights_in_place_and_refuses_what_it_cannot_adopt():
     layer = MoKHopperLayer(w13, w2, shared=(sh13[:I], sh13[I:], d), tile=plain, **kw)
     assert layer.w13.data_ptr() == w13.data_ptr() and layer.w2.data_ptr() == w2.data_ptr()
     assert layer.sh_w13.data_ptr() == sh13.data_ptr() and layer.sh_w2.data_ptr() == d.data_ptr()
-    from kernels.mok_hopper.ops.gemm_common import tile_weights, tile_weights_gu
+    from mok_kernels.mok_hopper.ops.gemm_common import tile_weights, tile_weights_gu
 
     t13, t2 = tile_weights_gu(w13, tiled.up_n, tiled.up_k), tile_weights(w2, tiled.down_n, tiled.down_k)
     layer = MoKHopperLayer(t13, t2, tile=tiled, **kw)
@@ -119,7 +119,7 @@ def test_the_layer_adopts_weights_in_place_and_refuses_what_it_cannot_adopt():
 
 @pytest.mark.parametrize("layout", ["plain", "tiled"])
 def test_the_module_owns_its_weights_and_its_state_dict_is_plain(layout):
-    from kernels.mok_hopper.module import MoKHopperMoE
+    from mok_kernels.mok_hopper.module import MoKHopperMoE
 
     m = module(layout)
     w13, w2, shared = weights()
@@ -151,9 +151,9 @@ def test_the_tiled_layout_trains_like_the_plain_one(fused):
     matches autograd, and equals the plain-layout module's up to the order of the fp32 sums."""
     from dataclasses import replace
 
-    from kernels.mok_hopper.ops.gemm_common import untile_weights, untile_weights_gu
-    from kernels.mok_hopper.module import MoKHopperMoE
-    from kernels.mok_hopper.tiles import default_tile
+    from mok_kernels.mok_hopper.ops.gemm_common import untile_weights, untile_weights_gu
+    from mok_kernels.mok_hopper.module import MoKHopperMoE
+    from mok_kernels.mok_hopper.tiles import default_tile
 
     tile = replace(default_tile(device=torch.device("cpu"), hidden=H, ffn=I), tma=True, w_tiled=True,
                    up_fused=fused)
@@ -293,7 +293,7 @@ def _reference_forward(x, idx, w, w13, w2, shared, limit=None):
 def test_a_toy_regression_trains_like_the_torch_reference(device):
     """Five SGD steps on a fixed regression (router included: the top-k weights come from a trained router, so the
     router-weight gradient is trained too): the loss falls and follows the fp32 torch reference layer's."""
-    from kernels.mok_hopper.module import MoKHopperMoE
+    from mok_kernels.mok_hopper.module import MoKHopperMoE
 
     dev = torch.device(device)
     Tn, Kn, En, Hn, In, steps, lr = 64, 2, 4, 256, 128, 5, 0.05

@@ -1,5 +1,5 @@
 """mok_hopper.weights=owned: the harness's routed weights re-laid in place into the kernels' TMA block order for the
-layer's lifetime (kernels/mok_hopper/owned.py): one expert's temporary at a time, restored bit for bit (checked),
+layer's lifetime (mok_kernels/mok_hopper/owned.py): one expert's temporary at a time, restored bit for bit (checked),
 undone when a rewrite fails half way, and a training step over them bitwise the tiled default's."""
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ if not torch.cuda.is_available():
 from test_check import NewStorages  # noqa: E402
 from test_mok_hopper_bwd import HAS_TRITON, make  # noqa: E402
 
-from kernels.mok_hopper.ops.gemm_common import tile_weights, tile_weights_gu, untile_weights  # noqa: E402
-from kernels.mok_hopper.owned import OwnedWeights, checksum, relayout_  # noqa: E402
-from kernels.mok_hopper.tiles import TileConfig  # noqa: E402
+from mok_kernels.mok_hopper.ops.gemm_common import tile_weights, tile_weights_gu, untile_weights  # noqa: E402
+from mok_kernels.mok_hopper.owned import OwnedWeights, checksum, relayout_  # noqa: E402
+from mok_kernels.mok_hopper.tiles import TileConfig  # noqa: E402
 
 T, K, E, H, I = 24, 3, 8, 256, 128
 BASE = TileConfig(block_m=64, up_n=32, up_k=32, down_n=64, down_k=32, num_chunks=1, gemm_programs=3,
@@ -72,7 +72,7 @@ def test_a_rewrite_that_fails_half_way_is_undone(monkeypatch):
             raise torch.cuda.OutOfMemoryError("planted")
         return real(w, bn, bk)
 
-    monkeypatch.setattr("kernels.mok_hopper.owned.tile_weights", failing)
+    monkeypatch.setattr("mok_kernels.mok_hopper.owned.tile_weights", failing)
     with pytest.raises(torch.cuda.OutOfMemoryError):
         OwnedWeights(w13, w2, BASE)
     assert torch.equal(w13, plain13) and torch.equal(w2, plain2)
@@ -96,10 +96,10 @@ def test_a_training_step_over_owned_weights_is_the_tiled_defaults(forward):
     storage, the autograd leaves are the harness's [L, 2I, H] / [L, H, I] tensors seen as tiled, the gradients come
     back in the tiled order and are put into the plain order in place; output and every gradient bitwise those of
     the default layer (its own tiled copy, the leaves plain), and the weights restored after."""
-    from kernels.mok_hopper.api import MoKHopperLayer
-    from kernels.mok_hopper.ops import interp
-    from kernels.mok_hopper.train import mok_hopper_train
-    from kernels.mok_hopper.workspace import Workspace, link_local
+    from mok_kernels.mok_hopper.api import MoKHopperLayer
+    from mok_kernels.mok_hopper.ops import interp
+    from mok_kernels.mok_hopper.train import mok_hopper_train
+    from mok_kernels.mok_hopper.workspace import Workspace, link_local
 
     if not interp.INTERPRET:
         pytest.skip("the kernels run on the CPU under TRITON_INTERPRET=1 (set at the top of this file without a GPU)")
@@ -144,8 +144,8 @@ def test_the_adapter_hands_out_plain_gradients_once_and_restores_at_teardown():
     from types import SimpleNamespace
 
     from contract import ExpertLeaves
-    from kernels.mok_hopper.backend import MokHopperBackend
-    from kernels.mok_hopper.options import MokHopperOptions
+    from mok_kernels.mok_hopper.backend import MokHopperBackend
+    from mok_kernels.mok_hopper.options import MokHopperOptions
 
     w13, w2 = _weights()
     plain13, plain2 = w13.clone(), w2.clone()

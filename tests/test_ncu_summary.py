@@ -1,4 +1,4 @@
-"""benchmarks.mok_hopper.ncu_summary on a raw page in Nsight Compute's CSV layout (no GPU here: the file is
+"""mok_tools.mok_hopper.ncu_summary on a raw page in Nsight Compute's CSV layout (no GPU here: the file is
 written by the test, in the layout `ncu --import R --csv --page raw --print-units base` prints)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import csv
 
 import pytest
 
-from benchmarks.mok_hopper import ncu_summary
+from mok_tools.mok_hopper import ncu_summary
 
 HEADER = ["ID", "Process ID", "Process Name", "Host Name", "Kernel Name", "Block Size", "Grid Size",
           "gpu__time_duration.sum", "dram__bytes_read.sum", "dram__bytes_write.sum",
@@ -78,7 +78,7 @@ exit 0
 @pytest.mark.parametrize("what,precision,kernel", [("bwd", "bf16", "bwd_rows"), ("bwd-fp8", "fp8", "fp8_rows"),
                                                     ("fwd-fp8", None, "up_swiglu")])
 def test_the_ncu_script_profiles_what_it_is_asked_for(tmp_path, what, precision, kernel):
-    """scripts/h200_ncu.sh with a stand-in ncu that records its calls (no GPU here): each shape of the default three
+    """mok_tools/mok_hopper/ncu.sh with a stand-in ncu that records its calls (no GPU here): each shape of the default three
     gets one profiling call over the right driver (bwd_check in the asked precision, or gpu_check) with the kernels
     of that pass, then one import of its report; an unknown pass is one line and exit 2."""
     import os
@@ -93,7 +93,7 @@ def test_the_ncu_script_profiles_what_it_is_asked_for(tmp_path, what, precision,
     _write(tmp_path / "raw.csv")
     env = {**os.environ, "NCU": str(ncu), "NCU_CALLS": str(calls), "NCU_RAW": str(tmp_path / "raw.csv"), "WHEELS": str(tmp_path / "no-wheels"),
            "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
-    r = subprocess.run(["bash", "scripts/h200_ncu.sh", str(tmp_path / "out"), what], cwd=root, env=env,
+    r = subprocess.run(["bash", "mok_tools/mok_hopper/ncu.sh", str(tmp_path / "out"), what], cwd=root, env=env,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
     lines = calls.read_text().splitlines()
@@ -102,11 +102,11 @@ def test_the_ncu_script_profiles_what_it_is_asked_for(tmp_path, what, precision,
     for ln in profiled:
         assert "regex:^_(" in ln and kernel in ln.split("regex:")[1].split()[0], ln
         if precision:
-            assert "benchmarks.mok_hopper.bwd_check" in ln and f"--precision {precision}" in ln, ln
+            assert "mok_tools.mok_hopper.bwd_check" in ln and f"--precision {precision}" in ln, ln
         else:
-            assert "benchmarks.mok_hopper.gpu_check" in ln and "--precisions fp8" in ln, ln
+            assert "mok_tools.mok_hopper.gpu_check" in ln and "--precisions fp8" in ln, ln
     assert sum("--import" in ln for ln in lines) == 3
     assert "_bwd_wgrad_resident_kernel" in (tmp_path / "out" / f"ncu-{what}-glm_5_2.txt").read_text()
-    bad = subprocess.run(["bash", "scripts/h200_ncu.sh", str(tmp_path / "bad"), "bwd-int4"], cwd=root, env=env,
+    bad = subprocess.run(["bash", "mok_tools/mok_hopper/ncu.sh", str(tmp_path / "bad"), "bwd-int4"], cwd=root, env=env,
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and "bwd-fp8" in bad.stderr

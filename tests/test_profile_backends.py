@@ -1,8 +1,8 @@
-"""benchmarks/profile_backends.py on the CPU: one kernel table per backend, from the harness's own point."""
+"""mok_tools/profile_backends.py on the CPU: one kernel table per backend, from the harness's own point."""
 
 from __future__ import annotations
 
-from benchmarks import profile_backends
+from mok_tools import profile_backends
 
 
 def test_one_kernel_table_per_backend(tmp_path):

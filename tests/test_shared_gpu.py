@@ -1,4 +1,4 @@
-"""Several ranks of mok_hopper on ONE GPU (skipped without CUDA): benchmarks/mok_hopper/shared_gpu_check.py in the
+"""Several ranks of mok_hopper on ONE GPU (skipped without CUDA): mok_tools/mok_hopper/shared_gpu_check.py in the
 concurrent mode (every rank's phases in flight at once on its own stream, the cross-rank barriers as event waits),
 P = 2, bf16 and fp8, forward and backward, uniform routing and an idle rank: the real code passes, each deliberately
 broken variant fails; the same in lockstep; and scripts/probe_shared_gpu.py gives every step a record. Run:
@@ -33,7 +33,7 @@ def _check(tmp_path, *args: str, timeout: float = 900) -> tuple[subprocess.Compl
     out = tmp_path / "out"
     env = dict(os.environ)  # PYTHONPATH: conftest put the repo on it, before what was there
     env.pop("TRITON_INTERPRET", None)
-    p = subprocess.run([sys.executable, "-m", "benchmarks.mok_hopper.shared_gpu_check", "--out", str(out), *args],
+    p = subprocess.run([sys.executable, "-m", "mok_tools.mok_hopper.shared_gpu_check", "--out", str(out), *args],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     rows = []
     if (out / "shared_gpu_check.csv").exists():
@@ -104,7 +104,7 @@ ROW_KEYS = ["backend", "precision", "routing", "direction", "status", "error"]
 def _harness(tmp_path, ranks: int, backends: str, precisions: list[str], *, fault: str = "", watchdog_s: int = 600,
              workloads: str = "uniform,hot_rank") -> tuple[subprocess.CompletedProcess, Any]:
     """``ep_size=P ranks_per_gpu=P`` on this GPU through the harness (P processes, gloo with host staging), uniform
-    routing and an idle last rank, forward and backward; ``fault``: a planted fault of kernels/mok_hopper/ipc.py."""
+    routing and an idle last rank, forward and backward; ``fault``: a planted fault of mok_kernels/mok_hopper/ipc.py."""
     from harness import results
 
     # PYTHONPATH: conftest put tests/ (fake_backends) and the repo on it, before what was there

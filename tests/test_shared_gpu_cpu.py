@@ -1,5 +1,5 @@
 """Several ranks on one GPU, prepared on the CPU: the ``shared_gpu`` rows that no speed table reads, the one-process
-check (benchmarks/mok_hopper/shared_gpu_check.py) in lockstep under the Triton interpreter with its fault injections,
+check (mok_tools/mok_hopper/shared_gpu_check.py) in lockstep under the Triton interpreter with its fault injections,
 its grid-cap rule, and the probe's runner and report (scripts/probe_shared_gpu.py) with fake steps. The GPU side is
 tests/test_shared_gpu.py."""
 
@@ -136,7 +136,7 @@ def test_compare_leaves_shared_gpu_rows_out_with_a_note_and_refuses_a_side_of_th
 
 
 def test_occupancy_from_registers_shared_memory_and_warps():
-    from benchmarks.mok_hopper.shared_ranks import KernelUse, fits, programs_per_sm
+    from mok_tools.mok_hopper.shared_ranks import KernelUse, fits, programs_per_sm
 
     assert programs_per_sm(KernelUse(255, 0, 8)) == 1  # 8 warps x 8192 registers (255 rounded to 256 a thread)
     assert programs_per_sm(KernelUse(128, 0, 8)) == 2
@@ -148,7 +148,7 @@ def test_occupancy_from_registers_shared_memory_and_warps():
 
 
 def test_spinning_cap_leaves_room_for_a_pull_however_the_programs_are_placed():
-    from benchmarks.mok_hopper.shared_ranks import KernelUse, spinning_cap
+    from mok_tools.mok_hopper.shared_ranks import KernelUse, spinning_cap
 
     pull = KernelUse(58, 0, 16)
     bf16_up, fp8_up = KernelUse(255, 200 * 1024, 8), KernelUse(252, 96 * 1024, 4)
@@ -173,7 +173,7 @@ def test_spinning_cap_leaves_room_for_a_pull_however_the_programs_are_placed():
 def test_compiled_use_takes_the_largest_over_the_compiled_specialisations():
     from types import SimpleNamespace
 
-    from benchmarks.mok_hopper.shared_ranks import KernelUse, compiled_use
+    from mok_tools.mok_hopper.shared_ranks import KernelUse, compiled_use
 
     def kernel(regs, shared, warps):
         k = SimpleNamespace(n_regs=None, metadata=SimpleNamespace(shared=shared, num_warps=warps))
@@ -195,7 +195,7 @@ def _check(tmp_path, *args, timeout=900):
     import subprocess
 
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    return subprocess.run([sys.executable, "-m", "benchmarks.mok_hopper.shared_gpu_check", *args], cwd=ROOT, env=env,
+    return subprocess.run([sys.executable, "-m", "mok_tools.mok_hopper.shared_gpu_check", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -220,7 +220,7 @@ def test_a_fault_the_ready_flag_free_concurrent_mode_cannot_show_is_refused(monk
 
     import torch
 
-    from benchmarks.mok_hopper import shared_gpu_check as G
+    from mok_tools.mok_hopper import shared_gpu_check as G
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     a = argparse.Namespace(mode="concurrent", precisions=["bf16"], routings=["uniform"], h_modes=["save_h"],
@@ -245,7 +245,7 @@ def _rows(path: Path) -> list[dict[str, str]]:
 def test_the_check_passes_in_lockstep_on_the_cpu(tmp_path):
     """Two and four ranks in bf16 (H saved and recomputed, uniform and idle routing, 2 bitwise repeats), two in fp8
     with H saved: every rank's output and 8 gradients within the twin's tolerance and the precision's gate."""
-    from benchmarks.mok_hopper.shared_gpu_check import TOL
+    from mok_tools.mok_hopper.shared_gpu_check import TOL
 
     p = _check(tmp_path, "--out", str(tmp_path / "bf16"), "--ranks", "2,4", "--precisions", "bf16", "--repeats", "2")
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
@@ -362,7 +362,7 @@ def test_a_full_report_says_it_left_shared_gpu_rows_out():
 def test_the_fp8_twin_tolerance_is_looser_only_on_a_gpu():
     """fp8 on a GPU: the bounds set from the H100's measured kernel-vs-twin maxima (6.14e-3 forward, 1.61e-2
     backward), above them; everywhere else (bf16; fp8 under the interpreter, whose accumulation is fp32) 5e-3."""
-    from benchmarks.mok_hopper.shared_gpu_check import TOL, twin_tol
+    from mok_tools.mok_hopper.shared_gpu_check import TOL, twin_tol
 
     assert 6.14e-3 < twin_tol("fp8", "fwd", "cuda") <= 1e-2 and 1.61e-2 < twin_tol("fp8", "bwd", "cuda") <= 2.5e-2
     assert {twin_tol(p, d, dev) for p, d, dev in [("bf16", "fwd", "cuda"), ("bf16", "bwd", "cuda"),
@@ -370,10 +370,10 @@ def test_the_fp8_twin_tolerance_is_looser_only_on_a_gpu():
 
 
 def test_fp8_stages_kernel_and_twin_agree_under_the_interpreter_stage_by_stage():
-    """benchmarks/mok_hopper/fp8_stages.py on the CPU: the kernel's fp8 forward (interpreter, fp32 accumulation)
+    """mok_tools/mok_hopper/fp8_stages.py on the CPU: the kernel's fp8 forward (interpreter, fp32 accumulation)
     equals its twin stage by stage to a few e4m3 codes in 1e4, end to end far inside 5e-3; the differing codes of the
     requantised H account for the end-to-end difference."""
-    from benchmarks.mok_hopper.fp8_stages import run
+    from mok_tools.mok_hopper.fp8_stages import run
 
     rows = {r["stage"]: r for r in run((32, 2, 4, 256, 128), 0, __import__("torch").device("cpu"))}
     assert rows["dispatch"]["differ"] == 0 and rows["epilogue"]["differ"] == 0
@@ -386,11 +386,11 @@ def test_fp8_stages_kernel_and_twin_agree_under_the_interpreter_stage_by_stage()
 def test_a_narrower_fp8_accumulator_moves_the_twin_further():
     """The accumulation model of fp8_stages: products aligned and cut to fewer bits give larger differences from
     the fp32 twin (the model the journal uses for the GPU's fp8 gap)."""
-    from benchmarks.mok_hopper.fp8_stages import accumulation_model
+    from mok_tools.mok_hopper.fp8_stages import accumulation_model
 
     errs = dict(accumulation_model((16, 2, 4, 256, 128), 0, [23, 16, 11]))
     assert errs[23] < errs[16] < errs[11] and errs[23] < 1e-4 and errs[11] > 1e-3, errs
-    from benchmarks.mok_hopper.fp8_stages import backward_model
+    from mok_tools.mok_hopper.fp8_stages import backward_model
 
     bwd = {b: err for b, err, _ in backward_model((16, 2, 4, 256, 128), 0, [23, 11])}
     assert bwd[23] < 1e-3 < bwd[11], bwd

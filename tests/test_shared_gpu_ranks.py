@@ -200,8 +200,8 @@ def test_which_backends_run_with_ranks_that_share_a_gpu(monkeypatch):
     from baselines.nccl import NcclBackend
     from contract.backend import shared_gpu_unsupported
     from harness.reference import ReferenceBackend
-    from kernels.mok_hopper import ipc
-    from kernels.mok_hopper.backend import MokHopperBackend
+    from mok_kernels.mok_hopper import ipc
+    from mok_kernels.mok_hopper.backend import MokHopperBackend
 
     cpu, cuda = SimpleNamespace(device="cpu"), SimpleNamespace(device="cuda")
     for cls in (NcclBackend, ReferenceBackend):
@@ -215,7 +215,7 @@ def test_which_backends_run_with_ranks_that_share_a_gpu(monkeypatch):
 
     monkeypatch.setattr(ipc, "_driver", missing)
     why = shared_gpu_unsupported(MokHopperBackend, cuda, "mok_hopper", 2)
-    assert "CUDA IPC" in why and "libcuda.so.1" in why and "benchmarks.mok_hopper.shared_gpu_check" in why
+    assert "CUDA IPC" in why and "libcuda.so.1" in why and "mok_tools.mok_hopper.shared_gpu_check" in why
     assert "drop ranks_per_gpu" in shared_gpu_unsupported(SimpleNamespace(), cuda, "other", 4)
 
 

@@ -1,0 +1,30 @@
+"""The options of the ``mok_hopper`` backend (torch-free: the harness reads them to build its schema, without
+importing the kernel); :mod:`contract.options` says how the harness reads them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from contract.options import option
+
+# What the forward keeps for its backward (mok_kernels/mok_hopper/train.py): save_h = X and the pre-SwiGLU gate/up output
+# H (SonicMoE's choice, the default), recompute = X only (the backward recomputes H: one more read of the gate/up
+# weights), inference = nothing (the forward-only layer; its backward rows are unsupported).
+FORWARDS = ("save_h", "recompute", "inference")
+
+# The routed weights the CUDA kernels read (mok_kernels/mok_hopper/backend.py): tiled = the layer's own copy in TMA
+# block order (TileConfig.w_tiled: each TMA block one contiguous run; the default), plain = the harness's [L, 2I, H] /
+# [L, H, I] tensors themselves through strided TMA descriptors (bf16: no weight copy; fp8: the e4m3 weights untiled),
+# owned = the harness's tensors rewritten in place into TMA block order for the layer's lifetime and restored at
+# teardown (bf16; mok_kernels/mok_hopper/owned.py; fp8 reads its own e4m3 copy, so there it is tiled).
+WEIGHTS = ("tiled", "plain", "owned")
+
+
+@dataclass
+class MokHopperOptions:
+    forward: str = option("save_h", choices=FORWARDS, alias="mok_hopper_forward",
+                          help="what the forward keeps for the backward: save_h, recompute or inference (forward only)")
+    weights: str = option("tiled", choices=WEIGHTS, alias="mok_hopper_weights",
+                          help="the routed weights the kernels read: tiled (a copy in TMA block order), plain (the "
+                               "caller's tensors through strided TMA, no bf16 copy) or owned (the caller's tensors "
+                               "re-laid in place into TMA block order, restored at teardown)")
