@@ -853,7 +853,7 @@ def test_the_store_probe_writes_every_block_once_in_each_order():
 def test_every_store_probe_variant_compiles_for_hopper():
     """wgrad_store_probe --aot compiles each variant for sm_90 without a GPU. Session 29: the strips without MMA
     had an early return in a static if, which the interpreter runs and the compiler rejects; they failed only
-    on a leased GPU."""
+    on a rented GPU."""
     import subprocess
     import sys
     from pathlib import Path
