@@ -77,3 +77,18 @@ def test_a_new_run_gets_what_where_and_when_by_default():
     cpu = N.default_run_id({**c, "device": "cpu"}, 2, None, pd.Timestamp("2026-12-07T15:04:22", tz="UTC"))
     assert cpu.startswith("mok_hopper-fp8-fwd-kimi_k2_7_cpu_20261207-150422-")
     assert N.default_run_id(c, 1, "NVIDIA H200") != N.default_run_id(c, 1, "NVIDIA H200")
+
+
+def test_the_runner_names_a_run_without_an_id(monkeypatch):
+    """``runner.new_run_id``: the GPUs a run uses (ranks over ranks per GPU), the model from nvidia-smi; a name the
+    run-id check takes."""
+    from harness import runner
+    from harness.validate import check_run_id
+
+    c = {"device": "cpu", "backends": ["nccl"], "precision": {"name": "bf16"}, "directions": ["fwd", "bwd"],
+         "shape": {"name": "tiny"}, "ranks_per_gpu": 1}
+    rid = runner.new_run_id(c, 2)
+    assert rid.startswith("nccl-bf16-fwd-bwd-tiny_cpu_") and N.NAME_FORM.fullmatch(rid)
+    check_run_id(rid)
+    monkeypatch.setattr(runner, "gpu_model", lambda device: "NVIDIA H200" if device == "cuda" else None)
+    assert "_h200x2_" in runner.new_run_id({**c, "device": "cuda", "ranks_per_gpu": 2}, 4)
