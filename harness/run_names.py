@@ -4,13 +4,12 @@
 
 A run's rows carry its ``run_id``, which is also its folder under results/runs and never changes (the rows are the
 record). Reports, charts and the README's verdict block print a run's display name instead: the ``name`` that
-``results/runs/names.csv`` (columns ``run_id,name``) gives its run id, else the run id itself. New runs get a
-default run id of that form already (:func:`default_run_id`), so the table only names the runs committed before.
+``results/runs/names.csv`` (columns ``run_id,name``) gives its run id, else the run id itself. A run id of that form
+(new runs get one by default, :func:`default_run_id`) is its own name and needs no row; the table names the others.
 
 The table is derived from the committed rows alone: for each run id, what ran (the contender or the backends,
 the precisions, the directions, the shape where there is one), on which hardware (GPU model and count from the
-rows' ``gpu_name`` / ``num_gpus``, ``cpu`` for CPU rows) and on which UTC day (its first row). A run id that
-already has that form keeps it as its name. Two runs that would get the same name are told apart by a suffix
+rows' ``gpu_name`` / ``num_gpus``, ``cpu`` for CPU rows) and on which UTC day (its first row). Two runs that would get the same name are told apart by a suffix
 ``-2``, ``-3``, ... in the order they started. ``--check`` exits 1 where the committed table differs from the
 derived one (the test suite runs it).
 """
@@ -78,15 +77,14 @@ def derived_name(rows: pd.DataFrame) -> str:
 
 
 def derive_names(df: pd.DataFrame) -> dict[str, str]:
-    """Every run id of ``df`` (rows of many runs) and its display name: the run id where it has the form already,
-    else :func:`derived_name`, with ``-2``, ``-3``, ... where an earlier run has that name."""
+    """Every run id of ``df`` (rows of many runs) not of the form (:data:`NAME_FORM`) and its display name:
+    :func:`derived_name`, with ``-2``, ``-3``, ... where an earlier run, or a run id of the form, has that name."""
     df = df[df["run_id"].notna()]
     started = df.assign(_t=df["timestamp"].astype(str)).groupby(df["run_id"].astype(str))["_t"].min()
     taken = {r for r in started.index if NAME_FORM.fullmatch(r)}
     names: dict[str, str] = {}
     for run_id in sorted(started.index, key=lambda r: (started[r], r)):
         if run_id in taken:
-            names[run_id] = run_id
             continue
         base = derived_name(df[df["run_id"].astype(str) == run_id])
         name, n = base, 1
