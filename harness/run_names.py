@@ -9,9 +9,9 @@ record). Reports, charts and the README's verdict block print a run's display na
 
 The table is derived from the committed rows alone: for each run id, what ran (the contender or the backends,
 the precisions, the directions, the shape where there is one), on which hardware (GPU model and count from the
-rows' ``gpu_name`` / ``num_gpus``, ``cpu`` for CPU rows) and on which UTC day (its first row). Two runs that would get the same name are told apart by a suffix
-``-2``, ``-3``, ... in the order they started. ``--check`` exits 1 where the committed table differs from the
-derived one (the test suite runs it).
+rows' ``gpu_name`` / ``num_gpus``, ``cpu`` for CPU rows) and on which UTC day (its first row). Two runs that would
+get the same name are told apart by a suffix ``-2``, ``-3``, ... in the order they started. ``--check`` exits 1
+where the committed table differs from the derived one (the test suite runs it).
 """
 
 from __future__ import annotations
@@ -57,15 +57,14 @@ def what(backends: Iterable[str], precisions: Iterable[str], directions: Iterabl
     head = "-".join(contenders) if contenders else (backends[0] if len(backends) == 1 else "baselines")
     dirs = sorted({str(d) for d in directions}, key=lambda d: (DIRECTION_ORDER + (d,)).index(d))
     shapes = sorted({str(s) for s in shapes})
-    parts = [head, *sorted({str(p) for p in precisions}), *dirs] + ([shapes[0].replace("@", "-")] if len(shapes) == 1
-                                                                   else [])
-    return "-".join(parts)
+    one_shape = [shapes[0].replace("@", "-")] if len(shapes) == 1 else []
+    return "-".join([head, *sorted({str(p) for p in precisions}), *dirs, *one_shape])
 
 
 def derived_name(rows: pd.DataFrame) -> str:
     """The display name of one run's rows, before any suffix that tells two runs apart."""
     def values(col: str) -> list[Any]:
-        return [v for v in rows[col].dropna().unique()] if col in rows else []
+        return list(rows[col].dropna().unique()) if col in rows else []
 
     gpus = pd.to_numeric(rows["num_gpus"], errors="coerce").max() if "num_gpus" in rows else None
     device = values("device")
