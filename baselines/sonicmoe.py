@@ -21,9 +21,10 @@ environment it runs in (docs/backends.md, 'Anchors: Liger-Kernel and SonicMoE').
 as installed, and ``notes`` says so: on the GPU image's torch 2.11.0+cu130, installed with ``--no-deps``
 (``nvidia-cutlass-dsl-libs-cu13``), it imports, QuACK compiles, runs and autotunes its GEMMs
 (lab/diagnostics/2026-12-04-s30/), and its forward and backward rows on qwen3_5_397b pass the reference check (run
-h200x1-s31-anchors). FlashInfer needs nvidia-cutlass-dsl >= 4.6.2a0: where both run, SonicMoE is installed into a
-folder of its own (``pip install --no-deps --target DIR``) and runs in processes of its own, ``own_process=[sonicmoe]
-+own_pythonpath.sonicmoe=DIR`` (``+experiment=hopper_anchors`` takes DIR from ``MOKBENCH_SONICMOE_SITE``).
+mok_hopper-bf16-fwd-bwd-qwen3_5_397b_h200x1_20261204-2). FlashInfer needs nvidia-cutlass-dsl >= 4.6.2a0: where both run,
+SonicMoE is installed into a folder of its own (``pip install --no-deps --target DIR``) and runs in processes of its
+own, ``own_process=[sonicmoe] +own_pythonpath.sonicmoe=DIR`` (``+experiment=hopper_anchors`` takes DIR from
+``MOKBENCH_SONICMOE_SITE``).
 
 QuACK autotunes each GEMM on first use, compiling every config (9-22 a GEMM on SM90, one to two CPU-minutes
 each; on 16 CPUs the first two of its six GEMMs took 220 s, and the third had not finished 175 s later). Setup runs

@@ -237,7 +237,7 @@ def prepare(df: pd.DataFrame, scope: str = "run") -> pd.DataFrame:
     * ``run`` (default): every run on its own: a speedup compares systems measured in the same run;
     * ``latest``: for each environment (GPU, EP size, tokens per GPU, nodes, routing), only its most recent run;
     * ``pooled``: every measured run as one pseudo-run labelled ``POOLED over N runs``: the median over runs of
-      different code, leases and baseline builds, an explicit choice (``--pool``).
+      different code, machine allocations and baseline builds, an explicit choice (``--pool``).
 
     CPU-twin rows of mok_hopper are renamed (:data:`CPU_TWIN`); a backend whose rows of one run and precision differ
     in ``scaling`` becomes one series per variant (:func:`split_variants`), one whose forwards of one run are of both

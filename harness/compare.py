@@ -39,8 +39,8 @@ The interval's half-widths are scaled by ``--noise-factor``. With ``--threshold`
 ``--normalize clock`` judges latency x SM clock (rows that recorded ``sm_clock_mhz``; assumes the layer's time
 scales with the clock: a board held at a lower clock by its power limit is not read as a slower kernel);
 ``--normalize control --control B`` judges each run's latency over backend B's latency for the same configuration
-and direction in the same run, so a machine or lease that slows every backend cancels (B's own code must not have
-changed). A row that cannot be normalised (no clock, control not ok) is inconclusive.
+and direction in the same run, so a machine allocation that slows every backend cancels (B's own code must
+not have changed). A row that cannot be normalised (no clock, control not ok) is inconclusive.
 
 Exit codes:
   0  no regression: every judged row unchanged, improved, fixed, new or still failing

@@ -27,7 +27,8 @@ OPTIONAL_PACKAGES = {
 # The CUDA caching allocator's settings the harness runs with unless the user sets PYTORCH_CUDA_ALLOC_CONF: segments
 # that grow in place instead of one fixed segment per large request. Without it, kimi_k2_7's mok_hopper backward
 # (two weight copies, its gradients and the reference's: about 126 GiB of 140) ran out of memory in a process where
-# two backends had run before it, with 10.8 GiB reserved but unallocated (run h200x1-s23-v9; lab/runs.md).
+# two backends had run before it, with 10.8 GiB reserved but unallocated (run mok_hopper-bf16-fwd-bwd_h200x1_20261203;
+# lab/runs.md).
 DEFAULT_ALLOC_CONF = "expandable_segments:True"
 
 

@@ -14,6 +14,7 @@ import pandas as pd
 
 from harness.backends import REGISTRY, base_name, names_with_role, role, series_parts, spec
 from harness.config import shape_table
+from harness.run_names import display_name
 
 # Backend names, labels and roles come from the one registry (harness.backends.REGISTRY)
 FUSED = names_with_role("contender")
@@ -170,9 +171,10 @@ def panel_label(precision: str, direction: str) -> str:
 
 
 def env_label(env: dict[str, Any], *, run: bool = True) -> str:
-    """``run · GPU · EP n · t tokens/GPU · n node(s)[ · routing r]``; ``run=False`` leaves the run out."""
+    """``run · GPU · EP n · t tokens/GPU · n node(s)[ · routing r]`` (the run by its display name,
+    :mod:`harness.run_names`); ``run=False`` leaves the run out."""
     gpu = env.get("gpu_name")
-    parts = [str(env["run_id"])] if run and not isna(env.get("run_id")) else []
+    parts = [display_name(env["run_id"])] if run and not isna(env.get("run_id")) else []
     parts += ["unknown GPU" if isna(gpu) else str(gpu), f"EP {int_text(env.get('ep_size'))}",
              f"{int_text(env.get('tokens_per_gpu'))} tokens/GPU"]
     if not isna(env.get("num_nodes")):

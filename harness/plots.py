@@ -32,6 +32,7 @@ from matplotlib.figure import Figure
 from harness import backends
 from harness import claims as C
 from harness import labels as L
+from harness.run_names import display_name
 
 ANCHOR_HATCH = ".."  # anchors' bars are dotted: fused layers a user could pick, not baselines
 # one backend's series of several variants in a run (claims.split_variants) share its colour: a hatch per variant,
@@ -712,10 +713,11 @@ def chart_plan(df: pd.DataFrame, *, calibration: Optional[pd.DataFrame] = None, 
     for run in speed["run_id"].dropna().unique():
         rows = contenders[contenders["run_id"] == run]
         for x in sweep_axes_present(speed[speed["run_id"] == run]):
-            name = f"sweep_{x}" + (f"_{slug(run)}" if multi else "")
+            name = f"sweep_{x}" + (f"_{slug(display_name(run))}" if multi else "")
             plan.append((name, lambda rows=rows, x=x: plot_sweep(rows, x)))
             if x == "routing":  # the same sweep's latency against the measured imbalance
-                plan.append(("imbalance" + (f"_{slug(run)}" if multi else ""), lambda rows=rows: plot_imbalance(rows)))
+                plan.append(("imbalance" + (f"_{slug(display_name(run))}" if multi else ""),
+                             lambda rows=rows: plot_imbalance(rows)))
     measured = contenders[~C.is_published(contenders)]
     timed = measured[~C.is_shared_gpu(measured)]
     if len(timed) and has_floors(timed, calibration):

@@ -10,6 +10,7 @@ import pandas as pd
 
 from harness.claims import ENV_KEYS, READ_ERROR_TFLOPS, fused_columns, published_counts
 from harness.labels import env_label, is_anchor, isna, panel_label, shape_label, system_label
+from harness.run_names import display_name
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -38,12 +39,13 @@ def md_table(header: list[str], rows: list[list[str]]) -> str:
 
 
 SCOPE_TEXT = {
-    "run": "Scope: each run on its own. A speedup compares systems measured in the same run (same lease, code and "
-           "baseline builds); runs are listed newest first. `--pool` pools runs, `--scope latest` keeps each "
+    "run": "Scope: each run on its own. A speedup compares systems measured in the same run (same machine allocation, "
+           "code and baseline builds); runs are listed newest first. `--pool` pools runs, `--scope latest` keeps each "
            "environment's latest run.",
     "latest": "Scope: for each environment, its latest run only. A speedup compares systems measured in that run.",
     "pooled": "**Scope: POOLED across runs** (`--pool`): each cell is the median over every run that measured it: "
-              "kernel versions, leases, compiled and eager baselines mixed. Not a comparison made in one run.",
+              "kernel versions, machine allocations, compiled and eager baselines mixed. Not a comparison made in one "
+              "run.",
 }
 
 
@@ -169,7 +171,8 @@ def not_ok_section(not_ok: pd.DataFrame, title: str = "## Rows not ok") -> list[
     if not_ok.empty:
         return out + ["None: every row is ok.", ""]
     rows = [[env_label(r), panel_label(r["precision"], r["direction"]), shape_label(r["shape"]),
-             system_label(r["backend"]), r["status"], r["error"], r["run_id"]] for r in not_ok.to_dict("records")]
+             system_label(r["backend"]), r["status"], r["error"], display_name(r["run_id"])]
+            for r in not_ok.to_dict("records")]
     return out + [md_table(["environment", "panel", "shape", "system", "status", "error", "run"], rows), ""]
 
 
@@ -186,7 +189,7 @@ def clocks_section(clocks: Optional[pd.DataFrame], title: str = "## GPU clocks w
              + ("" if isna(r["sm_clock_min_mhz"]) else f" ({r['sm_clock_min_mhz']:.0f})"),
              "" if isna(r["power_w"]) else f"{r['power_w']:.0f}",
              "" if isna(r["power_capped_fraction"]) else f"{100 * r['power_capped_fraction']:.0f}%",
-             "" if isna(r.get("energy_mj")) else f"{r['energy_mj']:.0f}", r["run_id"]]
+             "" if isna(r.get("energy_mj")) else f"{r['energy_mj']:.0f}", display_name(r["run_id"])]
             for r in clocks.to_dict("records")]
     return out + [md_table(["environment", "panel", "shape", "system", "SM clock MHz", "power W", "power-capped",
                              "energy mJ", "run"], rows), ""]

@@ -14,6 +14,7 @@ from harness.claims import (PUBLISHED_CLAIMS, PUBLISHED_FIGURE, READ_ERROR_TFLOP
                             is_published, not_ok_rows, prepare, select_env)
 from harness.report_markdown import METHOD_TEXT, REPO_ROOT, claims_sections, clocks_section, not_ok_section
 from harness.report_markdown import rel_path as _rel
+from harness.run_names import display_name
 
 README = REPO_ROOT / "README.md"  # its verdict block is rewritten with the committed report
 
@@ -64,9 +65,10 @@ def format_summary(df: pd.DataFrame, verdicts: pd.DataFrame, block: str, charts:
             shown.append(rows)
             mine = verdicts[(verdicts["environment"] == kind) & (verdicts["run_id"] == c["run_id"])]
             panels = list(dict.fromkeys(f"{p} ({k})" if k else p for p, k in zip(mine["panel"], mine["forward_kind"])))
-            out += [f"#### `{c['run_id']}`: the {', '.join(panels)} verdict{'s' if len(panels) > 1 else ''}", ""]
+            name = display_name(c["run_id"])
+            out += [f"#### `{name}`: the {', '.join(panels)} verdict{'s' if len(panels) > 1 else ''}", ""]
             stems = [chart_stem(k, env) for k in ("panels", "roofline")]
-            out += [f"![{n.partition('_')[0]} of {c['run_id']}](figures/{n})" for n in charts
+            out += [f"![{n.partition('_')[0]} of {name}](figures/{n})" for n in charts
                     if Path(n).stem in stems]
             out += [""] + claims_sections(claims_table(rows, published), heading="")
     if published is not None and len(published):

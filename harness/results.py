@@ -302,8 +302,8 @@ HEADER_START = "run_id,row_id,"
 ROW_SUFFIXES = (".csv", ".parquet")
 NOT_TABLE = "not .csv or .parquet"  # the skip reason of logs, text, JSON, charts in a results folder
 GATE_LOG = "gate.log"  # harness.gate's log of one run, in the run's folder
-RUN_COMPANIONS = ("meta.json", "ERRATA.md", GATE_LOG)  # a run folder's own files beside its rows: never rows, never
-# counted
+RUN_NAMES = "names.csv"  # results/runs/names.csv: each committed run's display name (harness.run_names)
+RUN_COMPANIONS = ("meta.json", "ERRATA.md", GATE_LOG, RUN_NAMES)  # files beside the rows: never rows, never counted
 DAMAGED_FIX = "restore or remove it, or leave damaged files out (--skip-damaged; load(skip_damaged=True))"
 _BLANK = ("", "nan", "<na>", "na", "none", "null")  # values that read as missing in any column
 _BOOL_TEXT = ("true", "false", "1", "0")

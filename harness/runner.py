@@ -42,6 +42,7 @@ from harness.inputs import fingerprint, make_inputs
 from harness.routing_steps import RoutingSteps, worst
 from harness.limits import StepTimeout, time_limit
 from harness.results import base_row, make_row
+from harness.run_names import default_run_id, gpu_model
 from harness.setup_profile import SetupProfile
 from harness.timing import Timer
 
@@ -83,8 +84,10 @@ def world_size_for(c: dict, renv: Optional[RankEnv]) -> int:
     return c.get("ep_size") or 2
 
 
-def new_run_id() -> str:
-    return pd.Timestamp.now(tz="UTC").strftime("%Y%m%dT%H%M%S") + "-" + os.urandom(3).hex()
+def new_run_id(c: dict, ws: int) -> str:
+    """A run id where none is given: what, where and when (:func:`harness.run_names.default_run_id`)."""
+    device = c.get("device", "cpu")
+    return default_run_id(c, max(1, ws // max(1, int(c.get("ranks_per_gpu") or 1))), gpu_model(device))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -840,7 +843,7 @@ def run_benchmark(cfg: Any) -> pd.DataFrame:
     c, pc = point.as_dict(), point.config
     if not _point_of_a_sweep(c):  # a sweep checked its run folder before its first point
         validate.check_new_run(c)
-    run_id = given_run_id(c)[0] or new_run_id()
+    run_id = given_run_id(c)[0] or new_run_id(c, ws)
     path = results.job_file(pc.results_dir, run_id, point.config_hash, pc.results_format)
     _JOB_FILES.append(path)
     payload = {"cfg": c, "device": point.case.device, "run_id": run_id, "path": str(path), "point": sweep_point_num()}

@@ -2,10 +2,10 @@
 (``profile_setup_dir=DIR``), the steps whose seconds a row's ``setup_s`` holds.
 
 Why: ``setup_s`` is one number. SonicMoE's setup took 136-156 s on one H200 with every QuACK kernel already compiled
-(run h200x1-s31-anchors), and that time could not be split from its rows. With a folder set, each backend's setup on
-each rank leaves ``<stem>.prof`` (``python -m pstats`` or snakeviz read it) and ``<stem>.txt``, the functions with the
-most cumulative and the most own time. cProfile sees this process's main thread only: time spent waiting on compile
-worker processes or threads shows up in the function that waits."""
+(run mok_hopper-bf16-fwd-bwd-qwen3_5_397b_h200x1_20261204-2), and that time could not be split from its rows. With a
+folder set, each backend's setup on each rank leaves ``<stem>.prof`` (``python -m pstats`` or snakeviz read it) and
+``<stem>.txt``, the functions with the most cumulative and the most own time. cProfile sees this process's main thread
+only: time spent waiting on compile worker processes or threads shows up in the function that waits."""
 
 from __future__ import annotations
 

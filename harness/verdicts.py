@@ -36,6 +36,7 @@ from harness.labels import (DIRECTION_ORDER, FORWARD_KINDS, FUSED, NOT_CONTENDER
                             in_order, int_text, isna, is_opponent, pairs_label, panel_label, scaling_variant,
                             system_label)
 from harness.opponents import MEMORY_COLUMN, opponent_table
+from harness.run_names import display_name
 
 # the contenders a verdict is about, in registry order (the CPU twin ran pure torch on a CPU, not the kernel)
 CONTENDERS = tuple(f for f in FUSED if f not in CPU_TWIN.values())
@@ -292,7 +293,8 @@ def format_verdicts(table: pd.DataFrame, errata: Any = ()) -> str:
         rows.append([r["environment"], r["panel"], r["pairs"], *([system_label(r["contender"])] if several else []),
                      _range(r["speedup_min"], r["speedup_max"], r["shapes"]), _labels(r["fastest_opponents"]),
                      _range(r["memory_ratio_min"], r["memory_ratio_max"], r["memory_shapes"]), bf16,
-                     f"`{r['run_id']}`" + (f" (see its {ERRATA})" if r["run_id"] in errata else ""), r["timing"],
+                     f"`{display_name(r['run_id'])}`" + (f" (see its {ERRATA})" if r["run_id"] in errata else ""),
+                     r["timing"],
                      r["opponent_compile"], r["fp8"] or "—", base, claim])
     esc = [[str(c).replace("|", "\\|") for c in r] for r in [header, *rows]]
     lines = ["| " + " | ".join(esc[0]) + " |", "|" + "|".join("---" for _ in header) + "|"]

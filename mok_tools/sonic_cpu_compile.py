@@ -22,8 +22,8 @@ What this module changes, in this process only, each because the machine has no 
   for another Python (the GPU image's 3.12) by computing that fingerprint with QuACK's own function. The kernels
   themselves do not depend on the Python version: the 40 kernel files of a partial cache compiled on the H200
   machine (Python 3.12) have the same keys as the ones compiled here (Python 3.11) and byte-identical device code
-  (cubins), and the H200 loaded and ran all 80 compiled here (run h200x1-s31-anchors;
-  lab/diagnostics/2026-12-04-s31/).
+  (cubins), and the H200 loaded and ran all 80 compiled here (run
+  mok_hopper-bf16-fwd-bwd-qwen3_5_397b_h200x1_20261204-2; lab/diagnostics/2026-12-04-s31/).
 
 The host-side launch code in each object file is compiled by LLVM for *this* machine's CPU (CuTe DSL has no
 option for it): the GPU machine's CPU must have the same instruction set extensions (the record holds this CPU's

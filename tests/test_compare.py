@@ -247,7 +247,7 @@ def test_cli_history_chart(tmp_path):
 
 def test_backend_filter_judges_the_kernel_on_its_own_rows(tmp_path, capsys):
     base = base_rows()
-    # the baselines' code did not change but this lease runs them 60% slower; the kernel itself is 1% faster
+    # the baselines' code did not change but this machine runs them 60% slower; the kernel itself is 1% faster
     new = derive(base, lambda r: 1.60 if r["backend"] == "nccl" else 0.99)
     b, n = _write(tmp_path, "base", base), _write(tmp_path, "new", new)
     assert C.main([str(b), str(n)]) == 1  # every baseline row reads as a regression
@@ -291,7 +291,7 @@ def test_a_cpu_point_run_twice_is_inconclusive_without_a_run_to_run_estimate():
 
 
 def test_repeated_runs_give_the_run_to_run_noise():
-    base = base_rows() + derive(base_rows(), lambda r: 1.20, run_id="base2")  # two leases, 20% apart
+    base = base_rows() + derive(base_rows(), lambda r: 1.20, run_id="base2")  # two machine allocations, 20% apart
     table = run(base, derive(base_rows(), lambda r: 1.15, run_id="new"))
     assert set(table["noise_source"]) == {"reruns"} and set(table["verdict"]) == {"inconclusive"}
 
@@ -313,10 +313,10 @@ def test_normalize_by_clock():
 
 def test_normalize_by_an_unchanged_control_backend():
     base = base_rows(spread=0.01)  # the ratio carries both backends' spreads: 4% here, under the 5% threshold
-    lease = derive(base, lambda r: 1.30 if r["backend"] == "nccl" else 1.28)  # a slower lease: every backend
-    assert set(run(base, lease)["verdict"]) == {"regression"}  # every row, judged on latency
-    assert set(run(base, lease, backends=["mok_hopper"])["verdict"]) == {"inconclusive"}  # the lease moved nccl
-    table = run(base, lease, backends=["mok_hopper"], normalize="control", control="nccl")
+    slower = derive(base, lambda r: 1.30 if r["backend"] == "nccl" else 1.28)  # a slower machine: every backend
+    assert set(run(base, slower)["verdict"]) == {"regression"}  # every row, judged on latency
+    assert set(run(base, slower, backends=["mok_hopper"])["verdict"]) == {"inconclusive"}  # the machine moved nccl
+    table = run(base, slower, backends=["mok_hopper"], normalize="control", control="nccl")
     assert set(table["verdict"]) == {"unchanged"} and set(table["backend"]) == {"mok_hopper"}
     assert table["change"].to_numpy() == pytest.approx(1.28 / 1.30 - 1)
     slow = derive(base, lambda r: 1.30 * (1.10 if is_target(r) else 1.0))
@@ -547,7 +547,7 @@ def test_the_threshold_maps_to_both_directions_alike():
 
 
 def test_paired_rounds_cancel_a_machine_that_drifts_between_rounds():
-    drift = [1.0, 1.6, 0.7, 1.3, 0.9]  # every backend of a round moves alike (a lease, a neighbour's job)
+    drift = [1.0, 1.6, 0.7, 1.3, 0.9]  # every backend of a round moves alike (a machine allocation, a neighbour's job)
     base = side({f"g-base-r{k + 1}": (lambda r, f=f, e=noisy(k, 0.01): f * e(r)) for k, f in enumerate(drift)})
     new = side({f"g-new-r{k + 1}": (lambda r, f=f, e=noisy(9 + k, 0.01): f * e(r) * (
         1.10 if r["backend"] == "mok_hopper" else 1.0)) for k, f in enumerate(drift)})

@@ -64,7 +64,8 @@ def test_the_product_describes_the_code_not_its_history():
 
 @pytest.mark.parametrize("line,hit", [
     ("added in session 29", True), ("see Issue #23", True), ("call 8 lost the rows", True), ("call B", True),
-    ("Session12", True), ("DeepGEMM #365", False), ("run h200x1-s31-anchors", False), ("one call per point", False),
+    ("Session12", True), ("DeepGEMM #365", False), ("run mok_hopper-bf16-fwd_h200x1_20261204-2", False),
+    ("one call per point", False),
     ("a call between ranks", False), ("the issue is the clock", False), ("call backward()", False),
 ])
 def test_the_history_pattern_finds_what_it_should(line, hit):
@@ -81,6 +82,62 @@ def test_the_history_check_reads_the_files_it_should(tmp_path, monkeypatch):
     monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
     hits = history_hits(sorted(files))
     assert [h.split(":")[0] for h in hits] == ["docs/y.md", "harness/x.py"]
+
+
+# The journal's numbering of runs and machines: a run id with a session number (``<gpu>x<n>-s<NN>...``; runs are
+# named ``<what>_<hardware>_<yyyymmdd>``, results/runs/names.csv names the older ones) and the word for a spell on a
+# rented machine (say "the same run (same machine allocation, code and baseline builds)"). The measured rows keep
+# their run ids as folder names; lab/ cites its own folders (``lab/diagnostics/<date>-s<NN>/``), which are no run ids.
+NUMBERING = re.compile(r"(?<![a-z0-9./-])[a-z]{1,2}\d{2,4}x\d+-s\d{2}(?!\d)|\b" + "le" + "ase", re.IGNORECASE)
+NUMBERING_ALLOWED = ("lab/", "results/runs/")
+
+
+def numbering_hits(files: list[str]) -> list[str]:
+    hits = []
+    for rel in files:
+        text = None if rel.startswith(NUMBERING_ALLOWED) else text_of(rel)
+        for n, line in enumerate((text or "").splitlines(), 1):
+            if m := NUMBERING.search(line):
+                hits.append(f"{rel}:{n}: {m.group(0)!r} in {line.strip()[:100]}")
+    return hits + [f"{rel}: in the file name" for rel in files
+                   if not rel.startswith(NUMBERING_ALLOWED) and NUMBERING.search(Path(rel).name)]
+
+
+def test_the_product_names_runs_by_what_where_and_when():
+    hits = numbering_hits(tracked_files())
+    assert not hits, ("the journal's numbering of runs outside lab/ and results/runs/ (name a run by its display "
+                      "name, results/runs/names.csv; say 'run' or 'machine allocation'):\n" + "\n".join(hits[:40])
+                      + (f"\n... {len(hits) - 40} more" if len(hits) > 40 else ""))
+
+
+OLD_RUN = "h200x1" + "-s27-v17-fp8"  # built here so that this file holds no such id itself
+RENTED = "le" + "ase"
+
+
+@pytest.mark.parametrize("line,hit", [
+    (f"run {OLD_RUN}", True), (f"`{OLD_RUN}-{RENTED}2`", True), (f"results/runs/*-{RENTED}2", True),
+    (f"runs on different {RENTED}s", True), (f"a {RENTED.capitalize()} ends", True), (f"h100x1{OLD_RUN[6:]}", True),
+    ("run mok_hopper-fp8-fwd_h200x1_20261204-2", False), ("lab/diagnostics/2026-12-04-s29/", False),
+    ("the release notes", False), ("please rerun", False), ("--sweep-rounds 4", False), ("fp8-s128 blocks", False),
+    ("h200x1-s2 of two", False), ("x1-s270", False),
+])
+def test_the_numbering_pattern_finds_what_it_should(line, hit):
+    assert bool(NUMBERING.search(line)) is hit
+
+
+def test_the_numbering_check_reads_the_files_it_should(tmp_path, monkeypatch):
+    """A planted run id or rented-machine word is found in product files, tests and file names, and ignored in the
+    journal and the rows."""
+    files = {"harness/x.py": f"# see {OLD_RUN}\n", "docs/y.md": f"one {RENTED} only\n", "tests/t.py": f"# {OLD_RUN}\n",
+             f"results/figures/panels_{OLD_RUN}.png": "", f"lab/{OLD_RUN}.md": f"{RENTED}\n",
+             f"results/runs/{OLD_RUN}/log.txt": f"{RENTED}\n"}
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
+    hits = numbering_hits(sorted(files))
+    assert sorted(h.split(":")[0] for h in hits) == ["docs/y.md", "harness/x.py",
+                                                     f"results/figures/panels_{OLD_RUN}.png", "tests/t.py"]
 
 
 def test_the_readme_is_short():

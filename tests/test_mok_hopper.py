@@ -1178,7 +1178,7 @@ def test_aot_check_compiles_each_kernel_as_launched():
 @pytest.mark.slow
 @pytest.mark.skipif(not has_nvidia_backend(), reason="Triton has no NVIDIA backend (ptxas) here")
 def test_every_sweep_variant_compiles_for_hopper_without_spills(aot_sweep):
-    """gpu_check's sweep tiles too: a variant that cannot compile would only fail on a leased GPU."""
+    """gpu_check's sweep tiles too: a variant that cannot compile would only fail on a rented GPU."""
     p = aot_sweep
     assert p.returncode == 0, p.stdout + p.stderr[-3000:]
     assert "[down BK 128 x 3 st]" in p.stdout and "[tails of 16 rows (]" in p.stdout

@@ -22,6 +22,7 @@ from harness import report as R  # noqa: E402
 from harness import results  # noqa: E402
 from harness import run_meta as M  # noqa: E402
 from harness import verdicts as V  # noqa: E402
+from harness.run_names import display_name, run_id_of  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 MAX_IMAGES = P.HEADLINE_MAX_IMAGES
@@ -191,9 +192,10 @@ def test_the_committed_errata_reach_the_verdicts():
     cited = V.errata_runs(table["run_id"])
     block = V.verdict_block(committed, table=table)
     for run_id in cited:
-        assert f"`{run_id}` (see its ERRATA.md)" in block
-    assert V.errata_runs(["h200x1-s22-fp8-deepgemm", "h200x1-s26-fp8-deepgemm"]) == {
-        "h200x1-s22-fp8-deepgemm", "h200x1-s26-fp8-deepgemm"}
+        assert f"`{display_name(run_id)}` (see its ERRATA.md)" in block
+    deepgemm = [run_id_of(n) for n in ("nccl-fp8-fwd-bwd_h200x1_20261203-2",
+                                       "mok_hopper-fp8-fwd-bwd_h200x1_20261204-3")]
+    assert V.errata_runs(deepgemm) == set(deepgemm)
 
 
 def test_published_rows_are_never_a_verdict():

@@ -16,6 +16,7 @@ from conftest import ROOT, compose_cfg, cpu_cfg, use_fake_backends
 
 from contract import comm
 from harness import runner
+from harness.run_names import run_dir_of
 from harness.config import ConfigError, config_hash
 from harness.point import make_case
 from harness.dist import free_port
@@ -224,7 +225,7 @@ def test_a_run_of_ranks_that_shared_a_gpu_is_no_environment_of_the_speed_charts(
     none of them (its panel had no claims to draw and failed)."""
     from harness import claims, results
 
-    df = claims.prepare(results.load(ROOT / "results" / "runs" / "h100x1-s35-shared-p2"), "run")
+    df = claims.prepare(results.load(run_dir_of("mok_hopper-bf16-fwd-bwd-custom_h100x1_20261206")), "run")
     assert len(df) and df.shared_gpu.all()
     assert claims.environments(df) == []
     both = claims.prepare(results.load(ROOT / "results" / "runs"), "run")

@@ -1,8 +1,8 @@
 """How fast can one H200 write a weight gradient in the access patterns of mok_hopper's wgrad kernels?
 
 The backward's weight-gradient stages write dW13 / dW2 at 57-70% of the copy rate (backward v5, run
-h200x1-s16-bwd-v5; the journal, lab/perf-notes.md). This probe writes the same tensors with no loads and no MMA, so
-what it measures is the store pattern alone:
+mok_hopper-bf16-fwd-bwd_h200x1_20261202; the journal, lab/perf-notes.md). This probe writes the same tensors with no
+loads and no MMA, so what it measures is the store pattern alone:
 
 * ``zero_``: torch's fill of the whole tensor (contiguous writes);
 * ``strips``: the resident kernel's order (a program owns the rows of one (expert, N block) strip and walks its K

@@ -67,8 +67,9 @@ class TileConfig:
     # lab/perf-notes.md v14); ignored in bf16 (up_fused is bf16's)
     fp8_down_pair: bool = False  # fp8: each loop step of the down GEMM runs two 1 x 64 hidden blocks (two MMAs, each
     # promoted by its own scales: the same result bit for bit) instead of one: half the loop steps, 16 KB of weights
-    # a step instead of 8 (unpaired, the fp8 down GEMM streams at 1.9-2.3 TB/s: run h200x1-s19-fp8-fwd; paired, the
-    # down GEMM 10-12% faster, the forward 4-5%: lab/perf-notes.md v15; default_tile's since v15); ignored in bf16
+    # a step instead of 8 (unpaired, the fp8 down GEMM streams at 1.9-2.3 TB/s: run mok_hopper-fp8-fwd_h200x1_20261202;
+    # paired, the down GEMM 10-12% faster, the forward 4-5%: lab/perf-notes.md v15; default_tile's since v15); ignored
+    # in bf16
     fp8_up_pair: bool = False  # fp8: the same for the up GEMM, two 1 x 128 x blocks a loop step (32 KB of weights a
     # step instead of 16; half the stages; no gain: lab/diagnostics/2026-12-03-s21/, so off); ignored in bf16
     fp8_flat_down: bool = False  # fp8: the down GEMM's flattened loop (flat_down; for_fp8 turns it off otherwise:
@@ -83,7 +84,8 @@ class TileConfig:
     # (down_per_sm=2) without spilling (lab/perf-notes.md v16)
     fp8_down_halves: bool = False  # for_fp8: the fp8 down GEMM as 64-row items (down_halves) at 4 warps, two programs
     # an SM (down_per_sm=2): the forward 14% faster on qwen3_5_397b, 8% on kimi_k2_7, even on glm_5_2 (run
-    # h200x1-s24-v16-fp8); default_tile's where few experts run a full tile (DOWN_HALVES_MAX_FULL); ignored in bf16
+    # mok_hopper-fp8-fwd-bwd_h200x1_20261203); default_tile's where few experts run a full tile (DOWN_HALVES_MAX_FULL);
+    # ignored in bf16
     up_per_sm: int = 1  # programs of each routed up-GEMM launch per SM it is given (main, helper, side): with 2
     # (at 4 warps over BM/2-row items, so two fit an SM) one program's fp8 promotion runs beside the other's MMAs
     up_halves: bool = False  # half tiles, no tails, not flattened: the up GEMM runs every row tile as BM/2-row items

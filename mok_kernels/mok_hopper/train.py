@@ -9,8 +9,9 @@ T tokens. No host synchronisation. At EP >= 2 the expert owners pull the dO rows
 forward's pull kernel and schedule) and push the dX rows and router-weight gradients back into the source ranks'
 workspaces, which sum them in the forward's fixed order. Checked against torch autograd under the Triton
 interpreter, 1, 2 and 4 ranks (simulated in one process; tests/test_mok_hopper_bwd.py), and at EP=1 against the
-harness's reference on one H200 (mok_tools/mok_hopper/bwd_check.py; run h200x1-s13-bwd); not yet run on
-several GPUs. The trainable module and custom ops over it (EP=1) are in :mod:`mok_kernels.mok_hopper.module`.
+harness's reference on one H200 (mok_tools/mok_hopper/bwd_check.py; run mok_hopper-bf16-fwd-bwd_h200x1_20261201);
+not yet run on several GPUs. The trainable module and custom ops over it (EP=1) are in
+:mod:`mok_kernels.mok_hopper.module`.
 
 fp8 (a layer built with ``precision="fp8", train=True``): the same dataflow at every EP through the
 three phases below (dO quantised 1 x 128 at its source, pulled as e4m3), the routed stages of
@@ -43,42 +44,31 @@ BWD_STAGES = ("gather", "recompute_h", "dgate", "dx", "dw13", "dw2", "dgate_dw2"
 
 def _tiles(H: int, I: int, cuda: bool, clamped: bool = False, rows_per_expert: float = 0.0, tiled: bool = False
            ) -> dict[str, dict[str, Any]]:
-    """Launch parameters of the backward's GEMMs (v4, run h200x1-s15-bwd; aot_check compiles each for sm_90:
-    no spills, except dgate's 16-32 B under Triton 3.6): dgate 64 x 128 (8 warps: its epilogue holds about ten
-    [BM, BN] fp32 tiles; 4 stages, 3 with a clamped SwiGLU, whose 4-stage build spills over aot_check's budget),
-    dX 128 x 128 (8 warps, 4 stages; 128 x 64 with 4 warps, two per SM, was slower), the weight gradients 128 x 128
-    over 64-row steps (4 warps, two programs per SM, TMA stores on CUDA), with P resident (one P load per strip of
-    output blocks) where the experts average at most 64 rows (``rows_per_expert``; the shared expert's 2048 rows
-    ran 2.1-2.8x slower resident). The same on the CPU (interpreter), capped at what divides the toy shapes.
+    """Launch parameters of the bf16 backward's GEMMs, by stage, for hidden size ``H``, expert width ``I`` and the
+    experts' average rows (``rows_per_expert``); ``tiled``: the weights in the forward's TMA block order (read and
+    written by pointers); ``clamped``: a clamped SwiGLU. On the CPU (interpreter) the same, the blocks capped at what
+    divides the toy shapes.
 
-    v5 (run h200x1-s16-bwd-v5): dgate pairs its 64-row blocks (one W2 block load for a tile of up to 128 rows;
-    unclamped only: the clamped pair spills 112 B), and where the experts average over 48 rows (glm_5_2: 64, so
-    about half have more than 64 and took the reloaded-P path) the resident weight gradients step over 128 rows
-    with 128 x 64 output blocks. Both spill (dgate 96 B under Triton 3.8 and 144 B under 3.6, the weight gradients
-    16 and 8 B; aot_check's budgets) and were faster in v5's sweep all the same (lab/diagnostics/2026-12-02-s16/).
+    * ``dgate``: 64-row blocks over 128 columns of ``I``, 4 stages (3 with a clamped SwiGLU), two 64-row blocks paired
+      (one W2 block load for up to 128 rows) unless clamped or tiled; dgate's G by ``torch._grouped_mm`` where the
+      experts average over 128 rows.
+    * ``dx``: 128-row blocks, 256 columns at 3 stages (plain weights), 128 at 4 stages (tiled).
+    * ``recompute``: H recomputed in 128 x 64 x 64 blocks.
+    * ``dw13`` / ``dw2``, the weight gradients: 4 warps, two programs per SM (tiled, resident and over 64-row steps:
+      8 warps, one per SM); P resident (one P load per strip of output blocks) where the experts average at most 128
+      rows, stepping over 128 rows above 48 rows an expert (strips of 64, and 64 + a 32-row tail, where an expert has
+      at most 64 or 96; plain weights) and over 64 rows otherwise; 3 stages resident, 4 reloaded; ``torch._grouped_mm``
+      where the experts average over 128 rows. They leave by TMA stores on CUDA only where not resident (dW13) or
+      without the 64-row strips (dW2), by pointer stores otherwise.
+    * ``dgate_dw2`` / ``dx_dw13``: the fused stages, off by default (options; plain weights only): 64-row blocks where
+      the experts average at most 48 rows, else 128; 8 warps, one program per SM.
 
     ``tiled``: the weights in the forward's TMA block order, read and written by pointers: 128 x 64 weight-gradient
     blocks (the resident kernel spilled 144 B at 128 x 128) and unpaired dgate blocks (paired, it spilled 104 B
     under Triton 3.6).
 
-    v6 (run h200x1-s17-v6): dX 128 x 256 at 3 stages (plain weights; 255 registers, no spill), and the
-    reloaded-P weight gradients (experts over 128 rows: the compute-bound point) at 4 stages. The tiled layout's
-    resident 64-row weight gradients at 8 warps, one program per SM (aot_check under Triton 3.6 found 264 B of
-    spill at 4 warps; not timed on the GPU: bwd_check runs plain weights).
-
-    The fused stages (the journal, lab/perf-notes.md: backward v7): dgate with dW2 and dX with dW13 each in one pass
-    over the weights (:mod:`mok_kernels.mok_hopper.ops.bwd_fused`; plain weights only;
-    ``tiles={"dgate_dw2": {"on": True}}`` and ``"dx_dw13"``): row blocks of 64 rows where the experts average at most 48 (qwen3_5_397b, kimi_k2_7), else 128
-    (glm_5_2); 8 warps, one program per SM (aot_check: no spill under Triton 3.8 and 3.6). Measured on one H200 against
-    the separate stages: dgate + dW2 1.15-1.4x slower (off); dX + dW13 by pointer stores 6-8% faster in 64-row blocks,
-    11% slower in 128-row ones; taken as v8 where the experts average at most 48 rows, its harness rows (qwen3_5_397b
-    8.25, kimi_k2_7 20.49 ms: run h200x1-s18-v8) were no faster than v6's on another H200 machine just before (8.19,
-    20.34: run h200x1-s18-v6-lease2), so v6 stays the default and both fusions are options (with 64-row blocks, pointer
-    stores: ``{"dx_dw13": {"on": True, "tma_store": False}}``).
-
-    v10 (run h200x1-s28-v10-bwd): on the resident path dW13 leaves the kernel by pointer stores (faster in v6's
-    sweep too, lab/diagnostics/2026-12-02-s17/; compiled as launched, with ``K`` divisible by 16, it spills 8 B under
-    Triton 3.8 and 176 B under 3.6: aot_check's budget)."""
+    Each choice's measurements (which launches were timed against which, and aot_check's spill budgets): the journal,
+    lab/2026-12-07-kernel-changelog.md and lab/perf-notes.md."""
     wide = 48 < rows_per_expert <= 128  # (the shared expert's T rows, and 1024-row experts, keep the 64-row steps)
     resident = wide or 0 < rows_per_expert <= 64
     two = dict(num_warps=4, programs_per_sm=2, resident=resident, block_r=128 if wide else 64,
@@ -88,20 +78,14 @@ def _tiles(H: int, I: int, cuda: bool, clamped: bool = False, rows_per_expert: f
     wk = 64 if wide or tiled else 128
     dx = dict(block_n=_blocks(H, 128), stages=4) if tiled else dict(block_n=_blocks(H, 256), stages=3)
     br = 64 if rows_per_expert <= 48 else 128  # the fused stages (options, off): their row blocks
-    # v9 (run h200x1-s23-v9): where the experts average over 128 rows (the compute-bound point), the weight
-    # gradients and dgate's G by torch._grouped_mm (:func:`_wgrad`, ``bwd_gemm.dgate_grouped_mm``): 1.7-1.8x
-    # faster there; on the published shapes' 32-64-row experts slower or even, so the kernels keep them
+    # the weight gradients and dgate's G by torch._grouped_mm where the experts average over 128 rows (faster there; on
+    # 32-64-row experts slower or even)
     grouped = rows_per_expert > 128
     two["grouped_mm"] = grouped
-    # v10 (lab/diagnostics/2026-12-04-s28/): dW13 stored by pointers on the resident path (published shapes), the same
-    # bits: the dW13 stage 1.5-3% faster than by TMA against an A/A in interleaved rounds (qwen3_5_397b, kimi_k2_7;
-    # glm_5_2 -1% side by side); dW2 stays TMA (by pointers 0-5% slower)
+    # dW13 by pointer stores on the resident path (the same bits; faster than TMA's there)
     dw13_tma = cuda and not resident
-    # v11 (run h200x1-s29-v11-bwd; lab/diagnostics/2026-12-04-s29/): where the experts average 48-128 rows (glm_5_2:
-    # 39-84, all on the 128-row path), an expert's strips run over 64 rows where it has at most 64, over 64 + 32 where
-    # at most 96 (the 128-row MMA at 128 x 64 blocks does not hide under the stores; the same bits), and dW2 leaves by
-    # pointer stores (faster than TMA's at this launch): the backward's stages x0.973 of v10's in bracketed rounds (A/A
-    # x1.001)
+    # 48-128 rows an expert: strips over 64 rows where an expert has at most 64, over 64 + 32 where at most 96, and dW2
+    # by pointer stores (faster than TMA's at this launch)
     small = dict(block_r_small=64, block_r_tail=32) if wide and not tiled else {}
     dw2_tma = cuda and not small
     return {"dgate_dw2": dict(on=False, block_r=br, block_h=_blocks(H, 128 if br == 64 else 64),
@@ -336,9 +320,9 @@ def _shared(layer: MoKHopperLayer, x_TH: torch.Tensor, dO_TH: torch.Tensor, shar
 # glm_5_2 in bwd_check's sweep, lab/diagnostics/2026-12-02-s16/).
 SHARED_BWD = dict(torch=True)
 # Where the routed backward's output-gradient rows come from at EP=1 (``tiles["gather_dO"]`` overrides):
-# ``in_kernels`` True (v12, run h200x1-s29-v12-bwd), dgate and dW2 load each row's dO from its token (``code //
-# K``) as they go, instead of a gathered copy of dO's T K rows written and read back (the "gather" stage: 0.21-0.34
-# ms on the published shapes); False, the copy (v11).
+# ``in_kernels`` True (v12, run mok_hopper-bf16-fwd-bwd_h200x1_20261204-4), dgate and dW2 load each row's dO from its
+# token (``code // K``) as they go, instead of a gathered copy of dO's T K rows written and read back (the "gather"
+# stage: 0.21-0.34 ms on the published shapes); False, the copy (v11).
 GATHER_DO = dict(in_kernels=True)
 
 

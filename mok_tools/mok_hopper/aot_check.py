@@ -31,15 +31,15 @@ KERNEL_MODULES = ("schedule_kernels", "pull", "up_gemm", "down_gemm", "bwd_gemm"
 # 240-254): they spill 0-48 B on Triton 3.8 and 0-56 B on 3.6 (the journal, lab/perf-notes.md: save_h). The backward's
 # dgate GEMM at 64 x 128 (its epilogue holds about ten fp32 tiles) spills 24-32 B on Triton 3.6 and none on 3.8; on the
 # H200 (Triton 3.6) it ran 1.4x faster than the spill-free 64 x 64 (the bf16 backward v2's sweep:
-# lab/diagnostics/2026-12-01-s13/). The budget keeps those from growing unnoticed. Backward v5 (run h200x1-s16-bwd-v5):
-# dgate with paired row blocks (the second block's accumulator live through the first's epilogue) spills 96 B on Triton
-# 3.8 and 144 B on 3.6, where it ran glm_5_2's dgate in 2.18 against 3.06 ms; the resident weight gradients over 128
-# rows (P held in registers beside a 128 x 64 accumulator, 4 warps), compiled with ``K`` of unknown divisibility, spill
-# 16 B on 3.8 and 8 B on 3.6, and ran dW13 + dW2 in 7.88 against 9.32 ms, where the spill-free 8-warp build took
-# 8.45 ms.
-# The fp8 backward (run h200x1-s25-fp8-bwd; the journal: fp8 backward v0): dgate's epilogue also quantises dH (two
-# more fp32 tiles and their row maxima beside the SwiGLU's): at v2 40 / 104 B (plain / clamped) on Triton 3.8,
-# 72 / 112 B on 3.6, in the epilogue only (once a 64 x 128 tile, after its H / 128 K steps).
+# lab/diagnostics/2026-12-01-s13/). The budget keeps those from growing unnoticed. Backward v5 (run
+# mok_hopper-bf16-fwd-bwd_h200x1_20261202): dgate with paired row blocks (the second block's accumulator live through
+# the first's epilogue) spills 96 B on Triton 3.8 and 144 B on 3.6, where it ran glm_5_2's dgate in 2.18 against 3.06
+# ms; the resident weight gradients over 128 rows (P held in registers beside a 128 x 64 accumulator, 4 warps), compiled
+# with ``K`` of unknown divisibility, spill 16 B on 3.8 and 8 B on 3.6, and ran dW13 + dW2 in 7.88 against 9.32 ms,
+# where the spill-free 8-warp build took 8.45 ms.
+# The fp8 backward (run mok_hopper-fp8-fwd-bwd_h200x1_20261204; the journal: fp8 backward v0): dgate's epilogue also
+# quantises dH (two more fp32 tiles and their row maxima beside the SwiGLU's): at v2 40 / 104 B (plain / clamped) on
+# Triton 3.8, 72 / 112 B on 3.6, in the epilogue only (once a 64 x 128 tile, after its H / 128 K steps).
 # Every variant is compiled as launched: each i32 size divisible by 16 as the launch sees it, except those in
 # ``Variant.plain`` (in the backward's kernels ``K`` is a hidden size; compiled otherwise, their loads and stores are
 # not those that run). So compiled, the 128-row resident weight gradients above do not spill (210-218 registers), and

@@ -55,8 +55,9 @@ LAYOUT = "layout"  # a SWEEP key that is no launch override: "tiled" runs the ba
 # launch variants of the backward's GEMMs, stage times against the default (``--sweep``): earlier versions' launches
 # and candidates (the journal, lab/perf-notes.md: the bf16 backward v0-v4)
 # (left out: backward v0-v3's 256-wide, 32-row-step and no-TMA-store weight-gradient launches and its 3-stage dX,
-# measured in run h200x1-s13-bwd; the overlapped schedules, slower, removed with their code in 3a7e35f; the resident
-# launches at 8 warps one per SM and 128 x 64 three per SM, slower on both shapes: lab/diagnostics/2026-12-02-s16/).
+# measured in run mok_hopper-bf16-fwd-bwd_h200x1_20261201; the overlapped schedules, slower, removed with their code in
+# 3a7e35f; the resident launches at 8 warps one per SM and 128 x 64 three per SM, slower on both shapes:
+# lab/diagnostics/2026-12-02-s16/).
 SWEEP: dict[str, dict[str, dict[str, Any]]] = {
     "default again": {},
     "dgate 3 stages (v3.1)": {"dgate": dict(stages=3)},

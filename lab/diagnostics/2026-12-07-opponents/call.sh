@@ -34,7 +34,7 @@ for s in "$@"; do
   if [ "$kind" = profile ]; then
     shape=${rest%-*}; prec=${rest##*-}
     step "$s"
-    timeout $(left) python3 -m benchmarks.profile_backends --backends torch,nccl --out $OUT/profile-$shape-$prec.txt \
+    timeout $(left) python3 -m mok_tools.profile_backends --backends torch,nccl --out $OUT/profile-$shape-$prec.txt \
       -- shape=$shape precision=$prec compile=false 2>&1 | tail -20 | tee -a "$LOG"
     continue
   fi

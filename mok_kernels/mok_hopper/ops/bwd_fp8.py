@@ -319,13 +319,11 @@ def fp8_wgrad(p_RN: torch.Tensor, p_scale: Optional[torch.Tensor], q_RK: torch.T
 
 
 def _tiles(H: int, I: int, cuda: bool, rows_per_expert: float = 0.0) -> dict[str, dict[str, Any]]:
-    """Launch parameters of the fp8 backward's GEMMs (v1, run h200x1-s25-fp8-bwd): dgate 64 x 128 (its epilogue
-    quantises dH in 1 x 128 blocks), dX 128 x 128, both over W^T (K-major), 8 warps; the weight gradients 128 x 128
-    blocks over 128-row token blocks, 8 warps, one program an SM. On the CPU (interpreter) the same, the column
-    blocks capped at what divides the toy shapes. v2 (run h200x1-s25-fp8-bwd-v2): where the experts average at most
-    128 rows (one token block: the published shapes at EP=1), the weight gradients P-resident (glm_5_2 dW13 9.10 ->
-    5.88 ms, dW2 4.98 -> 3.35 in bwd_check, lab/diagnostics/2026-12-04-s25/; bitwise the same); larger experts (the
-    compute-bound point, not measured resident) keep the flattened item loop."""
+    """Launch parameters of the fp8 backward's GEMMs, by stage: dgate 64 x 128 blocks (its epilogue quantises dH in
+    1 x 128 blocks), dX 128-row blocks (32 on the CPU), both over W^T (K-major) at 3 stages; the weight gradients in
+    128 x 128 blocks (64 x 64 where ``H`` or ``I`` is no multiple of 128) over 128-row token blocks, by TMA stores on
+    CUDA, with P resident where the experts average at most 128 rows (one token block), else the flattened item loop.
+    The measurements behind each choice: the journal, lab/2026-12-07-kernel-changelog.md."""
     bn = 128 if (H % 128 == 0 and I % 128 == 0) else 64
     res = 0 < rows_per_expert <= BLOCK
     return {"dgate": dict(block_m=64, block_n=BLOCK, stages=3),
