@@ -21,13 +21,13 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from contract.case import CUDAGRAPH_MODES
 from contract.compiled import drop_compiled_state
 
 EAGER = "eager"
 FALLBACK_ORDER = ("max-autotune", "max-autotune-no-cudagraphs", "default", EAGER)
 
 
-CUDAGRAPH_MODES = ("max-autotune", "reduce-overhead")  # the modes whose compiled code replays CUDA graphs
 
 
 def step_begin(mode: str, device_is_cuda: bool) -> None:

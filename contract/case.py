@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
+CUDAGRAPH_MODES = ("max-autotune", "reduce-overhead")  # the torch.compile modes whose compiled code replays CUDA graphs
+
 
 @dataclass(frozen=True)
 class Case:

@@ -24,7 +24,8 @@ import numpy as np
 import pandas as pd
 
 from harness.claims import CELL_KEYS, norm_key, speed_rows, with_runs
-from harness.labels import NOT_CONTENDERS, SYSTEM_ORDER, forward_kinds, in_order, is_baseline, is_fused, is_opponent
+from harness.labels import (NOT_CONTENDERS, SYSTEM_ORDER, forward_kinds, in_order, is_baseline, is_fused, is_opponent,
+                            replays_cuda_graphs)
 
 PAIR_KEYS = (*CELL_KEYS, "forward_kind")
 MEMORY_COLUMN = "mem_peak_own_bytes"  # the backend's own peak: the only column a memory ratio reads
@@ -42,9 +43,10 @@ def medians(df: pd.DataFrame) -> pd.DataFrame:
     cols = [*PAIR_KEYS, "backend", "tflops", MEMORY_COLUMN]
     if d.empty:
         return pd.DataFrame(columns=cols)
-    d = d.assign(forward_kind=forward_kinds(d),
-                 _mem=(d[MEMORY_COLUMN].to_numpy(dtype="float64", na_value=np.nan) if MEMORY_COLUMN in d
-                       else np.nan))
+    mem = d[MEMORY_COLUMN].to_numpy(dtype="float64", na_value=np.nan) if MEMORY_COLUMN in d else np.full(len(d), np.nan)
+    # rows of CUDA graph replays recorded an allocator peak that misses the graphs' memory (harness.memory)
+    blind = [replays_cuda_graphs(r) for r in d[[c for c in ("compiled", "compile_mode") if c in d]].to_dict("records")]
+    d = d.assign(forward_kind=forward_kinds(d), _mem=np.where(blind, np.nan, mem))
     out = d.groupby([*PAIR_KEYS, "backend"], dropna=False, sort=False).agg(
         tflops=("tflops_per_gpu", "median"), mem=("_mem", "median")).reset_index()
     return out.rename(columns={"mem": MEMORY_COLUMN})[cols]

@@ -547,6 +547,9 @@ def run_backend(name: str, point: PointContext) -> Iterator[dict[str, Any]]:
     else:  # the layer itself may still time fine: keep going, and say why the byte columns are empty
         extra["notes"] = _with_note(extra.get("notes"), f"traffic / phase timing failed: {err}")
 
+    blind = memory.graph_blind(extra)  # allocator peaks a CUDA graph replay does not show
+    if blind:
+        extra["notes"] = _with_note(extra.get("notes"), memory.GRAPH_BLIND_NOTE)
     for d in directions:
         checked = gate.get(d, ("ok", None, {}))[2]
         why = direction_unsupported(cls, case, d, options)
@@ -575,7 +578,7 @@ def run_backend(name: str, point: PointContext) -> Iterator[dict[str, Any]]:
             latency_step_max_ms=stats.step_max_ms, num_warmup=stats.num_warmup,
             num_iters=stats.num_iters, flops_per_gpu=flops, tflops_per_gpu=flops / lat_s / 1e12,
             tokens_per_s_per_gpu=case.tokens_per_gpu / lat_s, **stats.clocks,
-            **{k: v for k, v in stats.memory.items() if v == v}, **extra, **checked,
+            **{k: v for k, v in stats.memory.items() if v == v and k not in blind}, **extra, **checked,
         )
         yield _with_roofline(row)
     agree(backend.teardown)

@@ -29,7 +29,7 @@ from typing import Any, Optional, Union
 
 import pandas as pd
 
-from harness.backends import base_name
+from harness.backends import SERIES_SEP, base_name, series_name, series_parts
 from harness.claims import (CPU_TWIN, ENV_KEYS, is_published, load_claims, prepare, published_counts, select_env,
                             speed_rows, with_runs)
 from harness.labels import (DIRECTION_ORDER, FORWARD_KINDS, FUSED, NOT_CONTENDERS, SYSTEM_ORDER, forward_kinds,
@@ -140,7 +140,10 @@ def _verdicts(measured: pd.DataFrame, claims: Optional[pd.DataFrame]) -> pd.Data
     d = d[~d["backend"].isin(NOT_CONTENDERS)]
     pairs = opponent_table(d)
     # (a contender's inference forwards are a series of their own where its run has both kinds: claims.prepare)
-    pairs = pairs[pairs["contender"].map(base_name).isin(CONTENDERS) & pairs["speedup"].notna()]
+    # a contender at its default options: a run that compares its options (weights=plain against tiled) is a study
+    # of the contender, reported in that run's own report, and gives no verdict
+    pairs = pairs[pairs["contender"].map(base_name).isin(CONTENDERS) & pairs["speedup"].notna()
+                  & ~pairs["contender"].map(_options_series).astype(bool)]
     if pairs.empty:
         return pd.DataFrame(columns=list(COLUMNS))
     gpus = _run_kinds(d)
@@ -188,7 +191,7 @@ def _verdict_row(g: pd.DataFrame, d: pd.DataFrame, kind: tuple, claimed: dict[tu
     rec: dict[str, Any] = dict(zip(KIND_KEYS, kind))
     prec, direction, fkind = str(first["precision"]), str(first["direction"]), str(first["forward_kind"])
     rec.update(environment=kind_label(rec), precision=prec, direction=direction, forward_kind=fkind,
-               pairs=pairs_label(direction, fkind), panel=panel_label(prec, direction), contender=base_name(f),
+               pairs=pairs_label(direction, fkind), panel=panel_label(prec, direction), contender=_contender(f),
                run_id=first["run_id"], run_started=first["run_started"])
     s = _spread(g["speedup"], g["opponent"], "speedup")
     rec.update(shapes=s.pop("_n"), fastest_opponents=s.pop("_names"), **s)
@@ -218,6 +221,20 @@ def _verdict_row(g: pd.DataFrame, d: pd.DataFrame, kind: tuple, claimed: dict[tu
     return rec
 
 
+def _options_series(series: str) -> bool:
+    """Whether a series is one of a backend's option variants (``mok_hopper · weights=plain``:
+    ``claims.options_variants``)."""
+    return any("=" in part for part in series_parts(series)[1].split(SERIES_SEP))
+
+
+def _contender(series: str) -> str:
+    """The contender a verdict names: its series (``mok_hopper · weights=plain``, where one run measured it under
+    several options), less the forward-kind split, which the ``pairs`` column already says."""
+    base, variant = series_parts(series)
+    variant = SERIES_SEP.join(v for v in variant.split(SERIES_SEP) if v != "inference")
+    return series_name(base, variant) if variant else base
+
+
 def _sorted(table: pd.DataFrame) -> pd.DataFrame:
     def key(i: Any) -> tuple:
         r = table.loc[i]
@@ -225,7 +242,8 @@ def _sorted(table: pd.DataFrame) -> pd.DataFrame:
         prec = VERDICT_PRECISIONS.index(r["precision"]) if r["precision"] in VERDICT_PRECISIONS else 99
         dire = DIRECTION_ORDER.index(r["direction"]) if r["direction"] in DIRECTION_ORDER else 99
         fk = FORWARD_KINDS.index(r["forward_kind"]) if r["forward_kind"] in FORWARD_KINDS else 99
-        return (r["routing"] != "uniform", kind, prec, dire, fk, SYSTEM_ORDER.index(r["contender"]))
+        base, variant = series_parts(r["contender"])
+        return (r["routing"] != "uniform", kind, prec, dire, fk, SYSTEM_ORDER.index(base), variant)
 
     return table.loc[sorted(table.index, key=key)]
 

@@ -199,3 +199,12 @@ class SpoilsInputs(NcclBackend):
         with torch.no_grad():
             self.spoil.mul_(2)
         super().teardown()
+
+
+class ReplaysGraphs(NcclBackend):
+    """nccl whose info says its compiled code replays CUDA graphs (as ``compile_mode=max-autotune`` does)."""
+
+    name = "replays_graphs"
+
+    def info(self):
+        return dict(super().info(), compiled=True, compile_mode="max-autotune")

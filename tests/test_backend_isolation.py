@@ -9,7 +9,8 @@ from conftest import cpu_cfg, free_port_env, use_fake_backends
 from harness import runner
 
 FAKES = ("holds_memory=fake_backends:HoldsMemoryAndFails,leaks_memory=fake_backends:LeaksMemory,"
-         "fails_setup=fake_backends:FailsSetup,spoils_inputs=fake_backends:SpoilsInputs")
+         "fails_setup=fake_backends:FailsSetup,spoils_inputs=fake_backends:SpoilsInputs,"
+         "replays_graphs=fake_backends:ReplaysGraphs")
 PROBE = "fake_backends:fake_probe"
 
 
@@ -109,6 +110,31 @@ def test_inputs_changed_by_a_backend_are_drawn_again_in_fresh_processes(monkeypa
     nccl = _rows(df, "nccl")
     assert list(nccl["status"]) == ["ok", "ok"], nccl[["status", "error"]]
     assert nccl["notes"].str.contains("left the point's inputs changed (w2_LHI", regex=False).all()
+
+
+def test_rows_of_a_backend_replaying_cuda_graphs_leave_the_allocator_peaks_empty(monkeypatch, results_dir):
+    """A CUDA graph replay allocates nothing: the allocator's peak, and the own peak taken from it, would miss the
+    graphs' working memory (a compiled row once recorded an own peak below zero). Such rows leave both empty and say
+    why; other rows keep them."""
+    import torch.distributed as dist
+
+    from harness import memory
+
+    assert memory.graph_blind({"compiled": True, "compile_mode": "max-autotune"}) == (
+        "mem_peak_allocated_bytes", "mem_peak_own_bytes")
+    assert memory.graph_blind({"compiled": True, "compile_mode": "max-autotune-no-cudagraphs"}) == ()
+    assert memory.graph_blind({"compiled": False, "compile_mode": "max-autotune"}) == ()
+    use_fake_backends(monkeypatch, FAKES)
+    free_port_env(monkeypatch)
+    try:
+        df = runner.run_benchmark(cpu_cfg(results_dir, "ep_size=1", "backends=[replays_graphs,nccl]"))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    graphed, nccl = _rows(df, "replays_graphs"), _rows(df, "nccl")
+    assert list(graphed["status"]) == ["ok", "ok"] and list(nccl["status"]) == ["ok", "ok"]
+    assert graphed["notes"].str.contains("replays CUDA graphs", regex=False).all()
+    assert not nccl["notes"].fillna("").str.contains("replays CUDA graphs", regex=False).any()
 
 
 def test_own_process_names_backends_of_the_run(results_dir):

@@ -205,6 +205,27 @@ def test_a_run_without_the_own_peak_shows_a_dash_and_says_why():
     assert "— where that run did not measure it (rows written before the `mem_peak_own_bytes` column" in block
 
 
+def test_a_run_comparing_the_contenders_options_gives_no_verdict_and_its_memory_stays_blind_to_graphs():
+    """A run with mok_hopper under two weight layouts is a study of mok_hopper: its series (one per layout) give no
+    verdict, and the newer run's default contender does; an opponent that replayed CUDA graphs (compiled
+    max-autotune) has no own-peak memory to compare (its allocator peak missed the graphs' pool)."""
+    tiled, plain = ({"backend_options": f"forward=save_h,weights={w}", "mem_peak_own_bytes": m * GB}
+                    for w, m in (("tiled", 20), ("plain", 10)))
+    study = S.verdict_run("study", OLD, ["nccl", "mok_hopper"], directions=("fwd",),
+                          tflops={"nccl": 100.0, "mok_hopper": 300.0}, per_backend={"mok_hopper": tiled})
+    study += S.verdict_run("study", OLD, ["mok_hopper"], directions=("fwd",), tflops={"mok_hopper": 280.0},
+                           per_backend={"mok_hopper": plain})
+    graphed = {"compiled": True, "compile_mode": "max-autotune", "mem_peak_own_bytes": GB}
+    newer = S.verdict_run("newer", NEW, ["torch_compiled", "mok_hopper"], directions=("fwd",),
+                          tflops={"torch_compiled": 200.0, "mok_hopper": 300.0},
+                          per_backend={"torch_compiled": graphed, "mok_hopper": tiled})
+    t = V.verdict_table(frame(study, newer))
+    assert list(t["run_id"]) == ["newer"] and list(t["contender"]) == ["mok_hopper"]
+    v = one(t, run_id="newer")
+    assert v["speedup_min"] == pytest.approx(1.5) and v["memory_shapes"] == 0
+    assert V.verdict_table(frame(study)).empty
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # fp8 over the fastest bf16 opponent
 
