@@ -1,7 +1,7 @@
 """The import rules of the layout (ARCHITECTURE.md): ``contract`` imports none of the other packages and names no
 backend; ``baselines`` and ``mok_kernels`` import ``contract`` but never the harness or each other; the harness reaches
 the backends only through the registry's import targets (no import statement), and their options modules are
-torch-free; the ground truth (``harness/reference.py``) leans on no baseline; nothing imports ``mok_tools`` (the
+torch-free; the ground truth (``harness/measure/reference.py``) leans on no baseline; nothing imports ``mok_tools`` (the
 tools that use both the kernels and the harness); no .py file under mok_kernels/ grows past about 550 lines; no import
 circle; every module is placed in ARCHITECTURE.md."""
 
@@ -50,7 +50,7 @@ def test_packages_import_only_down_the_layers(package):
 
 
 def test_the_reference_leans_on_no_baseline():
-    assert "baselines" not in first_party_imports(ROOT / "harness" / "reference.py")
+    assert "baselines" not in first_party_imports(ROOT / "harness" / "measure" / "reference.py")
 
 
 def test_kernel_files_stay_small():
@@ -77,7 +77,7 @@ def test_a_backend_that_misses_part_of_the_protocol_is_refused_when_loaded():
     msg = str(e.value)
     assert "directions" in msg and "unsupported_reason" in msg and "no method `forward`" in msg
 
-    from harness.backends import BACKENDS, load_backend
+    from harness.core.backends import BACKENDS, load_backend
 
     for key in ("reference", "nccl", "mok_hopper"):  # importable everywhere: checked for real
         check_backend(load_backend(key), key)
@@ -101,12 +101,13 @@ def _module_level_imports(path: Path) -> set[str]:
 
 
 def test_the_charts_do_not_import_the_report():
-    """harness.plots draws what harness.claims computes, with harness.labels's names; the report writes both. No
+    """harness.report.plots draws what harness.report.claims computes, with harness.report.labels's names; the report writes both. No
     cycle: plots imports neither the report nor anything that imports it."""
-    assert not {"harness.report"} & first_party_modules(ROOT / "harness" / "plots.py")
+    assert not {"harness.report.report"} & first_party_modules(ROOT / "harness" / "report" / "plots.py")
     for name in ("labels", "claims"):
-        assert not {"harness.report", "harness.plots"} & first_party_modules(ROOT / "harness" / f"{name}.py"), name
-    assert "harness.plots" not in _module_level_imports(ROOT / "harness" / "report.py")
+        assert not {"harness.report.report", "harness.report.plots"} & first_party_modules(
+            ROOT / "harness" / "report" / f"{name}.py"), name
+    assert "harness.report.plots" not in _module_level_imports(ROOT / "harness" / "report" / "report.py")
 
 
 def first_party_modules(path: Path) -> set[str]:
@@ -147,7 +148,7 @@ def test_no_private_name_crosses_modules():
 
 def test_every_backend_signature_is_typed_with_the_contract():
     """Each registered backend class takes a ``contract.Case`` and ``contract.LayerInputs``, not ``Any``."""
-    from harness.backends import BACKENDS
+    from harness.core.backends import BACKENDS
 
     untyped = []
     for key, target in BACKENDS.items():
@@ -285,8 +286,8 @@ def test_contract_names_no_backend_and_case_holds_no_backend_option():
 
     from contract.case import Case
     from contract.options import option_specs
-    from harness.backend_options import option_backends
-    from harness.backends import REGISTRY
+    from harness.config.backend_options import option_backends
+    from harness.core.backends import REGISTRY
 
     names = {k for k in REGISTRY if k != "reference"}  # the reference is the harness's own
     fields = set()
@@ -305,7 +306,7 @@ def test_contract_names_no_backend_and_case_holds_no_backend_option():
 
 def test_the_backends_options_load_without_torch():
     """The harness builds its schema from every backend's options: their modules import no torch (nor the backend)."""
-    from harness.backends import REGISTRY
+    from harness.core.backends import REGISTRY
 
     targets = sorted({s.options for s in REGISTRY.values() if s.options})
     assert targets, "no backend declares options"
