@@ -3,7 +3,9 @@ backend; ``baselines`` and ``mok_kernels`` import ``contract`` but never the har
 the backends only through the registry's import targets (no import statement), and their options modules are
 torch-free; the ground truth (``harness/measure/reference.py``) leans on no baseline; nothing imports ``mok_tools`` (the
 tools that use both the kernels and the harness); no .py file under mok_kernels/ grows past about 550 lines; no import
-circle; every module is placed in ARCHITECTURE.md."""
+circle; every module is placed in ARCHITECTURE.md. Inside the harness, by wing: the configuration (``config/``) imports
+neither measuring (``measure/``) nor launching (``launch/``); measuring and reporting (``report/``) never import each
+other; the ground (``core/``) imports no wing; the harness's top level holds at most 8 .py files."""
 
 from __future__ import annotations
 
@@ -258,6 +260,61 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_no_import_circle_anywhere_in_the_tree():
     """A package's __init__ that loads its submodules lazily is the package itself importing them: it counts."""
     assert _cycles(_module_graph()) == []
+
+
+# The harness's wings (ARCHITECTURE.md): the ground (core/) and the five wings a sweep point flows through.
+WINGS = ("core", "config", "measure", "launch", "report", "gate")
+WING_RULES = {
+    "core": set(WINGS) - {"core"},  # the ground imports no wing
+    "config": {"measure", "launch"},  # the configuration is read by the measuring and the launching, never the reverse
+    "measure": {"report"},  # measuring and reporting never import each other: rows are what passes between them
+    "report": {"measure"},
+}
+
+
+def _wing(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[0] == "harness" and parts[1] in WINGS else None
+
+
+def wing_violations(graph: dict[str, set[str]]) -> list[str]:
+    """Each import of a harness module against :data:`WING_RULES`, as ``importer -> imported``."""
+    return sorted(f"{m} -> {d}" for m, deps in graph.items() for d in deps
+                  if (w := _wing(m)) and _wing(d) in WING_RULES.get(w, ()))
+
+
+def test_the_wings_import_by_their_rules():
+    """Configuration imports neither measuring nor launching; measuring and reporting never import each other; the
+    ground imports no wing (lazy imports included)."""
+    graph = _module_graph()
+    assert {_wing(m) for m in graph} >= set(WINGS), "a wing is missing: update WINGS and ARCHITECTURE.md"
+    assert wing_violations(graph) == []
+
+
+def test_the_wing_check_sees_a_crossing():
+    assert wing_violations({"harness.config.point": {"harness.measure.runner", "harness.core.results"},
+                            "harness.measure.memory": {"harness.report.labels"},
+                            "harness.report.claims": {"harness.measure"},
+                            "harness.core.results": {"harness.gate.compare"},
+                            "harness.launch.cli": {"harness.measure.runner"}}) == [
+        "harness.config.point -> harness.measure.runner", "harness.core.results -> harness.gate.compare",
+        "harness.measure.memory -> harness.report.labels", "harness.report.claims -> harness.measure"]
+
+
+def test_the_harness_top_level_holds_few_files():
+    """The harness's top level is its entry points; everything else lives in a wing."""
+    top = sorted(p.name for p in (ROOT / "harness").glob("*.py"))
+    assert len(top) <= 8, f"move these into a wing: {top}"
+    assert not [p.name for p in (ROOT / "harness").iterdir()
+                if p.is_dir() and p.name != "__pycache__" and p.name not in WINGS + ENTRY_PACKAGES]
+
+
+ENTRY_PACKAGES = ("compare", "slurm")  # `python -m harness.compare` / `harness.slurm`: a __main__ each, nothing else
+
+
+def test_the_entry_packages_hold_only_their_command():
+    for name in ENTRY_PACKAGES:
+        assert sorted(p.name for p in (ROOT / "harness" / name).glob("*.py")) == ["__init__.py", "__main__.py"], name
 
 
 def test_the_circle_check_sees_a_circle():

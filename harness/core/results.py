@@ -23,6 +23,8 @@ from typing import Any, Callable, Iterable, Optional, Sequence, Union
 import numpy as np
 import pandas as pd
 
+from contract.case import CUDAGRAPH_MODES
+
 STATUSES = ("ok", "unsupported", "mismatch", "error", "oom", "timeout", "cancelled")
 
 # column -> pandas dtype. The contract named in the harness-core issue, plus context columns.
@@ -190,6 +192,20 @@ def make_row(base: dict, backend: str, direction: str, status: str, **kw: Any) -
     if direction != "fwd":
         row.pop("forward_kind", None)  # what a forward row timed (a backend's info() gives it for all its rows)
     return row
+
+
+
+def replays_cuda_graphs(row: Any) -> bool:
+    """Whether a row's backend ran compiled code that replays CUDA graphs (``compiled`` with a ``compile_mode`` of
+    :data:`contract.case.CUDAGRAPH_MODES`): its allocator peaks miss the graphs' private pool (harness.measure.memory)."""
+    def isna(v: Any) -> bool:
+        try:
+            return v is None or bool(pd.isna(v))
+        except (TypeError, ValueError):
+            return False
+
+    compiled, mode = row.get("compiled"), row.get("compile_mode")
+    return not isna(compiled) and bool(compiled) and not isna(mode) and str(mode) in CUDAGRAPH_MODES
 
 
 def job_file(results_dir: Union[str, Path], run_id: str, config_hash: str, fmt: str = "csv") -> Path:

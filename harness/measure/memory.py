@@ -32,7 +32,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from harness.report.labels import replays_cuda_graphs
+from harness.core.results import replays_cuda_graphs
 
 SETUP, ACTIVATION = "mem_setup_bytes", "mem_activation_bytes"
 OWN_PEAK = "mem_peak_own_bytes"

@@ -12,7 +12,6 @@ from typing import Any, Iterable, Sequence
 
 import pandas as pd
 
-from contract.case import CUDAGRAPH_MODES
 from harness.core.backends import REGISTRY, base_name, names_with_role, role, series_parts, spec
 from harness.config.schema import shape_table
 from harness.core.run_names import display_name
@@ -88,13 +87,6 @@ def pairs_label(direction: str, kind: str) -> str:
     """What a comparison pairs: ``training forwards``, ``inference forwards``, else the direction's label
     (``backward``, ``fwd+bwd``): rows of that direction pair as they are."""
     return FORWARD_KIND_LABELS.get(kind, kind) if kind else DIRECTION_LABELS.get(direction, direction)
-
-
-def replays_cuda_graphs(row: Any) -> bool:
-    """Whether a row's backend ran compiled code that replays CUDA graphs (``compiled`` with a ``compile_mode`` of
-    :data:`contract.case.CUDAGRAPH_MODES`): its allocator peaks miss the graphs' private pool (harness.measure.memory)."""
-    compiled, mode = row.get("compiled"), row.get("compile_mode")
-    return not isna(compiled) and bool(compiled) and not isna(mode) and str(mode) in CUDAGRAPH_MODES
 
 
 def system_label(backend: str) -> str:

@@ -23,9 +23,10 @@ from typing import Any, Optional
 import numpy as np
 import pandas as pd
 
+from harness.core.results import replays_cuda_graphs
 from harness.report.claims import CELL_KEYS, norm_key, speed_rows, with_runs
-from harness.report.labels import (NOT_CONTENDERS, SYSTEM_ORDER, forward_kinds, in_order, is_baseline, is_fused, is_opponent,
-                            replays_cuda_graphs)
+from harness.report.labels import (NOT_CONTENDERS, SYSTEM_ORDER, forward_kinds, in_order, is_baseline, is_fused,
+                                   is_opponent)
 
 PAIR_KEYS = (*CELL_KEYS, "forward_kind")
 MEMORY_COLUMN = "mem_peak_own_bytes"  # the backend's own peak: the only column a memory ratio reads
