@@ -28,7 +28,7 @@ def profile(backends: list[str], overrides: list[str], steps: int, warmup: int) 
     from harness.measure.inputs import make_inputs
     from harness.config.point import Point
     from harness.config.routing import label
-    from harness.measure.runner import resolve
+    from harness.config.point import resolve
 
     register_configs()
     cuda = torch.cuda.is_available()

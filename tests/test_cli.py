@@ -15,7 +15,7 @@ from harness.core import results
 from harness.core.backends import BACKENDS
 from harness.config.schema import ConfigError, to_container
 from harness.config.point import make_case
-from harness.measure.runner import resolve
+from harness.config.point import resolve
 from harness.config.validate import check_cpu_memory, cpu_rank_bytes
 
 GB = 10**9

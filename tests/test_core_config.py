@@ -8,7 +8,7 @@ from conftest import compose_cfg
 from harness.config.schema import COMPILE_MODES, Case, ConfigError, to_container
 from harness.config.point import make_case
 from harness.config.validate import check_option_conflicts
-from harness.measure.runner import resolve
+from harness.config.point import resolve
 
 PUBLISHED = {  # docs/methodology.md section 1: experts, H, I, topk, local experts at EP64
     "kimi_k2_7": (384, 7168, 2048, 8, 6),

@@ -9,7 +9,7 @@ from conftest import compose_cfg
 from harness.config.point import make_case
 from harness.measure.inputs import make_inputs
 from harness.config.routing import expert_popularity, load_stats, make_routing
-from harness.measure.runner import resolve
+from harness.config.point import resolve
 
 
 def case_for(ep: int, *overrides: str, tokens: int = 256):

@@ -115,7 +115,7 @@ def test_base_row_and_make_row_build_schema_rows():
     from conftest import compose_cfg
 
     from harness.config.point import Point
-    from harness.measure.runner import resolve
+    from harness.config.point import resolve
 
     point = Point.build(resolve(compose_cfg("device=cpu", "shape=tiny", "workload=zipf")), ep_size=2, device="cpu")
     base = results.base_row(point, run_id="r1", num_nodes=1, world_size=2, env={"gpu_name": None, "hostname": "h"})

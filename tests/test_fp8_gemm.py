@@ -132,7 +132,7 @@ def test_resolve_and_labels_on_cpu():
     from harness.config.schema import ConfigError
     from harness.config.point import make_case
 
-    from harness.measure.runner import resolve
+    from harness.config.point import resolve
 
     def case(*o):
         return make_case(resolve(compose_cfg("shape=tiny", "device=cpu", *o)), ep_size=2, device="cpu")

@@ -16,7 +16,8 @@ from harness.config.schema import ConfigError, rebuild_schemas
 from harness.measure.inputs import make_inputs
 from harness.config.point import Point
 from harness.config.routing_models import RoutingModel, generator, unit_gates
-from harness.measure.runner import resolve, run_benchmark
+from harness.config.point import resolve
+from harness.measure.runner import run_benchmark
 
 T = 256  # tokens per rank: enough for the shares below to be within a few percent
 WIDE = "shape.local_experts=16"

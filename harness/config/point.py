@@ -1,5 +1,7 @@
-"""A sweep point, resolved: :class:`Point` carries it from the configuration to the runner and into every row;
-:func:`make_case` builds the :class:`~contract.case.Case` every backend sees, checked (:mod:`harness.config.validate`)."""
+"""A sweep point, resolved: :func:`resolve` makes the configuration's ``auto`` choices for this machine and checks it,
+:func:`world_size_for` gives its rank count, :class:`Point` carries it from the configuration to the runner and into
+every row; :func:`make_case` builds the :class:`~contract.case.Case` every backend sees, checked
+(:mod:`harness.config.validate`). Torch is imported only where CUDA is asked about."""
 
 from __future__ import annotations
 
@@ -13,8 +15,45 @@ from omegaconf import OmegaConf
 from contract.case import Case
 from contract.options import options_text
 from harness.config import routing, validate
-from harness.config.backend_options import options_class
-from harness.config.schema import config_hash, point_config, schema, to_container
+from harness.config.backend_options import apply_aliases, options_class
+from harness.config.schema import config_hash, load_group_option, point_config, schema, timing_label, to_container
+
+
+def resolve(cfg: Any) -> dict:
+    """Plain dict of the config with the ``auto`` choices made for this machine, validated."""
+    import torch
+
+    c = to_container(cfg)
+    device = c.get("device", "auto")
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    validate.check_device(device, torch.cuda.is_available())
+    c["device"] = device
+    for group, on_gpu, on_cpu in (("shape", "kimi_k2_7", "tiny"), ("timing", "published", "quick")):
+        if c[group].get("name") == "auto":
+            chosen = to_container(load_group_option(group, on_gpu if device == "cuda" else on_cpu))
+            # keep what the command line set; fill what `auto` left open
+            c[group] = {k: (v if c[group].get(k, "???") in ("???", None) else c[group][k]) for k, v in chosen.items()}
+            c[group]["name"] = chosen["name"]
+    validate.validate_run_options(c)
+    apply_aliases(c)
+    c["timing"]["name"] = timing_label(c["timing"])  # a preset's name only while its counts are the ones run
+    return c
+
+
+def world_size_for(c: dict, launched: Optional[int] = None) -> int:
+    """The rank count of the resolved config ``c``: ``launched`` where torchrun or Slurm set the ranks up; else
+    ``ep_size``, or on a GPU every visible GPU times ``ranks_per_gpu`` (checked), or 2 ranks on a CPU."""
+    if launched is not None:
+        return launched
+    if c["device"] == "cuda":
+        import torch
+
+        n, rpg = torch.cuda.device_count(), c.get("ranks_per_gpu", 1)
+        ws = c.get("ep_size") or n * rpg
+        validate.check_gpus(ws, rpg, n)
+        return ws
+    return c.get("ep_size") or 2
 
 
 def make_case(cfg: Any, *, ep_size: int, device: str) -> Case:
@@ -89,7 +128,7 @@ class Point:
 
     @classmethod
     def build(cls, c: dict, *, ep_size: int, device: str) -> "Point":
-        """The point of the resolved configuration ``c`` (``harness.measure.runner.resolve``) on ``ep_size`` ranks of
+        """The point of the resolved configuration ``c`` (``harness.config.point.resolve``) on ``ep_size`` ranks of
         ``device``. Raises :class:`~harness.core.errors.ConfigError`."""
         case = make_case(c, ep_size=ep_size, device=device)
         return cls(typed_config(c), case, config_hash(c, case))

@@ -108,7 +108,7 @@ class PrecisionConfig:
 class TimingConfig:
     """Iteration counts and alignment. The presets (configs/timing/*.yaml) set every field; ``auto`` sets none
     (None: OmegaConf does not let a ``???`` in a YAML file override a schema default, so ``auto`` used to inherit
-    the defaults here), and :func:`harness.measure.runner.resolve` fills what the command line left unset from the
+    the defaults here), and :func:`harness.config.point.resolve` fills what the command line left unset from the
     machine's preset."""
 
     name: str = "quick"

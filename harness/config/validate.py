@@ -412,7 +412,7 @@ def check_job_layout(c: dict, device: str, executor: str, opts: dict, nodes: int
             raise ConfigError(f"hydra.launcher.tasks_per_node={tpn} but gpus_per_node={gpn}: mokbench runs one rank "
                               f"per GPU, set hydra.launcher.tasks_per_node={gpn}")
         ws = world
-    else:  # one task per job: it spawns its local ranks (harness.measure.runner.world_size_for)
+    else:  # one task per job: it spawns its local ranks (harness.config.point.world_size_for)
         ws = ep or (gpn * rpg if device == "cuda" else 2)
         if device == "cuda" and gpus_needed(ws, rpg) > gpn:
             per = f" at ranks_per_gpu={rpg}" if rpg > 1 else ""

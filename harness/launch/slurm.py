@@ -11,7 +11,7 @@ every task runs the Hydra task function and joins the rank layout from the Slurm
 (DeepEP needs its peers' GPUs visible).
 
 In the launching process, before anything is submitted, every point is composed and validated exactly as a local
-run would validate it (:func:`harness.measure.runner.resolve` and :func:`harness.config.schema.make_case`, with the rank count
+run would validate it (:func:`harness.config.point.resolve` and :func:`harness.config.point.make_case`, with the rank count
 of the job); one bad point rejects the sweep with the same message and exit code 2. ``hydra.launcher.dry_run=true``
 stops there and prints jobs, GPUs and GPU-hours. After the sweep, a job that ended without its rank 0 reporting
 (cancelled, timed out, failed, killed) gets its missing rows from here, with the status taken from Slurm
@@ -60,7 +60,7 @@ log = logging.getLogger(__name__)
 class Point:
     num: int  # hydra.job.num
     overrides: list[str]  # as given (plus device=..., when device was auto)
-    cfg: dict  # resolved like harness.measure.runner.resolve does on the node
+    cfg: dict  # resolved like harness.config.point.resolve does on the node
     case: Any  # harness.config.schema.Case
     config_hash: str
     run_id: str
@@ -103,7 +103,7 @@ def plan_point(config: DictConfig, num: int, overrides: Sequence[str], executor:
     from harness.core import results
     from harness.config.schema import given_run_id
     from harness.config.point import Point as TypedPoint
-    from harness.measure.runner import resolve
+    from harness.config.point import resolve
 
     opts = _launcher_options(config)
     asked_nodes = opts.get("nodes") if any(o.lstrip("+").startswith("hydra.launcher.nodes=")

@@ -33,11 +33,10 @@ from harness.measure import memory
 from harness.core import results
 from harness.config import routing
 from harness.config import validate
-from harness.config.backend_options import apply_aliases
 from harness.core.backends import load_backend
 from harness.measure.correctness import compare, leaves, run_once
-from harness.config.schema import Case, backend_order, given_run_id, load_group_option, timing_label, to_container
-from harness.config.point import Point
+from harness.config.schema import Case, backend_order, given_run_id
+from harness.config.point import Point, resolve, world_size_for
 from harness.measure.dist import RankEnv, free_port, from_environment, init
 from harness.measure.inputs import fingerprint, make_inputs
 from harness.measure.routing_steps import RoutingSteps, worst
@@ -48,41 +47,6 @@ from harness.measure.setup_profile import SetupProfile
 from harness.measure.timing import Timer
 
 SEVERITY = {s: i for i, s in enumerate(("ok", "unsupported", "mismatch", "timeout", "cancelled", "oom", "error"))}
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# configuration resolution (in the launching process, before anything runs)
-
-
-def resolve(cfg: Any) -> dict:
-    """Plain dict of the config with the ``auto`` choices made for this machine, validated."""
-    c = to_container(cfg)
-    device = c.get("device", "auto")
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    validate.check_device(device, torch.cuda.is_available())
-    c["device"] = device
-    for group, on_gpu, on_cpu in (("shape", "kimi_k2_7", "tiny"), ("timing", "published", "quick")):
-        if c[group].get("name") == "auto":
-            chosen = to_container(load_group_option(group, on_gpu if device == "cuda" else on_cpu))
-            # keep what the command line set; fill what `auto` left open
-            c[group] = {k: (v if c[group].get(k, "???") in ("???", None) else c[group][k]) for k, v in chosen.items()}
-            c[group]["name"] = chosen["name"]
-    validate.validate_run_options(c)
-    apply_aliases(c)
-    c["timing"]["name"] = timing_label(c["timing"])  # a preset's name only while its counts are the ones run
-    return c
-
-
-def world_size_for(c: dict, renv: Optional[RankEnv]) -> int:
-    if renv is not None:
-        return renv.world_size
-    if c["device"] == "cuda":
-        n, rpg = torch.cuda.device_count(), c.get("ranks_per_gpu", 1)
-        ws = c.get("ep_size") or n * rpg
-        validate.check_gpus(ws, rpg, n)
-        return ws
-    return c.get("ep_size") or 2
 
 
 def new_run_id(c: dict, ws: int) -> str:
@@ -831,7 +795,7 @@ def prepare(cfg: Any) -> tuple[Point, Optional[RankEnv], int]:
     (None: this process spawns the ranks) and the rank count. Sweeps call it for each point first."""
     c = resolve(cfg)
     renv = from_environment()
-    ws = world_size_for(c, renv)
+    ws = world_size_for(c, renv.world_size if renv is not None else None)
     point = Point.build(c, ep_size=ws, device=c["device"])
     if renv is None and point.case.device == "cpu":  # the ranks this process spawns share this machine's memory
         avail = envinfo.available_memory_bytes()
