@@ -1,4 +1,4 @@
-"""Sweeps on Slurm (or local submitit) through Hydra: launchers, pre-submission validation, dry run, failure rows.
+"""The launchers of sweeps on Slurm (or local submitit) through Hydra, and of one node's points (``hydra/launcher=node``).
 
     python -m harness.run -m hydra/launcher=h200_8gpu hydra.launcher.partition=gpu \\
         shape=kimi_k2_7,glm_5_2 precision=bf16,fp8 direction=fwd,bwd
@@ -10,14 +10,12 @@ every task runs the Hydra task function and joins the rank layout from the Slurm
 ``gpus_per_node``, never ``gpus_per_task``: each task then sees every GPU of its node and picks ``cuda:local_rank``
 (DeepEP needs its peers' GPUs visible).
 
-In the launching process, before anything is submitted, every point is composed and validated exactly as a local
-run would validate it (:func:`harness.config.point.resolve` and :func:`harness.config.point.make_case`, with the rank count
-of the job); one bad point rejects the sweep with the same message and exit code 2. ``hydra.launcher.dry_run=true``
-stops there and prints jobs, GPUs and GPU-hours. After the sweep, a job that ended without its rank 0 reporting
-(cancelled, timed out, failed, killed) gets its missing rows from here, with the status taken from Slurm
-accounting. Each point's folder in the sweep directory keeps ``mokbench.yaml`` (the validated config), Hydra's
-``.hydra/``, ``slurm_job.json`` (written by rank 0 when it starts) and links to the submitit logs; the sweep folder
-keeps ``jobs.csv``, one line per job with its final state.
+Before anything is submitted, every point is planned and validated (harness/launch/slurm_plan.py: one bad point
+rejects the sweep with exit code 2; ``hydra.launcher.dry_run=true`` stops there). After the sweep, a job that ended
+without its rank 0 reporting (cancelled, timed out, failed, killed) gets its missing rows, with the status taken from
+Slurm accounting (harness/launch/slurm_accounting.py). Each point's folder in the sweep directory keeps
+``mokbench.yaml`` (the validated config), Hydra's ``.hydra/``, ``slurm_job.json`` (written by rank 0 when it starts)
+and links to the submitit logs; the sweep folder keeps ``jobs.csv``, one line per job with its final state.
 
 Plain sbatch instead of submitit: ``slurm/submit.sh`` (the same dry run writes ``plan.tsv``, then one sbatch per
 point), then ``python -m harness.slurm collect <sweep dir>`` for the rows of jobs that did not report.
@@ -26,331 +24,29 @@ point), then ``python -m harness.slurm collect <sweep dir>`` for the rows of job
 from __future__ import annotations
 
 import contextlib
-import copy
-import dataclasses
 import json
 import logging
 import os
 import signal
 import socket
 import subprocess
-import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import pandas as pd
 from hydra.core.singleton import Singleton
 from hydra.core.utils import JobReturn, JobStatus, run_job, setup_globals
 from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
-from omegaconf import DictConfig, OmegaConf, open_dict, read_write
+from omegaconf import DictConfig, OmegaConf, open_dict
 
-from harness.config import validate
-from harness.launch.cli import hydra_config, point_error_line, point_labels, reject, sweep_problem_lines
-from harness.config.launcher_options import POINT_FILE, OWN_KEYS
+from harness.launch.cli import reject
+from harness.config.launcher_options import OWN_KEYS
+from harness.launch.slurm_accounting import (log_tail, print_summary, sacct_info, slurm_status, wait_slurm,
+                                          write_manifest, write_status_rows)
+from harness.launch.slurm_plan import Point, dry_run_report, plan_all, write_plan, write_point
 
 log = logging.getLogger(__name__)
-
-# ---------------------------------------------------------------------------------------------------------------
-# one sweep point, validated in the launching process
-
-
-@dataclass
-class Point:
-    num: int  # hydra.job.num
-    overrides: list[str]  # as given (plus device=..., when device was auto)
-    cfg: dict  # resolved like harness.config.point.resolve does on the node
-    case: Any  # harness.config.schema.Case
-    config_hash: str
-    run_id: str
-    launcher: dict  # this point's hydra.launcher options (nodes etc. as ep_size set them)
-    nodes: int
-    tasks_per_node: int
-    gpus_per_node: int
-    world_size: int
-    job_dir: Path
-    label: str = ""  # the overrides that tell this point from the others of the sweep
-
-    @property
-    def gpus(self) -> int:
-        return self.nodes * self.gpus_per_node
-
-
-@contextlib.contextmanager
-def _assume_cuda(on: bool) -> Iterator[None]:
-    """Validate a GPU job from a login node without GPUs: resolve() only asks whether CUDA is visible."""
-    import torch
-
-    if not on or torch.cuda.is_available():
-        yield
-        return
-    from unittest import mock
-
-    with mock.patch.object(torch.cuda, "is_available", return_value=True):
-        yield
-
-
-def _launcher_options(config: DictConfig) -> dict:
-    opts = OmegaConf.to_container(config.hydra.launcher, resolve=True)
-    assert isinstance(opts, dict)
-    return opts
-
-
-def plan_point(config: DictConfig, num: int, overrides: Sequence[str], executor: str = "slurm") -> Point:
-    """Validate one composed sweep point (its full config, ``hydra`` node included) for the job it will run in on
-    ``executor``'s launcher. Raises :class:`ConfigError` with the message a local run would give."""
-    from harness.core import results
-    from harness.config.schema import given_run_id
-    from harness.config.point import Point as TypedPoint
-    from harness.config.point import resolve
-
-    opts = _launcher_options(config)
-    asked_nodes = opts.get("nodes") if any(o.lstrip("+").startswith("hydra.launcher.nodes=")
-                                           for o in config.hydra.overrides.hydra) else None
-    nodes = int(opts.get("nodes") or 1)
-    tpn = int(opts.get("tasks_per_node") or 1)
-    gpn = int(opts.get("gpus_per_node") or 0)
-    overrides = list(overrides)
-
-    task_cfg = copy.deepcopy(config)
-    with read_write(task_cfg), open_dict(task_cfg):
-        del task_cfg["hydra"]
-        device = task_cfg.get("device", "auto")
-        if device == "auto":
-            # The node decides `auto` from what it sees; make it explicit so the job runs what was validated.
-            device = "cuda" if gpn > 0 else "cpu"
-            task_cfg.device = device
-            overrides = [o for o in overrides if not o.lstrip("+~").startswith("device=")] + [f"device={device}"]
-        generated = given_run_id(task_cfg)[0] is None
-        with hydra_config(config):
-            validate.run_id_for_sweep(task_cfg)
-            with _assume_cuda(device == "cuda"):
-                c = resolve(task_cfg)
-    validate.check_option_conflicts(c, list(config.hydra.overrides.task))
-
-    nodes, tpn, gpn, ws = validate.check_job_layout(c, device, executor, opts, nodes, tpn, gpn, asked_nodes)
-    pt = TypedPoint.build(c, ep_size=ws, device=device)
-    results.check_dir(c["results_dir"])
-    validate.check_new_run(c, generated_from=str(config.hydra.sweep.dir) if generated else None)
-    sweep_dir = Path(str(config.hydra.sweep.dir))
-    return Point(num=num, overrides=overrides, cfg=pt.as_dict(), case=pt.case, config_hash=pt.config_hash,
-                 run_id=given_run_id(c)[0] or "", launcher=opts, nodes=nodes,
-                 tasks_per_node=tpn, gpus_per_node=gpn, world_size=ws, job_dir=sweep_dir / str(num))
-
-
-def _check_local_memory(point: Point) -> None:
-    """A CPU point of the local launcher spawns its gloo ranks on this machine: they must fit its memory."""
-    from harness.measure.env import available_memory_bytes
-
-    avail = available_memory_bytes()
-    if avail is not None:
-        validate.check_cpu_memory(point.case, avail)
-
-
-def dry_run_report(points: Sequence[Point], executor: str = "slurm") -> str:
-    """The plan: one line per job (its resources, then the backends and directions it runs), and the total."""
-    where = "run one after another on this machine" if executor == "node" else f"{executor} jobs"
-    lines = [f"mokbench dry run: {len(points)} sweep points -> {len(points)} {where}"]
-    gpu_hours = cpu_hours = 0.0
-    gpus = 0
-    for p in points:
-        minutes = float(p.launcher.get("timeout_min") or 0)
-        gpus += p.gpus
-        gpu_hours += p.gpus * minutes / 60
-        cpus = p.world_size * int(p.launcher.get("cpus_per_task") or 1)
-        cpu_hours += cpus * minutes / 60
-        limit = f"time limit {minutes:g} min" if minutes else "no time limit"
-        lines.append(f"  #{p.num:<3} {p.label}: {p.nodes} node(s) x {p.tasks_per_node} task(s), EP {p.world_size}, "
-                     f"{p.gpus} GPUs, {p.case.device}, {limit}")
-        lines.append(f"        backends: {', '.join(p.cfg['backends'])}; directions: {', '.join(p.cfg['directions'])}")
-    per_job = sorted({p.gpus for p in points})
-    span = f"{per_job[0]}" if len(per_job) == 1 else f"{per_job[0]}-{per_job[-1]}"
-    if executor == "node":
-        lines.append(f"total: {len(points)} points x {span} GPUs, one after another in this process")
-    else:
-        lines.append(f"total: {len(points)} jobs x {span} GPUs = {gpus} GPUs allocated, at most {gpu_hours:.1f} "
-                     f"GPU-hours (time limit x GPUs" + (f"; {cpu_hours:.1f} CPU-hours)" if gpus == 0 else ")"))
-    return "\n".join(lines)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# rows for jobs whose rank 0 did not report
-
-
-def slurm_status(state: str) -> str:
-    """Row status for a job's final Slurm (or submitit local) state."""
-    s = (state or "UNKNOWN").split()[0].upper()
-    if s.startswith("CANCELLED") or s in ("PREEMPTED", "REVOKED", "INTERRUPTED"):
-        return "cancelled"
-    if s in ("TIMEOUT", "DEADLINE"):
-        return "timeout"
-    return "error"  # FAILED, OUT_OF_MEMORY, NODE_FAIL, BOOT_FAIL, COMPLETED without rows, ...
-
-
-def reported_pairs(point: Point, slurm_job_id: Optional[str]) -> set[tuple[str, str]]:
-    """(backend, direction) pairs this point's job already wrote rows for."""
-    from harness.core import results
-
-    run_dir = Path(point.cfg["results_dir"]) / point.run_id
-    if not run_dir.is_dir():
-        return set()
-    df = results.load(run_dir)
-    if slurm_job_id:
-        df = df[df["slurm_job_id"] == str(slurm_job_id)]
-    else:
-        df = df[df["config_hash"] == point.config_hash]
-    return set(zip(df["backend"], df["direction"]))
-
-
-def write_status_rows(point: Point, status: str, error: str, slurm_job_id: Optional[str] = None,
-                      hostname: Optional[str] = None) -> Optional[Path]:
-    """Rows with ``status`` for every (backend, direction) of ``point`` its job did not report. Written by the
-    launching process into a file of its own under ``<results_dir>/<run_id>/``. Returns the file, or None."""
-    from harness.measure import env as envinfo
-    from harness.core import results
-    from harness.config.point import Point as TypedPoint
-
-    have = reported_pairs(point, slurm_job_id)
-    missing = [(b, d) for b in point.cfg["backends"] for d in point.cfg["directions"] if (b, d) not in have]
-    if not missing:
-        return None
-    # The environment columns describe this (launching) machine; the GPU ones would be wrong, so they are replaced.
-    pt = TypedPoint.build(point.cfg, ep_size=point.world_size, device=point.case.device)
-    base = results.base_row(pt, run_id=point.run_id, num_nodes=point.nodes, world_size=point.world_size,
-                            env=envinfo.collect("cpu"))
-    base.update(device=point.case.device, gpu_name=None, driver_version=None, num_gpus=point.gpus_per_node,
-                hostname=hostname, slurm_job_id=slurm_job_id)
-    note = f"row written by the launching process on {socket.gethostname()}: the job's rank 0 did not report it"
-    rows = [results.make_row(base, b, d, status, error=error, notes=note, backend_options=pt.options_text(b))
-            for b, d in missing]
-    path = results.job_file(point.cfg["results_dir"], point.run_id, point.config_hash, point.cfg["results_format"])
-    return results.write_rows(path, rows)
-
-
-_ACTIVE = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "REQUEUE_FED", "REQUEUE_HOLD", "RESIZING",
-           "SUSPENDED", "STOPPED", "SIGNALING", "STAGE_OUT", "RESV_DEL_HOLD", "SPECIAL_EXIT", "PREEMPTED")
-
-
-def _run(cmd: list[str]) -> str:
-    try:
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=120).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return ""
-
-
-def slurm_states(job_ids: Sequence[str]) -> dict[str, str]:
-    """Current state of each job ("12", "12_3"): from the controller, which keeps ended jobs for MinJobAge, else from
-    accounting. A job neither knows is absent: a pending array task cancelled before Slurm split it off leaves no
-    record at all (seen with Slurm 22.05)."""
-    states: dict[str, str] = {}
-    arrays = sorted({j.split("_")[0] for j in job_ids})
-    if arrays:
-        for line in _run(["squeue", "-h", "-t", "all", "-r", "-j", ",".join(arrays), "-o", "%i|%T"]).splitlines():
-            jid, _, st = line.strip().partition("|")
-            states[jid] = st
-    missing = [j for j in job_ids if j not in states]
-    if missing:
-        states.update(sacct_states(missing))
-    return {j: states[j] for j in job_ids if j in states}
-
-
-def sacct_states(job_ids: Sequence[str]) -> dict[str, str]:
-    out = _run(["sacct", "-X", "-n", "-P", "-o", "JobID,State", "-j", ",".join(job_ids)])
-    return {f[0]: f[1] for f in (ln.split("|") for ln in out.splitlines()) if len(f) == 2}
-
-
-def sacct_info(job_id: str, wait_s: float = 20.0) -> dict[str, str]:
-    """The job's accounting record (JobID, JobIDRaw, State, NodeList, ExitCode), waiting up to ``wait_s`` for a
-    final state while slurmdbd catches up."""
-    deadline = time.time() + wait_s
-    info: dict[str, str] = {}
-    while True:
-        out = _run(["sacct", "-j", job_id, "-X", "-n", "-P", "-o", "JobID,JobIDRaw,State,NodeList,ExitCode"])
-        for line in out.splitlines():
-            f = line.split("|")
-            if len(f) == 5 and f[0] == job_id:
-                info = dict(zip(("JobID", "JobIDRaw", "State", "NodeList", "ExitCode"), f))
-        state = info.get("State", "").split(" ")[0]
-        if (state and state not in _ACTIVE) or time.time() > deadline:
-            return info
-        time.sleep(1.0)
-
-
-def wait_slurm(job_ids: dict[int, str], results_ready: Any = None, gone_grace_s: float = 30.0) -> dict[int, str]:
-    """Wait until every Slurm job has ended; return each one's end state, keyed like ``job_ids`` (``RESULTS`` when
-    ``results_ready(key)`` said so first). Polls squeue / sacct itself instead of submitit's watcher, which waits
-    forever for a job Slurm no longer knows (a pending array task cancelled before it was split off)."""
-    ended: dict[int, str] = {}
-    gone_since: dict[int, float] = {}
-    delay = 2.0
-    while len(ended) < len(job_ids):
-        before = set(ended)
-        if results_ready is not None:
-            for n in job_ids:
-                if n not in ended and results_ready(n):
-                    ended[n] = "RESULTS"
-        waiting = [n for n in job_ids if n not in ended]
-        states = slurm_states([job_ids[n] for n in waiting]) if waiting else {}
-        for n in waiting:
-            st = states.get(job_ids[n])
-            if st is None:  # unknown to the controller and to accounting
-                if time.time() - gone_since.setdefault(n, time.time()) > gone_grace_s:
-                    ended[n] = "CANCELLED (removed from the queue before it ran)"
-            elif st.split(" ")[0] not in _ACTIVE:
-                ended[n] = st
-        for n in job_ids:
-            if n in ended and n not in before:
-                log.info(f"\t#{n} : job {job_ids[n]} ended ({ended[n]})")
-        if len(ended) < len(job_ids):
-            time.sleep(delay)
-            delay = min(delay * 1.5, 30.0)
-    return ended
-
-
-def _tail(path: Path, n: int = 6) -> str:
-    try:
-        lines = [ln for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
-    except OSError:
-        return ""
-    return " | ".join(lines[-n:])
-
-
-def plan_all(hydra_context: Any, config: DictConfig, job_overrides: Sequence[Sequence[str]], initial_job_idx: int,
-             executor: str, launcher: Optional[dict] = None) -> list[Point]:
-    """Compose and validate every point of a sweep for ``executor``'s launcher before any runs; any bad point: one
-    line on stderr for each problem (Hydra's composition errors included, harness.launch.cli; a problem every point has,
-    once), and exit code 2 with nothing started. ``launcher``: options set on every point's ``hydra.launcher``;
-    points of the node and local launchers run on this machine, so a CPU point's gloo ranks must fit its memory."""
-
-    points, bad = [], []
-    labels = point_labels(job_overrides)
-    for i, overrides in enumerate(job_overrides):
-        num = initial_job_idx + i
-        try:
-            point_config = hydra_context.config_loader.load_sweep_config(config, list(overrides))
-            with open_dict(point_config.hydra.job):
-                point_config.hydra.job.num = num
-            validate.check_launcher_options(_launcher_options(point_config), executor)
-            if launcher:
-                with open_dict(point_config.hydra.launcher):
-                    point_config.hydra.launcher.update(launcher)
-            points.append(plan_point(point_config, num, overrides, executor))
-            points[-1].label = labels[i]
-            if executor in ("node", "local") and points[-1].case.device == "cpu":
-                _check_local_memory(points[-1])
-        except Exception as e:  # noqa: BLE001 - configuration and Hydra's composition errors; anything else: raise
-            line = point_error_line(e)
-            if line is None:
-                raise
-            bad.append((num, labels[i], line))
-    if bad:
-        reject(sweep_problem_lines(bad, len(job_overrides)))
-    return points
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# in each task
 
 
 class _JobTimedOut(BaseException):
@@ -512,8 +208,8 @@ class MokbenchLauncherMixin:
             ret, row = self._collect(p, jobs[p.num], ended[p.num])
             returns.append(ret)
             summary.append(row)
-        _write_manifest(sweep_dir / "jobs.csv", summary)
-        _print_summary(points, summary)
+        write_manifest(sweep_dir / "jobs.csv", summary)
+        print_summary(points, summary)
         return returns
 
     def _check_accounting(self) -> None:
@@ -595,7 +291,7 @@ class MokbenchLauncherMixin:
                      f"{p.launcher.get('max_num_timeout', 0)})")
         if not error and status != "ok":
             error = f"{self._EXECUTOR} job {job.job_id} ended {state}"
-            tail = _tail(job.paths.stderr, 3)
+            tail = log_tail(job.paths.stderr, 3)
             if tail and status == "error":
                 error += f"; stderr: {tail}"
         why = error or f"{self._EXECUTOR} job {job.job_id} ended {state}, but rank 0 wrote no row for it"
@@ -658,94 +354,6 @@ def _result_path(job: Any, task: int) -> Path:
     return JobPaths(job.paths.folder, job.job_id, task).result_pickle
 
 
-def write_point(p: Point, launcher: dict) -> Path:
-    """``<sweep>/<num>/mokbench.yaml``: the point as validated (enough to rebuild it with :func:`load_point`)."""
-    path = p.job_dir / POINT_FILE
-    _write_yaml(path, {"num": p.num, "overrides": p.overrides, "label": p.label, "run_id": p.run_id,
-                       "config_hash": p.config_hash, "nodes": p.nodes, "tasks_per_node": p.tasks_per_node,
-                       "gpus_per_node": p.gpus_per_node, "ep_size": p.world_size, "launcher": launcher,
-                       "config": p.cfg, "case": dataclasses.asdict(p.case)})
-    return path
-
-
-def load_point(job_dir: Path) -> Point:
-    from harness.config.schema import Case
-
-    d = OmegaConf.to_container(OmegaConf.load(Path(job_dir) / POINT_FILE), resolve=False)
-    assert isinstance(d, dict)
-    case = dict(d["case"], routing_params=tuple(tuple(pv) for pv in d["case"].get("routing_params", ())))
-    return Point(num=d["num"], overrides=d["overrides"], cfg=d["config"], case=Case(**case),
-                 config_hash=d["config_hash"], run_id=d["run_id"], launcher=d["launcher"], nodes=d["nodes"],
-                 tasks_per_node=d["tasks_per_node"], gpus_per_node=d["gpus_per_node"], world_size=d["ep_size"],
-                 job_dir=Path(job_dir), label=d.get("label", ""))
-
-
-PLAN_COLUMNS = ("num", "nodes", "tasks_per_node", "gpus_per_node", "cpus_per_task", "timeout_min", "partition",
-                "account", "qos", "sbatch_flags", "run_id", "overrides")
-
-
-def write_plan(sweep_dir: Path, points: Sequence[Point], launchers: Sequence[dict]) -> Path:
-    """``plan.tsv`` (one line per point: its resources and shell-quoted overrides, ``-`` for empty) and ``setup.sh``
-    (the preset's setup lines), for slurm/submit.sh, which submits the points with plain sbatch."""
-    import shlex
-
-    lines = ["\t".join(PLAN_COLUMNS)]
-    for p, opts in zip(points, launchers):
-        flags = []
-        for k, v in (opts.get("additional_parameters") or {}).items():
-            flags.append(f"--{k.replace('_', '-')}" if v is True else f"--{k.replace('_', '-')}={v}")
-        for k in ("constraint", "exclude", "comment", "mem_per_gpu", "mem_per_cpu"):
-            if opts.get(k):
-                flags.append(f"--{k.replace('_', '-')}={opts[k]}")
-        if opts.get("mem_gb"):
-            flags.append(f"--mem={opts['mem_gb']}G")
-        row = [p.num, p.nodes, p.tasks_per_node, p.gpus_per_node or "", opts.get("cpus_per_task") or "",
-               opts.get("timeout_min") or "", opts.get("partition") or "", opts.get("account") or "",
-               opts.get("qos") or "", " ".join(flags), p.run_id, shlex.join(p.overrides)]
-        lines.append("\t".join(str(v) if v not in ("", None) else "-" for v in row))  # "-": empty (bash's read
-        # would merge two tabs)
-    (sweep_dir / "plan.tsv").write_text("\n".join(lines) + "\n")
-    setup = (launchers[0].get("setup") or []) if launchers else []
-    (sweep_dir / "setup.sh").write_text("# setup lines of the launcher preset (sourced by slurm/mokbench.sbatch)\n"
-                                        + "".join(f"{ln}\n" for ln in setup))
-    return sweep_dir / "plan.tsv"
-
-
-def collect(sweep_dir: Path) -> int:
-    """For sweeps submitted with plain sbatch (slurm/submit.sh): wait for the jobs in ``sbatch_jobs.tsv``, then
-    write rows with their end status for whatever each job's rank 0 did not report, and ``jobs.csv``."""
-    sweep_dir = Path(sweep_dir)
-    listed = [ln.split("\t") for ln in (sweep_dir / "sbatch_jobs.tsv").read_text().splitlines() if ln.strip()]
-    job_ids = {int(num): jid for num, jid in listed}
-    points = {n: load_point(sweep_dir / str(n)) for n in job_ids}
-    ended = wait_slurm(job_ids)
-    summary = []
-    for n, jid in job_ids.items():
-        p = points[n]
-        info = sacct_info(jid, wait_s=10)
-        state = info.get("State") or ended[n]
-        status = "ok" if state.split(" ")[0] == "COMPLETED" else slurm_status(state)
-        why = f"slurm job {jid} ended {state}" + ("" if status != "ok" else ", but rank 0 wrote no row for it")
-        tail = _tail(p.job_dir / f"slurm-{jid}.out", 3) if status == "error" else ""
-        written = write_status_rows(p, "error" if status == "ok" else status,
-                                    f"no row reported: {why}" + (f"; log: {tail}" if tail else ""), jid,
-                                    info.get("NodeList") or None)
-        if written is not None and status == "ok":
-            status = "error"
-        summary.append({"num": n, "overrides": p.label, "job_id": jid, "slurm_job_id": jid, "state": state,
-                        "status": status, "launcher_rows": str(written) if written else "",
-                        "error": "" if status == "ok" else why, "log": str(p.job_dir / f"slurm-{jid}.out"),
-                        "dir": str(p.job_dir)})
-    _write_manifest(sweep_dir / "jobs.csv", summary)
-    _print_summary(list(points.values()), summary)
-    return 0
-
-
-def _write_yaml(path: Path, data: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    OmegaConf.save(OmegaConf.create(data), path)
-
-
 def _read_json(path: Path) -> dict:
     try:
         return json.loads(path.read_text())
@@ -762,43 +370,3 @@ def _link_logs(job_dir: Path, job: Any) -> None:
             if link.is_symlink() or link.exists():
                 link.unlink()
             link.symlink_to(os.path.relpath(target, job_dir))
-
-
-def _write_manifest(path: Path, summary: list[dict]) -> None:
-    df = pd.DataFrame(summary)
-    tmp = path.with_name(f".{path.name}.tmp")
-    df.to_csv(tmp, index=False)
-    os.replace(tmp, path)
-
-
-def _print_summary(points: Sequence[Point], summary: list[dict]) -> None:
-    counts = pd.Series([s["status"] for s in summary]).value_counts()
-    print(f"mokbench sweep: {len(summary)} jobs: " + ", ".join(f"{n} {s}" for s, n in counts.items()))
-    for s in summary:
-        if s["status"] != "ok":
-            print(f"  #{s['num']} {s['overrides']}: {s['status']}: {s['error']}")
-    dirs = sorted({str(Path(p.cfg["results_dir"]) / p.run_id) for p in points})
-    print("rows: " + ", ".join(dirs), flush=True)
-    from harness.launch.run_table import report_command
-
-    print(f"report: {report_command(dirs)}", flush=True)
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    from harness.core.tool_args import ArgumentParser
-
-    ap = ArgumentParser(prog="python -m harness.slurm", description=__doc__.split("\n\n")[0])
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    c = sub.add_parser("collect", help="after slurm/submit.sh: wait for the sweep's jobs, then write rows for "
-                                       "what their rank 0 did not report")
-    c.add_argument("sweep_dir", type=Path)
-    args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    return collect(args.sweep_dir)
-
-
-if __name__ == "__main__":
-    from harness.core.own_packages import exit_on_clash
-
-    exit_on_clash()
-    sys.exit(main())
