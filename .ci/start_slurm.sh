@@ -99,7 +99,7 @@ mysql -e "DROP DATABASE IF EXISTS slurm_acct_db; CREATE DATABASE slurm_acct_db;
 # 4. configuration
 log "config (FAKE_GPUS=$FAKE_GPUS)"
 HOST=$(hostname -s)
-# Ranks find their master by the node's name (harness/dist.py); the node is pinned to 127.0.0.1 below.
+# Ranks find their master by the node's name (harness/measure/dist.py); the node is pinned to 127.0.0.1 below.
 getent hosts "$HOST" >/dev/null || { echo "127.0.0.1 $HOST" >>/etc/hosts; log "added $HOST to /etc/hosts"; }
 NCPU=$(nproc)
 MEM_MB=$(($(awk '/MemTotal/ {print int($2/1024)}' /proc/meminfo) - 1024))

@@ -1,7 +1,7 @@
 """The options of the baselines that take any, declared here (torch-free, so that the harness builds its schema
 without importing a backend): :class:`ExpertGemmOptions` for the PyTorch-expert baselines (``nccl``, ``deepep``,
 ``hybridep``) and :class:`TeOptions` for the Transformer Engine ones (``deepep_te``, ``hybridep_megatron``). Each
-backend names its class in its registry line (``harness.backends.REGISTRY``); :mod:`contract.options` says how the
+backend names its class in its registry line (``harness.core.backends.REGISTRY``); :mod:`contract.options` says how the
 harness reads them."""
 
 from __future__ import annotations

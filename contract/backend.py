@@ -4,7 +4,7 @@ Lifecycle, per sweep point (every rank runs the same calls): ``cls.unsupported_r
 group)``; ``b.setup(inputs)``; ``out = b.forward(x, topk_idx, topk_w)`` (for backward the harness calls
 ``out.backward(grad_out)`` and reads ``x.grad``, ``topk_w.grad`` and ``b.weight_grads()``, keyed by
 :data:`WEIGHT_GRAD_NAMES`); ``b.zero_grad()``, ``b.traffic()``, ``b.phases()``, ``b.info()``; ``b.teardown()``.
-:mod:`harness.backends` says what each step is for.
+:mod:`harness.core.backends` says what each step is for.
 
 A backend that can run with several ranks on one GPU (``ranks_per_gpu`` > 1: a gloo group, collectives through
 :mod:`contract.comm`, correctness checks only) says so with a class attribute ``runs_shared_gpu = True``, and where

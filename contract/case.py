@@ -1,5 +1,5 @@
 """One fully resolved sweep point, as every backend sees it: :class:`Case` (plain values, no OmegaConf). The
-harness builds it from the configuration (:func:`harness.point.make_case`)."""
+harness builds it from the configuration (:func:`harness.config.point.make_case`)."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ class Case:
     compile: bool
     compile_mode: str
     comm_sms: Optional[int]
-    # the routing model's parameters beyond the four above, as sorted (name, value) pairs (harness/routing.py)
+    # the routing model's parameters beyond the four above, as sorted (name, value) pairs (harness/config/routing.py)
     routing_params: tuple[tuple[str, Any], ...] = ()
     routing_steps: int = 1  # routings per rank, cycled through warmup and timing (workload.steps)
 

@@ -1,5 +1,5 @@
 """The inputs of one layer call on one rank, identical for every backend (:class:`LayerInputs`). The harness
-makes them (:mod:`harness.inputs`).
+makes them (:mod:`harness.measure.inputs`).
 
 Shape legend: T tokens on this rank, K top-k, H hidden, I expert ffn, L local experts."""
 

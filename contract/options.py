@@ -1,7 +1,7 @@
 """Backend options: what a backend lets a user choose, declared by the backend itself.
 
 A backend that takes options declares a dataclass of them (each field made with :func:`option`) and names it in its
-registry line (``harness.backends.REGISTRY``). The harness then gives the user a key per field under the backend's
+registry line (``harness.core.backends.REGISTRY``). The harness then gives the user a key per field under the backend's
 name (``<backend>.<field>=<value>``), checks the value against the field's choices before anything runs, records the
 backend's options in its rows (``backend_options``) and passes an instance to the backend:
 ``cls.unsupported_reason(case, options)``, ``cls(case, group, options)`` and, where declared,

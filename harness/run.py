@@ -25,7 +25,7 @@ def _interrupted_while_loading(signum: int, frame: object) -> None:
 
 if __name__ == "__main__":  # not in the ranks, which import this module as __mp_main__ and ignore SIGINT
     signal.signal(signal.SIGINT, _interrupted_while_loading)
-    from harness.own_packages import exit_on_clash
+    from harness.core.own_packages import exit_on_clash
 
     exit_on_clash()  # another distribution's baselines / contract on the path: one line, exit 2
 
@@ -35,8 +35,8 @@ import hydra  # noqa: E402
 import pandas as pd  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-from harness.config import ConfigError, register_configs  # noqa: E402
-from harness.validate import run_id_for_sweep  # noqa: E402
+from harness.config.schema import ConfigError, register_configs  # noqa: E402
+from harness.config.validate import run_id_for_sweep  # noqa: E402
 
 register_configs()
 _task_started = False  # set once the task function runs: later errors are not Hydra's composition errors
@@ -44,9 +44,9 @@ _task_started = False  # set once the task function runs: later errors are not H
 
 @hydra.main(version_base=None, config_path="../configs", config_name="config")
 def main(cfg: DictConfig) -> None:
-    from harness.cli import check_command_line, reject
-    from harness.report_table import point_title, print_rows
-    from harness.runner import run_benchmark
+    from harness.launch.cli import check_command_line, reject
+    from harness.launch.run_table import point_title, print_rows
+    from harness.measure.runner import run_benchmark
 
     global _task_started
     _task_started = True
@@ -55,7 +55,7 @@ def main(cfg: DictConfig) -> None:
         check_command_line(cfg)
         df = run_benchmark(cfg)
     except ConfigError as e:
-        from harness.run_folder import discard
+        from harness.launch.run_folder import discard
 
         discard()  # Hydra's run folder, made before this check could run
         reject([str(e)])
@@ -68,9 +68,9 @@ def main(cfg: DictConfig) -> None:
 def closing_line(df: pd.DataFrame, results_dir: str) -> str:
     """Where this run's rows went and the command that reports them, counting what the run folder holds: where it
     held rows before (append=true, or the earlier points of a sweep) the line says how many are this run's."""
-    from harness import results
-    from harness.report_table import summary_line
-    from harness.runner import sweep_point_num
+    from harness.core import results
+    from harness.launch.run_table import summary_line
+    from harness.measure.runner import sweep_point_num
 
     dirs = [Path(results_dir) / r for r in df["run_id"].dropna().unique()]
     try:
@@ -87,7 +87,7 @@ def closing_line(df: pd.DataFrame, results_dir: str) -> str:
 def _interrupted() -> None:
     """Ctrl-C: one line saying how many rows this process's runs (and the jobs it launched) keep, and where."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    runner = sys.modules.get("harness.runner")  # not imported yet: nothing was written
+    runner = sys.modules.get("harness.measure.runner")  # not imported yet: nothing was written
     n, dirs = runner.kept_rows() if runner is not None else (0, [])
     dirs = [d for d in dirs if Path(d).is_dir()]
     where = f" in {', '.join(dirs)}" if dirs else " (nothing was written)" if n == 0 else ""
@@ -101,8 +101,8 @@ def _interrupted() -> None:
 def cli() -> None:
     """``main`` with Hydra's composition errors (unknown option, misspelled key, wrong type, unparsable override) and
     its argument parser's (a flag after the overrides) as one line naming the fix and exit code 2, like every other
-    invalid configuration (harness.cli); Ctrl-C as one line and exit code 130."""
-    from harness.cli import argv_line, hydra_error_line, reject
+    invalid configuration (harness.launch.cli); Ctrl-C as one line and exit code 130."""
+    from harness.launch.cli import argv_line, hydra_error_line, reject
 
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises them instead of printing its own multi-line report
     line = argv_line(sys.argv[1:])

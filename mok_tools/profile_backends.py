@@ -22,13 +22,13 @@ import torch.distributed as dist
 def profile(backends: list[str], overrides: list[str], steps: int, warmup: int) -> str:
     from hydra import compose, initialize_config_dir
 
-    from harness.backends import load_backend
-    from harness.config import register_configs
-    from harness.dist import free_port
-    from harness.inputs import make_inputs
-    from harness.point import Point
-    from harness.routing import label
-    from harness.runner import resolve
+    from harness.core.backends import load_backend
+    from harness.config.schema import register_configs
+    from harness.measure.dist import free_port
+    from harness.measure.inputs import make_inputs
+    from harness.config.point import Point
+    from harness.config.routing import label
+    from harness.config.point import resolve
 
     register_configs()
     cuda = torch.cuda.is_available()

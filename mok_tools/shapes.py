@@ -7,19 +7,19 @@ import sys
 from typing import Any, Optional, Sequence
 
 from contract import Case
-from harness.config import load_group_option, shape_table, to_container
-from harness.point import make_case
+from harness.config.schema import load_group_option, shape_table, to_container
+from harness.config.point import make_case
 
 
 def published_shapes() -> list[str]:
     """The shapes of the published figure: every ``configs/shape/*.yaml`` with ``published_local_experts``, in the
-    harness's display order (:func:`harness.config.shape_table`, the order of the report)."""
+    harness's display order (:func:`harness.config.schema.shape_table`, the order of the report)."""
     return [n for n, s in shape_table().items() if s["published_local_experts"] is not None]
 
 
 def shape_config(name: str) -> dict[str, Any]:
     """``configs/shape/<name>.yaml`` as a dict; ``name@Nepg`` sets ``local_experts`` to N (N experts per GPU, as
-    ``shape.local_experts=N`` does in the harness). Raises ``harness.config.ConfigError`` for an unknown shape."""
+    ``shape.local_experts=N`` does in the harness). Raises ``harness.config.schema.ConfigError`` for an unknown shape."""
     base, _, per_gpu = name.partition("@")
     shape = to_container(load_group_option("shape", base))
     if per_gpu:
@@ -30,7 +30,7 @@ def shape_config(name: str) -> dict[str, Any]:
 def make_shape_case(shape: dict[str, Any], *, ep_size: int, device: str, tokens: int, precision: str,
                     seed: Optional[int] = None) -> Case:
     """A harness :class:`Case` for one shape (uniform routing, the workload's seed unless given), validated as the
-    harness validates it (``harness.config.ConfigError`` names what does not fit, e.g. experts over ranks)."""
+    harness validates it (``harness.config.schema.ConfigError`` names what does not fit, e.g. experts over ranks)."""
     workload = to_container(load_group_option("workload", "uniform"))
     workload["tokens_per_gpu"] = tokens
     if seed is not None:

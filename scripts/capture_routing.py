@@ -1,4 +1,4 @@
-"""Capture the routing of a Hugging Face transformers MoE model into a routing trace (harness/routing_trace.py) that
+"""Capture the routing of a Hugging Face transformers MoE model into a routing trace (harness/config/routing_trace.py) that
 ``workload=trace`` replays.
 
 A forward hook on each MoE block's router (the ``gate`` or ``router`` module of a block that holds ``experts``)
@@ -166,7 +166,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     a = p.parse_args(argv)
 
-    from harness.routing_trace import write_trace
+    from harness.config.routing_trace import write_trace
 
     seq_len = a.seq_len or a.tokens
     dtype = getattr(torch, a.dtype)

@@ -412,7 +412,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 def _unrunnable(a: argparse.Namespace) -> Optional[str]:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from harness.cli_args import dir_write_problem
+    from harness.core.tool_args import dir_write_problem
 
     if not a.out:
         return "--out DIR is required"

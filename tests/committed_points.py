@@ -1,6 +1,6 @@
 """A committed row's point, rebuilt from its columns: for rows written before rows stored their configuration
 (``point_config``). tests/test_config_hash.py and tests/data/find_hash_knobs.py (which found the launch settings the
-columns do not hold) share it; it reads only what every version of ``harness.config`` has."""
+columns do not hold) share it; it reads only what every version of ``harness.config.schema`` has."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 
 import pandas as pd
 
-from harness.config import ConfigError, load_group_option, to_container
+from harness.config.schema import ConfigError, load_group_option, to_container
 
 
 def value(v: Any) -> Any:

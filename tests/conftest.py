@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 
-from harness.config import register_configs  # noqa: E402
+from harness.config.schema import register_configs  # noqa: E402
 
 register_configs()
 
@@ -53,7 +53,7 @@ def results_dir(tmp_path: Path) -> Path:
 def use_fake_backends(monkeypatch, fakes: str) -> None:
     """Register the backends of ``fakes`` (``name=module:Class,...``, from tests/fake_backends.py) in this process's
     registry and, through MOKBENCH_EXTRA_BACKENDS, in the ranks it spawns."""
-    import harness.backends as hb
+    import harness.core.backends as hb
 
     monkeypatch.setenv("MOKBENCH_EXTRA_BACKENDS", fakes)
     for item in fakes.split(","):
@@ -71,7 +71,7 @@ def cpu_cfg(results_dir: Path, *overrides: str):
 def free_port_env(monkeypatch) -> None:
     """Make this process the only rank, as torchrun would set it up: the harness runs the worker here (no spawned
     ranks), so monkeypatches reach it. The caller destroys the process group afterwards."""
-    from harness.dist import free_port
+    from harness.measure.dist import free_port
 
     for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
                  "MASTER_PORT": str(free_port())}.items():
@@ -87,7 +87,7 @@ def one_rank():
         yield dist.group.WORLD
         return
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    from harness.dist import free_port
+    from harness.measure.dist import free_port
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:

@@ -109,7 +109,7 @@ class MokHopperTwoChunks(MokHopperBackend):
         self.tile_overrides = {"num_chunks": 2}
 
 
-# ---- device memory that does not come back (harness.runner's clean-up between backends) ------------------------
+# ---- device memory that does not come back (harness.measure.runner's clean-up between backends) ------------------------
 # A stand-in device-memory counter: MOKBENCH_MEMORY_PROBE=fake_backends:fake_probe gives every rank a probe that reads
 # it (the CPU has none), and FakeBlock objects count as allocated device memory while they live.
 
@@ -129,7 +129,7 @@ class FakeBlock:
 
 
 def fake_probe(device):
-    from harness.memory import Probe
+    from harness.measure.memory import Probe
 
     return Probe(allocated=lambda: _held["bytes"], peak=lambda: _held["bytes"], reset_peak=lambda: None,
                  free_total=lambda: (FAKE_TOTAL_BYTES - _held["bytes"], FAKE_TOTAL_BYTES), sync=lambda: None)

@@ -1,4 +1,4 @@
-"""Small synthetic results tables for the report, plot and compare tests (built with harness.results.to_frame).
+"""Small synthetic results tables for the report, plot and compare tests (built with harness.core.results.to_frame).
 
 Numbers are made up but shaped like real ones: a deterministic TFLOP/s per (system, shape, precision, direction),
 latency and FLOPs consistent with it, p20 / p80 spreads, remote byte counts and calibration columns.
@@ -12,7 +12,7 @@ from typing import Any, Iterable, Optional
 
 import pandas as pd
 
-from harness import results
+from harness.core import results
 
 # name -> (num_experts, hidden, ffn, topk)
 SHAPES = {"kimi_k2_7": (384, 7168, 2048, 8), "glm_5_2": (256, 6144, 2048, 8), "qwen3_5_397b": (512, 4096, 1024, 10),
@@ -23,7 +23,7 @@ SHAPE_FACTOR = {"kimi_k2_7": 1.0, "glm_5_2": 0.95, "qwen3_5_397b": 0.45, "deepse
 PREC_FACTOR = {"bf16": 1.0, "fp8": 1.5, "mxfp8": 1.6}
 DIR_FACTOR = {"fwd": 1.0, "bwd": 1.6, "fwd_bwd": 1.4}
 H200 = {"gpu_name": "NVIDIA H200", "calib_hbm_gb_s": 4300.0, "calib_link_gb_s": 360.0}
-CPU = {"device": "cpu", "gpu_name": "cpu"}  # as harness.env.collect("cpu") records a CPU run
+CPU = {"device": "cpu", "gpu_name": "cpu"}  # as harness.measure.env.collect("cpu") records a CPU run
 H100 = {"device": "cuda", "gpu_name": "NVIDIA H100 80GB HBM3"}
 GEMM_TFLOPS = {"bf16": 800.0, "fp8": 1500.0, "mxfp8": 1500.0}  # synthetic "measured" dense GEMM rates
 

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import compose_cfg
-from harness.point import make_case
+from harness.config.point import make_case
 
 ROOT = Path(__file__).resolve().parent.parent
 FLT_MAX = torch.finfo(torch.float32).max
@@ -152,7 +152,7 @@ def _loop_forward(case, inp):
 
 def _run_adapter(monkeypatch, case, options=None):
     from baselines import flashinfer
-    from harness.inputs import make_inputs
+    from harness.measure.inputs import make_inputs
 
     calls: list = []
     monkeypatch.setitem(sys.modules, "flashinfer", fake_flashinfer(calls))
@@ -246,7 +246,7 @@ def test_its_rows_on_this_machine_are_unsupported_with_reason_and_fix(results_di
     """A CPU point with nccl and flashinfer: nccl runs; flashinfer's forward row says what is missing here and how to
     get it, its backward row that it has none."""
     from conftest import cpu_cfg
-    from harness.runner import run_benchmark
+    from harness.measure.runner import run_benchmark
 
     df = run_benchmark(cpu_cfg(results_dir, "ep_size=1", "backends=[nccl,flashinfer]", "directions=[fwd,bwd]"))
     st = {(r.backend, r.direction): (r.status, str(r.error)) for r in df.itertuples()}
@@ -261,7 +261,7 @@ def test_its_rows_on_this_machine_are_unsupported_with_reason_and_fix(results_di
 
 
 def test_only_its_forward_rows_carry_the_forward_kind():
-    from harness.results import make_row
+    from harness.core.results import make_row
 
     info = {"forward_kind": "inference", "notes": "n"}
     assert make_row({}, "flashinfer", "fwd", "ok", **info)["forward_kind"] == "inference"
@@ -277,8 +277,8 @@ def test_its_options_at_their_defaults_change_no_committed_hash():
     """Every committed point that stores its configuration keeps its hash with FlashInfer's options written out at
     their defaults, or left out (points stored before the options existed lack them); a non-default value makes
     another point."""
-    from harness import results
-    from harness.config import config_hash
+    from harness.core import results
+    from harness.config.schema import config_hash
 
     runs = results.load(ROOT / "results" / "runs")
     stored = runs[runs.point_config.notna()].drop_duplicates("config_hash")

@@ -39,7 +39,7 @@ def test_add_site_puts_the_folder_and_what_its_pth_files_add_first(tmp_path):
     site = plant_site(tmp_path / "site")
     other = tmp_path / "other"
     other.mkdir()
-    code = ("import sys; from harness.env import add_site; import json; "
+    code = ("import sys; from harness.measure.env import add_site; import json; "
             f"added = add_site({str(site) + os.pathsep + str(other)!r}); "
             "import flashinfer, sonicmoe; print(json.dumps([added, sys.path[:len(added)], flashinfer.__file__, "
             "sonicmoe.__file__]))")
@@ -60,7 +60,7 @@ def test_a_conflicting_anchor_runs_in_processes_of_its_own_with_its_own_path(res
     """flashinfer in processes of its own, its folder (and the folder its .pth names) first on their path: its
     stand-in package is found there (the row names the missing GPU, not the package). sonicmoe runs in the point's
     first processes, without that folder: its stand-in, planted in the same folder, is not found there."""
-    from harness.runner import run_benchmark
+    from harness.measure.runner import run_benchmark
 
     assert "flashinfer" not in sys.modules and not any(p.endswith("_packages") for p in sys.path)
     site = plant_site(tmp_path / "site")
@@ -77,8 +77,8 @@ def test_a_conflicting_anchor_runs_in_processes_of_its_own_with_its_own_path(res
 def test_an_empty_own_pythonpath_is_no_folder(results_dir):
     """A preset's unset variable gives an empty value: no folder of its own, no error; a folder that is not one is
     still refused."""
-    from harness import runner
-    from harness.errors import ConfigError
+    from harness.measure import runner
+    from harness.core.errors import ConfigError
 
     runner.prepare(cpu_cfg(results_dir, "backends=[nccl,flashinfer]", "own_process=[flashinfer]",
                            "+own_pythonpath.flashinfer=''", "+own_pythonpath.sonicmoe=''"))
@@ -95,7 +95,7 @@ def _preset(monkeypatch, anchors: str, *overrides: str):
 
 
 def test_the_preset_composes_two_sets_with_their_own_processes(monkeypatch, tmp_path):
-    from harness.backend_options import options_for
+    from harness.config.backend_options import options_for
 
     from baselines import flashinfer, sonicmoe
 
@@ -130,7 +130,7 @@ def test_the_preset_on_the_cpu_gives_unsupported_rows_with_reasons(tmp_path):
     default mode): both sets of one shape in one run; the PyTorch layers and mok_hopper's CPU twin ok, the GPU
     anchors unsupported with their reason, sonicmoe and flashinfer in processes of their own, flashinfer's with its
     folder first on the path."""
-    from harness import results
+    from harness.core import results
 
     site = tmp_path / "fi-site"
     site.mkdir()

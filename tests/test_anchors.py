@@ -22,12 +22,12 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from conftest import ROOT, compose_cfg  # noqa: E402
-from harness import backends as hb  # noqa: E402
-from harness import claims as C  # noqa: E402
-from harness import labels as L  # noqa: E402
-from harness import report as R  # noqa: E402
-from harness.point import make_case  # noqa: E402
-from harness.inputs import make_inputs  # noqa: E402
+from harness.core import backends as hb  # noqa: E402
+from harness.report import claims as C  # noqa: E402
+from harness.report import labels as L  # noqa: E402
+from harness.report import report as R  # noqa: E402
+from harness.config.point import make_case  # noqa: E402
+from harness.measure.inputs import make_inputs  # noqa: E402
 from synthetic_results import row  # noqa: E402
 
 HAS_LIGER = importlib.util.find_spec("liger_kernel") is not None
@@ -37,7 +37,7 @@ HAS_LIGER = importlib.util.find_spec("liger_kernel") is not None
 
 
 def test_registry_is_the_one_table_of_names():
-    from harness import plots
+    from harness.report import plots
 
     assert set(hb.BACKENDS) == {k for k, s in hb.REGISTRY.items() if s.target}
     for key, s in hb.REGISTRY.items():
@@ -59,7 +59,7 @@ def test_unknown_and_extra_backends_get_defaults():
     s = hb.spec("my_backend")
     assert (s.label, s.role) == ("my_backend", "baseline") and s.color.startswith("#")
     assert L.is_baseline("my_backend") and L.system_label("my_backend") == "my_backend"
-    code = ("import harness.backends as b, harness.labels as L; s = b.spec('extra1'); "
+    code = ("import harness.core.backends as b, harness.report.labels as L; s = b.spec('extra1'); "
             "print(b.BACKENDS['extra1'], s.role, s.label, L.is_baseline('extra1'))")
     env = dict(os.environ, MOKBENCH_EXTRA_BACKENDS="extra1=fake_backends:WrongOutput")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
@@ -67,7 +67,7 @@ def test_unknown_and_extra_backends_get_defaults():
 
 
 def test_reports_import_the_registry_without_torch():
-    code = "import sys, harness.report, harness.backends; print('torch' in sys.modules)"
+    code = "import sys, harness.report, harness.core.backends; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ),
                          capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
@@ -84,7 +84,7 @@ def test_anchor_backends_are_valid_config_choices():
 
 
 def _anchored_rows() -> pd.DataFrame:
-    from harness import results
+    from harness.core import results
 
     rows = []
     for shape, (nccl, liger, sonic, mok) in {"kimi_k2_7": (300.0, 420.0, 380.0, 504.0),
@@ -125,7 +125,7 @@ def test_report_and_chart_mark_the_anchors(tmp_path):
 
 
 def test_no_anchor_columns_without_anchors(tmp_path):
-    from harness import results
+    from harness.core import results
 
     df = results.to_frame([row(b, "glm_5_2", "bf16", "fwd", ep_size=1) for b in ("nccl", "mok_hopper")])
     md = R.format_markdown(C.claims_table(C.prepare(df)), pd.DataFrame(), C.not_ok_rows(df))
@@ -553,7 +553,7 @@ def test_sonicmoe_torch_pin(version, ok):
 def test_anchors_on_the_cpu_are_unsupported_rows_beside_ok_rows(results_dir):
     """A CPU sweep point with both anchors: each gets an unsupported row per direction with its reason, nccl runs."""
     from conftest import cpu_cfg
-    from harness.runner import run_benchmark
+    from harness.measure.runner import run_benchmark
 
     df = run_benchmark(cpu_cfg(results_dir, "ep_size=1", "backends=[nccl,liger,sonicmoe]", "directions=[fwd,bwd]"))
     st = {(r.backend, r.direction): (r.status, str(r.error)) for r in df.itertuples()}
@@ -597,7 +597,7 @@ def test_nccl_notes_say_inductor_autotuned_in_subprocesses(monkeypatch):
 def test_harness_rows_of_the_new_anchors_on_the_cpu(results_dir):
     """One CPU point: both new anchors give an unsupported row per direction with their reason; nccl still runs."""
     from conftest import cpu_cfg
-    from harness.runner import run_benchmark
+    from harness.measure.runner import run_benchmark
 
     df = run_benchmark(cpu_cfg(results_dir, "ep_size=1", "backends=[nccl,liger_cute,deepgemm_megamoe]",
                                "directions=[fwd,bwd]"))
@@ -613,7 +613,7 @@ def test_harness_rows_of_the_new_anchors_on_the_cpu(results_dir):
 def test_megamoe_beside_mok_hopper_inference_is_one_valid_run(tmp_path):
     """The comparison's command line on the CPU: exit 0, megamoe's row unsupported (no SM90 GPU), mok_hopper's
     inference forward (its CPU twin) ok."""
-    from harness import results
+    from harness.core import results
 
     out = tmp_path / "res"
     r = subprocess.run([sys.executable, "-m", "harness.run", "backends=[deepgemm_megamoe,mok_hopper]", "precision=fp8",

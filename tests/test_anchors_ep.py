@@ -19,8 +19,8 @@ import torch.nn.functional as F
 
 from conftest import compose_cfg
 from contract.fp8 import dequantize_blocks, quantize_blocks
-from harness.point import make_case
-from harness.inputs import make_inputs
+from harness.config.point import make_case
+from harness.measure.inputs import make_inputs
 
 
 def _case(*overrides: str, ep_size: int = 1):

@@ -1,9 +1,11 @@
 """The import rules of the layout (ARCHITECTURE.md): ``contract`` imports none of the other packages and names no
 backend; ``baselines`` and ``mok_kernels`` import ``contract`` but never the harness or each other; the harness reaches
 the backends only through the registry's import targets (no import statement), and their options modules are
-torch-free; the ground truth (``harness/reference.py``) leans on no baseline; nothing imports ``mok_tools`` (the
+torch-free; the ground truth (``harness/measure/reference.py``) leans on no baseline; nothing imports ``mok_tools`` (the
 tools that use both the kernels and the harness); no .py file under mok_kernels/ grows past about 550 lines; no import
-circle; every module is placed in ARCHITECTURE.md."""
+circle; every module is placed in ARCHITECTURE.md. Inside the harness, by wing: the configuration (``config/``) imports
+neither measuring (``measure/``) nor launching (``launch/``); measuring and reporting (``report/``) never import each
+other; the ground (``core/``) imports no wing; the harness's top level holds at most 8 .py files."""
 
 from __future__ import annotations
 
@@ -50,7 +52,7 @@ def test_packages_import_only_down_the_layers(package):
 
 
 def test_the_reference_leans_on_no_baseline():
-    assert "baselines" not in first_party_imports(ROOT / "harness" / "reference.py")
+    assert "baselines" not in first_party_imports(ROOT / "harness" / "measure" / "reference.py")
 
 
 def test_kernel_files_stay_small():
@@ -77,7 +79,7 @@ def test_a_backend_that_misses_part_of_the_protocol_is_refused_when_loaded():
     msg = str(e.value)
     assert "directions" in msg and "unsupported_reason" in msg and "no method `forward`" in msg
 
-    from harness.backends import BACKENDS, load_backend
+    from harness.core.backends import BACKENDS, load_backend
 
     for key in ("reference", "nccl", "mok_hopper"):  # importable everywhere: checked for real
         check_backend(load_backend(key), key)
@@ -101,12 +103,13 @@ def _module_level_imports(path: Path) -> set[str]:
 
 
 def test_the_charts_do_not_import_the_report():
-    """harness.plots draws what harness.claims computes, with harness.labels's names; the report writes both. No
+    """harness.report.plots draws what harness.report.claims computes, with harness.report.labels's names; the report writes both. No
     cycle: plots imports neither the report nor anything that imports it."""
-    assert not {"harness.report"} & first_party_modules(ROOT / "harness" / "plots.py")
+    assert not {"harness.report.report"} & first_party_modules(ROOT / "harness" / "report" / "plots.py")
     for name in ("labels", "claims"):
-        assert not {"harness.report", "harness.plots"} & first_party_modules(ROOT / "harness" / f"{name}.py"), name
-    assert "harness.plots" not in _module_level_imports(ROOT / "harness" / "report.py")
+        assert not {"harness.report.report", "harness.report.plots"} & first_party_modules(
+            ROOT / "harness" / "report" / f"{name}.py"), name
+    assert "harness.report.plots" not in _module_level_imports(ROOT / "harness" / "report" / "report.py")
 
 
 def first_party_modules(path: Path) -> set[str]:
@@ -147,7 +150,7 @@ def test_no_private_name_crosses_modules():
 
 def test_every_backend_signature_is_typed_with_the_contract():
     """Each registered backend class takes a ``contract.Case`` and ``contract.LayerInputs``, not ``Any``."""
-    from harness.backends import BACKENDS
+    from harness.core.backends import BACKENDS
 
     untyped = []
     for key, target in BACKENDS.items():
@@ -259,6 +262,61 @@ def test_no_import_circle_anywhere_in_the_tree():
     assert _cycles(_module_graph()) == []
 
 
+# The harness's wings (ARCHITECTURE.md): the ground (core/) and the five wings a sweep point flows through.
+WINGS = ("core", "config", "measure", "launch", "report", "gate")
+WING_RULES = {
+    "core": set(WINGS) - {"core"},  # the ground imports no wing
+    "config": {"measure", "launch"},  # the configuration is read by the measuring and the launching, never the reverse
+    "measure": {"report"},  # measuring and reporting never import each other: rows are what passes between them
+    "report": {"measure"},
+}
+
+
+def _wing(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[0] == "harness" and parts[1] in WINGS else None
+
+
+def wing_violations(graph: dict[str, set[str]]) -> list[str]:
+    """Each import of a harness module against :data:`WING_RULES`, as ``importer -> imported``."""
+    return sorted(f"{m} -> {d}" for m, deps in graph.items() for d in deps
+                  if (w := _wing(m)) and _wing(d) in WING_RULES.get(w, ()))
+
+
+def test_the_wings_import_by_their_rules():
+    """Configuration imports neither measuring nor launching; measuring and reporting never import each other; the
+    ground imports no wing (lazy imports included)."""
+    graph = _module_graph()
+    assert {_wing(m) for m in graph} >= set(WINGS), "a wing is missing: update WINGS and ARCHITECTURE.md"
+    assert wing_violations(graph) == []
+
+
+def test_the_wing_check_sees_a_crossing():
+    assert wing_violations({"harness.config.point": {"harness.measure.runner", "harness.core.results"},
+                            "harness.measure.memory": {"harness.report.labels"},
+                            "harness.report.claims": {"harness.measure"},
+                            "harness.core.results": {"harness.gate.compare"},
+                            "harness.launch.cli": {"harness.measure.runner"}}) == [
+        "harness.config.point -> harness.measure.runner", "harness.core.results -> harness.gate.compare",
+        "harness.measure.memory -> harness.report.labels", "harness.report.claims -> harness.measure"]
+
+
+def test_the_harness_top_level_holds_few_files():
+    """The harness's top level is its entry points; everything else lives in a wing."""
+    top = sorted(p.name for p in (ROOT / "harness").glob("*.py"))
+    assert len(top) <= 8, f"move these into a wing: {top}"
+    assert not [p.name for p in (ROOT / "harness").iterdir()
+                if p.is_dir() and p.name != "__pycache__" and p.name not in WINGS + ENTRY_PACKAGES]
+
+
+ENTRY_PACKAGES = ("compare", "slurm")  # `python -m harness.compare` / `harness.slurm`: a __main__ each, nothing else
+
+
+def test_the_entry_packages_hold_only_their_command():
+    for name in ENTRY_PACKAGES:
+        assert sorted(p.name for p in (ROOT / "harness" / name).glob("*.py")) == ["__init__.py", "__main__.py"], name
+
+
 def test_the_circle_check_sees_a_circle():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert _cycles({"a": {"b"}, "b": set()}) == []
@@ -285,8 +343,8 @@ def test_contract_names_no_backend_and_case_holds_no_backend_option():
 
     from contract.case import Case
     from contract.options import option_specs
-    from harness.backend_options import option_backends
-    from harness.backends import REGISTRY
+    from harness.config.backend_options import option_backends
+    from harness.core.backends import REGISTRY
 
     names = {k for k in REGISTRY if k != "reference"}  # the reference is the harness's own
     fields = set()
@@ -305,7 +363,7 @@ def test_contract_names_no_backend_and_case_holds_no_backend_option():
 
 def test_the_backends_options_load_without_torch():
     """The harness builds its schema from every backend's options: their modules import no torch (nor the backend)."""
-    from harness.backends import REGISTRY
+    from harness.core.backends import REGISTRY
 
     targets = sorted({s.options for s in REGISTRY.values() if s.options})
     assert targets, "no backend declares options"

@@ -1,12 +1,12 @@
 """Backends cost each other nothing: the clean-up between backends, memory that does not come back, and backends in
-processes of their own (harness/runner.py), on CPU ranks with a stand-in device-memory probe."""
+processes of their own (harness/measure/runner.py), on CPU ranks with a stand-in device-memory probe."""
 
 from __future__ import annotations
 
 import pytest
 
 from conftest import cpu_cfg, free_port_env, use_fake_backends
-from harness import runner
+from harness.measure import runner
 
 FAKES = ("holds_memory=fake_backends:HoldsMemoryAndFails,leaks_memory=fake_backends:LeaksMemory,"
          "fails_setup=fake_backends:FailsSetup,spoils_inputs=fake_backends:SpoilsInputs,"
@@ -118,7 +118,7 @@ def test_rows_of_a_backend_replaying_cuda_graphs_leave_the_allocator_peaks_empty
     why; other rows keep them."""
     import torch.distributed as dist
 
-    from harness import memory
+    from harness.measure import memory
 
     assert memory.graph_blind({"compiled": True, "compile_mode": "max-autotune"}) == (
         "mem_peak_allocated_bytes", "mem_peak_own_bytes")
@@ -138,7 +138,7 @@ def test_rows_of_a_backend_replaying_cuda_graphs_leave_the_allocator_peaks_empty
 
 
 def test_own_process_names_backends_of_the_run(results_dir):
-    from harness.errors import ConfigError
+    from harness.core.errors import ConfigError
 
     with pytest.raises(ConfigError, match="own_process names sonicmoe"):
         runner.prepare(cpu_cfg(results_dir, "backends=[nccl]", "own_process=[sonicmoe]"))

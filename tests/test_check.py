@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from harness.check import compare, errors, run_once, slices
-from harness.runner import _gate
+from harness.measure.correctness import compare, errors, run_once, slices
+from harness.measure.runner import _gate
 from tests.conftest import compose_cfg
 
 
@@ -102,7 +102,7 @@ def test_compare_verdicts_on_planted_errors(one_rank, where):
 
 
 def _case():
-    from harness.point import make_case
+    from harness.config.point import make_case
 
     cfg = compose_cfg("device=cpu", "shape=tiny", "workload.tokens_per_gpu=64")
     return make_case(cfg, ep_size=1, device="cpu")
@@ -111,7 +111,7 @@ def _case():
 def _single_leaf_reference(case, inp, group):
     """The reference's math with one [L, ...] autograd leaf per weight (the way whose backward builds a zero-filled
     weight-sized gradient per expert): the values the reference must reproduce bit for bit."""
-    from harness.reference import _AllGather, _SumScatter
+    from harness.measure.reference import _AllGather, _SumScatter
 
     I = case.ffn
     x = inp.x_TH.detach().requires_grad_()
@@ -135,8 +135,8 @@ def _single_leaf_reference(case, inp, group):
 def test_the_reference_builds_no_second_weight_sized_gradient(one_rank):
     """The reference's gradients: bitwise those of one [L, ...] leaf per weight, with one weight-sized allocation
     per routed weight (its gradient) instead of one per expert."""
-    from harness.inputs import make_inputs
-    from harness.reference import ReferenceBackend
+    from harness.measure.inputs import make_inputs
+    from harness.measure.reference import ReferenceBackend
 
     case = _case()
     inp = make_inputs(case, 0, torch.device("cpu"))

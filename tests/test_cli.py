@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, compose_cfg
 
-from harness import results
-from harness.backends import BACKENDS
-from harness.config import ConfigError, to_container
-from harness.point import make_case
-from harness.runner import resolve
-from harness.validate import check_cpu_memory, cpu_rank_bytes
+from harness.core import results
+from harness.core.backends import BACKENDS
+from harness.config.schema import ConfigError, to_container
+from harness.config.point import make_case
+from harness.config.point import resolve
+from harness.config.validate import check_cpu_memory, cpu_rank_bytes
 
 GB = 10**9
 
@@ -127,10 +127,10 @@ def test_rows_that_cannot_be_written_are_saved_elsewhere_and_said_where(tmp_path
 @pytest.mark.slow
 def test_a_run_whose_results_folder_goes_away_keeps_every_row(results_dir, tmp_path, monkeypatch, capfd):
     """The folder passes the check, then vanishes after the first backend's rows: all rows go to the rescue file."""
-    import harness.backends as hb
+    import harness.core.backends as hb
     from conftest import cpu_cfg
 
-    from harness.runner import run_benchmark
+    from harness.measure.runner import run_benchmark
 
     monkeypatch.setenv("MOKBENCH_EXTRA_BACKENDS", "removes_results=fake_backends:RemovesResults")
     monkeypatch.setitem(hb.BACKENDS, "removes_results", "fake_backends:RemovesResults")

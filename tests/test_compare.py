@@ -14,8 +14,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import synthetic_results as S  # noqa: E402
 
-from harness import compare as C  # noqa: E402
-from harness import results  # noqa: E402
+from harness.gate import compare as C  # noqa: E402
+from harness.core import results  # noqa: E402
 
 BASE_TIME = "2026-12-01T00:00:00+00:00"
 NEW_TIME = "2026-12-02T00:00:00+00:00"

@@ -17,10 +17,10 @@ import pytest
 from committed_points import row_config
 from conftest import cpu_cfg
 
-from harness import results
-from harness.backend_options import apply_aliases
-from harness.config import config_hash
-from harness.point import make_case
+from harness.core import results
+from harness.config.backend_options import apply_aliases
+from harness.config.schema import config_hash
+from harness.config.point import make_case
 
 ROOT = Path(__file__).resolve().parent.parent
 KNOBS = json.loads((ROOT / "tests" / "data" / "committed_hash_knobs.json").read_text())
@@ -68,7 +68,7 @@ def test_every_committed_point_keeps_its_hash(committed):
 def test_points_hashed_before_fp8_gemm_entered_the_hash_are_that_function_s(committed, monkeypatch):
     """Eight fp8 points of 2026-11-30 were hashed before ``fp8_gemm`` entered fp8 points' hashes (that option's
     ``hash_default``): today's function without that entry gives their stored hashes, so nothing else moved them."""
-    import harness.backend_options as bo
+    import harness.config.backend_options as bo
 
     hash_entries = bo.hash_entries
 
@@ -93,7 +93,7 @@ def test_old_rows_load_without_the_new_columns(committed):
 
 
 def test_a_row_written_now_gives_back_its_hash_from_its_stored_config(results_dir):
-    from harness.runner import run_benchmark
+    from harness.measure.runner import run_benchmark
 
     df = run_benchmark(cpu_cfg(results_dir, "ep_size=2", "backends=[nccl,mok_hopper]", "directions=[fwd]",
                                "precision=fp8", "fp8_gemm=rowwise", "mok_hopper.forward=recompute"))

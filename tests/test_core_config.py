@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 from conftest import compose_cfg
 
-from harness.config import COMPILE_MODES, Case, ConfigError, to_container
-from harness.point import make_case
-from harness.validate import check_option_conflicts
-from harness.runner import resolve
+from harness.config.schema import COMPILE_MODES, Case, ConfigError, to_container
+from harness.config.point import make_case
+from harness.config.validate import check_option_conflicts
+from harness.config.point import resolve
 
 PUBLISHED = {  # docs/methodology.md section 1: experts, H, I, topk, local experts at EP64
     "kimi_k2_7": (384, 7168, 2048, 8, 6),
@@ -188,7 +188,7 @@ def test_routing_labels():
                 zipf_exponent=1.2, hot_fraction=0.25, hot_ratio=3.0, hot_rank=1, precision="bf16", act_block=128,
                 weight_block=128, atol=0.5, rtol=0.01, ep_size=2, device="cpu", compile=False, compile_mode="",
                 comm_sms=None)
-    from harness.routing import label
+    from harness.config.routing import label
 
     assert label(Case(routing="uniform", **base)) == "uniform"
     assert label(Case(routing="zipf", **base)) == "zipf(s=1.2)"
@@ -277,7 +277,7 @@ def test_fp8_weights_are_used_as_prequantized_with_a_straight_through_gradient()
 
 
 def test_backend_order():
-    from harness.config import backend_order
+    from harness.config.schema import backend_order
 
     b = ["nccl", "deepep", "hybridep", "mok_hopper"]
     assert backend_order(b, "given", 1) == b and backend_order(b, "reverse", 1) == b[::-1]
@@ -288,10 +288,10 @@ def test_backend_order():
 
 def test_shape_table_is_the_one_order_of_shapes():
     """configs/shape/*.yaml order and label the shapes: the report's order and the benchmark tools' published shapes
-    both come from harness.config.shape_table."""
+    both come from harness.config.schema.shape_table."""
     from mok_tools.shapes import published_shapes
-    from harness.config import shape_table
-    from harness.labels import SHAPE_LABELS, SHAPE_ORDER, shape_label
+    from harness.config.schema import shape_table
+    from harness.report.labels import SHAPE_LABELS, SHAPE_ORDER, shape_label
 
     table = shape_table()
     assert "auto" not in table and "custom" not in table and "tiny" in table
@@ -316,9 +316,9 @@ def test_a_new_shape_file_joins_the_report_order(tmp_path):
         "defaults:\n  - base_shape\nname: my_moe\nnum_experts: 64\nhidden: 2048\nffn: 768\ntopk: 4\n"
         "display_order: 0\nlabel: My MoE\n")
     code = f"""
-import harness.config as C
+import harness.config.schema as C
 C.CONFIG_DIR = __import__("pathlib").Path({str(configs)!r})
-from harness import labels, claims, plots
+from harness.report import labels, claims, plots
 import pandas as pd
 print(",".join(labels.SHAPE_ORDER), labels.shape_label("my_moe@2epg"), sep="|")
 t = pd.DataFrame({{"shape": ["glm_5_2", "tiny", "my_moe", "kimi_k2_7"]}})
@@ -331,7 +331,7 @@ print(",".join(labels.in_order(t["shape"], labels.SHAPE_ORDER)))
 
 
 def test_how_a_shape_is_shown_is_not_in_its_config_hash():
-    from harness.config import config_hash
+    from harness.config.schema import config_hash
 
     c = resolve(compose_cfg("shape=kimi_k2_7", "device=cpu"))
     case = make_case(c, ep_size=2, device="cpu")
@@ -356,4 +356,4 @@ def test_a_composed_config_survives_the_pickle_to_a_sweep_job_and_back(tmp_path)
             "OmegaConf.structured(cls); print(cls.__module__, cls.__qualname__)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split() == ["harness.config", "MokbenchConfig"]
+    assert out.stdout.split() == ["harness.config.schema", "MokbenchConfig"]

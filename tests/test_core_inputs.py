@@ -6,10 +6,10 @@ import pytest
 import torch
 from conftest import compose_cfg
 
-from harness.point import make_case
-from harness.inputs import make_inputs
-from harness.routing import expert_popularity, load_stats, make_routing
-from harness.runner import resolve
+from harness.config.point import make_case
+from harness.measure.inputs import make_inputs
+from harness.config.routing import expert_popularity, load_stats, make_routing
+from harness.config.point import resolve
 
 
 def case_for(ep: int, *overrides: str, tokens: int = 256):

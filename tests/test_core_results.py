@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness import results
-from harness.timing import Stats, Timer
+from harness.core import results
+from harness.measure.timing import Stats, Timer
 
 CONTRACT = ("run_id timestamp git_sha config_hash backend shape precision scaling direction compiled tokens_per_gpu "
             "ep_size num_nodes world_size routing status error latency_ms latency_p20_ms latency_p80_ms "
@@ -86,10 +86,10 @@ def test_host_timer_measures_and_runs_pre_untimed(monkeypatch):
     are exact however the machine schedules the process."""
     import types
 
-    from harness import timing
+    from harness.measure import timing
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    from harness.dist import free_port
+    from harness.measure.dist import free_port
 
     now = [1000.0]  # seconds
 
@@ -114,8 +114,8 @@ def test_base_row_and_make_row_build_schema_rows():
     timestamp, and a row's own values override the point's."""
     from conftest import compose_cfg
 
-    from harness.point import Point
-    from harness.runner import resolve
+    from harness.config.point import Point
+    from harness.config.point import resolve
 
     point = Point.build(resolve(compose_cfg("device=cpu", "shape=tiny", "workload=zipf")), ep_size=2, device="cpu")
     base = results.base_row(point, run_id="r1", num_nodes=1, world_size=2, env={"gpu_name": None, "hostname": "h"})

@@ -10,8 +10,8 @@ import sys
 import pytest
 from conftest import ROOT, cpu_cfg, use_fake_backends
 
-from harness import results
-from harness.runner import run_benchmark
+from harness.core import results
+from harness.measure.runner import run_benchmark
 
 FAKES = ",".join(f"{k}=fake_backends:{v}" for k, v in {
     "wrong": "WrongOutput", "fails_setup": "FailsSetup", "not_installed": "NotInstalled",
@@ -98,7 +98,7 @@ def test_a_finished_backend_leaves_no_compiled_state():
     a function compiled by one backend is compiled again by the next."""
     import torch
 
-    from harness.runner import _release_memory
+    from harness.measure.runner import _release_memory
 
     compiles = []
 
@@ -118,7 +118,7 @@ def test_a_finished_backend_leaves_no_compiled_state():
 def test_the_allocator_default_is_set_unless_the_user_set_one(monkeypatch):
     """CUDA workers run with expandable segments (kimi_k2_7's mok_hopper backward ran out of memory with 10.8 GiB
     reserved but unallocated without them) unless PYTORCH_CUDA_ALLOC_CONF is set, and rows record the setting."""
-    from harness import env
+    from harness.measure import env
 
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     assert env.cuda_alloc_conf() == env.DEFAULT_ALLOC_CONF == "expandable_segments:True"
@@ -186,7 +186,7 @@ def test_setup_profiles_say_where_each_backends_setup_went(results_dir, tmp_path
             assert ("check.py:run_once" in funcs) == (name == "nccl")  # the first call only after a setup that ran
             text = stem[0].with_suffix(".txt").read_text()
             assert "setup steps under cProfile" in text and "most own time" in text
-    from harness.runner import prepare
+    from harness.measure.runner import prepare
 
     point = prepare(cpu_cfg(results_dir, "ep_size=2", "backends=[nccl]", "directions=[fwd]"))[0]
     assert set(df.config_hash) == {point.config_hash}  # the hash a run without profiles writes
@@ -196,7 +196,7 @@ def test_time_limit_interrupts_and_restores():
     import signal
     import time
 
-    from harness.limits import StepTimeout, time_limit
+    from harness.measure.limits import StepTimeout, time_limit
 
     before = signal.getsignal(signal.SIGALRM)
     finished = []
@@ -303,8 +303,8 @@ def rows_per_rank(ep: int, *overrides: str) -> list[int]:
     import torch
     from conftest import compose_cfg
 
-    from harness.point import make_case
-    from harness.inputs import make_routing
+    from harness.config.point import make_case
+    from harness.measure.inputs import make_routing
 
     case = make_case(compose_cfg("device=cpu", *overrides), ep_size=ep, device="cpu")
     idx = torch.cat([make_routing(case, r)[0] for r in range(ep)])
@@ -403,7 +403,7 @@ def test_cli_default_runs_and_prints_a_table(results_dir):
 
 
 def test_progress_lines():
-    from harness.runner import Progress
+    from harness.measure.runner import Progress
 
     pr = Progress(True, "kimi_k2_7 bf16 uniform EP8 T2048")
     pr.backend = "deepep (2/6)"

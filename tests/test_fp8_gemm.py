@@ -129,10 +129,10 @@ def test_k_grouped_operand_kernel_matches_reference():
 
 
 def test_resolve_and_labels_on_cpu():
-    from harness.config import ConfigError
-    from harness.point import make_case
+    from harness.config.schema import ConfigError
+    from harness.config.point import make_case
 
-    from harness.runner import resolve
+    from harness.config.point import resolve
 
     def case(*o):
         return make_case(resolve(compose_cfg("shape=tiny", "device=cpu", *o)), ep_size=2, device="cpu")
@@ -155,8 +155,8 @@ def test_reports_name_every_fp8_path_by_its_scaling():
     """The report's series names (labels.SCALING_VARIANTS) read each fp8 path's and each TE recipe's `scaling`
     text as written here: a renamed label would otherwise merge two paths into one series again."""
     from baselines.te_common import RECIPE_LABEL
-    from harness.point import make_case
-    from harness.labels import scaling_variant
+    from harness.config.point import make_case
+    from harness.report.labels import scaling_variant
 
     case = make_case(compose_cfg("shape=tiny", "precision=fp8"), ep_size=2, device="cpu")
     names = {p: scaling_variant(fg.scaling_label(p, case, "bf16")) for p in (*fg.FP8_GEMM_PATHS, "emulated")}
@@ -167,8 +167,8 @@ def test_reports_name_every_fp8_path_by_its_scaling():
 
 
 def test_fp8_gemm_enters_the_fp8_config_hash_only():
-    from harness.config import config_hash, to_container
-    from harness.point import make_case
+    from harness.config.schema import config_hash, to_container
+    from harness.config.point import make_case
 
     def h(*o):
         cfg = compose_cfg("shape=tiny", *o)
@@ -177,7 +177,7 @@ def test_fp8_gemm_enters_the_fp8_config_hash_only():
     assert h("fp8_gemm=rowwise") == h()
     assert h("precision=fp8", "fp8_gemm=rowwise") != h("precision=fp8", "fp8_gemm=blockwise")
     # the alias sets every declaring backend's option: the same point as setting each, not as setting one
-    from harness.backend_options import aliases
+    from harness.config.backend_options import aliases
 
     every = tuple(f"{b}.{n}=rowwise" for b, n, _ in aliases()["fp8_gemm"])
     assert {"nccl.fp8_gemm=rowwise", "deepep.fp8_gemm=rowwise", "torch.fp8_gemm=rowwise"} <= set(every)
@@ -191,7 +191,7 @@ def test_fp8_gemm_enters_the_fp8_config_hash_only():
 
 @pytest.mark.slow
 def test_cpu_rows_say_emulated_and_a_real_path_is_unsupported(results_dir):
-    from harness.runner import run_benchmark
+    from harness.measure.runner import run_benchmark
 
     df = run_benchmark(cpu_cfg(results_dir, "ep_size=2", "precision=fp8", "directions=[fwd]",
                                "backends=[nccl]"))
@@ -251,7 +251,7 @@ def test_deep_gemm_build_check(small_check, kind, says):
 def test_deep_gemm_build_check_decides_the_blockwise_path(small_check, monkeypatch):
     """On an SM90 GPU (faked here) a DeepGEMM that fails the check makes fp8_gemm=blockwise unsupported, with the fix
     and the build; one that passes runs, and its rows' scaling carries the check's line. Once per process."""
-    from harness.point import make_case
+    from harness.config.point import make_case
 
     monkeypatch.setattr(fg, "_capability", lambda device: (9, 0))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
@@ -556,7 +556,7 @@ def test_layout_probe_is_exact_on_cpu(kind_b):
 
 
 def test_blockwise_loop_resolves_and_labels_on_cpu():
-    from harness.point import make_case
+    from harness.config.point import make_case
 
     case = make_case(compose_cfg("shape=tiny", "precision=fp8"), ep_size=2, device="cpu")
     path, why = fg.resolve(case, "blockwise_loop")
@@ -569,7 +569,7 @@ def test_auto_keeps_the_fastest_path_and_records_every_time(monkeypatch):
     """The choice and the bookkeeping of ``fastest_experts`` (the timing itself needs CUDA events: the gpu test):
     the fastest forward + backward wins, every path's times are in the line, blockwise and blockwise_loop share one
     quantization of the weights, and one format is held at a time (the pick's is made again after rowwise's)."""
-    from harness.point import make_case
+    from harness.config.point import make_case
 
     case = make_case(compose_cfg("shape=tiny", "precision=fp8"), ep_size=2, device="cpu")
     fake = {"blockwise": (2.0, 5.0), "blockwise_loop": (3.0, 3.5), "rowwise": (1.0, 6.0)}
@@ -633,7 +633,7 @@ def test_scaled_mm_loop_matches_reference_on_gpu():
 @pytest.mark.skipif(not HAS_GPU, reason="no CUDA GPU on this machine")
 def test_auto_times_the_installed_paths_on_gpu():
     """fp8_gemm=auto on this GPU: every real path installed is timed, the pick is one of them and the fastest."""
-    from harness.point import make_case
+    from harness.config.point import make_case
 
     found = fg.auto_candidates("cuda")
     if len(found) < 2:

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from harness import gate as G
-from harness import results
+from harness.gate import gate as G
+from harness.core import results
 
 ROOT = Path(__file__).resolve().parent.parent
 CODE = ("contract", "harness", "baselines", "mok_kernels", "configs", "hydra_plugins", "pyproject.toml")
@@ -61,7 +61,7 @@ def _break(tree: Path) -> None:
 
 def _add_option(tree: Path) -> None:
     """The config gains an option (``gate_probe``) that BASE does not know."""
-    c = tree / "harness" / "config.py"
+    c = tree / "harness" / "config" / "schema.py"
     s = c.read_text()
     old = "    print_table: bool = True\n"
     assert old in s

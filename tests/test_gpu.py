@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from conftest import HAS_GPU, NUM_GPUS, compose_cfg
 
-from harness.runner import run_benchmark
+from harness.measure.runner import run_benchmark
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAS_GPU, reason="no CUDA GPU on this machine")]
 

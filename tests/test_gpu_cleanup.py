@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 from conftest import HAS_GPU, compose_cfg, use_fake_backends
 
-from harness import runner
+from harness.measure import runner
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAS_GPU, reason="no CUDA GPU on this machine: the planted "
                                                                       "backend holds device memory")]

@@ -1,4 +1,4 @@
-"""The GPU clock / power record of a timed window (harness.gpu_clocks), with a stand-in for the driver's NVML."""
+"""The GPU clock / power record of a timed window (harness.measure.gpu_clocks), with a stand-in for the driver's NVML."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import time
 import pytest
 from conftest import cpu_cfg
 
-from harness import gpu_clocks as gc
-from harness.timing import combine_clocks
+from harness.measure import gpu_clocks as gc
+from harness.measure.timing import combine_clocks
 
 
 class FakeNvml:
@@ -131,7 +131,7 @@ def test_nvml_structs_have_the_header_layout():
 
 @pytest.mark.slow
 def test_cpu_rows_carry_the_clock_columns_empty(results_dir):
-    from harness.runner import run_benchmark
+    from harness.measure.runner import run_benchmark
 
     df = run_benchmark(cpu_cfg(results_dir, "ep_size=1", "backends=[nccl]", "directions=[fwd]"))
     assert (df.status == "ok").all()

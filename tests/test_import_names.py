@@ -1,7 +1,7 @@
 """Import names beside the ecosystem's: the project's packages load together with Hugging Face's ``kernels``
 distribution (a transformers dependency) in one environment, and where another distribution's ``baselines`` or
 ``contract`` comes first on the path, the harness's commands say so in one line and exit 2 before anything runs
-(harness/own_packages.py; docs/backends.md, "Import names")."""
+(harness/core/own_packages.py; docs/backends.md, "Import names")."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-COMMANDS = ("harness.run", "harness.report", "harness.gate", "harness.compare", "harness.run_meta", "harness.slurm")
+COMMANDS = ("harness.run", "harness.report", "harness.gate", "harness.compare", "harness.core.run_meta", "harness.slurm")
 PACKAGES = ("contract", "harness", "baselines", "mok_kernels", "mok_tools", "hydra_plugins")
 
 
@@ -97,7 +97,7 @@ def test_a_fresh_venv_imports_the_project_beside_hugging_faces_kernels(tmp_path)
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     probe = ("import json, sysconfig, kernels, harness, baselines, contract, mok_kernels, mok_tools\n"
-             "from harness.own_packages import clash\n"
+             "from harness.core.own_packages import clash\n"
              "print(json.dumps({'site': sysconfig.get_paths()['purelib'], 'get_kernel': hasattr(kernels, 'get_kernel'),"
              " 'clash': clash(), **{m.__name__: m.__file__ for m in (kernels, harness, baselines, contract, "
              "mok_kernels, mok_tools)}}))")

@@ -1,4 +1,4 @@
-"""Device memory beside speed (harness.memory): the arithmetic on a stand-in of the CUDA counters, and the columns
+"""Device memory beside speed (harness.measure.memory): the arithmetic on a stand-in of the CUDA counters, and the columns
 left empty on the CPU."""
 
 from __future__ import annotations
@@ -8,8 +8,9 @@ import math
 import pytest
 import torch
 
-from harness import memory, results
-from harness.timing import combine_memory
+from harness.measure import memory
+from harness.core import results
+from harness.measure.timing import combine_memory
 
 
 class FakeDevice:
@@ -107,7 +108,7 @@ def test_cpu_rows_leave_the_memory_columns_empty(tmp_path):
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from conftest import cpu_cfg
 
-    from harness.runner import run_benchmark
+    from harness.measure.runner import run_benchmark
 
     df = run_benchmark(cpu_cfg(tmp_path / "results", "backends=[nccl]"))
     assert len(df) == 2 and (df["status"] == "ok").all()

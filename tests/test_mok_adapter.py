@@ -270,7 +270,7 @@ def test_forward_and_backward_reach_the_package_in_its_argument_order(fake_mok, 
 
 
 def test_registered_in_the_harness():
-    from harness.backends import BACKENDS, load_backend
+    from harness.core.backends import BACKENDS, load_backend
 
     assert load_backend("mok") is mu.MokBackend
     assert BACKENDS["mok_hopper"] == "mok_kernels.mok_hopper.backend:MokHopperBackend"

@@ -1205,7 +1205,7 @@ def test_a_sweep_variant_is_timed_against_the_default_interleaved(monkeypatch):
     shared by both sides of a round cancels."""
     from mok_tools.mok_hopper import gpu_check as gc
 
-    from harness.timing import Stats
+    from harness.measure.timing import Stats
 
     calls = []
     drift = iter([1.0, 1.0, 2.0, 2.0, 4.0, 4.0])  # the board slows down round by round

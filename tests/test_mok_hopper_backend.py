@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 from conftest import cpu_cfg
 
-from harness.runner import run_benchmark
+from harness.measure.runner import run_benchmark
 from mok_kernels.mok_hopper.backend import MokHopperBackend
 
 

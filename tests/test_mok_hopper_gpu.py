@@ -301,7 +301,7 @@ def _gpu_cfg(results_dir, *overrides):
 
 
 def test_harness_checks_mok_hopper_against_the_reference(results_dir):
-    from harness.runner import run_benchmark
+    from harness.measure.runner import run_benchmark
 
     ep = min(NUM_GPUS, 2)
     df = run_benchmark(_gpu_cfg(results_dir, "shape=tiny", "workload.tokens_per_gpu=256", f"ep_size={ep}",
@@ -317,7 +317,7 @@ def test_harness_checks_mok_hopper_against_the_reference(results_dir):
 @pytest.mark.skipif(NUM_GPUS < 2, reason="needs 2 GPUs")
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
 def test_harness_published_shape_on_two_gpus(results_dir, precision):
-    from harness.runner import run_benchmark
+    from harness.measure.runner import run_benchmark
 
     df = run_benchmark(_gpu_cfg(results_dir, "shape=glm_5_2", "ep_size=2", f"precision={precision}",
                                 "backends=[mok_hopper]", "directions=[fwd]"))
@@ -333,9 +333,9 @@ def test_backend_tile_overrides_without_spin_waits_change_no_bit():
     backward."""
     import torch.distributed as dist
 
-    from harness.check import run_once
-    from harness.point import make_case
-    from harness.inputs import make_inputs
+    from harness.measure.correctness import run_once
+    from harness.config.point import make_case
+    from harness.measure.inputs import make_inputs
     from mok_kernels.mok_hopper.backend import MokHopperBackend
 
     own = not dist.is_initialized()

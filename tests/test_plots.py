@@ -13,10 +13,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import synthetic_results as S  # noqa: E402
 
-from harness import plots as P  # noqa: E402
-from harness import claims as C  # noqa: E402
-from harness import labels as L  # noqa: E402
-from harness import results  # noqa: E402
+from harness.report import plots as P  # noqa: E402
+from harness.report import claims as C  # noqa: E402
+from harness.report import labels as L  # noqa: E402
+from harness.core import results  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 PNG = b"\x89PNG\r\n\x1a\n"

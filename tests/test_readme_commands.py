@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, TESTS
 
-from harness import results
+from harness.core import results
 
 README = ROOT / "README.md"
 CI = ROOT / ".ci" / "run"

@@ -13,11 +13,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import synthetic_results as S  # noqa: E402
 
-from harness import claims as C  # noqa: E402
-from harness import labels as L  # noqa: E402
-from harness import report as R  # noqa: E402
-from harness import results  # noqa: E402
-from harness.roofline import attach_calibration, layer_floors, layer_flops, load_calibration  # noqa: E402
+from harness.report import claims as C  # noqa: E402
+from harness.report import labels as L  # noqa: E402
+from harness.report import report as R  # noqa: E402
+from harness.core import results  # noqa: E402
+from harness.core.roofline import attach_calibration, layer_floors, layer_flops, load_calibration  # noqa: E402
 
 # best baseline per published cell, as read in docs/methodology.md section 10 (values: results/published/)
 PUBLISHED_BEST = {
@@ -232,7 +232,7 @@ def test_variants_of_one_backend_in_one_run_are_separate_series(tmp_path):
     """A run with nccl's fp8 rows on two GEMM paths (their `scaling` differs) reports one series per path: the
     fastest baseline and the speedups use the faster path's own number, not a median over both; a run with one path
     keeps the plain name; the chart draws the two series apart (hatches)."""
-    from harness import plots
+    from harness.report import plots
 
     row_wise = "e4m3 rowwise (per-row activation / per-channel weight scales), torch._scaled_grouped_mm: forward"
     loop = ("e4m3 block 1x128/128x128, torch scaled_mm v2 per-expert loop (fallback: DeepGEMM not loadable): "
@@ -459,7 +459,7 @@ def test_default_output_keeps_full_reports_out_of_the_committed_results(tmp_path
     assert R.default_out([str(results.REFERENCE_RUNS / "h200x2-v11-compiled-20261130T174618")]) == R.DEFAULT_OUT
     assert R.default_out([str(results.LOCAL_RUNS)]) == results.LOCAL_RUNS / "reports"
     assert R.default_out([str(tmp_path)]) == results.LOCAL_RUNS / "reports"
-    from harness.config import BenchConfig
+    from harness.config.schema import BenchConfig
 
     assert Path(BenchConfig.results_dir) == Path("results/local")  # harness.run writes there by default
     ignored = (REPO / ".gitignore").read_text().split()

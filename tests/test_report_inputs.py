@@ -18,9 +18,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import synthetic_results as S  # noqa: E402
 
-from harness import cli_args, plots, results  # noqa: E402
-from harness import compare as CMP  # noqa: E402
-from harness import report as R  # noqa: E402
+from harness.core import tool_args as cli_args, results  # noqa: E402
+from harness.report import plots
+from harness.gate import compare as CMP  # noqa: E402
+from harness.report import report as R  # noqa: E402
 
 UNWRITABLE = Path("/proc/mokbench-test-out")  # no file can be made under /proc, not even by root
 

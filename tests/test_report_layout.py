@@ -16,13 +16,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import synthetic_results as S  # noqa: E402
 
-from harness import claims as C  # noqa: E402
-from harness import plots as P  # noqa: E402
-from harness import report as R  # noqa: E402
-from harness import results  # noqa: E402
-from harness import run_meta as M  # noqa: E402
-from harness import verdicts as V  # noqa: E402
-from harness.run_names import display_name, run_id_of  # noqa: E402
+from harness.report import claims as C  # noqa: E402
+from harness.report import plots as P  # noqa: E402
+from harness.report import report as R  # noqa: E402
+from harness.core import results  # noqa: E402
+from harness.core import run_meta as M  # noqa: E402
+from harness.report import verdicts as V  # noqa: E402
+from harness.core.run_names import display_name, run_id_of  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 MAX_IMAGES = P.HEADLINE_MAX_IMAGES

@@ -1,5 +1,5 @@
-"""The verdicts' headline: each contender over its fastest opponent, like with like (harness.opponents,
-harness.verdicts), on synthetic rows built with harness.results.to_frame."""
+"""The verdicts' headline: each contender over its fastest opponent, like with like (harness.report.opponents,
+harness.report.verdicts), on synthetic rows built with harness.core.results.to_frame."""
 
 from __future__ import annotations
 
@@ -12,14 +12,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import synthetic_results as S  # noqa: E402
 
-from harness import claims as C  # noqa: E402
-from harness import opponents as O  # noqa: E402
-from harness import plots as P  # noqa: E402
-from harness import results  # noqa: E402
-from harness import verdicts as V  # noqa: E402
-from harness.backends import series_name  # noqa: E402
-from harness.labels import forward_kind  # noqa: E402
-from harness.report_markdown import claims_sections  # noqa: E402
+from harness.report import claims as C  # noqa: E402
+from harness.report import opponents as O  # noqa: E402
+from harness.report import plots as P  # noqa: E402
+from harness.core import results  # noqa: E402
+from harness.report import verdicts as V  # noqa: E402
+from harness.core.backends import series_name  # noqa: E402
+from harness.report.labels import forward_kind  # noqa: E402
+from harness.report.markdown import claims_sections  # noqa: E402
 
 OLD, NEW = "2026-12-01T00:00:00+00:00", "2026-12-02T00:00:00+00:00"
 SHAPES = ("kimi_k2_7", "qwen3_5_397b")

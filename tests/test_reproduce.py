@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from harness.claims import load_published
-from harness.labels import SHAPE_ORDER
+from harness.report.claims import load_published
+from harness.report.labels import SHAPE_ORDER
 
 REPO = Path(__file__).resolve().parents[1]
 PAGE = REPO / "docs" / "reproduce.md"

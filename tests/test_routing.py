@@ -1,4 +1,4 @@
-"""The routing models' table (harness/routing.py): one class and one YAML preset each, a planted model that runs,
+"""The routing models' table (harness/config/routing.py): one class and one YAML preset each, a planted model that runs,
 the Megatron-LM W0-W7 presets, incast, the per-step routings and their rows, and the points' hashes."""
 
 from __future__ import annotations
@@ -11,12 +11,13 @@ import torch.distributed as dist
 from conftest import ROOT, compose_cfg, cpu_cfg, free_port_env, use_fake_backends
 from omegaconf import OmegaConf
 
-from harness import routing
-from harness.config import ConfigError, rebuild_schemas
-from harness.inputs import make_inputs
-from harness.point import Point
-from harness.routing_models import RoutingModel, generator, unit_gates
-from harness.runner import resolve, run_benchmark
+from harness.config import routing
+from harness.config.schema import ConfigError, rebuild_schemas
+from harness.measure.inputs import make_inputs
+from harness.config.point import Point
+from harness.config.routing_models import RoutingModel, generator, unit_gates
+from harness.config.point import resolve
+from harness.measure.runner import run_benchmark
 
 T = 256  # tokens per rank: enough for the shares below to be within a few percent
 WIDE = "shape.local_experts=16"
@@ -200,9 +201,9 @@ def test_the_check_covers_every_routing_step(monkeypatch, results_dir):
 
 
 def test_a_sweep_point_file_keeps_the_routing_parameters(tmp_path):
-    """A Slurm sweep's point file (harness.slurm.write_point / load_point) gives back the Case, new parameters and
+    """A Slurm sweep's point file (harness.launch.slurm_plan.write_point / load_point) gives back the Case, new parameters and
     steps included."""
-    from harness import slurm
+    from harness.launch import slurm_plan as slurm
 
     pt = point("workload=megatron_w6", "workload.steps=3")
     sp = slurm.Point(num=0, overrides=[], cfg=pt.as_dict(), case=pt.case, config_hash=pt.config_hash, run_id="r",

@@ -1,4 +1,4 @@
-"""Replayed routing traces (harness/routing_trace.py, configs/workload/trace.yaml, scripts/capture_routing.py): the
+"""Replayed routing traces (harness/config/routing_trace.py, configs/workload/trace.yaml, scripts/capture_routing.py): the
 format and its checks, each rank's share of a trace at EP 1, 2 and 4, the point's identity, the refusals, and a
 trace captured from a tiny transformers MoE model replayed through ``python -m harness.run``."""
 
@@ -17,12 +17,13 @@ import pytest
 import torch
 from conftest import ROOT, TESTS, compose_cfg
 
-from harness import results, routing, routing_trace
-from harness.config import config_hash, to_container
-from harness.errors import ConfigError
-from harness.inputs import make_inputs
-from harness.point import make_case
-from harness.routing import load_stats, make_routing, make_steps
+from harness.core import results
+from harness.config import routing, routing_trace
+from harness.config.schema import config_hash, to_container
+from harness.core.errors import ConfigError
+from harness.measure.inputs import make_inputs
+from harness.config.point import make_case
+from harness.config.routing import load_stats, make_routing, make_steps
 
 PREFIX = "mokbench: invalid configuration: "
 

@@ -14,9 +14,9 @@ from typing import Optional
 import pytest
 from conftest import HAS_GPU, ROOT, TESTS
 
-from harness import results
-from harness.cli import launcher_presets
-from harness.launcher_options import LAUNCHER_SCHEMAS, launcher_keys
+from harness.core import results
+from harness.launch.cli import launcher_presets
+from harness.config.launcher_options import LAUNCHER_SCHEMAS, launcher_keys
 
 PRESETS = ", ".join(launcher_presets())
 SLURM_KEYS = ", ".join(launcher_keys(LAUNCHER_SCHEMAS["slurm"]))
@@ -186,9 +186,9 @@ def test_a_planned_point_of_a_plain_sbatch_sweep_shares_the_run_folder(tmp_path)
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    from harness.cli import hydra_config
-    from harness.runner import _point_of_a_sweep
-    from harness.launcher_options import POINT_FILE
+    from harness.launch.cli import hydra_config
+    from harness.measure.runner import _point_of_a_sweep
+    from harness.config.launcher_options import POINT_FILE
 
     point = tmp_path / "sweep" / "3"
     GlobalHydra.instance().clear()

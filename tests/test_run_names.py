@@ -1,4 +1,4 @@
-"""Run display names (harness.run_names): the committed table, its derivation, and new runs' default ids."""
+"""Run display names (harness.core.run_names): the committed table, its derivation, and new runs' default ids."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ import pandas as pd
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from harness import results  # noqa: E402
-from harness import run_names as N  # noqa: E402
+from harness.core import results  # noqa: E402
+from harness.core import run_names as N  # noqa: E402
 
 
 def test_the_committed_table_is_the_derived_one():
-    """results/runs/names.csv is what ``python -m harness.run_names`` derives from the committed rows."""
+    """results/runs/names.csv is what ``python -m harness.core.run_names`` derives from the committed rows."""
     assert N.main(["--check"]) == 0
 
 
@@ -86,8 +86,8 @@ def test_a_new_run_gets_what_where_and_when_by_default():
 def test_the_runner_names_a_run_without_an_id(monkeypatch):
     """``runner.new_run_id``: the GPUs a run uses (ranks over ranks per GPU), the model from nvidia-smi; a name the
     run-id check takes."""
-    from harness import runner
-    from harness.validate import check_run_id
+    from harness.measure import runner
+    from harness.config.validate import check_run_id
 
     c = {"device": "cpu", "backends": ["nccl"], "precision": {"name": "bf16"}, "directions": ["fwd", "bwd"],
          "shape": {"name": "tiny"}, "ranks_per_gpu": 1}

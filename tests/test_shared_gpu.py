@@ -105,7 +105,7 @@ def _harness(tmp_path, ranks: int, backends: str, precisions: list[str], *, faul
              workloads: str = "uniform,hot_rank") -> tuple[subprocess.CompletedProcess, Any]:
     """``ep_size=P ranks_per_gpu=P`` on this GPU through the harness (P processes, gloo with host staging), uniform
     routing and an idle last rank, forward and backward; ``fault``: a planted fault of mok_kernels/mok_hopper/ipc.py."""
-    from harness import results
+    from harness.core import results
 
     # PYTHONPATH: conftest put tests/ (fake_backends) and the repo on it, before what was there
     env = dict(os.environ, MOKBENCH_EXTRA_BACKENDS="one_rank_per_gpu=fake_backends:OneRankPerGpu,"

@@ -15,8 +15,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import synthetic_results as S  # noqa: E402
 
-from harness import claims as C  # noqa: E402
-from harness import results  # noqa: E402
+from harness.report import claims as C  # noqa: E402
+from harness.core import results  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTE = "ran several ranks on one GPU (shared_gpu): correctness only, left out of speed tables"
@@ -62,7 +62,7 @@ def test_claims_headline_clocks_and_counts_leave_shared_gpu_rows_out_and_say_so(
 
 
 def test_verdicts_never_read_shared_gpu_rows_and_the_block_says_so():
-    from harness import verdicts as V
+    from harness.report import verdicts as V
 
     old = S.verdict_run("run-a", "2026-12-01T00:00:00+00:00", ["nccl", "mok_hopper"])
     newer = S.shared_gpu(S.verdict_run("run-b", "2026-12-05T00:00:00+00:00", ["nccl", "mok_hopper"]))
@@ -84,7 +84,7 @@ def _footnote(fig) -> str:
 
 
 def test_charts_leave_shared_gpu_rows_out_and_say_so_in_their_footnote():
-    from harness import plots as P
+    from harness.report import plots as P
 
     base = S.measured_h200()
     both, n = _with_shared(base)
@@ -115,7 +115,7 @@ def test_charts_leave_shared_gpu_rows_out_and_say_so_in_their_footnote():
 
 
 def test_compare_leaves_shared_gpu_rows_out_with_a_note_and_refuses_a_side_of_them_alone(tmp_path, capsys):
-    from harness import compare
+    from harness.gate import compare
 
     base = S.grid(["nccl", "mok_hopper"], shapes=("qwen3_5_397b",), run_id="base")
     new = [dict(r, run_id="new", row_id=r["row_id"] + "n") for r in base]
@@ -348,7 +348,7 @@ def test_the_probe_merges_its_ranks_records():
 
 
 def test_a_full_report_says_it_left_shared_gpu_rows_out():
-    from harness.report_markdown import format_markdown
+    from harness.report.markdown import format_markdown
 
     base = S.measured_h200()
     both, n = _with_shared(base)

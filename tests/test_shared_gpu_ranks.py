@@ -15,12 +15,12 @@ import torch.multiprocessing as mp
 from conftest import ROOT, compose_cfg, cpu_cfg, use_fake_backends
 
 from contract import comm
-from harness import runner
-from harness.run_names import run_dir_of
-from harness.config import ConfigError, config_hash
-from harness.point import make_case
-from harness.dist import free_port
-from harness.validate import validate_run_options
+from harness.measure import runner
+from harness.core.run_names import run_dir_of
+from harness.config.schema import ConfigError, config_hash
+from harness.config.point import make_case
+from harness.measure.dist import free_port
+from harness.config.validate import validate_run_options
 
 FAKES = "one_rank_per_gpu=fake_backends:OneRankPerGpu,slow_setup=fake_backends:SlowSetup"
 
@@ -83,9 +83,9 @@ def _shared_run(results_dir, monkeypatch, backends: str, *overrides: str):
     """``harness.run``'s own path with ranks_per_gpu=2, on CPU ranks. Validation refuses the option on a CPU (there
     is no GPU to share), so that one check is switched off here; everything else (the launch, the watchdog, the
     rows the launcher fills in) is the runner's."""
-    import harness.validate
+    import harness.config.validate
 
-    monkeypatch.setattr(harness.validate, "_check_shared_gpu", lambda c: None)
+    monkeypatch.setattr(harness.config.validate, "_check_shared_gpu", lambda c: None)
     return runner.run_benchmark(cpu_cfg(results_dir, "ep_size=2", "ranks_per_gpu=2", f"backends={backends}",
                                         "directions=[fwd,bwd]", *overrides))
 
@@ -170,8 +170,8 @@ def test_what_ranks_that_share_a_gpu_cannot_do_is_refused(extra, words):
 
 
 def test_an_idle_rank_gets_no_token_and_needs_enough_other_experts():
-    from harness.validate import validate_case
-    from harness.inputs import make_routing
+    from harness.config.validate import validate_case
+    from harness.measure.inputs import make_routing
 
     case = make_case(_resolved("ep_size=2", *IDLE_RANK), ep_size=2, device="cpu")
     validate_case(case)
@@ -200,7 +200,7 @@ def test_which_backends_run_with_ranks_that_share_a_gpu(monkeypatch):
 
     from baselines.nccl import NcclBackend
     from contract.backend import shared_gpu_unsupported
-    from harness.reference import ReferenceBackend
+    from harness.measure.reference import ReferenceBackend
     from mok_kernels.mok_hopper import ipc
     from mok_kernels.mok_hopper.backend import MokHopperBackend
 
@@ -223,8 +223,9 @@ def test_which_backends_run_with_ranks_that_share_a_gpu(monkeypatch):
 def test_a_run_of_ranks_that_shared_a_gpu_is_no_environment_of_the_speed_charts():
     """The notebook and the charts draw per environment; a run whose rows all shared a GPU times nothing, so it is
     none of them (its panel had no claims to draw and failed)."""
-    from harness import claims, results
+    from harness.report import claims
 
+    from harness.core import results
     df = claims.prepare(results.load(run_dir_of("mok_hopper-bf16-fwd-bwd-custom_h100x1_20261206")), "run")
     assert len(df) and df.shared_gpu.all()
     assert claims.environments(df) == []

@@ -1,4 +1,4 @@
-"""Sweeps through the mokbench launchers (harness/slurm.py, hydra_plugins/mokbench_launcher).
+"""Sweeps through the mokbench launchers (harness/launch/slurm_launch.py, slurm_plan.py, slurm_accounting.py, hydra_plugins/mokbench_launcher).
 
 The dry-run tests need no cluster. The others run against a real Slurm cluster with accounting (CI starts a
 single-node one with .ci/start_slurm.sh) and skip, saying why, where none answers. They run the CPU default (tiny
@@ -23,8 +23,8 @@ import pandas as pd
 import pytest
 from omegaconf import OmegaConf
 
-from harness import results
-from harness.slurm import slurm_status
+from harness.core import results
+from harness.launch.slurm_accounting import slurm_status
 
 REPO = Path(__file__).resolve().parents[1]
 

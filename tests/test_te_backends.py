@@ -23,10 +23,11 @@ import baselines.te_common as tc
 from baselines.common import expert_mlp, swiglu
 from baselines.deepep_te import DeepEPTEBackend
 from baselines.hybridep import dense_routing
-from harness.backend_options import options_for
-from harness.config import ConfigError, config_hash, to_container
-from harness.point import make_case
-from harness.runner import resolve, run_benchmark
+from harness.config.backend_options import options_for
+from harness.config.schema import ConfigError, config_hash, to_container
+from harness.config.point import make_case
+from harness.config.point import resolve
+from harness.measure.runner import run_benchmark
 
 HAS_TE = importlib.util.find_spec("transformer_engine") is not None
 HAS_MEGATRON = hm.has_megatron()

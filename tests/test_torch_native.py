@@ -11,7 +11,7 @@ import torch
 from baselines import compile_modes
 from baselines.common import inverse_permutation
 from conftest import cpu_cfg
-from harness import runner
+from harness.measure import runner
 
 HAS_TITAN = importlib.util.find_spec("torchtitan") is not None
 NO_TITAN = ("torchtitan is not installed here: it is the README's optional set-up line "

@@ -3,7 +3,7 @@ basic launcher with the same validation and dry run; and its sweeper: Hydra's ba
 a sweep before any runs, whatever the launcher.
 
 Hydra instantiates launchers and sweepers only from the ``hydra_plugins`` namespace, so the classes live here; their
-behaviour is in :mod:`harness.slurm` and :mod:`harness.cli`. Hydra's plugin scan imports this module, which also
+behaviour is in :mod:`harness.launch.slurm_launch` and :mod:`harness.launch.cli`. Hydra's plugin scan imports this module, which also
 registers the ``hydra/launcher=mokbench_slurm`` / ``mokbench_local`` / ``mokbench_node`` schemas that
 configs/hydra/launcher/* extend.
 """
@@ -12,9 +12,9 @@ from hydra._internal.core_plugins.basic_launcher import BasicLauncher
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import BaseSubmititLauncher
 
-from harness.cli import SweepValidationMixin
-from harness.launcher_options import register_launcher_configs
-from harness.slurm import MokbenchLauncherMixin, NodeLauncherMixin
+from harness.launch.cli import SweepValidationMixin
+from harness.config.launcher_options import register_launcher_configs
+from harness.launch.slurm_launch import MokbenchLauncherMixin, NodeLauncherMixin
 
 
 class SlurmLauncher(MokbenchLauncherMixin, BaseSubmititLauncher):

@@ -1,5 +1,5 @@
 """The harness backend ``mok_hopper``: :class:`~mok_kernels.mok_hopper.api.MoKHopperLayer` behind the backend
-protocol (fits ``harness.backends.Backend`` structurally; imports nothing from the harness).
+protocol (fits ``harness.core.backends.Backend`` structurally; imports nothing from the harness).
 
 On CUDA it runs the Triton kernels. On the CPU (the harness's gloo test runs) it runs the pure-torch twin of the
 same pipeline (:class:`~mok_kernels.mok_hopper.twin.ranks.DistributedTwin`, forward and backward), and ``info()['notes']``

@@ -15,8 +15,8 @@ Run (repository root, one GPU)::
     TRITON_INTERPRET=1 torchrun --nproc-per-node=1 -m mok_tools.mok_hopper.bwd_check --out DIR --smoke
 
 Everything goes through the harness's own pieces: the backend class the harness runs (``MokHopperBackend``, one per
-value of its ``forward`` option), its inputs (``harness.inputs``: the harness's seed), its reference and comparison
-(``harness.check``), its timing path (``harness.runner.time_direction``: the bwd row times the backward after an
+value of its ``forward`` option), its inputs (``harness.measure.inputs``: the harness's seed), its reference and comparison
+(``harness.measure.correctness``), its timing path (``harness.measure.runner.time_direction``: the bwd row times the backward after an
 untimed forward, as published). What is kept here: per-gradient errors, the repeat check, the stage timer (CUDA
 events between the stages of :func:`mok_kernels.mok_hopper.train.layer_backward`) and the memory figures; ``--sweep`` times launch variants of the backward's GEMMs (``SWEEP``) stage by stage and says
 whether each one's gradients are bitwise the default's.
@@ -41,9 +41,9 @@ from typing import Any, Optional
 import torch
 
 from mok_tools.mok_hopper.gpu_check import Ctx, layer_inputs, med, shape_cases, unrunnable, write_csv
-from harness.check import compare, run_once
-from harness.reference import ReferenceBackend
-from harness.runner import time_direction
+from harness.measure.correctness import compare, run_once
+from harness.measure.reference import ReferenceBackend
+from harness.measure.runner import time_direction
 from mok_kernels.mok_hopper.backend import MokHopperBackend
 from mok_kernels.mok_hopper.options import MokHopperOptions
 from mok_kernels.mok_hopper.tiles import parse_tile_overrides

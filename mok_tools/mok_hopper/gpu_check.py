@@ -8,9 +8,9 @@ Run (repository root; 2 GPUs, then 1)::
     torchrun --nproc-per-node=2 -m mok_tools.mok_hopper.gpu_check --out /tmp/mokh --shapes qwen3_5_397b@8epg
 
 The layer's definitions are the harness's: shapes from ``configs/shape/*.yaml`` (any of them by name; the default is
-the published ones), gates (atol, rtol) from ``configs/precision/*.yaml``, inputs from ``harness.inputs`` (the
+the published ones), gates (atol, rtol) from ``configs/precision/*.yaml``, inputs from ``harness.measure.inputs`` (the
 harness's seed: the same tokens, routing and weights as a harness run of the shape at this EP and token count), the
-reference from ``harness.reference`` and forward times from ``harness.timing.Timer``. What stays here is the
+reference from ``harness.measure.reference`` and forward times from ``harness.measure.timing.Timer``. What stays here is the
 kernel's own: edge-case routings, the stages timed one by one, the timeline stamps, and the sweep of tile variants
 (``mok_tools.mok_hopper.variants``) timed against the default in interleaved rounds.
 
@@ -26,7 +26,7 @@ What it does, every rank in lockstep:
    then a timeline of the real forward (GPU-timer stamps at every phase end, both streams, graph replayed);
 3. a sweep of tile / pipeline variants against the defaults (``SWEEP``; fp8 runs the "fp8:" ones and
    ``SWEEP_FP8``; ``--no-sweep`` skips it);
-4. rates of this machine for the floors (``harness.calibrate``): HBM copy, dense bf16 GEMM, link.
+4. rates of this machine for the floors (``harness.measure.calibrate``): HBM copy, dense bf16 GEMM, link.
 
 Prints a compact table and writes ``DIR/mok_hopper_gpu_check.csv`` (rank 0). Exit code 1 if any check failed, 2
 (one line, before anything runs) for a shape or precision that cannot run here.
@@ -54,12 +54,12 @@ import torch.nn.functional as F
 
 from mok_tools.shapes import make_shape_case, published_shapes, shape_config
 from contract import Case, LayerInputs
-from harness.calibrate import measure
-from harness.check import compare
-from harness.config import ConfigError
-from harness.inputs import make_inputs
-from harness.reference import ReferenceBackend
-from harness.timing import Stats, Timer
+from harness.measure.calibrate import measure
+from harness.measure.correctness import compare
+from harness.config.schema import ConfigError
+from harness.measure.inputs import make_inputs
+from harness.measure.reference import ReferenceBackend
+from harness.measure.timing import Stats, Timer
 from mok_kernels.mok_hopper.api import MoKHopperLayer, default_tile
 from mok_kernels.mok_hopper.tiles import TileConfig, parse_tile_overrides
 from mok_tools.mok_hopper.variants import SWEEP, TIMELINE_VARIANTS, runs_at
@@ -85,7 +85,7 @@ class Ctx:
             self.dev = torch.device("cuda", local)
             dist.init_process_group("nccl", device_id=self.dev)
         self.group = dist.group.WORLD
-        # host-side verdicts (harness.check.compare reduces CPU tensors), as the harness's runner does
+        # host-side verdicts (harness.measure.correctness.compare reduces CPU tensors), as the harness's runner does
         self.ctrl = dist.new_group(backend="gloo") if not smoke else self.group
         self.timer = Timer(self.dev, self.group, align="barrier")  # the harness's one timing path
         self.rows: list[dict[str, Any]] = []
@@ -117,7 +117,7 @@ def edge_routing(case: Case, rank: int, mode: str) -> tuple[torch.Tensor, torch.
     (seeded as the harness seeds a rank) bent to the case: expert 0 never chosen (``empty_expert``), every token's
     first choice on expert 1 (``one_expert``), every token to rank 0's experts (``one_rank``), 20% of the ids -1
     (``masked``: dropped tokens)."""
-    from harness.inputs import make_routing
+    from harness.measure.inputs import make_routing
 
     if mode == "uniform":
         return make_routing(case, rank)
@@ -163,7 +163,7 @@ def reference(ctx: Ctx, case: Case, inp: LayerInputs) -> torch.Tensor:
 
 
 def errors(ctx: Ctx, got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
-    """abs-max and relative-L1 error of the output, worst over ranks (``harness.check.compare``)."""
+    """abs-max and relative-L1 error of the output, worst over ranks (``harness.measure.correctness.compare``)."""
     c = compare({"out": got}, {"out": want}, ctx.ctrl)
     return c["max_abs_err"], c["rel_err"]
 
@@ -173,7 +173,7 @@ def errors(ctx: Ctx, got: torch.Tensor, want: torch.Tensor) -> tuple[float, floa
 
 
 def forward_stats(ctx: Ctx, fn: Callable[[], Any], iters: int, warmup: int) -> Stats:
-    """``fn`` through ``harness.timing.Timer`` (per-iteration events, aligned, max over ranks; the SM clock and
+    """``fn`` through ``harness.measure.timing.Timer`` (per-iteration events, aligned, max over ranks; the SM clock and
     power of the timed iterations in ``clocks``)."""
     return ctx.timer.run(fn, num_warmup=warmup, num_iters=iters)
 
@@ -279,7 +279,7 @@ def grouped_mm_ms(ctx: Ctx, layer: MoKHopperLayer, inp: LayerInputs, iters: int)
 
 
 def machine_rates(ctx: Ctx) -> dict[str, float]:
-    """This machine's rates for the floors, from ``harness.calibrate`` (bf16 dense GEMM TFLOP/s, HBM copy GB/s
+    """This machine's rates for the floors, from ``harness.measure.calibrate`` (bf16 dense GEMM TFLOP/s, HBM copy GB/s
     counting bytes read and written, and with 2+ ranks NCCL all-to-all GB/s; on the CPU of --smoke they are the
     CPU's, and mean nothing for the GPU)."""
     r = measure(ctx.dev, ctx.group, "bf16")

@@ -222,7 +222,7 @@ def _log(r: dict[str, Any]) -> None:
 
 def unrunnable(args: argparse.Namespace) -> Optional[str]:
     """Why these options can never run here (one line, the fix in it), or None."""
-    from harness.cli_args import dir_write_problem
+    from harness.core.tool_args import dir_write_problem
 
     cuda = torch.cuda.is_available()
     if args.mode not in MODES:

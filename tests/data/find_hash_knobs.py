@@ -17,9 +17,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/: committed_points
 
-import harness.config as hc  # noqa: E402
+import harness.config.schema as hc  # noqa: E402
 from committed_points import row_config, value  # noqa: E402
-from harness import results  # noqa: E402
+from harness.core import results  # noqa: E402
 
 
 def candidates(r):
@@ -36,7 +36,7 @@ def candidates(r):
 def main(root):
     make_case = getattr(hc, "make_case", None)  # where the checkout before the options moved has it
     if make_case is None:
-        from harness.point import make_case
+        from harness.config.point import make_case
     d = results.load(root)
     out = {}
     for h, g in d.groupby("config_hash"):

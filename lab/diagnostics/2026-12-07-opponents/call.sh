@@ -79,7 +79,7 @@ for s in "$@"; do
 done
 step "rows"
 python3 - <<'PY' 2>&1 | tee -a "$LOG"
-from harness import results
+from harness.core import results
 d = results.load("/tmp/rows")
 cols = ["run_id", "backend", "backend_options", "precision", "direction", "status", "latency_ms", "compile_mode", "mem_peak_own_bytes",
         "mem_peak_allocated_bytes", "mem_setup_bytes", "sm_clock_mhz", "rel_err", "setup_s", "notes", "error"]
