@@ -67,7 +67,7 @@ def make_inputs(case: Case, rank: int, device: torch.device) -> LayerInputs:
     )
 
 
-_PRINT_CHUNK = 1 << 24  # elements of one int64 temporary in fingerprint (128 MB)
+_PRINT_CHUNK = 1 << 22  # elements of one int64 temporary in fingerprint (32 MB; its weights stay on the device)
 _print_weights: dict[torch.device, torch.Tensor] = {}
 
 
