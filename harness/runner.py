@@ -460,7 +460,7 @@ def run_backend(name: str, point: PointContext) -> Iterator[dict[str, Any]]:
                         for d in point.directions)
             point.agree(run.backend.teardown)
             return
-    _write_setup_profile(run.prof, point.progress)
+    _write_setup_profile(run.prof, point.progress)  # where no check ran (written once: after the check, a no-op)
     if status != "ok":
         yield from (run.row(d, status, error=err, **run.extra) for d in point.directions)
         if run.backend is not None:
