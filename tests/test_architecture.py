@@ -393,3 +393,34 @@ def test_every_function_architecture_md_names_exists():
             defined |= {n.name for n in ast.walk(ast.parse(p.read_text()))
                         if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
     assert not named - defined, sorted(named - defined)
+
+
+
+MAX_FUNCTION_LINES = 80
+
+
+def long_functions(folder: Path, limit: int = MAX_FUNCTION_LINES) -> dict[str, int]:
+    """Every function or method (nested ones too) in the .py files under ``folder``, at any depth, longer than
+    ``limit`` lines from its ``def`` line to its last line: ``path:line name`` -> lines."""
+    out = {}
+    for p in sorted(folder.rglob("*.py")):
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > limit:
+                    out[f"{p.relative_to(folder)}:{node.lineno} {node.name}"] = n
+    return out
+
+
+def test_no_harness_function_grows_past_80_lines():
+    long = long_functions(ROOT / "harness")
+    assert not long, f"split these into named steps, {MAX_FUNCTION_LINES} lines at most: {long}"
+
+
+def test_the_length_check_sees_a_long_method_in_a_sub_package(tmp_path):
+    body = "".join(f"        x{i} = {i}\n" for i in range(MAX_FUNCTION_LINES))  # with the def line: one too many
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "m.py").write_text("class C:\n    def short(self):\n        pass\n\n"
+                                           f"    def long(self):\n{body}")
+    assert long_functions(tmp_path) == {"sub/m.py:5 long": MAX_FUNCTION_LINES + 1}
+    assert long_functions(tmp_path, MAX_FUNCTION_LINES + 1) == {}

@@ -24,7 +24,7 @@ GATES = {"bf16": (0.5, 0.01), "fp8": (1.0, 0.1)}
 
 
 def _inputs(mode: str, K: int = 4, T: int = 512, E: int = 16, H: int = 1024, I: int = 512, seed: int = 0):
-    from test_mok_hopper import make_layer_inputs
+    from mok_hopper_layers import make_layer_inputs
 
     xs, idx, ws, w13, w2, sh = make_layer_inputs(1, T, K, E, H, I, seed=seed, mode=mode)
     dev = torch.device("cuda")
@@ -41,7 +41,7 @@ def _inputs(mode: str, K: int = 4, T: int = 512, E: int = 16, H: int = 1024, I: 
     ("masked", 4),  # ids < 0 are skipped and contribute nothing
 ])
 def test_single_gpu_matches_the_reference(precision, mode, K):
-    from test_mok_hopper import plain_reference, rel_l1
+    from mok_hopper_layers import plain_reference, rel_l1
 
     from mok_kernels.mok_hopper.api import MoKHopperLayer
 
@@ -228,7 +228,7 @@ def test_single_gpu_save_h_matches_torch(rows, limit):
     matmul; H within bf16 rounding, clamp decisions exact away from the limit), on uneven loads that give every
     tile kind, after the eager first call and again after a graph replay (the buffers refilled with NaN / 7 in
     between: the replay must write them in place); the forward bitwise that of the layer without save_h."""
-    from test_mok_hopper import check_saved_h
+    from mok_hopper_layers import check_saved_h
 
     from mok_kernels.mok_hopper.api import MoKHopperLayer
 
@@ -263,7 +263,7 @@ def test_single_gpu_save_h_matches_torch(rows, limit):
 
 def test_single_gpu_kernels_agree_with_the_twin_to_rounding():
     """The kernel pipeline and its pure-torch twin do the same math with the same roundings."""
-    from test_mok_hopper import rel_l1
+    from mok_hopper_layers import rel_l1
 
     from mok_kernels.mok_hopper.twin import forward as twin
     from mok_kernels.mok_hopper.api import MoKHopperLayer

@@ -509,7 +509,8 @@ def _load_side(paths: Sequence[str], what: str, skip_damaged: bool = False) -> p
     return df
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def _parser() -> ArgumentParser:
+    """The command line of ``python -m harness.compare``."""
     ap = ArgumentParser(
         prog="python -m harness.compare", description=__doc__.split("\n\n")[0],
         epilog="exit codes: 0 no regression; 1 regression or status change from ok; 2 bad arguments, an output that "
@@ -543,7 +544,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--mixed-env", action="store_true",
                     help="compare rows of different environments (CPU and GPU, GPU models, devices) within a side or "
                          "across BASE and NEW; refused without it")
-    a = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    a = _parser().parse_args(argv)
     backends = [x.strip() for b in a.backend for x in b.split(",") if x.strip()]
     try:
         min_change = parse_fraction(a.min_change, "--threshold")

@@ -157,7 +157,9 @@ class PointContext:
 
 def worker(payload: dict, renv: RankEnv) -> None:
     """One rank of a point: ``payload`` holds the resolved configuration (``cfg``, plain values), from which each
-    rank builds the same :class:`Point`, and where the rows go."""
+    rank builds the same :class:`Point`, and where the rows go. Its stages, each agreed across ranks: the inputs,
+    the routing steps, the calibration, the reference, then each backend in turn (:func:`_run_backends`); a stage
+    before the backends that fails gives every backend's rows its error."""
     device = payload["device"]
     if device == "cpu":  # ranks share the machine's cores: oversubscribed intra-op threads distort the timings
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, renv.world_size)))
@@ -169,43 +171,27 @@ def worker(payload: dict, renv: RankEnv) -> None:
     group = dist.group.WORLD
     ctrl = dist.new_group(backend="gloo") if device == "cuda" else group
     agree = _Agree(ctrl)
-    rank0 = renv.rank == 0
     base = base_row(pt, run_id=payload["run_id"], num_nodes=renv.num_nodes, world_size=renv.world_size,
                     env=envinfo.collect(case.device))
-    handoff = payload.get("handoff") or {}
-    # a hand-off (processes of their own) continues the job's file: the rows of the earlier processes stay
-    rows: list[dict] = results.read_file(payload["path"]).to_dict("records") if handoff and rank0 and \
-        Path(payload["path"]).exists() else []
-    progress = Progress(rank0, point_label(case, payload.get("point")))
-
-    def emit(row: dict) -> None:
-        if rank0:
-            rows.append(row)
-            results.write_rows(payload["path"], rows)
-
+    sink = JobRows(payload, keep=renv.rank == 0)
+    progress = Progress(renv.rank == 0, point_label(case, payload.get("point")))
     timer = Timer(dev, group, align=cfg.timing.align, l2_flush=cfg.timing.l2_flush)
     directions = list(cfg.directions)
     need_grads = any(d != "fwd" for d in directions)
 
     why = routing.unsupported(case)  # a routing the harness cannot make yet: every backend's row says why
     if why:
-        for b in cfg.backends:
-            for d in directions:
-                emit(make_row(base, b, d, "unsupported", error=why))
+        sink.every_row(pt, base, "unsupported", why)
         return
     progress.start("inputs")
     status, err, inputs = agree(lambda: make_inputs(case, renv.rank, dev))
     progress.end(status)
     if status != "ok":
-        for b in cfg.backends:
-            for d in directions:
-                emit(make_row(base, b, d, status, error=f"input generation failed: {err}"))
+        sink.every_row(pt, base, status, f"input generation failed: {err}")
         return
     status, err, steps = agree(lambda: RoutingSteps.build(case, renv.rank, inputs, group))
     if status != "ok":
-        for b in cfg.backends:
-            for d in directions:
-                emit(make_row(base, b, d, status, error=f"routing steps failed: {err}"))
+        sink.every_row(pt, base, status, f"routing steps failed: {err}")
         return
     base.update(steps.stats())
 
@@ -223,65 +209,105 @@ def worker(payload: dict, renv: RankEnv) -> None:
     if cfg.check:
         from harness.measure.reference import ReferenceBackend
 
-        def _ref():  # step -> outputs, for every routing step the check covers
-            b = ReferenceBackend(case, group)
-            b.setup(inputs)
-            out = {}
-            for s in steps.checked:
-                steps.select(inputs, s)
-                out[s] = _to_host(run_once(b, inputs, need_grads))
-            b.teardown()
-            return out
-
         progress.start("reference")
-        status, err, ref = agree(_ref)
+        status, err, ref = agree(lambda: _reference_outputs(ReferenceBackend(case, group), inputs, steps, need_grads))
         progress.end(status)
         if status != "ok":
-            for b in cfg.backends:
-                for d in directions:
-                    emit(make_row(base, b, d, status, error=f"reference failed: {err}"))
+            sink.every_row(pt, base, status, f"reference failed: {err}")
             return
 
     point = PointContext(point=pt, inputs=inputs, steps=steps, ref=ref, group=group, ctrl=ctrl, agree=agree,
                          timer=timer, base=base, directions=directions, need_grads=need_grads, progress=progress)
+    _run_backends(point, payload, renv, sink)
+    progress.backend = ""
+    progress.note(f"done: {len(sink.rows)} rows")
+    inputs = ref = point = None  # free the layer inputs and reference tensors before the final barrier
+    dist.barrier(group=ctrl)
+
+
+class JobRows:
+    """The rows of the job's file, kept and written by rank 0 (``keep``) as each comes; other ranks keep none. A
+    hand-off (processes of their own) continues the job's file: the rows of the earlier processes stay."""
+
+    def __init__(self, payload: dict, keep: bool) -> None:
+        self.path, self.keep = payload["path"], keep
+        self.rows: list[dict] = results.read_file(self.path).to_dict("records") if payload.get("handoff") and \
+            keep and Path(self.path).exists() else []
+
+    def emit(self, row: dict) -> None:
+        if self.keep:
+            self.rows.append(row)
+            results.write_rows(self.path, self.rows)
+
+    def every_row(self, pt: Point, base: dict, status: str, error: str) -> None:
+        """One row per backend and direction of the point, each with this status and error."""
+        for b in pt.config.backends:
+            for d in pt.config.directions:
+                self.emit(make_row(base, b, d, status, error=error))
+
+
+def _reference_outputs(b, inputs: LayerInputs, steps: RoutingSteps, need_grads: bool) -> dict[int, dict]:
+    """step -> the reference backend ``b``'s outputs (in host memory), for every routing step the check covers."""
+    b.setup(inputs)
+    out = {}
+    for s in steps.checked:
+        steps.select(inputs, s)
+        out[s] = _to_host(run_once(b, inputs, need_grads))
+    b.teardown()
+    return out
+
+
+def _run_backends(point: PointContext, payload: dict, renv: RankEnv, sink: JobRows) -> None:
+    """Each backend of the point in its order (``payload["order"]``, else :func:`run_order`), from this process set's
+    first (a hand-off's position); after each, its memory released, and where the next must run in fresh processes
+    (:func:`_next_needs_fresh_processes`) the hand-off written, or, under torchrun or Slurm, the rest's error rows."""
+    pt, inputs, steps, base = point.point, point.inputs, point.steps, point.base
+    handoff = payload.get("handoff") or {}
     order = list(payload.get("order") or run_order(pt))
     first = handoff.get("position", 0)  # this process set's first backend in the point's order
-    probe = memory.Probe.of(timer.device)
+    probe = memory.Probe.of(point.timer.device)
     _release_memory()
     start_used = probe.used() if probe is not None else None  # the point's inputs and reference, all processes
     steps.select(inputs, 0)
     start_print = fingerprint(inputs)  # what every backend must leave as it found it
-
-    def inputs_changed() -> list[str]:
-        steps.select(inputs, 0)  # the routing tensors are the steps' to rewrite
-        now = fingerprint(inputs)
-        return [k for k, v in start_print.items() if now.get(k) != v]
     for pos in range(first, len(order)):
         name = order[pos]
-        progress.backend = f"{name} ({pos + 1}/{len(order)})"
+        point.progress.backend = f"{name} ({pos + 1}/{len(order)})"
         own_note = handoff.get("note", "") if pos == first else ""
         for row in run_backend(name, dataclasses.replace(point, base=dict(base, backend_position=pos))):
-            emit(dict(row, notes=_with_note(row.get("notes"), own_note)) if own_note else row)
+            sink.emit(dict(row, notes=_with_note(row.get("notes"), own_note)) if own_note else row)
         _release_memory()  # the next backend must not inherit anything of this one (its memory, its compiles)
         if pos + 1 == len(order):
             break
-        why = _next_needs_fresh_processes(pt, order, pos, probe, start_used, ctrl, inputs_changed())
+        why = _next_needs_fresh_processes(pt, order, pos, probe, start_used, point.ctrl,
+                                          _inputs_changed(point, start_print))
         if why:
-            if renv.launcher == "spawn":
-                if rank0:
-                    _write_handoff(payload["path"], {"position": pos + 1, "note": why})
-            else:  # torchrun / Slurm started these ranks: this harness cannot start fresh ones
-                for b in order[pos + 1:]:
-                    for d in directions:
-                        emit(make_row(dict(base, backend_position=order.index(b)), b, d, "error",
-                                      error=f"{why}; the ranks were started by {renv.launcher}, not by this harness, "
-                                            f"so no fresh process could run it: run {b} in a job of its own "
-                                            f"(backends=[{b}])", backend_options=pt.options_text(b)))
+            _hand_off(point, payload, renv, sink, order, pos, why)
             break
-    progress.backend = ""
-    progress.note(f"done: {len(rows)} rows")
-    inputs = ref = point = None  # free the layer inputs and reference tensors before the final barrier
-    dist.barrier(group=ctrl)
+
+
+def _inputs_changed(point: PointContext, start_print: dict) -> list[str]:
+    """The input fields whose fingerprint differs from the point's start (on this rank)."""
+    point.steps.select(point.inputs, 0)  # the routing tensors are the steps' to rewrite
+    now = fingerprint(point.inputs)
+    return [k for k, v in start_print.items() if now.get(k) != v]
+
+
+def _hand_off(point: PointContext, payload: dict, renv: RankEnv, sink: JobRows, order: list[str], pos: int,
+              why: str) -> None:
+    """The backends after ``order[pos]`` go to fresh processes: spawned ranks leave the hand-off for the launching
+    process; ranks that torchrun or Slurm started cannot, and write each remaining backend's error rows."""
+    pt = point.point
+    if renv.launcher == "spawn":
+        if renv.rank == 0:
+            _write_handoff(payload["path"], {"position": pos + 1, "note": why})
+        return
+    for b in order[pos + 1:]:
+        for d in point.directions:
+            sink.emit(make_row(dict(point.base, backend_position=order.index(b)), b, d, "error",
+                               error=f"{why}; the ranks were started by {renv.launcher}, not by this harness, "
+                                     f"so no fresh process could run it: run {b} in a job of its own "
+                                     f"(backends=[{b}])", backend_options=pt.options_text(b)))
 
 
 def _release_memory() -> None:
@@ -379,174 +405,252 @@ def _write_setup_profile(prof: SetupProfile, progress: Progress) -> None:
 
 
 def run_backend(name: str, point: PointContext) -> Iterator[dict[str, Any]]:
-    """Yield one row per direction for one backend at one sweep point. Never raises for backend failures."""
-    pt, inputs, ref, group, ctrl = point.point, point.inputs, point.ref, point.group, point.ctrl
-    steps = point.steps
-    agree, timer, base, directions, progress = point.agree, point.timer, point.base, point.directions, point.progress
-    case, cfg, need_grads = pt.case, pt.config, point.need_grads
-    t = dataclasses.asdict(cfg.timing)
-
-    options = pt.options(name)  # None: the backend declares none
-    if options is not None:
-        base = dict(base, backend_options=options_text(options))
-    status, err, cls = agree(lambda: load_backend(name))
-    if status != "ok":
-        for d in directions:
-            yield make_row(base, name, d, "unsupported" if "BackendImportError" in err else status, error=err)
-        return
-    status, err, _ = agree(lambda: _require_supported(cls, case, options))  # every rank takes the same branch
-    if status != "ok":
-        for d in directions:
-            yield make_row(base, name, d, status, error=err)
-        return
-    shared = pt.ranks_per_gpu > 1
-    why = shared_gpu_unsupported(cls, case, name, pt.ranks_per_gpu) if shared else None
-    if why:
-        for d in directions:
-            yield make_row(base, name, d, "unsupported", error=why)
+    """Yield one row per direction for one backend at one sweep point, stage by stage: can it run here, its setup,
+    its first call checked against the reference, its memory, its traffic, its timing per direction, its teardown.
+    Never raises for backend failures. Every step that can fail is agreed across ranks (``point.agree``), so every
+    rank takes the same branch."""
+    options = point.point.options(name)  # None: the backend declares none
+    base = point.base if options is None else dict(point.base, backend_options=options_text(options))
+    cls, refused = _supported(name, point, options)
+    if refused is not None:
+        yield from (make_row(base, name, d, refused[0], error=refused[1]) for d in point.directions)
         return
 
-    backend = None
-    t_setup = time.perf_counter()
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    prof = SetupProfile(cfg.profile_setup_dir, f"{base.get('run_id')}-{pt.config_hash[:8]}-"
-                        f"{case.shape}-{case.precision}-ep{case.ep_size}-{name}-rank{rank}")
-
-    probe = memory.Probe.of(timer.device)
-    mem: dict[str, float] = {}
-
-    def _setup():
-        nonlocal backend
-        before = memory.allocated(probe)
-        timer.own_base(before)  # the timed windows' peaks less this: the backend's own memory
-        with prof.on():
-            backend = cls(case, group) if options is None else cls(case, group, options)
-            with time_limit(cfg.setup_timeout_s, f"{name}'s setup"):
-                backend.setup(inputs)
-        mem[memory.SETUP] = memory.held_since(probe, before)
-
-    progress.start("setup (construct, buffers, JIT builds)")
-    status, err, _ = agree(_setup)
-    progress.end(status)
-    info: dict[str, Any] = {}
-    if status == "ok":
-        _, _, info = agree(backend.info)
-        info = info or {}
-    grads_supported = any(direction_unsupported(cls, case, d, options) is None for d in directions if d != "fwd")
-    extra: dict[str, Any] = dict(info)
-    if prof.folder is not None:  # cProfile slows Python-heavy setups: the row says its setup_s was profiled
-        extra["notes"] = _with_note(extra.get("notes"), "setup under cProfile (profile_setup_dir): setup_s includes "
-                                                        "the profiler's overhead")
-
-    # The gate, per direction: a forward row needs the output to match; a backward row needs the output and every
-    # gradient (a backend whose gradients are off still has a valid forward, and is timed forward).
-    gate: dict[str, tuple[str, Optional[str], dict[str, Any]]] = {}
-    if status == "ok" and ref is not None:
-        with_grads = need_grads and grads_supported
-
-        def _check():  # every checked routing step, step 0 last (the traffic columns read the last forward)
-            fulls, outs = [], []
-            for s in steps.checked:
-                steps.select(inputs, s)
-                with prof.on():
-                    got = run_once(backend, inputs, with_grads)
-                r = ref[s]
-                full = compare(got, r if with_grads else {"out": r["out"]}, ctrl)
-                fulls.append((s, full))
-                outs.append((s, compare({"out": got["out"]}, {"out": r["out"]}, ctrl) if with_grads else full))
-            return worst(fulls), worst(outs)
-
-        compiling = " (torch.compile and its autotuning run here)" if info.get("compiled") else ""
-        progress.start(f"check: first call against the reference{compiling}")
-        status, err, verdicts = agree(_check)
-        extra["setup_s"] = round(time.perf_counter() - t_setup, 2)
-        if status == "ok":
-            for d in directions:
-                gate[d] = _gate(verdicts[1] if d == "fwd" else verdicts[0], case)
-        progress.end(status, ", ".join(f"{d} {g[0]}" for d, g in gate.items()))
-        _write_setup_profile(prof, progress)
-        if status == "ok" and all(g[0] != "ok" for g in gate.values()):
-            for d in directions:
-                yield make_row(base, name, d, gate[d][0], error=gate[d][1], **extra, **gate[d][2])
-            agree(backend.teardown)
+    run = BackendRun.start(name, cls, options, base, point)
+    status, err = _set_up(run, point)
+    if status == "ok" and point.ref is not None:
+        status, err = _check_first_call(run, point)
+        if status == "ok" and all(g[0] != "ok" for g in run.gate.values()):  # nothing left to time
+            yield from (run.row(d, run.gate[d][0], error=run.gate[d][1], **run.extra, **run.gate[d][2])
+                        for d in point.directions)
+            point.agree(run.backend.teardown)
             return
-    _write_setup_profile(prof, progress)
+    _write_setup_profile(run.prof, point.progress)  # where no check ran (written once: after the check, a no-op)
     if status != "ok":
-        for d in directions:
-            yield make_row(base, name, d, status, error=err, **extra)
-        if backend is not None:
-            agree(backend.teardown)
+        yield from (run.row(d, status, error=err, **run.extra) for d in point.directions)
+        if run.backend is not None:
+            point.agree(run.backend.teardown)
         return
     # construction plus the checked first call, which pays for torch.compile (autotuning included) and JIT builds
-    extra.setdefault("setup_s", round(time.perf_counter() - t_setup, 2))
+    run.extra.setdefault("setup_s", round(time.perf_counter() - run.t_setup, 2))
 
-    if name == "reference" and not cfg.time_reference:
-        for d in directions:
-            yield make_row(base, name, d, "ok", **{
-                **extra, **gate.get(d, ("ok", None, {}))[2],
-                "notes": "ground truth, not timed (set time_reference=true to time it)"})
-        agree(backend.teardown)
+    if name == "reference" and not point.point.config.time_reference:
+        yield from (run.row(d, "ok", **{**run.extra, **run.checked(d),
+                                        "notes": "ground truth, not timed (set time_reference=true to time it)"})
+                    for d in point.directions)
+        point.agree(run.backend.teardown)
         return
 
-    if probe is not None:  # what the backend holds, and what one training forward keeps until its backward
-        def _memory():
-            x, w = leaves(inputs, True)
-            mem[memory.ACTIVATION] = memory.activation_bytes(probe, lambda: backend.forward(x, inputs.topk_idx_TK, w))
-            return memory.max_over_ranks(mem, timer.device, group)
+    if run.probe is not None:
+        _measure_memory(run, point)
+    _measure_traffic(run, point)
+    blind = memory.graph_blind(run.extra)  # allocator peaks a CUDA graph replay does not show
+    if blind:
+        run.note(memory.GRAPH_BLIND_NOTE)
+    for d in point.directions:
+        yield _direction_row(run, point, d, blind)
+    point.agree(run.backend.teardown)
 
-        status, err, held = agree(_memory)
-        if status == "ok":
-            extra.update({k: v for k, v in held.items() if v == v})
-        else:
-            extra["notes"] = _with_note(extra.get("notes"), f"memory not measured: {err}")
 
-    # Byte counts and per-phase bandwidth (communication kernels alone, on the last forward's rows; without the
-    # check no forward has run yet, so _traffic runs one, untimed).
+@dataclass
+class BackendRun:
+    """One backend at one sweep point, as its stages in :func:`run_backend` leave it: its class and options, the
+    columns of its rows (``base``), the setup's profile and start time, the device-memory probe, the backend once
+    constructed, what it says of itself (``info``), whether it runs any gradient direction, the columns its stages
+    add (``extra``), the memory it holds (``mem``) and the check's verdict per direction (``gate``: status, error,
+    error columns)."""
+
+    name: str
+    cls: type
+    options: Any
+    base: dict[str, Any]
+    prof: SetupProfile
+    probe: Optional[memory.Probe]
+    t_setup: float
+    backend: Any = None
+    info: dict[str, Any] = field(default_factory=dict)
+    grads_supported: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+    mem: dict[str, float] = field(default_factory=dict)
+    gate: dict[str, tuple[str, Optional[str], dict[str, Any]]] = field(default_factory=dict)
+
+    @classmethod
+    def start(cls, name: str, backend_cls: type, options: Any, base: dict[str, Any],
+              point: PointContext) -> "BackendRun":
+        """Before the setup: its clock starts, and its profile (``profile_setup_dir``) is named."""
+        pt, case = point.point, point.point.case
+        t_setup = time.perf_counter()
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        prof = SetupProfile(pt.config.profile_setup_dir, f"{base.get('run_id')}-{pt.config_hash[:8]}-"
+                            f"{case.shape}-{case.precision}-ep{case.ep_size}-{name}-rank{rank}")
+        return cls(name, backend_cls, options, base, prof, memory.Probe.of(point.timer.device), t_setup)
+
+    def row(self, direction: str, status: str, **cols: Any) -> dict[str, Any]:
+        return make_row(self.base, self.name, direction, status, **cols)
+
+    def checked(self, direction: str) -> dict[str, Any]:
+        """The check's error columns of a direction (none where the check did not run)."""
+        return self.gate.get(direction, ("ok", None, {}))[2]
+
+    def note(self, text: str) -> None:
+        self.extra["notes"] = _with_note(self.extra.get("notes"), text)
+
+
+def _supported(name: str, point: PointContext, options: Any) -> tuple[Optional[type], Optional[tuple[str, str]]]:
+    """The backend's class, and (status, error) of every row where it cannot run here (None where it can): its
+    import fails, it declares the point unsupported, or it cannot share a GPU between ranks."""
+    case, agree = point.point.case, point.agree
+    status, err, cls = agree(lambda: load_backend(name))
+    if status != "ok":
+        return None, ("unsupported" if "BackendImportError" in err else status, err)
+    status, err, _ = agree(lambda: _require_supported(cls, case, options))  # every rank takes the same branch
+    if status != "ok":
+        return cls, (status, err)
+    rpg = point.point.ranks_per_gpu
+    why = shared_gpu_unsupported(cls, case, name, rpg) if rpg > 1 else None
+    if why:
+        return cls, ("unsupported", why)
+    return cls, None
+
+
+def _set_up(run: BackendRun, point: PointContext) -> tuple[str, str]:
+    """Construct the backend and run its setup (agreed), then ask what it says of itself and which directions it
+    runs; (status, error)."""
+    point.progress.start("setup (construct, buffers, JIT builds)")
+    status, err, _ = point.agree(lambda: _construct(run, point))
+    point.progress.end(status)
+    if status == "ok":
+        _, _, info = point.agree(run.backend.info)
+        run.info = info or {}
+    run.grads_supported = any(direction_unsupported(run.cls, point.point.case, d, run.options) is None
+                              for d in point.directions if d != "fwd")
+    run.extra = dict(run.info)
+    if run.prof.folder is not None:  # cProfile slows Python-heavy setups: the row says its setup_s was profiled
+        run.note("setup under cProfile (profile_setup_dir): setup_s includes the profiler's overhead")
+    return status, err
+
+
+def _construct(run: BackendRun, point: PointContext) -> None:
+    """The backend built and set up on the point's inputs (``run.backend`` set as soon as it exists, so that a failed
+    setup is still torn down), under the setup limit and the profile; the memory the setup kept."""
+    case, group, cfg = point.point.case, point.group, point.point.config
+    before = memory.allocated(run.probe)
+    point.timer.own_base(before)  # the timed windows' peaks less this: the backend's own memory
+    with run.prof.on():
+        run.backend = run.cls(case, group) if run.options is None else run.cls(case, group, run.options)
+        with time_limit(cfg.setup_timeout_s, f"{run.name}'s setup"):
+            run.backend.setup(point.inputs)
+    run.mem[memory.SETUP] = memory.held_since(run.probe, before)
+
+
+def _check_first_call(run: BackendRun, point: PointContext) -> tuple[str, str]:
+    """The backend's first calls against the reference (agreed); sets ``run.gate``, per direction: a forward row
+    needs the output to match; a backward row needs the output and every gradient (a backend whose gradients are off
+    still has a valid forward, and is timed forward). (status, error) of the check itself."""
+    case, progress = point.point.case, point.progress
+    with_grads = point.need_grads and run.grads_supported
+    compiling = " (torch.compile and its autotuning run here)" if run.info.get("compiled") else ""
+    progress.start(f"check: first call against the reference{compiling}")
+    status, err, verdicts = point.agree(lambda: _checked_calls(run, point, with_grads))
+    run.extra["setup_s"] = round(time.perf_counter() - run.t_setup, 2)
+    if status == "ok":
+        for d in point.directions:
+            run.gate[d] = _gate(verdicts[1] if d == "fwd" else verdicts[0], case)
+    progress.end(status, ", ".join(f"{d} {g[0]}" for d, g in run.gate.items()))
+    _write_setup_profile(run.prof, progress)
+    return status, err
+
+
+def _checked_calls(run: BackendRun, point: PointContext, with_grads: bool) -> tuple[dict, dict]:
+    """Every checked routing step, step 0 last (the traffic columns read the last forward): the worst verdict over
+    all the compared tensors, and over the output alone."""
+    steps, inputs, ref, ctrl = point.steps, point.inputs, point.ref, point.ctrl
+    fulls, outs = [], []
+    for s in steps.checked:
+        steps.select(inputs, s)
+        with run.prof.on():
+            got = run_once(run.backend, inputs, with_grads)
+        r = ref[s]
+        full = compare(got, r if with_grads else {"out": r["out"]}, ctrl)
+        fulls.append((s, full))
+        outs.append((s, compare({"out": got["out"]}, {"out": r["out"]}, ctrl) if with_grads else full))
+    return worst(fulls), worst(outs)
+
+
+def _measure_memory(run: BackendRun, point: PointContext) -> None:
+    """What the backend holds, and what one training forward keeps until its backward (agreed; the columns, or a
+    note that says why they are empty)."""
+    status, err, held = point.agree(lambda: _held_memory(run, point))
+    if status == "ok":
+        run.extra.update({k: v for k, v in held.items() if v == v})
+    else:
+        run.note(f"memory not measured: {err}")
+
+
+def _held_memory(run: BackendRun, point: PointContext) -> dict[str, float]:
+    inputs = point.inputs
+    x, w = leaves(inputs, True)
+    run.mem[memory.ACTIVATION] = memory.activation_bytes(run.probe,
+                                                         lambda: run.backend.forward(x, inputs.topk_idx_TK, w))
+    return memory.max_over_ranks(run.mem, point.timer.device, point.group)
+
+
+def _measure_traffic(run: BackendRun, point: PointContext) -> None:
+    """Byte counts and per-phase bandwidth (communication kernels alone, on the last forward's rows; without the
+    check no forward has run yet, so :func:`_traffic` runs one, untimed). A failure is a note: the layer itself may
+    still time fine."""
+    progress, case = point.progress, point.point.case
+    t = dataclasses.asdict(point.point.config.timing)
+    t_traffic = dict(t, phase_iters=0) if point.point.ranks_per_gpu > 1 else t  # ranks that share a GPU time nothing
     progress.start("bytes and per-phase bandwidth")
-    t_traffic = dict(t, phase_iters=0) if shared else t  # ranks that share a GPU time nothing
-    status, err, traffic = agree(lambda: _traffic(backend, case, group, timer, t_traffic,
-                                                  inputs if ref is None else None))
+    status, err, traffic = point.agree(lambda: _traffic(run.backend, case, point.group, point.timer, t_traffic,
+                                                        point.inputs if point.ref is None else None))
     progress.end(status)
     if status == "ok":
-        extra.update(traffic)
-    else:  # the layer itself may still time fine: keep going, and say why the byte columns are empty
-        extra["notes"] = _with_note(extra.get("notes"), f"traffic / phase timing failed: {err}")
+        run.extra.update(traffic)
+    else:
+        run.note(f"traffic / phase timing failed: {err}")
 
-    blind = memory.graph_blind(extra)  # allocator peaks a CUDA graph replay does not show
-    if blind:
-        extra["notes"] = _with_note(extra.get("notes"), memory.GRAPH_BLIND_NOTE)
-    for d in directions:
-        checked = gate.get(d, ("ok", None, {}))[2]
-        why = direction_unsupported(cls, case, d, options)
-        if why is not None:
-            yield make_row(base, name, d, "unsupported", error=why, **extra, **checked)
-            continue
-        if d in gate and gate[d][0] != "ok":
-            yield make_row(base, name, d, gate[d][0], error=gate[d][1], **extra, **checked)  # mismatches: not timed
-            continue
-        if shared:
-            note = f"{pt.ranks_per_gpu} ranks shared each GPU: checked against the reference, not timed"
-            yield make_row(base, name, d, "ok", **{**extra, **checked, "notes": _with_note(extra.get("notes"), note)})
-            continue
-        progress.start(f"timing {d} ({t['num_warmup']} warmup + {t['num_iters']} timed)")
-        status, err, stats = agree(lambda: time_direction(backend, inputs, d, timer, t, steps))
-        progress.end(status, f"median {stats.median_ms:.4g} ms" if status == "ok" else "")
-        if status != "ok":
-            yield make_row(base, name, d, status, error=err, **extra, **checked)
-            continue
-        flops = case.flops(d)
-        lat_s = stats.median_ms / 1e3
-        row = make_row(
-            base, name, d, "ok",
-            latency_ms=stats.median_ms, latency_p20_ms=stats.p20_ms, latency_p80_ms=stats.p80_ms,
-            latency_min_ms=stats.min_ms, latency_max_ms=stats.max_ms, latency_step_mean_ms=stats.step_mean_ms,
-            latency_step_max_ms=stats.step_max_ms, num_warmup=stats.num_warmup,
-            num_iters=stats.num_iters, flops_per_gpu=flops, tflops_per_gpu=flops / lat_s / 1e12,
-            tokens_per_s_per_gpu=case.tokens_per_gpu / lat_s, **stats.clocks,
-            **{k: v for k, v in stats.memory.items() if v == v and k not in blind}, **extra, **checked,
-        )
-        yield _with_roofline(row)
-    agree(backend.teardown)
+
+def _direction_row(run: BackendRun, point: PointContext, d: str, blind: set) -> dict[str, Any]:
+    """The row of direction ``d``: unsupported, its mismatch (not timed), a correctness check alone (ranks that
+    share a GPU), or timed (:func:`_timed_row`)."""
+    checked, extra = run.checked(d), run.extra
+    why = direction_unsupported(run.cls, point.point.case, d, run.options)
+    if why is not None:
+        return run.row(d, "unsupported", error=why, **extra, **checked)
+    if d in run.gate and run.gate[d][0] != "ok":
+        return run.row(d, run.gate[d][0], error=run.gate[d][1], **extra, **checked)  # mismatches: not timed
+    rpg = point.point.ranks_per_gpu
+    if rpg > 1:
+        note = f"{rpg} ranks shared each GPU: checked against the reference, not timed"
+        return run.row(d, "ok", **{**extra, **checked, "notes": _with_note(extra.get("notes"), note)})
+    return _timed_row(run, point, d, blind)
+
+
+def _timed_row(run: BackendRun, point: PointContext, d: str, blind: set) -> dict[str, Any]:
+    """Direction ``d`` through the one timing path (agreed), as a row with its latency, throughput, clocks, memory
+    peaks (less those a CUDA graph replay hides: ``blind``) and roofline."""
+    case, progress, extra, checked = point.point.case, point.progress, run.extra, run.checked(d)
+    t = dataclasses.asdict(point.point.config.timing)
+    progress.start(f"timing {d} ({t['num_warmup']} warmup + {t['num_iters']} timed)")
+    status, err, stats = point.agree(lambda: time_direction(run.backend, point.inputs, d, point.timer, t,
+                                                            point.steps))
+    progress.end(status, f"median {stats.median_ms:.4g} ms" if status == "ok" else "")
+    if status != "ok":
+        return run.row(d, status, error=err, **extra, **checked)
+    flops = case.flops(d)
+    lat_s = stats.median_ms / 1e3
+    row = run.row(
+        d, "ok",
+        latency_ms=stats.median_ms, latency_p20_ms=stats.p20_ms, latency_p80_ms=stats.p80_ms,
+        latency_min_ms=stats.min_ms, latency_max_ms=stats.max_ms, latency_step_mean_ms=stats.step_mean_ms,
+        latency_step_max_ms=stats.step_max_ms, num_warmup=stats.num_warmup,
+        num_iters=stats.num_iters, flops_per_gpu=flops, tflops_per_gpu=flops / lat_s / 1e12,
+        tokens_per_s_per_gpu=case.tokens_per_gpu / lat_s, **stats.clocks,
+        **{k: v for k, v in stats.memory.items() if v == v and k not in blind}, **extra, **checked,
+    )
+    return _with_roofline(row)
 
 
 def _with_note(notes: Optional[str], note: str) -> str:

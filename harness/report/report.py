@@ -126,7 +126,8 @@ def default_out(paths: Sequence[str], measured: bool = True) -> Path:
 TOOL = "harness.report"
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def _parser() -> ArgumentParser:
+    """The command line of ``python -m harness.report``."""
     ap = ArgumentParser(
         prog="python -m harness.report", description=__doc__.split("\n\n")[0],
         epilog="exit codes: 0 report written; 2 bad arguments, an output that cannot be written, an unreadable or "
@@ -157,7 +158,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--formats", default="png,svg", help="chart formats, comma-separated (default: png,svg)")
     ap.add_argument("--history", nargs="*", default=None, metavar="CONFIG_HASH",
                     help="draw throughput across git SHAs for these configs (no hash: every config with >1 SHA)")
-    a = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    a = _parser().parse_args(argv)
     summary = not a.paths and not a.out  # the committed report: results/REPORT.md, its charts, README's block
     if summary and (why := summary_conflict(a) or readme_markers(README)):
         print(f"harness.report: {why}", file=sys.stderr)

@@ -13,7 +13,7 @@ __all__ = ["MoKHopperLayer", "mok_hopper_forward"]
 
 # The Triton releases the kernels are checked on: every default and sweep kernel compiles for sm_90 without register
 # spills on both ends (``python -m mok_tools.mok_hopper.aot_check --sweep``), and the GPU tests pass on 3.6 (the GPU
-# image's). pyproject.toml's dependency names the same range (tests/test_mok_hopper.py checks that they agree).
+# image's). pyproject.toml's dependency names the same range (tests/test_mok_hopper_ops.py checks that they agree).
 TRITON_SPEC = ">=3.6,<3.9"
 TRITON_RANGE = ((3, 6), (3, 9))  # [lowest, first unsupported) (major, minor)
 
