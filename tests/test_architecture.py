@@ -395,7 +395,6 @@ def test_every_function_architecture_md_names_exists():
     assert not named - defined, sorted(named - defined)
 
 
-
 MAX_FUNCTION_LINES = 80
 
 
