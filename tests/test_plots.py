@@ -227,11 +227,15 @@ def test_analysis_notebook_runs_headless(tmp_path, monkeypatch):
 def test_analysis_notebook_runs_on_the_committed_results(tmp_path, monkeypatch):
     """The notebook on what a clean clone holds (results/runs, as harness.report reads it): single-sample rows
     (p20 = p80 = median), failed rows, several runs and environments."""
+    from harness.core.run_names import display_name
+
     committed = results.load(results.REFERENCE_RUNS)
     assert len(committed), "results/runs holds no rows"
     out, images, charts = _run_notebook(monkeypatch, results.REFERENCE_RUNS, tmp_path / "charts")
     assert f"{len(committed)} measured rows, {committed['run_id'].nunique()} runs" in out
-    assert images == len(charts) and any(n.startswith("panels_h200x2-v11-compiled") for n in charts)
+    # charts are named by the run's display name (harness.core.run_names), slugged
+    v11 = display_name("h200x2-v11-compiled-20261130T174618").replace("_", "-")
+    assert images == len(charts) and any(n.startswith(f"panels_{v11}-") for n in charts), sorted(charts)[:5]
 
 
 def test_panels_draw_p20_p80_whiskers_and_no_axis_without_an_ok_row(tmp_path):
