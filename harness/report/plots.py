@@ -353,6 +353,28 @@ def _facet_grid(agg: pd.DataFrame, fixed: list[str], max_cols: int, size: tuple[
     return varying, facets, fig, fig.subplots(nrows, ncols, squeeze=False), ncols
 
 
+LINE_STYLES = ("-", "--", ":", "-.")  # one per remaining environment of a sweep chart's subplot
+
+
+def _facets(agg: pd.DataFrame, facets: list[tuple], axes):
+    """Each subplot of a sweep chart in order: (its index, its axes, its (precision, direction, shape), its rows)."""
+    ncols = len(axes[0])
+    for n, (prec, direction, shape) in enumerate(facets):
+        g = agg[(agg["precision"] == prec) & (agg["direction"] == direction) & (agg["shape"] == shape)]
+        yield n, axes[n // ncols][n % ncols], (prec, direction, shape), g
+
+
+def _facet_lines(g: pd.DataFrame, varying: list[str]):
+    """Each line of one subplot: (line style, legend label, backend, its rows), a line per backend and per
+    environment among ``varying`` (the style tells the environments apart, the colour the backends)."""
+    contexts = g[varying].drop_duplicates().to_dict("records") if varying else [{}]
+    for ci, ctx in enumerate(contexts):
+        gc = C.select_env(g, ctx) if ctx else g
+        for s in L.systems_in(gc):
+            label = L.system_label(s) + (" · " + ", ".join(_ctx(k, ctx[k]) for k in varying) if ctx else "")
+            yield LINE_STYLES[ci % len(LINE_STYLES)], label, s, gc[gc["backend"] == s]
+
+
 def _close_grid(axes, used: int, agg: pd.DataFrame, fixed: list[str], varying: list[str]) -> str:
     """Hide the grid's unused subplots; the title's text of the environment that stays the same."""
     nrows, ncols = len(axes), len(axes[0])
@@ -381,25 +403,17 @@ def plot_sweep(df: pd.DataFrame, x: str, title: Optional[str] = None) -> Figure:
     cats = _routing_order(df[df["routing"].isin(agg["routing"])]) if x == "routing" else None
     notes: list[str] = []
     legend: dict[str, Any] = {}
-    styles = ["-", "--", ":", "-."]
-    for n, (prec, direction, shape) in enumerate(facets):
-        ax = axes[n // ncols][n % ncols]
-        g = agg[(agg["precision"] == prec) & (agg["direction"] == direction) & (agg["shape"] == shape)]
-        contexts = g[varying].drop_duplicates().to_dict("records") if varying else [{}]
-        for ci, ctx in enumerate(contexts):
-            gc = C.select_env(g, ctx) if ctx else g
-            for s in L.systems_in(gc):
-                line = gc[gc["backend"] == s]
-                xs = line[x].map(cats.index) if cats else line[x].astype("float64")
-                line = line.assign(_x=xs.to_numpy()).sort_values("_x")
-                ok = line[(line["status"] == "ok") & line["tflops_per_gpu"].notna()]
-                label = L.system_label(s) + (" · " + ", ".join(_ctx(k, ctx[k]) for k in varying) if ctx else "")
-                (h,) = ax.plot(ok["_x"], ok["tflops_per_gpu"], marker="o", ms=4, color=color(s),
-                               linestyle=styles[ci % len(styles)], label=label)
-                legend.setdefault(label, h)
-                for r in line[line["status"] != "ok"].to_dict("records"):
-                    ax.plot(r["_x"], 0, marker="x", ms=7, mew=2, color=color(s), clip_on=False, zorder=4)
-                    notes.append(_not_ok_note(r, L.shape_label(shape), f"{x}={r[x]}"))
+    for n, ax, (prec, direction, shape), g in _facets(agg, facets, axes):
+        for style, label, s, line in _facet_lines(g, varying):
+            xs = line[x].map(cats.index) if cats else line[x].astype("float64")
+            line = line.assign(_x=xs.to_numpy()).sort_values("_x")
+            ok = line[(line["status"] == "ok") & line["tflops_per_gpu"].notna()]
+            (h,) = ax.plot(ok["_x"], ok["tflops_per_gpu"], marker="o", ms=4, color=color(s),
+                           linestyle=style, label=label)
+            legend.setdefault(label, h)
+            for r in line[line["status"] != "ok"].to_dict("records"):
+                ax.plot(r["_x"], 0, marker="x", ms=7, mew=2, color=color(s), clip_on=False, zorder=4)
+                notes.append(_not_ok_note(r, L.shape_label(shape), f"{x}={r[x]}"))
         ax.set_title(f"{L.panel_label(prec, direction)} · {L.shape_label(shape)}", fontsize=10)
         if cats:
             ax.set_xticks(range(len(cats)), cats, rotation=25, ha="right", fontsize=8)
@@ -439,28 +453,21 @@ def plot_imbalance(df: pd.DataFrame, title: Optional[str] = None) -> Figure:
     varying, facets, fig, axes, ncols = _facet_grid(agg, fixed, 3, (5.2, 4.0))
     notes: list[str] = []
     legend: dict[str, Any] = {}
-    styles = ["-", "--", ":", "-."]
-    for n, (prec, direction, shape) in enumerate(facets):
-        ax = axes[n // ncols][n % ncols]
-        g = agg[(agg["precision"] == prec) & (agg["direction"] == direction) & (agg["shape"] == shape)]
-        contexts = g[varying].drop_duplicates().to_dict("records") if varying else [{}]
-        for ci, ctx in enumerate(contexts):
-            gc = C.select_env(g, ctx) if ctx else g
-            for s in L.systems_in(gc):
-                line = gc[gc["backend"] == s].sort_values("expert_load_max_over_mean")
-                ok = line[(line["status"] == "ok") & line["latency_ms"].notna()]
-                label = L.system_label(s) + (" · " + ", ".join(_ctx(k, ctx[k]) for k in varying) if ctx else "")
-                (h,) = ax.plot(ok["expert_load_max_over_mean"], ok["latency_ms"], marker="o", ms=4, color=color(s),
-                               linestyle=styles[ci % len(styles)], label=label)
-                legend.setdefault(label, h)
-                worst = ok[ok["latency_step_max_ms"].notna()]
-                if len(worst):
-                    ax.plot(worst["expert_load_max_over_mean"], worst["latency_step_max_ms"], linestyle="none",
-                            marker="^", ms=6, mfc="none", color=color(s))
-                for r in line[line["status"] != "ok"].to_dict("records"):
-                    ax.plot(r["expert_load_max_over_mean"], 0, marker="x", ms=7, mew=2, color=color(s), clip_on=False,
-                            zorder=4)
-                    notes.append(_not_ok_note(r, L.shape_label(shape), str(r["routing"])))
+    for n, ax, (prec, direction, shape), g in _facets(agg, facets, axes):
+        for style, label, s, line in _facet_lines(g, varying):
+            line = line.sort_values("expert_load_max_over_mean")
+            ok = line[(line["status"] == "ok") & line["latency_ms"].notna()]
+            (h,) = ax.plot(ok["expert_load_max_over_mean"], ok["latency_ms"], marker="o", ms=4, color=color(s),
+                           linestyle=style, label=label)
+            legend.setdefault(label, h)
+            worst = ok[ok["latency_step_max_ms"].notna()]
+            if len(worst):
+                ax.plot(worst["expert_load_max_over_mean"], worst["latency_step_max_ms"], linestyle="none",
+                        marker="^", ms=6, mfc="none", color=color(s))
+            for r in line[line["status"] != "ok"].to_dict("records"):
+                ax.plot(r["expert_load_max_over_mean"], 0, marker="x", ms=7, mew=2, color=color(s), clip_on=False,
+                        zorder=4)
+                notes.append(_not_ok_note(r, L.shape_label(shape), str(r["routing"])))
         for label, x in g.groupby("routing")["expert_load_max_over_mean"].median().sort_values().items():
             ax.axvline(x, color="0.85", lw=0.8, zorder=0)
             ax.annotate(str(label), (x, 1.0), xycoords=("data", "axes fraction"), rotation=90, fontsize=6,
