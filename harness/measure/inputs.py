@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from contract.case import Case
-from contract.inputs import LayerInputs
+from contract.inputs import LayerInputs, checksum
 from harness.config.routing import make_routing
 
 _WEIGHT_SEED_STRIDE = 1_000_003
@@ -67,36 +67,10 @@ def make_inputs(case: Case, rank: int, device: torch.device) -> LayerInputs:
     )
 
 
-_PRINT_CHUNK = 1 << 22  # elements of one int64 temporary in fingerprint (32 MB; its weights stay on the device)
-_print_weights: dict[torch.device, torch.Tensor] = {}
-
-
-def _position_weights(device: torch.device) -> torch.Tensor:
-    """One chunk's fixed pseudo-random weights in [1, 2^16), made once per device."""
-    if device not in _print_weights:
-        g = torch.Generator().manual_seed(1234)
-        _print_weights[device] = torch.randint(1, 1 << 16, (_PRINT_CHUNK,), generator=g, dtype=torch.int64).to(device)
-    return _print_weights[device]
-
-
-def checksum(t: torch.Tensor) -> int:
-    """An order-sensitive checksum of a tensor's bits: its bytes read as int16, each times a pseudo-random weight of
-    its position within a chunk, chunk sums weighted by the chunk's index, summed modulo 2^64. A permutation (a
-    layout left tiled), a changed value or a changed size changes it (up to collisions)."""
-    flat = t.detach().reshape(-1)
-    flat = flat.view(torch.int16) if flat.element_size() % 2 == 0 else flat.to(torch.int16)
-    weights = _position_weights(flat.device)
-    total = torch.zeros((), dtype=torch.int64, device=flat.device)
-    for j, start in enumerate(range(0, flat.numel(), _PRINT_CHUNK)):
-        part = flat[start:start + _PRINT_CHUNK]
-        total += (part.to(torch.int64) * weights[:part.numel()]).sum() * (2 * j + 1)
-    return int(total.item()) ^ flat.numel()
-
-
 def fingerprint(inputs: LayerInputs) -> dict[str, int]:
-    """:func:`checksum` of every tensor of the layer inputs, by field name: what the runner compares after each
-    backend, so that a backend which leaves the point's shared inputs changed (written in place, a layout not
-    restored) cannot spoil the rows of the backends after it."""
+    """:func:`contract.inputs.checksum` of every tensor of the layer inputs, by field name: what the runner compares
+    after each backend, so that a backend which leaves the point's shared inputs changed (written in place, a layout
+    not restored) cannot spoil the rows of the backends after it."""
     import dataclasses
 
     return {f.name: checksum(v) for f in dataclasses.fields(inputs)

@@ -16,6 +16,7 @@ from typing import Callable, Optional
 
 import torch
 
+from contract.inputs import checksum
 from mok_kernels.mok_hopper.ops.gemm_common import (layout_shapes, tile_weights, tile_weights_gu, untile_weights,
                                                 untile_weights_gu)
 from mok_kernels.mok_hopper.tiles import TileConfig
@@ -36,20 +37,6 @@ def relayout_(w: torch.Tensor, shape: tuple[int, ...], fn: Relayout, experts: Op
         flat[j].copy_(new.reshape(-1))
 
 
-def checksum(w: torch.Tensor) -> torch.Tensor:
-    """An order-sensitive checksum of a 2-byte tensor (int64 on its device): each element's bits times a fixed
-    pseudo-random weight of its position within its expert (below 2^16), summed modulo 2^64, each expert's sum
-    weighted by its index; one expert's int64 temporaries at a time."""
-    L = w.shape[0]
-    flat = w.view(L, -1).view(torch.int16)
-    g = torch.Generator(device="cpu").manual_seed(1234)
-    weight = torch.randint(1, 1 << 16, (flat.shape[1],), generator=g, dtype=torch.int64).to(w.device)
-    total = torch.zeros((), dtype=torch.int64, device=w.device)
-    for j in range(L):
-        total += (flat[j].to(torch.int64) * weight).sum() * (j + 1)
-    return total
-
-
 class OwnedWeights:
     """The harness's routed weights, in place, in the TMA block order of ``tile`` (bf16, ``w_tiled``)."""
 
@@ -65,7 +52,7 @@ class OwnedWeights:
         self.tile2: Relayout = lambda w: tile_weights(w, dn, dk)
         self.untile13: Relayout = untile_weights_gu if tile.up_fused else untile_weights
         self.w13, self.w2 = w13_LIH, w2_LHI
-        self.sums = (checksum(w13_LIH), checksum(w2_LHI))
+        self.sums = (checksum(w13_LIH, 1), checksum(w2_LHI, 1))  # one expert's temporaries at a time
         self.tiled = False
         steps = ((w13_LIH, self.plain13, self.tile13, (1, *self.shape13[1:]), self.untile13),
                  (w2_LHI, self.plain2, self.tile2, (1, *self.shape2[1:]), untile_weights))
@@ -104,6 +91,6 @@ class OwnedWeights:
         relayout_(self.w13, (1, *self.shape13[1:]), self.untile13)
         relayout_(self.w2, (1, *self.shape2[1:]), untile_weights)
         self.tiled = False
-        if not (torch.equal(checksum(self.w13), self.sums[0]) and torch.equal(checksum(self.w2), self.sums[1])):
+        if (checksum(self.w13, 1), checksum(self.w2, 1)) != self.sums:
             raise RuntimeError("mok_hopper.weights=owned: the restored routed weights differ from the harness's "
                                "(the rows of the backends after this one are not valid)")
