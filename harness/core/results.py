@@ -114,10 +114,14 @@ COLUMNS: dict[str, str] = {
     "mem_peak_allocated_bytes": "Int64",
     "mem_device_used_before_bytes": "Int64",
     "mem_device_used_peak_bytes": "Int64",
-    # the allocator's peak during the timed iterations less what was allocated when the backend's setup began: the
-    # memory of this backend alone (its setup, workspaces, activations and gradients), without the point's shared
-    # inputs or what earlier backends left (empty in files written before the column)
+    # the allocator's peak during the timed iterations less what was allocated when the backend's setup began, plus
+    # mem_graph_pool_bytes: the memory of this backend alone (its setup, workspaces, activations, gradients and CUDA
+    # graphs' working memory), without the point's shared inputs or what earlier backends left (empty in files
+    # written before the column)
     "mem_peak_own_bytes": "Int64",
+    # the free bytes of the CUDA graph pools made since the backend's setup began (the graphs' intermediates, which
+    # a replay does not allocate), added into mem_peak_own_bytes; empty in files written before the column
+    "mem_graph_pool_bytes": "Int64",
     "timing_preset": "string",
     "l2_flush": "boolean",
     "align": "string",
@@ -193,6 +197,17 @@ def make_row(base: dict, backend: str, direction: str, status: str, **kw: Any) -
         row.pop("forward_kind", None)  # what a forward row timed (a backend's info() gives it for all its rows)
     return row
 
+
+
+def own_peak_counts_graphs(row: Any) -> bool:
+    """Whether a row's ``mem_peak_own_bytes`` holds its CUDA graphs' memory: always, unless the backend replays
+    CUDA graphs and the row predates ``mem_graph_pool_bytes`` (its own peak then missed the graphs' pools)."""
+    pool = row.get("mem_graph_pool_bytes")
+    try:
+        has_pool = pool is not None and not bool(pd.isna(pool))
+    except (TypeError, ValueError):
+        has_pool = False
+    return has_pool or not replays_cuda_graphs(row)
 
 
 def replays_cuda_graphs(row: Any) -> bool:

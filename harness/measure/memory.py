@@ -11,9 +11,16 @@ The row fields (bytes, the largest over the ranks):
   memory a layer keeps from its forward until its backward;
 * ``mem_peak_allocated_bytes``: the allocator's peak during the timed iterations of the direction (after the warmup;
   a backward's untimed forwards are inside the window);
-* ``mem_peak_own_bytes``: that peak less what was allocated when the backend's setup began: the memory of the
-  backend alone (its setup's buffers, its activations, gradients and workspaces), without the point's inputs, which
-  every backend shares, or anything held before it (the reference waits in host memory);
+* ``mem_peak_own_bytes``: that peak less what was allocated when the backend's setup began, plus
+  ``mem_graph_pool_bytes``: the memory of the backend alone (its setup's buffers, its activations, gradients and
+  workspaces, the working memory of its CUDA graphs), without the point's inputs, which every backend shares, or
+  anything held before it (the reference waits in host memory);
+* ``mem_graph_pool_bytes``: the free bytes, at the window's end, of the CUDA graphs' private memory pools created
+  since the backend's setup began. A replayed graph allocates nothing: its intermediates live at fixed addresses
+  of its pool, which the allocator counts as reserved, not as allocated, so the allocator's peak misses them. What
+  the pool holds allocated (a graph's outputs) is in the peak already; its free bytes are the graphs' working
+  memory, counted whole (an upper bound: a pool's free blocks need not all be in use at one moment). 0 for a
+  backend whose graphs allocate nothing of their own;
 * ``mem_device_used_before_bytes`` / ``mem_device_used_peak_bytes``: the device's used memory (``cudaMemGetInfo``:
   total less free, so every allocator, NVSHMEM and symmetric-memory heaps and other processes on the device count)
   just before and just after the timed iterations. The caching allocator keeps the blocks it reserved, so the used
@@ -36,21 +43,41 @@ from harness.core.results import replays_cuda_graphs
 
 SETUP, ACTIVATION = "mem_setup_bytes", "mem_activation_bytes"
 OWN_PEAK = "mem_peak_own_bytes"
-WINDOW = ("mem_peak_allocated_bytes", "mem_device_used_before_bytes", "mem_device_used_peak_bytes", OWN_PEAK)
+GRAPH_POOL = "mem_graph_pool_bytes"
+WINDOW = ("mem_peak_allocated_bytes", "mem_device_used_before_bytes", "mem_device_used_peak_bytes", OWN_PEAK,
+          GRAPH_POOL)
 PROBE_ENV = "MOKBENCH_MEMORY_PROBE"
 FIELDS = (SETUP, ACTIVATION, *WINDOW)
 
 
-GRAPH_BLIND_NOTE = ("memory peaks of the allocator not recorded: the compiled code replays CUDA graphs, whose "
-                    "working memory sits in a private pool that the allocator's peak does not count "
-                    "(mem_device_used_peak_bytes still holds it)")
+GRAPH_BLIND_NOTE = ("mem_peak_allocated_bytes not recorded: the compiled code replays CUDA graphs, whose working "
+                    "memory sits in private pools that the allocator's peak does not count; mem_peak_own_bytes "
+                    "adds their free bytes (mem_graph_pool_bytes)")
 
 
 def graph_blind(info: dict[str, Any]) -> tuple[str, ...]:
     """The window fields a row must leave empty because its backend replays CUDA graphs (``info``: the backend's
-    ``compiled`` / ``compile_mode`` columns): a replay allocates nothing, so the allocator's peak and the own peak
-    derived from it would miss the graphs' activations and workspaces (an own peak below zero was recorded so)."""
-    return ("mem_peak_allocated_bytes", OWN_PEAK) if replays_cuda_graphs(info) else ()
+    ``compiled`` / ``compile_mode`` columns): a replay allocates nothing, so the allocator's peak misses the graphs'
+    activations and workspaces. The own peak adds the graphs' pools (:data:`GRAPH_POOL`) and stays."""
+    return ("mem_peak_allocated_bytes",) if replays_cuda_graphs(info) else ()
+
+
+def _cuda_graph_pools(device: torch.device) -> dict[tuple, tuple[int, int]]:
+    """(reserved, allocated) bytes of each private memory pool on ``device`` (CUDA graphs' pools; the default pool,
+    id (0, 0), left out), from the allocator's segments."""
+    try:
+        segments = torch.cuda.memory_snapshot(include_traces=False)
+    except TypeError:  # torch before the include_traces argument
+        segments = torch.cuda.memory_snapshot()
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    pools: dict[tuple, tuple[int, int]] = {}
+    for seg in segments:
+        pid = tuple(seg.get("segment_pool_id", (0, 0)))
+        if seg.get("device", index) != index or pid == (0, 0):
+            continue
+        r, a = pools.get(pid, (0, 0))
+        pools[pid] = (r + int(seg["total_size"]), a + int(seg["allocated_size"]))
+    return pools
 
 
 @dataclass
@@ -62,6 +89,8 @@ class Probe:
     reset_peak: Callable[[], None]
     free_total: Callable[[], tuple[int, int]]
     sync: Callable[[], None]
+    # pool id -> (reserved, allocated) bytes of every private (CUDA graph) pool; none by default
+    graph_pools: Callable[[], dict[tuple, tuple[int, int]]] = dict
 
     @classmethod
     def cuda(cls, device: torch.device) -> "Probe":
@@ -69,7 +98,8 @@ class Probe:
                    peak=lambda: torch.cuda.max_memory_allocated(device),
                    reset_peak=lambda: torch.cuda.reset_peak_memory_stats(device),
                    free_total=lambda: torch.cuda.mem_get_info(device),
-                   sync=lambda: torch.cuda.synchronize(device))
+                   sync=lambda: torch.cuda.synchronize(device),
+                   graph_pools=lambda: _cuda_graph_pools(device))
 
     @classmethod
     def of(cls, device: torch.device) -> Optional["Probe"]:
@@ -97,6 +127,13 @@ class Window:
         self.probe = probe
         self._before = math.nan
         self.base: Optional[int] = None  # allocated bytes when the backend's setup began (OWN_PEAK)
+        self.pools_before: frozenset = frozenset()  # the private pools that existed then (not the backend's)
+
+    def set_base(self, allocated: Optional[int]) -> None:
+        """The backend's setup begins: what is allocated now, and the CUDA graph pools that exist now, are not its."""
+        self.base = allocated
+        self.pools_before = frozenset(self.probe.graph_pools()) if self.probe is not None and allocated is not None \
+            else frozenset()
 
     def open(self) -> None:
         if self.probe is None:
@@ -111,8 +148,11 @@ class Window:
             return dict.fromkeys(WINDOW, math.nan)
         self.probe.sync()
         peak = float(self.probe.peak())
-        own = peak - self.base if self.base is not None else math.nan
-        return dict(zip(WINDOW, (peak, self._before, float(self.probe.used()), own)))
+        pool = math.nan
+        if self.base is not None:
+            pool = float(sum(r - a for pid, (r, a) in self.probe.graph_pools().items() if pid not in self.pools_before))
+        own = peak - self.base + pool if self.base is not None else math.nan
+        return dict(zip(WINDOW, (peak, self._before, float(self.probe.used()), own, pool)))
 
 
 def held_since(probe: Optional[Probe], before: Optional[int]) -> float:

@@ -68,7 +68,7 @@ class Timer:
     def own_base(self, allocated: Optional[int]) -> None:
         """Allocated bytes when the backend now timed began its setup: the windows' ``mem_peak_own_bytes`` are their
         peaks less this (None: not measured)."""
-        self._memory.base = allocated
+        self._memory.set_base(allocated)
 
     def _align(self) -> None:
         if self.align == "none" or dist.get_world_size(self.group) == 1:

@@ -23,7 +23,7 @@ from typing import Any, Optional
 import numpy as np
 import pandas as pd
 
-from harness.core.results import replays_cuda_graphs
+from harness.core.results import own_peak_counts_graphs
 from harness.report.claims import CELL_KEYS, norm_key, speed_rows, with_runs
 from harness.report.labels import (NOT_CONTENDERS, SYSTEM_ORDER, forward_kinds, in_order, is_baseline, is_fused,
                                    is_opponent)
@@ -45,9 +45,10 @@ def medians(df: pd.DataFrame) -> pd.DataFrame:
     if d.empty:
         return pd.DataFrame(columns=cols)
     mem = d[MEMORY_COLUMN].to_numpy(dtype="float64", na_value=np.nan) if MEMORY_COLUMN in d else np.full(len(d), np.nan)
-    # rows of CUDA graph replays recorded an allocator peak that misses the graphs' memory (harness.measure.memory)
-    blind = [replays_cuda_graphs(r) for r in d[[c for c in ("compiled", "compile_mode") if c in d]].to_dict("records")]
-    d = d.assign(forward_kind=forward_kinds(d), _mem=np.where(blind, np.nan, mem))
+    # rows of CUDA graph replays written before mem_graph_pool_bytes missed the graphs' memory (harness.measure.memory)
+    kind = [c for c in ("compiled", "compile_mode", "mem_graph_pool_bytes") if c in d]
+    counted = [own_peak_counts_graphs(r) for r in d[kind].to_dict("records")]
+    d = d.assign(forward_kind=forward_kinds(d), _mem=np.where(counted, mem, np.nan))
     out = d.groupby([*PAIR_KEYS, "backend"], dropna=False, sort=False).agg(
         tflops=("tflops_per_gpu", "median"), mem=("_mem", "median")).reset_index()
     return out.rename(columns={"mem": MEMORY_COLUMN})[cols]
