@@ -29,21 +29,26 @@ class OptionSpec:
     ``choices``: the values it takes. ``alias``: the top-level key that sets it too (None: none). ``help``: one line
     for the documentation. ``hash_precision``: the precision at which the option can change a measurement (None: all);
     elsewhere it stays out of the point's hash. ``hash_default``: whether the default value enters the hash (an option
-    added after points were measured leaves it out, so those points keep their hashes)."""
+    added after points were measured leaves it out, so those points keep their hashes). ``unhashed``: the value that
+    stays out of the hash instead of the default (an option whose default changed after points were measured at the
+    old one: the old default keeps their hashes, and the new default enters as any other value did)."""
 
     choices: tuple[str, ...]
     alias: Optional[str] = None
     help: str = ""
     hash_precision: Optional[str] = None
     hash_default: bool = False
+    unhashed: Optional[str] = None
 
 
 def option(default: str, *, choices: tuple[str, ...], alias: Optional[str] = None, help: str = "",
-           hash_precision: Optional[str] = None, hash_default: bool = False) -> Any:
+           hash_precision: Optional[str] = None, hash_default: bool = False, unhashed: Optional[str] = None) -> Any:
     """A dataclass field for a backend option (see :class:`OptionSpec`)."""
     if default not in choices:
         raise ValueError(f"default {default!r} is not one of the choices {choices}")
-    spec = OptionSpec(tuple(choices), alias, help, hash_precision, hash_default)
+    if unhashed is not None and (unhashed not in choices or hash_default):
+        raise ValueError(f"unhashed={unhashed!r} must be one of the choices {choices}, without hash_default")
+    spec = OptionSpec(tuple(choices), alias, help, hash_precision, hash_default, unhashed)
     return dataclasses.field(default=default, metadata={_KEY: spec})
 
 

@@ -123,3 +123,31 @@ def test_mok_hopper_weights_enter_the_hash_only_away_from_their_default(precisio
     base = h()
     assert h("mok_hopper.weights=tiled") == h("mok_hopper_weights=tiled") == base
     assert h("mok_hopper.weights=plain") == h("mok_hopper_weights=plain") != base
+
+
+def test_an_option_whose_default_changed_keeps_the_old_default_out_of_the_hash(monkeypatch):
+    """``unhashed``: an option whose default moves after points were measured names the old default. Every explicit
+    value then hashes as before the move (the new default as it did when it was one value among others), and a
+    configuration stored before the option existed hashes as the old default it ran at."""
+    import dataclasses
+
+    import harness.config.backend_options as bo
+    from contract.options import option
+    from mok_kernels.mok_hopper.options import FORWARDS, WEIGHTS
+
+    def entries(*weights: str) -> tuple:
+        node = {"forward": "save_h", **({"weights": weights[0]} if weights else {})}
+        return bo.hash_entries({"mok_hopper": node}, "bf16")
+
+    before = {w: entries(w) for w in WEIGHTS}
+    stored_before_option = entries()
+    assert stored_before_option == before["tiled"] != before["plain"]
+    moved = dataclasses.make_dataclass("Moved", [
+        ("forward", str, option("save_h", choices=FORWARDS, alias="mok_hopper_forward")),
+        ("weights", str, option("plain", choices=WEIGHTS, alias="mok_hopper_weights", unhashed="tiled"))])
+    real = bo.options_class
+    monkeypatch.setattr(bo, "options_class", lambda b: moved if b == "mok_hopper" else real(b))
+    assert {w: entries(w) for w in WEIGHTS} == before
+    assert entries() == before["tiled"]
+    with pytest.raises(ValueError, match="unhashed"):
+        option("plain", choices=WEIGHTS, unhashed="tiled", hash_default=True)

@@ -97,6 +97,12 @@ def option_values(c: dict) -> list[tuple[str, Any, OptionSpec]]:
     return out
 
 
+def _unhashed(spec: OptionSpec, backend: str, name: str) -> Any:
+    """The value of an option that stays out of the hash (without ``hash_default``): its ``unhashed``, else its
+    default."""
+    return _default(backend, name) if spec.unhashed is None else spec.unhashed
+
+
 def _default(backend: str, name: str) -> Any:
     return {f.name: f.default for f in dataclasses.fields(options_class(backend))}[name]
 
@@ -104,6 +110,13 @@ def _default(backend: str, name: str) -> Any:
 def _value(c: dict, backend: str, name: str) -> Any:
     """The value of ``backend``'s option ``name`` in ``c`` (its default where ``c`` gives none)."""
     return (c.get(backend) or {}).get(name, _default(backend, name))
+
+
+def _hash_value(c: dict, backend: str, name: str) -> Any:
+    """The value a point's hash reads: as :func:`_value`, but an option missing from ``c`` (a configuration stored
+    before the option existed) held the value that stays out of the hash (:func:`_unhashed`)."""
+    node = c.get(backend) or {}
+    return node[name] if name in node else _unhashed(option_specs(options_class(backend))[name], backend, name)
 
 
 def _applied(c: dict) -> dict:
@@ -139,8 +152,8 @@ def hash_entries(c: dict, precision: str) -> tuple[dict[str, Any], dict[str, dic
         # where the alias's backends hash their defaults, one that does not (it joined the alias after points were
         # measured) does not make the others' values differ while it is at its default
         joined_later = any(s.hash_default for _, _, s in targets)
-        values = {_value(c, b, n) for b, n, s in targets
-                  if not (joined_later and not s.hash_default and _value(c, b, n) == _default(b, n))}
+        values = {_hash_value(c, b, n) for b, n, s in targets
+                  if not (joined_later and not s.hash_default and _hash_value(c, b, n) == _unhashed(s, b, n))}
         spec = targets[0][2]
         if len(values) == 1:
             value = values.pop()
@@ -148,12 +161,12 @@ def hash_entries(c: dict, precision: str) -> tuple[dict[str, Any], dict[str, dic
                 by_alias[alias] = value
             continue
         for b, n, s in targets:
-            value = _value(c, b, n)
+            value = _hash_value(c, b, n)
             if _hashed(s, value, _default(b, n), precision):
                 scoped.setdefault(b, {})[n] = value
     for backend, cls in option_backends().items():
         for name, spec in option_specs(cls).items():
-            value = _value(c, backend, name)
+            value = _hash_value(c, backend, name)
             if not spec.alias and _hashed(spec, value, _default(backend, name), precision):
                 scoped.setdefault(backend, {})[name] = value
     return by_alias, scoped
@@ -162,4 +175,4 @@ def hash_entries(c: dict, precision: str) -> tuple[dict[str, Any], dict[str, dic
 def _hashed(spec: OptionSpec, value: Any, default: Any, precision: str) -> bool:
     if spec.hash_precision is not None and precision != spec.hash_precision:
         return False
-    return spec.hash_default or value != default
+    return spec.hash_default or value != (default if spec.unhashed is None else spec.unhashed)
