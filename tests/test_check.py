@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from harness.measure.correctness import compare, errors, run_once, slices
+from harness.measure.correctness import compare, errors, leaves, run_once, slices
 from harness.measure.runner import _gate
 from tests.conftest import compose_cfg
 
@@ -145,6 +145,12 @@ def test_the_reference_builds_no_second_weight_sized_gradient(one_rank):
     with NewStorages() as m:
         got = run_once(b, inp, True)
     expect = _single_leaf_reference(case, inp, one_rank)
+    # the experts' gradients go into the total as autograd makes them: none is left beside it after a backward
+    b.zero_grad()
+    x, w = leaves(inp, True)
+    b.forward(x, inp.topk_idx_TK, w).backward(inp.grad_out_TH)
+    assert all(p.grad is None for p in [*b.w13, *b.w2])
+    assert b.leaves.w13.grad is not None and b.leaves.w2.grad is not None
     for k, v in expect.items():
         assert torch.equal(got[k], v), k
     w2_bytes = inp.w2_LHI.numel() * inp.w2_LHI.element_size()
