@@ -70,7 +70,7 @@ def test_inference_forward_declines_the_backward(results_dir):
     assert "inference forward (saves nothing)" in r.notes
     b = by(df, "mok_hopper", "bwd")
     assert b.status == "unsupported" and "mok_hopper_forward=inference saves nothing" in b.error
-    assert (df.backend_options == "forward=inference,weights=tiled").all()  # the alias reached the backend's own option
+    assert (df.backend_options == "forward=inference,weights=plain").all()  # the alias reached the backend's own option
 
 
 def test_directions_it_declines():

@@ -11,10 +11,11 @@ The forward is a training forward (autograd records it, as the baselines' forwar
 the backward recomputes H (:mod:`mok_kernels.mok_hopper.train`). The backward runs at any EP, bf16 and fp8 (across
 ranks: the expert owners pull the dO rows and push the dX rows back; fp8: :mod:`mok_kernels.mok_hopper.ops.bwd_fp8`).
 
-Its option ``weights`` (``mok_hopper.weights=``, alias ``mok_hopper_weights=``) says which routed weights the CUDA
-kernels read: ``tiled`` (default) the layer's own copy in TMA block order, ``plain`` the harness's tensors in place
-(:func:`~mok_kernels.mok_hopper.tiles.plain_weights`), ``owned`` the harness's tensors rewritten in place into TMA block
-order until :meth:`MokHopperBackend.teardown` (bf16; :mod:`mok_kernels.mok_hopper.owned`).
+Its option ``weights`` (``mok_hopper.weights=``, alias ``mok_hopper_weights=``) says which routed bf16 weights the CUDA
+kernels read: ``plain`` (default) the harness's tensors in place (:func:`~mok_kernels.mok_hopper.tiles.plain_weights`),
+``tiled`` the layer's own copy in TMA block order, ``owned`` the harness's tensors rewritten in place into TMA block
+order until :meth:`MokHopperBackend.teardown` (:mod:`mok_kernels.mok_hopper.owned`). In fp8 the forward reads the
+layer's own e4m3 copy in any case; it is in TMA block order whatever the option.
 
 Legend: T tokens per rank, K top-k, H hidden, I ffn, L local experts, P ranks.
 """
@@ -133,7 +134,7 @@ class MokHopperBackend:
         dev = inputs.x_TH.device
         tile = default_tile(precision=c.precision, device=dev, comm_sms=c.comm_sms,
                             rows_per_expert=c.ep_size * c.tokens_per_gpu * c.topk / c.num_experts, n_sm=num_sms(dev))
-        if self.weights == "plain":  # the harness's weights themselves (bf16: no copy; fp8: e4m3 untiled)
+        if self.weights == "plain" and c.precision == "bf16":  # the harness's weights themselves: no copy
             tile = plain_weights(tile)
         self._tile = replace(tile, **self.tile_overrides)
         w13, w2 = inputs.w13_LIH, inputs.w2_LHI

@@ -12,11 +12,13 @@ from contract.options import option
 # weights), inference = nothing (the forward-only layer; its backward rows are unsupported).
 FORWARDS = ("save_h", "recompute", "inference")
 
-# The routed weights the CUDA kernels read (mok_kernels/mok_hopper/backend.py): tiled = the layer's own copy in TMA
-# block order (TileConfig.w_tiled: each TMA block one contiguous run; the default), plain = the harness's [L, 2I, H] /
-# [L, H, I] tensors themselves through strided TMA descriptors (bf16: no weight copy; fp8: the e4m3 weights untiled),
-# owned = the harness's tensors rewritten in place into TMA block order for the layer's lifetime and restored at
-# teardown (bf16; mok_kernels/mok_hopper/owned.py; fp8 reads its own e4m3 copy, so there it is tiled).
+# The routed bf16 weights the CUDA kernels read (mok_kernels/mok_hopper/backend.py): plain = the harness's [L, 2I, H] /
+# [L, H, I] tensors themselves through strided TMA descriptors (no weight copy; the default), tiled = the layer's own
+# copy in TMA block order (TileConfig.w_tiled: each TMA block one contiguous run, and gate / up rows interleaved for
+# one fused MMA; the default until plain was gated against it), owned = the harness's tensors rewritten in place into
+# TMA block order for the layer's lifetime and restored at teardown (mok_kernels/mok_hopper/owned.py). fp8 reads the
+# layer's own e4m3 copy, which its forward needs whatever the option, in TMA block order: the option changes nothing
+# there, so it enters fp8 points' hashes never, and bf16 points' hashes away from tiled (the old default).
 WEIGHTS = ("tiled", "plain", "owned")
 
 
@@ -24,7 +26,9 @@ WEIGHTS = ("tiled", "plain", "owned")
 class MokHopperOptions:
     forward: str = option("save_h", choices=FORWARDS, alias="mok_hopper_forward",
                           help="what the forward keeps for the backward: save_h, recompute or inference (forward only)")
-    weights: str = option("tiled", choices=WEIGHTS, alias="mok_hopper_weights",
-                          help="the routed weights the kernels read: tiled (a copy in TMA block order), plain (the "
-                               "caller's tensors through strided TMA, no bf16 copy) or owned (the caller's tensors "
-                               "re-laid in place into TMA block order, restored at teardown)")
+    weights: str = option("plain", choices=WEIGHTS, alias="mok_hopper_weights", unhashed="tiled",
+                          hash_precision="bf16",
+                          help="the routed bf16 weights the kernels read: plain (the caller's tensors through strided "
+                               "TMA, no copy), tiled (a copy in TMA block order) or owned (the caller's tensors "
+                               "re-laid in place into TMA block order, restored at teardown); fp8 always reads its "
+                               "own e4m3 copy in TMA block order")
