@@ -5,6 +5,7 @@
 #   compiled-<shape>-<precision>: torch_compiled and nccl compiled as published (compile_mode=published), mok_hopper
 #   tcompiled-<shape>-<precision>: torch, torch_compiled (compile_mode=published) and mok_hopper
 #   conly-<shape>-<precision>: torch_compiled and nccl compiled as published only (the run's eager rows come first)
+#   full-<shape>-<precision>: torch (eager), torch_compiled and nccl compiled as published, and mok_hopper, one process
 #   ncomp-<shape>-<precision>: nccl compiled as published only
 #   weights-<shape>-<precision>: mok_hopper alone with mok_hopper.weights=plain, then =owned (bf16 only), same run
 #   profile-<shape>-<precision>: torch.profiler kernel tables of torch and nccl (eager), fwd+bwd, into $OUT
@@ -56,6 +57,7 @@ for s in "$@"; do
     compiled) be='[torch_compiled,nccl,mok_hopper]'; extra="compile=true compile_mode=published" ;;
     tcompiled) be='[torch,torch_compiled,mok_hopper]'; extra="compile=true compile_mode=published" ;;
     conly) be='[torch_compiled,nccl]'; extra="compile=true compile_mode=published" ;;
+    full) be='[torch,torch_compiled,nccl,mok_hopper]'; extra="compile=true compile_mode=published" ;;
     weights) be='[mok_hopper]'; extra="compile=false" ;;
     ncomp) be='[nccl]'; extra="compile=true compile_mode=published" ;;
   esac
@@ -81,7 +83,7 @@ step "rows"
 python3 - <<'PY' 2>&1 | tee -a "$LOG"
 from harness.core import results
 d = results.load("/tmp/rows")
-cols = ["run_id", "backend", "backend_options", "precision", "direction", "status", "latency_ms", "compile_mode", "mem_peak_own_bytes",
+cols = ["run_id", "backend", "backend_options", "precision", "direction", "status", "latency_ms", "compile_mode", "mem_peak_own_bytes", "mem_graph_pool_bytes",
         "mem_peak_allocated_bytes", "mem_setup_bytes", "sm_clock_mhz", "rel_err", "setup_s", "notes", "error"]
 print(d[[c for c in cols if c in d]].to_string(max_colwidth=90))
 PY
