@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # `bash gates.sh SHAPE-PREC...`: harness.gate of mok_hopper with weights=plain as its default (.device/plain.tgz: HEAD
 # with the option's default flipped) against ee304c4 (.device/base.tgz), ROUNDS interleaved rounds, mok_hopper alone,
-# one gate per SHAPE-PREC, each within the call's time left (BUDGET_S).
+# one gate per SHAPE-PREC, each within the call's time left (BUDGET_S); each gate's rows come back as gate-SHAPE-PREC.tgz.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 t0=$(date +%s); left() { echo $(( ${BUDGET_S:-580} - ($(date +%s) - t0) )); }
@@ -18,5 +18,6 @@ for sp in "$@"; do
     --rounds ${ROUNDS:-3} --backend mok_hopper --name kmem-plain-vs-ee304c4-${shape}-${prec}_${HW}_20261207 \
     --out $OUT/gate -- shape=$shape precision=$prec 'backends=[mok_hopper]' ep_size=1 timing=published \
     'directions=[fwd,bwd]' 2>&1 | grep -v -e Warning -e warnings.warn | tail -30 | tee -a $LOG
+  (cd $OUT/gate && tar -czf $OUT/gate-$shape-$prec.tgz */ 2>/dev/null)  # the rows' folders are too deep to come back
 done
 echo "=== [$(( $(date +%s) - t0 )) s] done" | tee -a $LOG
