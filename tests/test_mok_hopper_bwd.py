@@ -945,3 +945,46 @@ def test_packed_rows_backward_is_the_padded_backward(save_h, limit, tiles):
     want = twin_bwd.autograd_reference(xs, [idx], ws, dOs, w13, w2, shared=shared, limit=limit)[0]
     for k in ("x", "topk_w", "w13", "w2"):
         assert rel_l1(packed[k], want[k]) < 1e-2, (k, rel_l1(packed[k], want[k]))
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (it comes with torch on Linux; pip install -e "
+                                           "'.[test]'): the interpreter kernel tests need it")
+def test_packed_rows_at_ep2_are_the_padded_layout_bit_for_bit():
+    """bf16, two simulated ranks in lockstep (train.py's three backward phases between the barriers): with packed
+    rows each rank's forward output and every gradient are the padded layout's, bit for bit; rank 1's experts get
+    no row (its weight gradients zero), masked slots; the capacity is the EP=2 worst case, with no padding."""
+    from dataclasses import replace
+
+    from mok_kernels.mok_hopper.api import MoKHopperLayer, default_tile
+    from mok_kernels.mok_hopper.ops import interp
+    from mok_kernels.mok_hopper.train import backward_compute, backward_finish, backward_stage
+    from mok_kernels.mok_hopper.workspace import Workspace, link_local
+
+    if not interp.INTERPRET:
+        pytest.skip("the kernels run on the CPU under TRITON_INTERPRET=1 (set at the top of this file without a GPU)")
+    P, (T, K, E, H, I) = 2, TOY
+    xs, idx, ws, dOs, w13, w2, shared = make(P, T, K, E, H, I, seed=33, idle_rank=1, masked=True)
+    padded_tile = replace(default_tile(device=torch.device("cpu"), hidden=H, ffn=I), block_m=16, pull_rows=4)
+    runs = []
+    for tile in (padded_tile, replace(padded_tile, packed_rows=True)):
+        wss = link_local([Workspace(rank=r, world=P, device=torch.device("cpu"), tokens=T, hidden=H, topk=K,
+                                    fp8=False, symmetric=False) for r in range(P)])
+        layers = [MoKHopperLayer(w13[r], w2[r], topk=K, tokens=T, shared=tuple(shared), rank=r, world=P,
+                                 workspace=wss[r], save_h=True, tile=tile) for r in range(P)]
+        for r in range(P):
+            layers[r].stage(xs[r], idx[r], ws[r])
+        for r in range(P):
+            layers[r].compute(xs[r])
+        outs = [layers[r].finish() for r in range(P)]
+        for r in range(P):
+            backward_stage(layers[r], dOs[r])
+        parts = [backward_compute(layers[r], xs[r], w13[r], w2[r], shared) for r in range(P)]
+        runs.append((outs, [backward_finish(layers[r], idx[r], parts[r]) for r in range(P)]))
+        assert all(layer.overflow_rows() == 0 for layer in layers)
+    assert layers[0].R == P * T * K and int(layers[0].sched.counts_L.sum()) == int((idx[0] >= 0).sum() + idx[1].numel())
+    (out_a, g_a), (out_b, g_b) = runs
+    for r in range(P):
+        assert torch.equal(out_a[r], out_b[r])
+        for k in ("x", "topk_w", "w13", "w2"):
+            assert torch.equal(g_a[r][k], g_b[r][k]), (r, k)
+    assert not g_b[1]["w13"].any() and not g_b[1]["w2"].any()
