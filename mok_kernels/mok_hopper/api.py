@@ -70,7 +70,8 @@ class MoKHopperLayer(torch.nn.Module):
         precision: "bf16" or "fp8" (e4m3, 128x128 weight blocks quantised here, 1x128 activation blocks
             quantised in the dispatch path, fp32 accumulation).
         group: the EP process group (None: the default group if initialised, else one rank).
-        tile: launch parameters (:class:`~mok_kernels.mok_hopper.tiles.TileConfig`).
+        tile: launch parameters (:class:`~mok_kernels.mok_hopper.tiles.TileConfig`); its ``packed_rows`` packs the
+            routed rows with no tile padding (the capacity below is then the routed rows).
         capacity_multiplier: routed-row capacity rule (see :func:`~mok_kernels.mok_hopper.schedule.capacity_rows`);
             None = worst case. Overflow is counted on the device: check :meth:`overflow_rows` outside timing.
         capacity: explicit capacity in rows (overrides the rule; rounded up to the tile).
