@@ -906,14 +906,16 @@ def test_plain_weights_train_bit_for_bit_like_the_tiled_default(precision, forwa
 
 @pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (it comes with torch on Linux; pip install -e "
                                            "'.[test]'): the interpreter kernel tests need it")
-@pytest.mark.parametrize("save_h,limit,tiles", [(True, None, None), (False, 0.5, None), (True, None, "grouped_mm")],
-                         ids=["save-h", "recompute-clamped", "save-h-grouped-mm"])
+@pytest.mark.parametrize("save_h,limit,tiles", [(True, None, None), (False, 0.5, None), (True, None, "grouped_mm"),
+                                                (True, 0.5, "fused")],
+                         ids=["save-h", "recompute-clamped", "save-h-grouped-mm", "save-h-clamped-fused"])
 def test_packed_rows_backward_is_the_padded_backward(save_h, limit, tiles):
     """bf16, EP=1, packed rows (no tile padding): every gradient the padded layout's, bit for bit: dX and the
     router-weight gradient (each row's depends on that row only), and dW13 / dW2, whose sums over an expert's rows
     run in row blocks from the expert's first row in both layouts (the padded layout's extra blocks hold padding
     rows only, which add nothing). Experts of 0 to 2 tiles of rows, masked slots; ``grouped_mm``: dgate and the
-    weight gradients by torch._grouped_mm over the experts' row ranges."""
+    weight gradients by torch._grouped_mm over the experts' row ranges; ``fused``: the fused weight-streaming stages
+    (dgate + dW2, dX + dW13; options), whose row blocks also start at each expert's first row."""
     from dataclasses import replace
 
     from mok_hopper_layers import skewed_routing
@@ -928,7 +930,8 @@ def test_packed_rows_backward_is_the_padded_backward(save_h, limit, tiles):
     xs, _, ws, dOs, _, _, _ = make(1, T, K, E, H, I, seed=21)
     idx = skewed_routing(T, K, E, seed=21)
     idx[::5, -1] = -1
-    over = {**GROUPED_MM, "dgate": {"grouped_mm": True}} if tiles else None
+    over = {None: None, "grouped_mm": {**GROUPED_MM, "dgate": {"grouped_mm": True}},
+            "fused": {"dgate_dw2": {"on": True, "block_r": 16}, "dx_dw13": {"on": True, "block_r": 16}}}[tiles]
     got = []
     for tile in (padded_tile, replace(padded_tile, packed_rows=True)):
         layer, w13, w2, shared = _toy_layer(save_h=save_h, swiglu_limit=limit, tile=tile)
