@@ -36,6 +36,15 @@ def routing(P: int, T: int, K: int, E: int, seed: int, mode: str = "uniform") ->
     return out
 
 
+def skewed_routing(T: int, K: int, E: int, seed: int) -> torch.Tensor:
+    """[T, K] ids with a skewed expert popularity (expert e chosen with weight ~ 1 / (e + 1), one expert never), so
+    that experts get anything from none to several tiles of rows."""
+    g = torch.Generator().manual_seed(seed)
+    wt = 1.0 / torch.arange(1, E + 1, dtype=torch.float64)
+    wt[E // 2] = 0.0  # an empty expert
+    return torch.stack([torch.multinomial(wt, K, replacement=False, generator=g) for _ in range(T)])
+
+
 def make_layer_inputs(P: int, T: int, K: int, E: int, H: int, I: int, seed: int = 0, mode: str = "uniform",
                       shared: bool = True):
     g = torch.Generator().manual_seed(seed + 100)

@@ -902,3 +902,92 @@ def test_plain_weights_train_bit_for_bit_like_the_tiled_default(precision, forwa
     for a, b in zip(*runs):
         for i, (u, v) in enumerate(zip(a, b)):
             assert torch.equal(u, v), i
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (it comes with torch on Linux; pip install -e "
+                                           "'.[test]'): the interpreter kernel tests need it")
+@pytest.mark.parametrize("save_h,limit,tiles", [(True, None, None), (False, 0.5, None), (True, None, "grouped_mm"),
+                                                (True, 0.5, "fused")],
+                         ids=["save-h", "recompute-clamped", "save-h-grouped-mm", "save-h-clamped-fused"])
+def test_packed_rows_backward_is_the_padded_backward(save_h, limit, tiles):
+    """bf16, EP=1, packed rows (no tile padding): every gradient the padded layout's, bit for bit: dX and the
+    router-weight gradient (each row's depends on that row only), and dW13 / dW2, whose sums over an expert's rows
+    run in row blocks from the expert's first row in both layouts (the padded layout's extra blocks hold padding
+    rows only, which add nothing). Experts of 0 to 2 tiles of rows, masked slots; ``grouped_mm``: dgate and the
+    weight gradients by torch._grouped_mm over the experts' row ranges; ``fused``: the fused weight-streaming stages
+    (dgate + dW2, dX + dW13; options), whose row blocks also start at each expert's first row."""
+    from dataclasses import replace
+
+    from mok_hopper_layers import skewed_routing
+    from mok_kernels.mok_hopper.api import default_tile
+    from mok_kernels.mok_hopper.ops import interp
+    from mok_kernels.mok_hopper.train import layer_backward
+
+    if not interp.INTERPRET:
+        pytest.skip("the kernels run on the CPU under TRITON_INTERPRET=1 (set at the top of this file without a GPU)")
+    T, K, E, H, I = TOY
+    padded_tile = replace(default_tile(device=torch.device("cpu"), hidden=H, ffn=I), block_m=16, pull_rows=4)
+    xs, _, ws, dOs, _, _, _ = make(1, T, K, E, H, I, seed=21)
+    idx = skewed_routing(T, K, E, seed=21)
+    idx[::5, -1] = -1
+    over = {None: None, "grouped_mm": {**GROUPED_MM, "dgate": {"grouped_mm": True}},
+            "fused": {"dgate_dw2": {"on": True, "block_r": 16}, "dx_dw13": {"on": True, "block_r": 16}}}[tiles]
+    got = []
+    for tile in (padded_tile, replace(padded_tile, packed_rows=True)):
+        layer, w13, w2, shared = _toy_layer(save_h=save_h, swiglu_limit=limit, tile=tile)
+        with torch.no_grad():
+            layer(xs[0], idx, ws[0])
+            got.append(layer_backward(layer, dOs[0], xs[0], idx, ws[0], w13[0], w2[0], shared, tiles=over))
+        counts = layer.sched.counts_L
+        assert layer.overflow_rows() == 0
+    assert layer.R == -(-int(counts.sum()) // padded_tile.block_m) * padded_tile.block_m  # the packed layer's R
+    assert (counts == 0).any() and (counts > padded_tile.block_m).any()
+    padded, packed = got
+    for k in ("x", "topk_w", "w13", "w2"):
+        assert torch.equal(packed[k], padded[k]), k
+    want = twin_bwd.autograd_reference(xs, [idx], ws, dOs, w13, w2, shared=shared, limit=limit)[0]
+    for k in ("x", "topk_w", "w13", "w2"):
+        assert rel_l1(packed[k], want[k]) < 1e-2, (k, rel_l1(packed[k], want[k]))
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (it comes with torch on Linux; pip install -e "
+                                           "'.[test]'): the interpreter kernel tests need it")
+def test_packed_rows_at_ep2_are_the_padded_layout_bit_for_bit():
+    """bf16, two simulated ranks in lockstep (train.py's three backward phases between the barriers): with packed
+    rows each rank's forward output and every gradient are the padded layout's, bit for bit; rank 1's experts get
+    no row (its weight gradients zero), masked slots; the capacity is the EP=2 worst case, with no padding."""
+    from dataclasses import replace
+
+    from mok_kernels.mok_hopper.api import MoKHopperLayer, default_tile
+    from mok_kernels.mok_hopper.ops import interp
+    from mok_kernels.mok_hopper.train import backward_compute, backward_finish, backward_stage
+    from mok_kernels.mok_hopper.workspace import Workspace, link_local
+
+    if not interp.INTERPRET:
+        pytest.skip("the kernels run on the CPU under TRITON_INTERPRET=1 (set at the top of this file without a GPU)")
+    P, (T, K, E, H, I) = 2, TOY
+    xs, idx, ws, dOs, w13, w2, shared = make(P, T, K, E, H, I, seed=33, idle_rank=1, masked=True)
+    padded_tile = replace(default_tile(device=torch.device("cpu"), hidden=H, ffn=I), block_m=16, pull_rows=4)
+    runs = []
+    for tile in (padded_tile, replace(padded_tile, packed_rows=True)):
+        wss = link_local([Workspace(rank=r, world=P, device=torch.device("cpu"), tokens=T, hidden=H, topk=K,
+                                    fp8=False, symmetric=False) for r in range(P)])
+        layers = [MoKHopperLayer(w13[r], w2[r], topk=K, tokens=T, shared=tuple(shared), rank=r, world=P,
+                                 workspace=wss[r], save_h=True, tile=tile) for r in range(P)]
+        for r in range(P):
+            layers[r].stage(xs[r], idx[r], ws[r])
+        for r in range(P):
+            layers[r].compute(xs[r])
+        outs = [layers[r].finish() for r in range(P)]
+        for r in range(P):
+            backward_stage(layers[r], dOs[r])
+        parts = [backward_compute(layers[r], xs[r], w13[r], w2[r], shared) for r in range(P)]
+        runs.append((outs, [backward_finish(layers[r], idx[r], parts[r]) for r in range(P)]))
+        assert all(layer.overflow_rows() == 0 for layer in layers)
+    assert layers[0].R == P * T * K and int(layers[0].sched.counts_L.sum()) == int((idx[0] >= 0).sum() + idx[1].numel())
+    (out_a, g_a), (out_b, g_b) = runs
+    for r in range(P):
+        assert torch.equal(out_a[r], out_b[r])
+        for k in ("x", "topk_w", "w13", "w2"):
+            assert torch.equal(g_a[r][k], g_b[r][k]), (r, k)
+    assert not g_b[1]["w13"].any() and not g_b[1]["w2"].any()

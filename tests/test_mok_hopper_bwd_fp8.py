@@ -189,3 +189,42 @@ def test_the_fp8_backward_needs_a_training_layer():
     layer = MoKHopperLayer(w13[0], w2[0], topk=K, tokens=T, precision="fp8", cuda_graph=False)
     with pytest.raises(AssertionError, match="train=True"):
         backward_stage(layer, dOs[0])
+
+
+@NEEDS_TRITON
+@pytest.mark.parametrize("save_h,halves", [(True, False), (False, True)], ids=["save-h", "recompute-halves"])
+def test_packed_rows_fp8_forward_and_backward_are_the_padded_ones(save_h, halves):
+    """fp8, EP=1, packed rows (no tile padding): the forward's output, then every gradient, the padded layout's bit
+    for bit (the e4m3 rows and their 1 x 128 scales are per row; the weight gradients' 128-row token blocks start
+    at each expert's first row in both layouts). ``halves``: the up and down GEMMs in BM/2-row items
+    (``fp8_up_halves`` / ``fp8_down_halves``), and H recomputed by the forward's up GEMM."""
+    from dataclasses import replace
+
+    from mok_hopper_layers import skewed_routing
+    from mok_kernels.mok_hopper.api import MoKHopperLayer
+    from mok_kernels.mok_hopper.tiles import TileConfig
+    from mok_kernels.mok_hopper.train import layer_backward
+    from mok_kernels.mok_hopper.workspace import Workspace, link_local
+
+    _interpreter_or_skip()
+    xs, _, ws, dOs, w13, w2, shared = make(1, T, K, E, H, I, seed=90)
+    idx = skewed_routing(T, K, E, seed=90)
+    base = TileConfig(block_m=16, num_chunks=2, gemm_programs=3, pull_programs=3, pull_rows=4,
+                      fp8_down_halves=halves, fp8_up_halves=halves)
+    outs, grads = [], []
+    for packed in (False, True):
+        (wsp,) = link_local([Workspace(rank=0, world=1, device=torch.device("cpu"), tokens=T, hidden=H, topk=K,
+                                       fp8=True, symmetric=False)])
+        layer = MoKHopperLayer(w13[0], w2[0], topk=K, tokens=T, shared=tuple(shared), rank=0, world=1,
+                               workspace=wsp, save_h=save_h, precision="fp8", train=True,
+                               tile=replace(base, packed_rows=packed).for_fp8())
+        assert layer.cfg.packed_rows == packed and layer.cfg.up_halves == halves == layer.cfg.down_halves
+        with torch.no_grad():
+            outs.append(layer(xs[0], idx, ws[0]))
+            grads.append(layer_backward(layer, dOs[0], xs[0], idx, ws[0], w13[0], w2[0], shared))
+        assert layer.overflow_rows() == 0
+    counts = layer.sched.counts_L
+    assert layer.R == -(-T * K // 16) * 16 and (counts == 0).any() and (counts > 16).any()
+    assert torch.equal(outs[0], outs[1])
+    for k in ("x", "topk_w", "w13", "w2"):
+        assert torch.equal(grads[0][k], grads[1][k]), k

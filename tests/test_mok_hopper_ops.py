@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernels module imports triton
 
 from conftest import has_nvidia_backend  # noqa: E402
-from mok_hopper_layers import check_saved_h, make_layer_inputs, plain_reference, rel_l1  # noqa: E402
+from mok_hopper_layers import check_saved_h, make_layer_inputs, plain_reference, rel_l1, skewed_routing  # noqa: E402
 from mok_kernels.mok_hopper.twin import forward as twin  # noqa: E402
 from mok_kernels.mok_hopper.fp8 import quantize_blocks  # noqa: E402
 from mok_kernels.mok_hopper.schedule import build_schedule  # noqa: E402
@@ -137,6 +137,43 @@ def test_kernels_with_small_tiles_walk_every_loop(precision, tma, layout):
             assert layer.ready[:used].tolist() == [8] * used and not layer.ready[used:].any()
         else:
             assert layer.ready is None
+
+
+@needs_triton
+@pytest.mark.parametrize("layout", ["half_tiles+ready", "full_tiles+events", "half_tiles+flat"])
+@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
+def test_packed_rows_forward_is_the_padded_forward_bit_for_bit(tma, layout):
+    """bf16, EP=1: with packed rows (no tile padding; a tile's MMA runs into the next expert's rows, which it
+    computes and does not store) every output row is the padded layout's, bit for bit (each row's products depend
+    on that row only, and the K steps are the same). Experts of 0 to 2 tiles of rows, tiles of every size, three
+    chunks (the pull's steps straddle chunk ends inside a granule); the ready counters end at each granule's rows."""
+    from dataclasses import replace
+
+    from mok_kernels.mok_hopper.tiles import TileConfig
+
+    P, T, K, E, H, I, BM = 1, 40, 3, 8, 128, 64, 16
+    tile = TileConfig(block_m=BM, up_n=32, up_k=32, down_n=32, down_k=16, num_chunks=3, gemm_programs=3,
+                      pull_programs=5, pull_rows=4, group_m=2)
+    half, flat = layout.startswith("half"), layout.endswith("flat")
+    tile = replace(tile, tma=tma, half_tiles=half, ready_flags=half and not flat, flat_up=flat, flat_down=flat)
+    xs, _, ws, w13, w2, sh = make_layer_inputs(P, T, K, E, H, I, seed=17)
+    idx = [skewed_routing(T, K, E, seed=17)]
+    padded, _, _ = run_kernels(xs, idx, ws, w13, w2, sh, tile=tile, limit=1.0)
+    packed, layers, _ = run_kernels(xs, idx, ws, w13, w2, sh, tile=replace(tile, packed_rows=True), limit=1.0)
+    assert torch.equal(packed[0][0], padded[0][0])
+    s = layers[0].sched
+    n = int(s.num_tiles)
+    counts = s.counts_L.tolist()
+    rows = s.tile_row_M1[: n + 1].tolist()
+    used = rows[-1]
+    assert used == sum(counts) == T * K and layers[0].R == -(-T * K // BM) * BM  # no padding row
+    sizes = [b - a for a, b in zip(rows[:-1], rows[1:])]
+    assert BM in sizes and any(0 < z <= BM // 2 for z in sizes) and any(BM // 2 < z < BM for z in sizes)
+    assert 0 in counts and max(counts) > BM  # an empty expert, and one of two tiles or more
+    if layers[0].ready is not None:  # each granule counts its rows (the last one's partial), once
+        g = 8
+        want = [min(g, used - i * g) for i in range(-(-used // g))]
+        assert layers[0].ready[: len(want)].tolist() == want and not layers[0].ready[len(want):].any()
 
 
 @needs_triton
@@ -560,7 +597,7 @@ def test_fp8_down_two_programs_an_sm_matches_the_twin():
 
 
 @needs_triton
-@pytest.mark.parametrize("tiles", ["half_tiles", "full_tiles", "tails"])
+@pytest.mark.parametrize("tiles", ["half_tiles", "full_tiles", "tails", "packed"])
 @pytest.mark.parametrize("mode,P,capacity", [("uniform", 2, None), ("one_rank", 2, None), ("masked", 4, None),
                                              ("empty_expert", 1, None), ("one_rank", 2, 48)])
 def test_triton_schedule_equals_the_torch_schedule(mode, P, capacity, tiles):
@@ -574,8 +611,9 @@ def test_triton_schedule_equals_the_torch_schedule(mode, P, capacity, tiles):
     T, K, E, H, I = 40, 3, 8, 128, 64
     xs, idx, ws, w13, w2, _ = make_layer_inputs(P, T, K, E, H, I, seed=5, mode=mode, shared=False)
     half, BM, TL = tiles != "full_tiles", 64 if tiles == "tails" else 16, 16 if tiles == "tails" else 0
+    packed = tiles == "packed"
     tile = replace(default_tile(device=torch.device("cpu"), hidden=H, ffn=I), block_m=BM, half_tiles=half,
-                   tail_rows=TL, num_chunks=3, pull_rows=4)
+                   tail_rows=TL, num_chunks=3, pull_rows=4, packed_rows=packed)
     wss = link_local([Workspace(rank=r, world=P, device=torch.device("cpu"), tokens=T, hidden=H, topk=K,
                                 fp8=False, symmetric=False) for r in range(P)])
     layers = [MoKHopperLayer(w13[r], w2[r], topk=K, tokens=T, rank=r, world=P, workspace=wss[r], tile=tile,
@@ -588,7 +626,7 @@ def test_triton_schedule_equals_the_torch_schedule(mode, P, capacity, tiles):
         layer.work.fill_(7)
         got = layer.schedule()
         want = build_schedule(idx_PS, rank=r, local_experts=E // P, block_m=BM, capacity=layer.R, num_chunks=3,
-                              half_tiles=half, tail_rows=TL)
+                              half_tiles=half, tail_rows=TL, packed=packed)
         for f in ("row_code_R1", "tile_expert_M", "tile_row_M1", "chunk_tiles_C1", "counts_L", "num_tiles",
                   "overflow_rows"):
             assert getattr(got, f).tolist() == getattr(want, f).tolist(), f
@@ -597,6 +635,44 @@ def test_triton_schedule_equals_the_torch_schedule(mode, P, capacity, tiles):
         assert layer.overflow_rows() == int(want.overflow_rows)
     if capacity is not None:
         assert layers[0].overflow_rows() > 0  # rank 0 gets every row and has room for 48 (BM 16) or 64 (BM 64)
+
+
+@needs_triton
+@pytest.mark.parametrize("half", [False, True], ids=["full_tiles", "half_tiles"])
+def test_triton_schedule_packs_rows_as_the_torch_schedule(half):
+    """The Triton schedule with packed rows on experts of 0, 1, BM/2, BM/2 + 1, BM - 1, BM, BM + 1 and 2 BM + 3 rows
+    (BM 8), with room for all and (overflow) for 24 rows fewer than that rounded up to BM: the torch schedule's
+    tables, which test_mok_hopper_schedule checks against the Python twin and the packed layout."""
+    from test_mok_hopper_schedule import BM_PACKED, PACKED_COUNTS, check_packed, packed_routing
+
+    from mok_kernels.mok_hopper.ops.schedule_kernels import DeviceScheduler
+    from mok_kernels.mok_hopper.schedule import empty_schedule
+
+    L, BM, C = len(PACKED_COUNTS), BM_PACKED, 3
+    for seed, short in ((0, 0), (1, 0), (2, 24)):
+        counts = [PACKED_COUNTS[(e + 3 * seed) % L] for e in range(L)]
+        idx_PS = packed_routing(counts, seed, ranks=2).to(torch.int32)
+        P, TK = idx_PS.shape
+        R = -(-sum(counts) // BM) * BM - short
+        for r in range(P):
+            sch = DeviceScheduler(world=P, tokens=TK, topk=1, local_experts=L, block_m=BM, capacity=R,
+                                  half_tiles=half, num_chunks=C, device=torch.device("cpu"), packed=True)
+            got = empty_schedule(capacity=R, block_m=BM, local_experts=L, num_chunks=C, device=torch.device("cpu"),
+                                 half_tiles=half, packed=True)
+            got.row_code_R1.fill_(5)
+            got.tile_row_M1.fill_(5)
+            idx_all = torch.zeros_like(idx_PS)
+            delta = torch.arange(P, dtype=torch.int64) * TK  # rank p's ids at element p * TK of one flat buffer
+            sch(idx_PS.reshape(-1).contiguous(), delta, idx_all, rank=r, out=got,
+                overflow_total=torch.zeros(1, dtype=torch.int32))
+            want = build_schedule(idx_PS, rank=r, local_experts=L, block_m=BM, capacity=R, num_chunks=C,
+                                  half_tiles=half, packed=True)
+            for f in ("row_code_R1", "tile_expert_M", "tile_row_M1", "chunk_tiles_C1", "counts_L", "num_tiles",
+                      "overflow_rows"):
+                assert getattr(got, f).tolist() == getattr(want, f).tolist(), (f, seed, r)
+            if r == 0:
+                check_packed(got, idx_PS, rank=0, L=L, BM=BM, R=R, half=half)
+                assert int(got.overflow_rows) == (sum(counts) - R if short else 0)
 
 
 @needs_triton

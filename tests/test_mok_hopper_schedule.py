@@ -313,3 +313,90 @@ def test_schedule_never_syncs_with_the_host(monkeypatch):
     build_schedule(idx_PS, rank=1, local_experts=4, block_m=4, capacity=64, num_chunks=2)
     build_schedule(idx_PS, rank=1, local_experts=4, block_m=4, capacity=64, num_chunks=2, half_tiles=True)
 
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# packed rows (TileConfig.packed_rows): no tile padding
+
+BM_PACKED = 8
+# rows per local expert: empty, 1 row, BM/2, BM/2 + 1, BM - 1, exactly BM, BM + 1, 2 BM + 3
+PACKED_COUNTS = [0, 1, 4, 5, 7, 8, 9, 19]
+
+
+def packed_routing(counts: list[int], seed: int, ranks: int = 1) -> torch.Tensor:
+    """idx_PS [P, S] giving rank 0's expert e ``counts[e]`` rows, slots shuffled (other ranks' experts take the rest
+    of the slots when ``ranks`` > 1)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
+    if ranks > 1:
+        ids = torch.cat([ids, len(counts) + torch.randint(0, len(counts), ((ranks - 1) * ids.numel(),), generator=g)])
+    return ids[torch.randperm(ids.numel(), generator=g)].reshape(ranks, -1)
+
+
+def check_packed(s, idx_PS, *, rank: int, L: int, BM: int, R: int, half: bool) -> None:
+    """build_schedule with packed rows against its Python twin, and the packed layout itself: each expert's rows
+    right after the previous expert's, its tiles BM rows each but the last (the rest), no padding row below the
+    rows in use."""
+    codes, tiles, overflow, starts = reference_schedule(idx_PS, rank=rank, local_experts=L, block_m=BM, capacity=R,
+                                                        half_tiles=half, packed=True)
+    assert (s.row_code_R.tolist(), s.tile_expert_M.tolist(), s.tile_row_M1.tolist()) == (codes, tiles, starts)
+    assert int(s.overflow_rows) == overflow
+    n = int(s.num_tiles)
+    counts = s.counts_L.tolist()
+    used = min(sum(counts), R)
+    assert starts[n] == used and all(c >= 0 for c in codes[:used]) and all(c == -1 for c in codes[used:])
+    row = 0
+    for e, cnt in enumerate(counts):  # expert e: rows [row, row + cnt), tiles of BM from its first row
+        mine = [m for m in range(n) if tiles[m] == e]
+        want = [row + j * BM for j in range(-(-cnt // BM)) if row + j * BM < R]
+        assert [starts[m] for m in mine] == want
+        for m in mine:
+            assert starts[m + 1] == min(row + cnt, starts[m] + BM, R)
+            assert all(idx_PS.reshape(-1)[c].item() == rank * L + e for c in codes[starts[m]:starts[m + 1]])
+        row += cnt
+
+
+@pytest.mark.parametrize("half", [False, True], ids=["full_tiles", "half_tiles"])
+def test_packed_schedule_packs_every_expert_and_matches_its_python_twin(half):
+    L, BM = len(PACKED_COUNTS), BM_PACKED
+    for seed in range(3):
+        counts = [PACKED_COUNTS[(e + seed) % L] for e in range(L)]
+        idx_PS = packed_routing(counts, seed)
+        R = capacity_rows(ep=1, tokens=idx_PS.shape[1], topk=1, local_experts=L, block_m=BM, packed=True)
+        assert R == -(-sum(counts) // BM) * BM  # the routed rows, rounded up to BM: no padding
+        s = build_schedule(idx_PS, rank=0, local_experts=L, block_m=BM, capacity=R, num_chunks=3, half_tiles=half,
+                           packed=True)
+        check_packed(s, idx_PS, rank=0, L=L, BM=BM, R=R, half=half)
+        assert int(s.overflow_rows) == 0
+
+
+@pytest.mark.parametrize("mode", ["uniform", "one_expert", "one_rank", "empty_expert", "masked"])
+def test_packed_schedule_of_random_routings_matches_its_python_twin(mode):
+    P, T, K, E, BM = 2, 16, 3, 8, 4
+    idx_PS = torch.stack([i.reshape(-1) for i in routing(P, T, K, E, seed=6, mode=mode)])
+    L = E // P
+    for r in range(P):
+        R = capacity_rows(ep=P, tokens=T, topk=K, local_experts=L, block_m=BM, packed=True)
+        s = build_schedule(idx_PS.to(torch.int32), rank=r, local_experts=L, block_m=BM, capacity=R, num_chunks=2,
+                           half_tiles=True, packed=True)
+        check_packed(s, idx_PS, rank=r, L=L, BM=BM, R=R, half=True)
+        assert int(s.overflow_rows) == 0
+
+
+def test_packed_schedule_counts_overflow():
+    counts, BM = [9, 1, 19, 8], BM_PACKED  # 37 rows into 24: a tile starting below R may end past it
+    idx_PS = packed_routing(counts, seed=2)
+    s = build_schedule(idx_PS, rank=0, local_experts=4, block_m=BM, capacity=24, half_tiles=True, packed=True)
+    check_packed(s, idx_PS, rank=0, L=4, BM=BM, R=24, half=True)
+    assert int(s.overflow_rows) == 37 - 24 and int(s.tile_row_M1[int(s.num_tiles)]) == 24
+
+
+def test_packed_rows_need_no_tails_and_no_tma_store_of_h():
+    from dataclasses import replace
+
+    from mok_kernels.mok_hopper.tiles import TileConfig
+
+    for bad in (dict(tail_rows=16), dict(save_h_tma=True)):
+        with pytest.raises(ValueError, match="packed_rows"):
+            replace(TileConfig(), packed_rows=True, **bad)
+    assert TileConfig(packed_rows=True, flat_down=True).packed_rows  # the flattened loops mask by the tile's end

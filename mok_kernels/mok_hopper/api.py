@@ -70,7 +70,8 @@ class MoKHopperLayer(torch.nn.Module):
         precision: "bf16" or "fp8" (e4m3, 128x128 weight blocks quantised here, 1x128 activation blocks
             quantised in the dispatch path, fp32 accumulation).
         group: the EP process group (None: the default group if initialised, else one rank).
-        tile: launch parameters (:class:`~mok_kernels.mok_hopper.tiles.TileConfig`).
+        tile: launch parameters (:class:`~mok_kernels.mok_hopper.tiles.TileConfig`); its ``packed_rows`` packs the
+            routed rows with no tile padding (the capacity below is then the routed rows).
         capacity_multiplier: routed-row capacity rule (see :func:`~mok_kernels.mok_hopper.schedule.capacity_rows`);
             None = worst case. Overflow is counted on the device: check :meth:`overflow_rows` outside timing.
         capacity: explicit capacity in rows (overrides the rule; rounded up to the tile).
@@ -142,7 +143,7 @@ class MoKHopperLayer(torch.nn.Module):
         # the shared expert: one "expert" of T rows in full tiles, nothing to wait for
         self.cfg_bf16 = replace(self.cfg_bf16, block_m=self.cfg.block_m, tma=self.cfg.tma, half_tiles=False,
                                 ready_flags=False, tail_rows=0, w_tiled=False, up_fused=False,
-                                down_halves=False, up_halves=False, up_per_sm=1)
+                                down_halves=False, up_halves=False, up_per_sm=1, packed_rows=False)
         _check_divisible(H, I, self.cfg, self.cfg_bf16, shared is not None)
         BM = self.cfg.block_m
 
@@ -178,7 +179,8 @@ class MoKHopperLayer(torch.nn.Module):
             group=group, rank=self.rank, world=self.world, device=dev, tokens=tokens, hidden=H, topk=topk,
             fp8=self.fp8)
         self.R = capacity_rows(ep=self.world, tokens=tokens, topk=topk, local_experts=L, block_m=BM,
-                               capacity_multiplier=capacity_multiplier, half_tiles=self.cfg.half_tiles)
+                               capacity_multiplier=capacity_multiplier, half_tiles=self.cfg.half_tiles,
+                               packed=self.cfg.packed_rows)
         if capacity is not None:  # explicit rows (tests of the overflow check), rounded up to the tile
             self.R = -(-capacity // BM) * BM
         R, C = self.R, self.cfg.num_chunks
@@ -195,7 +197,8 @@ class MoKHopperLayer(torch.nn.Module):
             else None
         self.idx_all = torch.zeros(self.world, tokens * topk, dtype=torch.int32, device=dev)
         self.sched: Schedule = empty_schedule(capacity=R, block_m=BM, local_experts=L, num_chunks=C, device=dev,
-                                              half_tiles=self.cfg.half_tiles)  # (tails never add tiles)
+                                              half_tiles=self.cfg.half_tiles,  # (tails never add tiles)
+                                              packed=self.cfg.packed_rows)
         # pull -> up GEMM ready counters, one per granule of rows, and the up GEMM's work-item counter per chunk.
         # The schedule zeroes them, every forward.
         n_gran = R // ready_granule(self.cfg)
@@ -207,7 +210,7 @@ class MoKHopperLayer(torch.nn.Module):
         self.scheduler = DeviceScheduler(
             world=self.world, tokens=tokens, topk=topk, local_experts=L, block_m=BM, capacity=R,
             half_tiles=self.cfg.half_tiles, num_chunks=C, device=dev,
-            tail_rows=self.cfg.tail_rows) if schedule == "triton" else None
+            tail_rows=self.cfg.tail_rows, packed=self.cfg.packed_rows) if schedule == "triton" else None
 
         self.has_shared = shared is not None
         if self.has_shared:
@@ -396,7 +399,7 @@ class MoKHopperLayer(torch.nn.Module):
         gather_peer_i32(self.ws.idx, self.ws.tables["idx"], self.idx_all)  # the torch twin: ~20 launches
         build_schedule(self.idx_all, rank=self.rank, local_experts=self.L, block_m=self.cfg.block_m,
                        capacity=self.R, num_chunks=self.cfg.num_chunks, half_tiles=self.cfg.half_tiles,
-                       tail_rows=self.cfg.tail_rows, out=self.sched)
+                       tail_rows=self.cfg.tail_rows, packed=self.cfg.packed_rows, out=self.sched)
         if self.ready is not None:
             self.ready.zero_()
             self.work.zero_()

@@ -243,6 +243,7 @@ class MokHopperBackend:
                           f"{weights}; "
                           f"BM={t.block_m} "
                           f"{'+ BM/2 half tiles ' if t.half_tiles else ''}"
+                          f"{'+ packed rows (no tile padding) ' if t.packed_rows else ''}"
                           f"{f'+ {t.tail_rows}-row swapped tails ' if t.tail_rows else ''}"
                           f"{'(flat down) ' if t.flat_down else ''}"
                           f"up {t.up_n}x{t.up_k}x{t.up_stages} stages"

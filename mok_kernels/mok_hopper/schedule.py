@@ -13,13 +13,20 @@ as BM + TL rows instead of a half tile after it. The GEMM kernels run those TL r
 the rows in the N dimension (which Hopper's MMA steps in 8s, where the M dimension steps in 64s), off the same
 weight tile. Tiles then start on multiples of TL, and the ready granule is TL rows.
 
+With ``packed`` (``TileConfig.packed_rows``; no tails) nothing is padded: expert e's rows start at the sum of the
+earlier experts' routed rows, its tiles are BM rows each and its last one the rest (1 to BM rows), and
+``tile_row_M1[m + 1]`` (the next tile's first row) is where tile m's rows end. A GEMM tile then loads BM (or, with
+``half_tiles``, BM/2 where the rest fits) rows from its first: those past its end are the next expert's, computed
+and not stored. The capacity is the routed rows (rounded up to BM), the tile tables have up to R/BM + L entries.
+
 A slot is identified by its flat position ``p = (src * T + t) * K + k`` in the all-gathered top-k table
 ``idx_PS`` [P, T*K]; that integer (the "row code") is what the dispatch and combine kernels decode:
 ``src = p // (T*K)``, ``slot = p % (T*K)`` (the combine buffer row on the source rank), ``t = slot // K``.
 
 Order is fixed, so the schedule (and everything downstream) is deterministic: experts in ascending local id, each
 expert's rows in ascending ``p`` (source rank, then token, then k), each expert's segment padded with code -1 to a
-multiple of BM. A slot whose id is negative (a masked top-k entry) or names another rank's expert is skipped.
+multiple of BM (not with ``packed``). A slot whose id is negative (a masked top-k entry) or names another rank's
+expert is skipped.
 
 :func:`build_schedule` uses only fixed-size torch ops (stable sort, cumsum, scatter, searchsorted), so it stays on
 the device with no host synchronisation. Rows that do not fit in R are dropped from the table and *counted* in
@@ -52,7 +59,8 @@ class Schedule:
 
 
 def capacity_rows(*, ep: int, tokens: int, topk: int, local_experts: int, block_m: int,
-                  capacity_multiplier: Optional[float] = 0.5, half_tiles: bool = False) -> int:
+                  capacity_multiplier: Optional[float] = 0.5, half_tiles: bool = False,
+                  packed: bool = False) -> int:
     """Rows to allocate on one rank: routed rows plus worst-case tile padding, rounded up to BM.
 
     Routed rows follow MoK's rule ``T*K*max(2, ceil(EP*multiplier))``, capped at the true worst case ``EP*T*K``
@@ -62,21 +70,26 @@ def capacity_rows(*, ep: int, tokens: int, topk: int, local_experts: int, block_
     Padding: an expert with rows pads its last tile, at most BM - 1 rows; with ``half_tiles`` (the last tile BM/2
     rows when the rest fits, and with tails BM/2 + TL, or TL more rows on a full tile: :func:`padded_rows`) at most
     BM/2 - 1 (1 row, or BM/2 + 1, padded to BM/2, or BM). At most min(L, routed) experts have rows. Both bounds are
-    reached by some routing, so nothing smaller is safe without reading the counts on the host.
+    reached by some routing, so nothing smaller is safe without reading the counts on the host. ``packed`` (no tile
+    padding): the routed rows, rounded up to BM.
     """
     worst = ep * tokens * topk
     routed = worst if capacity_multiplier is None else min(worst, tokens * topk * max(2, math.ceil(ep * capacity_multiplier)))
-    pad = block_m // 2 - 1 if half_tiles else block_m - 1
+    pad = 0 if packed else block_m // 2 - 1 if half_tiles else block_m - 1
     padding = min(local_experts, routed) * pad
     return -(-(routed + padding) // block_m) * block_m
 
 
 def padded_rows(count: torch.Tensor, block_m: int, half_tiles: bool = False,
-                tail_rows: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                tail_rows: int = 0, packed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(tiles, padded rows) of experts with ``count`` routed rows each (any integer tensor): full tiles of BM rows,
     then with ``half_tiles`` a last tile of BM/2 rows when the rest fits in it, with ``tail_rows`` (TL) BM/2 + TL
-    rows when the rest fits in those, or TL more rows on the last full tile when the rest fits in TL; else BM."""
+    rows when the rest fits in those, or TL more rows on the last full tile when the rest fits in TL; else BM.
+    ``packed``: no padding (the tiles of BM rows, the last the rest; ``half_tiles`` adds no tile)."""
     BM, TL = block_m, tail_rows
+    if packed:
+        assert not TL, "packed rows take no tails"
+        return (count + BM - 1) // BM, count
     assert not TL or (half_tiles and TL < BM // 2 and TL & (TL - 1) == 0), \
         "tail_rows needs half tiles and must be a power of two below block_m / 2"
     if not half_tiles:
@@ -93,16 +106,20 @@ def padded_rows(count: torch.Tensor, block_m: int, half_tiles: bool = False,
     return full + (rest > 0).to(full.dtype), full * BM + last
 
 
-def max_tiles(capacity: int, block_m: int, half_tiles: bool = False) -> int:
-    """Entries of the tile tables: every tile holds at least BM (BM/2 with half tiles) rows of the capacity."""
+def max_tiles(capacity: int, block_m: int, half_tiles: bool = False, packed: bool = False,
+              local_experts: int = 0) -> int:
+    """Entries of the tile tables: every tile holds at least BM (BM/2 with half tiles) rows of the capacity;
+    ``packed``: every tile but an expert's last holds BM rows, and at most min(L, R) experts have a last tile."""
+    if packed:
+        return capacity // block_m + min(local_experts, capacity)
     return capacity // (block_m // 2 if half_tiles else block_m)
 
 
 def empty_schedule(*, capacity: int, block_m: int, local_experts: int, num_chunks: int,
-                   device: torch.device, half_tiles: bool = False) -> Schedule:
+                   device: torch.device, half_tiles: bool = False, packed: bool = False) -> Schedule:
     """Buffers for :func:`build_schedule` (``out=``), allocated once outside the timed path."""
     i32 = dict(dtype=torch.int32, device=device)
-    M = max_tiles(capacity, block_m, half_tiles)
+    M = max_tiles(capacity, block_m, half_tiles, packed, local_experts)
     return Schedule(row_code_R1=torch.full((capacity + 1,), -1, **i32),
                     tile_expert_M=torch.full((M,), local_experts, **i32),
                     tile_row_M1=torch.zeros(M + 1, **i32),
@@ -111,7 +128,7 @@ def empty_schedule(*, capacity: int, block_m: int, local_experts: int, num_chunk
 
 
 def build_schedule(idx_PS: torch.Tensor, *, rank: int, local_experts: int, block_m: int, capacity: int,
-                   num_chunks: int = 1, half_tiles: bool = False, tail_rows: int = 0,
+                   num_chunks: int = 1, half_tiles: bool = False, tail_rows: int = 0, packed: bool = False,
                    out: Optional[Schedule] = None) -> Schedule:
     """The schedule of rank ``rank`` from every rank's top-k ids (``idx_PS`` [P, T*K], any integer dtype).
 
@@ -120,7 +137,7 @@ def build_schedule(idx_PS: torch.Tensor, *, rank: int, local_experts: int, block
     assert not half_tiles or block_m % 2 == 0, "half tiles need an even block_m"
     dev = idx_PS.device
     L, BM, R = local_experts, block_m, capacity
-    M = max_tiles(R, BM, half_tiles)
+    M = max_tiles(R, BM, half_tiles, packed, L)
     flat_S = idx_PS.reshape(-1).to(torch.int64)
     S = flat_S.numel()
 
@@ -129,7 +146,7 @@ def build_schedule(idx_PS: torch.Tensor, *, rank: int, local_experts: int, block
     key_S = torch.where(local_S, le_S, torch.full_like(le_S, L))  # L = "not mine"
     counts_L1 = torch.zeros(L + 1, dtype=torch.int64, device=dev).scatter_add_(0, key_S, torch.ones_like(key_S))
     counts_L = counts_L1[:L]
-    tiles_L, rows_L = padded_rows(counts_L, BM, half_tiles, tail_rows)
+    tiles_L, rows_L = padded_rows(counts_L, BM, half_tiles, tail_rows, packed)
     tile_end_L = torch.cumsum(tiles_L, 0)
     row_end_L = torch.cumsum(rows_L, 0)
     seg_start_L1 = torch.cat([row_end_L - rows_L, row_end_L.new_full((1,), R)])  # row where each expert starts
@@ -143,7 +160,7 @@ def build_schedule(idx_PS: torch.Tensor, *, rank: int, local_experts: int, block
     dest_S = torch.where(fits_S, dest_S, torch.full_like(dest_S, R))  # R = dump row, discarded
 
     sch = out if out is not None else empty_schedule(capacity=R, block_m=BM, local_experts=L, num_chunks=num_chunks,
-                                                     device=dev, half_tiles=half_tiles)
+                                                     device=dev, half_tiles=half_tiles, packed=packed)
     assert sch.chunk_tiles_C1.numel() == num_chunks + 1 and sch.row_code_R1.numel() == R + 1
     assert sch.tile_expert_M.numel() == M, "the schedule buffers were made for another tile layout"
     codes_R1 = sch.row_code_R1
@@ -175,12 +192,13 @@ def build_schedule(idx_PS: torch.Tensor, *, rank: int, local_experts: int, block
 
 
 def reference_schedule(idx_PS: torch.Tensor, *, rank: int, local_experts: int, block_m: int, capacity: int,
-                       half_tiles: bool = False, tail_rows: int = 0) -> tuple[list[int], list[int], int, list[int]]:
+                       half_tiles: bool = False, tail_rows: int = 0,
+                       packed: bool = False) -> tuple[list[int], list[int], int, list[int]]:
     """Plain-Python twin of :func:`build_schedule`: (row codes [R], tile experts [M], overflow rows,
     tile rows [M+1])."""
     flat = idx_PS.reshape(-1).tolist()
     L, BM, R = local_experts, block_m, capacity
-    M = max_tiles(R, BM, half_tiles)
+    M = max_tiles(R, BM, half_tiles, packed, L)
     codes: list[int] = []
     tiles: list[int] = []
     starts: list[int] = []
@@ -188,7 +206,9 @@ def reference_schedule(idx_PS: torch.Tensor, *, rank: int, local_experts: int, b
         mine = [p for p, g in enumerate(flat) if g == rank * L + e]
         sizes = [BM] * (len(mine) // BM)
         rest = len(mine) % BM
-        if rest and tail_rows and sizes and rest <= tail_rows:
+        if rest and packed:
+            sizes.append(rest)  # no padding: the last tile is the rest
+        elif rest and tail_rows and sizes and rest <= tail_rows:
             sizes[-1] += tail_rows  # the last full tile takes the rest as its tail
         elif rest and half_tiles and rest <= BM // 2:
             sizes.append(BM // 2)

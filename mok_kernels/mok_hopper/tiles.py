@@ -102,6 +102,10 @@ class TileConfig:
     # item holds a 32-register accumulator) at two programs an SM, for glm_5_2 whose full tiles the 64-row items
     # read twice (16 B of spill at 128 registers under Triton 3.6 and 3.8; the forward 10-21% slower:
     # lab/diagnostics/2026-12-04-s29/, so off)
+    packed_rows: bool = False  # the schedule packs every expert's rows right after the previous expert's (no tile
+    # padding: capacity = routed rows, schedule.capacity_rows): a tile is BM rows from its first row (the expert's
+    # last tile the rest, a BM/2-row MMA where it fits with half_tiles); the MMA's rows past the tile's end are the
+    # next expert's, computed and not stored. Needs no tails and no TMA store of the saved H (a whole-tile store)
     fp8: bool = False  # set by for_fp8 (the fp8 GEMM steps and pipeline depths)
 
     def __post_init__(self) -> None:
@@ -132,6 +136,10 @@ class TileConfig:
                                or self.tail_rows & (self.tail_rows - 1) or not 16 <= self.tail_rows < self.block_m // 2):
             raise ValueError(f"tail_rows={self.tail_rows} needs half_tiles=True, no flattened loop (its items have "
                              "one row count), and a power of two from 16 to below block_m / 2")
+
+        if self.packed_rows and (self.tail_rows or self.save_h_tma):
+            raise ValueError("packed_rows (no tile padding) needs tail_rows=0 (a tail tile's rows are its expert's "
+                             "only) and save_h_tma=False (its bulk store writes the whole tile, past the expert's end)")
 
     def for_fp8(self) -> "TileConfig":
         """fp8 tiles: one weight scale per step (BK <= 128, BN <= 128 inside one 128 x 128 block). The up GEMM

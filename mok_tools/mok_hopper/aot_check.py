@@ -85,6 +85,7 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048, extras: bool 
 
     cfg = cfg or TileConfig(w_tiled=True, fp8_up_fused=True, fp8_down_pair=True)  # default_tile's GEMM kernels
     nprog = 108
+    pk = {"PACKED": True} if cfg.packed_rows else {}  # (the launchers pass PACKED only when it is on)
     out: list[Variant] = []
     out.append(Variant("quant x 1x128", "_quant_rows_kernel",
                        dict(x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32", H="i32"),
@@ -103,7 +104,7 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048, extras: bool 
                             chunk_ptr="*i32", overflow_ptr="*i32", ready_ptr="*i32", work_ptr="*i32", L="i32",
                             R="i32", n_ready="i32", n_work="i32"),
                        dict(BM=cfg.block_m, HALF=cfg.half_tiles, LP=lp, CP=2, NC=1, RP=1024, ZERO=True,
-                            TAIL=cfg.tail_rows), 4))
+                            TAIL=cfg.tail_rows, **pk), 4))
     out.append(Variant("schedule tiles", "_sched_tiles_kernel",
                        dict(lay_ptr="*i32", tile_expert_ptr="*i32", tile_row_ptr="*i32", codes_ptr="*i32", M="i32",
                             L="i32", R="i32"), dict(BM=cfg.block_m, LP=lp, MB=64, CB=2048), 4))
@@ -123,7 +124,7 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048, extras: bool 
                                 x_out=xt, xs_out="*fp32" if fp8 else xt, w_out="*fp32", TK="i32", K="i32",
                                 H="i32", HS="i32"),
                            dict(BR=cfg.pull_rows, BH=hp, HSP=1 << (hs - 1).bit_length(), FP8=fp8,
-                                PULL_W=pull_w, NUM_PROGS=48, READY=cfg.ready_flags, GRAN=ready_granule(cfg)),
+                                PULL_W=pull_w, NUM_PROGS=48, READY=cfg.ready_flags, GRAN=ready_granule(cfg), **pk),
                            cfg.pull_warps, plain=("K", "HS")))
     def operand(t: str, block: list[int], tma: bool) -> str:  # a pointer, or a TMA descriptor with its block
         return f"tensordesc<{t[1:]}[{block[0]}, {block[1]}]>" if tma else t
@@ -158,7 +159,7 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048, extras: bool 
                                     HALF=c.half_tiles, READY=c.ready_flags, GRAN=ready_granule(c), SPIN=True,
                                     DYN=c.ready_flags, WB=128, FLAT=c.flat_up, TAIL=c.tail_rows,
                                     WT=(2 if c.up_fused else c.w_tiled) if tma else False, SAVE_H=save,
-                                    PAIR=fp8 and c.fp8_up_pair, SPLIT=c.up_halves, HSV_TMA=hsv_tma, **sv_c),
+                                    PAIR=fp8 and c.fp8_up_pair, SPLIT=c.up_halves, HSV_TMA=hsv_tma, **sv_c, **pk),
                                c.up_warps))
         for fp8, apply_w in ((False, True), (False, False), (True, True)):
             c = f8 if fp8 else cfg
@@ -176,7 +177,7 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048, extras: bool 
                                dict(BM=c.block_m, BN=c.down_n, BK=c.down_k, FP8=fp8, APPLY_W=apply_w,
                                     NUM_PROGS=nprog, UPCAST=False, STAGES=c.down_stages, GROUP_M=c.group_m, TMA=tma,
                                     HALF=c.half_tiles, WB=128, FLAT=c.flat_down, TAIL=c.tail_rows,
-                                    WT=c.w_tiled and tma, PAIR=fp8 and c.fp8_down_pair, SPLIT=c.down_halves),
+                                    WT=c.w_tiled and tma, PAIR=fp8 and c.fp8_down_pair, SPLIT=c.down_halves, **pk),
                                c.down_warps, maxnreg=c.down_maxnreg))
     plain = cfg.half_tiles and not (cfg.flat_up or cfg.flat_down or cfg.tail_rows or cfg.up_fused)
     if plain and extras:  # the other default tiles' GEMMs (bf16, TMA): glm_5_2's tails (v9)
@@ -234,6 +235,15 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048, extras: bool 
             out += extra(dict(up_fused=True, tail_rows=TAIL_ROWS), ("up bf16 save H tma",) + clamp_tma,
                          tagged(f"fused tails {TAIL_ROWS}"), save_h=True)
             out += extra(dict(w_tiled=False), clamp_tma, lambda label: label + " row-major", save_h=True)
+        # packed rows (packed_rows; off): the schedule's layout, the pull and the routed GEMMs with PACKED, the
+        # training forward's up GEMM, and fp8's 64-row items
+        out += extra(dict(packed_rows=True), ("schedule layout", "pull bf16 +w", "pull fp8 +w", "up bf16 tma",
+                                              "down bf16 x w tma", "up fp8 tma", "down fp8 x w tma"),
+                     lambda label: label + " packed")
+        out += extra(dict(packed_rows=True), ("up bf16 clamp save H tma", "up fp8 clamp save H tma"),
+                     lambda label: label + " packed", save_h=True)
+        out += extra(dict(packed_rows=True, fp8_up_halves=True, fp8_down_halves=True),
+                     ("up fp8 tma", "down fp8 x w tma"), lambda label: label + " halves packed")
     out.append(Variant("epilogue", "_epilogue_kernel",
                        dict(comb_ptr="*bf16", idx_ptr="*i64", rw_ptr="*fp32", shared_ptr="*bf16", out_ptr="*bf16",
                             T="i32", H="i32", K="i32"),

@@ -108,6 +108,12 @@ SWEEP = [  # (label, overrides of the base tile, layer options); tiles checked b
     # fp8 only: v16's up GEMM and pull (one program of 8 warps an SM over whole tiles, 4-row pull steps) where v17's
     # default runs two up programs an SM over 64-row items and 16-row pull steps
     ("fp8: up whole tiles, pull 4 rows a step (v16)", dict(fp8_up_halves=False, fp8_pull_rows=0), {}),
+    # every expert's rows right after the previous expert's, no tile padding (packed_rows; off): R = the routed rows
+    # instead of T K + 63 L; a tile's MMA runs into the next expert's rows (lab/2026-12-07-packed-rows.md). Tails
+    # off (packed rows refuse them: on glm_5_2, whose default has tails, compare with "no tails" too)
+    ("packed rows (no tile padding)", dict(packed_rows=True, tail_rows=0), {}),
+    ("packed rows, training forward (save_h)", dict(packed_rows=True, tail_rows=0), dict(save_h=True)),
+    ("no tails", dict(tail_rows=0), {}),
 ]
 # the variants without "fp8:" that an fp8 sweep runs too (every "fp8:" one runs in fp8 only: :func:`runs_at`)
 SWEEP_FP8 = (
@@ -120,7 +126,9 @@ SWEEP_FP8 = (
     "shared beside up on 32 SMs",
     "shared beside up on 40 SMs",
     "training forward (save_h)",
-    "training forward (save_h), H by TMA stores")
+    "training forward (save_h), H by TMA stores",
+    "packed rows (no tile padding)",
+    "packed rows, training forward (save_h)")
 
 
 def runs_at(label: str, precision: str) -> bool:

@@ -90,10 +90,10 @@ def _down_tile(h_ptr, h_half, h_tail, hs_ptr, w_ptr, ws_ptr, code_ptr, rw_ptr, o
                e_tile, n_rows, H, I, TK, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FP8: tl.constexpr,
                APPLY_W: tl.constexpr, UPCAST: tl.constexpr, STAGES: tl.constexpr, TMA: tl.constexpr,
                WB: tl.constexpr, HALF: tl.constexpr, TAIL: tl.constexpr, WT: tl.constexpr = False,
-               PAIR: tl.constexpr = False, SPLIT: tl.constexpr = False):
-    """The item of one row tile: a BM/2-row MMA for a half tile (HALF), else BM rows; TAIL: as in ``_up_tile``.
-    SPLIT (HALF, no TAIL): every tile as BM/2-row items, a full tile as two (its weight blocks read twice), so the
-    kernel holds a BM/2-row accumulator only (``TileConfig.down_halves``)."""
+               PAIR: tl.constexpr = False, SPLIT: tl.constexpr = False, PACKED: tl.constexpr = False):
+    """The item of one row tile: a BM/2-row MMA for a half tile (HALF; PACKED: a tile of at most BM/2 rows), else BM
+    rows; TAIL: as in ``_up_tile``. SPLIT (HALF, no TAIL): every tile as BM/2-row items, a full tile as two (its
+    weight blocks read twice), so the kernel holds a BM/2-row accumulator only (``TileConfig.down_halves``)."""
     if SPLIT:
         _down_item(h_half, h_tail, hs_ptr, w_ptr, ws_ptr, code_ptr, rw_ptr, out_ref, out_delta, row0, row1, n,
                    e_tile, n_rows, H, I, TK, BM // 2, BN, BK, FP8, APPLY_W, UPCAST, STAGES, TMA, WB, 0, WT, PAIR)
@@ -119,7 +119,7 @@ def _down_tile(h_ptr, h_half, h_tail, hs_ptr, w_ptr, ws_ptr, code_ptr, rw_ptr, o
             _down_item(h_ptr, h_tail, hs_ptr, w_ptr, ws_ptr, code_ptr, rw_ptr, out_ref, out_delta, row0, row1, n,
                        e_tile, n_rows, H, I, TK, BM, BN, BK, FP8, APPLY_W, UPCAST, STAGES, TMA, WB, 0, WT, PAIR)
     elif HALF:
-        if row1 - row0 < BM:
+        if (row1 - row0 <= BM // 2) if PACKED else (row1 - row0 < BM):
             _down_item(h_half, h_tail, hs_ptr, w_ptr, ws_ptr, code_ptr, rw_ptr, out_ref, out_delta, row0, row1, n,
                        e_tile, n_rows, H, I, TK, BM // 2, BN, BK, FP8, APPLY_W, UPCAST, STAGES, TMA, WB, 0, WT, PAIR)
         else:
@@ -137,12 +137,13 @@ def _down_push_kernel(h_ptr, h_half, h_tail, hs_ptr, w_ptr, ws_ptr, tile_expert_
                       APPLY_W: tl.constexpr, NUM_PROGS: tl.constexpr, UPCAST: tl.constexpr, STAGES: tl.constexpr,
                       GROUP_M: tl.constexpr, TMA: tl.constexpr = False, HALF: tl.constexpr = False,
                       WB: tl.constexpr = 128, FLAT: tl.constexpr = False, TAIL: tl.constexpr = 0,
-                      WT: tl.constexpr = False, PAIR: tl.constexpr = False, SPLIT: tl.constexpr = False):
+                      WT: tl.constexpr = False, PAIR: tl.constexpr = False, SPLIT: tl.constexpr = False,
+                      PACKED: tl.constexpr = False):
     """TMA: ``h_ptr`` / ``h_half`` / ``h_tail`` / ``w_ptr`` are TMA descriptors over h [R, I] (blocks [BM, BK],
     [BM/2, BK] and [TAIL, BK]) and W2 [L*H, I] (blocks [BN, BK]; WT: W2 from :func:`tile_weights`, a
     [L*H*I/BK, BK] view); otherwise pointers. HALF, TAIL: as in the up kernel. FLAT: one flattened loop nest
     (items x K steps, pipelined across items); every tile runs BM rows, a half tile's rows past its end are
-    computed and not stored. Otherwise static round robin over the items; SPLIT: see ``_down_tile``."""
+    computed and not stored. Otherwise static round robin over the items; SPLIT, PACKED: see ``_down_tile``."""
     m_lo = tl.load(chunk_ptr)
     m_hi = tl.load(chunk_ptr + 1)
     n_n = H // BN
@@ -157,7 +158,7 @@ def _down_push_kernel(h_ptr, h_half, h_tail, hs_ptr, w_ptr, ws_ptr, tile_expert_
             m, n, e_tile, row0, row1 = _work_tile(wk, tile_expert_ptr, tile_row_ptr, m_lo, m_hi, n_n, GROUP_M)
             _down_tile(h_ptr, h_half, h_tail, hs_ptr, w_ptr, ws_ptr, code_ptr, rw_ptr, out_ref, out_delta, row0, row1,
                        n, e_tile, n_rows, H, I, TK, BM, BN, BK, FP8, APPLY_W, UPCAST, STAGES,
-                       TMA, WB, HALF, TAIL, WT, PAIR, SPLIT)
+                       TMA, WB, HALF, TAIL, WT, PAIR, SPLIT, PACKED)
 
 
 def down_push(h_RI: torch.Tensor, h_scale: Optional[torch.Tensor], w2_LHI: torch.Tensor,
@@ -190,4 +191,5 @@ def down_push(h_RI: torch.Tensor, h_scale: Optional[torch.Tensor], w2_LHI: torch
         BM=bm, BN=bn, BK=bk, FP8=fp8, APPLY_W=rw_R is not None, NUM_PROGS=programs, UPCAST=INTERPRET,
         STAGES=cfg.down_stages, GROUP_M=cfg.group_m, TMA=cfg.tma, HALF=cfg.half_tiles, FLAT=cfg.flat_down,
         TAIL=tail, WT=cfg.w_tiled, PAIR=fp8 and cfg.fp8_down_pair, SPLIT=cfg.down_halves, num_warps=cfg.down_warps,
+        **({"PACKED": True} if cfg.packed_rows else {}),
         **({"maxnreg": cfg.down_maxnreg} if cfg.down_maxnreg and not INTERPRET else {}))

@@ -86,6 +86,24 @@ def _wait_rows(ready_ptr, row0, row1, GRAN: tl.constexpr, SPIN: tl.constexpr, TM
 
 
 @triton.jit
+def _wait_rows_packed(ready_ptr, row0, row1, r_end, GRAN: tl.constexpr, SPIN: tl.constexpr, TMA: tl.constexpr):
+    """Packed rows (``TileConfig.packed_rows``; tiles start on any row): wait until the pull has written rows
+    [row0, row1), i.e. until every granule they touch counts its rows below ``r_end`` (the chunk's last row; rows
+    of a granule before ``row0`` are earlier tiles', pulled by this chunk's pull or an earlier one, which finished
+    before this chunk's began)."""
+    if SPIN:
+        for g in range(row0 // GRAN, (row1 + GRAN - 1) // GRAN):
+            need = tl.minimum(r_end - g * GRAN, GRAN)
+            n = tl.atomic_add(ready_ptr + g, 0, sem="acquire", scope="gpu")
+            while n < need:
+                n = tl.atomic_add(ready_ptr + g, 0, sem="acquire", scope="gpu")
+        tl.debug_barrier()
+        if TMA:
+            tl.inline_asm_elementwise("fence.proxy.async.global; // $0", "=r", [], dtype=tl.int32, is_pure=False,
+                                      pack=1)
+
+
+@triton.jit
 def _ld_a(a_ptr, a_at, k0, rmask, TMA: tl.constexpr):
     """The [BM, BK] activation tile at depth k0: a TMA load at row ``a_at``, or a masked load from the pointers
     ``a_at`` (rows past the end are zeros either way)."""

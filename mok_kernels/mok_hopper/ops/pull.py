@@ -43,17 +43,27 @@ def quantize_rows(x_TH: torch.Tensor, q_TH: torch.Tensor, s_TB: torch.Tensor, bl
 def _pull_rows_kernel(code_ptr, chunk_ptr, tile_row_ptr, ready_ptr, x_ref, x_delta, xs_ref, xs_delta, w_ref,
                       w_delta, x_out, xs_out, w_out, TK, K, H, HS,
                       BR: tl.constexpr, BH: tl.constexpr, HSP: tl.constexpr, FP8: tl.constexpr,
-                      PULL_W: tl.constexpr, NUM_PROGS: tl.constexpr, READY: tl.constexpr, GRAN: tl.constexpr):
+                      PULL_W: tl.constexpr, NUM_PROGS: tl.constexpr, READY: tl.constexpr, GRAN: tl.constexpr,
+                      PACKED: tl.constexpr = False):
+    """PACKED (tiles start on any row): the steps are BR-aligned in the buffer (so each lies in one granule), the
+    chunk's first and last masked to its rows; each counts the rows it wrote."""
     r_lo = tl.load(tile_row_ptr + tl.load(chunk_ptr))
     r_hi = tl.load(tile_row_ptr + tl.load(chunk_ptr + 1))
-    n_steps = tl.cdiv(r_hi - r_lo, BR)
+    if PACKED:
+        r_0 = (r_lo // BR) * BR
+    else:
+        r_0 = r_lo
+    n_steps = tl.cdiv(r_hi - r_0, BR)
     cols = tl.arange(0, BH)  # a whole row per load: every byte of the step is in flight at once
     cmask = cols < H
     # programs take steps round-robin, so the rows finish roughly in ascending order (the GEMMs' order)
     for step in range(tl.program_id(0), n_steps, NUM_PROGS):
-        row0 = r_lo + step * BR
+        row0 = r_0 + step * BR
         rows = row0 + tl.arange(0, BR)
-        rmask = rows < r_hi
+        if PACKED:
+            rmask = (rows >= r_lo) & (rows < r_hi)
+        else:
+            rmask = rows < r_hi
         rows64 = rows.to(tl.int64)
         code = tl.load(code_ptr + rows, mask=rmask, other=-1)
         valid = code >= 0
@@ -77,7 +87,11 @@ def _pull_rows_kernel(code_ptr, chunk_ptr, tile_row_ptr, ready_ptr, x_ref, x_del
         if READY:
             # every thread's stores of this step, then one release: the granule counts BR more rows
             tl.debug_barrier()
-            tl.atomic_add(ready_ptr + row0 // GRAN, BR, sem="release", scope="gpu")
+            if PACKED:
+                tl.atomic_add(ready_ptr + row0 // GRAN, tl.sum(rmask.to(tl.int32), axis=0), sem="release",
+                              scope="gpu")
+            else:
+                tl.atomic_add(ready_ptr + row0 // GRAN, BR, sem="release", scope="gpu")
 
 
 def pull_rows(code_R: torch.Tensor, chunk_2: torch.Tensor, tile_row_M1: torch.Tensor, x_ref: torch.Tensor,
@@ -102,7 +116,8 @@ def pull_rows(code_R: torch.Tensor, chunk_2: torch.Tensor, tile_row_M1: torch.Te
         x_out_RH, xs_out if fp8 else x_out_RH, w_out_R if pull_w else x_out_RH,
         tokens * topk, topk, H, hs,
         BR=cfg.pull_rows, BH=triton.next_power_of_2(H), HSP=triton.next_power_of_2(hs), FP8=fp8,
-        PULL_W=pull_w, NUM_PROGS=programs, READY=ready is not None, GRAN=gran, num_warps=cfg.pull_warps)
+        PULL_W=pull_w, NUM_PROGS=programs, READY=ready is not None, GRAN=gran, num_warps=cfg.pull_warps,
+        **({"PACKED": True} if cfg.packed_rows else {}))
 
 
 @triton.jit

@@ -68,13 +68,17 @@ def _sched_scan_kernel(hist_ptr, off_ptr, count_ptr, NB, NBP: tl.constexpr, LP: 
 def _sched_layout_kernel(count_ptr, lay_ptr, counts_out, num_tiles_ptr, chunk_ptr, overflow_ptr, ready_ptr, work_ptr,
                          L, R, n_ready, n_work, BM: tl.constexpr, HALF: tl.constexpr, LP: tl.constexpr,
                          CP: tl.constexpr, NC: tl.constexpr, RP: tl.constexpr, ZERO: tl.constexpr,
-                         TAIL: tl.constexpr = 0):
-    """One program: per expert its padded rows and tiles, segment start, tile range (lay_ptr rows 0-2, row 3 slot 0:
-    rows in use); tiles in use, chunk bounds; zeroes the overflow count and (ZERO) the ready / work counters."""
+                         TAIL: tl.constexpr = 0, PACKED: tl.constexpr = False):
+    """One program: per expert its padded rows (PACKED: its routed rows, no padding) and tiles, segment start, tile
+    range (lay_ptr rows 0-2, row 3 slot 0: rows in use); tiles in use, chunk bounds; zeroes the overflow count and
+    (ZERO) the ready / work counters."""
     e = tl.arange(0, LP)
     live = e < L
     c = tl.where(live, tl.load(count_ptr + e), 0)
-    if HALF:  # full tiles, then a last tile of BM/2 rows if the rest fits in it, else of BM rows
+    if PACKED:  # tiles of BM rows, the last the rest (schedule.padded_rows)
+        tiles = (c + BM - 1) // BM
+        rows = c
+    elif HALF:  # full tiles, then a last tile of BM/2 rows if the rest fits in it, else of BM rows
         full = c // BM  # (TAIL: also BM/2 + TAIL rows, or TAIL more on the last full tile; schedule.padded_rows)
         rest = c - full * BM
         last = tl.where(rest > BM // 2 + TAIL, BM,
@@ -160,9 +164,11 @@ class DeviceScheduler:
     SB = 128  # slots per block
 
     def __init__(self, *, world: int, tokens: int, topk: int, local_experts: int, block_m: int, capacity: int,
-                 half_tiles: bool, num_chunks: int, device: torch.device, tail_rows: int = 0) -> None:
+                 half_tiles: bool, num_chunks: int, device: torch.device, tail_rows: int = 0,
+                 packed: bool = False) -> None:
         self.TK, self.L, self.BM, self.R = tokens * topk, local_experts, block_m, capacity
-        self.half, self.C, self.tail = half_tiles, num_chunks, tail_rows
+        self.half, self.C, self.tail, self.packed = half_tiles, num_chunks, tail_rows, packed
+        assert not (packed and tail_rows), "packed rows take no tails"
         self.S = world * tokens * topk
         self.NB = triton.cdiv(self.S, self.SB)
         self.LP = triton.next_power_of_2(local_experts + 1)
@@ -190,7 +196,8 @@ class DeviceScheduler:
                                    out.overflow_rows, ready if zero else self.count, work if zero else self.count,
                                    L, R, ready.numel() if zero else 0, work.numel() if zero else 0,
                                    BM=BM, HALF=self.half, LP=LP, CP=triton.next_power_of_2(self.C + 1), NC=self.C,
-                                   RP=1024, ZERO=zero, TAIL=self.tail, num_warps=4)
+                                   RP=1024, ZERO=zero, TAIL=self.tail, num_warps=4,
+                                   **({"PACKED": True} if self.packed else {}))
         M = out.tile_expert_M.numel()
         mb = max(1, min(64, 16384 // LP))
         grid = triton.cdiv(M + 1, mb)

@@ -11,7 +11,7 @@ import triton.language as tl
 
 from contract.fp8 import FP8_MAX
 from mok_kernels.mok_hopper.ops.gemm_common import (_ld_a, _ld_w, _mm, _mma, _operand, _quant_e4m3, _tail_rows,
-                                                _wait_rows, _weights, _work_tile)
+                                                _wait_rows, _wait_rows_packed, _weights, _work_tile)
 from mok_kernels.mok_hopper.ops.interp import INTERPRET
 from mok_kernels.mok_hopper.tiles import TileConfig, h_save_by_tma, ready_granule
 
@@ -191,11 +191,12 @@ def _up_tile(a_ptr, a_half, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, 
              HAS_LIMIT: tl.constexpr, UPCAST: tl.constexpr, STAGES: tl.constexpr, FP8_MAX_: tl.constexpr,
              TMA: tl.constexpr, WB: tl.constexpr, HALF: tl.constexpr, TAIL: tl.constexpr, WT: tl.constexpr = False,
              hsv_ptr=None, clip_ptr=None, SAVE_H: tl.constexpr = False, PAIR: tl.constexpr = False,
-             SPLIT: tl.constexpr = False, hsv_half=None, HSV_TMA: tl.constexpr = False):
-    """The item of one row tile: a BM/2-row MMA for a half tile (HALF), else BM rows; TAIL: a tile whose size is
-    not a multiple of BM/2 (BM/2 + TAIL or BM + TAIL rows) adds the swapped TAIL-row MMA. SPLIT (HALF, no TAIL):
-    every tile as BM/2-row items, a full tile as two (its weight blocks read twice), so the kernel holds BM/2-row
-    accumulators only (``TileConfig.up_halves``). HSV_TMA (SAVE_H, no TAIL): ``hsv_ptr`` / ``hsv_half`` are TMA
+             SPLIT: tl.constexpr = False, hsv_half=None, HSV_TMA: tl.constexpr = False,
+             PACKED: tl.constexpr = False):
+    """The item of one row tile: a BM/2-row MMA for a half tile (HALF; PACKED: a tile of at most BM/2 rows), else BM
+    rows; TAIL: a tile whose size is not a multiple of BM/2 (BM/2 + TAIL or BM + TAIL rows) adds the swapped TAIL-row
+    MMA. SPLIT (HALF, no TAIL): every tile as BM/2-row items, a full tile as two (its weight blocks read twice), so
+    the kernel holds BM/2-row accumulators only (``TileConfig.up_halves``). HSV_TMA (SAVE_H, no TAIL): ``hsv_ptr`` / ``hsv_half`` are TMA
     descriptors over the saved H with [BM, BN] / [BM/2, BN] blocks (``_up_store``)."""
     if HSV_TMA:
         hv_half = hsv_half
@@ -229,7 +230,7 @@ def _up_tile(a_ptr, a_half, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, 
                      limit, BM, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB, 0, WT, hsv_ptr,
                      clip_ptr, SAVE_H, PAIR, HSV_TMA)
     elif HALF:
-        if row1 - row0 < BM:
+        if (row1 - row0 <= BM // 2) if PACKED else (row1 - row0 < BM):
             _up_item(a_half, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row1, n, e_tile, n_rows, H, I,
                      limit, BM // 2, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB, 0, WT, hv_half,
                      clip_ptr, SAVE_H, PAIR, HSV_TMA)
@@ -273,7 +274,7 @@ def _up_swiglu_kernel(a_ptr, a_half, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_pt
                       SPIN: tl.constexpr = True, DYN: tl.constexpr = False, WB: tl.constexpr = 128,
                       FLAT: tl.constexpr = False, TAIL: tl.constexpr = 0, WT: tl.constexpr = False,
                       SAVE_H: tl.constexpr = False, PAIR: tl.constexpr = False, SPLIT: tl.constexpr = False,
-                      hsv_half=None, HSV_TMA: tl.constexpr = False):
+                      hsv_half=None, HSV_TMA: tl.constexpr = False, PACKED: tl.constexpr = False):
     """TMA: ``a_ptr`` / ``a_half`` / ``a_tail`` / ``w_ptr`` are TMA descriptors over A [R, H] (blocks [BM, BK],
     [BM/2, BK] and [TAIL, BK]) and W13 [L*2I, H] (blocks [BN, BK]; WT: W13 from :func:`tile_weights`, a
     [L*2I*H/BK, BK] view), read by Hopper's bulk copy engine; otherwise pointers. HALF: tiles of
@@ -283,7 +284,8 @@ def _up_swiglu_kernel(a_ptr, a_half, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_pt
     (the training forward): also the pre-SwiGLU H into ``hsv_ptr`` and, with HAS_LIMIT, the clamp's decisions
     into ``clip_ptr`` (``_up_store``); off, both are None (constexprs: the kernel is the inference kernel, parameter
     for parameter). PAIR (fp8): two 128-deep blocks a loop step (``_up_item``). SPLIT, HSV_TMA (with ``hsv_half``):
-    see ``_up_tile``."""
+    see ``_up_tile``. PACKED: tiles start on any row (``TileConfig.packed_rows``): the half-tile test and the wait on
+    the ready counters follow (``_wait_rows_packed``)."""
     m_lo = tl.load(chunk_ptr)
     m_hi = tl.load(chunk_ptr + 1)
     n_n = I // BN
@@ -299,10 +301,13 @@ def _up_swiglu_kernel(a_ptr, a_half, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_pt
         while wk < n_work:
             m, n, e_tile, row0, row1 = _work_tile(wk, tile_expert_ptr, tile_row_ptr, m_lo, m_hi, n_n, GROUP_M)
             if READY:
-                _wait_rows(ready_ptr, row0, row1, GRAN, SPIN, TMA)
+                if PACKED:
+                    _wait_rows_packed(ready_ptr, row0, row1, tl.load(tile_row_ptr + m_hi), GRAN, SPIN, TMA)
+                else:
+                    _wait_rows(ready_ptr, row0, row1, GRAN, SPIN, TMA)
             _up_tile(a_ptr, a_half, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row1, n, e_tile, n_rows,
                      H, I, limit, BM, BN, BK, FP8, HAS_LIMIT, UPCAST, STAGES, FP8_MAX_, TMA, WB, HALF, TAIL, WT,
-                     hsv_ptr, clip_ptr, SAVE_H, PAIR, SPLIT, hsv_half, HSV_TMA)
+                     hsv_ptr, clip_ptr, SAVE_H, PAIR, SPLIT, hsv_half, HSV_TMA, PACKED)
             wk = _next_work(wk, work_ptr, NUM_PROGS, DYN)
 
 
@@ -361,4 +366,4 @@ def up_swiglu(a_RH: torch.Tensor, a_scale: Optional[torch.Tensor], w13_LIH: torc
         READY=ready is not None, GRAN=ready_granule(cfg), SPIN=not INTERPRET, DYN=work is not None,
         FLAT=flat, TAIL=tail, WT=2 if fused else cfg.w_tiled, SAVE_H=save, PAIR=fp8 and cfg.fp8_up_pair,
         SPLIT=cfg.up_halves, hsv_half=_operand(h_save, [bm // 2, bn], True) if hsv_tma else None, HSV_TMA=hsv_tma,
-        num_warps=cfg.up_warps)
+        num_warps=cfg.up_warps, **({"PACKED": True} if cfg.packed_rows else {}))
