@@ -103,7 +103,7 @@ def test_a_row_written_now_gives_back_its_hash_from_its_stored_config(results_di
         case = make_case(c, ep_size=int(r.ep_size), device=r.device)
         assert config_hash(c, case) == r.config_hash
     by = df.set_index("backend").backend_options
-    assert by["nccl"] == "fp8_gemm=rowwise" and by["mok_hopper"] == "forward=recompute,weights=plain"
+    assert by["nccl"] == "fp8_gemm=rowwise" and by["mok_hopper"] == "forward=recompute,weights=plain,rows=padded"
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])

@@ -70,7 +70,7 @@ def test_inference_forward_declines_the_backward(results_dir):
     assert "inference forward (saves nothing)" in r.notes
     b = by(df, "mok_hopper", "bwd")
     assert b.status == "unsupported" and "mok_hopper_forward=inference saves nothing" in b.error
-    assert (df.backend_options == "forward=inference,weights=plain").all()  # the alias reached the backend's own option
+    assert (df.backend_options == "forward=inference,weights=plain,rows=padded").all()  # the alias reached the backend's own option
 
 
 def test_directions_it_declines():
@@ -103,3 +103,25 @@ def test_traffic_row_bytes(precision):
     assert tr["dispatch_rows_to"] == [3, 4] and tr["combine_rows_to"] == [5, 6]
     assert tr["dispatch_row_bytes"] == (4096 + 4 * 32 if precision == "fp8" else 8192)
     assert tr["combine_row_bytes"] == 8192
+
+
+def test_rows_packed_is_an_option_of_the_backend_that_enters_the_hash_away_from_padded(results_dir):
+    """``mok_hopper.rows=packed`` (alias ``mok_hopper_rows``) reaches the backend, changes the point's hash (padded,
+    the default, does not), and on the CPU twin says that it acts on the CUDA kernels only."""
+    import json
+
+    from harness.config.point import make_case
+    from harness.config.schema import config_hash
+    from mok_kernels.mok_hopper.tiles import TileConfig, packed_rows
+
+    df = run_benchmark(cpu_cfg(results_dir, "backends=[mok_hopper]", "directions=[fwd]", "mok_hopper_rows=packed"))
+    r = by(df, "mok_hopper", "fwd")
+    assert r.status == "ok", r.error
+    assert r.backend_options == "forward=save_h,weights=plain,rows=packed"
+    assert "acts on the CUDA kernels only" in r.notes
+    c = json.loads(r.point_config)
+    assert config_hash(c, make_case(c, ep_size=int(r.ep_size), device=r.device)) == r.config_hash
+    c["mok_hopper"]["rows"] = "padded"
+    assert config_hash(c, make_case(c, ep_size=int(r.ep_size), device=r.device)) != r.config_hash
+    t = packed_rows(TileConfig(half_tiles=True, tail_rows=16, save_h_tma=True))
+    assert t.packed_rows and t.tail_rows == 0 and not t.save_h_tma

@@ -15,7 +15,10 @@ Its option ``weights`` (``mok_hopper.weights=``, alias ``mok_hopper_weights=``) 
 kernels read: ``plain`` (default) the harness's tensors in place (:func:`~mok_kernels.mok_hopper.tiles.plain_weights`),
 ``tiled`` the layer's own copy in TMA block order, ``owned`` the harness's tensors rewritten in place into TMA block
 order until :meth:`MokHopperBackend.teardown` (:mod:`mok_kernels.mok_hopper.owned`). In fp8 the forward reads the
-layer's own e4m3 copy in any case; it is in TMA block order whatever the option.
+layer's own e4m3 copy in any case; it is in TMA block order whatever the option. Its option ``rows``
+(``mok_hopper.rows=``, alias ``mok_hopper_rows=``): ``padded`` (default) pads each expert's rows to its last tile,
+``packed`` packs them with no padding (:func:`~mok_kernels.mok_hopper.tiles.packed_rows`; CUDA only: the CPU twin
+has one layout).
 
 Legend: T tokens per rank, K top-k, H hidden, I ffn, L local experts, P ranks.
 """
@@ -114,6 +117,7 @@ class MokHopperBackend:
         self.params: Optional[ExpertLeaves] = None
         self.mode = (options or MokHopperOptions()).forward
         self.weights = (options or MokHopperOptions()).weights
+        self.rows = (options or MokHopperOptions()).rows
         self.owned: Any = None  # weights=owned in bf16 on CUDA: the harness's weights in TMA block order, in place
         self._plain_grads: Any = None  # weak references to the gradients weight_grads put into the plain order
 
@@ -129,13 +133,15 @@ class MokHopperBackend:
                                         swiglu_limit=c.swiglu_limit, precision=c.precision)
             return
         from mok_kernels.mok_hopper.api import MoKHopperLayer, default_tile
-        from mok_kernels.mok_hopper.tiles import num_sms, plain_weights
+        from mok_kernels.mok_hopper.tiles import num_sms, packed_rows, plain_weights
 
         dev = inputs.x_TH.device
         tile = default_tile(precision=c.precision, device=dev, comm_sms=c.comm_sms,
                             rows_per_expert=c.ep_size * c.tokens_per_gpu * c.topk / c.num_experts, n_sm=num_sms(dev))
         if self.weights == "plain" and c.precision == "bf16":  # the harness's weights themselves: no copy
             tile = plain_weights(tile)
+        if self.rows == "packed":  # no tile padding in the row buffers
+            tile = packed_rows(tile)
         self._tile = replace(tile, **self.tile_overrides)
         w13, w2 = inputs.w13_LIH, inputs.w2_LHI
         if self.weights == "owned" and c.precision == "bf16" and self._tile.w_tiled:
@@ -234,7 +240,8 @@ class MokHopperBackend:
         if c.device != "cuda":
             return {"scaling": scaling, "compiled": False,
                     "notes": f"CPU twin (pure torch, gloo), not the Triton kernel: checks schedule and combine logic; "
-                             f"{saves}"}
+                             f"{saves}" + ("; rows=packed acts on the CUDA kernels only (the twin has one row "
+                                           "layout)" if self.rows == "packed" else "")}
         t, layer = self._tile, self.impl
         weights = (" (weights in TMA block order: the harness's, re-laid in place)" if self.owned is not None else
                    " (weights in TMA block order)" if t.w_tiled else " (plain weights)" if t.tma else "")

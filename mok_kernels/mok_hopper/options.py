@@ -21,6 +21,11 @@ FORWARDS = ("save_h", "recompute", "inference")
 # there, so it enters fp8 points' hashes never, and bf16 points' hashes away from tiled (the old default).
 WEIGHTS = ("tiled", "plain", "owned")
 
+# How the routed rows sit in the layer's row buffers (mok_kernels/mok_hopper/tiles.py): padded = each expert's rows
+# padded to its last tile (capacity T·K + 63 rows an expert at EP=1; the default), packed = each expert's rows right
+# after the previous expert's (capacity T·K: TileConfig.packed_rows, without tails or the TMA store of the saved H).
+ROWS = ("padded", "packed")
+
 
 @dataclass
 class MokHopperOptions:
@@ -32,3 +37,6 @@ class MokHopperOptions:
                                "TMA, no copy), tiled (a copy in TMA block order) or owned (the caller's tensors "
                                "re-laid in place into TMA block order, restored at teardown); fp8 always reads its "
                                "own e4m3 copy in TMA block order")
+    rows: str = option("padded", choices=ROWS, alias="mok_hopper_rows",
+                       help="how the routed rows sit in the layer's row buffers: padded (each expert's rows padded "
+                            "to its last tile) or packed (no tile padding: capacity = the routed rows)")

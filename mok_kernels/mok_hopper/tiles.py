@@ -339,3 +339,10 @@ def plain_weights(cfg: TileConfig) -> TileConfig:
     interleaved gate and up rows only the tiled copy has. Everything else as ``cfg``; the MMAs see the same blocks
     in the same order, so outputs and gradients are bitwise those of ``cfg``."""
     return replace(cfg, w_tiled=False, up_fused=False)
+
+
+def packed_rows(cfg: TileConfig) -> TileConfig:
+    """``cfg`` with the routed rows packed by expert, no tile padding (``packed_rows``), and without what packing
+    refuses: tails (``tail_rows``, their rows sized in multiples of BM/2) and the TMA store of the saved H
+    (``save_h_tma``, a whole-tile store). Outputs and gradients are bitwise those of ``cfg`` on the interpreter."""
+    return replace(cfg, packed_rows=True, tail_rows=0, save_h_tma=False)
