@@ -119,13 +119,13 @@ CONFLICTING = [
 
 @pytest.mark.parametrize("overrides", AGREEING, ids=[" ".join(o) for o in AGREEING])
 def test_options_that_agree_are_accepted(overrides):
-    check_option_conflicts(to_container(compose_cfg(*overrides)), overrides)
+    check_option_conflicts(compose_cfg(*overrides), overrides)
 
 
 @pytest.mark.parametrize("overrides,message", CONFLICTING, ids=[" ".join(o) for o, _ in CONFLICTING])
 def test_an_option_and_a_key_that_replaces_it_are_refused(overrides, message):
     with pytest.raises(ConfigError) as e:
-        check_option_conflicts(to_container(compose_cfg(*overrides)), overrides)
+        check_option_conflicts(compose_cfg(*overrides), overrides)
     assert message in str(e.value)
 
 
