@@ -44,8 +44,8 @@ def test_flops_without_shared_expert_drops_the_T_term():
 
 def test_cpu_default_resolves_to_tiny_and_quick():
     c = resolve(compose_cfg("device=cpu"))
-    assert c["shape"]["name"] == "tiny" and c["timing"]["name"] == "quick"
-    assert c["backends"] == ["nccl"] and c["directions"] == ["fwd", "bwd"]
+    assert c.shape.name == "tiny" and c.timing.name == "quick"
+    assert c.backends == ["nccl"] and c.directions == ["fwd", "bwd"]
 
 
 def test_auto_timing_on_a_gpu_machine_is_the_published_preset(monkeypatch):
@@ -55,12 +55,12 @@ def test_auto_timing_on_a_gpu_machine_is_the_published_preset(monkeypatch):
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    t = resolve(compose_cfg("device=cuda"))["timing"]
-    assert (t["name"], t["num_warmup"], t["num_iters"], t["phase_iters"]) == ("published", 500, 100, 50)
-    t = resolve(compose_cfg("device=cuda", "timing.num_iters=30"))["timing"]
-    assert (t["name"], t["num_warmup"], t["num_iters"]) == ("custom", 500, 30)  # not the published 500 / 100
-    t = resolve(compose_cfg("device=cpu"))["timing"]
-    assert (t["name"], t["num_warmup"], t["num_iters"], t["phase_iters"]) == ("quick", 2, 5, 5)
+    t = resolve(compose_cfg("device=cuda")).timing
+    assert (t.name, t.num_warmup, t.num_iters, t.phase_iters) == ("published", 500, 100, 50)
+    t = resolve(compose_cfg("device=cuda", "timing.num_iters=30")).timing
+    assert (t.name, t.num_warmup, t.num_iters) == ("custom", 500, 30)  # not the published 500 / 100
+    t = resolve(compose_cfg("device=cpu")).timing
+    assert (t.name, t.num_warmup, t.num_iters, t.phase_iters) == ("quick", 2, 5, 5)
 
 
 def test_published_timing_preset():
@@ -69,15 +69,15 @@ def test_published_timing_preset():
 
 
 def test_timing_preset_names_only_the_timing_it_stands_for():
-    t = resolve(compose_cfg("device=cpu", "timing=published"))["timing"]
-    assert (t["name"], t["num_warmup"], t["num_iters"]) == ("published", 500, 100)
+    t = resolve(compose_cfg("device=cpu", "timing=published")).timing
+    assert (t.name, t.num_warmup, t.num_iters) == ("published", 500, 100)
     for extra in (["timing.num_warmup=20", "timing.num_iters=50"], ["timing.num_iters=50"], ["timing.l2_flush=true"]):
-        assert resolve(compose_cfg("device=cpu", "timing=published", *extra))["timing"]["name"] == "custom"
-    assert resolve(compose_cfg("device=cpu", "timing=published", "timing.phase_iters=5"))["timing"]["name"] == \
+        assert resolve(compose_cfg("device=cpu", "timing=published", *extra)).timing.name == "custom"
+    assert resolve(compose_cfg("device=cpu", "timing=published", "timing.phase_iters=5")).timing.name == \
         "published"  # phase_iters times only the per-phase bandwidth columns
-    t = resolve(compose_cfg("device=cpu"))["timing"]  # timing=auto on a CPU: quick, all of it
-    assert (t["name"], t["num_warmup"], t["num_iters"], t["phase_iters"]) == ("quick", 2, 5, 5)
-    assert resolve(compose_cfg("device=cpu", "timing.num_iters=7"))["timing"]["name"] == "custom"
+    t = resolve(compose_cfg("device=cpu")).timing  # timing=auto on a CPU: quick, all of it
+    assert (t.name, t.num_warmup, t.num_iters, t.phase_iters) == ("quick", 2, 5, 5)
+    assert resolve(compose_cfg("device=cpu", "timing.num_iters=7")).timing.name == "custom"
 
 
 def test_local_experts_option_sets_experts_per_gpu():
@@ -119,13 +119,13 @@ CONFLICTING = [
 
 @pytest.mark.parametrize("overrides", AGREEING, ids=[" ".join(o) for o in AGREEING])
 def test_options_that_agree_are_accepted(overrides):
-    check_option_conflicts(to_container(compose_cfg(*overrides)), overrides)
+    check_option_conflicts(compose_cfg(*overrides), overrides)
 
 
 @pytest.mark.parametrize("overrides,message", CONFLICTING, ids=[" ".join(o) for o, _ in CONFLICTING])
 def test_an_option_and_a_key_that_replaces_it_are_refused(overrides, message):
     with pytest.raises(ConfigError) as e:
-        check_option_conflicts(to_container(compose_cfg(*overrides)), overrides)
+        check_option_conflicts(compose_cfg(*overrides), overrides)
     assert message in str(e.value)
 
 
@@ -333,7 +333,7 @@ print(",".join(labels.in_order(t["shape"], labels.SHAPE_ORDER)))
 def test_how_a_shape_is_shown_is_not_in_its_config_hash():
     from harness.config.schema import config_hash
 
-    c = resolve(compose_cfg("shape=kimi_k2_7", "device=cpu"))
+    c = to_container(resolve(compose_cfg("shape=kimi_k2_7", "device=cpu")))
     case = make_case(c, ep_size=2, device="cpu")
     relabelled = dict(c, shape=dict(c["shape"], display_order=9, label="renamed"))
     unlabelled = dict(c, shape={k: v for k, v in c["shape"].items() if k not in ("display_order", "label")})

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Optional
 
 import pytest
-from conftest import HAS_GPU, ROOT, TESTS
+from conftest import HAS_GPU, ROOT, TESTS, compose_cfg
 
 from harness.core import results
 from harness.launch.cli import launcher_presets
@@ -186,20 +186,25 @@ def test_a_planned_point_of_a_plain_sbatch_sweep_shares_the_run_folder(tmp_path)
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
+    from harness.config.point import resolve
     from harness.launch.cli import hydra_config
     from harness.measure.runner import _point_of_a_sweep
     from harness.config.launcher_options import POINT_FILE
 
+    def run(run_id: str):
+        return resolve(compose_cfg("device=cpu", "shape=tiny", f"run_id={run_id}"))
+
+    sweep_1, another = run("sweep-1"), run("another")
     point = tmp_path / "sweep" / "3"
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base=None):
         cfg = compose(config_name="config", overrides=[f"hydra.run.dir={point}"], return_hydra_config=True)
     with hydra_config(cfg):
-        assert not _point_of_a_sweep({"run_id": "sweep-1"})
+        assert not _point_of_a_sweep(sweep_1)
         point.mkdir(parents=True)
         (point / POINT_FILE).write_text("num: 3\nrun_id: sweep-1\n")
-        assert _point_of_a_sweep({"run_id": "sweep-1"})
-        assert not _point_of_a_sweep({"run_id": "another"})
+        assert _point_of_a_sweep(sweep_1)
+        assert not _point_of_a_sweep(another)
 
 
 def test_rows_of_files_before_the_appended_column_load_unchanged(tmp_path):

@@ -89,10 +89,14 @@ def test_the_runner_names_a_run_without_an_id(monkeypatch):
     from harness.measure import runner
     from harness.config.validate import check_run_id
 
-    c = {"device": "cpu", "backends": ["nccl"], "precision": {"name": "bf16"}, "directions": ["fwd", "bwd"],
-         "shape": {"name": "tiny"}, "ranks_per_gpu": 1}
+    import dataclasses
+
+    from conftest import compose_cfg
+    from harness.config.point import resolve
+
+    c = resolve(compose_cfg("device=cpu", "shape=tiny", "backends=[nccl]", "directions=[fwd,bwd]"))
     rid = runner.new_run_id(c, 2)
     assert rid.startswith("nccl-bf16-fwd-bwd-tiny_cpu_") and N.NAME_FORM.fullmatch(rid)
     check_run_id(rid)
     monkeypatch.setattr(runner, "gpu_model", lambda device: "NVIDIA H200" if device == "cuda" else None)
-    assert "_h200x2_" in runner.new_run_id({**c, "device": "cuda", "ranks_per_gpu": 2}, 4)
+    assert "_h200x2_" in runner.new_run_id(dataclasses.replace(c, device="cuda", ranks_per_gpu=2), 4)

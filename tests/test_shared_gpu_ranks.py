@@ -163,10 +163,12 @@ def _resolved(*overrides):
 @pytest.mark.parametrize("extra,words", [(["check=false"], "drop check=false"),
                                          (["calibrate=true"], "drop calibrate=true")])
 def test_what_ranks_that_share_a_gpu_cannot_do_is_refused(extra, words):
+    from harness.config.point import typed_config
+
     c = _resolved("ranks_per_gpu=2", *extra)
     c["device"] = "cuda"  # as resolved on a GPU machine
     with pytest.raises(ConfigError, match=words):
-        validate_run_options(c)
+        validate_run_options(typed_config(c))
 
 
 def test_an_idle_rank_gets_no_token_and_needs_enough_other_experts():

@@ -5,14 +5,17 @@ key: ``nccl.fp8_gemm=rowwise``, ``mok_hopper.forward=recompute``. An option with
 top-level key, which sets it for every backend declaring the alias (``fp8_gemm=rowwise``); :func:`apply_aliases`
 turns a given alias into the scoped values once, before anything else reads them. This module builds those schema
 fields, the options a backend gets, and the entries that the options add to a point's
-``config_hash``.
+``config_hash``. Its functions read a configuration typed (:func:`harness.config.point.resolve`) or as plain values
+(a row's stored ``point_config``, which the hash reads).
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import importlib
+from collections.abc import Mapping
 from typing import Any, Optional
 
 from contract.options import OptionSpec, option_specs
@@ -60,12 +63,17 @@ def config_keys() -> tuple[str, ...]:
     return (*option_backends(), *aliases())
 
 
-def alias_conflicts(c: dict) -> list[str]:
+def _get(node: Any, key: str, default: Any = None) -> Any:
+    """``node``'s ``key``: an item of plain values, an attribute of the typed configuration."""
+    return node.get(key, default) if isinstance(node, Mapping) else getattr(node, key, default)
+
+
+def alias_conflicts(c: Any) -> list[str]:
     """The aliases given in ``c`` beside a scoped value that differs from both its default and the alias (one of the
     two would be dropped without a word): a message for each."""
     out = []
     for alias, targets in aliases().items():
-        value = c.get(alias)
+        value = _get(c, alias)
         if value is None:
             continue
         for backend, name, _ in targets:
@@ -76,21 +84,28 @@ def alias_conflicts(c: dict) -> list[str]:
     return out
 
 
-def apply_aliases(c: dict) -> None:
-    """Put each alias given in ``c`` (a resolved configuration, checked: harness.config.validate) into the options it names,
-    and clear the alias, so that nothing after reads an alias."""
+def apply_aliases(c: Any) -> None:
+    """Put each alias given in ``c`` (a resolved configuration, checked: harness.config.validate; typed, or plain
+    values) into the options it names, and clear the alias, so that nothing after reads an alias."""
     for alias, targets in aliases().items():
-        value = c.get(alias)
+        value = _get(c, alias)
         if value is None:
             continue
         for backend, name, _ in targets:
-            c.setdefault(backend, {})[name] = value
-        c[alias] = None
+            if isinstance(c, Mapping):
+                c.setdefault(backend, {})[name] = value
+            else:
+                setattr(getattr(c, backend), name, value)
+        if isinstance(c, Mapping):
+            c[alias] = None
+        else:
+            setattr(c, alias, None)
 
 
-def option_values(c: dict) -> list[tuple[str, Any, OptionSpec]]:
+def option_values(c: Any) -> list[tuple[str, Any, OptionSpec]]:
     """Every option value of ``c`` to check: (the key as the user writes it, value, spec), the aliases given first."""
-    out = [(alias, c[alias], targets[0][2]) for alias, targets in aliases().items() if c.get(alias) is not None]
+    out = [(alias, _get(c, alias), targets[0][2]) for alias, targets in aliases().items()
+           if _get(c, alias) is not None]
     for backend, cls in option_backends().items():
         for name, spec in option_specs(cls).items():
             out.append((f"{backend}.{name}", _value(c, backend, name), spec))
@@ -107,37 +122,43 @@ def _default(backend: str, name: str) -> Any:
     return {f.name: f.default for f in dataclasses.fields(options_class(backend))}[name]
 
 
-def _value(c: dict, backend: str, name: str) -> Any:
+def _value(c: Any, backend: str, name: str) -> Any:
     """The value of ``backend``'s option ``name`` in ``c`` (its default where ``c`` gives none)."""
-    return (c.get(backend) or {}).get(name, _default(backend, name))
+    return _get(_get(c, backend) or {}, name, _default(backend, name))
 
 
-def _hash_value(c: dict, backend: str, name: str) -> Any:
+def _hash_value(c: Any, backend: str, name: str) -> Any:
     """The value a point's hash reads: as :func:`_value`, but an option missing from ``c`` (a configuration stored
     before the option existed) held the value that stays out of the hash (:func:`_unhashed`)."""
-    node = c.get(backend) or {}
-    return node[name] if name in node else _unhashed(option_specs(options_class(backend))[name], backend, name)
+    node = _get(c, backend)
+    if node is not None and (not isinstance(node, Mapping) or name in node):
+        return _get(node, name)
+    return _unhashed(option_specs(options_class(backend))[name], backend, name)
 
 
-def _applied(c: dict) -> dict:
+def _applied(c: Any) -> Any:
     """``c`` with its aliases put into the options they name (a copy where any is given)."""
-    if all(c.get(a) is None for a in aliases()):
+    if all(_get(c, a) is None for a in aliases()):
         return c
-    c = {**c, **{b: dict(c.get(b) or {}) for b in option_backends()}}
+    if isinstance(c, Mapping):
+        c = {**c, **{b: dict(c.get(b) or {}) for b in option_backends()}}
+    else:
+        c = copy.deepcopy(c)
     apply_aliases(c)
     return c
 
 
-def options_for(backend: str, c: dict) -> Any:
+def options_for(backend: str, c: Any) -> Any:
     """The options instance ``backend`` gets from the configuration ``c`` (None: it declares none)."""
     cls = options_class(backend)
     if cls is None:
         return None
-    node = _applied(c).get(backend) or {}
-    return cls(**{f.name: node[f.name] for f in dataclasses.fields(cls) if f.name in node})
+    node = _get(_applied(c), backend) or {}
+    return cls(**{f.name: _get(node, f.name) for f in dataclasses.fields(cls)
+                  if (f.name in node if isinstance(node, Mapping) else hasattr(node, f.name))})
 
 
-def hash_entries(c: dict, precision: str) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+def hash_entries(c: Any, precision: str) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
     """What the options add to a point's hash: (entries under their alias names, which go beside the case's fields,
     where the fields of that name used to be; the others, backend -> field -> value, under :data:`HASH_KEY`).
 

@@ -1,13 +1,15 @@
-"""A sweep point, resolved: :func:`resolve` makes the configuration's ``auto`` choices for this machine and checks it,
-:func:`world_size_for` gives its rank count, :class:`Point` carries it from the configuration to the runner and into
-every row; :func:`make_case` builds the :class:`~contract.case.Case` every backend sees, checked
-(:mod:`harness.config.validate`). Torch is imported only where CUDA is asked about."""
+"""A sweep point, resolved: :func:`resolve` makes the composed configuration's ``auto`` choices for this machine and
+types it, once (every check after reads the typed configuration), :func:`world_size_for` gives its rank count,
+:class:`Point` carries it from the configuration to the runner, to every rank and into every row; :func:`make_case`
+builds the :class:`~contract.case.Case` every backend sees, checked (:mod:`harness.config.validate`). Torch is
+imported only where CUDA is asked about."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any, Optional
 
 from omegaconf import OmegaConf
@@ -16,11 +18,14 @@ from contract.case import Case
 from contract.options import options_text
 from harness.config import routing, validate
 from harness.config.backend_options import apply_aliases, options_class
-from harness.config.schema import config_hash, load_group_option, point_config, schema, timing_label, to_container
+from harness.config.schema import (BenchConfig, PrecisionConfig, ShapeConfig, config_hash, load_group_option,
+                                   point_config, schema, timing_label, to_container, workload_schema)
 
 
-def resolve(cfg: Any) -> dict:
-    """Plain dict of the config with the ``auto`` choices made for this machine, validated."""
+def resolve(cfg: Any) -> BenchConfig:
+    """The composed configuration ``cfg`` (a DictConfig) as the typed configuration, once: the ``auto`` choices made
+    for this machine on its plain values, then typed (:func:`typed_config`), checked
+    (:func:`harness.config.validate.validate_run_options`) and its aliases put into the backends' options."""
     import torch
 
     c = to_container(cfg)
@@ -35,73 +40,94 @@ def resolve(cfg: Any) -> dict:
             # keep what the command line set; fill what `auto` left open
             c[group] = {k: (v if c[group].get(k, "???") in ("???", None) else c[group][k]) for k, v in chosen.items()}
             c[group]["name"] = chosen["name"]
-    validate.validate_run_options(c)
-    apply_aliases(c)
-    c["timing"]["name"] = timing_label(c["timing"])  # a preset's name only while its counts are the ones run
-    return c
+    validate.check_complete(c)  # what typing needs: every value given
+    config = typed_config(c)
+    validate.validate_run_options(config)
+    apply_aliases(config)
+    config.timing.name = timing_label(config.timing)  # a preset's name only while its counts are the ones run
+    return config
 
 
-def world_size_for(c: dict, launched: Optional[int] = None) -> int:
-    """The rank count of the resolved config ``c``: ``launched`` where torchrun or Slurm set the ranks up; else
-    ``ep_size``, or on a GPU every visible GPU times ``ranks_per_gpu`` (checked), or 2 ranks on a CPU."""
+def world_size_for(config: BenchConfig, launched: Optional[int] = None) -> int:
+    """The rank count of the configuration: ``launched`` where torchrun or Slurm set the ranks up; else ``ep_size``,
+    or on a GPU every visible GPU times ``ranks_per_gpu`` (checked), or 2 ranks on a CPU."""
     if launched is not None:
         return launched
-    if c["device"] == "cuda":
+    if config.device == "cuda":
         import torch
 
-        n, rpg = torch.cuda.device_count(), c.get("ranks_per_gpu", 1)
-        ws = c.get("ep_size") or n * rpg
+        n, rpg = torch.cuda.device_count(), config.ranks_per_gpu
+        ws = config.ep_size or n * rpg
         validate.check_gpus(ws, rpg, n)
         return ws
-    return c.get("ep_size") or 2
+    return config.ep_size or 2
 
 
-def make_case(cfg: Any, *, ep_size: int, device: str) -> Case:
-    """Resolve a composed config into a :class:`Case` and validate it (raises :class:`~harness.core.errors.ConfigError`)."""
-    c = to_container(cfg)
-    shape, wl, prec = c["shape"], c["workload"], c["precision"]
+def make_case(config: Any, *, ep_size: int, device: str) -> Case:
+    """The :class:`Case` of a configuration on ``ep_size`` ranks of ``device``, checked (raises
+    :class:`~harness.core.errors.ConfigError`). ``config``: the typed configuration (:func:`resolve`, a
+    :class:`Point`'s), read as it is; or plain values (a row's stored ``point_config``, a tool's composed config),
+    whose shape, workload and precision are typed first."""
+    if not isinstance(config, BenchConfig):
+        config = _typed_parts(config)
+    shape, wl, prec = config.shape, config.workload, config.precision
     validate.check_local_experts(shape)
-    local = shape.get("local_experts")
-    num_experts = local * ep_size if local else shape["num_experts"]
-    compile_ = c.get("compile")
+    local = shape.local_experts
+    num_experts = local * ep_size if local else shape.num_experts
+    compile_ = config.compile
     if compile_ is None:
         compile_ = device == "cuda"
     case = Case(
-        shape=shape["name"] + (f"@{local}epg" if local else ""),
+        shape=shape.name + (f"@{local}epg" if local else ""),
         num_experts=num_experts,
         local_experts=num_experts // ep_size if ep_size > 0 else 0,
-        hidden=shape["hidden"],
-        ffn=shape["ffn"],
-        topk=shape["topk"],
-        shared_expert=bool(shape["shared_expert"]),
-        swiglu_limit=shape.get("swiglu_limit"),
+        hidden=shape.hidden,
+        ffn=shape.ffn,
+        topk=shape.topk,
+        shared_expert=bool(shape.shared_expert),
+        swiglu_limit=shape.swiglu_limit,
         experts_override=bool(local),
-        published_local_experts=shape.get("published_local_experts"),
-        tokens_per_gpu=wl["tokens_per_gpu"],
-        seed=wl["seed"],
-        routing=wl["routing"],
-        zipf_exponent=wl["zipf_exponent"],
-        hot_fraction=wl["hot_fraction"],
-        hot_ratio=wl["hot_ratio"],
-        hot_rank=wl["hot_rank"],
+        published_local_experts=shape.published_local_experts,
+        tokens_per_gpu=wl.tokens_per_gpu,
+        seed=wl.seed,
+        routing=wl.routing,
+        zipf_exponent=wl.zipf_exponent,
+        hot_fraction=wl.hot_fraction,
+        hot_ratio=wl.hot_ratio,
+        hot_rank=wl.hot_rank,
         routing_params=routing.case_routing_params(wl),
-        routing_steps=wl.get("steps", routing.STEPS_DEFAULT),
-        precision=prec["name"],
-        act_block=prec["act_block"],
-        weight_block=prec["weight_block"],
-        atol=prec["atol"],
-        rtol=prec["rtol"],
+        routing_steps=wl.steps,
+        precision=prec.name,
+        act_block=prec.act_block,
+        weight_block=prec.weight_block,
+        atol=prec.atol,
+        rtol=prec.rtol,
         ep_size=ep_size,
         device=device,
         compile=bool(compile_),
-        compile_mode=c.get("compile_mode", "default"),
-        comm_sms=c.get("comm_sms"),
+        compile_mode=config.compile_mode,
+        comm_sms=config.comm_sms,
     )
     validate.validate_case(case)
     return case
 
 
-def typed_config(c: dict) -> Any:
+def _typed_parts(values: Any) -> SimpleNamespace:
+    """What :func:`make_case` reads of plain configuration values (a dict or DictConfig, possibly partial: a row's
+    stored ``point_config`` holds no timing): the shape, workload and precision as their schemas' instances (a
+    workload stored before a parameter existed gets its default), and the top-level keys a Case takes."""
+    c = to_container(values)
+
+    def typed(cls: type, node: dict) -> Any:
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in node.items() if k in known})
+
+    return SimpleNamespace(shape=typed(ShapeConfig, c["shape"]), workload=typed(workload_schema(), c["workload"]),
+                           precision=typed(PrecisionConfig, c["precision"]), compile=c.get("compile"),
+                           compile_mode=c.get("compile_mode", "default"), comm_sms=c.get("comm_sms"))
+
+
+def typed_config(c: dict) -> BenchConfig:
     """The resolved configuration ``c`` as an instance of the configuration's schema (:func:`harness.config.schema.schema`:
     nested dataclasses, the backends' options among them), its values checked against the schema's types."""
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema()), c))
@@ -116,25 +142,34 @@ _CASE_NOT_IN_ROWS = ("zipf_exponent", "hot_fraction", "hot_ratio", "hot_rank", "
 
 @dataclass(frozen=True)
 class Point:
-    """One sweep point, resolved and checked: what the runner runs and what every row of it records.
+    """One sweep point, resolved and checked: what the runner runs, what its ranks get (it pickles: the typed
+    configuration's classes are importable, :func:`harness.config.schema.schema`) and what every row of it records.
 
     ``config``: the configuration, typed (an instance of :func:`harness.config.schema.schema`; the runner reads
     ``point.config.timing.num_iters``, ``point.config.backends``, ...); ``case``: what every backend sees;
-    ``config_hash``: the point's identity (:func:`harness.config.schema.config_hash`)."""
+    ``config_hash``: the point's identity (:func:`harness.config.schema.config_hash`); ``point_config``: what every
+    row records of the configuration (:func:`harness.config.schema.point_config`, JSON). The hash and the rows read
+    the configuration's plain values, taken once, when the point is built."""
 
-    config: Any
+    config: BenchConfig
     case: Case
     config_hash: str
+    point_config: str
 
     @classmethod
-    def build(cls, c: dict, *, ep_size: int, device: str) -> "Point":
-        """The point of the resolved configuration ``c`` (``harness.config.point.resolve``) on ``ep_size`` ranks of
-        ``device``. Raises :class:`~harness.core.errors.ConfigError`."""
-        case = make_case(c, ep_size=ep_size, device=device)
-        return cls(typed_config(c), case, config_hash(c, case))
+    def build(cls, config: Any, *, ep_size: int, device: str) -> "Point":
+        """The point of the configuration ``config`` on ``ep_size`` ranks of ``device``: the typed configuration
+        (:func:`resolve`), taken as it is, or the plain values of a resolved one (a Slurm plan's point file), typed
+        first. Raises :class:`~harness.core.errors.ConfigError`."""
+        if not isinstance(config, BenchConfig):
+            config = typed_config(to_container(config))
+        case = make_case(config, ep_size=ep_size, device=device)
+        values = dataclasses.asdict(config)
+        return cls(config, case, config_hash(values, case),
+                   json.dumps(point_config(values), sort_keys=True, separators=(",", ":")))
 
     def as_dict(self) -> dict:
-        """The configuration as plain values (what ranks and plans carry, and what the hash reads)."""
+        """The configuration as plain values (what a Slurm plan's point file and a row's ``point_config`` hold)."""
         return dataclasses.asdict(self.config)
 
     def options(self, backend: str) -> Any:
@@ -158,8 +193,7 @@ class Point:
         case, cfg = self.case, self.config
         out = {f.name: getattr(case, f.name) for f in dataclasses.fields(case) if f.name not in _CASE_NOT_IN_ROWS}
         out.update(routing=routing.label(case), timing_preset=cfg.timing.name, l2_flush=cfg.timing.l2_flush,
-                   align=cfg.timing.align, appended=bool(cfg.append),
-                   point_config=json.dumps(point_config(self.as_dict()), sort_keys=True, separators=(",", ":")))
+                   align=cfg.timing.align, appended=bool(cfg.append), point_config=self.point_config)
         if self.ranks_per_gpu > 1:  # a correctness check, kept out of every speed table
             out.update(shared_gpu=True, ranks_per_gpu=self.ranks_per_gpu)
         return out

@@ -75,15 +75,16 @@ def model_of(case: Case) -> type[rm.RoutingModel]:
     return model(case.routing)
 
 
-def case_routing_params(wl: dict) -> tuple[tuple[str, Any], ...]:
-    """What ``Case.routing_params`` holds for the workload ``wl``: the selected model's parameters beyond
-    ``CASE_PARAMS`` (a workload dict written before a parameter existed gets its default), as the model resolves
-    them (:meth:`~harness.config.routing_models.RoutingModel.resolve`), sorted. Raises
+def case_routing_params(wl: Any) -> tuple[tuple[str, Any], ...]:
+    """What ``Case.routing_params`` holds for the workload ``wl`` (the typed workload,
+    :func:`harness.config.schema.workload_schema`): the selected model's parameters beyond ``CASE_PARAMS``, as the
+    model resolves them (:meth:`~harness.config.routing_models.RoutingModel.resolve`), sorted. Raises
     :class:`~harness.core.errors.ConfigError`."""
-    m = MODELS.get(wl["routing"])
+    m = MODELS.get(wl.routing)
     if m is None:
         return ()
-    return tuple(sorted(m.resolve({p: wl.get(p, d) for p, d in m.params.items() if p not in CASE_PARAMS}).items()))
+    return tuple(sorted(m.resolve({p: getattr(wl, p, d) for p, d in m.params.items() if p not in CASE_PARAMS})
+                        .items()))
 
 
 def hash_workload(workload: dict, case: dict) -> None:

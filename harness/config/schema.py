@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -251,25 +250,15 @@ def shape_table() -> dict[str, dict[str, Any]]:
                                                        kv[1]["display_order"] or 0, kv[0])))
 
 
-def timing_label(timing: dict) -> str:
+def timing_label(timing: TimingConfig) -> str:
     """What a row's ``timing_preset`` says: the preset's name while the timing is that preset's, else ``custom``
     (e.g. ``timing=published timing.num_warmup=20 timing.num_iters=50`` is not the published 500 / 100 timing;
     the ``num_warmup`` / ``num_iters`` columns say what ran)."""
-    name = timing.get("name")
+    name = timing.name
     if not (CONFIG_DIR / "timing" / f"{name}.yaml").exists() or name == "auto":
         return str(name)
-    preset = to_container(load_group_option("timing", str(name)))
-    return str(name) if all(timing.get(k) == preset[k] for k in TIMING_PRESET_FIELDS) else "custom"
-
-
-def given_run_id(c: Any) -> tuple[Optional[str], str]:
-    """The run id given for this run and where it came from: ``run_id=`` (the config), else ``MOKBENCH_RUN_ID`` (the
-    environment), else (None, ""): the run gets a new one."""
-    if c.get("run_id"):
-        return str(c.get("run_id")), "run_id"
-    if os.environ.get("MOKBENCH_RUN_ID"):
-        return os.environ["MOKBENCH_RUN_ID"], "MOKBENCH_RUN_ID"
-    return None, ""
+    preset = load_group_option("timing", str(name))
+    return str(name) if all(getattr(timing, k) == preset[k] for k in TIMING_PRESET_FIELDS) else "custom"
 
 
 def to_container(cfg: Any) -> dict:
@@ -315,14 +304,17 @@ def point_config(c: dict) -> dict:
     return {k: v for k, v in c.items() if k not in _HASH_EXCLUDE}
 
 
-def config_hash(c: dict, case: Case) -> str:
+def config_hash(c: Any, case: Case) -> str:
     """The point's identity: the resolved configuration ``c`` and its ``case``, without what only says how the run
     went (``_HASH_EXCLUDE``) or how a shape is shown, and with the backends' options where they can change a
-    measurement (:func:`harness.config.backend_options.hash_entries`). Points measured before an option existed keep their
-    hashes (tests/test_config_hash.py recomputes the committed rows' hashes)."""
+    measurement (:func:`harness.config.backend_options.hash_entries`). ``c``: the typed configuration, or its plain
+    values (a row's stored ``point_config``): the hash reads plain values. Points measured before an option existed
+    keep their hashes (tests/test_config_hash.py recomputes the committed rows' hashes)."""
     from harness.config.backend_options import HASH_KEY, config_keys, hash_entries
     from harness.config.routing import hash_workload
 
+    if isinstance(c, BenchConfig):
+        c = dataclasses.asdict(c)
     kept = {k: v for k, v in point_config(c).items() if k not in config_keys()}
     if kept.get("ranks_per_gpu", 1) == 1:
         kept.pop("ranks_per_gpu", None)  # one rank per GPU: the points keep the hashes they had before the option

@@ -1,15 +1,23 @@
 """Every check a sweep point passes before anything runs: the one module of them. Each raises :class:`ConfigError`
 with a message that names the fix; the command line turns it into one line on stderr and exit code 2.
 
+* :func:`check_complete`: every value given (the composed values, before they are typed: the one check that reads
+  them plain);
 * :func:`validate_run_options`: the run-level options (backends, directions, timing, device, numbers, run id, the
-  backends' options, several ranks on one GPU), on the resolved configuration;
-* :func:`validate_case`: the resolved point (sizes, workload, precision);
-* :func:`check_option_conflicts`: a group option and the key it sets, both on the command line;
+  backends' options, several ranks on one GPU), on the typed configuration (:func:`harness.config.point.resolve`);
+* :func:`check_local_experts`, :func:`validate_case`: the resolved point (sizes, workload, precision);
+* :func:`check_option_conflicts`: a group option and the key it sets, both on the command line (the composed
+  configuration against its overrides);
 * :func:`check_device`, :func:`check_gpus`, :func:`check_cpu_memory`: what this machine (or a job's) has;
 * :func:`check_job_layout`: the layout of a launcher's job (nodes, tasks, GPUs) for a point;
-* :func:`check_run_id`, :func:`run_id_for_sweep`, :func:`check_new_run`: a run id is a name, a sweep's jobs share
-  one, and a run id whose folder already holds rows is refused;
+* :func:`given_run_id`, :func:`check_run_id`, :func:`run_id_for_sweep`, :func:`check_new_run`: the run id given, a
+  run id is a name, a sweep's jobs share one, and a run id whose folder already holds rows is refused;
 * :func:`check_launcher_options`: a launcher's own options.
+
+The checks of a point take its typed configuration (:class:`~harness.config.schema.BenchConfig`), its parts or its
+:class:`~contract.case.Case`; the others take the values they check (a run id, a device, the launcher's options) or
+the composed configuration where they run before it is resolved (:func:`run_id_for_sweep`,
+:func:`check_option_conflicts`) or typed (:func:`check_complete`).
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -28,10 +37,21 @@ from harness.core import results
 from harness.config import routing
 from harness.core.backends import BACKENDS
 from harness.config.schema import (BACKEND_ORDERS, COMPILE_MODES, CONFIG_DIR, DEVICES, DIRECTIONS, PRECISIONS,
-                            given_run_id, gpus_needed)
+                                   BenchConfig, ShapeConfig, gpus_needed)
 from harness.core.errors import ConfigError
 
 RUN_ID_PATTERN = re.compile(r"[A-Za-z0-9._-]+")
+
+
+def given_run_id(config: Any) -> tuple[Optional[str], str]:
+    """The run id given for this run and where it came from: ``run_id=`` (the configuration: typed, or composed),
+    else ``MOKBENCH_RUN_ID`` (the environment), else (None, ""): the run gets a new one."""
+    rid = getattr(config, "run_id", None)
+    if rid:
+        return str(rid), "run_id"
+    if os.environ.get("MOKBENCH_RUN_ID"):
+        return os.environ["MOKBENCH_RUN_ID"], "MOKBENCH_RUN_ID"
+    return None, ""
 
 
 def check_run_id(run_id: Any, source: str = "run_id") -> None:
@@ -65,8 +85,9 @@ def run_id_for_sweep(cfg: DictConfig) -> None:
         pass
 
 
-def validate_run_options(c: dict) -> None:
-    """Checks on the run-level options (backends, directions, timing, device)."""
+def check_complete(c: dict) -> None:
+    """Every value of the composed configuration's plain values ``c`` is given (none left ``???``): what typing it
+    needs, so the one check before :func:`harness.config.point.resolve` types it."""
     missing = [f"{g}.{k}" for g in ("shape", "workload", "precision", "timing") for k, v in c[g].items() if v == "???"]
     missing += [k for k, v in c.items() if v == "???"]
     if missing:
@@ -75,45 +96,51 @@ def validate_run_options(c: dict) -> None:
                    if name == "custom" and all(m.startswith("shape.") for m in missing) else "")
         raise ConfigError(f"{', '.join(missing)} not set: give {'it' if len(missing) == 1 else 'each'} a value on the "
                           f"command line{example}")
-    if not c.get("backends"):
+
+
+def validate_run_options(config: BenchConfig) -> None:
+    """Checks on the run-level options (backends, directions, timing, device) of the typed configuration, its
+    backends' options and aliases as given (before :func:`harness.config.backend_options.apply_aliases`)."""
+    c = config
+    if not c.backends:
         raise ConfigError("no backend selected: set backend=<name> or backends=[a,b]")
-    for b in c["backends"]:
+    for b in c.backends:
         if b not in BACKENDS:
             raise ConfigError(f"unknown backend '{b}'; choose from: {', '.join(BACKENDS)}")
     # an empty own_pythonpath value (a preset's unset environment variable) gives that backend no folder of its own
-    own_paths = {b: str(p) for b, p in (c.get("own_pythonpath") or {}).items() if p is not None and str(p).strip()}
-    for key, named in (("own_process", c.get("own_process") or []), ("own_pythonpath", own_paths)):
-        stray = [b for b in named if b not in c["backends"]]
+    own_paths = {b: str(p) for b, p in (c.own_pythonpath or {}).items() if p is not None and str(p).strip()}
+    for key, named in (("own_process", c.own_process or []), ("own_pythonpath", own_paths)):
+        stray = [b for b in named if b not in c.backends]
         if stray:
             them = "it" if len(stray) == 1 else "them"
-            raise ConfigError(f"{key} names {', '.join(stray)}, not among backends={list(c['backends'])}: add {them} "
+            raise ConfigError(f"{key} names {', '.join(stray)}, not among backends={list(c.backends)}: add {them} "
                               f"to backends, or drop {them} from {key}")
     for b, path in own_paths.items():
-        if b not in (c.get("own_process") or []):
+        if b not in (c.own_process or []):
             raise ConfigError(f"own_pythonpath.{b} takes effect only in a process of its own: add {b} to own_process")
         for folder in str(path).split(os.pathsep):
             if not os.path.isdir(folder):
                 raise ConfigError(f"own_pythonpath.{b}: {folder} is not a folder: give the site-packages folder (or "
                                   f"folders, {os.pathsep}-separated) that holds {b}'s packages")
-    if c.get("backend_order", "given") not in BACKEND_ORDERS:
-        raise ConfigError(f"unknown backend_order '{c['backend_order']}'; choose one of: {', '.join(BACKEND_ORDERS)}")
-    if not c.get("directions"):
+    if c.backend_order not in BACKEND_ORDERS:
+        raise ConfigError(f"unknown backend_order '{c.backend_order}'; choose one of: {', '.join(BACKEND_ORDERS)}")
+    if not c.directions:
         raise ConfigError("no direction selected: set direction=fwd|bwd|fwd_bwd or directions=[fwd,bwd]")
-    for d in c["directions"]:
+    for d in c.directions:
         if d not in DIRECTIONS:
             raise ConfigError(f"unknown direction '{d}'; choose from: {', '.join(DIRECTIONS)}")
     for k in TIMING_FIELDS:
-        if c["timing"].get(k) is None:
+        if getattr(c.timing, k) is None:
             raise ConfigError(f"timing.{k} is not set: give it a value (timing.{k}=...) or pick a timing preset "
                               f"(timing=quick, timing=published)")
-    if c["timing"]["align"] not in ("barrier", "none"):
-        raise ConfigError(f"timing.align must be barrier or none (got {c['timing']['align']})")
-    if c["device"] not in DEVICES:
-        raise ConfigError(f"device must be one of {', '.join(DEVICES)} (got {c['device']})")
-    if c["results_format"] not in ("csv", "parquet"):
-        raise ConfigError(f"results_format must be csv or parquet (got {c['results_format']})")
-    if c.get("compile_mode") not in COMPILE_MODES:  # checked with compile off too: it is recorded and swept
-        raise ConfigError(f"unknown compile_mode '{c.get('compile_mode')}'; choose one of: {', '.join(COMPILE_MODES)}")
+    if c.timing.align not in ("barrier", "none"):
+        raise ConfigError(f"timing.align must be barrier or none (got {c.timing.align})")
+    if c.device not in DEVICES:
+        raise ConfigError(f"device must be one of {', '.join(DEVICES)} (got {c.device})")
+    if c.results_format not in ("csv", "parquet"):
+        raise ConfigError(f"results_format must be csv or parquet (got {c.results_format})")
+    if c.compile_mode not in COMPILE_MODES:  # checked with compile off too: it is recorded and swept
+        raise ConfigError(f"unknown compile_mode '{c.compile_mode}'; choose one of: {', '.join(COMPILE_MODES)}")
     check_run_id(*given_run_id(c))
     _check_shared_gpu(c)
     _check_backend_options(c)
@@ -128,19 +155,19 @@ def validate_run_options(c: dict) -> None:
             raise ConfigError(f"{key} must be {span}{unit}{f', or null for {null}' if null else ''} (got {value})")
 
 
-def _check_shared_gpu(c: dict) -> None:
+def _check_shared_gpu(c: BenchConfig) -> None:
     """What ``ranks_per_gpu`` > 1 needs: a GPU, the reference check (it is the whole point of such a run), and no
     calibration (gloo over the host has no interconnect rate to measure)."""
-    rpg = c.get("ranks_per_gpu", 1)
+    rpg = c.ranks_per_gpu
     if not isinstance(rpg, int) or rpg <= 1:
         return
-    if c["device"] != "cuda":
+    if c.device != "cuda":
         raise ConfigError(f"ranks_per_gpu={rpg} puts several ranks on one GPU, and this run has none "
-                          f"(device={c['device']}): drop ranks_per_gpu (CPU ranks already share the machine)")
-    if not c.get("check"):
+                          f"(device={c.device}): drop ranks_per_gpu (CPU ranks already share the machine)")
+    if not c.check:
         raise ConfigError(f"ranks_per_gpu={rpg} runs the reference check only (ranks that share a GPU time nothing): "
                           f"drop check=false")
-    if c.get("calibrate"):
+    if c.calibrate:
         raise ConfigError(f"ranks_per_gpu={rpg} has no interconnect to calibrate (the ranks talk over the host): "
                           f"drop calibrate=true")
 
@@ -168,17 +195,24 @@ NUMERIC_RANGES: tuple[tuple[str, float, float, bool, str, Optional[str]], ...] =
 TIMING_FIELDS = ("num_warmup", "num_iters", "l2_flush", "align", "phase_iters")
 
 
-def _select(c: dict, key: str) -> Any:
+def _get(node: Any, key: str) -> Any:
+    """``node``'s ``key``: an item of a mapping (the composed configuration), else an attribute (the typed one)."""
+    return node.get(key) if isinstance(node, Mapping) else getattr(node, key, None)
+
+
+def _select(c: Any, key: str) -> Any:
+    """The value of the dotted ``key`` (``timing.num_iters``) in the configuration ``c``, as plain values."""
     group, _, leaf = key.rpartition(".")
-    return (c.get(group) or {}).get(leaf) if group else c.get(key)
+    value = _get(_get(c, group) or {}, leaf) if group else _get(c, key)
+    return OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
 
 
-def check_local_experts(shape: dict) -> None:
+def check_local_experts(shape: ShapeConfig) -> None:
     """``shape.local_experts``, where set, is at least one (it replaces the shape's expert count)."""
-    local = shape.get("local_experts")
+    local = shape.local_experts
     if local is not None and local < 1:
         raise ConfigError(f"shape.local_experts must be >= 1 (got {local}): the experts on each GPU; leave it unset "
-                          f"(shape.local_experts=null) for the shape's own {shape['num_experts']} experts")
+                          f"(shape.local_experts=null) for the shape's own {shape.num_experts} experts")
 
 
 def validate_case(case: Case) -> None:
@@ -282,10 +316,11 @@ OPTION_KEYS = {"backend": "backends", "direction": "directions", "precision": "p
                "workload": "workload.routing"}
 
 
-def check_option_conflicts(c: dict, overrides: Sequence[str]) -> None:
+def check_option_conflicts(cfg: DictConfig, overrides: Sequence[str]) -> None:
     """Raise :class:`ConfigError` where the command line (``overrides``, one point's) picks a group option
-    (``backend=mok_hopper``) and the composed config holds another value of the key that option sets
+    (``backend=mok_hopper``) and the composed config ``cfg`` holds another value of the key that option sets
     (``backends=[nccl]``, given too or set by an experiment)."""
+    c = cfg
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     parsed = OverridesParser.create().parse_overrides([o for o in overrides if "=" in o])
@@ -325,7 +360,7 @@ def _show(value: Any) -> str:
     return f"[{','.join(map(str, value))}]" if isinstance(value, list) else str(value)
 
 
-def _check_backend_options(c: dict) -> None:
+def _check_backend_options(c: BenchConfig) -> None:
     """Each backend option (and each alias given) is one of its choices; an alias and a scoped value that it would
     drop are not both given."""
     for key, value, spec in backend_options.option_values(c):
@@ -350,14 +385,14 @@ def check_gpus(ranks: int, ranks_per_gpu: int, gpus: int) -> None:
                           f"{gpus}: set ep_size<={gpus * ranks_per_gpu}, or launch across nodes with torchrun or Slurm")
 
 
-def check_new_run(c: dict, generated_from: Optional[str] = None) -> None:
+def check_new_run(config: BenchConfig, generated_from: Optional[str] = None) -> None:
     """Raise :class:`ConfigError` when the run id (given as ``run_id=`` or ``MOKBENCH_RUN_ID``, or a sweep's, made from
     its folder ``generated_from``) names a run folder that already holds rows and ``append`` is off: this run's rows
     would be pooled with another run's without a word."""
-    rid, source = given_run_id(c)
-    if rid is None or c.get("append"):
+    rid, source = given_run_id(config)
+    if rid is None or config.append:
         return
-    run_dir = Path(c["results_dir"]) / rid
+    run_dir = Path(config.results_dir) / rid
     files = results.find_files(run_dir)[0] if run_dir.is_dir() else []
     if not files:
         return
@@ -369,7 +404,7 @@ def check_new_run(c: dict, generated_from: Optional[str] = None) -> None:
                       f"to it")
 
 
-def check_job_layout(c: dict, device: str, executor: str, opts: dict, nodes: int, tpn: int, gpn: int,
+def check_job_layout(config: BenchConfig, device: str, executor: str, opts: dict, nodes: int, tpn: int, gpn: int,
                      asked_nodes: Optional[int]) -> tuple[int, int, int, int]:
     """The job a launcher (``executor``: slurm, local or node) runs one point in: its ``nodes``, tasks and GPUs per
     node as the launcher options ``opts`` give them (``asked_nodes``: the nodes given on the command line). One rank
@@ -387,7 +422,7 @@ def check_job_layout(c: dict, device: str, executor: str, opts: dict, nodes: int
     if device == "cuda" and gpn < 1:
         raise ConfigError("device=cuda but hydra.launcher.gpus_per_node is not set: set it to the GPUs per node (and "
                           "tasks_per_node to the same number), or use device=cpu")
-    ep = c.get("ep_size")
+    ep = config.ep_size
     if world > 1 and ep is not None and ep != world:
         # One rank per task: ep_size picks the job's layout (so ep_size=8,16,32,64 sweeps the node count).
         if ep % tpn == 0:
@@ -403,7 +438,7 @@ def check_job_layout(c: dict, device: str, executor: str, opts: dict, nodes: int
     if asked_nodes is not None and nodes != asked_nodes:
         raise ConfigError(f"hydra.launcher.nodes={asked_nodes} conflicts with ep_size={ep}, which sets the nodes of "
                           f"a job (ep_size / tasks_per_node = {nodes}): give one of the two")
-    rpg = c.get("ranks_per_gpu", 1) if device == "cuda" else 1
+    rpg = config.ranks_per_gpu if device == "cuda" else 1
     if world > 1:
         if rpg > 1:
             raise ConfigError(f"ranks_per_gpu={rpg} runs its ranks as processes that one task spawns on its GPUs: set "

@@ -210,7 +210,6 @@ def check_command_line(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    from harness.config.schema import to_container
     from harness.config.validate import check_option_conflicts
 
     hc = HydraConfig.get()
@@ -218,7 +217,7 @@ def check_command_line(cfg: DictConfig) -> None:
         for o in hc.overrides.hydra:
             if o.lstrip("+~").startswith(("hydra.launcher.", "hydra/launcher=")):
                 raise ConfigError(launcher_needs_sweep(o))
-    check_option_conflicts(to_container(cfg), list(hc.overrides.task))
+    check_option_conflicts(cfg, list(hc.overrides.task))
 
 
 _TYPE_WORDS = {"Integer": "an integer", "Float": "a number", "Boolean": "true or false", "bool": "true or false",
@@ -293,9 +292,8 @@ def sweep_problem_lines(problems: Sequence[tuple[int, str, str]], points: int) -
 def check_local_point(config: DictConfig) -> None:
     """Check one composed sweep point (``hydra`` node included) exactly as ``harness.run`` would check it here, and
     its run folder as the sweep's first point will find it."""
-    from harness.config.schema import given_run_id
     from harness.measure.runner import prepare
-    from harness.config.validate import check_new_run, check_option_conflicts, run_id_for_sweep
+    from harness.config.validate import check_new_run, check_option_conflicts, given_run_id, run_id_for_sweep
 
     task_cfg = copy.deepcopy(config)
     with hydra_config(config):
@@ -303,9 +301,9 @@ def check_local_point(config: DictConfig) -> None:
             del task_cfg["hydra"]
             generated = given_run_id(task_cfg)[0] is None
             run_id_for_sweep(task_cfg)
-        c = prepare(task_cfg)[0].as_dict()
-    check_option_conflicts(c, list(config.hydra.overrides.task))
-    check_new_run(c, generated_from=str(config.hydra.sweep.dir) if generated else None)
+        point = prepare(task_cfg)[0]
+    check_option_conflicts(task_cfg, list(config.hydra.overrides.task))
+    check_new_run(point.config, generated_from=str(config.hydra.sweep.dir) if generated else None)
 
 
 def point_labels(job_overrides: Sequence[Sequence[str]]) -> list[str]:

@@ -67,7 +67,6 @@ def plan_point(config: DictConfig, num: int, overrides: Sequence[str], executor:
     """Validate one composed sweep point (its full config, ``hydra`` node included) for the job it will run in on
     ``executor``'s launcher. Raises :class:`ConfigError` with the message a local run would give."""
     from harness.core import results
-    from harness.config.schema import given_run_id
     from harness.config.point import Point as TypedPoint
     from harness.config.point import resolve
 
@@ -88,20 +87,20 @@ def plan_point(config: DictConfig, num: int, overrides: Sequence[str], executor:
             device = "cuda" if gpn > 0 else "cpu"
             task_cfg.device = device
             overrides = [o for o in overrides if not o.lstrip("+~").startswith("device=")] + [f"device={device}"]
-        generated = given_run_id(task_cfg)[0] is None
+        generated = validate.given_run_id(task_cfg)[0] is None
         with hydra_config(config):
             validate.run_id_for_sweep(task_cfg)
             with _assume_cuda(device == "cuda"):
-                c = resolve(task_cfg)
-    validate.check_option_conflicts(c, list(config.hydra.overrides.task))
+                typed = resolve(task_cfg)
+    validate.check_option_conflicts(task_cfg, list(config.hydra.overrides.task))
 
-    nodes, tpn, gpn, ws = validate.check_job_layout(c, device, executor, opts, nodes, tpn, gpn, asked_nodes)
-    pt = TypedPoint.build(c, ep_size=ws, device=device)
-    results.check_dir(c["results_dir"])
-    validate.check_new_run(c, generated_from=str(config.hydra.sweep.dir) if generated else None)
+    nodes, tpn, gpn, ws = validate.check_job_layout(typed, device, executor, opts, nodes, tpn, gpn, asked_nodes)
+    pt = TypedPoint.build(typed, ep_size=ws, device=device)
+    results.check_dir(typed.results_dir)
+    validate.check_new_run(typed, generated_from=str(config.hydra.sweep.dir) if generated else None)
     sweep_dir = Path(str(config.hydra.sweep.dir))
     return Point(num=num, overrides=overrides, cfg=pt.as_dict(), case=pt.case, config_hash=pt.config_hash,
-                 run_id=given_run_id(c)[0] or "", launcher=opts, nodes=nodes,
+                 run_id=validate.given_run_id(typed)[0] or "", launcher=opts, nodes=nodes,
                  tasks_per_node=tpn, gpus_per_node=gpn, world_size=ws, job_dir=sweep_dir / str(num))
 
 

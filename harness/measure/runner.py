@@ -35,8 +35,9 @@ from harness.config import routing
 from harness.config import validate
 from harness.core.backends import load_backend
 from harness.measure.correctness import compare, leaves, run_once
-from harness.config.schema import Case, backend_order, given_run_id
+from harness.config.schema import BenchConfig, Case, backend_order
 from harness.config.point import Point, resolve, world_size_for
+from harness.config.validate import given_run_id
 from harness.measure.dist import RankEnv, free_port, from_environment, init
 from harness.measure.inputs import fingerprint, make_inputs
 from harness.measure.routing_steps import RoutingSteps, worst
@@ -49,10 +50,12 @@ from harness.measure.timing import Timer
 SEVERITY = {s: i for i, s in enumerate(("ok", "unsupported", "mismatch", "timeout", "cancelled", "oom", "error"))}
 
 
-def new_run_id(c: dict, ws: int) -> str:
-    """A run id where none is given: what, where and when (:func:`harness.core.run_names.default_run_id`)."""
-    device = c.get("device", "cpu")
-    return default_run_id(c, max(1, ws // max(1, int(c.get("ranks_per_gpu") or 1))), gpu_model(device))
+def new_run_id(config: BenchConfig, ws: int) -> str:
+    """A run id where none is given: what, where and when (:func:`harness.core.run_names.default_run_id`, from the
+    configuration's names)."""
+    names = {"device": config.device, "backends": list(config.backends), "directions": list(config.directions),
+             "precision": {"name": config.precision.name}, "shape": {"name": config.shape.name}}
+    return default_run_id(names, max(1, ws // max(1, int(config.ranks_per_gpu or 1))), gpu_model(config.device))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -156,17 +159,17 @@ class PointContext:
 
 
 def worker(payload: dict, renv: RankEnv) -> None:
-    """One rank of a point: ``payload`` holds the resolved configuration (``cfg``, plain values), from which each
-    rank builds the same :class:`Point`, and where the rows go. Its stages, each agreed across ranks: the inputs,
-    the routing steps, the calibration, the reference, then each backend in turn (:func:`_run_backends`); a stage
-    before the backends that fails gives every backend's rows its error."""
-    device = payload["device"]
+    """One rank of a point: ``payload`` holds the :class:`Point` (``point``: built once, in the process that
+    prepared the run; spawned ranks get it pickled) and where the rows go. Its stages, each agreed across ranks:
+    the inputs, the routing steps, the calibration, the reference, then each backend in turn
+    (:func:`_run_backends`); a stage before the backends that fails gives every backend's rows its error."""
+    pt: Point = payload["point"]
+    cfg, case = pt.config, pt.case
+    device = case.device
     if device == "cpu":  # ranks share the machine's cores: oversubscribed intra-op threads distort the timings
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, renv.world_size)))
     if device == "cuda":
         envinfo.cuda_alloc_conf()  # before the first CUDA allocation of this process
-    pt = Point.build(payload["cfg"], ep_size=renv.world_size, device=device)
-    cfg, case = pt.config, pt.case
     dev = init(renv, device, timeout_s=cfg.dist_timeout_s, ranks_per_gpu=pt.ranks_per_gpu)
     group = dist.group.WORLD
     ctrl = dist.new_group(backend="gloo") if device == "cuda" else group
@@ -174,7 +177,7 @@ def worker(payload: dict, renv: RankEnv) -> None:
     base = base_row(pt, run_id=payload["run_id"], num_nodes=renv.num_nodes, world_size=renv.world_size,
                     env=envinfo.collect(case.device))
     sink = JobRows(payload, keep=renv.rank == 0)
-    progress = Progress(renv.rank == 0, point_label(case, payload.get("point")))
+    progress = Progress(renv.rank == 0, point_label(case, payload.get("num")))
     timer = Timer(dev, group, align=cfg.timing.align, l2_flush=cfg.timing.l2_flush)
     directions = list(cfg.directions)
     need_grads = any(d != "fwd" for d in directions)
@@ -897,10 +900,10 @@ def kept_rows() -> tuple[int, list[str]]:
 def prepare(cfg: Any) -> tuple[Point, Optional[RankEnv], int]:
     """Every check a run makes before anything starts (raises :class:`ConfigError`): the point, the rank layout
     (None: this process spawns the ranks) and the rank count. Sweeps call it for each point first."""
-    c = resolve(cfg)
+    config = resolve(cfg)  # typed once: everything after reads it
     renv = from_environment()
-    ws = world_size_for(c, renv.world_size if renv is not None else None)
-    point = Point.build(c, ep_size=ws, device=c["device"])
+    ws = world_size_for(config, renv.world_size if renv is not None else None)
+    point = Point.build(config, ep_size=ws, device=config.device)
     if renv is None and point.case.device == "cpu":  # the ranks this process spawns share this machine's memory
         avail = envinfo.available_memory_bytes()
         if avail is not None:
@@ -912,13 +915,13 @@ def prepare(cfg: Any) -> tuple[Point, Optional[RankEnv], int]:
 def run_benchmark(cfg: Any) -> pd.DataFrame:
     """Validate, run every rank, and return this sweep point's rows (rank 0 and the launcher; others: empty)."""
     point, renv, ws = prepare(cfg)  # raises ConfigError before anything starts
-    c, pc = point.as_dict(), point.config
-    if not _point_of_a_sweep(c):  # a sweep checked its run folder before its first point
-        validate.check_new_run(c)
-    run_id = given_run_id(c)[0] or new_run_id(c, ws)
+    pc = point.config
+    if not _point_of_a_sweep(pc):  # a sweep checked its run folder before its first point
+        validate.check_new_run(pc)
+    run_id = given_run_id(pc)[0] or new_run_id(pc, ws)
     path = results.job_file(pc.results_dir, run_id, point.config_hash, pc.results_format)
     _JOB_FILES.append(path)
-    payload = {"cfg": c, "device": point.case.device, "run_id": run_id, "path": str(path), "point": sweep_point_num()}
+    payload = {"point": point, "run_id": run_id, "path": str(path), "num": sweep_point_num()}
 
     failure: Optional[str] = None
     if renv is not None:
@@ -955,7 +958,7 @@ def run_benchmark(cfg: Any) -> pd.DataFrame:
     return done
 
 
-def _point_of_a_sweep(c: dict) -> bool:
+def _point_of_a_sweep(config: BenchConfig) -> bool:
     """Whether this run is a point of a sweep, whose points share one run folder by design: a Hydra multirun job
     (submitit's array jobs included), or a job that slurm/submit.sh started for a point the sweep's dry run planned
     (its hydra.run.dir holds that point's file, with this run id)."""
@@ -973,7 +976,7 @@ def _point_of_a_sweep(c: dict) -> bool:
         return False
     from omegaconf import OmegaConf
 
-    return str(OmegaConf.load(planned).get("run_id") or "") == given_run_id(c)[0]
+    return str(OmegaConf.load(planned).get("run_id") or "") == given_run_id(config)[0]
 
 
 def sweep_point_num() -> Optional[int]:
