@@ -423,7 +423,11 @@ def test_multirun_table_says_which_point_and_workload(results_dir):
     assert len(titles) == 2 and "workload=uniform" in titles[0] and "workload=zipf" in titles[1], p.stdout
     assert "zipf(s=1)" in p.stdout.split("sweep point #1")[1]
     assert re.search(r"^mokbench \[\s*\d+\.\d s\] point #1 tiny bf16 zipf\(s=1\) EP2 T64 \| nccl", p.stderr, re.M)
-    assert len(results.load(results_dir)) == 2
+    rows = results.load(results_dir)
+    assert len(rows) == 2
+    from harness.core.run_names import sweep_run_id
+
+    assert set(rows.run_id) == {sweep_run_id("cpu", f"{results_dir}/sweep")}  # one run: what the sweep is, where
 
 
 @pytest.mark.slow

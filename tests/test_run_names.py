@@ -100,3 +100,17 @@ def test_the_runner_names_a_run_without_an_id(monkeypatch):
     check_run_id(rid)
     monkeypatch.setattr(runner, "gpu_model", lambda device: "NVIDIA H200" if device == "cuda" else None)
     assert "_h200x2_" in runner.new_run_id(dataclasses.replace(c, device="cuda", ranks_per_gpu=2), 4)
+
+
+def test_a_sweep_without_a_run_id_is_named_by_its_hardware_and_its_folder_s_time(monkeypatch):
+    """The jobs of a sweep share one run id, made in each job alike: the machine's GPUs (model and count) and the
+    time in the sweep folder's name."""
+    from harness.core import run_names
+
+    monkeypatch.setattr(run_names, "_gpu_names", lambda device: ["NVIDIA H100 80GB HBM3"] * 8)
+    assert run_names.sweep_run_id("auto", "multirun/2026-12-07/19-30-05") == "sweep_h100x8_20261207-193005"
+    assert run_names.sweep_run_id("cuda", "/tmp/x/my-sweep") == "sweep_h100x8_tmpxmysweep"
+    assert run_names.sweep_run_id("cpu", "multirun/2026-12-07/19-30-05") == "sweep_cpu_20261207-193005"
+    monkeypatch.setattr(run_names, "_gpu_names", lambda device: [])
+    assert run_names.sweep_run_id("auto", "multirun/2026-12-07/19-30-05") == "sweep_cpu_20261207-193005"
+    assert run_names.sweep_run_id("cuda", "multirun/2026-12-07/19-30-05") == "sweep_gpu_20261207-193005"

@@ -39,6 +39,7 @@ from harness.core.backends import BACKENDS
 from harness.config.schema import (BACKEND_ORDERS, COMPILE_MODES, CONFIG_DIR, DEVICES, DIRECTIONS, PRECISIONS,
                                    BenchConfig, ShapeConfig, gpus_needed)
 from harness.core.errors import ConfigError
+from harness.core.run_names import sweep_run_id
 
 RUN_ID_PATTERN = re.compile(r"[A-Za-z0-9._-]+")
 
@@ -80,7 +81,7 @@ def run_id_for_sweep(cfg: DictConfig) -> None:
 
         hc = HydraConfig.get()
         if hc.mode == RunMode.MULTIRUN:
-            cfg.run_id = "sweep-" + "".join(ch for ch in hc.sweep.dir if ch.isalnum())[-14:]
+            cfg.run_id = sweep_run_id(str(cfg.get("device", "auto")), str(hc.sweep.dir))
     except ValueError:
         pass
 

@@ -138,17 +138,35 @@ def run_dir_of(name: str, root: Union[str, Path, None] = None) -> Path:
     raise FileNotFoundError(f"no run folder under {base} holds run {name}")
 
 
-def gpu_model(device: str) -> Optional[str]:
-    """The first GPU's name from ``nvidia-smi`` (no CUDA context in this process: the ranks it spawns own the GPUs);
-    None without one."""
+def sweep_run_id(device: str, sweep_dir: str) -> str:
+    """The run id the jobs of one sweep share where none is given: ``sweep_<hardware>_<yyyymmdd>-<hhmmss>``, the time
+    of the sweep's folder (the same in every job of the sweep; a folder not named by a time gives its last 14 letters
+    and digits). ``device``: the configuration's (``auto``: a GPU where ``nvidia-smi`` sees one)."""
+    tail = "".join(ch for ch in sweep_dir if ch.isalnum())[-14:]
+    stamp = f"{tail[:8]}-{tail[8:]}" if len(tail) == 14 and tail.isdigit() else tail
+    names = _gpu_names("cuda") if device in ("cuda", "auto") else []
+    # a GPU sweep planned where no GPU is seen (a Slurm login node): its jobs take the planned id, "gpu"
+    hw = hardware(names[0], len(names)) if names else "gpu" if device == "cuda" else "cpu"
+    return f"sweep_{hw}_{stamp}"
+
+
+def _gpu_names(device: str) -> list[str]:
+    """Every GPU's name from ``nvidia-smi`` (no CUDA context in this process); none without one."""
     if device != "cuda":
-        return None
+        return []
     try:
         out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
                              text=True, timeout=20)
-        return out.stdout.strip().splitlines()[0] if out.returncode == 0 else None
-    except (OSError, subprocess.TimeoutExpired, IndexError):
-        return None
+        return [n.strip() for n in out.stdout.strip().splitlines() if n.strip()] if out.returncode == 0 else []
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+
+
+def gpu_model(device: str) -> Optional[str]:
+    """The first GPU's name from ``nvidia-smi`` (no CUDA context in this process: the ranks it spawns own the GPUs);
+    None without one."""
+    names = _gpu_names(device)
+    return names[0] if names else None
 
 
 def default_run_id(c: dict, num_gpus: int, gpu_name: Optional[str], now: Optional[pd.Timestamp] = None) -> str:
