@@ -49,8 +49,8 @@ ROWWISE_ALIGN = 16  # rows per expert, rowwise path (16-byte TMA alignment of th
 WGRAD_SCRATCH_ELEMS = 1 << 28  # fp32 elements of DeepGEMM wgrad accumulator per step (1 GiB)
 AUTO_ITERS = 3  # auto: timed iterations per path at setup (after one untimed), eager forward + backward
 DEEPGEMM_HINT = ("install DeepGEMM: pip install sgl-deep-gemm where it matches your torch, else build it from source "
-                 "(docs/backends.md, 'DeepGEMM (for fp8_gemm=blockwise)'), or use fp8_gemm=blockwise_loop (the same format "
-                 "through torch's scaled_mm v2, one GEMM per expert) or rowwise")
+                 "(docs/backends.md, 'DeepGEMM (for fp8_gemm=blockwise)'), or use fp8_gemm=blockwise_loop (the same "
+                 "format through torch's scaled_mm v2, one GEMM per expert) or rowwise")
 DEEPGEMM_REF_ENV = "MOKBENCH_DEEPGEMM_REF"  # the DeepGEMM ref (commit, pull-request head) the user names for the rows
 DEEPGEMM_FIX = ("build DeepGEMM at or after DeepGEMM PR #343 (42c240d, v2.6.1 with the fix; or 1f6f3f3), or use "
                 "fp8_gemm=blockwise_loop or rowwise")

@@ -40,7 +40,8 @@ def hybridep_unsupported(case: Case, *, mxfp8: bool = False) -> Optional[str]:
     try:
         import_deep_ep().HybridEPBuffer  # noqa: B018
     except (ImportError, AttributeError) as e:
-        return f"this DeepEP build has no HybridEP ({e}); build DeepEP's hybrid-ep branch (docs/backends.md, 'DeepEP and HybridEP')"
+        return (f"this DeepEP build has no HybridEP ({e}); build DeepEP's hybrid-ep branch "
+                "(docs/backends.md, 'DeepEP and HybridEP')")
     return None
 
 

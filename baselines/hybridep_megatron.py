@@ -22,8 +22,9 @@
   once per process (re-initialized only when a later case has another EP size; kept after teardown).
 * Precision: bf16; fp8 / mxfp8 through ``fp8="e4m3"`` + ``fp8_recipe`` (blockwise / tensorwise / delayed by the
   option ``hybridep_megatron.fp8_recipe``, alias ``te_fp8_recipe``; mxfp8 needs compute capability >= 10) and
-  Megatron's ``get_fp8_context`` around the forward. The shared expert stays bf16 (its two linears run in a TE autocast region with quantization off).
-  HybridEP dispatches bf16 (Megatron rejects fp8 dispatch there). DelayedScaling: one untimed step in setup.
+  Megatron's ``get_fp8_context`` around the forward. The shared expert stays bf16 (its two linears run in a TE autocast
+  region with quantization off). HybridEP dispatches bf16 (Megatron rejects fp8 dispatch there). DelayedScaling: one
+  untimed step in setup.
 * Input [T, H] becomes Megatron's [S, B, H] with B = 1. No per-phase timing: Megatron releases its HybridEP handle
   after the combine.
 

@@ -17,8 +17,8 @@ Megatron's router with the harness's top-k:
 Environment: ``sonic-moe`` 0.1.2.post1 requires torch <= 2.9.1, ``nvidia-cutlass-dsl == 4.4.2`` (about 150 MB of
 libraries) and ``quack-kernels``; its GEMMs are CuTe DSL kernels for SM90 / SM100. Where it does not import (not
 installed, or its CuTe DSL stack does not load with this torch) the rows are ``unsupported`` with the error and the
-environment it runs in (docs/backends.md, 'Anchors: Liger-Kernel and SonicMoE'). With another torch than its pin it is tried
-as installed, and ``notes`` says so: on the GPU image's torch 2.11.0+cu130, installed with ``--no-deps``
+environment it runs in (docs/backends.md, 'Anchors: Liger-Kernel and SonicMoE'). With another torch than its pin it is
+tried as installed, and ``notes`` says so: on the GPU image's torch 2.11.0+cu130, installed with ``--no-deps``
 (``nvidia-cutlass-dsl-libs-cu13``), it imports, QuACK compiles, runs and autotunes its GEMMs
 (lab/diagnostics/2026-12-04-s30/), and its forward and backward rows on qwen3_5_397b pass the reference check (run
 mok_hopper-bf16-fwd-bwd-qwen3_5_397b_h200x1_20261204-2). FlashInfer needs nvidia-cutlass-dsl >= 4.6.2a0: where both run,

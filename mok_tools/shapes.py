@@ -19,7 +19,8 @@ def published_shapes() -> list[str]:
 
 def shape_config(name: str) -> dict[str, Any]:
     """``configs/shape/<name>.yaml`` as a dict; ``name@Nepg`` sets ``local_experts`` to N (N experts per GPU, as
-    ``shape.local_experts=N`` does in the harness). Raises ``harness.config.schema.ConfigError`` for an unknown shape."""
+    ``shape.local_experts=N`` does in the harness). Raises ``harness.config.schema.ConfigError`` for an unknown
+    shape."""
     base, _, per_gpu = name.partition("@")
     shape = to_container(load_group_option("shape", base))
     if per_gpu:

@@ -1,5 +1,5 @@
-"""Capture the routing of a Hugging Face transformers MoE model into a routing trace (harness/config/routing_trace.py) that
-``workload=trace`` replays.
+"""Capture the routing of a Hugging Face transformers MoE model into a routing trace (harness/config/routing_trace.py)
+that ``workload=trace`` replays.
 
 A forward hook on each MoE block's router (the ``gate`` or ``router`` module of a block that holds ``experts``)
 records, for every token of every layer, the top-k expert ids the model chose and their weights renormalised to sum

@@ -50,9 +50,11 @@ def row_config(r: pd.Series, knobs: dict) -> dict:
     if shape["num_experts"] == "???":
         shape["num_experts"] = int(r["num_experts"])
     pl, sl = value(r["published_local_experts"]), value(r["swiglu_limit"])
-    shape.update(hidden=int(r["hidden"]), ffn=int(r["ffn"]), topk=int(r["topk"]), shared_expert=bool(r["shared_expert"]),
+    shape.update(hidden=int(r["hidden"]), ffn=int(r["ffn"]), topk=int(r["topk"]),
+                 shared_expert=bool(r["shared_expert"]),
                  local_experts=int(r["local_experts"]) if r["experts_override"] else None,
-                 published_local_experts=None if pl is None else int(pl), swiglu_limit=None if sl is None else float(sl))
+                 published_local_experts=None if pl is None else int(pl),
+                 swiglu_limit=None if sl is None else float(sl))
     return dict(shape=shape, workload=wl, precision=prec, device=r["device"], ranks_per_gpu=1,
                 ep_size=int(r["ep_size"]) if knobs["ep_size_given"] else None, compile=knobs["compile"],
                 compile_mode=knobs["compile_mode"], comm_sms=value(r["comm_sms"]) if knobs["comm_sms_given"] else None,

@@ -109,7 +109,7 @@ class MokHopperTwoChunks(MokHopperBackend):
         self.tile_overrides = {"num_chunks": 2}
 
 
-# ---- device memory that does not come back (harness.measure.runner's clean-up between backends) ------------------------
+# ---- device memory that does not come back (harness.measure.runner's clean-up between backends) --------------------
 # A stand-in device-memory counter: MOKBENCH_MEMORY_PROBE=fake_backends:fake_probe gives every rank a probe that reads
 # it (the CPU has none), and FakeBlock objects count as allocated device memory while they live.
 

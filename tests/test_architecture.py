@@ -103,8 +103,8 @@ def _module_level_imports(path: Path) -> set[str]:
 
 
 def test_the_charts_do_not_import_the_report():
-    """harness.report.plots draws what harness.report.claims computes, with harness.report.labels's names; the report writes both. No
-    cycle: plots imports neither the report nor anything that imports it."""
+    """harness.report.plots draws what harness.report.claims computes, with harness.report.labels's names; the report
+    writes both. No cycle: plots imports neither the report nor anything that imports it."""
     assert not {"harness.report.report"} & first_party_modules(ROOT / "harness" / "report" / "plots.py")
     for name in ("labels", "claims"):
         assert not {"harness.report.report", "harness.report.plots"} & first_party_modules(
@@ -157,7 +157,8 @@ def test_every_backend_signature_is_typed_with_the_contract():
         module, _, cls_name = target.partition(":")
         tree = ast.parse((ROOT / (module.replace(".", "/") + ".py")).read_text())
         cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls_name)
-        want = {"unsupported_reason": ("case", "Case"), "__init__": ("case", "Case"), "setup": ("inputs", "LayerInputs")}
+        want = {"unsupported_reason": ("case", "Case"), "__init__": ("case", "Case"),
+                "setup": ("inputs", "LayerInputs")}
         for fn in cls.body:
             if isinstance(fn, ast.FunctionDef) and fn.name in want:
                 arg, ann = want[fn.name]

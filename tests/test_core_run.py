@@ -183,7 +183,8 @@ def test_setup_profiles_say_where_each_backends_setup_went(results_dir, tmp_path
             assert len(stem) == 1, sorted(p.name for p in prof_dir.iterdir())
             funcs = {f"{os.path.basename(f)}:{fn}" for f, _, fn in pstats.Stats(str(stem[0])).stats}
             assert ("nccl.py:setup" if name == "nccl" else "fake_backends.py:setup") in funcs  # the backend's own
-            assert ("correctness.py:run_once" in funcs) == (name == "nccl")  # the first call only after a setup that ran
+            # the first call only after a setup that ran
+            assert ("correctness.py:run_once" in funcs) == (name == "nccl")
             text = stem[0].with_suffix(".txt").read_text()
             assert "setup steps under cProfile" in text and "most own time" in text
     from harness.measure.runner import prepare

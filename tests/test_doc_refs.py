@@ -10,8 +10,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 TESTS_DIR = ROOT / "tests"
-SCANNED = ("harness", "baselines", "mok_kernels", "mok_tools", "contract", "configs", "scripts", "slurm", "hydra_plugins",
-           "tests", "notebooks", ".ci")
+SCANNED = ("harness", "baselines", "mok_kernels", "mok_tools", "contract", "configs", "scripts", "slurm",
+           "hydra_plugins", "tests", "notebooks", ".ci")
 SUFFIXES = {".py", ".sh", ".yaml", ".toml", ".ipynb", ""}
 # a page (README.md, docs/<page>.md, <folder>/README.md, or a bare README / docs), then a quoted heading
 REF = re.compile(r"(?<![\w/.])((?:[\w-]+/)?README(?:\.md)?|docs(?:/[\w.-]+\.md)?)(?![\w/])[,:]?\s+(?:section\s+)?"

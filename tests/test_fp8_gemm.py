@@ -2,7 +2,8 @@
 
 On a CPU the same code runs through pure-torch references of ``torch._scaled_grouped_mm``, of DeepGEMM's
 grouped GEMMs and of torch's block-scaled ``scaled_mm`` pairs (baselines/fp8_loop.py): these tests check the operand
-bookkeeping (padding, scale layouts, token-grouped wgrad operands) against plain fp32 autograd. The ``gpu`` tests check the real GEMMs against the same references.
+bookkeeping (padding, scale layouts, token-grouped wgrad operands) against plain fp32 autograd. The ``gpu`` tests check
+the real GEMMs against the same references.
 
 GPU run: ``python -m pytest -q -m gpu tests/test_fp8_gemm.py`` (add ``-rA -s`` to see the scale-layout probe's report,
 ``test_scaled_mm_layout_probe_on_gpu``)."""

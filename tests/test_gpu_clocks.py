@@ -1,4 +1,5 @@
-"""The GPU clock / power record of a timed window (harness.measure.gpu_clocks), with a stand-in for the driver's NVML."""
+"""The GPU clock / power record of a timed window (harness.measure.gpu_clocks), with a stand-in for the driver's
+NVML."""
 
 from __future__ import annotations
 

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-COMMANDS = ("harness.run", "harness.report", "harness.gate", "harness.compare", "harness.core.run_meta", "harness.slurm")
+COMMANDS = ("harness.run", "harness.report", "harness.gate", "harness.compare", "harness.core.run_meta",
+            "harness.slurm")
 PACKAGES = ("contract", "harness", "baselines", "mok_kernels", "mok_tools", "hydra_plugins")
 
 

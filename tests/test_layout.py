@@ -228,3 +228,34 @@ def test_no_package_imports_the_journal():
                          else [a.name for a in node.names] if isinstance(node, ast.Import) else [])
                 bad += [f"{path.relative_to(ROOT)}: {n}" for n in names if n.split(".")[0] == "lab"]
     assert not bad, bad
+
+
+MAX_LINE = 120  # the project's Python keeps its lines within this many characters
+
+
+def long_lines(files: list[str]) -> list[str]:
+    hits = []
+    for rel in files:
+        text = text_of(rel) if rel.endswith(".py") else None
+        hits += [f"{rel}:{n}: {len(line)} characters" for n, line in enumerate((text or "").splitlines(), 1)
+                 if len(line) > MAX_LINE]
+    return hits
+
+
+def test_python_lines_are_at_most_120_characters():
+    hits = long_lines(tracked_files())
+    assert not hits, (f"lines over {MAX_LINE} characters (wrap them: prose re-flowed, code split at a natural point, "
+                      "a string by implicit concatenation):\n" + "\n".join(hits[:40])
+                      + (f"\n... {len(hits) - 40} more" if len(hits) > 40 else ""))
+
+
+def test_the_line_length_check_reads_the_files_it_should(tmp_path, monkeypatch):
+    """A planted long line is found in any Python file, lab/ and tests/ included, with its file and line; a line of
+    exactly 120 characters and long lines of other files pass."""
+    files = {"harness/x.py": "ok\n" + "x" * 121 + "\n", "lab/scripts/y.py": "# " + "y" * 119 + "\n",
+             "tests/t.py": "z" * 120 + "\n", "docs/d.md": "w" * 200 + "\n"}
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
+    assert long_lines(sorted(files)) == ["harness/x.py:2: 121 characters", "lab/scripts/y.py:1: 121 characters"]

@@ -1,5 +1,5 @@
-"""Device memory beside speed (harness.measure.memory): the arithmetic on a stand-in of the CUDA counters, and the columns
-left empty on the CPU."""
+"""Device memory beside speed (harness.measure.memory): the arithmetic on a stand-in of the CUDA counters, and the
+columns left empty on the CPU."""
 
 from __future__ import annotations
 

@@ -70,7 +70,8 @@ def test_inference_forward_declines_the_backward(results_dir):
     assert "inference forward (saves nothing)" in r.notes
     b = by(df, "mok_hopper", "bwd")
     assert b.status == "unsupported" and "mok_hopper_forward=inference saves nothing" in b.error
-    assert (df.backend_options == "forward=inference,weights=plain,rows=padded").all()  # the alias reached the backend's own option
+    # the alias reached the backend's own option
+    assert (df.backend_options == "forward=inference,weights=plain,rows=padded").all()
 
 
 def test_directions_it_declines():

@@ -1,5 +1,5 @@
-"""The twin of mok_hopper's planned bf16 backward (mok_kernels/mok_hopper/twin/backward.py) against torch autograd: every
-gradient (x, router weights, routed gate/up/down, shared gate/up/down) on small shapes, 1, 2 and 4 ranks, clamped
+"""The twin of mok_hopper's planned bf16 backward (mok_kernels/mok_hopper/twin/backward.py) against torch autograd:
+every gradient (x, router weights, routed gate/up/down, shared gate/up/down) on small shapes, 1, 2 and 4 ranks, clamped
 SwiGLU, masked top-k slots and a rank whose experts get no token. The kernels of issue 23 will be checked against
 this twin stage by stage."""
 
@@ -173,8 +173,8 @@ def _interpreted(monkeypatch, *modules):
                                            "'.[test]'): the interpreter kernel tests need it")
 @pytest.mark.parametrize("limit", [None, 0.5], ids=["plain", "clamped"])
 def test_backward_gemms_match_the_twin_under_the_interpreter(limit, monkeypatch):
-    """The v0 backward GEMMs (mok_kernels/mok_hopper/ops/bwd_gemm.py) against the twin's stages, expert by expert: dH, s*A,
-    the router-weight gradient, dX rows, dW13 and dW2 (several row tiles per expert, an expert with no row,
+    """The v0 backward GEMMs (mok_kernels/mok_hopper/ops/bwd_gemm.py) against the twin's stages, expert by expert: dH,
+    s*A, the router-weight gradient, dX rows, dW13 and dW2 (several row tiles per expert, an expert with no row,
     padding rows, several column tiles and K steps)."""
     from mok_kernels.mok_hopper.ops import bwd_gemm, bwd_wgrad
 
@@ -222,8 +222,8 @@ def test_backward_gemms_match_the_twin_under_the_interpreter(limit, monkeypatch)
 @pytest.mark.parametrize("limit", [None, 0.5], ids=["plain", "clamped"])
 @pytest.mark.parametrize("block_r", [64, 16], ids=["one-row-block", "row-blocks"])
 def test_fused_weight_streaming_stages_match_the_twin_under_the_interpreter(limit, block_r, monkeypatch):
-    """mok_kernels/mok_hopper/ops/bwd_fused.py: dgate + dW2 and dX + dW13, each in one pass over its weights, against the
-    twin's stages expert by expert; with every expert in one row block (the fast path) and with experts over
+    """mok_kernels/mok_hopper/ops/bwd_fused.py: dgate + dW2 and dX + dW13, each in one pass over its weights, against
+    the twin's stages expert by expert; with every expert in one row block (the fast path) and with experts over
     several row blocks (the GEMM over row blocks, then each gradient block over them)."""
     from mok_kernels.mok_hopper.ops import bwd_fused, bwd_gemm, bwd_wgrad
 
@@ -597,7 +597,8 @@ def test_paired_row_blocks_give_the_single_blocks_gradients_bit_for_bit():
     layer, w13, w2, shared = _toy_layer()
     xs, idx, ws, dOs, _, _, _ = make(1, T, K, E, H, I, seed=6)
     gen = torch.Generator().manual_seed(7)
-    idx[0] = torch.stack([torch.cat([torch.zeros(1, dtype=torch.long), 1 + torch.randperm(E - 1, generator=gen)[:K - 1]])
+    idx[0] = torch.stack([torch.cat([torch.zeros(1, dtype=torch.long),
+                                     1 + torch.randperm(E - 1, generator=gen)[:K - 1]])
                           for _ in range(T)])
     assert (idx[0] == 0).sum() == T and all(len(set(r.tolist())) == K for r in idx[0])
     grads = []

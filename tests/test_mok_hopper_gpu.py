@@ -296,8 +296,8 @@ def test_gpu_check(tmp_path, nproc):
 
 
 def _gpu_cfg(results_dir, *overrides):
-    return compose_cfg("device=cuda", "timing=quick", f"results_dir={results_dir}", "print_table=false", "compile=false",
-                       *overrides)
+    return compose_cfg("device=cuda", "timing=quick", f"results_dir={results_dir}", "print_table=false",
+                       "compile=false", *overrides)
 
 
 def test_harness_checks_mok_hopper_against_the_reference(results_dir):

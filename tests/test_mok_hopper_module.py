@@ -1,5 +1,5 @@
-"""The trainable mok_hopper layer (mok_kernels/mok_hopper/module.py): ``MoKHopperMoE`` and its ``mokbench::`` custom ops,
-under the Triton interpreter on the CPU (the training loop also on CUDA, marked ``gpu``): gradients against torch
+"""The trainable mok_hopper layer (mok_kernels/mok_hopper/module.py): ``MoKHopperMoE`` and its ``mokbench::`` custom
+ops, under the Triton interpreter on the CPU (the training loop also on CUDA, marked ``gpu``): gradients against torch
 autograd on a plain fp32 reference, accumulation over calls (``.grad``, fp32 ``main_grad``), varying token counts,
 the state dict's plain layout in both parameter layouts, the weights adopted in place, the fake implementations
 (opcheck, torch.compile), and a few SGD steps against a torch reference layer.
@@ -124,7 +124,8 @@ def test_the_module_owns_its_weights_and_its_state_dict_is_plain(layout):
     m = module(layout)
     w13, w2, shared = weights()
     assert m.layer.w13.data_ptr() == m.w13.data_ptr() and m.layer.w2.data_ptr() == m.w2.data_ptr()
-    assert m.layer.sh_w13.data_ptr() == m.shared_gate.data_ptr() and m.layer.sh_w2.data_ptr() == m.shared_down.data_ptr()
+    assert (m.layer.sh_w13.data_ptr() == m.shared_gate.data_ptr()
+            and m.layer.sh_w2.data_ptr() == m.shared_down.data_ptr())
     assert m.w13.dim() == (5 if layout == "tiled" else 3) and m.layer.cfg.w_tiled == (layout == "tiled")
     sd = m.state_dict()
     assert set(sd) == {"w13", "w2", "shared_gate", "shared_up", "shared_down"}

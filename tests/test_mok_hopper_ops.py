@@ -31,7 +31,8 @@ try:
 except ImportError:
     HAS_TRITON = False
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (it comes with torch on Linux; "
-                                                         "pip install -e '.[test]'): the interpreter kernel tests need it")
+                                                         "pip install -e '.[test]'): the interpreter kernel tests "
+                                                         "need it")
 
 
 def run_kernels(xs, idx, ws, w13, w2, sh, *, precision="bf16", limit=None, rw_in="expert", capacity=None,
@@ -128,8 +129,9 @@ def test_kernels_with_small_tiles_walk_every_loop(precision, tma, layout):
     for r in range(P):
         assert rel_l1(runs[0][r], want[r]) < 1e-3 and (runs[0][r].float() - want[r].float()).abs().max() < 0.02
     assert sum(int(layer.sched.num_tiles) for layer in layers) > 3 * P
-    sizes = {b - a for layer in layers for a, b in zip(layer.sched.tile_row_M1[: int(layer.sched.num_tiles)].tolist(),
-                                                         layer.sched.tile_row_M1[1 : int(layer.sched.num_tiles) + 1].tolist())}
+    sizes = {b - a for layer in layers
+             for a, b in zip(layer.sched.tile_row_M1[: int(layer.sched.num_tiles)].tolist(),
+                             layer.sched.tile_row_M1[1 : int(layer.sched.num_tiles) + 1].tolist())}
     assert sizes == ({8, 16} if half else {16})  # both tile kinds ran
     for layer in layers:
         if half and not flat:

@@ -78,9 +78,9 @@ exit 0
 @pytest.mark.parametrize("what,precision,kernel", [("bwd", "bf16", "bwd_rows"), ("bwd-fp8", "fp8", "fp8_rows"),
                                                     ("fwd-fp8", None, "up_swiglu")])
 def test_the_ncu_script_profiles_what_it_is_asked_for(tmp_path, what, precision, kernel):
-    """mok_tools/mok_hopper/ncu.sh with a stand-in ncu that records its calls (no GPU here): each shape of the default three
-    gets one profiling call over the right driver (bwd_check in the asked precision, or gpu_check) with the kernels
-    of that pass, then one import of its report; an unknown pass is one line and exit 2."""
+    """mok_tools/mok_hopper/ncu.sh with a stand-in ncu that records its calls (no GPU here): each shape of the default
+    three gets one profiling call over the right driver (bwd_check in the asked precision, or gpu_check) with the
+    kernels of that pass, then one import of its report; an unknown pass is one line and exit 2."""
     import os
     import subprocess
     import sys
@@ -91,8 +91,8 @@ def test_the_ncu_script_profiles_what_it_is_asked_for(tmp_path, what, precision,
     ncu.write_text(FAKE_NCU)
     ncu.chmod(0o755)
     _write(tmp_path / "raw.csv")
-    env = {**os.environ, "NCU": str(ncu), "NCU_CALLS": str(calls), "NCU_RAW": str(tmp_path / "raw.csv"), "WHEELS": str(tmp_path / "no-wheels"),
-           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    env = {**os.environ, "NCU": str(ncu), "NCU_CALLS": str(calls), "NCU_RAW": str(tmp_path / "raw.csv"),
+           "WHEELS": str(tmp_path / "no-wheels"), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     r = subprocess.run(["bash", "mok_tools/mok_hopper/ncu.sh", str(tmp_path / "out"), what], cwd=root, env=env,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr

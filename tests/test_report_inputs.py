@@ -66,7 +66,8 @@ def listing(folder: Path) -> list[str]:
 
 ARG_ERRORS = {  # name -> (tool, arguments, words the one line holds); {good} is a folder of good rows
     "threshold not a number": ("compare", ["{good}", "{good}", "--threshold", "abc"],
-                               ["harness.compare: --threshold", "'abc' is not a number", "5% or a fraction such as 0.05"]),
+                               ["harness.compare: --threshold", "'abc' is not a number",
+                                "5% or a fraction such as 0.05"]),
     "NEW missing": ("compare", ["{good}"], ["missing NEW (NEW results: a file or a folder)",
                                             "usage: python -m harness.compare BASE ... NEW [options]"]),
     "both missing": ("compare", [], ["missing BASE (BASE results: a file or a folder) and NEW"]),

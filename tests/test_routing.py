@@ -201,8 +201,8 @@ def test_the_check_covers_every_routing_step(monkeypatch, results_dir):
 
 
 def test_a_sweep_point_file_keeps_the_routing_parameters(tmp_path):
-    """A Slurm sweep's point file (harness.launch.slurm_plan.write_point / load_point) gives back the Case, new parameters and
-    steps included."""
+    """A Slurm sweep's point file (harness.launch.slurm_plan.write_point / load_point) gives back the Case, new
+    parameters and steps included."""
     from harness.launch import slurm_plan as slurm
 
     pt = point("workload=megatron_w6", "workload.steps=3")

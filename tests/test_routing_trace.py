@@ -1,5 +1,5 @@
-"""Replayed routing traces (harness/config/routing_trace.py, configs/workload/trace.yaml, scripts/capture_routing.py): the
-format and its checks, each rank's share of a trace at EP 1, 2 and 4, the point's identity, the refusals, and a
+"""Replayed routing traces (harness/config/routing_trace.py, configs/workload/trace.yaml, scripts/capture_routing.py):
+the format and its checks, each rank's share of a trace at EP 1, 2 and 4, the point's identity, the refusals, and a
 trace captured from a tiny transformers MoE model replayed through ``python -m harness.run``."""
 
 from __future__ import annotations
@@ -278,7 +278,8 @@ def test_a_captured_trace_replays_identically_and_a_bad_one_is_refused(tmp_path)
                        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     manifest, digest = routing_trace.verify(trace)
-    assert manifest["model"]["model_type"] == "qwen3_moe" and manifest["capture"]["tool"] == "scripts/capture_routing.py"
+    assert (manifest["model"]["model_type"] == "qwen3_moe"
+            and manifest["capture"]["tool"] == "scripts/capture_routing.py")
     cols = ["backend", "direction", "routing", "status", "expert_load_max_over_mean", "rank_load_max_over_mean",
             "empty_experts", "max_abs_err", "rel_err", "config_hash"]
     rows = []

@@ -310,7 +310,8 @@ def test_the_probe_runner_records_ok_failed_crashed_and_hung_steps_and_goes_on(t
 
     probe = _probe()
     py = sys.executable
-    ok = [py, "-c", "import json, sys; json.dump({'status': 'ok', 'summary': 'fine', 'ms': 1.5}, open(sys.argv[1], 'w'))"]
+    ok = [py, "-c", "import json, sys; json.dump({'status': 'ok', 'summary': 'fine', 'ms': 1.5}, "
+                    "open(sys.argv[1], 'w'))"]
     failed = [py, "-c", "import json, sys; print('noise'); json.dump({'status': 'failed', 'error': 'RuntimeError: "
               "peers read [1, 1]'}, open(sys.argv[1], 'w'))"]
     crash = [py, "-c", "import sys; print('Segmentation fault in rank 1', file=sys.stderr); sys.exit(139)"]

@@ -1,4 +1,5 @@
-"""Sweeps through the mokbench launchers (harness/launch/slurm_launch.py, slurm_plan.py, slurm_accounting.py, hydra_plugins/mokbench_launcher).
+"""Sweeps through the mokbench launchers (harness/launch/slurm_launch.py, slurm_plan.py, slurm_accounting.py,
+hydra_plugins/mokbench_launcher).
 
 The dry-run tests need no cluster. The others run against a real Slurm cluster with accounting (CI starts a
 single-node one with .ci/start_slurm.sh) and skip, saying why, where none answers. They run the CPU default (tiny

@@ -468,7 +468,8 @@ def test_attention_heads_divide_hidden():
 
 def _needs(*modules: str):
     missing = [m for m in modules if importlib.util.find_spec(m.split(".")[0]) is None]
-    return pytest.mark.skipif(bool(missing), reason=f"{', '.join(missing)} not installed (docs/backends.md, 'Transformer Engine and Megatron-core')")
+    return pytest.mark.skipif(bool(missing), reason=f"{', '.join(missing)} not installed "
+                                                    "(docs/backends.md, 'Transformer Engine and Megatron-core')")
 
 
 NEEDS = {"deepep_te": _needs("transformer_engine", "deep_ep"),

@@ -1,7 +1,7 @@
 """The options of mokbench's sweep launchers (``hydra/launcher=mokbench_slurm`` / ``mokbench_local`` /
 ``mokbench_node``): their schemas, the one list of each launcher's keys and the least value of each count.
-:mod:`harness.launch.slurm_launch` launches with them; :func:`harness.config.validate.check_launcher_options` checks them, and
-:mod:`harness.launch.cli` a command line's launcher keys."""
+:mod:`harness.launch.slurm_launch` launches with them; :func:`harness.config.validate.check_launcher_options` checks
+them, and :mod:`harness.launch.cli` a command line's launcher keys."""
 
 from __future__ import annotations
 

@@ -128,8 +128,9 @@ def _typed_parts(values: Any) -> SimpleNamespace:
 
 
 def typed_config(c: dict) -> BenchConfig:
-    """The resolved configuration ``c`` as an instance of the configuration's schema (:func:`harness.config.schema.schema`:
-    nested dataclasses, the backends' options among them), its values checked against the schema's types."""
+    """The resolved configuration ``c`` as an instance of the configuration's schema
+    (:func:`harness.config.schema.schema`: nested dataclasses, the backends' options among them), its values checked
+    against the schema's types."""
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema()), c))
 
 

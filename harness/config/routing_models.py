@@ -402,9 +402,9 @@ class Ragged(RoutingModel):
 
 
 class Trace(RoutingModel):
-    """Routing replayed from a trace folder (harness/config/routing_trace.py: the format, its checks, each rank's share):
-    step s of a run replays the trace's step s mod S (S: the steps it holds), layer ``trace_layer``. The point is
-    identified by the trace's digest (``trace_sha256``, added by :meth:`resolve`), never by its folder."""
+    """Routing replayed from a trace folder (harness/config/routing_trace.py: the format, its checks, each rank's
+    share): step s of a run replays the trace's step s mod S (S: the steps it holds), layer ``trace_layer``. The point
+    is identified by the trace's digest (``trace_sha256``, added by :meth:`resolve`), never by its folder."""
 
     name = "trace"
     params = {"trace_path": None, "trace_layer": 0}

@@ -6,9 +6,10 @@ ConfigStore as ``<group>/base_<group>``; the YAML files under ``configs/<group>/
 directions on identical inputs (``backends=[nccl,deepep]``) while multirun sweeps either axis.
 
 The top-level schema (:func:`schema`) is :class:`BenchConfig` plus a node per backend that declares options, and their
-aliases (harness/config/backend_options.py). This module also loads the group options, names timing presets and computes a
-point's identity (:func:`config_hash`). Every check lives in :mod:`harness.config.validate` and raises
-:class:`~harness.core.errors.ConfigError`, which names the fix; the CLI turns it into one line on stderr and exit code 2.
+aliases (harness/config/backend_options.py). This module also loads the group options, names timing presets and computes
+a point's identity (:func:`config_hash`). Every check lives in :mod:`harness.config.validate` and raises
+:class:`~harness.core.errors.ConfigError`, which names the fix; the CLI turns it into one line on stderr and
+exit code 2.
 """
 
 from __future__ import annotations
@@ -60,7 +61,8 @@ class ShapeConfig:
 
 @dataclass(kw_only=True)
 class WorkloadBase:
-    """The workload's own fields; :func:`workload_schema` adds every routing model's parameters (harness/config/routing.py)."""
+    """The workload's own fields; :func:`workload_schema` adds every routing model's parameters
+    (harness/config/routing.py)."""
 
     name: str = "uniform"
     tokens_per_gpu: int = 2048
@@ -182,9 +184,9 @@ def schema() -> type:
 
     fields = [("workload", workload_schema(), dataclasses.field(default=MISSING)), *schema_fields()]
     cls = dataclasses.make_dataclass("MokbenchConfig", fields, bases=(BenchConfig,), kw_only=True)
-    # importable as harness.config.schema.MokbenchConfig (module __getattr__ below): a composed config pickled into a sweep's
-    # job and back (submitit's cloudpickle) then refers to this class instead of copying it, since a copied dataclass
-    # loses dataclasses.MISSING and OmegaConf can no longer read its defaults
+    # importable as harness.config.schema.MokbenchConfig (module __getattr__ below): a composed config pickled into a
+    # sweep's job and back (submitit's cloudpickle) then refers to this class instead of copying it, since a copied
+    # dataclass loses dataclasses.MISSING and OmegaConf can no longer read its defaults
     cls.__module__, cls.__qualname__ = __name__, "MokbenchConfig"
     return cls
 

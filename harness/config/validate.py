@@ -69,8 +69,8 @@ def check_run_id(run_id: Any, source: str = "run_id") -> None:
 def run_id_for_sweep(cfg: DictConfig) -> None:
     """Jobs of one multirun share a run_id (from the sweep folder) unless one was given (``run_id=`` or
     ``MOKBENCH_RUN_ID``, checked to be a name): sets ``cfg.run_id`` inside a Hydra multirun job, leaves it alone
-    elsewhere. The Hydra main calls it for each job; the sweep checks (harness.launch.cli, harness.slurm) call it to validate
-    the job as it will run."""
+    elsewhere. The Hydra main calls it for each job; the sweep checks (harness.launch.cli, harness.slurm) call it to
+    validate the job as it will run."""
     rid, source = given_run_id(cfg)
     if rid is not None:
         check_run_id(rid, source)
@@ -255,7 +255,8 @@ def validate_case(case: Case) -> None:
     )
     need(case.device in ("cpu", "cuda"), f"device must be cpu or cuda (got {case.device})")
     if case.comm_sms is not None:
-        need(case.comm_sms > 0 and case.comm_sms % 2 == 0, f"comm_sms must be a positive even number (got {case.comm_sms})")
+        need(case.comm_sms > 0 and case.comm_sms % 2 == 0,
+             f"comm_sms must be a positive even number (got {case.comm_sms})")
     need(not case.compile or case.compile_mode in COMPILE_MODES,
          f"unknown compile_mode '{case.compile_mode}'; choose one of: {', '.join(COMPILE_MODES)} (or compile=false)")
 

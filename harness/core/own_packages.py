@@ -1,6 +1,6 @@
 """That the packages the harness imports are this project's: the package index has other distributions with the
-same import names (``baselines``: OpenAI's RL baselines; ``harness``: a framework for serverless-style services), and where one of
-them is earlier on the path Python imports it instead. The commands (``harness.run``, ``report``, ``gate``,
+same import names (``baselines``: OpenAI's RL baselines; ``harness``: a framework for serverless-style services), and
+where one of them is earlier on the path Python imports it instead. The commands (``harness.run``, ``report``, ``gate``,
 ``compare``, ``run_meta``, ``slurm``) check this first: one line naming the clash and the fix, and exit code 2
 (docs/backends.md, "Import names").
 

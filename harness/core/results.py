@@ -35,7 +35,8 @@ COLUMNS: dict[str, str] = {
     # (empty in files written before the column)
     "appended": "boolean",
     # the row ran several ranks on one GPU, time-sharing it: a correctness check, never a speed measurement; every
-    # speed table and chart leaves it out (harness.report.claims.speed_rows). Empty (false) in files written before the column
+    # speed table and chart leaves it out (harness.report.claims.speed_rows). Empty (false) in files written
+    # before the column
     "shared_gpu": "boolean",
     "ranks_per_gpu": "Int64",  # how many ranks shared each GPU in a shared_gpu row (empty otherwise)
     "timestamp": "string",
@@ -179,8 +180,8 @@ def new_row_id() -> str:
 
 def base_row(point: Any, *, run_id: str, num_nodes: int, world_size: int, env: dict[str, Any]) -> dict[str, Any]:
     """The columns every row of a sweep point (a :class:`harness.config.point.Point`) shares: the point's own
-    (:meth:`~harness.config.point.Point.columns`), its run and hash, where it ran (``num_nodes``, ``world_size``) and the
-    environment columns (``env``: :func:`harness.measure.env.collect`)."""
+    (:meth:`~harness.config.point.Point.columns`), its run and hash, where it ran (``num_nodes``, ``world_size``) and
+    the environment columns (``env``: :func:`harness.measure.env.collect`)."""
     row = {"run_id": run_id, "config_hash": point.config_hash, **point.columns(), "num_nodes": num_nodes,
            "world_size": world_size, "slurm_job_id": os.environ.get("SLURM_JOB_ID")}
     row.update(env)
@@ -212,7 +213,8 @@ def own_peak_counts_graphs(row: Any) -> bool:
 
 def replays_cuda_graphs(row: Any) -> bool:
     """Whether a row's backend ran compiled code that replays CUDA graphs (``compiled`` with a ``compile_mode`` of
-    :data:`contract.case.CUDAGRAPH_MODES`): its allocator peaks miss the graphs' private pool (harness.measure.memory)."""
+    :data:`contract.case.CUDAGRAPH_MODES`): its allocator peaks miss the graphs' private pool
+    (harness.measure.memory)."""
     def isna(v: Any) -> bool:
         try:
             return v is None or bool(pd.isna(v))

@@ -16,8 +16,8 @@ A sweep (``-m``) is validated point by point before any point runs, and before H
 selects): composition errors and everything a run checks before it starts, for every point, one line per problem
 (naming the points that have it, ``all N sweep points`` where every one does), then exit 2 with nothing run or
 written. With the mokbench Slurm / local / node launchers a point is checked for the job it will run in
-(:func:`harness.launch.slurm_plan.plan_point`); with Hydra's basic launcher, which runs the points one after the other in this
-process, exactly as a plain run checks it (:func:`harness.measure.runner.prepare`).
+(:func:`harness.launch.slurm_plan.plan_point`); with Hydra's basic launcher, which runs the points one after the other
+in this process, exactly as a plain run checks it (:func:`harness.measure.runner.prepare`).
 """
 
 from __future__ import annotations

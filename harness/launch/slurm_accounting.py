@@ -217,8 +217,9 @@ def print_summary(points: Sequence[Point], summary: list[dict]) -> None:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from harness.core.tool_args import ArgumentParser
 
-    ap = ArgumentParser(prog="python -m harness.slurm", description="Sweeps on Slurm (or local submitit) through Hydra: launchers, pre-submission "
-                                  "validation, dry run, failure rows.")
+    ap = ArgumentParser(prog="python -m harness.slurm",
+                        description="Sweeps on Slurm (or local submitit) through Hydra: launchers, pre-submission "
+                                    "validation, dry run, failure rows.")
     sub = ap.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("collect", help="after slurm/submit.sh: wait for the sweep's jobs, then write rows for "
                                        "what their rank 0 did not report")

@@ -1,4 +1,5 @@
-"""The launchers of sweeps on Slurm (or local submitit) through Hydra, and of one node's points (``hydra/launcher=node``).
+"""The launchers of sweeps on Slurm (or local submitit) through Hydra, and of one node's points
+(``hydra/launcher=node``).
 
     python -m harness.run -m hydra/launcher=h200_8gpu hydra.launcher.partition=gpu \\
         shape=kimi_k2_7,glm_5_2 precision=bf16,fp8 direction=fwd,bwd

@@ -3,8 +3,8 @@
 Shape legend: T tokens on this rank, K top-k, H hidden, I expert ffn, E global experts, L local experts
 (E / EP). Rank r owns the contiguous global experts [r*L, (r+1)*L).
 
-* Tokens, routing (step 0 of the routing model: harness/config/routing.py) and the output gradient are drawn on the CPU from a generator seeded with ``seed + rank`` (the
-  published per-rank seed), so they are identical on any device.
+* Tokens, routing (step 0 of the routing model: harness/config/routing.py) and the output gradient are drawn on the CPU
+  from a generator seeded with ``seed + rank`` (the published per-rank seed), so they are identical on any device.
 * Routed weights are drawn per global expert id from a generator seeded by (seed, expert), so expert e has the
   same weights at any EP size (on a given device type: CPU and CUDA generators differ).
 * gate/up are scaled by H^-0.5, down by I^-0.5, and the output gradient by H^-0.5, as published. gate and up are

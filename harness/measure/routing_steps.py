@@ -70,8 +70,8 @@ class RoutingSteps:
 
 
 def worst(verdicts: list[tuple[int, dict[str, Any]]]) -> dict[str, Any]:
-    """One verdict from those of several routing steps ((step, :func:`harness.measure.correctness.compare`'s dict)): the largest
-    errors, each tensor named with its step (``d_x@step3``) where there is more than one."""
+    """One verdict from those of several routing steps ((step, :func:`harness.measure.correctness.compare`'s dict)): the
+    largest errors, each tensor named with its step (``d_x@step3``) where there is more than one."""
     if len(verdicts) == 1:
         return verdicts[0][1]
 

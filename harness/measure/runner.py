@@ -137,9 +137,9 @@ def point_label(case: Case, num: Optional[int] = None) -> str:
 
 @dataclass
 class PointContext:
-    """What every backend of one sweep point runs against (on each rank): the point (:class:`harness.config.point.Point`),
-    its inputs, its routing steps (``steps``) and the reference outputs of each checked step (``ref``: step ->
-    outputs, in host memory; None without the check), the process groups (``group``
+    """What every backend of one sweep point runs against (on each rank): the point
+    (:class:`harness.config.point.Point`), its inputs, its routing steps (``steps``) and the reference outputs of each
+    checked step (``ref``: step -> outputs, in host memory; None without the check), the process groups (``group``
     for the layer, ``ctrl``: gloo, for verdicts), the step runner that agrees on the outcome across ranks (``agree``),
     the timer, the columns every row shares (``base``), the directions to run, whether any needs gradients, and the
     progress lines."""
@@ -340,8 +340,8 @@ def _next_needs_fresh_processes(pt: Point, order: list[str], pos: int, probe: Op
                                 start_used: Optional[int], ctrl, changed: list[str]) -> str:
     """Why the backend after ``order[pos]`` must run in fresh processes ('' where it can run in these): it, or the
     one before it, runs in processes of its own (``own_process``), ``order[pos]`` left the point's inputs changed
-    (``changed``: the fields whose :func:`harness.measure.inputs.fingerprint` differs from the point's start, on this rank;
-    fresh processes draw them again), or device memory did not come back after ``order[pos]`` (all processes,
+    (``changed``: the fields whose :func:`harness.measure.inputs.fingerprint` differs from the point's start, on this
+    rank; fresh processes draw them again), or device memory did not come back after ``order[pos]`` (all processes,
     cudaMemGetInfo, more than :data:`LEAK_TOLERANCE_BYTES` over the point's start on some rank). Every rank gets
     the same answer."""
     own, nxt = set(pt.config.own_process), order[pos + 1]

@@ -59,7 +59,8 @@ class Timer:
     def __init__(self, device: torch.device, group, *, align: str = "barrier", l2_flush: bool = False) -> None:
         self.device, self.group, self.align = device, group, align
         self.cuda = device.type == "cuda"
-        self._flush_buf = torch.empty(L2_FLUSH_BYTES // 4, dtype=torch.int32, device=device) if l2_flush and self.cuda else None
+        self._flush_buf = (torch.empty(L2_FLUSH_BYTES // 4, dtype=torch.int32, device=device)
+                           if l2_flush and self.cuda else None)
         self._align_buf = torch.zeros(1, device=device)
         self._watch = gpu_clocks.ClockWatch(gpu_clocks.device_ids(device)) if self.cuda else None
         self._memory = memory.Window(memory.Probe.of(device))

@@ -20,8 +20,9 @@ import pandas as pd
 
 from harness.core import results
 from harness.core.backends import series_name
-from harness.report.labels import (NOT_CONTENDERS, DIRECTION_ORDER, PRECISION_ORDER, SHAPE_ORDER, SYSTEM_ORDER, forward_kinds,
-                            in_order, is_anchor, is_baseline, is_fused, isna, scaling_variant, systems_in)
+from harness.report.labels import (NOT_CONTENDERS, DIRECTION_ORDER, PRECISION_ORDER, SHAPE_ORDER, SYSTEM_ORDER,
+                                   forward_kinds, in_order, is_anchor, is_baseline, is_fused, isna, scaling_variant,
+                                   systems_in)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PUBLISHED_DIR = REPO_ROOT / "results" / "published"

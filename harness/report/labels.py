@@ -2,8 +2,9 @@
 :data:`harness.core.backends.REGISTRY`), the shapes' order and labels (from ``configs/shape/*.yaml``, through
 :func:`harness.config.schema.shape_table`), the precisions and directions; and the small helpers that format them.
 
-``harness.report.claims`` (the tables), ``harness.report.plots`` (the charts) and ``harness.report`` (the Markdown report) all read
-them from here, so that a new backend or shape touches one place: its registry entry or its config file.
+``harness.report.claims`` (the tables), ``harness.report.plots`` (the charts) and ``harness.report`` (the Markdown
+report) all read them from here, so that a new backend or shape touches one place: its registry entry or its config
+file.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 An **opponent** of a contender is a backend whose role is a baseline (published or not) or an anchor
 (:func:`harness.report.labels.is_opponent`): never the reference, never another contender. A **cell** is one run,
 environment (GPU, EP size, tokens per GPU, nodes), routing, precision, direction and shape, and, for forwards, the
-forward kind (:func:`harness.report.labels.forward_kind`): a training forward (it keeps what its backward needs) is paired
-with training forwards only, an inference forward (it saves nothing) with inference forwards only; the rows of
+forward kind (:func:`harness.report.labels.forward_kind`): a training forward (it keeps what its backward needs) is
+paired with training forwards only, an inference forward (it saves nothing) with inference forwards only; the rows of
 other directions pair as they are.
 
 :func:`opponent_table` gives, per cell and contender ok in it: the fastest ok opponent and the contender's TFLOP/s

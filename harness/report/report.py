@@ -20,8 +20,8 @@ matches the published one. Rows that are not ok keep their status in the table a
 
 Python API: :func:`format_markdown`, :func:`write_report`, :func:`write_summary`; the tables they hold are
 ``harness.report.claims``'s (:func:`~harness.report.claims.load_published`, :func:`~harness.report.claims.claims_table`,
-:func:`~harness.report.claims.headline_table`, ...) and ``harness.report.verdicts``'s, the names and order ``harness.report.labels``'s, the
-charts ``harness.report.plots``'s.
+:func:`~harness.report.claims.headline_table`, ...) and ``harness.report.verdicts``'s, the names and order
+``harness.report.labels``'s, the charts ``harness.report.plots``'s.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The committed report: ``results/REPORT.md`` (the latest measured verdicts, ``harness.report.verdicts``, and the runs they
-cite), its headline charts in ``results/figures/`` (PNG) and the verdict block of README.md, made by
+"""The committed report: ``results/REPORT.md`` (the latest measured verdicts, ``harness.report.verdicts``, and the runs
+they cite), its headline charts in ``results/figures/`` (PNG) and the verdict block of README.md, made by
 ``python3 -m harness.report`` with no paths and no ``--out`` from the committed runs and the published files alone."""
 
 from __future__ import annotations
@@ -20,11 +20,13 @@ README = REPO_ROOT / "README.md"  # its verdict block is rewritten with the comm
 
 
 SUMMARY_SCOPE = (
-    "Each verdict compares systems measured in one run (same machine allocation, code and baseline builds), never across runs. "
+    "Each verdict compares systems measured in one run (same machine allocation, code and baseline builds), never "
+    "across runs. "
     "For each environment kind (GPU model, GPUs of the machine, EP size, tokens per GPU, nodes), panel "
     "(precision x direction), pairing and shape, the verdict table takes the newest run in which a contender (MoK "
     "Hopper; MoK where measured) and at least one opponent (a baseline or an anchor, never another contender) are ok "
-    "on that shape, one row per such run, and leads with the contender's TFLOP/s over the fastest ok opponent's on each such shape of that "
+    "on that shape, one row per such run, and leads with the contender's TFLOP/s over the fastest ok opponent's on "
+    "each such shape of that "
     "run (min-max over the shapes), naming it, with the own-peak memory ratio over that opponent beside it. Like "
     "with like: a training forward (it keeps what its backward needs) is compared with training forwards only, an "
     "inference forward (it saves nothing) with inference forwards only; the `pairs` column says which. FP8 panels "

@@ -9,8 +9,8 @@ they are. For each, :func:`verdict_table` takes the newest run (by its first tim
 ``labels.is_opponent``) are ok on the same shape of that panel and pairing, and leads with the contender's speedup
 over the fastest opponent of each such shape of that run (min-max over the shapes), naming it, with the own-peak
 memory ratio over that same opponent (``mem_peak_own_bytes``) beside it; an fp8 panel adds the speedup over the
-fastest bf16 opponent of the same run, shape, direction and forward kind (``harness.report.opponents``). Flags say how the
-comparison was made: the timing preset and counts, whether the fastest opponent ran eager or compiled, and (fp8)
+fastest bf16 opponent of the same run, shape, direction and forward kind (``harness.report.opponents``). Flags say how
+the comparison was made: the timing preset and counts, whether the fastest opponent ran eager or compiled, and (fp8)
 whether its GEMMs were real fp8 or emulated. The speedup over the fastest baseline (what the published claim
 compares) and the published claim for the panel stand at the end, the claim labelled published (another GPU and EP
 size: side by side, never a ratio). Rows that ran several ranks on one GPU (``shared_gpu``) check correctness only:
@@ -124,8 +124,8 @@ def verdict_table(df: pd.DataFrame, claims: Optional[pd.DataFrame] = None) -> pd
     """The latest measured verdicts of ``df``'s measured rows (published rows are left out): per environment kind,
     panel, forward kind and contender (:data:`COLUMNS`), the newest run that has the contender and an opponent of the
     same forward kind ok on each shape; one verdict row per such run (a campaign of one run per shape gives one row
-    a shape). ``claims``: the published claims (default ``load_claims()``). Shared-GPU rows (``claims.speed_rows``) are left out; ``attrs["notes"]`` says how
-    many."""
+    a shape). ``claims``: the published claims (default ``load_claims()``). Shared-GPU rows (``claims.speed_rows``) are
+    left out; ``attrs["notes"]`` says how many."""
     measured, note = speed_rows(df[~is_published(df)] if len(df) else df)
     out = _verdicts(measured, claims)
     out.attrs["notes"] = [note] if note else []

@@ -3,8 +3,8 @@ basic launcher with the same validation and dry run; and its sweeper: Hydra's ba
 a sweep before any runs, whatever the launcher.
 
 Hydra instantiates launchers and sweepers only from the ``hydra_plugins`` namespace, so the classes live here; their
-behaviour is in :mod:`harness.launch.slurm_launch` and :mod:`harness.launch.cli`. Hydra's plugin scan imports this module, which also
-registers the ``hydra/launcher=mokbench_slurm`` / ``mokbench_local`` / ``mokbench_node`` schemas that
+behaviour is in :mod:`harness.launch.slurm_launch` and :mod:`harness.launch.cli`. Hydra's plugin scan imports this
+module, which also registers the ``hydra/launcher=mokbench_slurm`` / ``mokbench_local`` / ``mokbench_node`` schemas that
 configs/hydra/launcher/* extend.
 """
 

@@ -97,7 +97,8 @@ def main(out: str, shapes: list[str]) -> None:
                     r[f"absmax_vs_{ref}"], r[f"rel_l1_vs_{ref}"] = a, rel
                 r["note"] = label
                 rows.append(r)
-                print(f"{shape:14s} {path:9s} {t:10s} |ref| {r['ref_absmax']:9.4g}  vs fp32: abs {r['absmax_vs_fp32']:9.4g}"
+                print(f"{shape:14s} {path:9s} {t:10s} |ref| {r['ref_absmax']:9.4g}"
+                      f"  vs fp32: abs {r['absmax_vs_fp32']:9.4g}"
                       f" rel {r['rel_l1_vs_fp32']:.4f}  vs bf16 ref: abs {r['absmax_vs_bf16']:9.4g}"
                       f" rel {r['rel_l1_vs_bf16']:.4f}", flush=True)
             del b, got

@@ -2,8 +2,9 @@
 protocol (fits ``harness.core.backends.Backend`` structurally; imports nothing from the harness).
 
 On CUDA it runs the Triton kernels. On the CPU (the harness's gloo test runs) it runs the pure-torch twin of the
-same pipeline (:class:`~mok_kernels.mok_hopper.twin.ranks.DistributedTwin`, forward and backward), and ``info()['notes']``
-says so: those rows check the schedule / combine logic and the backend plumbing, they time nothing about the kernel.
+same pipeline (:class:`~mok_kernels.mok_hopper.twin.ranks.DistributedTwin`, forward and backward), and
+``info()['notes']`` says so: those rows check the schedule / combine logic and the backend plumbing, they time nothing
+about the kernel.
 
 The forward is a training forward (autograd records it, as the baselines' forwards are recorded) unless its option
 ``forward`` (``mok_hopper.forward=``, alias ``mok_hopper_forward=``; :mod:`mok_kernels.mok_hopper.options`) is

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 from contract.options import option
 
-# What the forward keeps for its backward (mok_kernels/mok_hopper/train.py): save_h = X and the pre-SwiGLU gate/up output
-# H (SonicMoE's choice, the default), recompute = X only (the backward recomputes H: one more read of the gate/up
+# What the forward keeps for its backward (mok_kernels/mok_hopper/train.py): save_h = X and the pre-SwiGLU gate/up
+# output H (SonicMoE's choice, the default), recompute = X only (the backward recomputes H: one more read of the gate/up
 # weights), inference = nothing (the forward-only layer; its backward rows are unsupported).
 FORWARDS = ("save_h", "recompute", "inference")
 

@@ -74,7 +74,8 @@ def capacity_rows(*, ep: int, tokens: int, topk: int, local_experts: int, block_
     padding): the routed rows, rounded up to BM.
     """
     worst = ep * tokens * topk
-    routed = worst if capacity_multiplier is None else min(worst, tokens * topk * max(2, math.ceil(ep * capacity_multiplier)))
+    routed = (worst if capacity_multiplier is None
+              else min(worst, tokens * topk * max(2, math.ceil(ep * capacity_multiplier))))
     pad = 0 if packed else block_m // 2 - 1 if half_tiles else block_m - 1
     padding = min(local_experts, routed) * pad
     return -(-(routed + padding) // block_m) * block_m

@@ -133,7 +133,8 @@ class TileConfig:
             raise ValueError("flat_up needs ready_flags=False: the up GEMM's spin wait for the pull cannot be "
                              "flattened")
         if self.tail_rows and (not self.half_tiles or self.flat_up or self.flat_down
-                               or self.tail_rows & (self.tail_rows - 1) or not 16 <= self.tail_rows < self.block_m // 2):
+                               or self.tail_rows & (self.tail_rows - 1)
+                               or not 16 <= self.tail_rows < self.block_m // 2):
             raise ValueError(f"tail_rows={self.tail_rows} needs half_tiles=True, no flattened loop (its items have "
                              "one row count), and a power of two from 16 to below block_m / 2")
 

@@ -15,8 +15,8 @@ not yet run on several GPUs. The trainable module and custom ops over it (EP=1) 
 
 fp8 (a layer built with ``precision="fp8", train=True``): the same dataflow at every EP through the
 three phases below (dO quantised 1 x 128 at its source, pulled as e4m3), the routed stages of
-:mod:`mok_kernels.mok_hopper.ops.bwd_fp8` (e4m3 GEMMs over the forward's quantised weights, transposed), the shared expert
-in bf16 as in the forward. Checked against its twin (``twin_bwd.expert_backward_fp8``) under the interpreter.
+:mod:`mok_kernels.mok_hopper.ops.bwd_fp8` (e4m3 GEMMs over the forward's quantised weights, transposed), the shared
+expert in bf16 as in the forward. Checked against its twin (``twin_bwd.expert_backward_fp8``) under the interpreter.
 
 Legend: T tokens, K top-k, H hidden, I ffn, L local experts, R capacity rows.
 """
@@ -363,8 +363,9 @@ def backward_compute(layer: MoKHopperLayer, x_TH: torch.Tensor, w13_LIH: torch.T
     """After every rank's stage: pull the dO rows of this rank's experts from their source ranks (the forward's
     pull kernel and schedule), run the four stages, push each dX row into its source rank's ``comb`` slot and each
     row's router-weight gradient into its ``w`` slot; this rank's weight gradients and shared expert locally.
-    fp8 (:func:`_fp8_compute`): the dO rows arrive as e4m3 and the stages are :mod:`mok_kernels.mok_hopper.ops.bwd_fp8`'s;
-    ``dO_TH`` (this rank's bf16 output gradient) is then needed for the shared expert, which stays bf16."""
+    fp8 (:func:`_fp8_compute`): the dO rows arrive as e4m3 and the stages are
+    :mod:`mok_kernels.mok_hopper.ops.bwd_fp8`'s; ``dO_TH`` (this rank's bf16 output gradient) is then needed for the
+    shared expert, which stays bf16."""
     mark = marks or (lambda name: None)
     T, K, H, L = layer.T, layer.K, layer.H, layer.L
     s, ws = layer.sched, layer.ws
@@ -402,8 +403,8 @@ def _fp8_compute(layer: MoKHopperLayer, x_TH: torch.Tensor, dO_TH: Optional[torc
                  tiles: Optional[dict[str, dict[str, Any]]]) -> dict[str, Any]:
     """:func:`backward_compute` in fp8: pull the e4m3 dO rows and their scales, H from the forward (``save_h``) or
     recomputed by the forward's own up GEMM (its epilogue's ``h_save``; the hidden rows it also writes are the
-    layer's scratch), the four stages of :func:`mok_kernels.mok_hopper.ops.bwd_fp8.expert_backward` over the layer's e4m3
-    W^T, the pushes, and the shared expert in bf16."""
+    layer's scratch), the four stages of :func:`mok_kernels.mok_hopper.ops.bwd_fp8.expert_backward` over the layer's
+    e4m3 W^T, the pushes, and the shared expert in bf16."""
     assert shared is None or dO_TH is not None, "fp8 with a shared expert: pass dO_TH (its backward is bf16)"
     T, K, H = layer.T, layer.K, layer.H
     s, ws, dev = layer.sched, layer.ws, x_TH.device

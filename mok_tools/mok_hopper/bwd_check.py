@@ -15,11 +15,12 @@ Run (repository root, one GPU)::
     TRITON_INTERPRET=1 torchrun --nproc-per-node=1 -m mok_tools.mok_hopper.bwd_check --out DIR --smoke
 
 Everything goes through the harness's own pieces: the backend class the harness runs (``MokHopperBackend``, one per
-value of its ``forward`` option), its inputs (``harness.measure.inputs``: the harness's seed), its reference and comparison
-(``harness.measure.correctness``), its timing path (``harness.measure.runner.time_direction``: the bwd row times the backward after an
-untimed forward, as published). What is kept here: per-gradient errors, the repeat check, the stage timer (CUDA
-events between the stages of :func:`mok_kernels.mok_hopper.train.layer_backward`) and the memory figures; ``--sweep`` times launch variants of the backward's GEMMs (``SWEEP``) stage by stage and says
-whether each one's gradients are bitwise the default's.
+value of its ``forward`` option), its inputs (``harness.measure.inputs``: the harness's seed), its reference and
+comparison (``harness.measure.correctness``), its timing path (``harness.measure.runner.time_direction``: the bwd row
+times the backward after an untimed forward, as published). What is kept here: per-gradient errors, the repeat check,
+the stage timer (CUDA events between the stages of :func:`mok_kernels.mok_hopper.train.layer_backward`) and the memory
+figures; ``--sweep`` times launch variants of the backward's GEMMs (``SWEEP``) stage by stage and says whether each
+one's gradients are bitwise the default's.
 
 Memory, per mode: ``setup_mb`` (what the backend allocates to exist: the layer's weight copy and scratch), the peak
 allocated above that during one forward + backward (``step_peak_mb``), and the same for the harness's reference

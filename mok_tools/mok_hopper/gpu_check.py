@@ -10,8 +10,8 @@ Run (repository root; 2 GPUs, then 1)::
 The layer's definitions are the harness's: shapes from ``configs/shape/*.yaml`` (any of them by name; the default is
 the published ones), gates (atol, rtol) from ``configs/precision/*.yaml``, inputs from ``harness.measure.inputs`` (the
 harness's seed: the same tokens, routing and weights as a harness run of the shape at this EP and token count), the
-reference from ``harness.measure.reference`` and forward times from ``harness.measure.timing.Timer``. What stays here is the
-kernel's own: edge-case routings, the stages timed one by one, the timeline stamps, and the sweep of tile variants
+reference from ``harness.measure.reference`` and forward times from ``harness.measure.timing.Timer``. What stays here is
+the kernel's own: edge-case routings, the stages timed one by one, the timeline stamps, and the sweep of tile variants
 (``mok_tools.mok_hopper.variants``) timed against the default in interleaved rounds.
 
 What it does, every rank in lockstep:
@@ -424,7 +424,8 @@ def published(ctx: Ctx, name: str, args: argparse.Namespace, rates: dict[str, fl
                 routed_rows=int(layer.sched.counts_L.sum()), half_tiles=tile.half_tiles, ready_flags=tile.ready_flags,
                 comm_sms=tile.comm_sms, chunks=tile.num_chunks, grouped_mm_ms=gmm, graph_error=layer.graph_error,
                 **fwd.clocks)
-        ctx.log(f"  forward {prec}: {lat:.3f} ms  {flops / lat / 1e9:.0f} TF/s/GPU  floor {max(mem_floor, comp_floor):.3f}"
+        ctx.log(f"  forward {prec}: {lat:.3f} ms  {flops / lat / 1e9:.0f} TF/s/GPU"
+                f"  floor {max(mem_floor, comp_floor):.3f}"
                 f" ms ({max(mem_floor, comp_floor) / lat:.0%})" + (f"  [torch grouped_mm GEMMs alone {gmm:.3f} ms]"
                                                                   if gmm else ""))
         derived = {

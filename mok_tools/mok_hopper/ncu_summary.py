@@ -7,9 +7,9 @@ L2 hit rate, the tensor pipe, registers, occupancy, the largest warp stall reaso
 
 Why: the backward's weight gradients run at 79% of the copy rate with their MMA and Q loads beside the stores, and which
 resource holds them (HBM, L2 bandwidth, or the per-step waits) was argued from timings of variants only (the journal,
-lab/perf-notes.md: the weight gradients as stores plus MMA). ``mok_tools/mok_hopper/ncu.sh`` profiles the backward's or the
-forward's kernels on the GPU machine (its runtime reads the counters; ``--clock-control none`` leaves the clocks alone)
-and runs this on the result.
+lab/perf-notes.md: the weight gradients as stores plus MMA). ``mok_tools/mok_hopper/ncu.sh`` profiles the backward's or
+the forward's kernels on the GPU machine (its runtime reads the counters; ``--clock-control none`` leaves the clocks
+alone) and runs this on the result.
 
 The raw page is a CSV whose header names the metrics, then (with units printed) a row of units, then one row per
 launch. Metrics that a section did not collect print as ``n/a``; numbers may carry thousands separators. Plain

@@ -1,7 +1,8 @@
 """Floors, targets and the v1 cost model of the journal (lab/perf-notes.md), from a results CSV (the measured rates are
 read, not copied).
 
-    python -m mok_tools.mok_hopper.perf_floors results/runs/h200x2-nccl-20261130T005701/h200x2-nccl-20261130T005701.csv \
+    python -m mok_tools.mok_hopper.perf_floors \\
+        results/runs/h200x2-nccl-20261130T005701/h200x2-nccl-20261130T005701.csv \\
         [results/runs/h200x2-ep-20261130T010910/h200x2-ep-20261130T010910.csv]
 
 The first CSV gives the calibrated rates (``calib_gemm_tflops``, ``calib_hbm_gb_s``, ``calib_link_gb_s``; median over
@@ -65,7 +66,8 @@ def main(argv: list[str]) -> None:
         return
     SHAPES = published_dims()
     calib = rows(argv[0])
-    base = [r for r in calib if r.get("status") == "ok" and r.get("direction") == "fwd" and r.get("precision") == "bf16"]
+    base = [r for r in calib
+            if r.get("status") == "ok" and r.get("direction") == "fwd" and r.get("precision") == "bf16"]
     gemm = statistics.median(num(r["calib_gemm_tflops"]) for r in base if r.get("calib_gemm_tflops"))
     hbm = statistics.median(num(r["calib_hbm_gb_s"]) for r in base if r.get("calib_hbm_gb_s"))
     link = statistics.median(num(r["calib_link_gb_s"]) for r in base

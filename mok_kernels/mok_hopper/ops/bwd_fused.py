@@ -2,8 +2,8 @@
 one expert weight block and writes the gradient block of the same place in one step, so HBM sees one stream of reads and
 writes, as in a copy, instead of a read-only stage followed by a write-only one. Measured on one H200 against the
 separate stages' sum: dX + dW13 by pointer stores 6-8% faster in 64-row blocks but no faster in the harness's backward,
-11% slower in 128-row blocks; dgate + dW2 1.15-1.4x slower. Both are options of :func:`mok_kernels.mok_hopper.train._tiles`
-(off).
+11% slower in 128-row blocks; dgate + dW2 1.15-1.4x slower. Both are options of
+:func:`mok_kernels.mok_hopper.train._tiles` (off).
 
 * :func:`dgate_dw2` - work items (expert, I block): G = dO rows @ W2[e][:, I block] accumulated over the H blocks,
   and in the same step dW2[e][H block, I block] = dO rows^T @ (s A) rows, s A = s SwiGLU(H) computed once per
@@ -189,8 +189,8 @@ def dgate_dw2(dO_RH: torch.Tensor, w2_LHI: torch.Tensor, dw2_LHI: torch.Tensor, 
               block_r: int = 64, block_h: int = 128, block_i: int = 64, stages: int = 3, num_warps: int = 8,
               tma_store: bool = True) -> None:
     """dgate and dW2 in one pass over W2 (contiguous [L, H, I]): dH (bf16 [R, 2I]), the router-weight gradient's
-    partial sums ``ds_parts`` (fp32 [R, I / block_i]; :func:`~mok_kernels.mok_hopper.ops.bwd_gemm.router_grad` sums them)
-    and dW2 (bf16 [L, H, I]), from the dO rows, the saved H (and clamp decisions, with ``limit``) and the router
+    partial sums ``ds_parts`` (fp32 [R, I / block_i]; :func:`~mok_kernels.mok_hopper.ops.bwd_gemm.router_grad` sums
+    them) and dW2 (bf16 [L, H, I]), from the dO rows, the saved H (and clamp decisions, with ``limit``) and the router
     weights ``s_R``. Rows outside every expert's range are not written."""
     R, H = dO_RH.shape
     L, _, I = w2_LHI.shape

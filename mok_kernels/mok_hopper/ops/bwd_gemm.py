@@ -121,8 +121,8 @@ def _bwd_rows_epilogue(acc, rows, rmask, cols, n, n_n, out_ptr, h_ptr, clip_ptr,
                        QUANT: tl.constexpr = False):
     """One [BM, BN] block of :func:`_bwd_rows_block`'s results: the dgate epilogue, the push, or a plain store.
     SA (dgate): store s*A too (the fused dgate of :mod:`mok_kernels.mok_hopper.ops.bwd_fused` uses it in place). QUANT
-    (dgate, fp8: :mod:`mok_kernels.mok_hopper.ops.bwd_fp8`, BN = 128): dH also as e4m3 from its fp32 values, one scale per
-    1 x BN block of each row (``dhq_ptr`` [R, 2N], ``dhs_ptr`` [R, 2N / BN]: gate blocks, then up blocks)."""
+    (dgate, fp8: :mod:`mok_kernels.mok_hopper.ops.bwd_fp8`, BN = 128): dH also as e4m3 from its fp32 values, one scale
+    per 1 x BN block of each row (``dhq_ptr`` [R, 2N], ``dhs_ptr`` [R, 2N / BN]: gate blocks, then up blocks)."""
     if DGATE:  # N = I: G = dO @ W2[e]; H and the masks are [R, 2I] (gate columns, then up columns)
         h_off = rows[:, None] * (2 * N) + cols[None, :]
         g = tl.load(h_ptr + h_off, mask=rmask[:, None], other=0.0).to(tl.float32)

@@ -265,8 +265,8 @@ def _gather_rows(code_ptr, rows, rmask, GATHER: tl.constexpr, LIVE: tl.constexpr
 @triton.jit
 def _tiled_offset(e, r, c, NF, KF, TBN: tl.constexpr, TBK: tl.constexpr, GU: tl.constexpr):
     """Element offset of W[e, r, c] (W [L, NF, KF] as the forward reads it: NF output rows, KF input columns) in
-    the forward's TMA block order: :func:`~mok_kernels.mok_hopper.ops.gemm_common.tile_weights` ([L, NF/TBN, KF/TBK, TBN,
-    TBK]) or, GU, ``tile_weights_gu`` (gate row j and up row j of block j // TBN at rows 2 (j % TBN) and
+    the forward's TMA block order: :func:`~mok_kernels.mok_hopper.ops.gemm_common.tile_weights` ([L, NF/TBN, KF/TBK,
+    TBN, TBK]) or, GU, ``tile_weights_gu`` (gate row j and up row j of block j // TBN at rows 2 (j % TBN) and
     2 (j % TBN) + 1 of a [2 TBN, TBK] block)."""
     base = e * NF * KF + (c // TBK) * (TBK * (2 * TBN if GU else TBN)) + c % TBK
     if GU:

@@ -1,8 +1,8 @@
-"""The schedule on the device, in five small kernels (the twin of :func:`mok_kernels.mok_hopper.schedule.build_schedule`,
-which takes ~20 torch launches): a counting sort of the P*T*K routed slots by local expert, stable (ascending slot
-inside each expert), then the tile tables; and the index gather that brings every rank's top-k table. Integers
-only, fixed order: deterministic. Legend: S = P*T*K slots, SB slots per block, NB blocks, LP >= L+1 expert bins
-(bin L = "not mine"), M tile-table entries."""
+"""The schedule on the device, in five small kernels (the twin of
+:func:`mok_kernels.mok_hopper.schedule.build_schedule`, which takes ~20 torch launches): a counting sort of the P*T*K
+routed slots by local expert, stable (ascending slot inside each expert), then the tile tables; and the index gather
+that brings every rank's top-k table. Integers only, fixed order: deterministic. Legend: S = P*T*K slots, SB slots per
+block, NB blocks, LP >= L+1 expert bins (bin L = "not mine"), M tile-table entries."""
 
 from __future__ import annotations
 

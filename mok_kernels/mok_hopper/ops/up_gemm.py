@@ -196,8 +196,8 @@ def _up_tile(a_ptr, a_half, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, 
     """The item of one row tile: a BM/2-row MMA for a half tile (HALF; PACKED: a tile of at most BM/2 rows), else BM
     rows; TAIL: a tile whose size is not a multiple of BM/2 (BM/2 + TAIL or BM + TAIL rows) adds the swapped TAIL-row
     MMA. SPLIT (HALF, no TAIL): every tile as BM/2-row items, a full tile as two (its weight blocks read twice), so
-    the kernel holds BM/2-row accumulators only (``TileConfig.up_halves``). HSV_TMA (SAVE_H, no TAIL): ``hsv_ptr`` / ``hsv_half`` are TMA
-    descriptors over the saved H with [BM, BN] / [BM/2, BN] blocks (``_up_store``)."""
+    the kernel holds BM/2-row accumulators only (``TileConfig.up_halves``). HSV_TMA (SAVE_H, no TAIL): ``hsv_ptr`` /
+    ``hsv_half`` are TMA descriptors over the saved H with [BM, BN] / [BM/2, BN] blocks (``_up_store``)."""
     if HSV_TMA:
         hv_half = hsv_half
     else:

@@ -60,8 +60,8 @@ class DistributedTwin:
 
     def backward(self, x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, topk_w_TK: torch.Tensor,
                  dO_TH: torch.Tensor) -> dict[str, Any]:
-        """This rank's gradients of the backward (:mod:`mok_kernels.mok_hopper.twin.backward`; fp8: its fp8 recipe) on real
-        ranks: all-gather x, dO, ids and router weights; this rank's experts' rows (H recomputed); the dX rows and
+        """This rank's gradients of the backward (:mod:`mok_kernels.mok_hopper.twin.backward`; fp8: its fp8 recipe) on
+        real ranks: all-gather x, dO, ids and router weights; this rank's experts' rows (H recomputed); the dX rows and
         router-weight gradients delivered to their source ranks with one all-reduce each (one writer per slot, so
         the sums are exact); dx summed per token, k ascending. Keys as :func:`backward.simulate_backward`."""
         assert self.rw_in == "expert", "the backward twin covers the router weight applied in the expert"
