@@ -12,13 +12,14 @@ from contract.options import option
 # weights), inference = nothing (the forward-only layer; its backward rows are unsupported).
 FORWARDS = ("save_h", "recompute", "inference")
 
-# The routed bf16 weights the CUDA kernels read (mok_kernels/mok_hopper/backend.py): plain = the harness's [L, 2I, H] /
-# [L, H, I] tensors themselves through strided TMA descriptors (no weight copy; the default), tiled = the layer's own
-# copy in TMA block order (TileConfig.w_tiled: each TMA block one contiguous run, and gate / up rows interleaved for
-# one fused MMA; the default until plain was gated against it), owned = the harness's tensors rewritten in place into
-# TMA block order for the layer's lifetime and restored at teardown (mok_kernels/mok_hopper/owned.py). fp8 reads the
-# layer's own e4m3 copy, which its forward needs whatever the option, in TMA block order: the option changes nothing
-# there, so it enters fp8 points' hashes never, and bf16 points' hashes away from tiled (the old default).
+# The routed bf16 weights the CUDA kernels read (mok_kernels/mok_hopper/backend.py): plain = the harness's
+# [L, 2I, H] / [L, H, I] tensors themselves through strided TMA descriptors (no weight copy; the default), tiled = the
+# layer's own copy in TMA block order (TileConfig.w_tiled: each TMA block one contiguous run, and gate / up rows
+# interleaved for one fused MMA; the value points measured before the option held), owned = the harness's tensors
+# rewritten in place into TMA block order for the layer's lifetime and restored at teardown
+# (mok_kernels/mok_hopper/owned.py). fp8 reads the layer's own e4m3 copy, which its forward needs whatever the option,
+# in TMA block order: the option changes nothing there, so it enters fp8 points' hashes never, and bf16 points' hashes
+# away from tiled.
 WEIGHTS = ("tiled", "plain", "owned")
 
 # How the routed rows sit in the layer's row buffers (mok_kernels/mok_hopper/tiles.py): padded = each expert's rows
