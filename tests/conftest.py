@@ -78,6 +78,21 @@ def free_port_env(monkeypatch) -> None:
         monkeypatch.setenv(k, v)
 
 
+def run_here(monkeypatch, cfg):
+    """``harness.measure.runner.run_benchmark(cfg)`` with this process as the only rank (:func:`free_port_env`), so
+    monkeypatches reach the worker; the process group is destroyed afterwards, failed or not. The run's rows."""
+    import torch.distributed as dist
+
+    from harness.measure.runner import run_benchmark
+
+    free_port_env(monkeypatch)
+    try:
+        return run_benchmark(cfg)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
 @pytest.fixture
 def one_rank():
     """This process as a one-rank gloo group (the one already initialised, if any)."""

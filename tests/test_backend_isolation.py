@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import cpu_cfg, free_port_env, use_fake_backends
+from conftest import cpu_cfg, run_here, use_fake_backends
 from harness.measure import runner
 
 FAKES = ("holds_memory=fake_backends:HoldsMemoryAndFails,leaks_memory=fake_backends:LeaksMemory,"
@@ -23,18 +23,11 @@ def test_failed_backend_gives_its_memory_back(monkeypatch, results_dir, cleanup)
     """A backend that took memory and raised costs the next one nothing: with the clean-up, nccl runs after it in the
     same process; with the clean-up removed, the memory stays and the harness says so in the next backend's rows
     (under torchrun it cannot start fresh processes: error rows naming the backend and the memory)."""
-    import torch.distributed as dist
-
     use_fake_backends(monkeypatch, FAKES)
     monkeypatch.setenv("MOKBENCH_MEMORY_PROBE", PROBE)
-    free_port_env(monkeypatch)
     if not cleanup:
         monkeypatch.setattr(runner, "drop_compiled_state", lambda: None)
-    try:
-        df = runner.run_benchmark(cpu_cfg(results_dir, "ep_size=1", "backends=[holds_memory,nccl]"))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    df = run_here(monkeypatch, cpu_cfg(results_dir, "ep_size=1", "backends=[holds_memory,nccl]"))
     held = _rows(df, "holds_memory")
     assert list(held["status"]) == ["error", "error"] and held["error"].str.contains("boom after taking").all()
     nccl = _rows(df, "nccl")
@@ -82,17 +75,10 @@ def test_a_backend_that_changes_the_inputs_spoils_no_later_row(monkeypatch, resu
     """A backend that leaves the point's weights changed after its rows (a layout not restored): the next backend is
     never checked or timed on those inputs. In one process (no fresh ranks to start) its rows are errors naming the
     backend and the changed input; with the check removed it would be judged on spoiled inputs (a mismatch)."""
-    import torch.distributed as dist
-
     use_fake_backends(monkeypatch, FAKES)
-    free_port_env(monkeypatch)
     if not checked:
         monkeypatch.setattr(runner, "fingerprint", lambda inputs: {})
-    try:
-        df = runner.run_benchmark(cpu_cfg(results_dir, "ep_size=1", "backends=[spoils_inputs,nccl]"))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    df = run_here(monkeypatch, cpu_cfg(results_dir, "ep_size=1", "backends=[spoils_inputs,nccl]"))
     assert list(_rows(df, "spoils_inputs")["status"]) == ["ok", "ok"]
     nccl = _rows(df, "nccl")
     if checked:
@@ -116,20 +102,13 @@ def test_rows_of_a_backend_replaying_cuda_graphs_leave_the_allocator_peak_empty(
     """A CUDA graph replay allocates nothing: the allocator's peak misses the graphs' working memory (a compiled row
     once recorded an own peak below zero). Such rows leave it empty and say why; the own peak stays, with the graphs'
     pools added (tests/test_memory.py); other rows keep both."""
-    import torch.distributed as dist
-
     from harness.measure import memory
 
     assert memory.graph_blind({"compiled": True, "compile_mode": "max-autotune"}) == ("mem_peak_allocated_bytes",)
     assert memory.graph_blind({"compiled": True, "compile_mode": "max-autotune-no-cudagraphs"}) == ()
     assert memory.graph_blind({"compiled": False, "compile_mode": "max-autotune"}) == ()
     use_fake_backends(monkeypatch, FAKES)
-    free_port_env(monkeypatch)
-    try:
-        df = runner.run_benchmark(cpu_cfg(results_dir, "ep_size=1", "backends=[replays_graphs,nccl]"))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    df = run_here(monkeypatch, cpu_cfg(results_dir, "ep_size=1", "backends=[replays_graphs,nccl]"))
     graphed, nccl = _rows(df, "replays_graphs"), _rows(df, "nccl")
     assert list(graphed["status"]) == ["ok", "ok"] and list(nccl["status"]) == ["ok", "ok"]
     assert graphed["notes"].str.contains("replays CUDA graphs", regex=False).all()

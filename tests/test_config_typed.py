@@ -9,7 +9,7 @@ import pickle
 import typing
 
 import pytest
-from conftest import compose_cfg, cpu_cfg, free_port_env
+from conftest import compose_cfg, cpu_cfg, run_here
 from omegaconf import DictConfig
 
 import harness.config.point as point_mod
@@ -106,14 +106,7 @@ def test_a_run_types_its_configuration_once(results_dir, monkeypatch, conversion
     """One run with the worker in this process (as under torchrun): the composed config becomes plain values once
     (for the ``auto`` choices), the typed configuration once and the point once; nothing turns it back into a dict
     and builds it again (the rank reads the point the checks read)."""
-    import torch.distributed as dist
-
-    free_port_env(monkeypatch)
-    try:
-        df = runner.run_benchmark(cpu_cfg(results_dir, "backends=[nccl]", "directions=[fwd]"))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    df = run_here(monkeypatch, cpu_cfg(results_dir, "backends=[nccl]", "directions=[fwd]"))
     assert list(df.status) == ["ok"]
     assert conversions == {"build": 1, "typed_config": 1, "as_dict": 0, "to_container": 1}
 

@@ -7,8 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-from conftest import ROOT, compose_cfg, cpu_cfg, free_port_env, use_fake_backends
+from conftest import ROOT, compose_cfg, cpu_cfg, run_here, use_fake_backends
 from omegaconf import OmegaConf
 
 from harness.config import routing
@@ -169,13 +168,9 @@ def test_a_planted_model_is_one_class_and_one_yaml_and_runs(planted, monkeypatch
     assert routing.label(pt.case) == "planted(first=3)+2steps" and pt.case.routing_params == (("planted_first", 3),)
     with pytest.raises(ConfigError, match="planted_first=9 is not an expert"):
         point(planted, "workload=planted", "workload.planted_first=9", ep=1)
-    free_port_env(monkeypatch)  # one rank in this process: the planted class is in its table
-    try:
-        df = run_benchmark(cpu_cfg(results_dir, planted, "ep_size=1", "workload=planted", "workload.steps=2",
-                                   f"workload.tokens_per_gpu={T}", "backends=[nccl]"))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    # one rank in this process: the planted class is in its table
+    df = run_here(monkeypatch, cpu_cfg(results_dir, planted, "ep_size=1", "workload=planted", "workload.steps=2",
+                                       f"workload.tokens_per_gpu={T}", "backends=[nccl]"))
     assert list(df.status) == ["ok", "ok"] and (df.routing == "planted(first=3)+2steps").all()
     assert (df.expert_load_max_over_mean == 4.0).all() and (df.empty_experts == 6).all()  # 2 of 8 experts a step
     assert df.latency_step_max_ms.notna().all() and (df.routing_steps == 2).all()
