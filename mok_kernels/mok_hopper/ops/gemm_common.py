@@ -64,14 +64,18 @@ def _quant_e4m3(v, FP8_MAX_: tl.constexpr, AXIS: tl.constexpr = 1):
 
 
 @triton.jit
-def _wait_counts(count_ptr, g0, g1, NEED, SPIN: tl.constexpr, TMA: tl.constexpr):
-    """Wait until counters [g0, g1) each reach ``NEED`` (acquire, GPU scope). The interpreter runs the producer to
-    completion first, so it does not spin (``SPIN`` off). TMA reads through the async proxy: fence it after the
-    acquire."""
+def _wait_counts(count_ptr, g0, g1, NEED, SPIN: tl.constexpr, TMA: tl.constexpr, end=None):
+    """Wait until counters [g0, g1) each reach ``NEED`` (acquire, GPU scope); with ``end``, counter g only its
+    granule's rows below ``end``: min(end - g * NEED, NEED). The interpreter runs the producer to completion first, so
+    it does not spin (``SPIN`` off). TMA reads through the async proxy: fence it after the acquire."""
     if SPIN:
         for g in range(g0, g1):
+            if end is None:
+                need = NEED
+            else:
+                need = tl.minimum(end - g * NEED, NEED)
             n = tl.atomic_add(count_ptr + g, 0, sem="acquire", scope="gpu")
-            while n < NEED:
+            while n < need:
                 n = tl.atomic_add(count_ptr + g, 0, sem="acquire", scope="gpu")
         tl.debug_barrier()
         if TMA:
@@ -91,16 +95,7 @@ def _wait_rows_packed(ready_ptr, row0, row1, r_end, GRAN: tl.constexpr, SPIN: tl
     [row0, row1), i.e. until every granule they touch counts its rows below ``r_end`` (the chunk's last row; rows
     of a granule before ``row0`` are earlier tiles', pulled by this chunk's pull or an earlier one, which finished
     before this chunk's began)."""
-    if SPIN:
-        for g in range(row0 // GRAN, (row1 + GRAN - 1) // GRAN):
-            need = tl.minimum(r_end - g * GRAN, GRAN)
-            n = tl.atomic_add(ready_ptr + g, 0, sem="acquire", scope="gpu")
-            while n < need:
-                n = tl.atomic_add(ready_ptr + g, 0, sem="acquire", scope="gpu")
-        tl.debug_barrier()
-        if TMA:
-            tl.inline_asm_elementwise("fence.proxy.async.global; // $0", "=r", [], dtype=tl.int32, is_pure=False,
-                                      pack=1)
+    _wait_counts(ready_ptr, row0 // GRAN, (row1 + GRAN - 1) // GRAN, GRAN, SPIN, TMA, r_end)
 
 
 @triton.jit
