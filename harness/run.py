@@ -11,6 +11,7 @@ nothing was written and leaves at once.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import signal
@@ -95,7 +96,16 @@ def _interrupted() -> None:
     # Exit hooks of libraries (torch's FakeTensor cache stats, logged at INFO when the Ctrl-C came before torch set
     # its loggers' levels) would print after that line: it stays the last one.
     logging.disable(logging.CRITICAL)
-    sys.exit(130)
+    # The exit hooks run here, then the process leaves with 130 at once: Python's own exit can turn 130 into death by
+    # SIGINT (-2 to the caller) when the KeyboardInterrupt went up through code run by exec() of a string (a dataclass
+    # being made while torch imports), whatever the exit code asked.
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe: nothing more can be said
+            pass
+    os._exit(130)
 
 
 def cli() -> None:

@@ -334,14 +334,18 @@ def test_ctrl_c_at_any_moment_is_one_line_and_exit_130(tmp_path, delay_s):
 
 def test_the_interrupted_line_stays_the_last_one(tmp_path):
     """A library's exit hook that logs at INFO (torch's FakeTensor cache stats, when the Ctrl-C came before torch set
-    its loggers' levels and Hydra had set the root logger's) prints nothing after the line."""
-    code = ("import atexit, logging, sys; sys.argv = ['x']; from harness import run; "
+    its loggers' levels and Hydra had set the root logger's) prints nothing after the line; the exit hooks still run
+    (the process leaves through os._exit after them)."""
+    ran = tmp_path / "hook-ran"
+    code = ("import atexit, logging, pathlib, sys; sys.argv = ['x']; from harness import run; "
             "logging.basicConfig(level=logging.INFO); "
+            f"atexit.register(lambda: pathlib.Path({str(ran)!r}).write_text('yes')); "
             "atexit.register(lambda: logging.getLogger('torch._subclasses.fake_tensor').info('cache stats')); "
             "run._interrupted()")
     p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
     assert p.returncode == 130, p.stderr[-3000:]
     assert p.stderr.strip().splitlines()[-1] == "mokbench: interrupted: 0 rows kept (nothing was written)", p.stderr
+    assert ran.read_text() == "yes"
 
 
 @pytest.mark.slow
