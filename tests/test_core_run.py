@@ -340,7 +340,7 @@ def test_a_rank_whose_experts_get_no_token(results_dir, case):
         assert b.status == "mismatch" and b.worst_tensor == "d_topk_w" and b.rel_err < 0.05, (b.status, b.error)
         assert b.max_abs_err < atol
     elif case == "fp8":
-        # the fp8 backward twin (issue 25): the router-weight gradient is <G, A> with G = dO W2 in e4m3 (SonicMoE's
+        # the fp8 backward twin: the router-weight gradient is <G, A> with G = dO W2 in e4m3 (SonicMoE's
         # form, which needs no Y), noisier than the emulated nccl's <dO, Y> (Y from the forward): 0.06-0.07 rel-L1
         # on the twin at H = 2048, 0.109 here on the two numbers a rank has at one token per GPU
         assert b.status in ("ok", "mismatch") and b.max_abs_err < atol and b.rel_err < 0.15, b.error

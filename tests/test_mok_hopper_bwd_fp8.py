@@ -1,4 +1,4 @@
-"""mok_hopper's fp8 backward (issue 25): its twin (mok_kernels/mok_hopper/twin/backward.py, ``expert_backward_fp8``)
+"""mok_hopper's fp8 backward: its twin (mok_kernels/mok_hopper/twin/backward.py, ``expert_backward_fp8``)
 against torch autograd, and the kernels (mok_kernels/mok_hopper/ops/bwd_fp8.py, through train.py's three phases) against
 the twin under the Triton interpreter, on 1, 2 and 4 simulated ranks (an idle rank, masked slots, a clamped SwiGLU, H
 saved or recomputed), the weight gradients' 128-row token blocks over experts of several blocks, and a training step

@@ -254,7 +254,7 @@ def test_save_h_stores_the_pre_swiglu_h_and_clamp_decisions(layout, limit):
 
 
 def test_an_fp8_training_layer_saves_h_and_keeps_its_transposed_weights():
-    """fp8 with save_h (issue 25): the up GEMM's epilogue saves every routed row's pre-SwiGLU H from the e4m3 GEMM
+    """fp8 with save_h: the up GEMM's epilogue saves every routed row's pre-SwiGLU H from the e4m3 GEMM
     (the twin's ``saved_fp8``); train=True keeps the e4m3 weights transposed (the forward's values; its scales);
     an inference layer keeps none."""
     from contract.fp8 import quantize_blocks
