@@ -863,7 +863,8 @@ def test_plain_weights_train_bit_for_bit_like_the_tiled_default(precision, forwa
     descriptors, no copy in TMA block order, no fused gate/up MMA) against the default's tiled weights with the
     fused gate/up MMA (and bf16's tails): a training step through autograd at EP=1, the output and every gradient
     bitwise equal, twice (the layers' buffers reused). The plain bf16 layer keeps no weights of its own: its w13 and
-    w2 are the caller's tensors."""
+    w2 are the caller's tensors. In bf16 also the plain weights with the fused gate/up MMA kept, its interleaved
+    block read as a [up_n, 2, up_k] box of them (``plain_weights(..., stacked=True)``)."""
     from dataclasses import replace
 
     from mok_kernels.mok_hopper.api import MoKHopperLayer
@@ -880,10 +881,12 @@ def test_plain_weights_train_bit_for_bit_like_the_tiled_default(precision, forwa
                       pull_programs=5, pull_rows=4, group_m=2, tma=True, w_tiled=True, fp8_up_fused=True)
     tiled = base.for_fp8() if fp8 else replace(base, block_m=64, tail_rows=16, up_fused=True)
     plain = plain_weights(tiled)
-    assert tiled.up_fused and not plain.w_tiled and not plain.up_fused and plain.tma
+    assert tiled.up_fused and not plain.w_tiled and not plain.up_fused and plain.tma and not plain.up_stacked
+    stacked = plain_weights(tiled, stacked=True)  # bf16: the fused MMA over a box of the plain weights
+    assert stacked.up_stacked == (not fp8) and not stacked.w_tiled
     _, _, _, _, w13, w2, shared = make(1, T, K, E, H, I, seed=71)
     runs = []
-    for tile in (tiled, plain):
+    for tile in (tiled, plain) + (() if fp8 else (stacked,)):
         (ws_,) = link_local([Workspace(rank=0, world=1, device=torch.device("cpu"), tokens=T, hidden=H, topk=K,
                                        fp8=fp8, symmetric=False)])
         layer = MoKHopperLayer(w13[0], w2[0], topk=K, tokens=T, shared=tuple(shared), rank=0, world=1,
@@ -900,9 +903,10 @@ def test_plain_weights_train_bit_for_bit_like_the_tiled_default(precision, forwa
             out.backward(dOs[0])
             steps.append([out.detach(), *(t.grad for t in leaves)])
         runs.append(steps)
-    for a, b in zip(*runs):
-        for i, (u, v) in enumerate(zip(a, b)):
-            assert torch.equal(u, v), i
+    for other in runs[1:]:
+        for a, b in zip(runs[0], other):
+            for i, (u, v) in enumerate(zip(a, b)):
+                assert torch.equal(u, v), i
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (it comes with torch on Linux; pip install -e "

@@ -191,6 +191,35 @@ def test_single_gpu_fused_gate_up_mma_matches_the_default_per_token(rows):
         assert torch.equal(fused(x, idx, w), got)
 
 
+@pytest.mark.parametrize("save_h", [False, True], ids=["inference", "training"])
+def test_single_gpu_stacked_box_is_bitwise_the_tiled_fused_mma(save_h):
+    """``up_stacked`` (the caller's plain weights, each K step's gate and up blocks as one [up_n, 2, up_k] TMA box
+    of W13 seen as [L, I, 2, H], a strided view) feeds the MMA the interleaved block the tiled copy holds
+    (``up_fused``): the same output and saved H bit for bit (both without tails), no weights of the layer's own, 20
+    repeats bit-identical."""
+    from dataclasses import replace
+
+    from mok_kernels.mok_hopper.api import MoKHopperLayer, default_tile
+    from mok_kernels.mok_hopper.tiles import plain_weights
+
+    T, K, H, I, rows = 2048, 8, 2048, 1024, 192
+    E = T * K // rows
+    x, idx, w, w13, w2, sh, _ = _inputs("uniform", K, T=T, E=E, H=H, I=I)
+    tile = replace(default_tile(device=x.device, hidden=H, ffn=I, rows_per_expert=rows), tail_rows=0)
+    assert tile.up_fused and tile.w_tiled
+    fused = MoKHopperLayer(w13, w2, topk=K, tokens=T, shared=sh, tile=tile, save_h=save_h)
+    stacked = MoKHopperLayer(w13, w2, topk=K, tokens=T, shared=sh, tile=plain_weights(tile, stacked=True),
+                             save_h=save_h)
+    assert stacked.cfg.up_stacked and stacked.w13.data_ptr() == w13.data_ptr()
+    want = fused(x, idx, w)
+    got = stacked(x, idx, w)
+    assert torch.equal(got, want)
+    if save_h:
+        assert torch.equal(stacked.h_save, fused.h_save)
+    for _ in range(20):
+        assert torch.equal(stacked(x, idx, w), got)
+
+
 @pytest.mark.parametrize("tail", [16, 32])
 def test_single_gpu_tails_match_the_default_per_token(tail):
     """``tail_rows``: an expert's last rows as a second, swapped MMA (rows in N). Same math, another order inside

@@ -287,7 +287,7 @@ def test_an_fp8_training_layer_saves_h_and_keeps_its_transposed_weights():
 
 def test_tile_weights_puts_each_tma_block_in_one_run_of_memory():
     from mok_kernels.mok_hopper.ops.gemm_common import tile_weights
-    from mok_kernels.mok_hopper.tiles import TileConfig
+    from mok_kernels.mok_hopper.tiles import TileConfig, plain_weights
 
     w = torch.arange(2 * 8 * 12, dtype=torch.float32).reshape(2, 8, 12)
     t = tile_weights(w, 4, 3)
@@ -307,6 +307,15 @@ def test_tile_weights_puts_each_tma_block_in_one_run_of_memory():
     assert not TileConfig(w_tiled=True, up_fused=True).for_fp8().up_fused  # bf16's switch
     assert TileConfig(w_tiled=True, fp8_up_fused=True).for_fp8().up_fused  # fp8's
     assert not TileConfig(fp8_up_fused=True).for_fp8().up_fused  # (needs the tiled weights)
+    for over in (dict(w_tiled=True), dict(tma=False), dict(tail_rows=16)):
+        with pytest.raises(ValueError, match="up_stacked .* needs tma=True, w_tiled=False .* and tail_rows=0"):
+            TileConfig(up_stacked=True, **over)
+    assert not TileConfig(up_stacked=True).for_fp8().up_stacked  # bf16's
+    fused = TileConfig(block_m=64, w_tiled=True, up_fused=True, tail_rows=16)
+    stacked = plain_weights(fused, stacked=True)  # the fused MMA kept, the tails dropped (both GEMMs)
+    assert stacked.up_stacked and not stacked.tail_rows and not stacked.w_tiled and not stacked.up_fused
+    assert plain_weights(fused).tail_rows == 16 and not plain_weights(fused).up_stacked
+    assert not plain_weights(TileConfig(w_tiled=True), stacked=True).up_stacked  # nothing fused to keep
 
 
 def test_tile_weights_gu_interleaves_gate_and_up_rows_in_each_block():
@@ -351,13 +360,14 @@ def test_default_tile_tiles_the_weights_on_cuda_only():
 
 @pytest.mark.slow
 @needs_triton
-@pytest.mark.parametrize("layout", ["tails", "flat", "fp8", "fused", "fused+tails", "fp8 fused"])
+@pytest.mark.parametrize("layout", ["tails", "flat", "fp8", "fused", "fused+tails", "fp8 fused", "stacked"])
 def test_tiled_weights_change_no_bit(layout):
     """The weights in TMA block order (w_tiled) feed the same blocks to the same MMAs as row-major weights: both
     GEMMs, every item kind (tails, the flattened loops, fp8's scaled steps) give identical bits. The fused
     gate/up MMA (up_fused: one N = 2 x up_n MMA over interleaved gate and up rows, split after the loop; in fp8
     each column promoted by its own weight scale) too, on the interpreter, whose dot sums each output element
-    alone."""
+    alone; and its form over the plain weights (up_stacked: the interleaved gate and up block as one [up_n, 2, up_k]
+    box of W13 seen as [L, I, 2, H], no copy of the weights)."""
     from dataclasses import replace
 
     from mok_kernels.mok_hopper.tiles import TileConfig
@@ -368,12 +378,16 @@ def test_tiled_weights_change_no_bit(layout):
                       pull_programs=5, pull_rows=4, group_m=2, tma=True)
     tile = {"tails": replace(tile, block_m=64, tail_rows=16),
             "flat": replace(tile, flat_up=True, flat_down=True, ready_flags=False), "fp8": tile.for_fp8(),
-            "fused": tile, "fused+tails": replace(tile, block_m=64, tail_rows=16), "fp8 fused": tile.for_fp8()}[layout]
-    tiled_tile = replace(tile, w_tiled=True, up_fused=layout.startswith("fused") or layout == "fp8 fused")
+            "fused": tile, "fused+tails": replace(tile, block_m=64, tail_rows=16), "fp8 fused": tile.for_fp8(),
+            "stacked": tile}[layout]
+    stacked = layout.startswith("stacked")
+    tiled_tile = (replace(tile, up_stacked=True) if stacked else
+                  replace(tile, w_tiled=True, up_fused=layout.startswith("fused") or layout == "fp8 fused"))
     xs, idx, ws, w13, w2, sh = make_layer_inputs(P, T, K, E, H, I, seed=23)
     row_major, _, _ = run_kernels(xs, idx, ws, w13, w2, sh, precision=precision, tile=tile, limit=1.0)
     tiled, layers, _ = run_kernels(xs, idx, ws, w13, w2, sh, precision=precision, tile=tiled_tile, limit=1.0)
-    assert layers[0].w13.dim() == 5 and layers[0].w2.dim() == 5  # the layer's own copy is tiled
+    dims = 3 if stacked else 5  # the layer's own copy is tiled; up_stacked reads the weights as given
+    assert layers[0].w13.dim() == dims and layers[0].w2.dim() == dims
     for r in range(P):
         assert torch.equal(tiled[0][r], row_major[0][r])
     want = twin.simulate(xs, idx, ws, w13, w2, shared=sh, fp8=precision == "fp8", block_m=16, limit=1.0)

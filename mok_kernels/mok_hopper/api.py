@@ -142,7 +142,7 @@ class MoKHopperLayer(torch.nn.Module):
         self.cfg_bf16 = tile if tile is not None and not self.fp8 else default_tile(device=dev, hidden=H, ffn=I)
         # the shared expert: one "expert" of T rows in full tiles, nothing to wait for
         self.cfg_bf16 = replace(self.cfg_bf16, block_m=self.cfg.block_m, tma=self.cfg.tma, half_tiles=False,
-                                ready_flags=False, tail_rows=0, w_tiled=False, up_fused=False,
+                                ready_flags=False, tail_rows=0, w_tiled=False, up_fused=False, up_stacked=False,
                                 down_halves=False, up_halves=False, up_per_sm=1, packed_rows=False)
         _check_divisible(H, I, self.cfg, self.cfg_bf16, shared is not None)
         BM = self.cfg.block_m

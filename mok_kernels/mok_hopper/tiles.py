@@ -62,6 +62,11 @@ class TileConfig:
     # contiguous run of memory instead of BN rows of BK elements a row length apart); the layer tiles them once
     up_fused: bool = False  # bf16, w_tiled: the up GEMM's gate and up weight rows interleaved (tile_weights_gu), one
     # [2 up_n, up_k] block and one MMA of N = 2 up_n per K step instead of two of up_n (A read once per step)
+    up_stacked: bool = False  # bf16, TMA over plain weights (w_tiled off): the up GEMM's gate and up blocks of a K
+    # step as one [up_n, 2, up_k] TMA box of W13 seen as [L, I, 2, H] (a strided view: gate row i then up row i),
+    # which is up_fused's interleaved block without the tiled copy; Triton 3.6 and 3.8 feed the MMA from the box in
+    # shared memory (a reshape of it, no copy). No tails: their swapped MMA would take the box as its A operand,
+    # which both load into registers (the training forward's up GEMM then spills 232-520 B: aot_check)
     fp8_up_fused: bool = False  # for_fp8 (w_tiled): the fp8 up GEMM as one MMA of N = 2 x 64 over interleaved gate and
     # up weight rows, each column promoted by its own weight scale (one MMA wait a K step instead of two;
     # lab/perf-notes.md v14); ignored in bf16 (up_fused is bf16's)
@@ -129,6 +134,9 @@ class TileConfig:
             raise ValueError("w_tiled (weights in TMA block order) needs tma=True")
         if self.up_fused and not self.w_tiled:
             raise ValueError("up_fused (one gate/up MMA over interleaved weight rows) needs w_tiled=True")
+        if self.up_stacked and (self.w_tiled or not self.tma or self.tail_rows):
+            raise ValueError("up_stacked (one gate/up MMA over a [up_n, 2, up_k] box of plain weights) needs tma=True, "
+                             "w_tiled=False (tiled weights have up_fused) and tail_rows=0")
         if self.flat_up and self.ready_flags:
             raise ValueError("flat_up needs ready_flags=False: the up GEMM's spin wait for the pull cannot be "
                              "flattened")
@@ -169,7 +177,7 @@ class TileConfig:
         return replace(self, up_n=64, up_k=128, up_stages=up_stages, down_n=self.fp8_down_n, down_k=64,
                        down_stages=down_stages, flat_down=self.fp8_flat_down, tail_rows=0,
                        fp8_down_pair=pair_down, fp8_up_pair=pair_up,
-                       up_fused=self.fp8_up_fused and self.w_tiled, fp8=True, **halves)
+                       up_fused=self.fp8_up_fused and self.w_tiled, up_stacked=False, fp8=True, **halves)
 
     @property
     def h_block(self) -> int:
@@ -334,12 +342,17 @@ def launch_programs(n_sm: int, cfg: TileConfig, *, ready: bool, overlap: bool,
             "down": cfg.gemm_programs or (n_sm if C == 1 else max(1, n_sm - comm)) * cfg.down_per_sm}
 
 
-def plain_weights(cfg: TileConfig) -> TileConfig:
+def plain_weights(cfg: TileConfig, stacked: bool = False) -> TileConfig:
     """``cfg`` reading the routed weights in the caller's plain layout ([L, 2I, H] / [L, H, I], strided TMA
     descriptors where ``tma``): no copy in TMA block order (``w_tiled`` off) and so no fused gate/up MMA, whose
     interleaved gate and up rows only the tiled copy has. Everything else as ``cfg``; the MMAs see the same blocks
-    in the same order, so outputs and gradients are bitwise those of ``cfg``."""
-    return replace(cfg, w_tiled=False, up_fused=False)
+    in the same order, so outputs and gradients are bitwise those of ``cfg`` without ``up_fused``. ``stacked``:
+    where ``cfg`` fuses the gate/up MMA (bf16, TMA), keep it by loading the gate and up blocks as one box of the
+    plain weights, interleaved as the tiled copy has them (``up_stacked``), without tails (``up_stacked`` has none:
+    both GEMMs then run an expert's last rows in a half or a full tile); without tails in ``cfg``, bitwise its
+    outputs."""
+    stack = stacked and cfg.up_fused and cfg.tma and not cfg.fp8
+    return replace(cfg, w_tiled=False, up_fused=False, up_stacked=stack, tail_rows=0 if stack else cfg.tail_rows)
 
 
 def packed_rows(cfg: TileConfig) -> TileConfig:

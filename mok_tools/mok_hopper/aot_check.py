@@ -132,8 +132,8 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048, extras: bool 
     for tma in (False, True):  # pointer loads, and the default TMA descriptors
         path = " tma" if tma else ""
         # fp8: the tile the layer runs on this operand path (for_fp8 decides what needs TMA: the paired steps)
-        f8 = replace(cfg, tma=True).for_fp8() if tma else replace(cfg, tma=False, w_tiled=False,
-                                                                   up_fused=False).for_fp8()
+        f8 = replace(cfg, tma=True).for_fp8() if tma else replace(cfg, tma=False, w_tiled=False, up_fused=False,
+                                                                   up_stacked=False).for_fp8()
         saves = ((False, False, True), (False, True, True), (True, False, True), (True, True, True)) if save_h else ()
         for fp8, limit, save in ((False, False, False), (False, True, False), (True, False, False)) + saves:
             c = f8 if fp8 else cfg
@@ -150,7 +150,8 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048, extras: bool 
                                dict(a_ptr=operand(t, [c.block_m, c.up_k], tma),
                                     a_half=operand(t, [c.block_m // 2, c.up_k], tma and c.half_tiles),
                                     a_tail=operand(t, [c.tail_rows, c.up_k], tma and c.tail_rows > 0), as_ptr="*fp32",
-                                    w_ptr=operand(t, [c.up_n * (2 if c.up_fused else 1), c.up_k], tma),
+                                    w_ptr=(f"tensordesc<{t[1:]}[1, {c.up_n}, 2, {c.up_k}]>" if tma and c.up_stacked
+                                           else operand(t, [c.up_n * (2 if c.up_fused else 1), c.up_k], tma)),
                                     ws_ptr="*fp32", h_ptr=t, hs_ptr="*fp32",
                                     tile_expert_ptr="*i32", tile_row_ptr="*i32", chunk_ptr="*i32", ready_ptr="*i32",
                                     work_ptr="*i32", n_rows="i32", H="i32", I="i32", limit="fp32", **sv),
@@ -158,7 +159,8 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048, extras: bool 
                                     UPCAST=False, STAGES=c.up_stages, FP8_MAX_=FP8_MAX, GROUP_M=c.group_m, TMA=tma,
                                     HALF=c.half_tiles, READY=c.ready_flags, GRAN=ready_granule(c), SPIN=True,
                                     DYN=c.ready_flags, WB=128, FLAT=c.flat_up, TAIL=c.tail_rows,
-                                    WT=(2 if c.up_fused else c.w_tiled) if tma else False, SAVE_H=save,
+                                    WT=(3 if c.up_stacked else 2 if c.up_fused else c.w_tiled) if tma else False,
+                                    SAVE_H=save,
                                     PAIR=fp8 and c.fp8_up_pair, SPLIT=c.up_halves, HSV_TMA=hsv_tma, **sv_c, **pk),
                                c.up_warps))
         for fp8, apply_w in ((False, True), (False, False), (True, True)):
@@ -235,6 +237,11 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048, extras: bool 
             out += extra(dict(up_fused=True, tail_rows=TAIL_ROWS), ("up bf16 save H tma",) + clamp_tma,
                          tagged(f"fused tails {TAIL_ROWS}"), save_h=True)
             out += extra(dict(w_tiled=False), clamp_tma, lambda label: label + " row-major", save_h=True)
+            # the fused gate/up MMA over the plain weights (up_stacked: one [up_n, 2, up_k] box a K step, no tails;
+            # off), inference and training forward
+            stacked = dict(w_tiled=False, up_fused=False, up_stacked=True)
+            out += extra(stacked, ("up bf16 tma",), tagged("stacked"))
+            out += extra(stacked, ("up bf16 save H tma",) + clamp_tma, tagged("stacked"), save_h=True)
         # packed rows (packed_rows; off): the schedule's layout, the pull and the routed GEMMs with PACKED, the
         # training forward's up GEMM, and fp8's 64-row items
         out += extra(dict(packed_rows=True), ("schedule layout", "pull bf16 +w", "pull fp8 +w", "up bf16 tma",

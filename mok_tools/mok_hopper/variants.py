@@ -13,6 +13,11 @@ SWEEP = [  # (label, overrides of the base tile, layer options); tiles checked b
     ("training forward (save_h), H by TMA stores", dict(save_h_tma=True), dict(save_h=True)),
     # the expert weights row-major, as given, instead of in TMA block order (w_tiled, the default from v10)
     ("row-major weights (v9)", dict(w_tiled=False, up_fused=False), {}),
+    # the weights row-major with the gate/up MMA still fused: the gate and up blocks as one [up_n, 2, up_k] TMA box
+    # of W13 seen as [L, I, 2, H] (up_stacked; off, no tails): the harness's plain weights (no copy) with the fused MMA
+    ("row-major weights, stacked gate/up MMA", dict(w_tiled=False, up_fused=False, up_stacked=True, tail_rows=0), {}),
+    ("row-major weights, stacked gate/up MMA, training forward (save_h)",
+     dict(w_tiled=False, up_fused=False, up_stacked=True, tail_rows=0), dict(save_h=True)),
     # one up-GEMM MMA of N = 2 x up_n over gate and up weight rows interleaved (up_fused; the default on glm_5_2
     # from v11), here on any shape
     ("fused gate/up MMA", dict(up_fused=True), {}),

@@ -26,9 +26,11 @@ def _up_item(a_ptr, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row_end,
     after those (``a_tail``: their TMA descriptor), as W @ A^T with the rows in N, off the same weight tiles.
     WT: 0 row-major weights, 1 tiled (:func:`tile_weights`), 2 (bf16) tiled with gate and up rows interleaved
     (:func:`tile_weights_gu`): one [2BN, BK] block and one MMA of N = 2BN per K step, split into gate and up after
-    the loop. SAVE_H: also the pre-SwiGLU H of every stored row (see ``_up_store``). PAIR (fp8): each loop step
-    runs two BK-deep blocks, each promoted by its own scales: the same products added in the same order, in half as
-    many loop steps (``TileConfig.fp8_up_pair``)."""
+    the loop; 3 (bf16, TMA) row-major weights seen as [L, I, 2, H] (``TileConfig.up_stacked``): a [BN, 2, BK] box
+    holds the gate and up blocks of a K step interleaved row by row, as one block of WT 2. SAVE_H: also the
+    pre-SwiGLU H of every stored row (see ``_up_store``). PAIR (fp8): each loop step runs two BK-deep blocks, each
+    promoted by its own scales: the same products added in the same order, in half as many loop steps
+    (``TileConfig.fp8_up_pair``)."""
     e = e_tile.to(tl.int64)
     rows = (row0 + tl.arange(0, BM)).to(tl.int64)
     rmask = (rows < n_rows) & (rows < row_end)
@@ -36,6 +38,9 @@ def _up_item(a_ptr, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row_end,
     if WT == 2:  # rows of tile_weights_gu: H // BK blocks of 2BN rows per (expert, column tile)
         a_at = row0
         g_at = (e_tile * (I // BN) + n) * (H // BK) * (2 * BN)
+    elif WT == 3:  # plain W13 seen as [L, I, 2, H] (gate row i, then up row i, at [e, i, 0 / 1, :])
+        a_at = row0
+        g_at = e_tile
     elif WT:  # rows of the tiled weights (tile_weights): H // BK blocks of BN rows per (expert, row tile)
         a_at = row0
         g_at = (e_tile * (2 * I // BN) + n) * (H // BK) * BN
@@ -62,14 +67,17 @@ def _up_item(a_ptr, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, row0, row_end,
                 acc += _fp8_gu_block(a_ptr, a_at, as_ptr, w_ptr, g_at, wsb, rows, rmask, is_up, n, k0 + BK, H, I, BN,
                                      BK, WB, TMA, WT, UPCAST)
         acc_g, acc_u = tl.split(acc.reshape(BM, BN, 2))
-    elif WT == 2:  # (bf16: TileConfig) one MMA for gate and up, columns g0 u0 g1 u1 ...: the split costs no move
+    elif WT >= 2:  # (bf16: TileConfig) one MMA for gate and up, columns g0 u0 g1 u1 ...: the split costs no move
         acc = tl.zeros((BM, 2 * BN), dtype=tl.float32)
         if TAIL > 0:
             rows_t32, rmask_t, t_at = _tail_rows(a_ptr, row0, row_end, n_rows, H, BM, BK, TAIL, TMA)
             acc_t = tl.zeros((2 * BN, TAIL), dtype=tl.float32)
         for k0 in tl.range(0, H, BK, num_stages=STAGES):
             a = _ld_a(a_ptr, a_at, k0, rmask, TMA)
-            w = _ld_w(w_ptr, g_at, k0, TMA, WT)  # [BK, 2BN]
+            if WT == 3:  # [1, BN, 2, BK] -> [BK, 2BN]: a view of the box in shared memory (no tails: TileConfig)
+                w = w_ptr.load([g_at, n * BN, 0, k0]).reshape(2 * BN, BK).T
+            else:
+                w = _ld_w(w_ptr, g_at, k0, TMA, WT)  # [BK, 2BN]
             acc = _mma(a, w, acc, UPCAST)
             if TAIL > 0:
                 acc_t = _mma(w.T, _ld_a(a_tail, t_at, k0, rmask_t, TMA).T, acc_t, UPCAST)
@@ -341,6 +349,14 @@ def up_swiglu(a_RH: torch.Tensor, a_scale: Optional[torch.Tensor], w13_LIH: torc
     fused = cfg.up_fused
     wn = 2 * bn if fused else bn  # rows of a weight block
     assert _weights(w13_LIH, wn, bk, cfg.w_tiled) == (2 * I, H), "w13 must be [L, 2I, H] (or tiled)"
+    stacked = cfg.up_stacked  # (TileConfig: TMA, plain weights, bf16)
+    assert not (stacked and fp8), "up_stacked is bf16's (for_fp8 turns it off)"
+    if stacked:  # W13 seen as [L, I, 2, H] (strides 2IH, H, IH, 1): a [BN, 2, BK] box interleaves gate and up rows
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        w_op = TensorDescriptor.from_tensor(w13_LIH.view(-1, 2, I, H).transpose(1, 2), [1, bn, 2, bk])
+    else:
+        w_op = _operand(w13_LIH, [wn, bk], cfg.tma)
     save = h_save is not None
     if save:
         assert h_save.shape == (R, 2 * I) and h_save.dtype == torch.bfloat16 and h_save.is_contiguous(), \
@@ -355,7 +371,7 @@ def up_swiglu(a_RH: torch.Tensor, a_scale: Optional[torch.Tensor], w13_LIH: torc
     _up_swiglu_kernel[(programs,)](
         _operand(a_RH, [bm, bk], cfg.tma), _operand(a_RH, [bm // 2, bk], cfg.tma and cfg.half_tiles),
         _operand(a_RH, [tail, bk], cfg.tma and tail > 0),
-        a_scale if fp8 else a_RH, _operand(w13_LIH, [wn, bk], cfg.tma),
+        a_scale if fp8 else a_RH, w_op,
         w13_scale if fp8 else w13_LIH, h_RI, h_scale if fp8 else h_RI,
         tile_expert_M, tile_row_M1, chunk_2, ready if ready is not None else tile_row_M1,
         work if work is not None else tile_row_M1, R if n_rows is None else n_rows, H, I,
@@ -364,6 +380,7 @@ def up_swiglu(a_RH: torch.Tensor, a_scale: Optional[torch.Tensor], w13_LIH: torc
         BM=bm, BN=bn, BK=bk, FP8=fp8, HAS_LIMIT=limit is not None, NUM_PROGS=programs, UPCAST=INTERPRET,
         STAGES=cfg.up_stages, FP8_MAX_=FP8_MAX, GROUP_M=cfg.group_m, TMA=cfg.tma, HALF=cfg.half_tiles,
         READY=ready is not None, GRAN=ready_granule(cfg), SPIN=not INTERPRET, DYN=work is not None,
-        FLAT=flat, TAIL=tail, WT=2 if fused else cfg.w_tiled, SAVE_H=save, PAIR=fp8 and cfg.fp8_up_pair,
+        FLAT=flat, TAIL=tail, WT=3 if stacked else 2 if fused else cfg.w_tiled, SAVE_H=save,
+        PAIR=fp8 and cfg.fp8_up_pair,
         SPLIT=cfg.up_halves, hsv_half=_operand(h_save, [bm // 2, bn], True) if hsv_tma else None, HSV_TMA=hsv_tma,
         num_warps=cfg.up_warps, **({"PACKED": True} if cfg.packed_rows else {}))
