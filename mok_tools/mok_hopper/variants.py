@@ -18,6 +18,11 @@ SWEEP = [  # (label, overrides of the base tile, layer options); tiles checked b
     ("row-major weights, stacked gate/up MMA", dict(w_tiled=False, up_fused=False, up_stacked=True, tail_rows=0), {}),
     ("row-major weights, stacked gate/up MMA, training forward (save_h)",
      dict(w_tiled=False, up_fused=False, up_stacked=True, tail_rows=0), dict(save_h=True)),
+    # the row-major weights' TMA blocks 256 B a row instead of 128 (half as many rows a byte, the same bytes in
+    # flight in fewer stages): the harness's plain weights against the tiled copy's contiguous blocks
+    ("row-major weights, up BK 128 x 2 stages", dict(w_tiled=False, up_fused=False, up_k=128, up_stages=2), {}),
+    ("row-major weights, down BK 128 x 3 stages", dict(w_tiled=False, up_fused=False, flat_down=False, down_n=128,
+                                                       down_k=128, down_stages=3), {}),
     # one up-GEMM MMA of N = 2 x up_n over gate and up weight rows interleaved (up_fused; the default on glm_5_2
     # from v11), here on any shape
     ("fused gate/up MMA", dict(up_fused=True), {}),
