@@ -63,9 +63,18 @@ def config_keys() -> tuple[str, ...]:
     return (*option_backends(), *aliases())
 
 
-def _get(node: Any, key: str, default: Any = None) -> Any:
-    """``node``'s ``key``: an item of plain values, an attribute of the typed configuration."""
+def config_value(node: Any, key: str, default: Any = None) -> Any:
+    """``node``'s ``key``: an item of plain values (a mapping: a dict, a DictConfig), else an attribute of the typed
+    configuration."""
     return node.get(key, default) if isinstance(node, Mapping) else getattr(node, key, default)
+
+
+def _set(node: Any, key: str, value: Any) -> None:
+    """Set ``node``'s ``key`` (:func:`config_value`'s two kinds of node)."""
+    if isinstance(node, Mapping):
+        node[key] = value
+    else:
+        setattr(node, key, value)
 
 
 def alias_conflicts(c: Any) -> list[str]:
@@ -73,7 +82,7 @@ def alias_conflicts(c: Any) -> list[str]:
     two would be dropped without a word): a message for each."""
     out = []
     for alias, targets in aliases().items():
-        value = _get(c, alias)
+        value = config_value(c, alias)
         if value is None:
             continue
         for backend, name, _ in targets:
@@ -88,24 +97,20 @@ def apply_aliases(c: Any) -> None:
     """Put each alias given in ``c`` (a resolved configuration, checked: harness.config.validate; typed, or plain
     values) into the options it names, and clear the alias, so that nothing after reads an alias."""
     for alias, targets in aliases().items():
-        value = _get(c, alias)
+        value = config_value(c, alias)
         if value is None:
             continue
         for backend, name, _ in targets:
-            if isinstance(c, Mapping):
-                c.setdefault(backend, {})[name] = value
-            else:
-                setattr(getattr(c, backend), name, value)
-        if isinstance(c, Mapping):
-            c[alias] = None
-        else:
-            setattr(c, alias, None)
+            if config_value(c, backend) is None:  # (plain values may lack a backend's options)
+                _set(c, backend, {})
+            _set(config_value(c, backend), name, value)
+        _set(c, alias, None)
 
 
 def option_values(c: Any) -> list[tuple[str, Any, OptionSpec]]:
     """Every option value of ``c`` to check: (the key as the user writes it, value, spec), the aliases given first."""
-    out = [(alias, _get(c, alias), targets[0][2]) for alias, targets in aliases().items()
-           if _get(c, alias) is not None]
+    out = [(alias, config_value(c, alias), targets[0][2]) for alias, targets in aliases().items()
+           if config_value(c, alias) is not None]
     for backend, cls in option_backends().items():
         for name, spec in option_specs(cls).items():
             out.append((f"{backend}.{name}", _value(c, backend, name), spec))
@@ -124,21 +129,21 @@ def _default(backend: str, name: str) -> Any:
 
 def _value(c: Any, backend: str, name: str) -> Any:
     """The value of ``backend``'s option ``name`` in ``c`` (its default where ``c`` gives none)."""
-    return _get(_get(c, backend) or {}, name, _default(backend, name))
+    return config_value(config_value(c, backend) or {}, name, _default(backend, name))
 
 
 def _hash_value(c: Any, backend: str, name: str) -> Any:
     """The value a point's hash reads: as :func:`_value`, but an option missing from ``c`` (a configuration stored
     before the option existed) held the value that stays out of the hash (:func:`_unhashed`)."""
-    node = _get(c, backend)
+    node = config_value(c, backend)
     if node is not None and (not isinstance(node, Mapping) or name in node):
-        return _get(node, name)
+        return config_value(node, name)
     return _unhashed(option_specs(options_class(backend))[name], backend, name)
 
 
 def _applied(c: Any) -> Any:
     """``c`` with its aliases put into the options they name (a copy where any is given)."""
-    if all(_get(c, a) is None for a in aliases()):
+    if all(config_value(c, a) is None for a in aliases()):
         return c
     if isinstance(c, Mapping):
         c = {**c, **{b: dict(c.get(b) or {}) for b in option_backends()}}
@@ -153,8 +158,8 @@ def options_for(backend: str, c: Any) -> Any:
     cls = options_class(backend)
     if cls is None:
         return None
-    node = _get(_applied(c), backend) or {}
-    return cls(**{f.name: _get(node, f.name) for f in dataclasses.fields(cls)
+    node = config_value(_applied(c), backend) or {}
+    return cls(**{f.name: config_value(node, f.name) for f in dataclasses.fields(cls)
                   if (f.name in node if isinstance(node, Mapping) else hasattr(node, f.name))})
 
 

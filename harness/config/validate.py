@@ -25,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -99,10 +98,9 @@ def check_complete(c: dict) -> None:
                           f"command line{example}")
 
 
-def validate_run_options(config: BenchConfig) -> None:
-    """Checks on the run-level options (backends, directions, timing, device) of the typed configuration, its
+def validate_run_options(c: BenchConfig) -> None:
+    """Checks on the run-level options (backends, directions, timing, device) of the typed configuration ``c``, its
     backends' options and aliases as given (before :func:`harness.config.backend_options.apply_aliases`)."""
-    c = config
     if not c.backends:
         raise ConfigError("no backend selected: set backend=<name> or backends=[a,b]")
     for b in c.backends:
@@ -196,15 +194,11 @@ NUMERIC_RANGES: tuple[tuple[str, float, float, bool, str, Optional[str]], ...] =
 TIMING_FIELDS = ("num_warmup", "num_iters", "l2_flush", "align", "phase_iters")
 
 
-def _get(node: Any, key: str) -> Any:
-    """``node``'s ``key``: an item of a mapping (the composed configuration), else an attribute (the typed one)."""
-    return node.get(key) if isinstance(node, Mapping) else getattr(node, key, None)
-
-
 def _select(c: Any, key: str) -> Any:
     """The value of the dotted ``key`` (``timing.num_iters``) in the configuration ``c``, as plain values."""
     group, _, leaf = key.rpartition(".")
-    value = _get(_get(c, group) or {}, leaf) if group else _get(c, key)
+    get = backend_options.config_value
+    value = get(get(c, group) or {}, leaf) if group else get(c, key)
     return OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
 
 
@@ -322,7 +316,6 @@ def check_option_conflicts(cfg: DictConfig, overrides: Sequence[str]) -> None:
     """Raise :class:`ConfigError` where the command line (``overrides``, one point's) picks a group option
     (``backend=mok_hopper``) and the composed config ``cfg`` holds another value of the key that option sets
     (``backends=[nccl]``, given too or set by an experiment)."""
-    c = cfg
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     parsed = OverridesParser.create().parse_overrides([o for o in overrides if "=" in o])
@@ -332,7 +325,7 @@ def check_option_conflicts(cfg: DictConfig, overrides: Sequence[str]) -> None:
             continue
         option = str(given[group].value())
         want = _option_sets(group, option, key)
-        got = _select(c, key)
+        got = _select(cfg, key)
         if want is None or got == want:
             continue
         if key in given:
