@@ -639,3 +639,56 @@ def test_help_states_the_threshold_rule(capsys):
     out = " ".join(capsys.readouterr().out.split())
     assert "a percentage with % (5%) or a fraction (0.05)" in out and "ambiguous" in out
     assert "1 / (1 + T)" in out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# --across-options: a change that flips a backend option's default
+
+
+def _flipped_default(base: list[dict], factor: float) -> list[dict]:
+    """NEW: the same points after a change of mok_hopper's default option, so every row hashes differently."""
+    return derive(base, lambda r: factor if is_target(r) else 1.0,
+                  edit=lambda n: dict(n, config_hash="f" + n["config_hash"][1:],
+                                      backend_options=("forward=save_h,rows=packed" if n["backend"] == "mok_hopper"
+                                                       else n.get("backend_options"))))
+
+
+def test_across_options_matches_a_flipped_default_and_still_catches_a_regression(tmp_path, capsys):
+    base = [dict(r, backend_options="forward=save_h" if r["backend"] == "mok_hopper" else None) for r in base_rows()]
+    b = _write(tmp_path, "base", base)
+    slow = _write(tmp_path, "slow", _flipped_default(base, 1.10))
+    same = _write(tmp_path, "same", _flipped_default(base, 1.0))
+    assert C.main([str(b), str(slow), "--backend", "mok_hopper"]) == 2  # the hashes differ: nothing matches
+    err = capsys.readouterr().err
+    assert "NO MATCH" in err and "--across-options" in err
+    assert C.main([str(b), str(slow), "--backend", "mok_hopper", "--across-options"]) == 1
+    out = capsys.readouterr().out
+    assert "regression" in out and "judged as BASE's" in out
+    assert "mok_hopper: forward=save_h -> forward=save_h,rows=packed" in out
+    assert C.main([str(b), str(same), "--backend", "mok_hopper", "--across-options"]) == 0
+    table = pd.read_csv(tmp_path / "t.csv") if C.main([str(b), str(same), "--across-options", "--csv",
+                                                          str(tmp_path / "t.csv")]) == 0 else None
+    assert table is not None and set(table["config_hash"]) == {r["config_hash"] for r in base}
+    assert len(table) == len(base) and set(table["verdict"]) == {"unchanged"}
+
+
+def test_across_options_refuses_a_side_with_two_option_sets_at_one_point(tmp_path, capsys):
+    """NEW ran one point twice, padded and packed: which stands for NEW is not the tool's guess."""
+    base = base_rows()
+    flipped = _flipped_default(base, 1.0)
+    again = [dict(r, config_hash="e" + r["config_hash"][1:], run_id="new2",
+                  row_id=r["row_id"] + "2") for r in flipped]
+    b, n = _write(tmp_path, "base", base), _write(tmp_path, "new", flipped + again)
+    assert C.main([str(b), str(n), "--across-options"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "NEW holds rows of 2 configurations at one point" in err
+
+
+def test_point_keys_ignore_only_the_options_and_the_hash():
+    from harness.gate.across import point_keys
+
+    r = S.row("mok_hopper", backend_options="rows=packed", scaling="a label")
+    keys = point_keys(results.to_frame([r, dict(r, config_hash="other", backend_options="rows=padded",
+                                                scaling="another label"),
+                                        dict(r, tokens_per_gpu=2048), dict(r, direction="bwd")]))
+    assert keys.iloc[0] == keys.iloc[1] and len(set(keys)) == 3

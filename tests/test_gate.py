@@ -306,6 +306,32 @@ def test_gate_on_two_prepared_folders_without_git(repo, tmp_path, monkeypatch, c
     assert not list(broken.rglob("outputs"))  # Hydra's run folder went to the temporary folder
 
 
+@pytest.mark.slow
+def test_gate_across_options_judges_a_change_of_an_option_default(repo, tmp_path, monkeypatch, capsys):
+    """NEW flips nccl's ``fp8_gemm`` default (auto -> emulated; on the CPU auto runs emulated, so the same work): every
+    row hashes differently, the plain gate finds nothing to match (exit 2, and says to use --across-options), and
+    ``--across-options`` matches the rows and judges them."""
+    base, new = tmp_path / "base", tmp_path / "new"
+    for d in (base, new):
+        shutil.copytree(repo["path"], d, ignore=shutil.ignore_patterns(".git"))
+    opts = new / "baselines" / "options.py"
+    old = 'fp8_gemm: str = option("auto", choices=FP8_GEMMS, alias="fp8_gemm", hash_precision="fp8", hash_default=True,'
+    assert old in opts.read_text()
+    opts.write_text(opts.read_text().replace(old, old.replace('option("auto"', 'option("emulated"'), 1))
+    point = ["--", *TINY, "precision=fp8"]
+    code, stdout, err = gate(["--base-dir", str(base), "--new-dir", str(new), "--rounds", "1", "--name", "plain",
+                              "--out", str(tmp_path / "out"), *point], tmp_path, monkeypatch, capsys)
+    assert code == 2 and "NO MATCH" in err and "--across-options" in err, stdout + err
+    code, stdout, err = gate(["--base-dir", str(base), "--new-dir", str(new), "--rounds", "1", "--name", "across",
+                              "--out", str(tmp_path / "out"), "--across-options", *point], tmp_path, monkeypatch,
+                             capsys)
+    assert code in (0, 3), stdout + err  # the same work on both sides: the CPU's noise decides between the two
+    assert "judged as BASE's" in stdout and "nccl: fp8_gemm=auto -> fp8_gemm=emulated" in stdout
+    table = results.pd.read_csv(tmp_path / "out" / "across" / "compare.csv")
+    assert len(table) == 1 and table["verdict"].iloc[0] in ("unchanged", "inconclusive")
+    assert "--across-options" in stdout  # the "again:" command repeats it
+
+
 def test_gate_module_runs_as_a_command(tmp_path):
     out = subprocess.run([sys.executable, "-m", "harness.gate", "main", "main", "--rounds", "0"], cwd=ROOT,
                          env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True)

@@ -6,10 +6,12 @@
     python -m harness.compare BASE NEW --backend mok_hopper --normalize control --control nccl
     python -m harness.gate main WORKTREE --backend mok_hopper   # runs both sides in interleaved rounds, then this
 
-Rows are matched on (config_hash, backend, direction); ``--backend`` judges only those backends' rows (a kernel
-change on its own rows, not on baselines whose code did not change). Each side is a set of runs (``run_id``); each
-run gives one sample per row, its median latency. The change is estimated in log space, log(NEW / BASE), so that
-swapping the sides flips its sign and nothing else, with an interval at ``--confidence`` (default 95%):
+Rows are matched on (config_hash, backend, direction) (``--across-options``: on the point without the backends'
+options, for a change that moves an option's default: :mod:`harness.gate.across`); ``--backend`` judges only those
+backends' rows (a kernel change on its own rows, not on baselines whose code did not change). Each side is a set of
+runs (``run_id``); each run gives one sample per row, its median latency. The change is estimated in log space,
+log(NEW / BASE), so that swapping the sides flips its sign and nothing else, with an interval at ``--confidence``
+(default 95%):
 
 * ``rounds``: several runs a side, paired by round (run ids ending in ``-r<k>`` with the same rounds on both sides,
   as ``harness.gate`` names them, or the same runs on both sides): the mean of the per-round log ratios and a
@@ -60,6 +62,7 @@ from typing import Any, Optional, Sequence
 import pandas as pd
 
 from harness.core import results
+from harness.gate.across import match_across_options
 from harness.core.tool_args import ArgumentParser, dir_write_problem, fail, file_write_problem
 
 KEY = ("config_hash", "backend", "direction")
@@ -72,6 +75,8 @@ NORMALIZE = ("none", "clock", "control")
 CLOCK_WARN = 0.03  # relative SM-clock change between the two sides worth a warning
 EXIT_OK, EXIT_REGRESSION, EXIT_USAGE, EXIT_INCONCLUSIVE = 0, 1, 2, 3
 ROUND = re.compile(r"[-_]r(\d+)$")  # the round of a run id, as harness.gate names them: <name>-<side>-r<k>
+ACROSS_HELP = ("match rows on the point without the backends' options (for a change that flips an option's default, "
+               "whose rows hash differently on the two sides); NEW's rows take the hashes of BASE's")
 THRESHOLD_RULE = ("a percentage with %% (5%%) or a fraction (0.05); a bare number above 1 is refused as ambiguous; "
                   "0 <= T < 100%%")
 
@@ -398,8 +403,13 @@ def no_match_line(base: pd.DataFrame, new: pd.DataFrame, backends: Sequence[str]
         names = sorted(set(df["backend"].dropna().astype(str))) if len(df) and "backend" in df else []
         return ", ".join(names) or "no rows"
 
-    return (f"NO MATCH: no rows{judged} present in both BASE and NEW on (config_hash, backend, direction) (exit 2); "
+    line = (f"NO MATCH: no rows{judged} present in both BASE and NEW on (config_hash, backend, direction) (exit 2); "
             f"BASE holds {held(base)}; NEW holds {held(new)}")
+    both = set(held(base).split(", ")) & set(held(new).split(", ")) - {"no rows"}
+    if both & set(backends) if backends else both:
+        line += ("; where the change flips a backend option's default, its rows hash differently: judge them with "
+                 "--across-options")
+    return line
 
 
 def format_table(table: pd.DataFrame, *, show_all: bool = False) -> str:
@@ -544,6 +554,7 @@ def _parser() -> ArgumentParser:
     ap.add_argument("--mixed-env", action="store_true",
                     help="compare rows of different environments (CPU and GPU, GPU models, devices) within a side or "
                          "across BASE and NEW; refused without it")
+    ap.add_argument("--across-options", action="store_true", help=ACROSS_HELP)
     return ap
 
 
@@ -576,10 +587,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     raise ValueError(f"--normalize clock: no ok row of {side} recorded an SM clock ({envs}: "
                                      "sm_clock_mhz is read on GPUs only); drop --normalize clock, or use "
                                      "--normalize control --control BACKEND")
+        across = []
+        if a.across_options:
+            base, new, aa, across = match_across_options(base, new, aa)
         table = compare(base, new, min_change=min_change, noise_factor=a.noise_factor, aa=aa,
                         normalize=a.normalize, control=a.control, backends=backends, confidence=confidence)
     except (FileNotFoundError, ValueError) as e:
         return fail("harness.compare", e)
+    for line in across:
+        print(line)
     if matched(table) == 0:
         return fail("harness.compare", no_match_line(base if aa is None else pd.concat([base, aa]), new, backends))
     for side, df in sides.items():

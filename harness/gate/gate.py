@@ -43,6 +43,7 @@ from typing import NoReturn, Optional, Sequence
 import yaml
 
 from harness.gate import compare as C
+from harness.gate.across import match_across_options
 from harness.core.tool_args import ArgumentParser
 from harness.core import results
 
@@ -121,6 +122,7 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     ap.add_argument("--confidence", default="95%", metavar="C", help="the change's interval (default 95%%)")
     ap.add_argument("--normalize", choices=C.NORMALIZE, default="none", help="as harness.compare --normalize")
     ap.add_argument("--control", metavar="NAME", help="the unchanged backend for --normalize control")
+    ap.add_argument("--across-options", action="store_true", help=C.ACROSS_HELP)
     ap.add_argument("--name", help="names the runs <name>-<side>-r<k> (default: gate-<UTC time>)")
     ap.add_argument("--out", default="results/local", help="results folder: rows go to <out>/<name>/base and "
                                                             "<out>/<name>/new (default results/local)")
@@ -331,13 +333,22 @@ def gate(a: argparse.Namespace, overrides: Sequence[str], base: Side, new: Side,
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     b, n = results.load(out / "base"), results.load(out / "new")
+    if a.across_options:
+        try:
+            b, n, _, lines = match_across_options(b, n)
+        except ValueError as e:
+            print(f"harness.gate: {e}", file=sys.stderr)
+            return C.EXIT_USAGE
+        for line in lines:
+            print(f"harness.gate: {line}")
     table = C.compare(b, n, **opts)
     if C.matched(table) == 0:
         print(f"harness.gate: {C.no_match_line(b, n, opts['backends'])}", file=sys.stderr)
         return C.EXIT_USAGE
     table.to_csv(out / "compare.csv", index=False)
     print(f"rows: {out}/base and {out}/new; table: {out / 'compare.csv'}; again: python -m harness.compare "
-          f"{out}/base {out}/new" + "".join(f" --backend {x}" for x in opts["backends"]))
+          f"{out}/base {out}/new" + "".join(f" --backend {x}" for x in opts["backends"])
+          + (" --across-options" if a.across_options else ""))
     print(C.format_table(table, show_all=bool(opts["backends"])))
     return C.exit_code(table)
 
