@@ -103,7 +103,7 @@ def test_a_row_written_now_gives_back_its_hash_from_its_stored_config(results_di
         case = make_case(c, ep_size=int(r.ep_size), device=r.device)
         assert config_hash(c, case) == r.config_hash
     by = df.set_index("backend").backend_options
-    assert by["nccl"] == "fp8_gemm=rowwise" and by["mok_hopper"] == "forward=recompute,weights=plain,rows=padded"
+    assert by["nccl"] == "fp8_gemm=rowwise" and by["mok_hopper"] == "forward=recompute,weights=plain,rows=packed"
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
@@ -129,6 +129,29 @@ def test_mok_hopper_weights_enter_bf16_hashes_only_away_from_the_old_default(pre
         assert len({tiled, plain, owned}) == 3
     else:
         assert tiled == plain == owned
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_mok_hopper_rows_enter_hashes_only_away_from_the_old_default(precision):
+    """``mok_hopper.rows`` came after points were measured at ``padded``, then its default moved to ``packed``: a
+    point at padded keeps the hash it had without the option, and the default (packed) hashes as an explicit packed
+    always did (the rows of kmem-*_h100x1_20261208 ran with an explicit packed), in bf16 and fp8 alike."""
+    from omegaconf import OmegaConf
+
+    from conftest import compose_cfg
+
+    def h(*over: str) -> str:
+        c = OmegaConf.to_container(compose_cfg("device=cpu", "shape=tiny", f"precision={precision}", *over),
+                                   resolve=True)
+        apply_aliases(c)
+        return config_hash(c, make_case(c, ep_size=1, device="cpu"))
+
+    c = OmegaConf.to_container(compose_cfg("device=cpu", "shape=tiny", f"precision={precision}"), resolve=True)
+    apply_aliases(c)
+    c["mok_hopper"].pop("rows")  # a configuration stored before the option existed ran padded
+    before = config_hash(c, make_case(c, ep_size=1, device="cpu"))
+    default, padded, packed = h(), h("mok_hopper.rows=padded"), h("mok_hopper_rows=packed")
+    assert padded == before != packed == default
 
 
 def test_an_option_whose_default_changed_keeps_the_old_default_out_of_the_hash(monkeypatch):

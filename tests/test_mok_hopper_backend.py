@@ -71,7 +71,7 @@ def test_inference_forward_declines_the_backward(results_dir):
     b = by(df, "mok_hopper", "bwd")
     assert b.status == "unsupported" and "mok_hopper_forward=inference saves nothing" in b.error
     # the alias reached the backend's own option
-    assert (df.backend_options == "forward=inference,weights=plain,rows=padded").all()
+    assert (df.backend_options == "forward=inference,weights=plain,rows=packed").all()
 
 
 def test_directions_it_declines():
@@ -106,9 +106,10 @@ def test_traffic_row_bytes(precision):
     assert tr["combine_row_bytes"] == 8192
 
 
-def test_rows_packed_is_an_option_of_the_backend_that_enters_the_hash_away_from_padded(results_dir):
-    """``mok_hopper.rows=packed`` (alias ``mok_hopper_rows``) reaches the backend, changes the point's hash (padded,
-    the default, does not), and on the CPU twin says that it acts on the CUDA kernels only."""
+def test_rows_packed_is_the_default_option_of_the_backend_and_padded_hashes_as_before_it(results_dir):
+    """``mok_hopper.rows=packed`` (alias ``mok_hopper_rows``; the default) reaches the backend and enters the point's
+    hash (padded, the value before the option, does not), and on the CPU twin says that it acts on the CUDA kernels
+    only."""
     import json
 
     from harness.config.point import make_case

@@ -17,9 +17,9 @@ kernels read: ``plain`` (default) the harness's tensors in place (:func:`~mok_ke
 ``tiled`` the layer's own copy in TMA block order, ``owned`` the harness's tensors rewritten in place into TMA block
 order until :meth:`MokHopperBackend.teardown` (:mod:`mok_kernels.mok_hopper.owned`). In fp8 the forward reads the
 layer's own e4m3 copy in any case; it is in TMA block order whatever the option. Its option ``rows``
-(``mok_hopper.rows=``, alias ``mok_hopper_rows=``): ``padded`` (default) pads each expert's rows to its last tile,
-``packed`` packs them with no padding (:func:`~mok_kernels.mok_hopper.tiles.packed_rows`; CUDA only: the CPU twin
-has one layout).
+(``mok_hopper.rows=``, alias ``mok_hopper_rows=``): ``packed`` (default) packs each expert's rows right after the
+previous expert's, with no padding (:func:`~mok_kernels.mok_hopper.tiles.packed_rows`; CUDA only: the CPU twin has
+one layout), ``padded`` pads them to each expert's last tile.
 
 Legend: T tokens per rank, K top-k, H hidden, I ffn, L local experts, P ranks.
 """

@@ -22,9 +22,10 @@ FORWARDS = ("save_h", "recompute", "inference")
 # away from tiled.
 WEIGHTS = ("tiled", "plain", "owned")
 
-# How the routed rows sit in the layer's row buffers (mok_kernels/mok_hopper/tiles.py): padded = each expert's rows
-# padded to its last tile (capacity T·K + 63 rows an expert at EP=1; the default), packed = each expert's rows right
-# after the previous expert's (capacity T·K: TileConfig.packed_rows, without tails or the TMA store of the saved H).
+# How the routed rows sit in the layer's row buffers (mok_kernels/mok_hopper/tiles.py): packed = each expert's rows
+# right after the previous expert's (capacity T·K: TileConfig.packed_rows, without tails or the TMA store of the saved
+# H; the default), padded = each expert's rows padded to its last tile (capacity T·K + 63 rows an expert at EP=1; the
+# value points measured before the option held, so it stays out of their hashes).
 ROWS = ("padded", "packed")
 
 
@@ -38,6 +39,6 @@ class MokHopperOptions:
                                "TMA, no copy), tiled (a copy in TMA block order) or owned (the caller's tensors "
                                "re-laid in place into TMA block order, restored at teardown); fp8 always reads its "
                                "own e4m3 copy in TMA block order")
-    rows: str = option("padded", choices=ROWS, alias="mok_hopper_rows",
+    rows: str = option("packed", choices=ROWS, alias="mok_hopper_rows", unhashed="padded",
                        help="how the routed rows sit in the layer's row buffers: padded (each expert's rows padded "
                             "to its last tile) or packed (no tile padding: capacity = the routed rows)")
