@@ -373,14 +373,17 @@ def test_the_fp8_twin_tolerance_is_looser_only_on_a_gpu():
 def test_fp8_stages_kernel_and_twin_agree_under_the_interpreter_stage_by_stage():
     """mok_tools/mok_hopper/fp8_stages.py on the CPU: the kernel's fp8 forward (interpreter, fp32 accumulation)
     equals its twin stage by stage to a few e4m3 codes in 1e4, end to end far inside 5e-3; the differing codes of the
-    requantised H account for the end-to-end difference."""
+    requantised H account for the end-to-end difference, beyond the bf16 rounding that the same GEMM of the same rows
+    done in another order flips (the ``down`` stage's rel-L1: on some CPUs a few bf16 steps in 1e4 with no H code
+    differing)."""
     from mok_tools.mok_hopper.fp8_stages import run
 
     rows = {r["stage"]: r for r in run((32, 2, 4, 256, 128), 0, __import__("torch").device("cpu"))}
     assert rows["dispatch"]["differ"] == 0 and rows["epilogue"]["differ"] == 0
     assert rows["swiglu+requant"]["differ"] < 1e-3 and rows["swiglu+requant"]["max_steps"] <= 1
     assert rows["end to end"]["rel_l1"] < 1e-4
-    assert rows["h only -> out"]["rel_l1"] <= 2 * rows["end to end"]["rel_l1"] + 1e-7
+    assert rows["down"]["rel_l1"] < 1e-5 and rows["down"]["max_steps"] <= 1
+    assert rows["h only -> out"]["rel_l1"] <= 2 * rows["end to end"]["rel_l1"] + rows["down"]["rel_l1"] + 1e-7
 
 
 @pytest.mark.slow
