@@ -74,7 +74,7 @@ NETWORK = re.compile(r"NewConnectionError|Failed to establish a new connection|T
 
 @pytest.mark.slow
 def test_a_fresh_venv_imports_the_project_beside_hugging_faces_kernels(tmp_path):
-    """A fresh virtual environment (torch and the rest from the system's site-packages) with the project installed
+    """A fresh virtual environment (the system's site-packages beneath it) with the project installed
     from a copy of its packages (not editable: the installed copy is what imports) and the package index's
     ``kernels``: from a folder that is not the checkout, ``import kernels`` is Hugging Face's and every package of
     the project is the installed one."""
@@ -88,9 +88,11 @@ def test_a_fresh_venv_imports_the_project_beside_hugging_faces_kernels(tmp_path)
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
     py = str(venv / "bin" / "python")
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PIP_REQUIRE_VIRTUALENV")}
-    for what in (str(src), "kernels"):  # the project (its build needs setuptools from the index), then HF's kernels
-        # --ignore-installed: into the venv even where the system's site-packages already has it
-        p = subprocess.run([py, "-m", "pip", "install", "--no-deps", "--ignore-installed", "-q", what], env=env,
+    # the project without its dependencies (its build needs setuptools from the index), then HF's kernels with what
+    # it imports (huggingface_hub and the rest: small, no torch), which the system's site-packages need not hold;
+    # --ignore-installed: into the venv even where the system's site-packages already has it
+    for what, deps in ((str(src), ["--no-deps"]), ("kernels", [])):
+        p = subprocess.run([py, "-m", "pip", "install", *deps, "--ignore-installed", "-q", what], env=env,
                            cwd=tmp_path, capture_output=True, text=True, timeout=600)
         if p.returncode != 0 and (m := NETWORK.search(p.stdout + p.stderr)):
             pytest.skip(f"the package index is not reachable (pip install {Path(what).name}): {m[0]}")

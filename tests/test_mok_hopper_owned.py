@@ -88,6 +88,21 @@ def test_relayout_round_trip_one_expert_at_a_time():
     assert torch.equal(w2[2], plain[2]) and not torch.equal(w2[1], plain[1])
 
 
+def _within_one_block_order(u: torch.Tensor, v: torch.Tensor, what) -> None:
+    """``u`` and ``v`` equal but for the order of fp32 sums inside a block: the tiled-parameter backward runs other
+    block shapes than the default's, and under the interpreter a block's dot is numpy's matmul, whose summation order
+    follows the CPU's BLAS kernel for that shape (equal bits on some CPUs, a bf16 step apart on others). At most one
+    bf16 step anywhere, in at most 1% of the elements; a wrong layout (a swapped row, a transposed block) is far
+    outside. fp32 tensors (the router-weight gradient) within the same bf16 step, element by element."""
+    assert u.shape == v.shape and u.dtype == v.dtype, what
+    a, b = u.float(), v.float()
+    step = torch.ldexp(torch.ones_like(a), torch.frexp(torch.maximum(a.abs(), b.abs()))[1] - 8)  # bf16's spacing
+    off = (a - b).abs()
+    assert bool((off <= step).all()), (what, float((off / step).max()))
+    if u.dtype == torch.bfloat16:
+        assert float((off > 0).float().mean()) <= 0.01, (what, float((off > 0).float().mean()))
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (it comes with torch on Linux; pip install -e "
                                            "'.[test]'): the interpreter kernel tests need it")
@@ -95,8 +110,9 @@ def test_relayout_round_trip_one_expert_at_a_time():
 def test_a_training_step_over_owned_weights_is_the_tiled_defaults(forward):
     """What the adapter does with weights=owned (backend.py): the layer adopts the tiled views of the harness's
     storage, the autograd leaves are the harness's [L, 2I, H] / [L, H, I] tensors seen as tiled, the gradients come
-    back in the tiled order and are put into the plain order in place; output and every gradient bitwise those of
-    the default layer (its own tiled copy, the leaves plain), and the weights restored after."""
+    back in the tiled order and are put into the plain order in place; the output bitwise that of the default layer
+    (its own tiled copy, the leaves plain), every gradient equal to its but for the order of a block's sums
+    (:func:`_within_one_block_order`), and the weights restored after."""
     from mok_kernels.mok_hopper.api import MoKHopperLayer
     from mok_kernels.mok_hopper.ops import interp
     from mok_kernels.mok_hopper.train import mok_hopper_train
@@ -134,8 +150,9 @@ def test_a_training_step_over_owned_weights_is_the_tiled_defaults(forward):
             owned.restore()
         assert torch.equal(w13, plain13) and torch.equal(w2, plain2)
     for a, b in zip(*runs):
-        for i, (u, v) in enumerate(zip(a, b)):
-            assert torch.equal(u, v), i
+        assert torch.equal(a[0], b[0])  # the forward: the same kernels over the same bytes
+        for i, (u, v) in enumerate(zip(a[1:], b[1:]), 1):
+            _within_one_block_order(u, v, i)
 
 
 def test_the_adapter_hands_out_plain_gradients_once_and_restores_at_teardown():
