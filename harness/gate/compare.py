@@ -399,13 +399,13 @@ def no_match_line(base: pd.DataFrame, new: pd.DataFrame, backends: Sequence[str]
     """NO MATCH, with the backends judged and the backends each side holds (what to run or judge instead)."""
     judged = f" of backend {', '.join(backends)}" if backends else ""
 
-    def held(df: pd.DataFrame) -> str:
-        names = sorted(set(df["backend"].dropna().astype(str))) if len(df) and "backend" in df else []
-        return ", ".join(names) or "no rows"
+    def names(df: pd.DataFrame) -> list[str]:
+        return sorted(set(df["backend"].dropna().astype(str))) if len(df) and "backend" in df else []
 
+    nb, nn = names(base), names(new)
     line = (f"NO MATCH: no rows{judged} present in both BASE and NEW on (config_hash, backend, direction) (exit 2); "
-            f"BASE holds {held(base)}; NEW holds {held(new)}")
-    both = set(held(base).split(", ")) & set(held(new).split(", ")) - {"no rows"}
+            f"BASE holds {', '.join(nb) or 'no rows'}; NEW holds {', '.join(nn) or 'no rows'}")
+    both = set(nb) & set(nn)
     if both & set(backends) if backends else both:
         line += ("; where the change flips a backend option's default, its rows hash differently: judge them with "
                  "--across-options")

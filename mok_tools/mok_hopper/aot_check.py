@@ -81,6 +81,7 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048, extras: bool 
 
     from contract.fp8 import FP8_MAX
     from mok_kernels.mok_hopper.ops.schedule_kernels import DeviceScheduler
+    from mok_kernels.mok_hopper.ops.up_gemm import weight_layout
     from mok_kernels.mok_hopper.tiles import TileConfig, h_save_by_tma, ready_granule
 
     cfg = cfg or TileConfig(w_tiled=True, fp8_up_fused=True, fp8_down_pair=True)  # default_tile's GEMM kernels
@@ -159,8 +160,7 @@ def variants(cfg: Any = None, hidden: int = 7168, ffn: int = 2048, extras: bool 
                                     UPCAST=False, STAGES=c.up_stages, FP8_MAX_=FP8_MAX, GROUP_M=c.group_m, TMA=tma,
                                     HALF=c.half_tiles, READY=c.ready_flags, GRAN=ready_granule(c), SPIN=True,
                                     DYN=c.ready_flags, WB=128, FLAT=c.flat_up, TAIL=c.tail_rows,
-                                    WT=(3 if c.up_stacked else 2 if c.up_fused else c.w_tiled) if tma else False,
-                                    SAVE_H=save,
+                                    WT=weight_layout(c) if tma else False, SAVE_H=save,
                                     PAIR=fp8 and c.fp8_up_pair, SPLIT=c.up_halves, HSV_TMA=hsv_tma, **sv_c, **pk),
                                c.up_warps))
         for fp8, apply_w in ((False, True), (False, False), (True, True)):

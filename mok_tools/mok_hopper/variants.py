@@ -4,6 +4,8 @@ GEMM kernels for sm_90; ``mok_tools/mok_hopper/gpu_check.py`` runs and times the
 
 from __future__ import annotations
 
+# the row-major weights with the gate/up MMA fused through one [up_n, 2, up_k] TMA box (up_stacked; no tails)
+STACKED = dict(w_tiled=False, up_fused=False, up_stacked=True, tail_rows=0)
 SWEEP = [  # (label, overrides of the base tile, layer options); tiles checked by aot_check to fit on sm_90
     # the default itself, as a second layer: its ratio is what a sweep reads when nothing changes (A/A control)
     ("default again (A/A control)", {}, {}),
@@ -15,9 +17,8 @@ SWEEP = [  # (label, overrides of the base tile, layer options); tiles checked b
     ("row-major weights (v9)", dict(w_tiled=False, up_fused=False), {}),
     # the weights row-major with the gate/up MMA still fused: the gate and up blocks as one [up_n, 2, up_k] TMA box
     # of W13 seen as [L, I, 2, H] (up_stacked; off, no tails): the harness's plain weights (no copy) with the fused MMA
-    ("row-major weights, stacked gate/up MMA", dict(w_tiled=False, up_fused=False, up_stacked=True, tail_rows=0), {}),
-    ("row-major weights, stacked gate/up MMA, training forward (save_h)",
-     dict(w_tiled=False, up_fused=False, up_stacked=True, tail_rows=0), dict(save_h=True)),
+    ("row-major weights, stacked gate/up MMA", STACKED, {}),
+    ("row-major weights, stacked gate/up MMA, training forward (save_h)", STACKED, dict(save_h=True)),
     # the row-major weights' TMA blocks 256 B a row instead of 128 (half as many rows a byte, the same bytes in
     # flight in fewer stages): the harness's plain weights against the tiled copy's contiguous blocks
     ("row-major weights, up BK 128 x 2 stages", dict(w_tiled=False, up_fused=False, up_k=128, up_stages=2), {}),

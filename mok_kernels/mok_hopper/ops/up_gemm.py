@@ -319,6 +319,12 @@ def _up_swiglu_kernel(a_ptr, a_half, a_tail, as_ptr, w_ptr, ws_ptr, h_ptr, hs_pt
             wk = _next_work(wk, work_ptr, NUM_PROGS, DYN)
 
 
+def weight_layout(cfg: TileConfig) -> int | bool:
+    """The up GEMM's ``WT`` for ``cfg`` (see :func:`_up_item`): 3 stacked, 2 fused over the tiled copy, else
+    ``w_tiled`` itself (the constexpr the launches have always passed)."""
+    return 3 if cfg.up_stacked else 2 if cfg.up_fused else cfg.w_tiled
+
+
 def up_swiglu(a_RH: torch.Tensor, a_scale: Optional[torch.Tensor], w13_LIH: torch.Tensor,
               w13_scale: Optional[torch.Tensor], h_RI: torch.Tensor, h_scale: Optional[torch.Tensor],
               tile_expert_M: torch.Tensor, tile_row_M1: torch.Tensor, chunk_2: torch.Tensor, *,
@@ -380,7 +386,7 @@ def up_swiglu(a_RH: torch.Tensor, a_scale: Optional[torch.Tensor], w13_LIH: torc
         BM=bm, BN=bn, BK=bk, FP8=fp8, HAS_LIMIT=limit is not None, NUM_PROGS=programs, UPCAST=INTERPRET,
         STAGES=cfg.up_stages, FP8_MAX_=FP8_MAX, GROUP_M=cfg.group_m, TMA=cfg.tma, HALF=cfg.half_tiles,
         READY=ready is not None, GRAN=ready_granule(cfg), SPIN=not INTERPRET, DYN=work is not None,
-        FLAT=flat, TAIL=tail, WT=3 if stacked else 2 if fused else cfg.w_tiled, SAVE_H=save,
+        FLAT=flat, TAIL=tail, WT=weight_layout(cfg), SAVE_H=save,
         PAIR=fp8 and cfg.fp8_up_pair,
         SPLIT=cfg.up_halves, hsv_half=_operand(h_save, [bm // 2, bn], True) if hsv_tma else None, HSV_TMA=hsv_tma,
         num_warps=cfg.up_warps, **({"PACKED": True} if cfg.packed_rows else {}))
